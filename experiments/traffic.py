@@ -1,0 +1,471 @@
+"""Memory traffic and capacity of SSM decoding schemes: bytes per committed token (CPU only).
+
+Evaluates the accounting rules of `lowprec.traffic` at one model shape of `lowprec.models` and
+writes, under `--out` (default `results/`):
+
+    traffic_window_<model>.csv/.png   bytes per token against the window L (T = 1), for
+                                      conventional decoding, ReplaySSM with one shared
+                                      checkpoint in each state format, and two precisions
+    traffic_spec_<model>.csv/.png     bytes per committed token against T and acceptance:
+                                      snapshots (vLLM-style) against ReplaySSM
+    traffic_memory_<model>.csv/.png   requests that fit against memory
+    traffic_summary_<model>.json      the `--summary` object
+
+Every CSV row is one configuration (tidy), with the git commit in a column. `plot(csv)` reads
+only the CSV. All numbers are per layer and per sequence unless a column says otherwise
+(`per_request_bytes` covers the whole model); MiB = 2^20 bytes.
+
+    python -m experiments.traffic                          # nemotron3-super, CSVs and plots
+    python -m experiments.traffic --model qwen3-next-80b
+    python -m experiments.traffic --summary                # one JSON object on stdout, no files
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+
+from lowprec import models
+from lowprec import traffic as tr
+
+GIB = 2**30
+REPO = Path(__file__).resolve().parent.parent
+DEVICE = "cpu (arithmetic only)"
+
+
+@dataclass(frozen=True)
+class Config:
+    """What to evaluate. Defaults reproduce the committed results."""
+
+    model: str = "nemotron3-super"
+    out_dir: Path = REPO / "results"
+    windows: tuple[int, ...] = tuple(range(1, 65))
+    # Formats of the one shared checkpoint / the conventional state.
+    shared_formats: tuple[str, ...] = ("fp32", "fp16", "fp8_e4m3", "mxfp4", "nvfp4")
+    # (recurrence copy, read copy) pairs of the two-precision scheme.
+    two_precision: tuple[tuple[str, str], ...] = (
+        ("fp32", "nvfp4"), ("fp16", "nvfp4"), ("fp16", "mxfp4"), ("fp16", "fp8_e4m3"),
+    )
+    verified: tuple[int, ...] = tuple(range(1, 9))
+    window: int = 16
+    default_pair: tuple[str, str] = ("fp16", "nvfp4")
+    spec_verified: int = 4
+    memory_gib: tuple[float, ...] = tuple(float(g) for g in range(2, 142, 2))
+    contexts: tuple[int, ...] = (0, 32768)
+    summary_only: bool = False
+    make_plots: bool = True
+
+
+def git_commit() -> str:
+    """Short hash of HEAD, `+dirty` when the tree has changes; "unknown" outside a commit."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
+                              capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=REPO,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
+
+
+# --------------------------------------------------------------------------------------------
+# Sweeps: one tidy DataFrame each
+# --------------------------------------------------------------------------------------------
+
+
+def _traffic_row(traffic: tr.Traffic) -> dict:
+    tokens = traffic.tokens
+    return {
+        "bytes_per_token": traffic.per_token,
+        "mib_per_token": traffic.per_token / tr.MIB,
+        "state_read_per_token": traffic.state_read / tokens,
+        "state_write_per_token": traffic.state_write / tokens,
+        "record_read_per_token": traffic.record_read / tokens,
+        "record_write_per_token": traffic.record_write / tokens,
+        "steps_per_token": traffic.steps / tokens,
+    }
+
+
+def window_sweep(config: Config) -> pd.DataFrame:
+    """Standard decoding (T = 1): bytes per token against L for every scheme and format."""
+    model = models.get(config.model)
+    ssm = model.ssm
+    reference = tr.conventional(tr.state_bytes(ssm, ssm.state_format)).per_token
+    rows = []
+
+    def add(scheme, read_format, recurrence_format, layout, window, traffic):
+        rows.append({
+            "sweep": "window", "model": model.name, "scheme": scheme,
+            "read_format": read_format, "recurrence_format": recurrence_format,
+            "record_layout": layout, "window": window, "verified": 1, "committed": 1,
+            **_traffic_row(traffic),
+            "ratio_to_conventional": traffic.per_token / reference,
+        })
+
+    for fmt in config.shared_formats:
+        state = tr.state_bytes(ssm, fmt)
+        for window in config.windows:
+            add("conventional", fmt, fmt, "none", window, tr.conventional(state))
+    for layout in tr.RECORD_LAYOUT_NAMES:
+        record = tr.record_bytes(ssm, layout, model.act_format)
+        for fmt in config.shared_formats:
+            state = tr.state_bytes(ssm, fmt)
+            for window in config.windows:
+                add("replay_shared", fmt, fmt, layout, window, tr.replay(window, record, state))
+        for hi_format, lo_format in config.two_precision:
+            hi, lo = tr.state_bytes(ssm, hi_format), tr.state_bytes(ssm, lo_format)
+            for window in config.windows:
+                add("two_precision", lo_format, hi_format, layout, window,
+                    tr.replay(window, record, lo, hi))
+    return pd.DataFrame(rows)
+
+
+def _spec_schemes(config: Config, model: models.ModelShape):
+    """(scheme, read format, recurrence format, layout, traffic(T, c), memory(T)) per scheme."""
+    ssm = model.ssm
+    state = tr.state_bytes(ssm, ssm.state_format)
+    record = tr.record_bytes(ssm, "kernel", model.act_format)
+    hi_format, lo_format = config.default_pair
+    hi, lo = tr.state_bytes(ssm, hi_format), tr.state_bytes(ssm, lo_format)
+    L = config.window
+    fmt = ssm.state_format
+    return (
+        ("snapshot", fmt, fmt, "none",
+         lambda T, c: tr.snapshot_spec(state, T, c),
+         lambda T: tr.snapshot_memory(state, T)),
+        ("replay_shared", fmt, fmt, "kernel",
+         lambda T, c: tr.replay_spec(L, T, c, record, state),
+         lambda T: tr.replay_memory(L, T, record, state)),
+        ("two_precision", lo_format, hi_format, "kernel",
+         lambda T, c: tr.replay_spec(L, T, c, record, lo, hi),
+         lambda T: tr.replay_memory(L, T, record, lo, hi)),
+    )
+
+
+def spec_sweep(config: Config) -> pd.DataFrame:
+    """Speculative decoding: bytes per committed token for every T and every c = 1..T."""
+    model = models.get(config.model)
+    rows = []
+    for scheme, read_format, recurrence_format, layout, traffic_of, _ in _spec_schemes(config,
+                                                                                       model):
+        for T in config.verified:
+            for c in range(1, T + 1):
+                traffic = traffic_of(T, c)
+                rows.append({
+                    "sweep": "spec", "model": model.name, "scheme": scheme,
+                    "read_format": read_format, "recurrence_format": recurrence_format,
+                    "record_layout": layout,
+                    "window": config.window if scheme != "snapshot" else 0,
+                    "verified": T, "committed": c,
+                    "acceptance": (c - 1) / (T - 1) if T > 1 else 1.0,
+                    **_traffic_row(traffic),
+                })
+    return pd.DataFrame(rows)
+
+
+def memory_sweep(config: Config) -> pd.DataFrame:
+    """Requests that fit in a memory budget, per scheme, T and context length."""
+    model = models.get(config.model)
+    rows = []
+    for scheme, read_format, recurrence_format, layout, _, memory_of in _spec_schemes(config,
+                                                                                      model):
+        for T in sorted({1, config.spec_verified}):
+            per_layer = memory_of(T)
+            for context in config.contexts:
+                per_request = tr.request_bytes(model, per_layer, context)
+                for gib in config.memory_gib:
+                    rows.append({
+                        "sweep": "memory", "model": model.name,
+                        "scheme": "conventional" if scheme == "snapshot" and T == 1 else scheme,
+                        "read_format": read_format, "recurrence_format": recurrence_format,
+                        "record_layout": layout,
+                        "window": config.window if scheme != "snapshot" else 0,
+                        "verified": T, "context": context,
+                        "per_layer_bytes": per_layer, "per_request_bytes": per_request,
+                        "memory_gib": gib,
+                        "requests": tr.requests_fit(int(gib * GIB), per_request),
+                    })
+    return pd.DataFrame(rows)
+
+
+def summary(config: Config) -> dict:
+    """The headline numbers, per layer and per sequence (MiB = 2^20 bytes)."""
+    model = models.get(config.model)
+    ssm = model.ssm
+    L, T = config.window, config.spec_verified
+    state = tr.state_bytes(ssm, ssm.state_format)
+    hi_format, lo_format = config.default_pair
+    hi, lo = tr.state_bytes(ssm, hi_format), tr.state_bytes(ssm, lo_format)
+    kernel = tr.record_bytes(ssm, "kernel", model.act_format)
+    conservative = tr.record_bytes(ssm, "conservative", model.act_format)
+    kv = tr.kv_bytes_per_token(model.attention)
+    conventional = tr.conventional(state).per_token
+    replay = tr.replay(L, kernel, state).per_token
+
+    def mib(x: float) -> float:
+        return round(x / tr.MIB, 6)
+
+    return {
+        "model": model.name,
+        "units": "per layer and per sequence; MiB = 2^20 bytes; crossover for the whole model",
+        "state_format": ssm.state_format,
+        "state_mib": mib(state),
+        "kv_kib_per_token": kv / tr.KIB,
+        "state_equiv_kv_tokens": tr.state_equivalent_kv_tokens(state, kv),
+        "crossover_context_tokens": tr.crossover_context(model, conventional),
+        "record_bytes_kernel": kernel,
+        "record_bytes_conservative": conservative,
+        "replay_ratio_conservative": round(
+            tr.replay(L, conservative, state).per_token / conventional, 6),
+        "conventional_mib_per_token": mib(conventional),
+        "replay_mib_per_token": mib(replay),
+        "optimal_window": round(tr.optimal_window(state, kernel), 3),
+        "optimal_window_brute_force": tr.best_window(
+            lambda window: tr.replay(window, kernel, state).per_token, range(1, 1025)),
+        "two_precision_mib_per_token": mib(tr.replay(L, kernel, lo, hi).per_token),
+        "two_precision_formats": {"recurrence": hi_format, "read": lo_format},
+        "window": L,
+        "spec": {
+            "verified": T,
+            "window": L,
+            "snapshot_all_accepted": mib(tr.snapshot_spec(state, T, T).per_token),
+            "snapshot_all_rejected": mib(tr.snapshot_spec(state, T, 1).per_token),
+            "replay_all_accepted": mib(tr.replay_spec(L, T, T, kernel, state).per_token),
+            "replay_all_rejected": mib(tr.replay_spec(L, T, 1, kernel, state).per_token),
+            "two_precision_all_accepted": mib(tr.replay_spec(L, T, T, kernel, lo, hi).per_token),
+            "two_precision_all_rejected": mib(tr.replay_spec(L, T, 1, kernel, lo, hi).per_token),
+            "plain_conventional": mib(conventional),
+            "plain_replay": mib(replay),
+        },
+    }
+
+
+def run(config: Config) -> pd.DataFrame:
+    """Write the three CSVs (and the summary JSON) for `config.model`; return all rows."""
+    out = Path(config.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    commit = git_commit()
+    frames = []
+    for name, sweep in (("window", window_sweep), ("spec", spec_sweep), ("memory", memory_sweep)):
+        frame = sweep(config).assign(git_commit=commit, device=DEVICE)
+        frame.to_csv(out / f"traffic_{name}_{config.model}.csv", index=False,
+                     float_format="%.10g")
+        frames.append(frame)
+    with open(out / f"traffic_summary_{config.model}.json", "w") as f:
+        json.dump({**summary(config), "git_commit": commit}, f, indent=2)
+        f.write("\n")
+    return pd.concat(frames, ignore_index=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Plots: each reads only its CSV
+# --------------------------------------------------------------------------------------------
+
+FORMAT_COLORS = {
+    "fp32": "#1f77b4", "fp16": "#2ca02c", "bf16": "#17becf", "fp8_e4m3": "#ff7f0e",
+    "mxfp4": "#9467bd", "nvfp4": "#d62728",
+}
+SCHEME_COLORS = {
+    "snapshot": "#7f7f7f", "conventional": "#7f7f7f", "replay_shared": "#1f77b4",
+    "two_precision": "#d62728",
+}
+LAYOUT_STYLES = {"kernel": "-", "conservative": "--", "none": ":"}
+
+
+def _plain_log_y(ax) -> None:
+    """Log y axis with ticks at powers of two written as plain numbers."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    ax.set_yscale("log")
+    ax.yaxis.set_major_locator(LogLocator(base=2))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+    ax.grid(True, which="both", lw=0.3, alpha=0.5)
+
+
+def _plot_window(df: pd.DataFrame, ax_shared, ax_two) -> None:
+    conventional = df[df.scheme == "conventional"]
+    for fmt, rows in conventional.groupby("read_format", sort=False):
+        for ax in (ax_shared,) if fmt != "fp32" else (ax_shared, ax_two):
+            ax.plot(rows.window, rows.mib_per_token, ":", color=FORMAT_COLORS.get(fmt),
+                    label=f"conventional {fmt}")
+    for (fmt, layout), rows in df[df.scheme == "replay_shared"].groupby(
+            ["read_format", "record_layout"], sort=False):
+        ax_shared.plot(rows.window, rows.mib_per_token, LAYOUT_STYLES[layout],
+                       color=FORMAT_COLORS.get(fmt), label=f"ReplaySSM {fmt} ({layout})")
+        best = rows.loc[rows.mib_per_token.idxmin()]
+        ax_shared.plot(best.window, best.mib_per_token, "o", color=FORMAT_COLORS.get(fmt), ms=3)
+    two = df[df.scheme == "two_precision"]
+    for (hi, lo, layout), rows in two.groupby(
+            ["recurrence_format", "read_format", "record_layout"], sort=False):
+        color = FORMAT_COLORS.get(lo) if hi == "fp16" else "black"
+        ax_two.plot(rows.window, rows.mib_per_token, LAYOUT_STYLES[layout], color=color,
+                    label=f"{hi} + {lo} ({layout})")
+        best = rows.loc[rows.mib_per_token.idxmin()]
+        ax_two.plot(best.window, best.mib_per_token, "o", color=color, ms=3)
+    ax_shared.set_title("one shared checkpoint (format)")
+    ax_two.set_title("two precisions (recurrence + read copy)")
+    for ax in (ax_shared, ax_two):
+        ax.axvline(16, color="0.8", lw=0.8, zorder=0)  # DESIGN.md's default window
+        ax.set_xlabel("window L (tokens per flush); dots: least traffic")
+        _plain_log_y(ax)
+        ax.legend(fontsize=6, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.16))
+    ax_shared.set_ylabel("MiB moved per token (per layer, per sequence)")
+
+
+def _plot_spec(df: pd.DataFrame, ax_T, ax_acc) -> None:
+    for scheme, rows in df.groupby("scheme", sort=False):
+        color = SCHEME_COLORS[scheme]
+        label = scheme if scheme == "snapshot" else (
+            f"{scheme} L={int(rows.window.iloc[0])}")
+        accepted = rows[rows.committed == rows.verified]
+        rejected = rows[rows.committed == 1]
+        ax_T.plot(accepted.verified, accepted.mib_per_token, "-o", ms=3, color=color,
+                  label=f"{label}, all accepted")
+        ax_T.plot(rejected.verified, rejected.mib_per_token, "--s", ms=3, color=color,
+                  label=f"{label}, all rejected")
+        for T, style in ((4, "-o"), (8, "--^")):
+            at_T = rows[rows.verified == T]
+            if len(at_T):
+                ax_acc.plot(at_T.acceptance, at_T.mib_per_token, style, ms=3, color=color,
+                            label=f"{label}, T={T}")
+    ax_T.set_xlabel("tokens verified per step T")
+    ax_T.set_title("against T (acceptance 100% and 0%)")
+    ax_acc.set_xlabel("fraction of drafts accepted, (c - 1) / (T - 1)")
+    ax_acc.set_title("against acceptance")
+    ax_T.set_ylabel("MiB per committed token (per layer, per sequence)")
+    for ax in (ax_T, ax_acc):
+        _plain_log_y(ax)
+        ax.legend(fontsize=6, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.16))
+
+
+def _plot_memory(df: pd.DataFrame, axes) -> None:
+    contexts = sorted(df.context.unique())
+    for ax, context in zip(axes, contexts, strict=True):
+        at_context = df[df.context == context]
+        for (scheme, T), rows in at_context.groupby(["scheme", "verified"], sort=False):
+            label = scheme if scheme in ("conventional", "snapshot") else (
+                f"{scheme} L={int(rows.window.iloc[0])}")
+            per_request = rows.per_request_bytes.iloc[0] / tr.MIB
+            ax.plot(rows.memory_gib, rows.requests, "-" if T == 1 else "--",
+                    color=SCHEME_COLORS[scheme],
+                    label=f"{label}, T={T} ({per_request:,.0f} MiB/request)")
+        ax.set_xlabel("memory for the decode cache (GiB)")
+        ax.set_xlim(left=0)
+        ax.set_ylim(bottom=0)
+        ax.set_title("SSM state only" if context == 0 else f"SSM state + KV at {context:,} tokens")
+        ax.grid(True, lw=0.3, alpha=0.5)
+        ax.legend(fontsize=6, loc="upper left")
+    axes[0].set_ylabel("requests that fit")
+
+
+def _save_small_png(fig, png: Path) -> None:
+    """Save at dpi 110 with a 128-colour palette: a third of the RGBA size (about 100 KB here),
+    no visible change for line plots."""
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    fig.savefig(buffer, dpi=110, format="png")
+    buffer.seek(0)
+    with Image.open(buffer) as image:
+        image.convert("RGB").quantize(colors=128).save(png, optimize=True)
+
+
+def plot(csv: str | Path) -> Path:
+    """Draw the figure of one `traffic_*.csv` (reading nothing else); returns the PNG's path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    csv = Path(csv)
+    df = pd.read_csv(csv)
+    sweep = df.sweep.iloc[0]
+    model = df.model.iloc[0]
+    if sweep == "memory":
+        ncols = df.context.nunique()
+    else:
+        ncols = 2
+    height = {"window": 5.4, "spec": 4.9, "memory": 4.2}.get(sweep, 4.2)
+    fig, axes = plt.subplots(1, ncols, figsize=(5.2 * ncols, height), squeeze=False)
+    axes = list(axes[0])
+    if sweep == "window":
+        _plot_window(df, *axes)
+        title = "State-cache traffic per token against the window (T = 1)"
+    elif sweep == "spec":
+        _plot_spec(df, *axes)
+        title = "Speculative decoding: traffic per committed token"
+    elif sweep == "memory":
+        _plot_memory(df, axes)
+        title = "Requests whose decode cache fits in memory (whole model)"
+    else:
+        raise ValueError(f"csv: expected a traffic_{{window,spec,memory}} CSV, got sweep {sweep!r}")
+    fig.suptitle(f"{title} - {model} (commit {df.git_commit.iloc[0]})", fontsize=9)
+    fig.tight_layout()
+    png = csv.with_suffix(".png")
+    _save_small_png(fig, png)
+    plt.close(fig)
+    return png
+
+
+# --------------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> Config:
+    parser = argparse.ArgumentParser(
+        prog="python -m experiments.traffic",
+        description=(
+            "Memory traffic and capacity of SSM decoding: bytes per committed token for "
+            "conventional decoding, ReplaySSM (shared checkpoint or two precisions) and "
+            "speculative decoding (snapshots vs ReplaySSM), per layer and per sequence. "
+            "Writes traffic_{window,spec,memory}_<model>.csv/.png and "
+            "traffic_summary_<model>.json under --out."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--model", default=Config.model, choices=models.names(),
+                        help="model shape (lowprec/models.py)")
+    parser.add_argument("--out", type=Path, default=Config.out_dir, help="output folder")
+    parser.add_argument("--window", type=int, default=Config.window,
+                        help="ReplaySSM window L for the speculative and memory sweeps and the "
+                        "summary")
+    parser.add_argument("--spec-verified", type=int, default=Config.spec_verified,
+                        help="tokens verified per step T for the summary's 'spec' entry and the "
+                        "memory sweep")
+    parser.add_argument("--summary", action="store_true",
+                        help="print the summary as one JSON object on stdout and write nothing")
+    parser.add_argument("--no-plot", action="store_true", help="write the CSVs only")
+    args = parser.parse_args(argv)
+    if args.window < 1:
+        parser.error(f"--window: expected an integer >= 1, got {args.window}")
+    if args.spec_verified < 1:
+        parser.error(f"--spec-verified: expected an integer >= 1, got {args.spec_verified}")
+    return Config(model=args.model, out_dir=args.out, window=args.window,
+                  spec_verified=args.spec_verified, summary_only=args.summary,
+                  make_plots=not args.no_plot)
+
+
+def main(argv: list[str] | None = None) -> None:
+    config = parse_args(argv)
+    if config.summary_only:
+        json.dump(summary(config), sys.stdout)
+        sys.stdout.write("\n")
+        return
+    run(config)
+    if config.make_plots:
+        for name in ("window", "spec", "memory"):
+            plot(Path(config.out_dir) / f"traffic_{name}_{config.model}.csv")
+
+
+if __name__ == "__main__":
+    main()

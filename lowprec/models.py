@@ -1,0 +1,150 @@
+"""Model shapes as data: what the memory-traffic model (`lowprec.traffic`) is evaluated at.
+
+A `ModelShape` names a model's recurrent layers (`SSMLayerShape`: Mamba-2 or Gated DeltaNet)
+and its attention layers (`AttentionShape`), with the number of each and the storage formats
+of the state, the KV cache and the activations. Only shapes are kept: no weights, no code.
+Format names are those of `lowprec.formats` (`"fp32"`, `"bf16"`, `"fp8_e4m3"`, ...).
+
+Registered shapes (`names()`):
+
+    name             ssm layers                              attention layers
+    nemotron3-super  40 x Mamba-2: 128 heads, d_v 64,        8 x (2 KV heads x 128), fp8_e4m3 KV
+                     d_k 128, 8 groups, fp32 state
+    qwen3-next-80b   36 x Gated DeltaNet: 32 value heads,     12 x (2 KV heads x 256), bf16 KV
+                     16 key heads, d_v 128, d_k 128,
+                     fp32 state
+
+Both use bf16 activations. `source` on each shape says where its numbers come from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["SSMLayerShape", "AttentionShape", "ModelShape", "get", "names"]
+
+SSM_KINDS = ("mamba2", "gdn")
+
+
+@dataclass(frozen=True)
+class SSMLayerShape:
+    """One recurrent layer, per sequence.
+
+    kind: "mamba2" or "gdn" (decides which quantities a ReplaySSM record holds).
+    nheads: state heads (Mamba-2 heads; GDN value heads); the state is `[nheads, d_v, d_k]`.
+    d_v, d_k: state rows and columns (Mamba-2 headdim and dstate; GDN value and key head dims).
+    ngroups: heads sharing one `B` (Mamba-2 groups) or one `k` (GDN key heads).
+    state_format: the format the model's own decode keeps the state in.
+    """
+
+    kind: str
+    nheads: int
+    d_v: int
+    d_k: int
+    ngroups: int
+    state_format: str = "fp32"
+
+    def __post_init__(self):
+        if self.kind not in SSM_KINDS:
+            raise ValueError(f"kind: expected one of {SSM_KINDS}, got {self.kind!r}")
+        for name in ("nheads", "d_v", "d_k", "ngroups"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+        if self.nheads % self.ngroups:
+            raise ValueError(
+                f"ngroups: expected a divisor of nheads={self.nheads}, got {self.ngroups}"
+            )
+
+    @property
+    def state_shape(self) -> tuple[int, int, int]:
+        """`(nheads, d_v, d_k)`: one sequence's state in one layer."""
+        return (self.nheads, self.d_v, self.d_k)
+
+    @property
+    def state_elements(self) -> int:
+        return self.nheads * self.d_v * self.d_k
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """One attention layer's KV cache: `n_kv_heads` keys and values of `head_dim` per token."""
+
+    n_kv_heads: int
+    head_dim: int
+    kv_format: str = "bf16"
+
+    def __post_init__(self):
+        for name in ("n_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A hybrid model: `n_ssm_layers` recurrent layers and `n_attention_layers` attention ones."""
+
+    name: str
+    source: str
+    n_ssm_layers: int
+    ssm: SSMLayerShape
+    n_attention_layers: int
+    attention: AttentionShape
+    act_format: str = "bf16"
+
+    def __post_init__(self):
+        if not isinstance(self.n_ssm_layers, int) or self.n_ssm_layers < 1:
+            raise ValueError(
+                f"n_ssm_layers: expected a positive integer, got {self.n_ssm_layers!r}"
+            )
+        if not isinstance(self.n_attention_layers, int) or self.n_attention_layers < 0:
+            raise ValueError(
+                f"n_attention_layers: expected a non-negative integer, "
+                f"got {self.n_attention_layers!r}"
+            )
+
+
+NEMOTRON3_SUPER = ModelShape(
+    name="nemotron3-super",
+    source=(
+        "Nemotron-3-Super as specified in the kit's design (DESIGN.md and the traffic-model "
+        "issue): Mamba-2 nheads 128, headdim 64, dstate 128, ngroups 8, 40 layers, fp32 state; "
+        "8 attention layers with 2 KV heads of 128 and an fp8 KV cache; bf16 activations"
+    ),
+    n_ssm_layers=40,
+    ssm=SSMLayerShape(kind="mamba2", nheads=128, d_v=64, d_k=128, ngroups=8),
+    n_attention_layers=8,
+    attention=AttentionShape(n_kv_heads=2, head_dim=128, kv_format="fp8_e4m3"),
+)
+
+QWEN3_NEXT_80B = ModelShape(
+    name="qwen3-next-80b",
+    source=(
+        "Qwen3-Next-80B-A3B as we read its public config.json: num_hidden_layers 48, "
+        "full_attention_interval 4 (36 Gated DeltaNet + 12 full-attention layers), "
+        "linear_num_value_heads 32, linear_num_key_heads 16, linear_value_head_dim 128, "
+        "linear_key_head_dim 128, num_key_value_heads 2, head_dim 256, bf16. The state is "
+        "priced in fp32 (the kit's reference arm) and the KV cache in bf16 (no fp8 KV assumed)"
+    ),
+    n_ssm_layers=36,
+    ssm=SSMLayerShape(kind="gdn", nheads=32, d_v=128, d_k=128, ngroups=16),
+    n_attention_layers=12,
+    attention=AttentionShape(n_kv_heads=2, head_dim=256, kv_format="bf16"),
+)
+
+_MODELS = {m.name: m for m in (NEMOTRON3_SUPER, QWEN3_NEXT_80B)}
+
+
+def names() -> list[str]:
+    """Names accepted by `get`, in a fixed order."""
+    return list(_MODELS)
+
+
+def get(name: str | ModelShape) -> ModelShape:
+    """The model shape called `name` (a `ModelShape` passes through)."""
+    if isinstance(name, ModelShape):
+        return name
+    if name not in _MODELS:
+        raise ValueError(f"model: expected one of {names()}, got {name!r}")
+    return _MODELS[name]

@@ -1,0 +1,453 @@
+"""The memory-traffic model (`lowprec.traffic`, `lowprec.models`, `experiments.traffic`).
+
+Every rule is checked against a small case computed by hand, with deliberately odd sizes
+(6 heads, d_v 5, d_k 96, 3 groups), and against the numbers DESIGN.md quotes for
+Nemotron-3-Super. All arithmetic is on integers, so equalities are exact unless a comment says
+why a tolerance is needed.
+"""
+
+import json
+import math
+from fractions import Fraction
+
+import pandas as pd
+import pytest
+
+from experiments import traffic as experiment
+from lowprec import models
+from lowprec import traffic as tr
+
+NEMOTRON = models.get("nemotron3-super")
+QWEN = models.get("qwen3-next-80b")
+TOY = models.SSMLayerShape(kind="mamba2", nheads=6, d_v=5, d_k=96, ngroups=3)
+TOY_GDN = models.SSMLayerShape(kind="gdn", nheads=6, d_v=5, d_k=96, ngroups=3)
+
+# Hand counts for TOY: 6 * 5 * 96 = 2880 elements.
+TOY_FP32 = 2880 * 4  # 11520
+TOY_FP16 = 2880 * 2  # 5760
+TOY_NVFP4 = 1440 + 2880 // 16 + 6 * 4  # nibbles + E4M3 per 16 + fp32 per head = 1644
+TOY_RECORD = 6 * (5 * 2 + 4) + 3 * 96 * 2  # x bf16 + dt fp32 per head, B bf16 per group = 660
+
+
+# ---------------------------------------------------------------------------------------------
+# Model shapes
+# ---------------------------------------------------------------------------------------------
+
+
+def test_unknown_model_name_raises_and_lists_the_known_ones():
+    with pytest.raises(ValueError, match="nemotron3-super") as info:
+        models.get("mamba-9000")
+    assert "qwen3-next-80b" in str(info.value) and "mamba-9000" in str(info.value)
+
+
+def test_model_shape_rejects_groups_that_do_not_divide_heads():
+    with pytest.raises(ValueError, match="ngroups"):
+        models.SSMLayerShape(kind="mamba2", nheads=6, d_v=5, d_k=96, ngroups=4)
+    with pytest.raises(ValueError, match="kind"):
+        models.SSMLayerShape(kind="rwkv", nheads=6, d_v=5, d_k=96, ngroups=3)
+
+
+# ---------------------------------------------------------------------------------------------
+# Storage bytes
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "fmt, expected",
+    [
+        ("fp32", 11520),
+        ("fp16", 5760),
+        ("bf16", 5760),
+        ("fp8_e4m3", 2880),
+        ("nvfp4", 1644),  # 1440 nibble bytes + 180 E4M3 block scales + 6 fp32 head scales
+        ("mxfp4", 1530),  # 1440 + 90 E8M0 scales per 32
+        ("fp8_e4m3_row", 3000),  # 2880 + 30 rows * 4 B
+        ("fp4_e2m1_b16", 2160),  # 1440 + 180 blocks * 4 B
+    ],
+)
+def test_state_bytes_of_a_toy_shape_match_hand_counts(fmt, expected):
+    assert tr.state_bytes(TOY, fmt) == expected
+
+
+def test_nemotron_state_and_record_bytes_match_design_md():
+    """DESIGN.md: 4 MiB fp32 state, "576 KiB" NVFP4 read copy, 18,944-byte record. The exact
+    NVFP4 figure is 576 KiB of codes and E4M3 scales plus 128 fp32 head scales (512 B)."""
+    assert tr.state_bytes(NEMOTRON.ssm, "fp32") == 4 * tr.MIB
+    assert tr.state_bytes(NEMOTRON.ssm, "nvfp4") == 576 * tr.KIB + 512
+    assert tr.record_bytes(NEMOTRON.ssm, "kernel") == 128 * (64 * 2 + 4) + 8 * 128 * 2 == 18944
+    assert tr.record_bytes(NEMOTRON.ssm, "conservative") == 128 * (2 * 64 + 2 * 128 + 4) == 49664
+
+
+def test_record_bytes_of_toy_shapes_match_hand_counts():
+    assert tr.record_bytes(TOY, "kernel") == TOY_RECORD
+    assert tr.record_bytes(TOY, "conservative") == 6 * (2 * 5 + 2 * 96 + 4)  # 1236
+    # GDN kernel: v, u bf16 and g, beta fp32 per head; k bf16 per key head.
+    assert tr.record_bytes(TOY_GDN, "kernel") == 6 * (10 + 10 + 4 + 4) + 3 * 192  # 744
+    assert tr.record_bytes(TOY_GDN, "conservative") == 6 * (10 + 10 + 192 + 8)  # 1320
+    # fp32 activations double the x and B fields, not dt.
+    assert tr.record_bytes(TOY, "kernel", "fp32") == 6 * (5 * 4 + 4) + 3 * 96 * 4  # 1296
+
+
+def test_qwen3_next_shape_bytes():
+    assert tr.state_bytes(QWEN.ssm, "fp32") == 32 * 128 * 128 * 4 == 2 * tr.MIB
+    assert tr.record_bytes(QWEN.ssm, "kernel") == 32 * (2 * 256 + 8) + 16 * 256 == 20736
+    assert tr.kv_bytes_per_token(QWEN.attention) == 2 * 2 * 256 * 2
+
+
+def test_storage_table_agrees_with_lowprec_formats():
+    """The local table must give the bytes `lowprec.formats.Format.nbytes` gives, scales
+    included, for every format and shape used here."""
+    formats = pytest.importorskip(
+        "lowprec.formats", reason="lowprec.formats is not written yet: nothing to agree with"
+    )
+    for name in tr.STORAGE:
+        for ssm in (TOY, TOY_GDN, NEMOTRON.ssm, QWEN.ssm):
+            assert tr.state_bytes(ssm, name) == formats.get(name).nbytes(ssm.state_shape), name
+
+
+def test_bad_format_layout_and_shape_raise_value_errors_naming_them():
+    with pytest.raises(ValueError, match="format"):
+        tr.state_bytes(TOY, "fp6")
+    with pytest.raises(ValueError, match="layout"):
+        tr.record_bytes(TOY, "compact")
+    with pytest.raises(ValueError, match="d_k"):
+        tr.state_bytes((6, 5, 40), "mxfp4")  # 40 is not a multiple of 32
+
+
+# ---------------------------------------------------------------------------------------------
+# Standard decoding
+# ---------------------------------------------------------------------------------------------
+
+
+def test_conventional_reads_and_writes_the_whole_state_each_token():
+    traffic = tr.conventional(TOY_FP32)
+    assert (traffic.state_read, traffic.state_write, traffic.tokens) == (11520, 11520, 1)
+    assert traffic.per_token == 2 * 11520
+
+
+def test_replay_window_of_three_matches_a_hand_count():
+    """L = 3, shared fp32 checkpoint: steps read the checkpoint 3 times and 0 + 1 + 2 records;
+    the flush writes the checkpoint once; steps 1 and 2 write a record each."""
+    traffic = tr.replay(3, TOY_RECORD, TOY_FP32)
+    assert traffic.state_read == 3 * 11520
+    assert traffic.state_write == 11520
+    assert traffic.record_read == 3 * 660
+    assert traffic.record_write == 2 * 660
+    assert traffic.per_token == (34560 + 11520 + 1980 + 1320) / 3  # 16460
+
+
+def test_two_precision_window_reads_the_read_copy_except_at_the_flush():
+    """L = 3, fp16 hi + nvfp4 lo: two non-flush steps read lo (1644 B), the flush reads hi
+    (5760 B) and writes hi and lo; L = 1 flushes every step and touches no record."""
+    traffic = tr.replay(3, TOY_RECORD, TOY_NVFP4, TOY_FP16)
+    assert traffic.state_read == 2 * 1644 + 5760
+    assert traffic.state_write == 5760 + 1644
+    assert (traffic.record_read, traffic.record_write) == (3 * 660, 2 * 660)
+    every_step = tr.replay(1, TOY_RECORD, TOY_NVFP4, TOY_FP16)
+    assert every_step.total == 5760 + 5760 + 1644
+    assert (every_step.record_read, every_step.record_write) == (0, 0)
+
+
+@pytest.mark.parametrize("window", [1, 2, 7, 16, 33])
+def test_replay_per_token_equals_the_closed_form(window):
+    """(L+1)/L * M_S + r (L-1)(L+2) / (2L), in exact fractions."""
+    M, r, L = TOY_FP32, TOY_RECORD, window
+    expected = Fraction(L + 1, L) * M + Fraction(r * (L - 1) * (L + 2), 2 * L)
+    assert Fraction(tr.replay(L, r, M).total, L) == expected
+
+
+@pytest.mark.parametrize("window", [1, 3, 16, 61])
+def test_replay_ratio_tends_to_half_plus_half_over_L_as_records_vanish(window):
+    """Over conventional decoding the ratio is (L+1)/(2L) + r (L-1)(L+2) / (4 L M_S): exactly
+    the limit at r = 0, and the excess shrinks in proportion to r."""
+    M, L = tr.state_bytes(NEMOTRON.ssm, "fp32"), window
+    limit = Fraction(L + 1, 2 * L)
+    conventional = tr.conventional(M).total
+    assert Fraction(tr.replay(L, 0, M).total, L * conventional) == limit
+    excesses = []
+    for record in (18944, 1894, 189, 19, 2, 1):
+        ratio = Fraction(tr.replay(L, record, M).total, L * conventional)
+        excess = ratio - limit
+        assert excess == Fraction(record * (L - 1) * (L + 2), 4 * L * M)
+        excesses.append(excess)
+    assert excesses == sorted(excesses, reverse=True)
+    assert excesses[-1] < Fraction(1, 10**5)
+
+
+def test_nemotron_replay_at_L16_moves_the_numbers_the_summary_reports():
+    """L = 16, fp32, conservative records: (17/16) 4 MiB + 49,664 (15 * 18) / 32 over 8 MiB."""
+    M = 4 * tr.MIB
+    ratio = tr.replay(16, 49664, M).per_token / tr.conventional(M).per_token
+    assert ratio == pytest.approx((17 / 16 * M + 49664 * 270 / 32) / (8 * tr.MIB), rel=1e-15)
+    assert ratio == pytest.approx(0.58120346, abs=1e-8)
+
+
+# ---------------------------------------------------------------------------------------------
+# Speculative decoding
+# ---------------------------------------------------------------------------------------------
+
+
+def test_snapshot_step_reads_one_state_and_writes_T():
+    traffic = tr.snapshot_spec(TOY_FP32, verified=3, committed=2)
+    assert (traffic.state_read, traffic.state_write, traffic.tokens) == (11520, 3 * 11520, 2)
+    assert tr.snapshot_spec(TOY_FP32, 1, 1) == tr.conventional(TOY_FP32)
+
+
+def test_replay_spec_trace_matches_a_hand_count_with_every_draft_rejected():
+    """L = 4, T = 2, c = 1, from an empty ring: h = 0, 1, 2 are non-flush (h + 2 <= 4); h = 3
+    flushes (3 + 2 > 4) and leaves h = c = 1, so the steady cycle is h = 1, 2, 3: three steps,
+    three tokens, 3 checkpoint reads, 1 write, 1 + 2 + 3 records read, 3 * 2 drafts written."""
+    steps, start = tr.replay_spec_trace(4, 2, 1, TOY_RECORD, TOY_FP32)
+    assert [s.record_read // TOY_RECORD for s in steps] == [0, 1, 2, 3]
+    assert [s.flushes for s in steps] == [0, 0, 0, 1]
+    assert start == 1
+    cycle = tr.replay_spec(4, 2, 1, TOY_RECORD, TOY_FP32)
+    assert (cycle.tokens, cycle.steps, cycle.flushes) == (3, 3, 1)
+    assert cycle.state_read == 3 * 11520 and cycle.state_write == 11520
+    assert cycle.record_read == 6 * 660 and cycle.record_write == 6 * 660
+    assert cycle.per_token == (4 * 11520 + 12 * 660) / 3  # 18000
+
+
+def test_replay_spec_with_every_draft_accepted_matches_a_hand_count():
+    """L = 4, T = 2, c = 2: h = 0 -> 2 -> 4, and h = 4 flushes (6 > 4) back to h = 2. Cycle
+    h = 2 (non-flush), h = 4 (flush): 4 tokens, 3 state transfers, 2 + 4 records read,
+    2 * 2 written."""
+    cycle = tr.replay_spec(4, 2, 2, TOY_RECORD, TOY_FP32)
+    assert (cycle.tokens, cycle.steps, cycle.flushes) == (4, 2, 1)
+    assert cycle.total == 3 * 11520 + 10 * 660
+    assert cycle.per_token == 10290
+
+
+def test_replay_spec_with_two_copies_reads_hi_only_on_flush_steps():
+    """Same cycle as the hand count above (h = 1, 2, 3; the last flushes), two copies:
+    lo read twice, hi read once, hi + lo written once."""
+    cycle = tr.replay_spec(4, 2, 1, TOY_RECORD, TOY_NVFP4, TOY_FP16)
+    assert cycle.state_read == 2 * 1644 + 5760
+    assert cycle.state_write == 5760 + 1644
+
+
+@pytest.mark.parametrize("window", [1, 2, 5, 16, 40])
+def test_replay_spec_at_T1_costs_one_record_per_token_more_than_standard_decoding(window):
+    """At T = 1 the speculative flush folds only records committed before it (h = L of them)
+    and writes its own record; the standard flush folds its own token too. Per window that is
+    L more record reads and one more record write: r (L + 1) / L per token."""
+    M, r, L = TOY_FP32, TOY_RECORD, window
+    spec = tr.replay_spec(L, 1, 1, r, M)
+    standard = tr.replay(L, r, M)
+    assert spec.tokens == standard.tokens == L
+    assert spec.total - standard.total == r * (L + 1)
+
+
+@pytest.mark.parametrize("ssm", [TOY, NEMOTRON.ssm], ids=["toy", "nemotron"])
+@pytest.mark.parametrize("verified, committed", [(2, 1), (2, 2), (3, 2), (5, 1), (5, 3), (8, 8)])
+def test_replay_spec_cycle_equals_its_closed_form(ssm, verified, committed):
+    """With c = a every step, the cycle holds h = a, 2a, ..., N a, the last flushing, with
+    N = floor((L - T) / a) + 1 for L >= T; per committed token
+    M_S / a + M_S / (a N) + r (N + 1) / 2 + r T / a."""
+    M, r, T, a = tr.state_bytes(ssm, "fp32"), tr.record_bytes(ssm), verified, committed
+    for L in range(T, T + 3 * a + 20):
+        N = (L - T) // a + 1
+        expected = Fraction(M, a) + Fraction(M, a * N) + Fraction(r * (N + 1), 2) + Fraction(
+            r * T, a)
+        cycle = tr.replay_spec(L, T, a, r, M)
+        assert cycle.steps == N
+        assert Fraction(cycle.total, cycle.tokens) == expected
+
+
+def test_nemotron_spec_T4_numbers():
+    """L = 16, T = 4, fp32, kernel records. All accepted: h = 4, 8, 12, 16 (flush), 16 tokens,
+    (5 M + 56 r) / 16. All rejected: h = 1..13 (13 flushes), (14 M + 143 r) / 13. Snapshots:
+    5 M / 4 and 5 M."""
+    M, r = 4 * tr.MIB, 18944
+    assert tr.replay_spec(16, 4, 4, r, M).per_token == (5 * M + 56 * r) / 16
+    assert tr.replay_spec(16, 4, 1, r, M).per_token == (14 * M + 143 * r) / 13
+    assert tr.snapshot_spec(M, 4, 4).per_token == 5 * M / 4
+    assert tr.snapshot_spec(M, 4, 1).per_token == 5 * M
+
+
+def test_spec_arguments_are_validated():
+    with pytest.raises(ValueError, match="committed"):
+        tr.replay_spec(16, 2, 3, TOY_RECORD, TOY_FP32)
+    with pytest.raises(ValueError, match="committed"):
+        tr.snapshot_spec(TOY_FP32, 4, 0)
+    with pytest.raises(ValueError, match="window"):
+        tr.replay(0, TOY_RECORD, TOY_FP32)
+    with pytest.raises(ValueError, match="verified"):
+        tr.replay_spec(16, 0, 1, TOY_RECORD, TOY_FP32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Optimal window
+# ---------------------------------------------------------------------------------------------
+
+
+def _standard_cases():
+    nemo = NEMOTRON.ssm
+    M, kernel = tr.state_bytes(nemo, "fp32"), tr.record_bytes(nemo, "kernel")
+    conservative = tr.record_bytes(nemo, "conservative")
+    hi, lo = tr.state_bytes(nemo, "fp16"), tr.state_bytes(nemo, "nvfp4")
+    return [
+        ("nemotron fp32 kernel", kernel, M, None),
+        ("nemotron fp32 conservative", conservative, M, None),
+        ("nemotron fp16+nvfp4", kernel, lo, hi),
+        ("nemotron nvfp4 shared", kernel, lo, None),
+        ("toy fp32", TOY_RECORD, TOY_FP32, None),
+        ("toy fp16+nvfp4", TOY_RECORD, TOY_NVFP4, TOY_FP16),
+        ("qwen fp32", tr.record_bytes(QWEN.ssm), tr.state_bytes(QWEN.ssm, "fp32"), None),
+    ]
+
+
+@pytest.mark.parametrize("name, record, read_copy, recurrence_copy", _standard_cases(),
+                         ids=[case[0] for case in _standard_cases()])
+def test_optimal_window_is_the_brute_force_minimum_in_standard_decoding(
+        name, record, read_copy, recurrence_copy):
+    """Per token `replay` is const + (F - r) / L + r L / 2 (F = flush_overhead), a convex
+    function of L least at L* = sqrt(2 (F / r - 1)): the best integer window is floor(L*) or
+    ceil(L*)."""
+    flush = tr.flush_overhead(read_copy, recurrence_copy)
+    L_star = tr.optimal_window(flush, record)
+    best = tr.best_window(
+        lambda L: Fraction(tr.replay(L, record, read_copy, recurrence_copy).total, L),
+        range(1, 4 * math.ceil(L_star) + 10))
+    assert best in (math.floor(L_star), math.ceil(L_star)), (name, L_star, best)
+
+
+def test_nemotron_optimal_window_is_21():
+    """sqrt(2 (4 MiB / 18,944 - 1)) = 20.995."""
+    assert tr.optimal_window(4 * tr.MIB, 18944) == pytest.approx(20.99549501, abs=1e-8)
+
+
+@pytest.mark.parametrize("ssm", [TOY, NEMOTRON.ssm], ids=["toy", "nemotron"])
+@pytest.mark.parametrize("verified, committed", [(2, 1), (2, 2), (4, 1), (4, 2), (4, 4),
+                                                 (8, 1), (8, 4), (8, 8)])
+def test_spec_optimal_window_formula_is_near_the_brute_force_minimum(ssm, verified, committed):
+    """The speculative cycle costs const + M_S / (a N) + r N / 2 per token (N steps per cycle),
+    so (1) the brute-force best window has N in {floor(N*), ceil(N*)}, N* = sqrt(2 M_S / (a r));
+    (2) the formula's window, whose cycle has N_f steps, costs r (N_f - N*)^2 / (2 N_f) more
+    than the continuous optimum, out of at least M_S / a = r N*^2 / 2: a relative excess over
+    the brute-force minimum of at most (N_f - N*)^2 / (N_f N*^2); for Nemotron that is < 1%."""
+    M, r, T, a = tr.state_bytes(ssm, "fp32"), tr.record_bytes(ssm), verified, committed
+    if M / r <= T:
+        pytest.skip("records as large as the state: the formula is undefined")
+
+    def cost(L):
+        return tr.replay_spec(L, T, a, r, M).per_token
+
+    best = tr.best_window(cost, range(1, 400))
+    N_star = math.sqrt(2 * M / (a * r))
+    assert tr.replay_spec(best, T, a, r, M).steps in (math.floor(N_star), math.ceil(N_star))
+    L_formula = max(1, round(tr.optimal_window(M, r, T, a)))
+    N_formula = tr.replay_spec(L_formula, T, a, r, M).steps
+    excess = cost(L_formula) / cost(best) - 1
+    assert excess <= (N_formula - N_star) ** 2 / (N_formula * N_star**2) + 1e-12
+    if ssm is NEMOTRON.ssm:
+        assert excess < 0.01
+
+
+def test_optimal_window_rejects_records_as_large_as_the_state():
+    with pytest.raises(ValueError, match="state"):
+        tr.optimal_window(4 * 372, 372, verified=4)
+    with pytest.raises(ValueError, match="mean_committed"):
+        tr.optimal_window(TOY_FP32, TOY_RECORD, verified=2, mean_committed=3)
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory and the attention comparison
+# ---------------------------------------------------------------------------------------------
+
+
+def test_memory_per_request_counts_states_or_one_checkpoint_and_L_plus_T_records():
+    assert tr.snapshot_memory(TOY_FP32, 1) == 11520
+    assert tr.snapshot_memory(TOY_FP32, 4) == 4 * 11520
+    assert tr.replay_memory(16, 4, TOY_RECORD, TOY_FP32) == 11520 + 20 * 660
+    assert tr.replay_memory(16, 4, TOY_RECORD, TOY_NVFP4, TOY_FP16) == 1644 + 5760 + 20 * 660
+
+
+def test_requests_that_fit_in_memory():
+    """Nemotron, conventional fp32: 40 layers * 4 MiB = 160 MiB a request; at 32,768 tokens
+    the 8 attention layers add 8 * 512 B * 32768 = 128 MiB."""
+    per_request = tr.request_bytes(NEMOTRON, 4 * tr.MIB)
+    assert per_request == 160 * tr.MIB
+    assert tr.requests_fit(140 * 2**30, per_request) == 896
+    with_kv = tr.request_bytes(NEMOTRON, 4 * tr.MIB, context=32768)
+    assert with_kv == 288 * tr.MIB
+    assert tr.requests_fit(288 * tr.MIB - 1, with_kv) == 0
+
+
+def test_attention_comparison_for_nemotron_and_qwen():
+    """Nemotron: 512 B of fp8 KV a token, 4 MiB / 512 B = 8192 tokens a state, and the KV reads
+    of 8 layers equal 40 layers' 8 MiB at 40 * 8 MiB / (8 * 512 B) = 81,920 tokens.
+    Qwen3-Next: 2 KiB of bf16 KV, 1024 tokens a state, 36 * 4 MiB / (12 * 2 KiB) = 6144."""
+    assert tr.kv_bytes_per_token(NEMOTRON.attention) == 512
+    assert tr.state_equivalent_kv_tokens(4 * tr.MIB, 512) == 8192
+    assert tr.crossover_context(NEMOTRON, 8 * tr.MIB) == 81920
+    qwen_state = tr.state_bytes(QWEN.ssm, "fp32")
+    assert tr.state_equivalent_kv_tokens(qwen_state, 2048) == 1024
+    assert tr.crossover_context(QWEN, tr.conventional(qwen_state).per_token) == 6144
+
+
+# ---------------------------------------------------------------------------------------------
+# The experiment script
+# ---------------------------------------------------------------------------------------------
+
+SUMMARY_KEYS = {
+    "state_mib", "kv_kib_per_token", "state_equiv_kv_tokens", "crossover_context_tokens",
+    "record_bytes_kernel", "record_bytes_conservative", "replay_ratio_conservative",
+    "conventional_mib_per_token", "replay_mib_per_token", "optimal_window",
+    "two_precision_mib_per_token", "spec",
+}
+
+
+def test_summary_prints_exactly_one_json_object_with_the_issue_keys(capsys, tmp_path):
+    experiment.main(["--summary", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    summary = json.loads(out)  # fails on anything but exactly one JSON document
+    assert SUMMARY_KEYS <= summary.keys()
+    assert list(tmp_path.iterdir()) == []  # --summary writes nothing
+    assert summary["state_mib"] == 4.0
+    assert summary["kv_kib_per_token"] == 0.5
+    assert summary["state_equiv_kv_tokens"] == 8192
+    assert summary["crossover_context_tokens"] == 81920
+    assert summary["record_bytes_kernel"] == 18944
+    assert summary["record_bytes_conservative"] == 49664
+    assert summary["conventional_mib_per_token"] == 8.0
+    # (17/16) 4 MiB + 18,944 * 270 / 32 B = 4.402435 MiB
+    assert summary["replay_mib_per_token"] == pytest.approx(4.402435, abs=1e-6)
+    # 590,336 (nvfp4) + 2 * 2 MiB / 16 + 18,944 * 270 / 32 = 1,012,320 B
+    assert summary["two_precision_mib_per_token"] == pytest.approx(1012320 / tr.MIB, abs=1e-6)
+    assert summary["optimal_window_brute_force"] == 21
+    spec = summary["spec"]
+    assert spec["snapshot_all_accepted"] == 5.0 and spec["snapshot_all_rejected"] == 20.0
+    assert spec["replay_all_accepted"] < spec["replay_all_rejected"] < spec["plain_conventional"]
+
+
+def test_help_describes_the_options(capsys):
+    with pytest.raises(SystemExit) as info:
+        experiment.main(["--help"])
+    assert info.value.code == 0
+    help_text = capsys.readouterr().out
+    for option in ("--model", "--summary", "--out", "--window"):
+        assert option in help_text
+
+
+def test_run_writes_tidy_csvs_that_plot_reads(tmp_path):
+    config = experiment.Config(out_dir=tmp_path, windows=(1, 5, 16), verified=(1, 3, 4),
+                               memory_gib=(1.0, 3.0))
+    frame = experiment.run(config)
+    assert {"window", "spec", "memory"} == set(frame.sweep)
+    window = pd.read_csv(tmp_path / "traffic_window_nemotron3-super.csv")
+    assert "git_commit" in window.columns and window.git_commit.notna().all()
+    row = window[(window.scheme == "replay_shared") & (window.read_format == "fp32")
+                 & (window.record_layout == "kernel") & (window.window == 16)]
+    assert row.bytes_per_token.item() == pytest.approx(tr.replay(16, 18944, 4 * tr.MIB).per_token,
+                                                       rel=1e-9)  # CSV keeps 10 digits
+    spec = pd.read_csv(tmp_path / "traffic_spec_nemotron3-super.csv")
+    assert len(spec) == 3 * (1 + 3 + 4)  # three schemes, every c in 1..T
+    memory = pd.read_csv(tmp_path / "traffic_memory_nemotron3-super.csv")
+    # 1 GiB / 160 MiB = 6 conventional requests with no KV.
+    conventional = memory[(memory.scheme == "conventional") & (memory.context == 0)
+                          & (memory.memory_gib == 1.0)]
+    assert conventional.requests.item() == 6
+    for name in ("window", "spec", "memory"):
+        png = experiment.plot(tmp_path / f"traffic_{name}_nemotron3-super.csv")
+        assert png.exists() and png.stat().st_size > 10_000
