@@ -50,7 +50,10 @@ class Config:
     shared_formats: tuple[str, ...] = ("fp32", "fp16", "fp8_e4m3", "mxfp4", "nvfp4")
     # (recurrence copy, read copy) pairs of the two-precision scheme.
     two_precision: tuple[tuple[str, str], ...] = (
-        ("fp32", "nvfp4"), ("fp16", "nvfp4"), ("fp16", "mxfp4"), ("fp16", "fp8_e4m3"),
+        ("fp32", "nvfp4"),
+        ("fp16", "nvfp4"),
+        ("fp16", "mxfp4"),
+        ("fp16", "fp8_e4m3"),
     )
     verified: tuple[int, ...] = tuple(range(1, 9))
     window: int = 16
@@ -65,10 +68,16 @@ class Config:
 def git_commit() -> str:
     """Short hash of HEAD, `+dirty` when the tree has changes; "unknown" outside a commit."""
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
-                              capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=REPO,
-                               capture_output=True, text=True, check=True).stdout.strip()
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True, check=True
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return head + ("+dirty" if dirty else "")
@@ -100,13 +109,21 @@ def window_sweep(config: Config) -> pd.DataFrame:
     rows = []
 
     def add(scheme, read_format, recurrence_format, layout, window, traffic):
-        rows.append({
-            "sweep": "window", "model": model.name, "scheme": scheme,
-            "read_format": read_format, "recurrence_format": recurrence_format,
-            "record_layout": layout, "window": window, "verified": 1, "committed": 1,
-            **_traffic_row(traffic),
-            "ratio_to_conventional": traffic.per_token / reference,
-        })
+        rows.append(
+            {
+                "sweep": "window",
+                "model": model.name,
+                "scheme": scheme,
+                "read_format": read_format,
+                "recurrence_format": recurrence_format,
+                "record_layout": layout,
+                "window": window,
+                "verified": 1,
+                "committed": 1,
+                **_traffic_row(traffic),
+                "ratio_to_conventional": traffic.per_token / reference,
+            }
+        )
 
     for fmt in config.shared_formats:
         state = tr.state_bytes(ssm, fmt)
@@ -121,8 +138,14 @@ def window_sweep(config: Config) -> pd.DataFrame:
         for hi_format, lo_format in config.two_precision:
             hi, lo = tr.state_bytes(ssm, hi_format), tr.state_bytes(ssm, lo_format)
             for window in config.windows:
-                add("two_precision", lo_format, hi_format, layout, window,
-                    tr.replay(window, record, lo, hi))
+                add(
+                    "two_precision",
+                    lo_format,
+                    hi_format,
+                    layout,
+                    window,
+                    tr.replay(window, record, lo, hi),
+                )
     return pd.DataFrame(rows)
 
 
@@ -136,15 +159,30 @@ def _spec_schemes(config: Config, model: models.ModelShape):
     L = config.window
     fmt = ssm.state_format
     return (
-        ("snapshot", fmt, fmt, "none",
-         lambda T, c: tr.snapshot_spec(state, T, c),
-         lambda T: tr.snapshot_memory(state, T)),
-        ("replay_shared", fmt, fmt, "kernel",
-         lambda T, c: tr.replay_spec(L, T, c, record, state),
-         lambda T: tr.replay_memory(L, T, record, state)),
-        ("two_precision", lo_format, hi_format, "kernel",
-         lambda T, c: tr.replay_spec(L, T, c, record, lo, hi),
-         lambda T: tr.replay_memory(L, T, record, lo, hi)),
+        (
+            "snapshot",
+            fmt,
+            fmt,
+            "none",
+            lambda T, c: tr.snapshot_spec(state, T, c),
+            lambda T: tr.snapshot_memory(state, T),
+        ),
+        (
+            "replay_shared",
+            fmt,
+            fmt,
+            "kernel",
+            lambda T, c: tr.replay_spec(L, T, c, record, state),
+            lambda T: tr.replay_memory(L, T, record, state),
+        ),
+        (
+            "two_precision",
+            lo_format,
+            hi_format,
+            "kernel",
+            lambda T, c: tr.replay_spec(L, T, c, record, lo, hi),
+            lambda T: tr.replay_memory(L, T, record, lo, hi),
+        ),
     )
 
 
@@ -152,20 +190,27 @@ def spec_sweep(config: Config) -> pd.DataFrame:
     """Speculative decoding: bytes per committed token for every T and every c = 1..T."""
     model = models.get(config.model)
     rows = []
-    for scheme, read_format, recurrence_format, layout, traffic_of, _ in _spec_schemes(config,
-                                                                                       model):
+    for scheme, read_format, recurrence_format, layout, traffic_of, _ in _spec_schemes(
+        config, model
+    ):
         for T in config.verified:
             for c in range(1, T + 1):
                 traffic = traffic_of(T, c)
-                rows.append({
-                    "sweep": "spec", "model": model.name, "scheme": scheme,
-                    "read_format": read_format, "recurrence_format": recurrence_format,
-                    "record_layout": layout,
-                    "window": config.window if scheme != "snapshot" else 0,
-                    "verified": T, "committed": c,
-                    "acceptance": (c - 1) / (T - 1) if T > 1 else 1.0,
-                    **_traffic_row(traffic),
-                })
+                rows.append(
+                    {
+                        "sweep": "spec",
+                        "model": model.name,
+                        "scheme": scheme,
+                        "read_format": read_format,
+                        "recurrence_format": recurrence_format,
+                        "record_layout": layout,
+                        "window": config.window if scheme != "snapshot" else 0,
+                        "verified": T,
+                        "committed": c,
+                        "acceptance": (c - 1) / (T - 1) if T > 1 else 1.0,
+                        **_traffic_row(traffic),
+                    }
+                )
     return pd.DataFrame(rows)
 
 
@@ -173,24 +218,31 @@ def memory_sweep(config: Config) -> pd.DataFrame:
     """Requests that fit in a memory budget, per scheme, T and context length."""
     model = models.get(config.model)
     rows = []
-    for scheme, read_format, recurrence_format, layout, _, memory_of in _spec_schemes(config,
-                                                                                      model):
+    for scheme, read_format, recurrence_format, layout, _, memory_of in _spec_schemes(
+        config, model
+    ):
         for T in sorted({1, config.spec_verified}):
             per_layer = memory_of(T)
             for context in config.contexts:
                 per_request = tr.request_bytes(model, per_layer, context)
                 for gib in config.memory_gib:
-                    rows.append({
-                        "sweep": "memory", "model": model.name,
-                        "scheme": "conventional" if scheme == "snapshot" and T == 1 else scheme,
-                        "read_format": read_format, "recurrence_format": recurrence_format,
-                        "record_layout": layout,
-                        "window": config.window if scheme != "snapshot" else 0,
-                        "verified": T, "context": context,
-                        "per_layer_bytes": per_layer, "per_request_bytes": per_request,
-                        "memory_gib": gib,
-                        "requests": tr.requests_fit(int(gib * GIB), per_request),
-                    })
+                    rows.append(
+                        {
+                            "sweep": "memory",
+                            "model": model.name,
+                            "scheme": "conventional" if scheme == "snapshot" and T == 1 else scheme,
+                            "read_format": read_format,
+                            "recurrence_format": recurrence_format,
+                            "record_layout": layout,
+                            "window": config.window if scheme != "snapshot" else 0,
+                            "verified": T,
+                            "context": context,
+                            "per_layer_bytes": per_layer,
+                            "per_request_bytes": per_request,
+                            "memory_gib": gib,
+                            "requests": tr.requests_fit(int(gib * GIB), per_request),
+                        }
+                    )
     return pd.DataFrame(rows)
 
 
@@ -222,12 +274,14 @@ def summary(config: Config) -> dict:
         "record_bytes_kernel": kernel,
         "record_bytes_conservative": conservative,
         "replay_ratio_conservative": round(
-            tr.replay(L, conservative, state).per_token / conventional, 6),
+            tr.replay(L, conservative, state).per_token / conventional, 6
+        ),
         "conventional_mib_per_token": mib(conventional),
         "replay_mib_per_token": mib(replay),
         "optimal_window": round(tr.optimal_window(state, kernel), 3),
         "optimal_window_brute_force": tr.best_window(
-            lambda window: tr.replay(window, kernel, state).per_token, range(1, 1025)),
+            lambda window: tr.replay(window, kernel, state).per_token, range(1, 1025)
+        ),
         "two_precision_mib_per_token": mib(tr.replay(L, kernel, lo, hi).per_token),
         "two_precision_formats": {"recurrence": hi_format, "read": lo_format},
         "window": L,
@@ -254,8 +308,7 @@ def run(config: Config) -> pd.DataFrame:
     frames = []
     for name, sweep in (("window", window_sweep), ("spec", spec_sweep), ("memory", memory_sweep)):
         frame = sweep(config).assign(git_commit=commit, device=DEVICE)
-        frame.to_csv(out / f"traffic_{name}_{config.model}.csv", index=False,
-                     float_format="%.10g")
+        frame.to_csv(out / f"traffic_{name}_{config.model}.csv", index=False, float_format="%.10g")
         frames.append(frame)
     with open(out / f"traffic_summary_{config.model}.json", "w") as f:
         json.dump({**summary(config), "git_commit": commit}, f, indent=2)
@@ -268,11 +321,17 @@ def run(config: Config) -> pd.DataFrame:
 # --------------------------------------------------------------------------------------------
 
 FORMAT_COLORS = {
-    "fp32": "#1f77b4", "fp16": "#2ca02c", "bf16": "#17becf", "fp8_e4m3": "#ff7f0e",
-    "mxfp4": "#9467bd", "nvfp4": "#d62728",
+    "fp32": "#1f77b4",
+    "fp16": "#2ca02c",
+    "bf16": "#17becf",
+    "fp8_e4m3": "#ff7f0e",
+    "mxfp4": "#9467bd",
+    "nvfp4": "#d62728",
 }
 SCHEME_COLORS = {
-    "snapshot": "#7f7f7f", "conventional": "#7f7f7f", "replay_shared": "#1f77b4",
+    "snapshot": "#7f7f7f",
+    "conventional": "#7f7f7f",
+    "replay_shared": "#1f77b4",
     "two_precision": "#d62728",
 }
 LAYOUT_STYLES = {"kernel": "-", "conservative": "--", "none": ":"}
@@ -293,20 +352,37 @@ def _plot_window(df: pd.DataFrame, ax_shared, ax_two) -> None:
     conventional = df[df.scheme == "conventional"]
     for fmt, rows in conventional.groupby("read_format", sort=False):
         for ax in (ax_shared,) if fmt != "fp32" else (ax_shared, ax_two):
-            ax.plot(rows.window, rows.mib_per_token, ":", color=FORMAT_COLORS.get(fmt),
-                    label=f"conventional {fmt}")
+            ax.plot(
+                rows.window,
+                rows.mib_per_token,
+                ":",
+                color=FORMAT_COLORS.get(fmt),
+                label=f"conventional {fmt}",
+            )
     for (fmt, layout), rows in df[df.scheme == "replay_shared"].groupby(
-            ["read_format", "record_layout"], sort=False):
-        ax_shared.plot(rows.window, rows.mib_per_token, LAYOUT_STYLES[layout],
-                       color=FORMAT_COLORS.get(fmt), label=f"ReplaySSM {fmt} ({layout})")
+        ["read_format", "record_layout"], sort=False
+    ):
+        ax_shared.plot(
+            rows.window,
+            rows.mib_per_token,
+            LAYOUT_STYLES[layout],
+            color=FORMAT_COLORS.get(fmt),
+            label=f"ReplaySSM {fmt} ({layout})",
+        )
         best = rows.loc[rows.mib_per_token.idxmin()]
         ax_shared.plot(best.window, best.mib_per_token, "o", color=FORMAT_COLORS.get(fmt), ms=3)
     two = df[df.scheme == "two_precision"]
     for (hi, lo, layout), rows in two.groupby(
-            ["recurrence_format", "read_format", "record_layout"], sort=False):
+        ["recurrence_format", "read_format", "record_layout"], sort=False
+    ):
         color = FORMAT_COLORS.get(lo) if hi == "fp16" else "black"
-        ax_two.plot(rows.window, rows.mib_per_token, LAYOUT_STYLES[layout], color=color,
-                    label=f"{hi} + {lo} ({layout})")
+        ax_two.plot(
+            rows.window,
+            rows.mib_per_token,
+            LAYOUT_STYLES[layout],
+            color=color,
+            label=f"{hi} + {lo} ({layout})",
+        )
         best = rows.loc[rows.mib_per_token.idxmin()]
         ax_two.plot(best.window, best.mib_per_token, "o", color=color, ms=3)
     ax_shared.set_title("one shared checkpoint (format)")
@@ -322,19 +398,36 @@ def _plot_window(df: pd.DataFrame, ax_shared, ax_two) -> None:
 def _plot_spec(df: pd.DataFrame, ax_T, ax_acc) -> None:
     for scheme, rows in df.groupby("scheme", sort=False):
         color = SCHEME_COLORS[scheme]
-        label = scheme if scheme == "snapshot" else (
-            f"{scheme} L={int(rows.window.iloc[0])}")
+        label = scheme if scheme == "snapshot" else (f"{scheme} L={int(rows.window.iloc[0])}")
         accepted = rows[rows.committed == rows.verified]
         rejected = rows[rows.committed == 1]
-        ax_T.plot(accepted.verified, accepted.mib_per_token, "-o", ms=3, color=color,
-                  label=f"{label}, all accepted")
-        ax_T.plot(rejected.verified, rejected.mib_per_token, "--s", ms=3, color=color,
-                  label=f"{label}, all rejected")
+        ax_T.plot(
+            accepted.verified,
+            accepted.mib_per_token,
+            "-o",
+            ms=3,
+            color=color,
+            label=f"{label}, all accepted",
+        )
+        ax_T.plot(
+            rejected.verified,
+            rejected.mib_per_token,
+            "--s",
+            ms=3,
+            color=color,
+            label=f"{label}, all rejected",
+        )
         for T, style in ((4, "-o"), (8, "--^")):
             at_T = rows[rows.verified == T]
             if len(at_T):
-                ax_acc.plot(at_T.acceptance, at_T.mib_per_token, style, ms=3, color=color,
-                            label=f"{label}, T={T}")
+                ax_acc.plot(
+                    at_T.acceptance,
+                    at_T.mib_per_token,
+                    style,
+                    ms=3,
+                    color=color,
+                    label=f"{label}, T={T}",
+                )
     ax_T.set_xlabel("tokens verified per step T")
     ax_T.set_title("against T (acceptance 100% and 0%)")
     ax_acc.set_xlabel("fraction of drafts accepted, (c - 1) / (T - 1)")
@@ -350,12 +443,19 @@ def _plot_memory(df: pd.DataFrame, axes) -> None:
     for ax, context in zip(axes, contexts, strict=True):
         at_context = df[df.context == context]
         for (scheme, T), rows in at_context.groupby(["scheme", "verified"], sort=False):
-            label = scheme if scheme in ("conventional", "snapshot") else (
-                f"{scheme} L={int(rows.window.iloc[0])}")
+            label = (
+                scheme
+                if scheme in ("conventional", "snapshot")
+                else (f"{scheme} L={int(rows.window.iloc[0])}")
+            )
             per_request = rows.per_request_bytes.iloc[0] / tr.MIB
-            ax.plot(rows.memory_gib, rows.requests, "-" if T == 1 else "--",
-                    color=SCHEME_COLORS[scheme],
-                    label=f"{label}, T={T} ({per_request:,.0f} MiB/request)")
+            ax.plot(
+                rows.memory_gib,
+                rows.requests,
+                "-" if T == 1 else "--",
+                color=SCHEME_COLORS[scheme],
+                label=f"{label}, T={T} ({per_request:,.0f} MiB/request)",
+            )
         ax.set_xlabel("memory for the decode cache (GiB)")
         ax.set_xlim(left=0)
         ax.set_ylim(bottom=0)
@@ -433,26 +533,44 @@ def parse_args(argv: list[str] | None = None) -> Config:
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--model", default=Config.model, choices=models.names(),
-                        help="model shape (lowprec/models.py)")
+    parser.add_argument(
+        "--model",
+        default=Config.model,
+        choices=models.names(),
+        help="model shape (lowprec/models.py)",
+    )
     parser.add_argument("--out", type=Path, default=Config.out_dir, help="output folder")
-    parser.add_argument("--window", type=int, default=Config.window,
-                        help="ReplaySSM window L for the speculative and memory sweeps and the "
-                        "summary")
-    parser.add_argument("--spec-verified", type=int, default=Config.spec_verified,
-                        help="tokens verified per step T for the summary's 'spec' entry and the "
-                        "memory sweep")
-    parser.add_argument("--summary", action="store_true",
-                        help="print the summary as one JSON object on stdout and write nothing")
+    parser.add_argument(
+        "--window",
+        type=int,
+        default=Config.window,
+        help="ReplaySSM window L for the speculative and memory sweeps and the summary",
+    )
+    parser.add_argument(
+        "--spec-verified",
+        type=int,
+        default=Config.spec_verified,
+        help="tokens verified per step T for the summary's 'spec' entry and the memory sweep",
+    )
+    parser.add_argument(
+        "--summary",
+        action="store_true",
+        help="print the summary as one JSON object on stdout and write nothing",
+    )
     parser.add_argument("--no-plot", action="store_true", help="write the CSVs only")
     args = parser.parse_args(argv)
     if args.window < 1:
         parser.error(f"--window: expected an integer >= 1, got {args.window}")
     if args.spec_verified < 1:
         parser.error(f"--spec-verified: expected an integer >= 1, got {args.spec_verified}")
-    return Config(model=args.model, out_dir=args.out, window=args.window,
-                  spec_verified=args.spec_verified, summary_only=args.summary,
-                  make_plots=not args.no_plot)
+    return Config(
+        model=args.model,
+        out_dir=args.out,
+        window=args.window,
+        spec_verified=args.spec_verified,
+        summary_only=args.summary,
+        make_plots=not args.no_plot,
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

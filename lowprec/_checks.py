@@ -1,0 +1,45 @@
+"""Input validation shared by the references: every failure is a ``ValueError`` that names the
+argument, what was expected and what was given."""
+
+import torch
+
+
+def check_tensor(name: str, t) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+
+
+def check_float(name: str, t, dtype: torch.dtype | None = None) -> None:
+    """``t`` is a floating-point tensor, of ``dtype`` if given."""
+    check_tensor(name, t)
+    if not t.dtype.is_floating_point:
+        raise ValueError(f"{name}: expected a floating-point dtype, got {t.dtype}")
+    if dtype is not None and t.dtype != dtype:
+        raise ValueError(f"{name}: expected dtype {dtype} (the state's), got {t.dtype}")
+
+
+def check_shape(name: str, t: torch.Tensor, shape: tuple) -> None:
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {list(shape)}, got {list(t.shape)}")
+
+
+def check_ndim(name: str, t, ndim: int, layout: str) -> None:
+    """``t`` is a tensor of ``ndim`` dims; ``layout`` names them for the message."""
+    check_tensor(name, t)
+    if t.dim() != ndim:
+        raise ValueError(f"{name}: expected shape {layout}, got {list(t.shape)}")
+
+
+def check_count(name: str, count, batch: int, low: int, high: int) -> None:
+    """``count`` is an integer tensor ``[batch]`` with values in ``[low, high]``."""
+    check_tensor(name, count)
+    if count.dtype.is_floating_point or count.dtype == torch.bool or count.is_complex():
+        raise ValueError(f"{name}: expected an integer dtype, got {count.dtype}")
+    check_shape(name, count, (batch,))
+    if batch and (int(count.min()) < low or int(count.max()) > high):
+        raise ValueError(f"{name}: expected values in [{low}, {high}], got {count.tolist()}")
+
+
+def check_positive_int(name: str, value, minimum: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}: expected an integer >= {minimum}, got {value!r}")

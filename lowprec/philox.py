@@ -1,0 +1,162 @@
+"""Counter-based random words: Philox-4x32-10, word for word equal to Triton's `tl.randint`.
+
+Philox-4x32 (Salmon, Moraes, Dror, Shaw, "Parallel random numbers: as easy as 1, 2, 3",
+SC 2011) maps a 128-bit counter `(c0, c1, c2, c3)` and a 64-bit key `(k0, k1)` to four 32-bit
+words in 10 rounds of
+
+    (c0, c1, c2, c3) <- (hi(B*c2) ^ c1 ^ k0,  lo(B*c2),  hi(A*c0) ^ c3 ^ k1,  lo(A*c0))
+    (k0, k1)         <- (k0 + 0x9E3779B9, k1 + 0xBB67AE85)        (mod 2^32)
+
+with A = 0xD2511F53, B = 0xCD9E8D57. `tl.randint(seed, offset)` uses key
+`(seed & 0xffffffff, seed >> 32)`, counter `(offset & 0xffffffff, offset >> 32, 0, 0)` and
+returns the first word; `randint` here does the same.
+
+Words are uint32 values held in int64 tensors (PyTorch has no full uint32 arithmetic); a
+32x32-bit product is formed from 16-bit halves so that nothing overflows int64.
+
+Each stored state element gets its own offset (README.md, "Random words"):
+
+    offset  = (slot << 44) | (flush << 24) | element      slot, flush < 2^20, element < 2^24
+    element = flat index of [..., nheads, headdim, dstate] inside one slot
+
+Offsets are 64-bit patterns held in int64: with `slot >= 2^19` the top bit is set and the
+int64 is negative. Triton reads an int64 offset the same way (its low and high 32-bit halves),
+so a kernel that computes `slot.to(tl.int64) << 44 | ...` (a wrapping shift) gets the same
+words. `random_words(seed, slot, flush, shape)` is the one way SR words are produced.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+MASK32 = 0xFFFFFFFF
+ROUND_A = 0xD2511F53
+ROUND_B = 0xCD9E8D57
+KEY_A = 0x9E3779B9
+KEY_B = 0xBB67AE85
+
+SLOT_SHIFT = 44
+FLUSH_SHIFT = 24
+SLOT_LIMIT = 1 << 20
+FLUSH_LIMIT = 1 << 20
+ELEMENT_LIMIT = 1 << 24
+SEED_LIMIT = 1 << 64
+
+
+def _mul_hi_lo(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """High and low 32-bit words of the 64-bit product of the constant `a` and words `b`.
+
+    a*b = a_hi*b*2^16 + a_lo*b with both partial products below 2^48, so int64 never
+    overflows (a plain int64 product would, and signed overflow is not something to rely on).
+    """
+    a_hi, a_lo = a >> 16, a & 0xFFFF
+    partial_lo = b * a_lo
+    partial_hi = b * a_hi
+    lo = (partial_hi & 0xFFFF).bitwise_left_shift_(16).add_(partial_lo).bitwise_and_(MASK32)
+    hi = partial_lo.bitwise_right_shift_(16).add_(partial_hi).bitwise_right_shift_(16)
+    return hi, lo
+
+
+def _as_words(value, name: str) -> torch.Tensor:
+    t = torch.as_tensor(value, dtype=torch.int64) if not isinstance(value, torch.Tensor) else value
+    if t.dtype.is_floating_point or t.dtype == torch.bool:
+        raise ValueError(f"{name}: expected an integer or integer tensor, got dtype {t.dtype}")
+    t = t.to(torch.int64)
+    if t.numel() and (int(t.min()) < 0 or int(t.max()) > MASK32):
+        raise ValueError(
+            f"{name}: expected uint32 values in [0, 2^32), got range "
+            f"[{int(t.min())}, {int(t.max())}]"
+        )
+    return t
+
+
+def philox4x32(c0, c1, c2, c3, k0, k1, rounds: int = 10):
+    """Philox-4x32 of counter (c0..c3) and key (k0, k1): four int64 tensors of uint32 words.
+
+    Arguments are ints or integer tensors of uint32 values, broadcast together (int keys stay
+    Python ints, which is what makes the common scalar-seed case fast).
+    """
+    names = ("c0", "c1", "c2", "c3")
+    counter = [_as_words(v, n) for v, n in zip((c0, c1, c2, c3), names, strict=True)]
+    k0, k1 = (k if isinstance(k, int) else _as_words(k, n) for k, n in ((k0, "k0"), (k1, "k1")))
+    for k, n in ((k0, "k0"), (k1, "k1")):
+        if isinstance(k, int) and not 0 <= k <= MASK32:
+            raise ValueError(f"{n}: expected a uint32 value in [0, 2^32), got {k}")
+    tensors = counter + [k for k in (k0, k1) if isinstance(k, torch.Tensor)]
+    shape = torch.broadcast_shapes(*(t.shape for t in tensors))
+    c0, c1, c2, c3 = (t.expand(shape) for t in counter)
+    for _ in range(rounds):
+        hi_b, lo_b = _mul_hi_lo(ROUND_B, c2)
+        hi_a, lo_a = _mul_hi_lo(ROUND_A, c0)
+        c0, c1, c2, c3 = (
+            hi_b.bitwise_xor_(c1).bitwise_xor_(k0),
+            lo_b,
+            hi_a.bitwise_xor_(c3).bitwise_xor_(k1),
+            lo_a,
+        )
+        k0 = (k0 + KEY_A) & MASK32
+        k1 = (k1 + KEY_B) & MASK32
+    return torch.broadcast_tensors(c0, c1, c2, c3)
+
+
+def _check_seed(seed) -> int:
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_LIMIT:
+        raise ValueError(f"seed: expected an int in [0, 2^64), got {seed!r}")
+    return seed
+
+
+def randint(seed: int, offset: torch.Tensor) -> torch.Tensor:
+    """`tl.randint(seed, offset)` word for word: int64 tensor of uint32 words, offset's shape.
+
+    offset: int64 tensor, read as a 64-bit pattern (a negative value has its top bit set).
+    """
+    seed = _check_seed(seed)
+    if not isinstance(offset, torch.Tensor) or offset.dtype != torch.int64:
+        got = offset.dtype if isinstance(offset, torch.Tensor) else type(offset).__name__
+        raise ValueError(f"offset: expected an int64 tensor, got {got}")
+    low, high = offset & MASK32, (offset >> 32) & MASK32  # two's complement halves
+    word, _, _, _ = philox4x32(low, high, 0, 0, seed & MASK32, seed >> 32)
+    return word
+
+
+def _counter(value, limit: int, name: str) -> torch.Tensor:
+    t = value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
+    if t.dtype.is_floating_point or t.dtype == torch.bool:
+        raise ValueError(f"{name}: expected an int or integer tensor, got dtype {t.dtype}")
+    t = t.to(torch.int64)
+    if t.numel() and (int(t.min()) < 0 or int(t.max()) >= limit):
+        raise ValueError(
+            f"{name}: expected values in [0, 2^{limit.bit_length() - 1}), got range "
+            f"[{int(t.min())}, {int(t.max())}]"
+        )
+    return t
+
+
+def state_offsets(slot, flush, shape) -> torch.Tensor:
+    """Philox offsets of every element of a state of per-slot `shape` (e.g. [nheads, headdim,
+    dstate]).
+
+    slot, flush: ints or integer tensors (broadcast together, shape `batch`); the result has
+    shape `batch + shape`, e.g. slot = arange(slots), flush = counts[slots] gives
+    [slots, nheads, headdim, dstate].
+    """
+    shape = tuple(int(n) for n in shape)
+    numel = math.prod(shape)
+    if any(n < 0 for n in shape) or numel > ELEMENT_LIMIT:
+        raise ValueError(f"shape: expected at most 2^24 elements per slot, got {list(shape)}")
+    slot = _counter(slot, SLOT_LIMIT, "slot")
+    flush = _counter(flush, FLUSH_LIMIT, "flush")
+    # slot << 44 as a 64-bit pattern without signed overflow: slots >= 2^19 set the top bit,
+    # i.e. they are (slot - 2^20) * 2^44 in two's complement. The three fields do not
+    # overlap, so adding them is the same as or-ing them.
+    signed_slot = torch.where(slot >= SLOT_LIMIT // 2, slot - SLOT_LIMIT, slot)
+    base = signed_slot * (1 << SLOT_SHIFT) + flush * (1 << FLUSH_SHIFT)  # [batch]
+    element = torch.arange(numel, dtype=torch.int64).reshape(shape)
+    return base.reshape(*base.shape, *([1] * len(shape))) + element
+
+
+def random_words(seed: int, slot, flush, shape) -> torch.Tensor:
+    """SR words for a state: `randint(seed, state_offsets(slot, flush, shape))`."""
+    return randint(seed, state_offsets(slot, flush, shape))

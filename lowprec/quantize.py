@@ -1,0 +1,462 @@
+"""Rounding, block scaling and packing: the definition every kernel reproduces bit for bit.
+
+Element rounding (`round_to`) follows README.md literally:
+
+    e   = max(floor(log2 |x|), emin)      # from frexp: exact, no log2 rounding
+    ulp = 2^(e - mbits)                   # built from its bits: exact
+    m   = |x| / ulp                       # exact: division by a power of two
+    RN: q = sign(x) * min(round_half_even(m) * ulp, max_finite)
+    SR: q = sign(x) * min((floor(m) + (r < floor((m - floor(m)) * 2^32))) * ulp, max_finite)
+
+computed in x's own dtype (fp32 or fp64), as a kernel computes it in fp32 registers. Every
+step is exact: with `x = mant * 2^ex` (frexp), `m = |mant| * 2^(mbits + 1 - shift)` where
+`shift = max(emin + 1 - ex, 0)` is the subnormal shift, a product by a power of two that stays
+in the normal range (the shift is capped where `m` is already far below 2^-32 and rounds to 0
+either way); `floor`, `m - floor(m)` and the scaling by 2^32 are exact; `steps * ulp` is an
+integer of at most `mbits + 2` bits times a power of two no smaller than the format's smallest
+subnormal, exact unless it overflows, which only happens past `max_finite`. So fp32 and fp64
+evaluations of the same fp32 input agree bit for bit (tested). `±inf` saturates to
+`±max_finite`, NaN stays NaN, `-0` stays `-0`. A format whose grid contains every value of the
+input dtype (fp64 always, fp32 for fp32 input) is the identity except that `±inf` saturates
+(fp32 input to the fp64 format keeps `±inf`: fp64's maximum overflows fp32).
+
+Block formats (`quantize` with a `Format` that has a scale) take `x` "state shaped",
+`[..., d_v, d_k]`, with blocks along the last dim. Their scale arithmetic and the element
+division are single IEEE fp32 operations on `x.float()` in README's order, also when `x` is
+fp64 (a block format is lossy far beyond the fp64 -> fp32 conversion, and the kernels work in
+fp32). Element rounding of `x / scale` is RN or SR; scales are always RN.
+
+    nvfp4   s_g = amax(S) / 2688;  den = 6 * s_g;  s_b = RN_e4m3(amax_b / den);
+            scale = s_b * s_g;  code = ROUND_e2m1(x / scale);  x' = (code * s_b) * s_g
+    mxfp4   s_b = 2^clamp(floor(log2 amax_b) - 2, -127, 127);  code = ROUND_e2m1(x / s_b)
+    ideal   s = amax_b / max_finite(element) (fp32, unrounded);  code = ROUND(x / s)
+
+Zero blocks: a block whose amax is 0 or whose scale is 0 (an all-zero state, `s_b` underflowing
+E4M3, or `s_b * s_g` underflowing fp32) stores codes +0, whatever the signs of its zeros.
+nvfp4 zero blocks store scale 0 (byte 0x00); mxfp4 zero blocks store 2^-127 (byte 0x00);
+ideal-scale zero blocks store 0. Non-finite inputs to a block format are outside the
+contract: NaN propagates through `amax` to its state's (or block's) scales.
+
+`Quantized.elements` are the element values (e.g. E2M1 values) in `x`'s dtype, so
+`dequantize` returns `x`'s dtype; `scales` are the block scale values in fp32, shape
+`[..., d_v, n_blocks]` (`[..., d_v, 1]` for a row format); `global_scale` is nvfp4's `s_g`,
+fp32 `[...]` = `x.shape[:-2]`.
+
+Packed storage (`pack`/`unpack`, exact inverses):
+
+    element-only formats  {'codes': raw bits, uint8 (fp8), uint16 (fp16, bf16), uint32, uint64}
+    nvfp4                 {'codes': uint8 [..., d_k/2], 'scales': uint8 E4M3 bits [..., d_k/16],
+                           'global_scale': fp32 [...]}
+    mxfp4                 {'codes': uint8 [..., d_k/2], 'scales': uint8 E8M0 bits [..., d_k/32]}
+    fp8_e4m3_row          {'codes': uint8 [..., d_k], 'scales': fp32 [..., 1]}
+    fp4_e2m1_b16          {'codes': uint8 [..., d_k/2], 'scales': fp32 [..., d_k/16]}
+
+Four-bit codes go two per byte, low nibble = even index; a nibble is `s e1 e0 m`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from lowprec import formats
+from lowprec.formats import E2M1, E4M3, ElementFormat, Format
+
+ROUNDINGS = ("rn", "sr")
+INPUT_DTYPES = (torch.float32, torch.float64)
+UINT32_LIMIT = 1 << 32
+
+_UNSIGNED = {8: torch.uint8, 16: torch.uint16, 32: torch.uint32, 64: torch.uint64}
+E8M0_BIAS = 127
+
+
+# --------------------------------------------------------------------------------------------
+# validation
+
+
+def _check_input(x, name: str = "x") -> None:
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in INPUT_DTYPES:
+        raise ValueError(f"{name}: expected dtype float32 or float64, got {x.dtype}")
+
+
+def _check_rounding(rounding: str, rand, shape) -> None:
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rounding: expected one of {ROUNDINGS}, got {rounding!r}")
+    if rounding == "rn":
+        if rand is not None:
+            raise ValueError("rand: expected None for rounding='rn', got a tensor")
+        return
+    if rand is None:
+        raise ValueError(
+            "rand: expected an int64 tensor of uint32 words for rounding='sr', got None"
+        )
+    if not isinstance(rand, torch.Tensor) or rand.dtype != torch.int64:
+        got = rand.dtype if isinstance(rand, torch.Tensor) else type(rand).__name__
+        raise ValueError(f"rand: expected dtype int64, got {got}")
+    if tuple(rand.shape) != tuple(shape):
+        raise ValueError(f"rand: expected shape {list(shape)}, got {list(rand.shape)}")
+    if rand.numel() and (int(rand.min()) < 0 or int(rand.max()) >= UINT32_LIMIT):
+        raise ValueError(
+            f"rand: expected uint32 words in [0, 2^32), got range [{int(rand.min())}, "
+            f"{int(rand.max())}]"
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# element rounding
+
+
+def _pow2(k: torch.Tensor) -> torch.Tensor:
+    """Exactly 2^k as float64, for integer k in [-1074, 1023] (subnormals included)."""
+    k = k.to(torch.int64)
+    normal_bits = (k + 1023).clamp(min=1) << 52
+    subnormal_bits = torch.ones_like(k) << (k + 1074).clamp(min=0, max=51)
+    return torch.where(k >= -1022, normal_bits, subnormal_bits).view(torch.float64)
+
+
+_POW2_TABLES: dict[torch.dtype, tuple[int, torch.Tensor]] = {}
+
+
+def _pow2_table(dtype: torch.dtype) -> tuple[int, torch.Tensor]:
+    """(k_min, table) with table[k - k_min] = 2^k for every power of two `dtype` holds."""
+    if dtype not in _POW2_TABLES:
+        info = torch.finfo(dtype)
+        k_min = round(math.log2(info.smallest_normal)) - (round(-math.log2(info.eps)))
+        k_max = round(math.log2(info.max))
+        table = _pow2(torch.arange(k_min, k_max + 1)).to(dtype)
+        _POW2_TABLES[dtype] = (k_min, table)
+    return _POW2_TABLES[dtype]
+
+
+def _is_identity(element: ElementFormat, dtype: torch.dtype) -> bool:
+    """True when the element grid contains every finite value of `dtype`."""
+    info = torch.finfo(dtype)
+    return (
+        element.mbits >= -math.log2(info.eps)
+        and element.emin <= math.log2(info.smallest_normal)
+        and element.max_finite >= info.max
+    )
+
+
+# Far below the smallest subnormal `|x| / ulp` only has to stay below 2^-33, where RN and SR
+# (threshold floor(frac * 2^32) = 0) both give 0; capping the subnormal shift there keeps the
+# power-of-two factor normal, so the product below is exact.
+_SHIFT_MARGIN = 40
+
+
+def round_to(
+    x: torch.Tensor, element: ElementFormat, rounding: str = "rn", rand: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Round `x` element-wise onto `element`'s grid (RN or SR, saturating); returns x's dtype.
+
+    rand: int64 tensor of uint32 words, shape of x, required iff rounding == 'sr'.
+
+    With `x = mant * 2^ex` (frexp, 0.5 <= |mant| < 1) the binade is `ex - 1` and
+
+        m = |x| / 2^(max(ex - 1, emin) - mbits) = |mant| * 2^(mbits + 1 - max(emin - ex + 1, 0))
+    """
+    _check_input(x)
+    if not isinstance(element, ElementFormat):
+        raise ValueError(f"element: expected an ElementFormat, got {type(element).__name__}")
+    _check_rounding(rounding, rand, x.shape)
+    if _is_identity(element, x.dtype):
+        # Only inf moves. The fp64 format's saturation value overflows fp32, so fp32 input
+        # keeps its infinities there (the saturated value, cast back to x's dtype).
+        fits = element.max_finite <= torch.finfo(x.dtype).max
+        limit = element.max_finite if fits else math.inf
+        return torch.where(x.isinf(), torch.copysign(torch.full_like(x, limit), x), x)
+
+    k_min, pow2 = _pow2_table(x.dtype)
+    mant, ex = torch.frexp(x)  # inf and NaN come back as mantissa inf / NaN, exponent 0
+    shift_cap = element.mbits + _SHIFT_MARGIN
+    subnormal_shift = (element.emin + 1 - ex).clamp_(min=0, max=shift_cap)
+    m = mant.abs_() * pow2[element.mbits + 1 - k_min - subnormal_shift]
+    if rounding == "rn":
+        steps = torch.round(m)  # ties to even
+    else:
+        steps = torch.floor(m)
+        threshold = torch.floor((m - steps) * float(UINT32_LIMIT))
+        threshold = torch.where(threshold.isfinite(), threshold, 0.0).to(torch.int64)
+        steps += rand < threshold
+    ulp = pow2[ex.clamp_(min=element.emin + 1) - (element.mbits + 1 + k_min)]
+    # steps * ulp overflows to inf only past max_finite; inf and NaN inputs reach here as
+    # steps = inf / NaN, so the clamp saturates inf and keeps NaN.
+    q = steps.mul_(ulp).clamp_(max=element.max_finite)
+    return torch.copysign(q, x)
+
+
+# --------------------------------------------------------------------------------------------
+# bits of one element
+
+
+def _field_layout(element: ElementFormat):
+    exp_mask = (1 << element.ebits) - 1
+    man_mask = (1 << element.mbits) - 1
+    sign_shift = element.ebits + element.mbits
+    if element.has_inf:
+        nan_code = (exp_mask << element.mbits) | (1 << (element.mbits - 1))
+    else:
+        max_significand = int(math.ldexp(element.max_finite, element.mbits - element.emax))
+        max_code = ((element.emax + element.bias) << element.mbits) | (max_significand & man_mask)
+        all_ones = (1 << sign_shift) - 1
+        nan_code = all_ones if max_code < all_ones else None
+    return exp_mask, man_mask, sign_shift, nan_code
+
+
+def encode_bits(values: torch.Tensor, element: ElementFormat) -> torch.Tensor:
+    """Bit codes (int64) of values that lie on `element`'s grid.
+
+    NaN encodes as the format's canonical NaN (ValueError for E2M1, which has none); inf
+    only where the format has one. For 64-bit elements the int64 holds the bit pattern
+    (negative when the sign bit is set). Values off the grid raise ValueError.
+    """
+    if not isinstance(values, torch.Tensor) or not values.is_floating_point():
+        raise ValueError(f"values: expected a floating-point tensor, got {values!r:.60}")
+    if element.bits == 64:
+        return values.to(torch.float64).view(torch.int64).clone()
+    exp_mask, man_mask, sign_shift, nan_code = _field_layout(element)
+    v = values.to(torch.float64)
+    a = v.abs()
+    nan = a.isnan()
+    inf = a.isinf()
+    if nan.any() and nan_code is None:
+        raise ValueError(f"values: {element.name} has no NaN encoding, got NaN")
+    if inf.any() and not element.has_inf:
+        raise ValueError(f"values: {element.name} has no infinity, got inf")
+    a_fin = torch.where(nan | inf, 0.0, a)
+    binade = (torch.frexp(a_fin).exponent.to(torch.int64) - 1).clamp(min=element.emin)
+    significand = a_fin / _pow2(binade - element.mbits)
+    on_grid = (significand == torch.floor(significand)) & (a_fin <= element.max_finite)
+    if not bool(on_grid.all()):
+        bad = values[~on_grid].flatten()[0].item()
+        raise ValueError(f"values: expected values on the {element.name} grid, got {bad!r}")
+    significand = significand.to(torch.int64)
+    normal = significand >> element.mbits > 0
+    exp_field = torch.where(normal, binade + element.bias, 0)
+    codes = (exp_field << element.mbits) | (significand & man_mask)
+    if element.has_inf:
+        codes = torch.where(inf, exp_mask << element.mbits, codes)
+    if nan_code is not None:
+        codes = torch.where(nan, nan_code, codes)
+    sign = torch.signbit(v).to(torch.int64) & ~nan
+    return codes | (sign << sign_shift)
+
+
+def decode_bits(
+    codes: torch.Tensor, element: ElementFormat, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Values of bit codes (any integer dtype) in `element`, as `dtype` (exact)."""
+    if not isinstance(codes, torch.Tensor) or codes.is_floating_point():
+        raise ValueError(f"codes: expected an integer tensor, got {codes!r:.60}")
+    if element.bits == 64:
+        return codes.view(torch.int64).view(torch.float64).to(dtype)
+    c = codes.to(torch.int64)
+    if c.numel() and (int(c.min()) < 0 or int(c.max()) >= 1 << element.bits):
+        raise ValueError(
+            f"codes: expected values in [0, 2^{element.bits}) for {element.name}, got range "
+            f"[{int(c.min())}, {int(c.max())}]"
+        )
+    exp_mask, man_mask, sign_shift, nan_code = _field_layout(element)
+    exp_field = (c >> element.mbits) & exp_mask
+    man_field = c & man_mask
+    normal = exp_field > 0
+    significand = torch.where(normal, man_field | (1 << element.mbits), man_field)
+    binade = torch.where(normal, exp_field - element.bias, element.emin)
+    value = significand.to(torch.float64) * _pow2(binade - element.mbits)
+    magnitude_code = c & ((1 << sign_shift) - 1)
+    if element.has_inf:
+        special = exp_field == exp_mask
+        value = torch.where(special & (man_field == 0), math.inf, value)
+        value = torch.where(special & (man_field != 0), math.nan, value)
+    elif nan_code is not None:
+        value = torch.where(magnitude_code == nan_code, math.nan, value)
+    value = torch.where((c >> sign_shift) > 0, -value, value)
+    return value.to(dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# block formats
+
+
+@dataclass
+class Quantized:
+    """A tensor in a format: element values, block scales, second-level scale (see module doc)."""
+
+    fmt: Format
+    elements: torch.Tensor
+    scales: torch.Tensor | None = None
+    global_scale: torch.Tensor | None = None
+
+
+def _block_scales(amax_b: torch.Tensor, fmt: Format):
+    """(block scale values s_b, second-level scale s_g or None, divisor per block), all fp32."""
+    element = fmt.element
+    if fmt.scale == "e4m3":
+        global_scale = amax_b.amax(dim=(-2, -1))
+        global_scale = global_scale / (E4M3.max_finite * element.max_finite)  # / 2688 for nvfp4
+        den = (element.max_finite * global_scale)[..., None, None]
+        ratio = torch.where(amax_b == 0, 0.0, amax_b / den)
+        s_b = round_to(ratio, E4M3)
+        return s_b, global_scale, s_b * global_scale[..., None, None]
+    if fmt.scale == "e8m0":
+        binade = torch.frexp(amax_b).exponent.to(torch.int64) - 1
+        exponent = (binade - element.emax).clamp(-E8M0_BIAS, E8M0_BIAS)
+        exponent = torch.where(amax_b == 0, -E8M0_BIAS, exponent)
+        s_b = _pow2(exponent).to(torch.float32)
+        return s_b, None, s_b
+    s = amax_b / element.max_finite  # 'fp32': ideal scale, unrounded
+    return s, None, s
+
+
+def quantize(
+    x: torch.Tensor,
+    fmt: Format | str,
+    rounding: str = "rn",
+    rand: torch.Tensor | None = None,
+) -> Quantized:
+    """Quantise a state-shaped `x` ([..., d_v, d_k]) to `fmt`; RN or SR on elements only."""
+    fmt = formats.get(fmt)
+    _check_input(x)
+    _check_rounding(rounding, rand, x.shape)
+    if fmt.block is None:
+        return Quantized(fmt, round_to(x, fmt.element, rounding, rand))
+
+    block = fmt.block_length(x.shape)
+    blocked_shape = (*x.shape[:-1], x.shape[-1] // block, block)
+    xb = x.to(torch.float32).reshape(blocked_shape)  # [..., d_v, n_blocks, block]
+    amax_b = xb.abs().amax(dim=-1)  # [..., d_v, n_blocks]
+    s_b, global_scale, divisor = _block_scales(amax_b, fmt)
+    if rand is not None:
+        rand = rand.reshape(blocked_shape)
+    codes = round_to(xb / divisor[..., None], fmt.element, rounding, rand)
+    zero_block = ((amax_b == 0) | (divisor == 0))[..., None]
+    codes = torch.where(zero_block, 0.0, codes)
+    return Quantized(fmt, codes.reshape(x.shape).to(x.dtype), s_b, global_scale)
+
+
+def dequantize(q: Quantized) -> torch.Tensor:
+    """Values of `q` in the dtype of its elements (x's dtype): `(code * s_b) * s_g` in fp32."""
+    if q.scales is None:
+        return q.elements.clone()
+    shape = q.elements.shape
+    n_blocks = q.scales.shape[-1]
+    codes = q.elements.to(torch.float32).reshape(*shape[:-1], n_blocks, shape[-1] // n_blocks)
+    values = codes * q.scales[..., None]
+    if q.global_scale is not None:
+        values = values * q.global_scale[..., None, None, None]
+    return values.reshape(shape).to(q.elements.dtype)
+
+
+def fake_quantize(
+    x: torch.Tensor, fmt: Format | str, rounding: str = "rn", rand: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`dequantize(quantize(x, fmt, rounding, rand))`: x's values after a store in `fmt`."""
+    return dequantize(quantize(x, fmt, rounding, rand))
+
+
+# --------------------------------------------------------------------------------------------
+# packed storage
+
+
+def _pack_codes(elements: torch.Tensor, element: ElementFormat) -> torch.Tensor:
+    if element.bits == 64:
+        return elements.to(torch.float64).view(torch.uint64).clone()
+    codes = encode_bits(elements, element)
+    if element.bits == 4:
+        if elements.shape[-1] % 2:
+            raise ValueError(
+                f"elements: expected an even last dim for 4-bit codes, got {elements.shape[-1]}"
+            )
+        pairs = codes.reshape(*codes.shape[:-1], -1, 2)
+        codes = pairs[..., 0] | (pairs[..., 1] << 4)  # low nibble = even index
+        return codes.to(torch.uint8)
+    return codes.to(_UNSIGNED[element.bits])
+
+
+def _unpack_codes(codes: torch.Tensor, element: ElementFormat, dtype) -> torch.Tensor:
+    if element.bits == 4:
+        c = codes.to(torch.int64)
+        codes = torch.stack((c & 0xF, c >> 4), dim=-1).flatten(-2)
+    return decode_bits(codes, element, dtype)
+
+
+def pack(q: Quantized) -> dict[str, torch.Tensor]:
+    """Storage tensors of `q` (layout in the module doc)."""
+    fmt = q.fmt
+    packed = {"codes": _pack_codes(q.elements, fmt.element)}
+    if fmt.scale == "e4m3":
+        packed["scales"] = encode_bits(q.scales, E4M3).to(torch.uint8)
+    elif fmt.scale == "e8m0":
+        exponent = torch.frexp(q.scales).exponent.to(torch.int64) - 1
+        packed["scales"] = (exponent + E8M0_BIAS).to(torch.uint8)
+    elif fmt.scale == "fp32":
+        packed["scales"] = q.scales.to(torch.float32).clone()
+    if fmt.two_level:
+        packed["global_scale"] = q.global_scale.to(torch.float32).clone()
+    return packed
+
+
+def _expect(packed: dict, key: str, dtype: torch.dtype, shape) -> torch.Tensor:
+    if key not in packed:
+        raise ValueError(f"packed: expected key {key!r}, got keys {sorted(packed)}")
+    t = packed[key]
+    if t.dtype != dtype or tuple(t.shape) != tuple(shape):
+        raise ValueError(
+            f"packed[{key!r}]: expected {dtype} {list(shape)}, got {t.dtype} {list(t.shape)}"
+        )
+    return t
+
+
+def unpack(packed: dict, fmt: Format | str, shape, dtype: torch.dtype = torch.float32) -> Quantized:
+    """Inverse of `pack` for a tensor of `shape`; elements come back as `dtype`."""
+    fmt = formats.get(fmt)
+    shape = tuple(shape)
+    if dtype not in INPUT_DTYPES:
+        raise ValueError(f"dtype: expected float32 or float64, got {dtype}")
+    element = fmt.element
+    code_shape = (*shape[:-1], shape[-1] // 2) if element.bits == 4 else shape
+    code_dtype = torch.uint8 if element.bits == 4 else _UNSIGNED[element.bits]
+    expected_keys = {"codes"} | ({"scales"} if fmt.scale else set())
+    expected_keys |= {"global_scale"} if fmt.two_level else set()
+    if set(packed) != expected_keys:
+        raise ValueError(f"packed: expected keys {sorted(expected_keys)}, got {sorted(packed)}")
+    codes = _expect(packed, "codes", code_dtype, code_shape)
+    elements = _unpack_codes(codes, element, dtype)
+    if fmt.scale is None:
+        return Quantized(fmt, elements)
+
+    scale_shape = (*shape[:-1], shape[-1] // fmt.block_length(shape))
+    scale_dtype = torch.float32 if fmt.scale == "fp32" else torch.uint8
+    scale_codes = _expect(packed, "scales", scale_dtype, scale_shape)
+    if fmt.scale == "e4m3":
+        scales = decode_bits(scale_codes, E4M3)
+    elif fmt.scale == "e8m0":
+        if scale_codes.numel() and int(scale_codes.max()) > 2 * E8M0_BIAS:
+            raise ValueError(
+                f"packed['scales']: expected E8M0 bytes in [0, 254] (255 is NaN), got "
+                f"{int(scale_codes.max())}"
+            )
+        scales = _pow2(scale_codes.to(torch.int64) - E8M0_BIAS).to(torch.float32)
+    else:
+        scales = scale_codes.clone()
+    global_scale = None
+    if fmt.two_level:
+        global_scale = _expect(packed, "global_scale", torch.float32, shape[:-2]).clone()
+    return Quantized(fmt, elements, scales, global_scale)
+
+
+__all__ = [
+    "Quantized",
+    "decode_bits",
+    "dequantize",
+    "encode_bits",
+    "fake_quantize",
+    "pack",
+    "quantize",
+    "round_to",
+    "unpack",
+]

@@ -1,0 +1,118 @@
+"""Formats as data: element constants agree with the libraries, storage sizes with DESIGN.md."""
+
+import math
+
+import ml_dtypes
+import pytest
+import torch
+
+from lowprec import formats
+from lowprec.formats import BF16, E2M1, E4M3, E5M2, FP16, FP32, FP64, ROW, Format
+
+# element format -> the same format in torch (None: torch has no fp4) and in ml_dtypes
+LIBRARY_TWINS = [
+    (FP64, torch.float64, None),
+    (FP32, torch.float32, None),
+    (FP16, torch.float16, None),
+    (BF16, torch.bfloat16, ml_dtypes.bfloat16),
+    (E4M3, torch.float8_e4m3fn, ml_dtypes.float8_e4m3fn),
+    (E5M2, torch.float8_e5m2, ml_dtypes.float8_e5m2),
+    (E2M1, None, ml_dtypes.float4_e2m1fn),
+]
+
+
+def test_names_are_the_documented_list_and_get_returns_each():
+    assert formats.names() == [
+        "fp64",
+        "fp32",
+        "fp16",
+        "bf16",
+        "fp8_e4m3",
+        "fp8_e5m2",
+        "nvfp4",
+        "mxfp4",
+        "fp8_e4m3_row",
+        "fp4_e2m1_b16",
+    ]
+    for name in formats.names():
+        assert formats.get(name).name == name
+        assert formats.get(formats.get(name)) is formats.get(name)
+
+
+def test_unknown_format_raises_value_error_listing_the_known_names():
+    with pytest.raises(ValueError, match=r"format: expected one of \['fp64'.*got 'fp6'"):
+        formats.get("fp6")
+
+
+@pytest.mark.parametrize("element,torch_dtype,ml_dtype", LIBRARY_TWINS, ids=lambda v: str(v))
+def test_element_constants_match_the_libraries(element, torch_dtype, ml_dtype):
+    """max_finite, smallest normal 2^emin, epsilon 2^-mbits and width agree with finfo."""
+    info = torch.finfo(torch_dtype) if torch_dtype is not None else ml_dtypes.finfo(ml_dtype)
+    assert element.max_finite == float(info.max)
+    assert math.ldexp(1.0, element.emin) == float(info.smallest_normal)
+    assert math.ldexp(1.0, -element.mbits) == float(info.eps)
+    assert element.bits == info.bits
+    assert element.emin == 1 - element.bias
+
+
+def test_only_ieee_style_formats_reserve_the_top_exponent_for_inf():
+    assert [e.name for e in formats.ELEMENTS.values() if e.has_inf] == [
+        "fp64",
+        "fp32",
+        "fp16",
+        "bf16",
+        "e5m2",
+    ]
+
+
+def test_block_formats_are_described_by_their_fields():
+    assert formats.get("nvfp4") == Format("nvfp4", E2M1, 16, "e4m3", True)
+    assert formats.get("mxfp4") == Format("mxfp4", E2M1, 32, "e8m0", False)
+    assert formats.get("fp8_e4m3_row") == Format("fp8_e4m3_row", E4M3, ROW, "fp32", False)
+    assert formats.get("fp4_e2m1_b16") == Format("fp4_e2m1_b16", E2M1, 16, "fp32", False)
+    assert formats.get("fp16") == Format("fp16", FP16)
+
+
+def test_bits_per_element_amortise_block_scales():
+    """nvfp4: 4 + 8/16; mxfp4: 4 + 8/32; fp4_e2m1_b16: 4 + 32/16; unscaled: the element."""
+    expected = {"nvfp4": 4.5, "mxfp4": 4.25, "fp4_e2m1_b16": 6.0, "fp16": 16.0, "fp8_e4m3_row": 8.0}
+    for name, bits in expected.items():
+        assert formats.get(name).bits_per_element == bits
+
+
+def test_nemotron_state_bytes_match_design():
+    """DESIGN.md: one fp32 state [128, 64, 128] is 4 MiB; its NVFP4 read copy is 576 KiB of
+    codes and E4M3 scales, plus 128 fp32 second-level scales (512 B)."""
+    shape = (128, 64, 128)
+    assert formats.get("fp32").nbytes(shape) == 4 * 2**20
+    assert formats.get("fp16").nbytes(shape) == 2 * 2**20
+    assert formats.get("nvfp4").nbytes(shape) == 576 * 2**10 + 128 * 4
+    assert formats.get("mxfp4").nbytes(shape) == 512 * 2**10 + 2**20 // 32
+    assert formats.get("nvfp4").bits_per_element_at(shape) == 4.5 + 32 * 128 / 2**20
+
+
+def test_nbytes_counts_every_scale_for_odd_leading_dims():
+    shape = (3, 5, 7, 64)
+    n = 3 * 5 * 7 * 64
+    assert formats.get("fp8_e4m3_row").nbytes(shape) == n + 3 * 5 * 7 * 4
+    assert formats.get("fp4_e2m1_b16").nbytes(shape) == n // 2 + n // 16 * 4
+    assert formats.get("nvfp4").nbytes(shape) == n // 2 + n // 16 + 3 * 5 * 4
+    assert formats.get("fp8_e5m2").nbytes(shape) == n
+
+
+def test_nbytes_rejects_a_last_dim_that_is_not_a_multiple_of_the_block():
+    with pytest.raises(ValueError, match=r"d_k.*block 32.*got d_k=40"):
+        formats.get("mxfp4").nbytes((6, 5, 40))
+    with pytest.raises(ValueError, match=r"expects \[..., d_v, d_k\]"):
+        formats.get("nvfp4").nbytes((64,))
+
+
+def test_inconsistent_format_fields_raise_value_errors_naming_them():
+    with pytest.raises(ValueError, match="scale: expected one of"):
+        Format("x", E2M1, 16, "e5m2")
+    with pytest.raises(ValueError, match="block and scale"):
+        Format("x", E2M1, 16, None)
+    with pytest.raises(ValueError, match="block: expected a positive length"):
+        Format("x", E2M1, 0, "fp32")
+    with pytest.raises(ValueError, match="two_level"):
+        Format("x", E2M1, 32, "e8m0", True)

@@ -1,0 +1,201 @@
+"""Philox-4x32-10 words (README.md "Random words"): known answers, Triton equality, offsets."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lowprec import philox
+
+MASK32 = 0xFFFFFFFF
+REPO = Path(__file__).resolve().parents[1]
+
+# Random123 kat_vectors, "philox4x32 10" lines: counter[4], key[2] -> output[4]
+KNOWN_ANSWERS = [
+    ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    ((MASK32,) * 4, (MASK32,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+    (
+        (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344),
+        (0xA4093822, 0x299F31D0),
+        (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1),
+    ),
+]
+
+
+def philox_scalar(counter, key, rounds=10):
+    """An independent Philox-4x32 on Python ints (Salmon et al. 2011, Figure 2)."""
+    c0, c1, c2, c3 = counter
+    k0, k1 = key
+    for _ in range(rounds):
+        p0, p1 = 0xD2511F53 * c0, 0xCD9E8D57 * c2
+        c0, c1, c2, c3 = (p1 >> 32) ^ c1 ^ k0, p1 & MASK32, (p0 >> 32) ^ c3 ^ k1, p0 & MASK32
+        k0, k1 = (k0 + 0x9E3779B9) & MASK32, (k1 + 0xBB67AE85) & MASK32
+    return c0, c1, c2, c3
+
+
+def as_int64(pattern: int) -> int:
+    """A 64-bit pattern as the int64 holding it (two's complement)."""
+    return pattern - (1 << 64) if pattern >= 1 << 63 else pattern
+
+
+@pytest.mark.parametrize("counter,key,expected", KNOWN_ANSWERS, ids=["zeros", "ones", "pi"])
+def test_philox4x32_10_matches_the_random123_known_answers(counter, key, expected):
+    assert philox_scalar(counter, key) == expected
+    words = philox.philox4x32(*counter, *key)
+    assert tuple(int(w) for w in words) == expected
+
+
+def test_philox4x32_is_vectorised_over_broadcast_tensors():
+    counters = torch.tensor(
+        [[0, 0, 0, 0], [MASK32] * 4, [0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344]]
+    )
+    keys = torch.tensor([[0, 0], [MASK32, MASK32], [0xA4093822, 0x299F31D0]])
+    words = philox.philox4x32(*counters.T, *keys.T)
+    assert torch.stack(words, dim=1).tolist() == [list(e) for _, _, e in KNOWN_ANSWERS]
+    keys_only = philox.philox4x32(0, 0, 0, 0, torch.tensor([0, MASK32]), 7)[0].tolist()
+    assert keys_only == [philox_scalar((0, 0, 0, 0), (k, 7))[0] for k in (0, MASK32)]
+
+
+def test_randint_uses_seed_as_key_and_offset_as_the_low_counter_words():
+    """key (seed lo, seed hi), counter (offset lo, offset hi, 0, 0), first word: checked
+    against the scalar reference for seeds and offsets with non-zero high words."""
+    g = torch.Generator().manual_seed(71)
+    seeds = [0, 1, 2**31 - 1, 2**32 + 7, 0xDEADBEEF_12345678, 2**64 - 1]
+    offsets = torch.randint(-(2**63), 2**63 - 1, (37,), generator=g)
+    offsets[:3] = torch.tensor([0, 2**32 - 1, -1])
+    for seed in seeds:
+        ours = philox.randint(seed, offsets).tolist()
+        pattern = [o & ((1 << 64) - 1) for o in offsets.tolist()]
+        expected = [
+            philox_scalar((p & MASK32, p >> 32, 0, 0), (seed & MASK32, seed >> 32))[0]
+            for p in pattern
+        ]
+        assert ours == expected, seed
+
+
+def test_random_words_have_balanced_bits():
+    """2^16 words: each bit is set with frequency 1/2 within 5 binomial std (1/512)."""
+    words = philox.random_words(5, 3, 11, (256, 256))
+    bits = (words[..., None] >> torch.arange(32)) & 1
+    assert bool(((bits.double().mean(dim=(0, 1)) - 0.5).abs() < 5 / 512).all())
+
+
+TRITON_SCRIPT = r"""
+import json, sys
+import torch
+import triton
+import triton.language as tl
+
+@triton.jit
+def words_kernel(offset_ptr, out_ptr, n, seed, BLOCK: tl.constexpr):
+    o = tl.arange(0, BLOCK)
+    mask = o < n
+    offset = tl.load(offset_ptr + o, mask=mask, other=0)
+    word = tl.randint(seed, offset)
+    tl.store(out_ptr + o, word.to(tl.int32, bitcast=True), mask=mask)
+
+request = json.loads(sys.stdin.read())
+offsets = torch.tensor(request["offsets"], dtype=torch.int64)
+result = {}
+for seed in request["seeds"]:
+    out = torch.empty(offsets.numel(), dtype=torch.int32)
+    block = triton.next_power_of_2(offsets.numel())
+    words_kernel[(1,)](offsets, out, offsets.numel(), seed, BLOCK=block)
+    result[str(seed)] = (out.to(torch.int64) & 0xFFFFFFFF).tolist()
+print(json.dumps(result))
+"""
+
+
+def test_words_equal_triton_randint_under_the_interpreter():
+    """tl.randint(seed, offset) for int64 offsets with high words (slots >= 2^19 set the top
+    bit), run by a tiny kernel with TRITON_INTERPRET=1 in a subprocess so that the variable
+    does not leak into other tests."""
+    pytest.importorskip("triton")
+    slots = torch.tensor([0, 1, 2**19 - 1, 2**19, 2**20 - 1])
+    flushes = torch.tensor([0, 7, 2**20 - 1, 3, 2**20 - 1])
+    offsets = philox.state_offsets(slots, flushes, (2, 3, 5)).flatten()
+    g = torch.Generator().manual_seed(73)
+    extra = torch.randint(-(2**63), 2**63 - 1, (46,), generator=g)
+    offsets = torch.cat([offsets, extra, torch.tensor([0, 1, -1, 2**32])])
+    seeds = [0, 1234, 2**32 + 99, 0x0123_4567_89AB_CDEF, 2**64 - 3]
+    request = json.dumps({"offsets": offsets.tolist(), "seeds": seeds})
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    run = subprocess.run(
+        [sys.executable, "-c", TRITON_SCRIPT],
+        input=request,
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    triton_words = json.loads(run.stdout)
+    for seed in seeds:
+        assert philox.randint(seed, offsets).tolist() == triton_words[str(seed)], seed
+
+
+# --------------------------------------------------------------------------------------------
+# offsets of state elements
+
+
+def test_state_offsets_pack_slot_flush_and_element_into_bit_fields():
+    offsets = philox.state_offsets(3, 7, (2, 3, 4))
+    expected = [(3 << 44) | (7 << 24) | e for e in range(24)]
+    assert offsets.shape == (2, 3, 4) and offsets.flatten().tolist() == expected
+
+
+def test_state_offsets_of_top_slots_are_the_64_bit_pattern_in_int64():
+    top = (1 << 20) - 1
+    offsets = philox.state_offsets(torch.tensor([2**19, top]), top, (3,))
+    expected = [[as_int64((s << 44) | (top << 24) | e) for e in range(3)] for s in (2**19, top)]
+    assert offsets.tolist() == expected
+    assert offsets[1, 2] == -(2**24) + 2  # all ones above bit 24, element 2
+
+
+def test_state_offsets_broadcast_slot_and_flush_over_the_leading_dim():
+    slots, flushes = torch.tensor([0, 4, 9]), torch.tensor([1, 1, 2])
+    offsets = philox.state_offsets(slots, flushes, (5, 6))
+    assert offsets.shape == (3, 5, 6)
+    for i in range(3):
+        assert torch.equal(offsets[i], philox.state_offsets(int(slots[i]), int(flushes[i]), (5, 6)))
+    assert philox.state_offsets(slots, 0, (5, 6)).shape == (3, 5, 6)
+
+
+def test_offsets_of_distinct_slots_flushes_and_elements_never_collide():
+    slots = torch.tensor([0, 1, 2**19, 2**20 - 1]).repeat_interleave(3)
+    flushes = torch.tensor([0, 1, 2**20 - 1]).repeat(4)
+    offsets = philox.state_offsets(slots, flushes, (7, 9))
+    assert offsets.unique().numel() == offsets.numel()
+
+
+def test_state_offsets_validate_the_field_ranges():
+    with pytest.raises(ValueError, match=r"slot: expected values in \[0, 2\^20\), got range"):
+        philox.state_offsets(2**20, 0, (4,))
+    with pytest.raises(ValueError, match=r"flush: expected values in \[0, 2\^20\)"):
+        philox.state_offsets(0, torch.tensor([3, -1]), (4,))
+    with pytest.raises(ValueError, match="shape: expected at most 2\\^24 elements"):
+        philox.state_offsets(0, 0, (4097, 4096))
+    with pytest.raises(ValueError, match="slot: expected an int or integer tensor"):
+        philox.state_offsets(torch.tensor([1.0]), 0, (4,))
+    with pytest.raises(ValueError, match=r"seed: expected an int in \[0, 2\^64\)"):
+        philox.random_words(-1, 0, 0, (4,))
+    with pytest.raises(ValueError, match="offset: expected an int64 tensor"):
+        philox.randint(0, torch.zeros(3, dtype=torch.int32))
+    with pytest.raises(ValueError, match="c0: expected uint32 values"):
+        philox.philox4x32(2**32, 0, 0, 0, 0, 0)
+
+
+def test_random_words_replay_and_never_share_words_across_flushes():
+    shape = (3, 4, 8)
+    first = philox.random_words(77, torch.arange(2), torch.tensor([5, 5]), shape)
+    assert torch.equal(first, philox.randint(77, philox.state_offsets(torch.arange(2), 5, shape)))
+    assert torch.equal(first, philox.random_words(77, torch.arange(2), 5, shape))  # replay
+    later = philox.random_words(77, torch.arange(2), 6, shape)
+    assert not bool((first == later).all(dim=(1, 2, 3)).any())
+    assert not torch.equal(first[0], first[1])  # two slots, same flush
+    assert not torch.equal(first, philox.random_words(78, torch.arange(2), 5, shape))
