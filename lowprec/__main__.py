@@ -1,0 +1,48 @@
+"""`python -m lowprec`: quantise one random decode state with every format and print its error
+and storage bytes: a thirty-second tour of what the formats cost and keep.
+
+The state is one Nemotron-3-Super Mamba-2 layer's state for one sequence (128 heads x 64 x 128),
+drawn like a long-memory state (Gaussian with a per-row spread of magnitudes), fixed seed.
+"""
+
+import argparse
+
+import torch
+
+from lowprec import formats
+from lowprec.metrics import rel_err
+from lowprec.philox import random_words
+from lowprec.quantize import fake_quantize
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m lowprec", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--heads", type=int, default=128, help="heads (default 128)")
+    parser.add_argument("--dv", type=int, default=64, help="headdim d_v (default 64)")
+    parser.add_argument("--dk", type=int, default=128, help="dstate d_k (default 128)")
+    parser.add_argument("--seed", type=int, default=0, help="seed (default 0)")
+    args = parser.parse_args(argv)
+    if min(args.heads, args.dv) < 1 or args.dk < 32 or args.dk % 32:
+        parser.error(f"--dk must be a positive multiple of 32 (got {args.dk}); --heads, --dv >= 1")
+
+    g = torch.Generator().manual_seed(args.seed)
+    shape = (args.heads, args.dv, args.dk)
+    row_scale = torch.exp(torch.randn(args.heads, args.dv, 1, generator=g, dtype=torch.float64))
+    state = torch.randn(*shape, generator=g, dtype=torch.float64) * row_scale
+    words = random_words(args.seed, 0, 0, shape)
+    print(f"one state {args.heads} x {args.dv} x {args.dk} "
+          f"(fp32: {formats.get('fp32').nbytes(shape):,} bytes)")
+    print(f"{'format':>14} {'bytes':>11} {'vs fp32':>8} {'rel err RN':>11} {'rel err SR':>11}")
+    for name in formats.names():
+        fmt = formats.get(name)
+        x = state if name == "fp64" else state.float()
+        err = [rel_err(fake_quantize(x, fmt, r, words if r == "sr" else None).double(),
+                       state, dims=(0, 1, 2)).item() for r in ("rn", "sr")]
+        nbytes = fmt.nbytes(shape)
+        ratio = formats.get("fp32").nbytes(shape) / nbytes
+        print(f"{name:>14} {nbytes:>11,} {ratio:>7.2f}x {err[0]:>11.3e} {err[1]:>11.3e}")
+
+
+if __name__ == "__main__":
+    main()
