@@ -1,0 +1,234 @@
+"""Triton rounding, block quantisation and random words equal lowprec's, bit for bit.
+
+`emulation.numerics` computes in fp32 registers what `lowprec.quantize` computes in PyTorch; for
+the same fp32 input and random words the results must be identical (atol = rtol = 0), on the
+special values of each format (zeros, subnormals, ties, the largest finite value and past it,
+inf, NaN) and on random values across many binades, for RN and SR, element and block formats.
+
+Runs under TRITON_INTERPRET=1 on the CPU (set below before triton is imported) and compiled on
+a GPU (the `gpu` variants).
+"""
+
+import math
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # Triton cannot compile for a CPU: interpret (before import)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from emulation import numerics  # noqa: E402
+from lowprec import formats, philox  # noqa: E402
+from lowprec import quantize as lq  # noqa: E402
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICES = [
+    pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRETED, reason="compiled Triton: GPU")),
+    pytest.param("cuda", marks=pytest.mark.gpu),
+]
+ELEMENTS = ["fp32", "fp16", "bf16", "e4m3", "e5m2", "e2m1"]
+KERNEL_FORMATS = [name for name in formats.names() if name != "fp64"]
+BLOCK_FORMATS = ["nvfp4", "mxfp4", "fp8_e4m3_row", "fp4_e2m1_b16"]
+
+
+def assert_bits_equal(actual: torch.Tensor, expected: torch.Tensor, what: str):
+    """Same fp32 bits, NaN matching any NaN; on failure the first mismatches in hex."""
+    actual, expected = actual.cpu(), expected.cpu()
+    a_bits = actual.view(torch.int32)
+    e_bits = expected.view(torch.int32)
+    same = (a_bits == e_bits) | (actual.isnan() & expected.isnan())
+    if not bool(same.all()):
+        bad = (~same).nonzero()[:4]
+        lines = []
+        for i in (tuple(j) for j in bad.tolist()):
+            a_hex = a_bits[i].item() & 0xFFFFFFFF
+            e_hex = e_bits[i].item() & 0xFFFFFFFF
+            lines.append(f"  at {list(i)}: {actual[i].item()!r} (0x{a_hex:08x}) vs "
+                         f"{expected[i].item()!r} (0x{e_hex:08x})")
+        pytest.fail(f"{what}: {int((~same).sum())} of {same.numel()} differ\n" + "\n".join(lines))
+
+
+def special_values(element: formats.ElementFormat) -> torch.Tensor:
+    """Values where rounding has a decision to make, both signs."""
+    tiny = math.ldexp(1.0, element.emin - element.mbits)  # smallest subnormal
+    ulp1 = math.ldexp(1.0, -element.mbits)  # spacing at 1
+    top = element.max_finite
+    top_ulp = math.ldexp(1.0, element.emax - element.mbits)
+    values = [
+        0.0, tiny, tiny / 2, tiny / 4, 0.75 * tiny, 1.5 * tiny, 2.5 * tiny,
+        math.ldexp(1.0, element.emin), math.ldexp(1.0, element.emin) - tiny / 2,
+        1.0, 1.0 + ulp1 / 2, 1.0 + 1.5 * ulp1, 1.0 + ulp1 / 4, 1.0 + 0.75 * ulp1, 2.0 - ulp1 / 4,
+        top, top + top_ulp / 2, top + top_ulp / 4, 2 * top, 1e30,
+        math.ldexp(1.0, -149), math.ldexp(1.0, -140), math.ldexp(1.0, -126),  # fp32 subnormals
+        3.4028234663852886e38, math.inf, math.nan,
+    ]
+    v = torch.tensor(values, dtype=torch.float64).clamp(max=3.4028234663852886e38)
+    v = torch.where(torch.tensor(values).isinf(), math.inf, v)
+    v = torch.where(torch.tensor(values).isnan(), math.nan, v).float()
+    return torch.cat([v, -v])
+
+
+def random_values(n: int, seed: int) -> torch.Tensor:
+    """fp32 values spread over 2^-40 .. 2^40, both signs (never all zero)."""
+    gen = torch.Generator().manual_seed(seed)
+    mantissa = torch.rand(n, generator=gen) + 0.5
+    exponent = torch.randint(-40, 41, (n,), generator=gen).float()
+    sign = torch.where(torch.rand(n, generator=gen) < 0.5, -1.0, 1.0)
+    return sign * mantissa * torch.exp2(exponent)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rounding", ["rn", "sr"])
+@pytest.mark.parametrize("element_name", ELEMENTS)
+def test_round_element_equals_lowprec(element_name, rounding, device):
+    """round_element == lowprec round_to, bit for bit, on special and random values."""
+    element = formats.ELEMENTS[element_name]
+    x = torch.cat([special_values(element), random_values(2001, seed=len(element_name))])
+    rand = philox.random_words(11, 3, 7, x.shape) if rounding == "sr" else None
+    expected = lq.round_to(x, element, rounding, rand)
+    actual = numerics.round_to(
+        x.to(device), element, rounding, None if rand is None else rand.to(device)
+    )
+    assert_bits_equal(actual, expected, f"{element_name} {rounding}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("element_name", ["fp16", "bf16", "e4m3", "e5m2", "e2m1"])
+def test_sr_rounds_up_iff_word_below_threshold(element_name, device):
+    """SR at 1 + ulp/4: threshold floor(0.25 * 2^32) = 2^30, so word 2^30 - 1 rounds up to
+    1 + ulp and word 2^30 stays at 1 (the words around the edge of the discarded fraction);
+    at 1 + 3 ulp/4 the threshold is 3 * 2^30 and the word 2^32 - 1 never rounds up."""
+    element = formats.ELEMENTS[element_name]
+    ulp = math.ldexp(1.0, -element.mbits)
+    x = torch.tensor([1 + ulp / 4, 1 + ulp / 4, -(1 + ulp / 4), 1 + 0.75 * ulp, 1 + 0.75 * ulp])
+    words = torch.tensor([2**30 - 1, 2**30, 2**30 - 1, 3 * 2**30 - 1, 2**32 - 1])
+    expected = torch.tensor([1 + ulp, 1.0, -(1 + ulp), 1 + ulp, 1.0])
+    actual = numerics.round_to(x.to(device), element, "sr", words.to(device))
+    assert_bits_equal(actual, expected, f"{element_name} SR edges")
+    assert_bits_equal(actual, lq.round_to(x, element, "sr", words), f"{element_name} vs lowprec")
+
+
+def block_test_states(dk: int, seed: int) -> torch.Tensor:
+    """Three [5, dk] states: random magnitudes per row (2^-20 .. 2^20), a zero block, a block
+    whose amax is 1000x its other values, a state of fp32 subnormals (s_g underflows to 0)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(3, 5, dk, generator=gen)
+    x *= torch.exp2(torch.randint(-20, 21, (3, 5, 1), generator=gen).float())
+    x[0, 1, :16] = 0.0
+    x[0, 1, 3] = -0.0
+    x[0, 2, 16] = 1000.0 * x[0, 2, 17:32].abs().max()
+    x[1, 3] = x[1, 3] * 2.0**-60  # tiny row inside an ordinary state: zero or small scales
+    x[2] = x[2].sign() * torch.ldexp(torch.ones(5, dk), torch.full((5, dk), -140))
+    return x
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rounding", ["rn", "sr"])
+@pytest.mark.parametrize("fmt", KERNEL_FORMATS)
+def test_quantize_tile_equals_lowprec(fmt, rounding, device):
+    """quantize_tile == lowprec quantize: dequantised values, element codes, block scales and
+    the second-level scale, bit for bit (dstate 32, headdim 5; and dstate 48 where the block
+    divides it, which pads the tile to 64)."""
+    for dk in (32, 48):
+        if formats.get(fmt).block not in (None, formats.ROW) and dk % formats.get(fmt).block:
+            continue
+        x = block_test_states(dk, seed=dk)
+        rand = None
+        if rounding == "sr":
+            rand = philox.random_words(5, torch.arange(3), 2, x.shape[1:])
+        expected = lq.quantize(x, fmt, rounding, rand)
+        actual = numerics.quantize(
+            x.to(device), fmt, rounding, None if rand is None else rand.to(device)
+        )
+        what = f"{fmt} {rounding} dk={dk}"
+        assert_bits_equal(lq.dequantize(actual), lq.dequantize(expected), what + " values")
+        assert_bits_equal(actual.elements, expected.elements, what + " codes")
+        if expected.scales is not None:
+            assert_bits_equal(actual.scales, expected.scales, what + " scales")
+        if expected.global_scale is not None:
+            assert_bits_equal(actual.global_scale, expected.global_scale, what + " s_g")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_nvfp4_worked_example(device):
+    """s_g = 2688 / 2688 = 1. Row 0 block 1: amax 500, s_b = RN_e4m3(83.3) = 80, 500 / 80 =
+    6.25 -> 6, 60 / 80 = 0.75 -> 1 (tie to even). Row 1 block 1: amax 0.01, s_b = 2^-9 (E4M3
+    subnormal), 0.0049 / 2^-9 = 2.51 -> 3. Row 2 block 0: amax 0.0005, s_b = RN(0.000083) = 0:
+    a zero block. Packed bytes equal lowprec.pack's."""
+    x = torch.zeros(3, 32)
+    x[0, :4] = torch.tensor([2688.0, 1000.0, 700.0, -3.0])
+    x[0, 16:21] = torch.tensor([500.0, 250.0, -130.0, 20.0, 60.0])
+    x[1, 16:19] = torch.tensor([0.01, 0.0049, -0.0005])
+    x[2, :2] = torch.tensor([0.0005, -0.0002])
+    x[2, 16:18] = torch.tensor([-448.0, 1.0])
+    q = numerics.quantize(x.to(device), "nvfp4")
+    scales = q.scales.cpu()
+    assert q.global_scale.item() == 1.0
+    assert scales[0].tolist() == [448.0, 80.0]
+    assert scales[1].tolist() == [0.0, 2.0**-9]
+    assert scales[2].tolist() == [0.0, 72.0]
+    assert q.elements[0, 16:21].tolist() == [6.0, 3.0, -1.5, 0.0, 1.0]
+    assert q.elements[1, 16:19].tolist() == [6.0, 3.0, -0.5]
+    packed = lq.pack(lq.Quantized(q.fmt, q.elements.cpu(), scales, q.global_scale.cpu()))
+    expected = lq.pack(lq.quantize(x, "nvfp4"))
+    for key in expected:
+        assert torch.equal(packed[key], expected[key]), key
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+def test_codes_of_recovers_codes_from_containers(fmt, device):
+    """The fp32 container (code * s_b) * s_g with its scales gives back lowprec's codes, so
+    packing the emulation's copy gives lowprec's bytes."""
+    x = block_test_states(32, seed=3)[:2]
+    expected = lq.quantize(x, fmt)
+    values = lq.dequantize(expected)
+    codes = numerics.codes_of(values.to(device), fmt, expected.scales.to(device),
+                              None if expected.global_scale is None
+                              else expected.global_scale.to(device))
+    assert_bits_equal(codes, expected.elements, fmt)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "seed, slot, flush",
+    [(0, 0, 0), (12345, 3, 7), (2**32 + 17, 2**20 - 1, 2**20 - 1), (2**63 + 5, 1, 2)],
+    ids=["zero", "small", "max-counters", "seed>=2^63"],
+)
+def test_random_words_equal_lowprec_philox(seed, slot, flush, device):
+    """tl.randint at (slot << 44) | (flush << 24) | element == lowprec.philox.random_words."""
+    n = 3000
+    words = numerics.random_words_host(seed, slot, flush, n, device=device)
+    assert torch.equal(words.cpu(), philox.random_words(seed, slot, flush, [n]))
+
+
+def test_format_spec_is_format_data():
+    """The kernel data of a format is read from lowprec.formats (no table of names here)."""
+    nvfp4 = numerics.format_spec("nvfp4")
+    assert nvfp4.element == numerics.element_spec(formats.E2M1)
+    assert (nvfp4.block, nvfp4.two_level, nvfp4.pow2_scale) == (16, True, False)
+    assert nvfp4.scale.max_finite == 448.0
+    assert numerics.format_spec("mxfp4").pow2_scale
+    assert numerics.format_spec("fp8_e4m3_row").block == formats.ROW
+    assert numerics.element_spec(formats.FP32).identity
+    assert not numerics.element_spec(formats.FP16).identity
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda: numerics.round_to(torch.zeros(3, dtype=torch.float64), formats.FP16), "x:"),
+        (lambda: numerics.round_to(torch.zeros(3), formats.FP64), "element:"),
+        (lambda: numerics.round_to(torch.zeros(3), formats.FP16, "sr"), "rand:"),
+        (lambda: numerics.round_to(torch.zeros(3), formats.FP16, "up"), "rounding:"),
+        (lambda: numerics.quantize(torch.zeros(4, 40), "nvfp4"), "fmt:.*divisible by 16"),
+        (lambda: numerics.quantize(torch.zeros(4, 32), "fp64"), "fmt:.*32-bit"),
+        (lambda: numerics.quantize(torch.zeros(32), "nvfp4"), "x:.*dv, dk"),
+    ],
+    ids=["dtype", "fp64-element", "sr-without-words", "rounding", "block", "fp64", "ndim"],
+)
+def test_invalid_inputs_raise_value_error(call, match):
+    """Bad inputs are refused with a ValueError naming the argument."""
+    with pytest.raises(ValueError, match=match):
+        call()

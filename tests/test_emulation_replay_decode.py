@@ -1,0 +1,427 @@
+"""The Triton ReplaySSM decode step equals lowprec's, stored copies bit for bit.
+
+For the same cache and token the emulation's step must give:
+- outputs within the fp32 bound below of `lowprec.mamba2.mamba2_replay_output` (non-flush
+  slots, read copy + ring) or of the flush output (flush slots, unrounded new state);
+- at flush slots an unrounded new state (`debug_state`) within the same bound of
+  `lowprec.mamba2.mamba2_replay_flush`, and stored copies equal, bit for bit, to lowprec applied
+  to that state: hi = `policies.round_state(S, hi_format, hi_rounding, seed, slot, flushes)`,
+  lo = `quantize(S, lo_format)` (values, block scales, second-level scale);
+- untouched copies at non-flush slots, the record appended to the ring, cursors and flush
+  counters moved as DESIGN.md says.
+Slots sit at different ring positions in one call; outputs are pre-filled with NaN so that an
+unwritten element fails. Over several windows each step is checked against lowprec applied to
+the emulation's own cache (so the bit-exact check holds every window), and the drift of the
+whole run is checked separately against the fp64 recurrence.
+
+fp32 bound (u = 2^-24). An output or state element is a sum of n <= dstate + Lcap + 2 terms,
+each a product of at most four fp32-rounded factors, one of them a decay exp(A * cumsum(dt))
+whose fp32 exp and cumsum (<= Lcap terms) and softplus add a few u relative. Higham's
+|fl(sum) - sum| <= gamma_n sum|terms| with gamma_n ~ n u, plus ~(Lcap + 8) u per term for the
+factors, gives |err| <= (dstate + 2 Lcap + 16) u * sum|terms|, where sum|terms| is the same
+replay evaluated on absolute values (decays are positive). The tests allow twice that.
+"""
+
+import math
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():  # Triton cannot compile for a CPU: interpret (before import)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from emulation.replay_decode import ReplayCache, mamba2_replay_decode  # noqa: E402
+from lowprec import formats, mamba2  # noqa: E402
+from lowprec import quantize as lq  # noqa: E402
+from lowprec.policies import round_state  # noqa: E402
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICES = [
+    pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRETED, reason="compiled Triton: GPU")),
+    pytest.param("cuda", marks=pytest.mark.gpu),
+]
+U = 2.0**-24
+F64 = torch.float64
+SHAPES = {  # odd sizes: headdim 5 and 7, dstate 48 (not a power of two), 1..3 groups
+    "h3-p5-n32-g1": dict(nheads=3, headdim=5, dstate=32, ngroups=1),
+    "h3-p7-n48-g3": dict(nheads=3, headdim=7, dstate=48, ngroups=3),
+    "h4-p8-n32-g2": dict(nheads=4, headdim=8, dstate=32, ngroups=2),
+}
+WINDOW = 4
+SEED = 2**33 + 7  # above 2^32: the key's high word is used
+
+
+# --------------------------------------------------------------------------------------------
+# helpers
+
+
+def make_params(gen, nheads):
+    """A [h] in [-1.2, -0.2], D [h], dt_bias [h] (fp32)."""
+    return dict(
+        A=-(torch.rand(nheads, generator=gen) + 0.2),
+        D=torch.randn(nheads, generator=gen),
+        dt_bias=0.3 * torch.randn(nheads, generator=gen),
+    )
+
+
+def make_token(gen, slots, shape, act_dtype, device):
+    """One token's x, dt (raw), B, C, z for every slot."""
+    h, p, n, g = shape["nheads"], shape["headdim"], shape["dstate"], shape["ngroups"]
+    t = dict(
+        x=torch.randn(slots, h, p, generator=gen).to(act_dtype),
+        dt=torch.randn(slots, h, generator=gen) - 1.0,
+        B=torch.randn(slots, g, n, generator=gen).to(act_dtype),
+        C=torch.randn(slots, g, n, generator=gen).to(act_dtype),
+        z=torch.randn(slots, h, p, generator=gen).to(act_dtype),
+    )
+    return {k: v.to(device) for k, v in t.items()}
+
+
+def filled_cache(gen, slots, shape, hi, lo, act_dtype, device, cursors, flushes,
+                 window=WINDOW):
+    """A cache with random copies (exactly representable in their formats), records at ring
+    positions < cursors and NaN past them, and the given counters."""
+    h, p, n, g = shape["nheads"], shape["headdim"], shape["dstate"], shape["ngroups"]
+    cache = ReplayCache.empty(
+        slots, h, p, n, ngroups=g, window=window, hi_format=hi[0], hi_rounding=hi[1],
+        lo_format=lo, seed=SEED, act_dtype=act_dtype, device=device,
+    )
+    state = torch.randn(slots, h, p, n, generator=gen)
+    cache.hi.copy_(lq.round_to(state, formats.get(hi[0]).element))
+    q = lq.quantize(state + 0.1 * torch.randn(state.shape, generator=gen), lo)
+    cache.lo.copy_(lq.dequantize(q))
+    if q.scales is not None:
+        cache.lo_scales.copy_(q.scales)
+    if q.global_scale is not None:
+        cache.lo_global.copy_(q.global_scale)
+    lcap = cache.ring_x.shape[2]
+    held = torch.arange(lcap)[None, :] < torch.tensor(cursors)[:, None]  # [slots, Lcap]
+    ring_x = torch.randn(slots, h, lcap, p, generator=gen)
+    ring_B = torch.randn(slots, g, lcap, n, generator=gen)
+    ring_dt = F.softplus(torch.randn(slots, h, lcap, generator=gen) - 1.0)
+    cache.ring_x.copy_(torch.where(held[:, None, :, None], ring_x, math.nan).to(act_dtype))
+    cache.ring_B.copy_(torch.where(held[:, None, :, None], ring_B, math.nan).to(act_dtype))
+    cache.ring_dt.copy_(torch.where(held[:, None, :], ring_dt, math.nan))
+    cache.cursors.copy_(torch.tensor(cursors, dtype=torch.int32))
+    cache.flushes.copy_(torch.tensor(flushes, dtype=torch.int32))
+    return cache
+
+
+def snapshot(cache):
+    """The cache's tensors on the CPU (fp64 for the numeric ones), before a step."""
+    out = {k: getattr(cache, k).detach().cpu().clone() for k in (
+        "hi", "lo", "lo_scales", "lo_global", "ring_x", "ring_dt", "ring_B", "cursors",
+        "flushes") if getattr(cache, k) is not None}
+    return out
+
+
+def reference_step(before, token, params, window):
+    """lowprec's step on the snapshot `before`: (y, S_new, y bound, S bound, is_flush, ring).
+
+    Bounds are (dstate + 2 Lcap + 16) u * sum|terms| (module docstring), times 2.
+    """
+    d = {k: v.detach().cpu().double() for k, v in token.items()}
+    p = {k: v.detach().cpu().double() for k, v in params.items()}
+    slots, nheads = d["x"].shape[:2]
+    lcap, dstate = before["ring_B"].shape[2:]
+    cur = before["cursors"].long()
+    dt = mamba2.mamba2_process_dt(d["dt"], p["dt_bias"])
+    s_idx, h_idx = torch.arange(slots)[:, None], torch.arange(nheads)[None, :]
+    g_idx = torch.arange(before["ring_B"].shape[1])[None, :]
+    ring_x, ring_dt, ring_B = (before[k].double().clone() for k in ("ring_x", "ring_dt", "ring_B"))
+    ring_x[s_idx, h_idx, cur[:, None]] = d["x"]
+    ring_dt[s_idx, h_idx, cur[:, None]] = dt
+    ring_B[s_idx, g_idx, cur[:, None]] = d["B"]
+    held = cur + 1
+    is_flush = held == window
+    gate = F.silu(d["z"])
+    args = (held, d["C"], d["x"], p["A"], p["D"], d["z"])
+    y_out = mamba2.mamba2_replay_output(before["lo"].double(), ring_x, ring_dt, ring_B, *args)
+    abs_args = (held, d["C"].abs(), d["x"].abs(), p["A"], p["D"].abs(), None)
+    mag_out = mamba2.mamba2_replay_output(
+        before["lo"].double().abs(), ring_x.abs(), ring_dt, ring_B.abs(), *abs_args
+    ) * gate.abs()
+    S_new = mamba2.mamba2_replay_flush(before["hi"].double(), ring_x, ring_dt, ring_B, held,
+                                       p["A"])
+    mag_S = mamba2.mamba2_replay_flush(before["hi"].double().abs(), ring_x.abs(), ring_dt,
+                                       ring_B.abs(), held, p["A"])
+    C_h = d["C"].repeat_interleave(nheads // d["C"].shape[1], dim=1)
+    Dx = p["D"][None, :, None] * d["x"]
+    y_flush = (torch.einsum("bhvk,bhk->bhv", S_new, C_h) + Dx) * gate
+    mag_flush = (torch.einsum("bhvk,bhk->bhv", mag_S, C_h.abs()) + Dx.abs()) * gate.abs()
+    flush3 = is_flush[:, None, None]
+    y = torch.where(flush3, y_flush, y_out)
+    factor = 2 * (dstate + 2 * lcap + 16) * U
+    y_bound = factor * torch.where(flush3, mag_flush, mag_out)
+    return y, S_new, y_bound, factor * mag_S, is_flush, (ring_x, ring_dt, ring_B)
+
+
+def assert_within(actual, expected, bound, what):
+    """|actual - expected| <= bound elementwise; on failure the worst element and NaN count."""
+    actual = actual.detach().cpu().double()
+    err = (actual - expected).abs()
+    ok = err <= bound
+    if not bool(ok.all()):
+        excess = torch.where(ok, 0.0, err / bound.clamp(min=1e-300))
+        excess = torch.where(excess.isnan(), math.inf, excess)
+        i = tuple(int(j) for j in torch.unravel_index(excess.argmax(), excess.shape))
+        pytest.fail(
+            f"{what}: {int((~ok).sum())} of {ok.numel()} outside the bound; worst at {i}: "
+            f"{actual[i].item()!r} vs {expected[i].item()!r} (bound {bound[i].item():.3e}); "
+            f"NaNs: {int(actual.isnan().sum())}"
+        )
+
+
+def assert_bits_equal(actual, expected, what):
+    actual = actual.detach().cpu().float()
+    expected = expected.detach().cpu().float()
+    same = (actual.view(torch.int32) == expected.view(torch.int32))
+    same |= actual.isnan() & expected.isnan()
+    if not bool(same.all()):
+        i = tuple((~same).nonzero()[0].tolist())
+        pytest.fail(
+            f"{what}: {int((~same).sum())} of {same.numel()} differ; first at {i}: "
+            f"{actual[i].item()!r} vs {expected[i].item()!r}"
+        )
+
+
+def run_and_check_step(cache, token, params, hi, lo):
+    """One emulation step checked against lowprec on the cache it started from."""
+    before = snapshot(cache)
+    slots, nheads, headdim, dstate = cache.hi.shape
+    y = torch.full((slots, nheads, headdim), math.nan, device=cache.hi.device)
+    debug = torch.full(cache.hi.shape, math.nan, device=cache.hi.device)
+    mamba2_replay_decode(cache, **token, **params, out=y, debug_state=debug)
+    y_ref, S_ref, y_bound, S_bound, is_flush, ring = reference_step(
+        before, token, params, cache.window
+    )
+    assert_within(y, y_ref, y_bound, "y")
+    debug = debug.cpu()
+    fl = is_flush.nonzero()[:, 0]
+    keep = (~is_flush).nonzero()[:, 0]
+    assert bool(debug[keep].isnan().all()), "debug_state written at a non-flush slot"
+    assert_within(debug[fl], S_ref[fl], S_bound[fl], "unrounded new state")
+
+    # stored copies: lowprec applied to the emulation's own unrounded state, bit for bit
+    hi_ref = round_state(debug[fl], hi[0], hi[1], cache.seed, fl, before["flushes"][fl].long())
+    assert_bits_equal(cache.hi.cpu()[fl], hi_ref, f"hi copy ({hi[0]} {hi[1]})")
+    q = lq.quantize(debug[fl], lo)
+    assert_bits_equal(cache.lo.cpu()[fl], lq.dequantize(q), f"lo copy ({lo})")
+    if q.scales is not None:
+        assert_bits_equal(cache.lo_scales.cpu()[fl], q.scales, f"lo block scales ({lo})")
+    if q.global_scale is not None:
+        assert_bits_equal(cache.lo_global.cpu()[fl], q.global_scale, f"lo s_g ({lo})")
+    for name in ("hi", "lo", "lo_scales", "lo_global"):
+        if name in before:
+            assert_bits_equal(getattr(cache, name).cpu()[keep], before[name][keep],
+                              f"{name} at non-flush slots")
+
+    # ring and counters
+    ring_x, ring_dt, ring_B = ring
+    lcap = ring_x.shape[2]
+    valid = torch.arange(lcap)[None, :] <= before["cursors"].long()[:, None]  # [slots, Lcap]
+    vx = valid[:, None, :, None].expand_as(ring_x)
+    vB = valid[:, None, :, None].expand_as(ring_B)
+    assert torch.equal(cache.ring_x.cpu().double()[vx], ring_x[vx])
+    assert torch.equal(cache.ring_B.cpu().double()[vB], ring_B[vB])
+    vdt = valid[:, None, :].expand_as(ring_dt)
+    assert_within(cache.ring_dt.cpu()[vdt], ring_dt[vdt], 16 * U * ring_dt[vdt].abs(), "ring dt")
+    cursors = torch.where(is_flush, 0, before["cursors"].long() + 1)
+    assert cache.cursors.cpu().long().tolist() == cursors.tolist()
+    assert cache.flushes.cpu().long().tolist() == (before["flushes"] + is_flush).tolist()
+    return y
+
+
+# --------------------------------------------------------------------------------------------
+# one step
+
+
+LO_FORMATS = [name for name in formats.names() if name != "fp64"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("lo", LO_FORMATS)
+def test_step_copies_bit_exact_every_read_format(lo, device):
+    """Slots at ring positions L-1 (flush), 0 and 2 in one call: outputs to the fp32 bound,
+    hi = FP16-SR(S_new) with each slot's own flush counter and lo = RN_lo(S_new) bit for bit."""
+    gen = torch.Generator().manual_seed(1)
+    shape = SHAPES["h3-p5-n32-g1"]
+    hi = ("fp16", "sr")
+    cache = filled_cache(gen, 3, shape, hi, lo, torch.float32, device,
+                         cursors=[WINDOW - 1, 0, 2], flushes=[5, 0, 2])
+    params = {k: v.to(device) for k, v in make_params(gen, shape["nheads"]).items()}
+    run_and_check_step(cache, make_token(gen, 3, shape, torch.float32, device), params, hi, lo)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "shape_id, hi, lo, act_dtype",
+    [
+        ("h3-p7-n48-g3", ("fp32", "rn"), "nvfp4", torch.float32),
+        ("h4-p8-n32-g2", ("fp16", "sr"), "mxfp4", torch.bfloat16),
+        ("h3-p7-n48-g3", ("bf16", "sr"), "fp8_e4m3_row", torch.float16),
+        ("h4-p8-n32-g2", ("fp32", "rn"), "fp32", torch.float32),
+    ],
+    ids=["fp32-nvfp4-f32act", "fp16sr-mxfp4-bf16act", "bf16sr-e4m3row-f16act", "fp32-fp32"],
+)
+def test_step_odd_shapes_and_activation_dtypes(shape_id, hi, lo, act_dtype, device):
+    """Odd shapes (headdim 7, dstate 48, 3 groups of 1 head, 2 groups of 2), bf16/fp16
+    activations and other copy formats, four slots at positions L-1, 1, L-1, 0."""
+    gen = torch.Generator().manual_seed(2)
+    shape = SHAPES[shape_id]
+    cache = filled_cache(gen, 4, shape, hi, lo, act_dtype, device,
+                         cursors=[WINDOW - 1, 1, WINDOW - 1, 0], flushes=[0, 3, 1, 9])
+    params = {k: v.to(device) for k, v in make_params(gen, shape["nheads"]).items()}
+    run_and_check_step(cache, make_token(gen, 4, shape, act_dtype, device), params, hi, lo)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_hi_copy_in_fp16_dtype_holds_the_same_bits(device):
+    """A float16 hi tensor stores the same values as the fp32 container of fp16."""
+    gen = torch.Generator().manual_seed(3)
+    shape = SHAPES["h3-p5-n32-g1"]
+    caches = []
+    for hi_dtype in (torch.float32, torch.float16):
+        g = torch.Generator().manual_seed(3)
+        cache = filled_cache(g, 2, shape, ("fp16", "sr"), "nvfp4", torch.float32, device,
+                             cursors=[WINDOW - 1, WINDOW - 1], flushes=[0, 4])
+        cache.hi = cache.hi.to(hi_dtype)
+        caches.append(cache)
+    params = {k: v.to(device) for k, v in make_params(gen, shape["nheads"]).items()}
+    token = make_token(gen, 2, shape, torch.float32, device)
+    for cache in caches:
+        mamba2_replay_decode(cache, **token, **params)
+    assert_bits_equal(caches[1].hi.float(), caches[0].hi, "fp16 tensor vs fp32 container")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lo", ["nvfp4", "mxfp4"])
+def test_nemotron_layer_size_step_bit_exact(lo):
+    """The Nemotron-3-Super Mamba-2 layer (128 heads, headdim 64, dstate 128, 8 groups, L=16,
+    bf16 activations), six slots at ring positions 15, 0, 7, 15, 3, 14: the same checks as the
+    small shapes (compiled kernel only: far too slow for the interpreter)."""
+    gen = torch.Generator().manual_seed(7)
+    shape = dict(nheads=128, headdim=64, dstate=128, ngroups=8)
+    cache = filled_cache(gen, 6, shape, ("fp16", "sr"), lo, torch.bfloat16, "cuda",
+                         cursors=[15, 0, 7, 15, 3, 14], flushes=[0, 1, 2, 3, 4, 5], window=16)
+    params = {k: v.cuda() for k, v in make_params(gen, 128).items()}
+    run_and_check_step(cache, make_token(gen, 6, shape, torch.bfloat16, "cuda"), params,
+                       ("fp16", "sr"), lo)
+
+
+# --------------------------------------------------------------------------------------------
+# several windows
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "shape_id, hi, lo",
+    [("h3-p7-n48-g3", ("fp16", "sr"), "nvfp4"), ("h4-p8-n32-g2", ("fp32", "rn"), "mxfp4")],
+    ids=["fp16sr-nvfp4", "fp32-mxfp4"],
+)
+def test_windows_copies_bit_exact_from_own_cache(shape_id, hi, lo, device):
+    """Nine tokens (2.25 windows of L = 4) from slots starting at positions 0, 1 and 3: every
+    step matches lowprec on the emulation's own cache, copies bit for bit at every flush."""
+    gen = torch.Generator().manual_seed(4)
+    shape = SHAPES[shape_id]
+    cache = filled_cache(gen, 3, shape, hi, lo, torch.float32, device,
+                         cursors=[0, 1, 3], flushes=[0, 1, 2])
+    params = {k: v.to(device) for k, v in make_params(gen, shape["nheads"]).items()}
+    flushes_before = cache.flushes.clone()
+    for _ in range(9):
+        run_and_check_step(cache, make_token(gen, 3, shape, torch.float32, device), params,
+                           hi, lo)
+    assert (cache.flushes - flushes_before).tolist() == [2, 2, 3]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "hi, lo, rtol",
+    [
+        # exact arm: only fp32 arithmetic; the fp32 bound above, summed over 12 steps of a
+        # recurrence that contracts (|a| < 1), stays below ~100 * 64 u ~ 4e-4 relative to
+        # sum|terms|; relative to the RMS of y, 1e-5 leaves a 10x margin over what we see.
+        (("fp32", "rn"), "fp32", 1e-5),
+        # fp16 copies: each flush rounds the state to 11 bits (RN) or one fp16 ulp (SR),
+        # |err| <= 2^-10 relative per element; through y = S C with random C the error stays
+        # of that order: 4 * 2^-10 relative RMS over 3 windows.
+        (("fp16", "sr"), "fp16", 4 * 2.0**-10),
+    ],
+    ids=["fp32-fp32", "fp16sr-fp16"],
+)
+def test_drift_against_fp64_recurrence(hi, lo, rtol, device):
+    """Twelve tokens (3 windows) from the zero state: outputs stay within rtol (relative RMS)
+    of the fp64 recurrence decoded token by token (lowprec.mamba2.mamba2_step)."""
+    gen = torch.Generator().manual_seed(5)
+    shape = SHAPES["h4-p8-n32-g2"]
+    h, p, n, g = shape["nheads"], shape["headdim"], shape["dstate"], shape["ngroups"]
+    cache = ReplayCache.empty(2, h, p, n, ngroups=g, window=WINDOW, hi_format=hi[0],
+                              hi_rounding=hi[1], lo_format=lo, seed=SEED,
+                              act_dtype=torch.float32, device=device)
+    params = make_params(gen, h)
+    p64 = {k: v.double() for k, v in params.items()}
+    state = torch.zeros(2, h, p, n, dtype=F64)
+    errs, refs = [], []
+    for _ in range(3 * WINDOW):
+        token = make_token(gen, 2, shape, torch.float32, "cpu")
+        t64 = {k: v.double() for k, v in token.items()}
+        y_ref, state = mamba2.mamba2_step(state, t64["x"], t64["dt"], p64["A"], t64["B"],
+                                          t64["C"], p64["D"], t64["z"], p64["dt_bias"])
+        y = mamba2_replay_decode(cache, **{k: v.to(device) for k, v in token.items()},
+                                 **{k: v.to(device) for k, v in params.items()})
+        errs.append(y.cpu().double() - y_ref)
+        refs.append(y_ref)
+    err = torch.stack(errs).norm() / torch.stack(refs).norm()
+    assert err <= rtol, f"relative RMS error {err:.3e} > {rtol:.1e}"
+
+
+# --------------------------------------------------------------------------------------------
+# validation
+
+
+def _valid_call_parts(device="cpu"):
+    gen = torch.Generator().manual_seed(6)
+    shape = SHAPES["h3-p5-n32-g1"]
+    cache = filled_cache(gen, 2, shape, ("fp16", "sr"), "nvfp4", torch.float32, device,
+                         cursors=[0, 1], flushes=[0, 0])
+    return cache, make_token(gen, 2, shape, torch.float32, device), make_params(gen, 3)
+
+
+def _call_with(change):
+    cache, token, params = _valid_call_parts()
+    change(cache, token, params)
+    mamba2_replay_decode(cache, **token, **params)
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (lambda c, t, p: t.update(x=t["x"][:, :, :4]), r"x: expected shape \[2, 3, 5\]"),
+        (lambda c, t, p: t.update(x=t["x"].double()), "x: expected dtype"),
+        (lambda c, t, p: t.update(dt=t["dt"].half()), "dt: expected dtype"),
+        (lambda c, t, p: t.update(B=t["B"].repeat(1, 1, 2)[:, :, ::2]),
+         "B: expected a contiguous"),
+        (lambda c, t, p: p.update(A=p["A"][:2]), r"A: expected shape \[3\]"),
+        (lambda c, t, p: c.cursors.fill_(WINDOW), r"cache.cursors: expected values in \[0, 3\]"),
+        (lambda c, t, p: setattr(c, "lo_format", "mxfp4"), "cache.lo_scales: expected shape"),
+        (lambda c, t, p: setattr(c, "hi_format", "nvfp4"), "cache.hi_format: expected an "
+                                                           "element format"),
+        (lambda c, t, p: setattr(c, "hi_rounding", "up"), "cache.hi_rounding"),
+        (lambda c, t, p: setattr(c, "ring_dt", c.ring_dt[:, :, :2]), "cache.ring_dt: expected "
+                                                                     "shape"),
+        (lambda c, t, p: setattr(c, "cursors", c.cursors.long()), "cache.cursors: expected "
+                                                                  "dtype"),
+        (lambda c, t, p: setattr(c, "draft", 1), "cache.draft: expected 0"),
+        (lambda c, t, p: t.update(z=t["z"].to("meta")), "z: expected device"),
+    ],
+    ids=["x-shape", "x-dtype", "dt-dtype", "B-strides", "A-shape", "cursor-range",
+         "lo-scales", "hi-block-format", "hi-rounding", "ring-shape", "cursor-dtype",
+         "draft", "z-device"],
+)
+def test_invalid_inputs_raise_value_error(change, match):
+    """Bad shapes, dtypes, strides, devices, ring positions and formats raise a ValueError
+    naming the argument, the expected and the actual value."""
+    with pytest.raises(ValueError, match=match):
+        _call_with(change)
