@@ -1,0 +1,67 @@
+"""Provenance shared by the experiment scripts: the git commit, the device, and a sidecar
+``<csv stem>.meta.json`` that records how a CSV was made (the CSV itself keeps only its tidy
+columns, so that a fresh run can be compared with the committed file byte for byte)."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+import torch
+
+__all__ = ["git_commit", "device_name", "meta_path", "write_meta"]
+
+
+def git_commit(repo: Path | None = None) -> str:
+    """The checked-out commit (with ``+dirty`` if the tree has changes or untracked files), or
+    ``'unknown'`` outside a git repository or before the first commit."""
+    repo = repo or Path(__file__).resolve().parent.parent
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain"],
+            cwd=repo,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return commit + ("+dirty" if dirty else "")
+
+
+def device_name(device: str = "cpu") -> str:
+    """A human-readable name of the device the numbers were computed on."""
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return torch.cuda.get_device_name(torch.device(device))
+    return f"{platform.processor() or platform.machine()} CPU, {os.cpu_count()} cores"
+
+
+def meta_path(csv_path: str | Path) -> Path:
+    """``results/x.csv`` -> ``results/x.meta.json``."""
+    csv_path = Path(csv_path)
+    return csv_path.with_name(csv_path.stem + ".meta.json")
+
+
+def write_meta(
+    csv_path: str | Path, command: str, seconds: float, config: dict, device: str = "cpu"
+) -> Path:
+    """Write the sidecar of ``csv_path``: command line, commit, wall time, versions, config."""
+    path = meta_path(csv_path)
+    meta = {
+        "command": command,
+        "commit": git_commit(),
+        "seconds": round(seconds, 2),
+        "device": device_name(device),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "config": config,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(meta, indent=2) + "\n")
+    return path

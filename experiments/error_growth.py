@@ -1,0 +1,872 @@
+"""Error growth against decode length: how each precision policy's output error evolves.
+
+The kit's main figure. A batch of sequences is decoded token by token twice from the same
+inputs: once exactly (FP64, nothing rounded) and once under each precision policy of
+`lowprec.policies` (one `Simulator` per arm, all advanced in the same step loop). At every
+recorded step the error of the layer output of one sequence is
+
+    rel_err_t = ||y_hat_t - y_t||_2 / ||y_t||_2        norms over heads and d_v
+
+Arms (the CSV's ``arm``; ``format`` is the format being ablated):
+
+    every_step       conventional: the state is stored in ``format`` every token
+    shared           one checkpoint in ``format``, rounded once per window of L tokens,
+                     read by the window's steps and by the next flush
+    separate_exact   recurrence copy exact FP64, read copy in ``format`` (RN)
+    separate_fp16sr  recurrence copy FP16 with SR, read copy in ``format`` (RN): the kit's
+                     two-precision scheme (format nvfp4 by default)
+
+``rounding`` is the rounding of ``format``: ``--rounding`` for every_step and shared, and
+always ``rn`` for the separate arms (their read copy is RN by design; the FP16 recurrence copy
+of separate_fp16sr is SR by definition of the arm). Windows are L tokens long; step ``t``
+(counting from 1) is a flush step when ``t % L == 0``, and a flush step's output reads the
+unrounded new state. So before the first flush the windowed arms are exact, and at every
+flush step separate_exact is exact again: its error lives on the L - 1 other steps.
+
+Inputs, per sequence (seed) and head, a fresh draw every step, seeded by a `torch.Generator`
+per seed (so a seed's inputs do not depend on the other seeds or on ``--steps``):
+
+    v ~ N(0, I_dv)   (Mamba-2's dt * x)     k ~ N(0, I_dk)  (B)     q ~ N(0, I_dk)  (C)
+    a ~ U[lo, hi)    per head (Mamba-2, GDN) or per head and channel of d_k (KDA)
+    beta ~ U[0, 1)   GDN and KDA only, whose k and q are scaled to unit norm (as those models
+                     L2-normalise them, which keeps the delta rule a contraction)
+
+``--memory`` names the decay range: ``long`` = [0.9995, 0.99999), ``short`` = [0.9, 0.95),
+or ``LO,HI``. All memory profiles share the Gaussian draws and the uniform behind ``a``, so
+their curves differ only by the decay. Memories and seeds form the simulator's batch
+(slot = memory index * seeds + seed index); SR words are Philox words keyed by ``--seed0`` and
+indexed by that slot, the write counter and the element (``lowprec/README.md``).
+
+Recording. ``--log-grid 0`` records every step. ``--log-grid G`` records every step of about
+G windows spaced geometrically over the run, plus the windows that hold steps 64, 1,024, 4,096
+and the last step: whole windows, because the error of a windowed arm is a sawtooth over the
+window (zero at separate_exact's flush steps, which all powers of two >= L are), and a step
+sampled at one phase would misreport it. The plot and the summary therefore use the *window
+mean* of rel_err (over the L steps of the window holding a step), median over seeds.
+
+Outputs: a tidy CSV, one row per (arm, format, rounding, memory, window, seed, step), columns
+exactly ``CSV_COLUMNS``, floats written ``%.6e`` so a rerun reproduces the file byte for byte;
+a sidecar ``<csv stem>.meta.json`` (command, commit, seconds, versions, config); a PNG read
+back from the CSV only (``plot``); a summary table printed to stdout (``summarize``).
+
+    python -m experiments.error_growth --preset toy                    # ~15 s, 2-core CPU
+    python -m experiments.error_growth --preset default --device cuda  # ~10 min on an H200
+    python -m experiments.error_growth --preset default --replot       # redraw from the CSV
+    python -m experiments.error_growth --help
+
+The default preset (Nemotron-3-Super head shape, 16,384 steps, 16 arms) spends most of its
+time drawing Philox words for every_step's SR stores: about 1.5 hours on a 2-core CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import shlex
+import sys
+import time
+from contextlib import contextmanager, nullcontext
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+from tqdm import tqdm
+
+from experiments._common import write_meta
+from lowprec import formats, philox
+from lowprec.metrics import rel_err
+from lowprec.policies import Simulator, make_policy
+
+__all__ = [
+    "ARMS",
+    "CSV_COLUMNS",
+    "MEMORY_PROFILES",
+    "PRESETS",
+    "ArmSpec",
+    "Config",
+    "Memory",
+    "config_from_args",
+    "main",
+    "make_inputs",
+    "parse_arms",
+    "parse_memory",
+    "plot",
+    "recorded_steps",
+    "run",
+    "summarize",
+    "window_means",
+]
+
+ARMS = ("every_step", "shared", "separate_exact", "separate_fp16sr")
+SEPARATE_ARMS = ("separate_exact", "separate_fp16sr")
+RECURRENCES = ("mamba2", "gdn", "kda")
+ROUNDINGS = ("rn", "sr")
+MEMORY_PROFILES = {"long": (0.9995, 0.99999), "short": (0.9, 0.95)}
+CSV_COLUMNS = (
+    "recurrence",
+    "arm",
+    "format",
+    "rounding",
+    "memory",
+    "window",
+    "seed",
+    "step",
+    "rel_err",
+)
+SUMMARY_STEPS = (64, 1024, 4096)
+FLOAT_FORMAT = "%.6e"
+# Inputs are drawn this many steps at a time; the chunk is part of the definition of a seed's
+# input stream (changing it changes the numbers), so it is a constant, not an option.
+INPUT_CHUNK = 256
+# every_step uses the token counter as Philox's write counter, which has 20 bits.
+MAX_STEPS = philox.FLUSH_LIMIT
+
+
+# --------------------------------------------------------------------------------------------
+# configuration
+
+
+@dataclass(frozen=True)
+class ArmSpec:
+    """One simulated policy: arm, the format it ablates, and that format's rounding."""
+
+    arm: str
+    fmt: str
+    rounding: str
+
+    @property
+    def label(self) -> str:
+        if self.arm in SEPARATE_ARMS:
+            return f"{self.arm}:{self.fmt}"
+        return f"{self.arm}:{self.fmt}:{self.rounding}"
+
+
+@dataclass(frozen=True)
+class Memory:
+    """A decay range ``[low, high)`` and its name in the CSV."""
+
+    name: str
+    low: float
+    high: float
+
+
+@dataclass(frozen=True)
+class Config:
+    """Everything a run depends on (``out``, ``plot`` and ``progress`` do not change numbers)."""
+
+    recurrence: str = "mamba2"
+    dv: int = 8
+    dk: int = 32
+    heads: int = 1
+    seeds: int = 4
+    seed0: int = 0
+    steps: int = 4096
+    window: int = 16
+    memory: tuple[Memory, ...] = tuple(Memory(n, *r) for n, r in MEMORY_PROFILES.items())
+    arms: tuple[ArmSpec, ...] = field(
+        default_factory=lambda: parse_arms(",".join(ARMS), "fp8_e4m3_row", "sr")
+    )
+    log_grid: int = 0
+    out: str = "results/error_growth_custom.csv"
+    plot: str | None = "results/error_growth_custom.png"
+    progress: bool = True
+    device: str = "cpu"
+    threads: int = 1
+
+    def __post_init__(self):
+        if self.recurrence not in RECURRENCES:
+            raise ValueError(
+                f"recurrence: expected one of {list(RECURRENCES)}, got {self.recurrence!r}"
+            )
+        for name in ("dv", "dk", "heads", "seeds", "steps", "window"):
+            _check_int(name, getattr(self, name), 1)
+        _check_int("seed0", self.seed0, 0)
+        _check_int("log_grid", self.log_grid, 0)
+        _check_int("threads", self.threads, 1)
+        if self.steps > MAX_STEPS:
+            raise ValueError(f"steps: expected at most {MAX_STEPS}, got {self.steps}")
+        if self.heads * self.dv * self.dk > philox.ELEMENT_LIMIT:
+            raise ValueError(
+                f"heads * dv * dk: expected at most {philox.ELEMENT_LIMIT} state elements per "
+                f"sequence, got {self.heads * self.dv * self.dk}"
+            )
+        if not self.memory:
+            raise ValueError("memory: expected at least one decay range, got none")
+        names = [m.name for m in self.memory]
+        if len(set(names)) != len(names):
+            raise ValueError(f"memory: expected distinct ranges, got {names}")
+        for m in self.memory:
+            _check_memory(m.low, m.high)
+        if self.seed0 + self.seeds > philox.SEED_LIMIT:
+            raise ValueError(f"seed0: expected seed0 + seeds < 2^64, got {self.seed0}")
+        if len(self.memory) * self.seeds > philox.SLOT_LIMIT:
+            raise ValueError(
+                f"seeds: expected memories * seeds <= {philox.SLOT_LIMIT} Philox slots, "
+                f"got {len(self.memory) * self.seeds}"
+            )
+        if not self.arms:
+            raise ValueError("arms: expected at least one arm, got none")
+        if len(set(self.arms)) != len(self.arms):
+            raise ValueError(f"arms: expected distinct arms, got {[a.label for a in self.arms]}")
+        for spec in self.arms:
+            _check_arm(spec, self.dv, self.dk)
+        _check_device(self.device)
+
+
+def _check_int(name: str, value, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}: expected an integer >= {minimum}, got {value!r}")
+
+
+def _check_device(device: str) -> None:
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device: expected 'cpu' or 'cuda[:N]', got {device!r}") from None
+    if parsed.type not in ("cpu", "cuda"):
+        raise ValueError(f"device: expected 'cpu' or 'cuda[:N]', got {device!r}")
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device: {device!r} requested but CUDA is not available")
+
+
+def _check_memory(low: float, high: float) -> None:
+    if not (0.0 < low <= high < 1.0):
+        raise ValueError(f"memory: expected 0 < LO <= HI < 1, got LO={low!r}, HI={high!r}")
+
+
+def _check_arm(spec: ArmSpec, dv: int, dk: int) -> None:
+    if spec.arm not in ARMS:
+        raise ValueError(f"arms: expected arms among {list(ARMS)}, got {spec.arm!r}")
+    if spec.fmt not in formats.names():
+        raise ValueError(f"formats: expected formats among {formats.names()}, got {spec.fmt!r}")
+    if spec.rounding not in ROUNDINGS:
+        raise ValueError(f"rounding: expected one of {list(ROUNDINGS)}, got {spec.rounding!r}")
+    if spec.arm in SEPARATE_ARMS and spec.rounding != "rn":
+        raise ValueError(
+            f"rounding: the read copy of {spec.arm} is always RN, got {spec.rounding!r} "
+            f"in {spec.label}"
+        )
+    fmt = formats.get(spec.fmt)
+    if fmt.block is not None:
+        fmt.block_length((dv, dk))  # raises ValueError naming the shape and the block
+
+
+def parse_memory(text: str) -> Memory:
+    """``'long'``, ``'short'`` or ``'LO,HI'`` (named ``'LO..HI'`` in the CSV, comma-free)."""
+    if text in MEMORY_PROFILES:
+        return Memory(text, *MEMORY_PROFILES[text])
+    parts = text.split(",")
+    try:
+        low, high = (float(p) for p in parts)
+    except ValueError:
+        raise ValueError(
+            f"memory: expected 'long', 'short' or 'LO,HI' (two numbers), got {text!r}"
+        ) from None
+    _check_memory(low, high)
+    return Memory(f"{low:g}..{high:g}", low, high)
+
+
+def parse_arms(arms: str, fmts: str, rounding: str) -> tuple[ArmSpec, ...]:
+    """Arm specs from ``--arms``, ``--formats`` and ``--rounding`` (all comma-separated).
+
+    An item of ``arms`` is ``ARM[:FORMAT[:ROUNDING]]``; a missing FORMAT expands over ``fmts``
+    and a missing ROUNDING over ``rounding`` (every_step, shared) or to ``rn`` (separate arms,
+    whose read copy is RN). ``every_step,shared`` with ``fmts='fp16,nvfp4'`` gives four arms.
+    Duplicates are dropped, the first occurrence keeping its place.
+    """
+    default_fmts = _split("formats", fmts)
+    default_roundings = _split("rounding", rounding)
+    specs: list[ArmSpec] = []
+    for item in _split("arms", arms):
+        parts = item.split(":")
+        if len(parts) > 3 or not all(parts):
+            raise ValueError(f"arms: expected items ARM[:FORMAT[:ROUNDING]], got {item!r}")
+        arm = parts[0]
+        if arm not in ARMS:
+            raise ValueError(f"arms: expected arms among {list(ARMS)}, got {arm!r}")
+        item_fmts = [parts[1]] if len(parts) > 1 else default_fmts
+        if len(parts) > 2:
+            item_roundings = [parts[2]]
+        elif arm in SEPARATE_ARMS:
+            item_roundings = ["rn"]
+        else:
+            item_roundings = default_roundings
+        for fmt in item_fmts:
+            for r in item_roundings:
+                spec = ArmSpec(arm, fmt, r)
+                if spec not in specs:
+                    specs.append(spec)
+    return tuple(specs)
+
+
+def _split(name: str, text: str) -> list[str]:
+    items = [s.strip() for s in text.split(",")]
+    if not all(items):
+        raise ValueError(
+            f"{name}: expected a comma-separated list without empty items, got {text!r}"
+        )
+    return items
+
+
+# --------------------------------------------------------------------------------------------
+# presets and the command line
+
+# Values as the command line would give them; explicit flags override a preset's.
+BASE_DEFAULTS = {
+    "recurrence": "mamba2",
+    "dv": 8,
+    "dk": 32,
+    "heads": 1,
+    "seeds": 4,
+    "seed0": 0,
+    "steps": 4096,
+    "window": 16,
+    "memory": ["long", "short"],
+    "arms": ",".join(ARMS),
+    "formats": "fp8_e4m3_row",
+    "rounding": "sr",
+    "log_grid": 0,
+    "device": "cpu",
+    "threads": 1,
+}
+
+PRESETS = {
+    "toy": {
+        "recurrence": "mamba2",
+        "dv": 8,
+        "dk": 32,
+        "heads": 1,
+        "seeds": 8,
+        "steps": 4096,
+        "window": 16,
+        "memory": ["long", "short"],
+        "arms": "every_step:fp8_e4m3_row:rn,every_step:fp8_e4m3_row:sr,shared,separate_exact",
+        "formats": "fp8_e4m3_row",
+        "rounding": "sr",
+        "log_grid": 22,
+    },
+    "default": {
+        "recurrence": "mamba2",
+        "dv": 64,
+        "dk": 128,
+        "heads": 8,
+        "seeds": 3,
+        "steps": 16384,
+        "window": 16,
+        "memory": ["long", "short"],
+        "arms": ",".join(ARMS),
+        "formats": "fp16,fp8_e4m3,nvfp4,mxfp4",
+        "rounding": "sr",
+        "log_grid": 12,
+    },
+}
+
+_HELP = {
+    "recurrence": "state recurrence: mamba2 (S = a S + v k^T), gdn (delta rule), kda (delta rule, "
+    "per-channel decay)",
+    "dv": "rows of the state per head (d_v, Mamba-2's headdim)",
+    "dk": "columns of the state per head (d_k, Mamba-2's dstate); a multiple of the block "
+    "formats' block (16 for nvfp4, 32 for mxfp4)",
+    "heads": "heads per sequence; rel_err is one norm over all heads and d_v",
+    "seeds": "number of sequences with independent inputs: seeds seed0 .. seed0+seeds-1",
+    "seed0": "first input seed; also the Philox key of the SR words",
+    "steps": f"decode steps (tokens), 1 .. {MAX_STEPS}",
+    "window": "L: tokens per window; step t is a flush step when t %% L == 0",
+    "memory": "one or more decay ranges, a ~ U[LO, HI): long (0.9995,0.99999), "
+    "short (0.9,0.95) or LO,HI with 0 < LO <= HI < 1; e.g. --memory long 0.99,0.999",
+    "arms": "comma-separated ARM[:FORMAT[:ROUNDING]], ARM in every_step, shared, "
+    "separate_exact, separate_fp16sr; a missing FORMAT expands over --formats, a missing "
+    "ROUNDING over --rounding (separate arms: always rn)",
+    "formats": "comma-separated formats for arms given without one: " + ", ".join(formats.names()),
+    "rounding": "comma-separated roundings (rn, sr) of every_step and shared arms given without "
+    "one; e.g. rn,sr runs both",
+    "log_grid": "0 records every step; G > 0 records whole windows at ~G geometrically spaced "
+    "places plus those holding steps 64, 1024, 4096 and the last",
+    "device": "torch device of the simulation: cpu or cuda[:N] (the last bits of the fp64 "
+    "sums, hence the CSV's bytes, depend on the device)",
+    "threads": "torch CPU threads during the run (restored after); one is fastest for these "
+    "small per-step operations and keeps the sums' order fixed",
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument error is one line on stderr and exit status 2 (no usage block)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    epilog = "presets (explicit flags override them):\n" + "\n".join(
+        f"  {name}: " + " ".join(f"--{k.replace('_', '-')} {_show(v)}" for k, v in values.items())
+        for name, values in PRESETS.items()
+    )
+    parser = _Parser(
+        prog="python -m experiments.error_growth",
+        description="Output error against decode length for each precision policy of the SSM "
+        "state (see the module docstring). Writes a CSV, its .meta.json, a PNG, and prints a "
+        "summary table.",
+        epilog=epilog,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        help="start from a preset; output paths default to results/error_growth_<preset>.*",
+    )
+    kinds = {
+        "dv": int,
+        "dk": int,
+        "heads": int,
+        "seeds": int,
+        "seed0": int,
+        "steps": int,
+        "window": int,
+        "log_grid": int,
+        "threads": int,
+    }
+    for name, text in _HELP.items():
+        flag = "--" + name.replace("_", "-")
+        kwargs = {"type": kinds.get(name, str), "default": None}
+        if name == "recurrence":
+            kwargs["choices"] = RECURRENCES
+        if name == "memory":
+            kwargs["nargs"] = "+"
+        parser.add_argument(flag, help=f"{text} (default: {_show(BASE_DEFAULTS[name])})", **kwargs)
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="CSV path (default: results/error_growth_<preset or custom>.csv); the sidecar "
+        "<stem>.meta.json is written beside it",
+    )
+    parser.add_argument(
+        "--plot",
+        default=None,
+        help="PNG path, or 'none' for no plot (default: the CSV path with .png)",
+    )
+    parser.add_argument(
+        "--replot",
+        action="store_true",
+        help="do not simulate: read --out and redraw the plot and the summary from it",
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    return parser
+
+
+def _show(value) -> str:
+    return " ".join(value) if isinstance(value, list) else str(value)
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    """Base defaults, then the preset's values, then the flags given; raises ValueError."""
+    values = dict(BASE_DEFAULTS)
+    if args.preset:
+        values.update(PRESETS[args.preset])
+    values.update({k: v for k, v in vars(args).items() if k in BASE_DEFAULTS and v is not None})
+    out = args.out or f"results/error_growth_{args.preset or 'custom'}.csv"
+    plot_path = args.plot or str(Path(out).with_suffix(".png"))
+    return Config(
+        recurrence=values["recurrence"],
+        dv=values["dv"],
+        dk=values["dk"],
+        heads=values["heads"],
+        seeds=values["seeds"],
+        seed0=values["seed0"],
+        steps=values["steps"],
+        window=values["window"],
+        memory=tuple(parse_memory(m) for m in values["memory"]),
+        arms=parse_arms(values["arms"], values["formats"], values["rounding"]),
+        log_grid=values["log_grid"],
+        out=out,
+        plot=None if plot_path.lower() == "none" else plot_path,
+        progress=not args.no_progress,
+        device=values["device"],
+        threads=values["threads"],
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# the simulation
+
+
+def recorded_steps(steps: int, window: int, log_grid: int) -> np.ndarray:
+    """Sorted steps (from 1) whose rel_err is recorded: all of them for ``log_grid = 0``,
+    else every step of the windows at ``log_grid`` geometrically spaced window indices over
+    the run and of the windows holding steps 64, 1,024, 4,096 and the last step."""
+    if log_grid == 0:
+        return np.arange(1, steps + 1)
+    n_windows = math.ceil(steps / window)
+    grid = np.unique(np.rint(np.geomspace(1, n_windows, log_grid))).astype(int).tolist()
+    marks = [t for t in SUMMARY_STEPS if t <= steps] + [steps]
+    chosen = sorted(set(grid) | {math.ceil(t / window) for t in marks})
+    picked = [np.arange((w - 1) * window + 1, min(w * window, steps) + 1) for w in chosen]
+    return np.concatenate(picked)
+
+
+class _Inputs:
+    """The input stream of every (memory, seed) slot, drawn INPUT_CHUNK steps at a time.
+
+    Per seed and chunk the draws are, in this order: v [C, H, dv], k [C, H, dk],
+    q [C, H, dk], the uniform behind the decay [C, H] (KDA: [C, H, dk]), and for GDN and KDA
+    beta [C, H]. The slots of one seed share these draws across memory profiles.
+    """
+
+    def __init__(self, config: Config):
+        self.config = config
+        self.generators = [
+            torch.Generator().manual_seed(config.seed0 + s) for s in range(config.seeds)
+        ]
+        lows = torch.tensor([m.low for m in config.memory], dtype=torch.float64, device="cpu")
+        highs = torch.tensor([m.high for m in config.memory], dtype=torch.float64, device="cpu")
+        self.low, self.span = lows, highs - lows
+        self.chunk: list[torch.Tensor] = []
+        self.position = INPUT_CHUNK
+
+    def _draw(self) -> None:
+        c = self.config
+        per_seed = [_draw_seed(gen, c) for gen in self.generators]
+        n_mem = len(c.memory)
+
+        def slots(i):  # [C, seeds, ...] -> [C, memories * seeds, ...], memory-major slots
+            t = torch.stack([p[i] for p in per_seed], dim=1)
+            return t.repeat(1, n_mem, *([1] * (t.dim() - 2))).contiguous()
+
+        v, k, q, u = (slots(i) for i in range(4))
+        per_slot = (1, n_mem * c.seeds) + (1,) * (u.dim() - 2)  # broadcast over [C, B, ...]
+        low = self.low.repeat_interleave(c.seeds).view(per_slot)
+        span = self.span.repeat_interleave(c.seeds).view(per_slot)
+        a = low + span * u
+        beta = slots(4) if c.recurrence != "mamba2" else None
+        self.chunk = [None if x is None else x.to(c.device) for x in (v, k, q, a, beta)]
+        self.position = 0
+
+    def next(self):
+        """``(a, v, k, q, beta)`` of the next step, batch = memories * seeds."""
+        if self.position == INPUT_CHUNK:
+            self._draw()
+        p = self.position
+        self.position += 1
+        v, k, q, a, beta = self.chunk
+        return a[p], v[p], k[p], q[p], None if beta is None else beta[p]
+
+
+def _draw_seed(gen: torch.Generator, c: Config) -> tuple:
+    """One seed's next INPUT_CHUNK steps, ``(v, k, q, u, beta)``, in _Inputs' draw order."""
+
+    def draw(*shape, uniform=False):
+        sample = torch.rand if uniform else torch.randn
+        return sample(*shape, generator=gen, dtype=torch.float64, device="cpu")
+
+    v = draw(INPUT_CHUNK, c.heads, c.dv)
+    k = draw(INPUT_CHUNK, c.heads, c.dk)
+    q = draw(INPUT_CHUNK, c.heads, c.dk)
+    u = draw(INPUT_CHUNK, c.heads, *((c.dk,) if c.recurrence == "kda" else ()), uniform=True)
+    if c.recurrence == "mamba2":
+        return v, k, q, u, None
+    beta = draw(INPUT_CHUNK, c.heads, uniform=True)
+    k = k / torch.linalg.vector_norm(k, dim=-1, keepdim=True)
+    q = q / torch.linalg.vector_norm(q, dim=-1, keepdim=True)
+    return v, k, q, u, beta
+
+
+def make_inputs(config: Config, steps: int) -> list[tuple]:
+    """The first ``steps`` inputs ``(a, v, k, q, beta)`` of ``run(config)``, for tests."""
+    stream = _Inputs(config)
+    return [stream.next() for _ in range(steps)]
+
+
+def run(config: Config) -> pd.DataFrame:
+    """Simulate every arm of ``config``, write the CSV to ``config.out`` and return it."""
+    c = config
+    batch = len(c.memory) * c.seeds
+    steps_kept = recorded_steps(c.steps, c.window, c.log_grid)
+    keep = np.zeros(c.steps + 1, dtype=bool)
+    keep[steps_kept] = True
+
+    def simulator(arm, fmt, rounding):
+        policy = make_policy(arm, fmt, rounding, window=c.window, seed=c.seed0)
+        return Simulator(c.recurrence, policy, batch, c.heads, c.dv, c.dk, dtype=torch.float64)
+
+    column = 0
+    bar = tqdm(
+        total=c.steps,
+        desc=f"error_growth {c.recurrence} ({len(c.arms)} arms x {batch} seqs)",
+        unit="step",
+        file=sys.stderr,
+        disable=not c.progress,
+        mininterval=0.5,
+    )
+    # lowprec's factory calls (zeros, arange) follow the default device; the device context
+    # intercepts every torch call (measured: half of a GPU run's host time), so it is entered
+    # only for a GPU.
+    on_device = torch.device(c.device) if c.device != "cpu" else nullcontext()
+    with bar, torch.no_grad(), on_device, _cpu_threads(c.threads):
+        exact = simulator("exact", "fp64", "rn")
+        sims = [simulator(s.arm, s.fmt, s.rounding) for s in c.arms]
+        errors = torch.full((len(sims), batch, len(steps_kept)), float("nan"), dtype=torch.float64)
+        inputs = _Inputs(c)
+        for t in range(1, c.steps + 1):
+            a, v, k, q, beta = inputs.next()
+            y = exact.step(a, v, k, q, beta)
+            for i, sim in enumerate(sims):
+                y_hat = sim.step(a, v, k, q, beta)
+                if keep[t]:
+                    errors[i, :, column] = rel_err(y_hat, y)
+            column += int(keep[t])
+            bar.update()
+    frame = _to_frame(c, steps_kept, errors.cpu())
+    write_csv(frame, c.out)
+    return frame
+
+
+@contextmanager
+def _cpu_threads(n: int):
+    """Run with ``n`` torch CPU threads, then restore the previous count."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _to_frame(c: Config, steps_kept: np.ndarray, errors: torch.Tensor) -> pd.DataFrame:
+    """Rows ordered by arm, memory, seed, step (``errors [arm, memory * seed, step]``)."""
+    n_arms, n_mem, n_steps = len(c.arms), len(c.memory), len(steps_kept)
+    per_arm = n_mem * c.seeds * n_steps
+    arm_idx = np.repeat(np.arange(n_arms), per_arm)
+    mem_idx = np.tile(np.repeat(np.arange(n_mem), c.seeds * n_steps), n_arms)
+    seed = np.tile(np.repeat(np.arange(c.seeds), n_steps), n_arms * n_mem) + c.seed0
+    frame = pd.DataFrame(
+        {
+            "recurrence": c.recurrence,
+            "arm": np.array([s.arm for s in c.arms])[arm_idx],
+            "format": np.array([s.fmt for s in c.arms])[arm_idx],
+            "rounding": np.array([s.rounding for s in c.arms])[arm_idx],
+            "memory": np.array([m.name for m in c.memory])[mem_idx],
+            "window": c.window,
+            "seed": seed,
+            "step": np.tile(steps_kept, n_arms * n_mem * c.seeds),
+            "rel_err": errors.reshape(-1).numpy(),
+        }
+    )
+    return frame[list(CSV_COLUMNS)]
+
+
+def write_csv(frame: pd.DataFrame, path: str | Path) -> None:
+    """The tidy CSV, floats as ``%.6e`` and NaN as ``nan``, ``\\n`` line ends."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    frame.to_csv(path, index=False, float_format=FLOAT_FORMAT, na_rep="nan", lineterminator="\n")
+
+
+def read_csv(path: str | Path) -> pd.DataFrame:
+    """A CSV written by ``run``, checked for the exact column list."""
+    frame = pd.read_csv(path, keep_default_na=False, na_values=["nan"])
+    if tuple(frame.columns) != CSV_COLUMNS:
+        raise ValueError(f"{path}: expected columns {list(CSV_COLUMNS)}, got {list(frame.columns)}")
+    return frame
+
+
+# --------------------------------------------------------------------------------------------
+# summary and plot, from the CSV's rows only
+
+SERIES = ["recurrence", "arm", "format", "rounding", "memory", "window"]
+
+
+def window_means(frame: pd.DataFrame) -> pd.DataFrame:
+    """Mean rel_err over each recorded window of each series and seed, then the median and
+    range over seeds. Columns: SERIES, ``window_index`` (from 0), ``last_step`` (the window's
+    last recorded step), ``median``, ``low``, ``high``, ``seeds``."""
+    frame = frame.assign(window_index=(frame["step"] - 1) // frame["window"])
+    per_seed = frame.groupby([*SERIES, "window_index", "seed"], sort=False).agg(
+        rel_err=("rel_err", "mean"), last_step=("step", "max")
+    )
+    grouped = per_seed.groupby(level=[*SERIES, "window_index"], sort=False)
+    return grouped.agg(
+        last_step=("last_step", "max"),
+        median=("rel_err", "median"),
+        low=("rel_err", "min"),
+        high=("rel_err", "max"),
+        seeds=("rel_err", "size"),
+    ).reset_index()
+
+
+def summarize(frame: pd.DataFrame) -> pd.DataFrame:
+    """Window-mean rel_err (median over seeds) of the windows holding steps 64, 1,024, 4,096
+    and the last step: one row per series, one column per step."""
+    means = window_means(frame)
+    last = int(frame["step"].max())
+    window = int(frame["window"].iloc[0])
+    columns = {}
+    for t in [s for s in SUMMARY_STEPS if s < last] + [last]:
+        name = f"t={t}" + (" (last)" if t == last else "")
+        at = means[means["window_index"] == (t - 1) // window]
+        columns[name] = at.set_index(SERIES)["median"]
+    table = pd.DataFrame(columns)
+    order = frame.drop_duplicates(SERIES).set_index(SERIES).index
+    return table.reindex(order).droplevel(["recurrence", "window"])
+
+
+def format_summary(table: pd.DataFrame, window: int) -> str:
+    head = (
+        f"rel_err = ||y_hat - y|| / ||y||: mean over the {window}-step window holding step t, "
+        "median over seeds"
+    )
+    return head + "\n" + table.to_string(float_format=lambda x: f"{x:.2e}", na_rep="-")
+
+
+# Colours per arm (and rounding); the separate arms read an RN copy, so one colour each.
+_STYLE = {
+    ("every_step", "rn"): ("#d62728", "--"),
+    ("every_step", "sr"): ("#d62728", "-"),
+    ("shared", "rn"): ("#ff7f0e", "--"),
+    ("shared", "sr"): ("#ff7f0e", "-"),
+    ("separate_exact", "rn"): ("#1f77b4", "-"),
+    ("separate_fp16sr", "rn"): ("#2ca02c", "-"),
+}
+
+
+def plot(csv_path: str | Path, png_path: str | Path) -> None:
+    """Log-log rel_err against step, one panel per (format, memory profile), panels of a
+    format sharing the y axis: the window-mean error (median over seeds, band = min..max over
+    seeds) of each arm, and the format's unit roundoff u as a dotted line. Windows whose
+    median is 0 (the windowed arms before their first flush) have no point on a log axis.
+    Reads only ``csv_path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    frame = read_csv(csv_path)
+    means = window_means(frame)
+    fmts = list(dict.fromkeys(frame["format"]))
+    mems = list(dict.fromkeys(frame["memory"]))
+    recurrence = frame["recurrence"].iloc[0]
+    window = int(frame["window"].iloc[0])
+    n_seeds = frame["seed"].nunique()
+    legend_inches = 0.45
+    height = 2.9 * len(fmts) + 0.5 + legend_inches
+    fig, axes = plt.subplots(
+        len(fmts),
+        len(mems),
+        figsize=(4.4 * len(mems), height),
+        sharex=True,
+        sharey="row",
+        squeeze=False,
+    )
+    plain = FuncFormatter(lambda value, _: f"{value:g}")
+    handles = {}
+    for row, fmt in enumerate(fmts):
+        for col, mem in enumerate(mems):
+            ax = axes[row][col]
+            panel = means[(means["format"] == fmt) & (means["memory"] == mem)]
+            for (arm, rounding), curve in panel.groupby(["arm", "rounding"], sort=False):
+                curve = curve[curve["median"] > 0].sort_values("last_step")
+                colour, dash = _STYLE.get((arm, rounding), ("#7f7f7f", ":"))
+                label = arm if arm in SEPARATE_ARMS else f"{arm} ({rounding.upper()})"
+                (line,) = ax.plot(
+                    curve["last_step"], curve["median"], dash, color=colour, lw=1.4, label=label
+                )
+                ax.fill_between(
+                    curve["last_step"], curve["low"], curve["high"], color=colour, alpha=0.15, lw=0
+                )
+                handles.setdefault(label, line)
+            u = _unit_roundoff(fmt)
+            if u is not None:
+                ax.axhline(u, color="k", ls=":", lw=0.8)
+                ax.annotate(
+                    f"$u = 2^{{{round(math.log2(u))}}}$",
+                    (0.98, u),
+                    xycoords=("axes fraction", "data"),
+                    ha="right",
+                    va="bottom",
+                    fontsize=7,
+                )
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+            ax.xaxis.set_major_locator(LogLocator(base=10))
+            ax.xaxis.set_major_formatter(plain)
+            ax.xaxis.set_minor_formatter(NullFormatter())
+            ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+            ax.yaxis.set_major_formatter(plain)
+            ax.yaxis.set_minor_formatter(NullFormatter())
+            ax.tick_params(labelsize=7)
+            ax.grid(True, which="major", alpha=0.3)
+            ax.set_title(f"{fmt} | memory {_memory_label(mem)}", fontsize=8)
+            if row == len(fmts) - 1:
+                ax.set_xlabel("step (end of window)", fontsize=8)
+            if col == 0:
+                ax.set_ylabel("rel_err, window mean", fontsize=8)
+    fig.suptitle(
+        f"{recurrence}: output error against decode length (L = {window}; median over "
+        f"{n_seeds} seeds, band = min..max over seeds)",
+        fontsize=9,
+    )
+    fig.legend(
+        handles.values(),
+        handles.keys(),
+        loc="lower center",
+        ncol=min(len(handles), 6),
+        fontsize=8,
+        frameon=False,
+    )
+    fig.tight_layout(rect=(0, legend_inches / height, 1, 1 - 0.3 / height))
+    png_path = Path(png_path)
+    png_path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png_path, dpi=80)
+    plt.close(fig)
+
+
+def _unit_roundoff(fmt_name: str) -> float | None:
+    """2^-(mbits+1) of the format's element, if the format is known (None for fp64)."""
+    if fmt_name not in formats.names() or fmt_name == "fp64":
+        return None
+    return 2.0 ** -(formats.get(fmt_name).element.mbits + 1)
+
+
+def _memory_label(name: str) -> str:
+    if name in MEMORY_PROFILES:
+        low, high = MEMORY_PROFILES[name]
+        return f"{name} (a in [{low:g}, {high:g}))"
+    return f"a in [{name.replace('..', ', ')})"
+
+
+# --------------------------------------------------------------------------------------------
+# entry point
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = config_from_args(args)
+    except ValueError as error:
+        parser.error(str(error))
+    if args.replot:
+        try:
+            frame = read_csv(config.out)
+        except (OSError, ValueError) as error:
+            parser.error(f"--replot: cannot read {config.out}: {error}")
+    else:
+        start = time.perf_counter()
+        frame = run(config)
+        seconds = time.perf_counter() - start
+        settings = asdict(config)
+        del settings["out"], settings["plot"], settings["progress"]
+        command = " ".join(["python -m experiments.error_growth", *map(shlex.quote, argv)])
+        write_meta(config.out, command, seconds, settings, device=config.device)
+        print(f"wrote {config.out} ({len(frame)} rows) in {seconds:.1f} s", file=sys.stderr)
+    if config.plot:
+        plot(config.out, config.plot)
+        print(f"wrote {config.plot}", file=sys.stderr)
+    print(format_summary(summarize(frame), int(frame["window"].iloc[0])))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,351 @@
+"""experiments/error_growth.py: the error-growth experiment's numbers, files and command line.
+
+Sizes are small and odd where the format allows (dv = 7, dk = 33 for element formats; dk a
+multiple of 32 for the block formats). Each simulation here takes well under a second.
+"""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from experiments import error_growth as eg
+from lowprec import formats
+from lowprec.metrics import rel_err
+from lowprec.policies import Simulator, make_policy
+
+REPO = Path(__file__).resolve().parent.parent
+FP16_U = 2.0**-11  # unit roundoff of FP16: half an ulp relative to a value in [1, 2)
+
+
+def _config(tmp_path, **overrides):
+    base = dict(
+        recurrence="mamba2",
+        dv=7,
+        dk=33,
+        heads=3,
+        seeds=3,
+        steps=100,
+        window=16,
+        memory=(eg.parse_memory("long"), eg.parse_memory("short")),
+        arms=eg.parse_arms("every_step,shared,separate_exact", "fp16", "sr"),
+        out=str(tmp_path / "eg.csv"),
+        plot=None,
+        progress=False,
+    )
+    base.update(overrides)
+    return eg.Config(**base)
+
+
+# --------------------------------------------------------------------------------------------
+# numbers
+
+
+@pytest.mark.parametrize("recurrence", ["mamba2", "gdn", "kda"])
+def test_fp64_format_gives_zero_error_in_every_arm(tmp_path, recurrence):
+    """Storing the state (or the read copy) in FP64 rounds nothing, so every arm reproduces
+    the exact run bit for bit: rel_err is exactly 0 at every step, RN and SR alike.
+    (separate_fp16sr is left out: its recurrence copy is FP16 by definition of the arm.)"""
+    arms = eg.parse_arms("every_step,shared,separate_exact", "fp64", "rn,sr")
+    frame = eg.run(_config(tmp_path, recurrence=recurrence, arms=arms, steps=70))
+    assert len(frame) == 5 * 2 * 3 * 70
+    assert (frame["rel_err"] == 0.0).all()
+
+
+@pytest.mark.parametrize("recurrence", ["mamba2", "gdn", "kda"])
+def test_separate_exact_is_exact_before_the_first_flush_and_at_every_flush(tmp_path, recurrence):
+    """separate_exact's recurrence copy is exact FP64 and a flush step's output reads the
+    unrounded new state, so its error is exactly 0 on steps 1..L and on every flush step
+    (t % L == 0), whatever the read copy's format; between flushes it is not 0."""
+    arms = eg.parse_arms("separate_exact", "fp8_e4m3_row,nvfp4", "rn")
+    c = _config(tmp_path, recurrence=recurrence, arms=arms, dk=32, steps=80, window=16)
+    frame = eg.run(c)
+    exact_steps = (frame["step"] <= c.window) | (frame["step"] % c.window == 0)
+    assert (frame.loc[exact_steps, "rel_err"] == 0.0).all()
+    assert (frame.loc[~exact_steps, "rel_err"] > 0.0).all()
+
+
+@pytest.mark.parametrize("recurrence", ["mamba2", "gdn", "kda"])
+@pytest.mark.parametrize("fmt", ["fp8_e4m3_row", "nvfp4"])
+def test_separate_exact_error_never_exceeds_one_checkpoint_rounding(recurrence, fmt):
+    """The bound, per sequence, head and step t of a window opened by the flush at step f:
+
+        ||y_hat_t - y_t||_2 <= ||E_f||_F ||q_t||_2,     E_f = Q(S_f) - S_f
+
+    The read trajectory and the exact one obey the same linear update, so their difference
+    evolves as E <- a E (Mamba-2), a E (I - beta k k^T) (GDN) or E diag(a) (I - beta k k^T)
+    (KDA), each a contraction (a < 1, beta in [0, 1), ||k|| = 1): the error at t is at most the
+    one rounding E_f, seen through q_t. For Mamba-2 it is exactly E_f decayed,
+    y_hat_t - y_t = g_{f+1:t} E_f q_t, so the sharper ||E_f q_t|| bounds it too. Slack: the
+    two trajectories are summed in FP64 separately, 1e-12 * ||S_t|| ||q_t|| covers that."""
+    c = eg.Config(
+        recurrence=recurrence,
+        dv=7,
+        dk=32,
+        heads=3,
+        seeds=2,
+        steps=90,
+        window=16,
+        memory=(eg.parse_memory("long"), eg.parse_memory("short")),
+        arms=(eg.ArmSpec("separate_exact", fmt, "rn"),),
+        progress=False,
+    )
+    batch = len(c.memory) * c.seeds
+    exact = Simulator(recurrence, make_policy("exact", "fp64"), batch, c.heads, c.dv, c.dk)
+    sim = Simulator(
+        recurrence, make_policy("separate_exact", fmt, window=c.window), batch, c.heads, c.dv, c.dk
+    )
+    rounding_error = torch.zeros(batch, c.heads, c.dv, c.dk, dtype=torch.float64)
+    checked = 0
+    for a, v, k, q, beta in eg.make_inputs(c, c.steps):
+        y = exact.step(a, v, k, q, beta)
+        err = torch.linalg.vector_norm(sim.step(a, v, k, q, beta) - y, dim=-1)  # [b, h]
+        q_norm = torch.linalg.vector_norm(q, dim=-1)
+        slack = 1e-12 * torch.linalg.matrix_norm(exact.hi) * q_norm
+        bound = torch.linalg.matrix_norm(rounding_error) * q_norm + slack
+        assert (err <= bound).all(), f"step {exact.tokens}: worst err/bound {(err / bound).max()}"
+        if recurrence == "mamba2":
+            sharp = torch.linalg.vector_norm(rounding_error @ q[..., None], dim=(-2, -1))
+            assert (err <= sharp + slack).all()
+        if sim.last_was_flush:
+            assert (err == 0).all()
+            rounding_error = sim.lo - exact.hi
+        else:
+            checked += int((err > 0).all())
+    assert checked > 60  # the bound was exercised on the non-flush steps after the first flush
+
+
+def test_every_step_rn_fp16_short_memory_stays_near_unit_roundoff(tmp_path):
+    """Conventional FP16 RN state, short memory (a in [0.9, 0.95)): each token adds one RN
+    error of at most u = 2^-11 relative to each state entry, and an entry remembers about
+    1 / (1 - a^2) <= 10.3 of them, which add in quadrature with an RMS of about u / sqrt(3)
+    each: about sqrt(10.3 / 3) u = 1.9 u. Measured median 1.1 u, max 3.5 u over 3 x 2000
+    steps. Checked: median below 3 u, max below 20 u (the coherent worst case u / (1 - 0.95)),
+    and no growth (the last quarter's mean within 1.25x the second quarter's)."""
+    c = _config(
+        tmp_path,
+        memory=(eg.parse_memory("short"),),
+        arms=(eg.ArmSpec("every_step", "fp16", "rn"),),
+        steps=2000,
+    )
+    err = eg.run(c).set_index(["seed", "step"])["rel_err"] / FP16_U
+    assert err.median() < 3.0
+    assert err.max() < 20.0
+    steps = err.index.get_level_values("step")
+    second, last = err[(steps > 500) & (steps <= 1000)], err[steps > 1500]
+    assert last.mean() < 1.25 * second.mean()
+
+
+def test_long_memory_orders_the_arms_as_the_design_says(tmp_path):
+    """DESIGN.md's claim in miniature (mamba2, FP8 with a row scale, long memory, 1,024
+    steps): the conventional state's error grows with length (measured 3x from the window of
+    step 80 to the last; checked 2x), separate_exact's does not (checked under 2x), and at the
+    end every_step > shared > separate_exact (median window means over seeds)."""
+    arms = eg.parse_arms("every_step,shared,separate_exact", "fp8_e4m3_row", "sr")
+    c = _config(tmp_path, memory=(eg.parse_memory("long"),), arms=arms, dk=32, steps=1024)
+    means = eg.window_means(eg.run(c)).set_index(["arm", "window_index"])["median"]
+    first, last = 4, 63  # windows of steps 65..80 and 1009..1024
+    assert means[("every_step", last)] > 2 * means[("every_step", first)]
+    assert means[("separate_exact", last)] < 2 * means[("separate_exact", first)]
+    assert means[("every_step", last)] > means[("shared", last)] > means[("separate_exact", last)]
+
+
+def test_inputs_of_a_seed_do_not_depend_on_other_seeds_or_memory(tmp_path):
+    """Slot (memory m, seed s) = m * seeds + s; seed s draws the same v, k, q whichever seeds
+    run beside it, every memory profile sees them, and the decays fall in each range."""
+    small = eg.make_inputs(_config(tmp_path, seeds=2), 300)
+    large = eg.make_inputs(_config(tmp_path, seeds=4), 300)
+    for (a2, v2, k2, q2, _), (a4, v4, k4, q4, _) in zip(small, large, strict=True):
+        torch.testing.assert_close(v2[:2], v4[:2], rtol=0, atol=0)
+        torch.testing.assert_close(v2[:2], v2[2:], rtol=0, atol=0)  # long and short share
+        torch.testing.assert_close(k2[:2], k4[:2], rtol=0, atol=0)
+        torch.testing.assert_close(q2[:2], q4[:2], rtol=0, atol=0)
+        torch.testing.assert_close(a2[2:], a4[4:6], rtol=0, atol=0)
+    decays = torch.stack([step[0] for step in small])  # [steps, slots, heads]
+    assert decays[:, :2].min() >= 0.9995 and decays[:, :2].max() < 0.99999
+    assert decays[:, 2:].min() >= 0.9 and decays[:, 2:].max() < 0.95
+
+
+def test_gdn_and_kda_inputs_have_unit_keys_and_per_channel_kda_decays(tmp_path):
+    """GDN and KDA L2-normalise k and q and draw beta in [0, 1); KDA's decay is [b, h, dk]."""
+    (a, v, k, q, beta), *_ = eg.make_inputs(_config(tmp_path, recurrence="kda"), 2)
+    assert a.shape == (6, 3, 33) and beta.shape == (6, 3)
+    ones = torch.ones(6, 3, dtype=torch.float64)
+    torch.testing.assert_close(torch.linalg.vector_norm(k, dim=-1), ones)
+    torch.testing.assert_close(torch.linalg.vector_norm(q, dim=-1), ones)
+    assert 0 <= beta.min() and beta.max() < 1
+
+
+def test_rel_err_is_the_norm_over_heads_and_dv_of_one_sequence():
+    """The CSV's rel_err is lowprec.metrics.rel_err over [heads, dv]: worked example with two
+    heads, y = [[3, 4], [0, 0]], y_hat = [[3, 4], [0, 1]]: ||diff|| 1 / ||y|| 5 = 0.2."""
+    y = torch.tensor([[[3.0, 4.0], [0.0, 0.0]]], dtype=torch.float64)
+    y_hat = torch.tensor([[[3.0, 4.0], [0.0, 1.0]]], dtype=torch.float64)
+    assert rel_err(y_hat, y).tolist() == [0.2]
+
+
+# --------------------------------------------------------------------------------------------
+# files
+
+
+def test_csv_has_exactly_the_tidy_columns_and_one_row_per_step(tmp_path):
+    """Header line exactly CSV_COLUMNS; one row per (arm, format, rounding, memory, window,
+    seed, step); separate arms' rounding is 'rn'; memory 'LO,HI' is written 'LO..HI'."""
+    arms = eg.parse_arms("every_step,separate_fp16sr", "fp16,mxfp4", "rn,sr")
+    memory = (eg.parse_memory("short"), eg.parse_memory("0.99,0.999"))
+    c = _config(tmp_path, arms=arms, memory=memory, dk=64, steps=37, seed0=5)
+    eg.run(c)
+    text = Path(c.out).read_text()
+    assert text.splitlines()[0] == ",".join(eg.CSV_COLUMNS)
+    assert text.splitlines()[0] == "recurrence,arm,format,rounding,memory,window,seed,step,rel_err"
+    frame = pd.read_csv(c.out)
+    assert len(frame) == 6 * 2 * 3 * 37  # 6 arms: every_step x 2 formats x 2 roundings + 2
+    keys = ["arm", "format", "rounding", "memory", "window", "seed", "step"]
+    assert not frame.duplicated(keys).any()
+    assert set(frame["memory"]) == {"short", "0.99..0.999"}
+    assert set(frame["seed"]) == {5, 6, 7}
+    assert set(frame.loc[frame["arm"] == "separate_fp16sr", "rounding"]) == {"rn"}
+    assert frame["step"].min() == 1 and frame["step"].max() == 37
+    assert (frame["recurrence"] == "mamba2").all() and (frame["window"] == 16).all()
+    assert frame["rel_err"].dtype == float and frame["rel_err"].notna().all()
+
+
+def test_a_rerun_reproduces_the_csv_byte_for_byte(tmp_path):
+    """Same config, same seeds -> identical bytes (SR arms included: Philox words are a
+    function of seed, slot, counter and element)."""
+    arms = eg.parse_arms("every_step,shared,separate_fp16sr", "nvfp4", "sr")
+    first = _config(tmp_path, arms=arms, dk=32, steps=50, log_grid=3)
+    second = _config(tmp_path, arms=arms, dk=32, steps=50, log_grid=3, out=str(tmp_path / "b.csv"))
+    eg.run(first)
+    eg.run(second)
+    assert Path(first.out).read_bytes() == Path(second.out).read_bytes()
+
+
+def test_recorded_steps_are_whole_windows_holding_the_summary_steps():
+    """--log-grid G keeps whole windows (so a window mean is exact) and always the windows of
+    steps 64, 1,024, 4,096 and the last step; 0 keeps every step."""
+    steps = eg.recorded_steps(10_000, 16, 12)
+    assert list(eg.recorded_steps(40, 16, 0)) == list(range(1, 41))
+    kept = set(steps.tolist())
+    for t in (1, 64, 1024, 4096, 10_000):
+        window = (t - 1) // 16
+        assert set(range(window * 16 + 1, min(window * 16 + 16, 10_000) + 1)) <= kept
+    assert len(kept) == len(steps) and sorted(kept) == steps.tolist()
+    assert len(steps) < 40 * 16
+
+
+def test_plot_and_summary_read_the_csv(tmp_path):
+    """plot() writes a PNG from the CSV alone; summarize() gives one row per series and the
+    window means at t = 64 and the last step (steps < 1,024)."""
+    c = _config(tmp_path, steps=100)
+    frame = eg.run(c)
+    png = tmp_path / "eg.png"
+    eg.plot(c.out, png)
+    assert png.stat().st_size > 10_000
+    table = eg.summarize(frame)
+    assert list(table.columns) == ["t=64", "t=100 (last)"]
+    assert len(table) == 3 * 2
+    means = eg.window_means(frame)
+    at64 = means[(means["arm"] == "every_step") & (means["memory"] == "long")]
+    at64 = at64[at64["window_index"] == 3]["median"].item()
+    assert table.loc[("every_step", "fp16", "sr", "long"), "t=64"] == at64
+
+
+def test_presets_match_the_issue():
+    """toy: one Mamba-2 head, 8 x 32 state, 4,096 steps, L = 16, fp8_e4m3_row, every_step RN
+    and SR, shared SR, separate_exact, both memories. default: 64 x 128, four formats x four
+    arms, 16,384 steps, more than one head and seed."""
+    parser = eg.build_parser()
+    toy = eg.config_from_args(parser.parse_args(["--preset", "toy"]))
+    assert (toy.recurrence, toy.heads, toy.dv, toy.dk, toy.steps, toy.window) == (
+        "mamba2",
+        1,
+        8,
+        32,
+        4096,
+        16,
+    )
+    assert [m.name for m in toy.memory] == ["long", "short"]
+    assert [a.label for a in toy.arms] == [
+        "every_step:fp8_e4m3_row:rn",
+        "every_step:fp8_e4m3_row:sr",
+        "shared:fp8_e4m3_row:sr",
+        "separate_exact:fp8_e4m3_row",
+    ]
+    assert toy.out == "results/error_growth_toy.csv" and toy.plot == "results/error_growth_toy.png"
+    default = eg.config_from_args(parser.parse_args(["--preset", "default", "--steps", "99"]))
+    assert (default.dv, default.dk, default.steps) == (64, 128, 99)
+    assert default.heads > 1 and default.seeds > 1
+    assert {a.arm for a in default.arms} == set(eg.ARMS)
+    assert {a.fmt for a in default.arms} == {"fp16", "fp8_e4m3", "nvfp4", "mxfp4"}
+    assert len(default.arms) == 16
+
+
+# --------------------------------------------------------------------------------------------
+# command line
+
+BAD_ARGUMENTS = {
+    "zero steps": ["--steps", "0"],
+    "too many steps": ["--steps", str(eg.MAX_STEPS + 1)],
+    "not a number": ["--steps", "many"],
+    "zero window": ["--window", "0"],
+    "reversed memory": ["--memory", "0.95,0.9"],
+    "memory past one": ["--memory", "0.9,1.0"],
+    "unknown memory": ["--memory", "medium"],
+    "unknown arm": ["--arms", "every_token"],
+    "unknown format": ["--formats", "fp7"],
+    "sr read copy": ["--arms", "separate_exact:fp16:sr"],
+    "unknown rounding": ["--rounding", "rz"],
+    "block misfit": ["--formats", "nvfp4", "--dk", "40"],
+    "unknown recurrence": ["--recurrence", "lstm"],
+    "empty arm item": ["--arms", "shared,,every_step"],
+    "no such device": ["--device", "tpu"],
+}
+
+
+@pytest.mark.parametrize("argv", BAD_ARGUMENTS.values(), ids=BAD_ARGUMENTS.keys())
+def test_bad_arguments_give_one_line_and_exit_status_2(capsys, argv):
+    """An invalid argument ends with one line on stderr naming the problem, exit status 2,
+    and nothing simulated or written."""
+    with pytest.raises(SystemExit) as exit_info:
+        eg.main([*argv, "--out", "/nonexistent/never.csv"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    assert "error:" in err and "Traceback" not in err
+
+
+def test_bad_arguments_from_the_shell_give_no_traceback():
+    """The module entry point (python -m experiments.error_growth) behaves the same."""
+    result = subprocess.run(
+        [sys.executable, "-m", "experiments.error_growth", "--memory", "0.5,0.2"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "memory" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_main_writes_csv_meta_png_and_prints_the_summary(tmp_path, capsys):
+    """A tiny run through main(): CSV, .meta.json (with the command), PNG, summary table;
+    --replot redraws the PNG and reprints the same summary from the CSV without touching it."""
+    out = tmp_path / "run.csv"
+    argv = ["--steps", "40", "--seeds", "2", "--arms", "shared:fp16", "--out", str(out)]
+    assert eg.main([*argv, "--no-progress"]) == 0
+    meta = (tmp_path / "run.meta.json").read_text()
+    assert "python -m experiments.error_growth --steps 40" in meta and '"commit"' in meta
+    assert (tmp_path / "run.png").exists()
+    printed = capsys.readouterr().out
+    assert "shared" in printed and "t=40 (last)" in printed
+    csv_bytes = out.read_bytes()
+    (tmp_path / "run.png").unlink()
+    assert eg.main(["--replot", "--out", str(out)]) == 0  # redraws from the CSV alone
+    assert (tmp_path / "run.png").exists() and out.read_bytes() == csv_bytes
+    assert capsys.readouterr().out == printed
+    assert formats.get("fp16").element.mbits == 10  # the u line of the plot: 2^-(10+1)
