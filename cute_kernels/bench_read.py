@@ -1,0 +1,300 @@
+"""Timing of the non-flush (read-path) kernels at the Nemotron-3-Super layer shape.
+
+    python -m cute_kernels.bench_read --batch 256 512 --out results/bench_read.csv
+
+For each read-copy format (nvfp4, fp8_e4m3, fp16, fp32 = the single-copy FP32 ReplaySSM
+baseline) and batch: checks the kernel against the fp64 reference on the first slots (a
+format whose check fails is reported, never timed), then times it with CUDA-graph replays over
+``sets`` independent buffer sets (each a full cache: the working set is far beyond the 50 MB
+L2, so no call finds its state in cache), resetting the cursors between replays outside the
+timed region so every call runs at the same ``h``. Bytes moved follow
+`replay_output.traffic_bytes`. The ceilings come from the same run, after a ~1 s warm-up: a
+device-to-device copy (bytes read + written) and a streaming read (16-byte loads).
+Prints one table last; writes a tidy CSV when ``--out`` is given.
+"""
+
+from __future__ import annotations  # noqa: I001  (_compile must precede cutlass)
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from cute_kernels import _compile
+from cute_kernels import replay_output as ro
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, Int64, Uint32
+
+NEMOTRON = dict(nheads=128, headdim=64, dstate=128, ngroups=8)
+
+
+# --------------------------------------------------------------------------------------------
+# ceilings
+
+
+class StreamRead:
+    """Reads ``n16`` 16-byte chunks, four loads in flight per lane, XOR-folds them into one
+    word per thread (so nothing is optimised away)."""
+
+    threads = 256
+
+    @cute.jit
+    def __call__(self, src: cute.Pointer, dst: cute.Pointer, n16: Int32, blocks: Int32, stream):
+        self.kernel(src, dst, n16).launch(grid=[blocks, 1, 1], block=[self.threads, 1, 1],
+                                          stream=stream)
+
+    @cute.kernel
+    def kernel(self, src: cute.Pointer, dst: cute.Pointer, n16: Int32):
+        tid, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        nblk, _, _ = cute.arch.grid_dim()
+        stride = nblk * self.threads
+        i = bid * self.threads + tid
+        acc = Uint32(0)
+        base = src.toint()
+        while i + 3 * stride < n16:
+            for u in cutlass.range_constexpr(4):
+                w = ro._load_words(base + Int64(i + u * stride) * 16, 4, True)
+                acc = acc ^ w[0] ^ w[1] ^ w[2] ^ w[3]
+            i = i + 4 * stride
+        while i < n16:
+            w = ro._load_words(base + Int64(i) * 16, 4, True)
+            acc = acc ^ w[0] ^ w[1] ^ w[2] ^ w[3]
+            i = i + stride
+        ro._store_words(dst.toint() + Int64(bid * self.threads + tid) * 4, [acc])
+
+
+def _time_ms(fn, reps=30):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def ceilings(nbytes=2**30):
+    """(copy GB/s counting read + write, streaming-read GB/s), after a ~1 s warm-up."""
+    src = torch.randint(0, 2**31 - 1, (nbytes // 4,), dtype=torch.int32, device="cuda")
+    dst = torch.empty_like(src)
+    t_end = time.time() + 1.0
+    while time.time() < t_end:
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    copy_ms = _time_ms(lambda: dst.copy_(src))
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    blocks = sms * 8
+    out = torch.empty(blocks * StreamRead.threads, dtype=torch.int32, device="cuda")
+    kernel = cute.compile(
+        StreamRead(), _compile.fake_ptr(cutlass.Int32), _compile.fake_ptr(cutlass.Int32),
+        Int32(1), Int32(1), _compile.fake_stream(),
+    )
+    args = (_compile.gmem_ptr(src), _compile.gmem_ptr(out), Int32(nbytes // 16), Int32(blocks))
+
+    def read():
+        kernel(*args, _compile.current_stream())
+
+    read()
+    read_ms = _time_ms(read)
+    return 2 * nbytes / copy_ms / 1e6, nbytes / read_ms / 1e6
+
+
+# --------------------------------------------------------------------------------------------
+# the read kernels
+
+
+def make_set(fmt, batch, h, window, gen_seed):
+    """One decode step's buffers on the GPU, every slot holding h - 1 records."""
+    S, H, P, N, G = batch, NEMOTRON["nheads"], NEMOTRON["headdim"], NEMOTRON["dstate"], \
+        NEMOTRON["ngroups"]
+    dev = "cuda"
+    gen = torch.Generator(device=dev).manual_seed(gen_seed)
+    bf = torch.bfloat16
+
+    def rn(*shape):
+        return torch.randn(*shape, generator=gen, device=dev)
+
+    if fmt == "nvfp4":
+        lo = {
+            "codes": torch.randint(0, 256, (S, H, P, N // 2), generator=gen, device=dev,
+                                   dtype=torch.int32).to(torch.uint8),
+            "scales": torch.randint(0x20, 0x40, (S, H, P, N // 16), generator=gen, device=dev,
+                                    dtype=torch.int32).to(torch.uint8),
+            "global": rn(S, H).abs() * 1e-3,
+        }
+    elif fmt == "fp8_e4m3":
+        lo = {"codes": rn(S, H, P, N).to(torch.float8_e4m3fn).view(torch.uint8)}
+    elif fmt == "fp16":
+        lo = {"values": rn(S, H, P, N).half()}
+    else:
+        lo = {"values": rn(S, H, P, N)}
+    t = dict(
+        ring_x=rn(S, H, window, P).to(bf),
+        ring_dt=rn(S, H, window).abs() * 0.5,
+        ring_B=rn(S, G, window, N).to(bf),
+        cursors=torch.full((S,), h - 1, dtype=torch.int32, device=dev),
+        x=rn(S, H, P).to(bf),
+        dt=rn(S, H) - 1.0,
+        A=-torch.exp(rn(H) * 0.5),
+        B=rn(S, G, N).to(bf),
+        C=rn(S, G, N).to(bf),
+        D=rn(H),
+        dt_bias=rn(H) * 0.1,
+    )
+    return lo, t
+
+
+def dequantized(fmt, lo):
+    """The read copy as fp64 (for the reference check)."""
+    if fmt == "nvfp4":
+        from lowprec.formats import E2M1, E4M3
+        from lowprec.quantize import decode_bits
+
+        c = lo["codes"].long()
+        codes = torch.stack((c & 0xF, c >> 4), dim=-1).flatten(-2)
+        values = decode_bits(codes.cpu(), E2M1, torch.float64)
+        scales = decode_bits(lo["scales"].long().cpu(), E4M3, torch.float64)
+        values = values.reshape(*values.shape[:-1], -1, 16) * scales[..., None]
+        return values.flatten(-2) * lo["global"].double().cpu()[..., None, None]
+    if fmt == "fp8_e4m3":
+        return lo["codes"].view(torch.float8_e4m3fn).double().cpu()
+    return lo["values"].double().cpu()
+
+
+def call(fmt, lo, t, window, out, knobs=None):
+    return ro.replay_output(
+        lo, t["ring_x"], t["ring_dt"], t["ring_B"], t["cursors"], t["x"], t["dt"], t["A"],
+        t["B"], t["C"], t["D"], None, t["dt_bias"], True, out, window=window, lo_format=fmt,
+        **(knobs or {}),
+    )
+
+
+def check(fmt, lo, t, window, knobs=None, slots=4):
+    """Max |out - ref| / (2^-8 |ref| + 2^-14 mag) over the first ``slots`` (pass: <= 1)."""
+    from lowprec.mamba2 import mamba2_process_dt, mamba2_replay_output
+
+    start = t["cursors"].clone()
+    out = torch.full_like(t["x"], float("nan"))
+    call(fmt, lo, t, window, out, knobs)
+    torch.cuda.synchronize()
+    t["cursors"].copy_(start)
+    sl = slice(0, slots)
+    d = {k: v[sl].double().cpu() for k, v in t.items() if k not in ("A", "D", "dt_bias")}
+    A, D, bias = (t[k].double().cpu() for k in ("A", "D", "dt_bias"))
+    cur = start[sl].long().cpu()
+    rows = torch.arange(len(cur))
+    rx, rdt, rB = d["ring_x"].clone(), d["ring_dt"].clone(), d["ring_B"].clone()
+    rx[rows, :, cur] = d["x"]
+    rdt[rows, :, cur] = mamba2_process_dt(d["dt"], bias, True)
+    rB[rows, :, cur] = d["B"]
+    ck = dequantized(fmt, {k: v[sl] for k, v in lo.items()})
+    y = mamba2_replay_output(ck, rx, rdt, rB, cur + 1, d["C"], d["x"], A, D)
+    mag = mamba2_replay_output(ck.abs(), rx.abs(), rdt, rB.abs(), cur + 1, d["C"].abs(),
+                               d["x"].abs(), A, D.abs())
+    err = (out[sl].double().cpu() - y).abs() / (2.0**-8 * y.abs() + 2.0**-14 * mag)
+    return float(err.nan_to_num(float("inf")).max())
+
+
+def time_format(fmt, batch, h, window, sets, reps, knobs=None):
+    """(median microseconds per call, check ratio)."""
+    bufs = [make_set(fmt, batch, h, window, 1000 + i) for i in range(sets)]
+    ratio = check(fmt, *bufs[0], window, knobs)
+    if not ratio <= 1.0:
+        return float("nan"), ratio
+    outs = [torch.empty_like(t["x"]) for _, t in bufs]
+    starts = [t["cursors"].clone() for _, t in bufs]
+
+    def reset():
+        for (_, t), c in zip(bufs, starts, strict=True):
+            t["cursors"].copy_(c)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for (lo, t), o in zip(bufs, outs, strict=True):
+            call(fmt, lo, t, window, o, knobs)
+    torch.cuda.current_stream().wait_stream(stream)
+    reset()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for (lo, t), o in zip(bufs, outs, strict=True):
+            call(fmt, lo, t, window, o, knobs)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        reset()
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / sets)
+    return statistics.median(times), ratio
+
+
+# Tuning variants timed besides the defaults: (format, warps per CTA, prefetch the next
+# head, load a head's whole read copy first).
+VARIANTS = [("nvfp4", 4, False, True), ("nvfp4", 16, False, True), ("nvfp4", 4, True, True),
+            ("nvfp4", 8, True, True), ("nvfp4", 8, False, False), ("fp8_e4m3", 8, False, False)]
+
+
+def run(batches, h, window, sets, reps, out=None, variants=True):
+    copy_gbs, read_gbs = ceilings()
+    rows = []
+    cases = [(fmt, None) for fmt in ro.LO_FORMATS]
+    if variants:
+        cases += [(fmt, dict(warps=w, prefetch=p, upfront=u)) for fmt, w, p, u in VARIANTS]
+    for batch in batches:
+        for fmt, knobs in cases:
+            us, ratio = time_format(fmt, batch, h, window, sets, reps, knobs)
+            nbytes = ro.traffic_bytes(fmt, batch, **NEMOTRON, h=h)
+            name = fmt
+            if knobs is not None:
+                name += f"/w{knobs['warps']}" + ("p" if knobs["prefetch"] else "")
+                name += "" if knobs["upfront"] else "l"
+            rows.append(dict(
+                format=name, batch=batch, h=h, window=window, us=us, bytes=nbytes,
+                gbs=nbytes / us / 1e3 if us == us else float("nan"), check=ratio,
+                copy_gbs=copy_gbs, read_gbs=read_gbs,
+                device=torch.cuda.get_device_name(0),
+            ))
+    if out:
+        import csv
+
+        with open(out, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+    fp32_us = {r["batch"]: r["us"] for r in rows if r["format"] == "fp32"}
+    print(f"\ncopy {copy_gbs:,.0f} GB/s (read + write), streaming read {read_gbs:,.0f} GB/s")
+    print(f"{'format':>14} {'batch':>5} {'h':>3} {'us':>9} {'MB':>8} {'GB/s':>7} "
+          f"{'%copy':>6} {'%read':>6} {'x fp32':>7} {'check':>6}")
+    for r in rows:
+        print(f"{r['format']:>14} {r['batch']:>5} {r['h']:>3} {r['us']:>9.1f} "
+              f"{r['bytes'] / 1e6:>8.1f} {r['gbs']:>7.0f} {100 * r['gbs'] / copy_gbs:>6.1f} "
+              f"{100 * r['gbs'] / read_gbs:>6.1f} {fp32_us[r['batch']] / r['us']:>7.2f} "
+              f"{r['check']:>6.3f}")
+    return rows
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch", type=int, nargs="+", default=[256, 512])
+    p.add_argument("--h", type=int, default=8, help="records held after the append")
+    p.add_argument("--window", type=int, default=16)
+    p.add_argument("--sets", type=int, default=4, help="buffer sets rotated per graph replay")
+    p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--out", default=None)
+    p.add_argument("--no-variants", action="store_true", help="time the defaults only")
+    a = p.parse_args()
+    run(a.batch, a.h, a.window, a.sets, a.reps, a.out, not a.no_variants)
+
+
+if __name__ == "__main__":
+    main()

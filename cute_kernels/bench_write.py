@@ -1,0 +1,450 @@
+"""Timing of the write-path kernels at the Nemotron-3-Super layer shape (first timing).
+
+    python -m cute_kernels.bench_write --batch 256 --out results/bench_write.csv
+
+Kernels (128 heads, 64 x 128 states, 8 groups, window 16, bf16 activations):
+
+    flush fp16-SR + nvfp4     the two-precision flush, every slot flushing
+    flush fp32 (single copy)  the single-copy FP32 ReplaySSM flush, every slot flushing
+    flush, no slot flushing   the same launch when no slot flushes (the cost of a skip)
+    state_update fp32 / fp16 RN / fp16 SR   the conventional every-token step
+    window/token two-precision | fp32 single copy   16 replay_decode_step calls with the
+                              slots staggered over the ring (each flushes once), per token
+
+Each kernel is first checked on a few slots against lowprec (codes bit for bit where the
+contract says so, the state to a relative 1e-4 of its magnitude); a failed check is reported
+and its kernel not timed. Timing: CUDA-graph replays of `reps` launches rotating over `sets`
+independent buffer sets, after a ~1 s warm-up of the card; the median (and min-max) over
+`replays` replays, per launch. Bytes follow each kernel's `traffic_bytes` (each input read
+once, each output written once); the copy ceiling is a device-to-device copy of 1 GiB (bytes
+read + written) timed in the same run. Prints one table last; writes a tidy CSV with --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from cute_kernels import replay_flush as rf
+from cute_kernels import state_update as su
+from lowprec import mamba2, philox
+from lowprec import quantize as q
+from lowprec.formats import FP16
+
+NEMOTRON = dict(nheads=128, headdim=64, dstate=128, ngroups=8)
+ACT = torch.bfloat16
+
+
+@dataclass
+class BenchConfig:
+    batch: int = 256
+    window: int = 16
+    sets: int = 3
+    reps: int = 12
+    replays: int = 15
+    seed: int = 0x5EED
+
+
+# --------------------------------------------------------------------------------------------
+# inputs
+
+
+def randn(gen, *shape, dtype=ACT, scale=1.0):
+    return (torch.randn(*shape, generator=gen, device="cuda") * scale).to(dtype)
+
+
+def make_token(batch, gen):
+    H, P, N, G = (NEMOTRON[k] for k in ("nheads", "headdim", "dstate", "ngroups"))
+    return dict(
+        x=randn(gen, batch, H, P),
+        dt=randn(gen, batch, H, dtype=torch.float32),
+        A=-(0.2 + 1.8 * torch.rand(H, generator=gen, device="cuda")),
+        B=randn(gen, batch, G, N),
+        C=randn(gen, batch, G, N),
+        D=randn(gen, H, dtype=torch.float32),
+        z=randn(gen, batch, H, P),
+        dt_bias=randn(gen, H, dtype=torch.float32, scale=0.5),
+    )
+
+
+def make_cache(batch, window, hi_format, lo_format, gen, cursors):
+    H, P, N, G = (NEMOTRON[k] for k in ("nheads", "headdim", "dstate", "ngroups"))
+    hi_dtype = torch.float16 if hi_format == "fp16" else torch.float32
+    lo = None
+    if lo_format == "nvfp4":
+        lo = dict(
+            codes=torch.zeros(batch, H, P, N // 2, dtype=torch.uint8, device="cuda"),
+            scales=torch.zeros(batch, H, P, N // 16, dtype=torch.uint8, device="cuda"),
+            global_scale=torch.zeros(batch, H, device="cuda"),
+        )
+    cache = dict(
+        hi=randn(gen, batch, H, P, N, dtype=hi_dtype),
+        lo=lo,
+        ring_x=randn(gen, batch, H, window, P),
+        ring_dt=torch.nn.functional.softplus(randn(gen, batch, H, window, dtype=torch.float32) - 1),
+        ring_B=randn(gen, batch, G, window, N),
+        cursors=cursors.to(torch.int32).cuda(),
+        flushes=torch.randint(0, 500, (batch,), generator=gen, device="cuda", dtype=torch.int32),
+    )
+    return cache  # the read copy's contents do not change the time: zeros
+
+
+# --------------------------------------------------------------------------------------------
+# checks (a kernel whose check fails is not timed)
+
+
+def check_flush(hi_format, lo_format, window, seed, slots=4):
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    cache = make_cache(slots, window, hi_format, lo_format, gen, torch.full((slots,), window - 1))
+    tok = make_token(slots, gen)
+    before = {k: v.clone() for k, v in cache.items() if isinstance(v, torch.Tensor)}
+    debug = torch.full_like(cache["hi"], float("nan"), dtype=torch.float32)
+    rf.replay_flush(
+        **cache,
+        **tok,
+        window=window,
+        hi_format=hi_format,
+        hi_rounding="sr",
+        lo_format=lo_format,
+        seed=seed,
+        debug_state=debug,
+    )
+    state = debug.cpu()
+    ring = {k: cache[k].cpu().double() for k in ("ring_x", "ring_dt", "ring_B")}
+    ref = mamba2.mamba2_replay_flush(
+        before["hi"].cpu().double(),
+        ring["ring_x"],
+        ring["ring_dt"],
+        ring["ring_B"],
+        torch.full((slots,), window),
+        tok["A"].cpu().double(),
+    )
+    scale = ref.abs().amax(dim=(-2, -1), keepdim=True)
+    ok = bool(((state.double() - ref).abs() <= 1e-4 * scale).all())
+    if hi_format == "fp16":
+        rand = philox.random_words(
+            seed, torch.arange(slots), before["flushes"].cpu().long(), state.shape[1:]
+        )
+        want = q.encode_bits(q.round_to(state, FP16, "sr", rand), FP16)
+        ok &= torch.equal(cache["hi"].cpu().view(torch.int16).long() & 0xFFFF, want)
+    else:
+        ok &= torch.equal(cache["hi"].cpu(), state)
+    if lo_format == "nvfp4":
+        packed = q.pack(q.quantize(state, "nvfp4", "rn"))
+        ok &= all(torch.equal(cache["lo"][k].cpu(), packed[k]) for k in packed)
+    ok &= bool(cache["cursors"].eq(0).all())
+    return ok
+
+
+def check_state_update(state_dtype, rounding, seed, slots=4):
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    H, P, N = NEMOTRON["nheads"], NEMOTRON["headdim"], NEMOTRON["dstate"]
+    state = randn(gen, slots, H, P, N, dtype=state_dtype)
+    tok = make_token(slots, gen)
+    before = state.cpu().double()
+    counters = torch.arange(slots, dtype=torch.int32, device="cuda") if rounding == "sr" else None
+    debug = torch.empty(slots, H, P, N, device="cuda")
+    out = su.state_update(
+        state, **tok, rounding=rounding, seed=seed, counters=counters, debug_state=debug
+    )
+    t = {k: v.cpu().double() for k, v in tok.items()}
+    y_ref, s_ref = mamba2.mamba2_step(
+        before, t["x"], t["dt"], t["A"], t["B"], t["C"], t["D"], t["z"], t["dt_bias"]
+    )
+    new = debug.cpu()
+    ok = bool(((new.double() - s_ref).abs() <= 1e-4 * s_ref.abs().amax()).all())
+    ok &= bool(((out.cpu().double() - y_ref).abs() <= 2e-2 * (1 + y_ref.abs())).all())
+    if state_dtype == torch.float16:
+        rand = None
+        if rounding == "sr":
+            rand = philox.random_words(
+                seed, torch.arange(slots), torch.arange(slots), new.shape[1:]
+            )
+        want = q.encode_bits(q.round_to(new, FP16, rounding, rand), FP16)
+        ok &= torch.equal(state.cpu().view(torch.int16).long() & 0xFFFF, want)
+    return ok
+
+
+# --------------------------------------------------------------------------------------------
+# timing
+
+
+def warm_up(seconds=1.0):
+    a = torch.empty(2**28, dtype=torch.float32, device="cuda")
+    b = torch.empty_like(a)
+    end = time.time() + seconds
+    while time.time() < end:
+        for _ in range(20):
+            b.copy_(a)
+        torch.cuda.synchronize()
+
+
+def time_graph(launches, reps, replays):
+    """Per-launch ms (median, min, max) of a CUDA graph of `reps` launches cycling through
+    `launches` (one callable per buffer set)."""
+    for f in launches:
+        f()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for r in range(reps):
+            launches[r % len(launches)]()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / reps)
+    return statistics.median(times), min(times), max(times)
+
+
+def copy_ceiling(replays):
+    nbytes = 2**30
+    a = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").uniform_()
+    b = torch.empty_like(a)
+    ms, lo, hi = time_graph([lambda: b.copy_(a)], 10, replays)
+    return 2 * nbytes / ms / 1e6
+
+
+def flush_config(batch, window, hi_format, lo_format):
+    return rf.FlushConfig(
+        **NEMOTRON,
+        window=window,
+        ring_len=window,
+        act="bf16",
+        dt_dtype="fp32",
+        hi_format=hi_format,
+        hi_rounding="sr" if hi_format == "fp16" else "rn",
+        lo_format=lo_format,
+        has_D=True,
+        has_z=True,
+        has_dt_bias=True,
+        dt_softplus=True,
+        has_debug=False,
+    )
+
+
+def bench_flush(cfg: BenchConfig, hi_format, lo_format, flushing=True):
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    B, L = cfg.batch, cfg.window
+    fcfg = flush_config(B, L, hi_format, lo_format)
+    launches = []
+    for _ in range(cfg.sets):
+        cache = make_cache(B, L, hi_format, "none", gen, torch.full((B,), L - 1 if flushing else 0))
+        if lo_format == "nvfp4":
+            H, P, N = NEMOTRON["nheads"], NEMOTRON["headdim"], NEMOTRON["dstate"]
+            cache["lo"] = dict(
+                codes=torch.zeros(B, H, P, N // 2, dtype=torch.uint8, device="cuda"),
+                scales=torch.zeros(B, H, P, N // 16, dtype=torch.uint8, device="cuda"),
+                global_scale=torch.zeros(B, H, device="cuda"),
+            )
+        tok = make_token(B, gen)
+        out = torch.empty_like(tok["x"])
+        lo = cache["lo"] or {}
+
+        def launch(c=cache, t=tok, o=out, lo=lo):
+            rf.launch_flush(
+                fcfg,
+                c["hi"],
+                lo,
+                c["ring_x"],
+                c["ring_dt"],
+                c["ring_B"],
+                c["cursors"],
+                c["flushes"],
+                t["x"],
+                t["dt"],
+                t["A"],
+                t["B"],
+                t["C"],
+                t["D"],
+                t["z"],
+                t["dt_bias"],
+                o,
+                None,
+                cfg.seed,
+            )
+
+        launches.append(launch)
+    ms = time_graph(launches, cfg.reps, cfg.replays)
+    return ms, rf.traffic_bytes(fcfg, B if flushing else 0)
+
+
+def bench_state_update(cfg: BenchConfig, state_dtype, rounding):
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    B = cfg.batch
+    H, P, N = NEMOTRON["nheads"], NEMOTRON["headdim"], NEMOTRON["dstate"]
+    launches = []
+    for _ in range(cfg.sets):
+        state = randn(gen, B, H, P, N, dtype=state_dtype, scale=0.1)
+        tok = make_token(B, gen)
+        out = torch.empty_like(tok["x"])
+        counters = torch.zeros(B, dtype=torch.int32, device="cuda") if rounding == "sr" else None
+
+        def launch(s=state, t=tok, o=out, c=counters):
+            su.state_update(s, **t, out=o, rounding=rounding, seed=cfg.seed, counters=c)
+
+        launches.append(launch)
+    ms = time_graph(launches, cfg.reps, cfg.replays)
+    name = "fp32" if state_dtype == torch.float32 else "fp16"
+    return ms, su.traffic_bytes(name, B, H, P, N, NEMOTRON["ngroups"])
+
+
+def bench_window(cfg: BenchConfig, hi_format, lo_format):
+    """Per-token time of 16 consecutive decode steps with slot s starting at cursor s % L:
+    every step has batch / L flushing slots, every slot flushes once."""
+    from cute_kernels.replay_decode import replay_decode_step
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    B, L = cfg.batch, cfg.window
+    cache = make_cache(B, L, hi_format, lo_format, gen, torch.arange(B) % L)
+    toks = [make_token(B, gen) for _ in range(2)]
+    out = torch.empty_like(toks[0]["x"])
+
+    def window():
+        for step in range(L):
+            replay_decode_step(
+                **cache,
+                **toks[step % 2],
+                out=out,
+                window=L,
+                hi_format=hi_format,
+                lo_format=lo_format,
+                seed=cfg.seed,
+            )
+
+    ms = time_graph([window], 2, cfg.replays)
+    return tuple(m / L for m in ms), None
+
+
+# --------------------------------------------------------------------------------------------
+# run
+
+
+def run(cfg: BenchConfig):
+    torch.manual_seed(0)
+    rows = []
+    warm_up()
+    copy_gbs = copy_ceiling(cfg.replays)
+    cases = [
+        (
+            "flush fp16-SR + nvfp4",
+            lambda: check_flush("fp16", "nvfp4", cfg.window, cfg.seed),
+            lambda: bench_flush(cfg, "fp16", "nvfp4"),
+        ),
+        (
+            "flush fp32 single copy",
+            lambda: check_flush("fp32", "none", cfg.window, cfg.seed),
+            lambda: bench_flush(cfg, "fp32", "none"),
+        ),
+        (
+            "flush, no slot flushing",
+            lambda: True,
+            lambda: bench_flush(cfg, "fp16", "nvfp4", flushing=False),
+        ),
+        (
+            "state_update fp32",
+            lambda: check_state_update(torch.float32, "rn", cfg.seed),
+            lambda: bench_state_update(cfg, torch.float32, "rn"),
+        ),
+        (
+            "state_update fp16 RN",
+            lambda: check_state_update(torch.float16, "rn", cfg.seed),
+            lambda: bench_state_update(cfg, torch.float16, "rn"),
+        ),
+        (
+            "state_update fp16 SR",
+            lambda: check_state_update(torch.float16, "sr", cfg.seed),
+            lambda: bench_state_update(cfg, torch.float16, "sr"),
+        ),
+        ("window/token fp16-SR + nvfp4", lambda: True, lambda: bench_window(cfg, "fp16", "nvfp4")),
+        ("window/token fp32 single copy", lambda: True, lambda: bench_window(cfg, "fp32", "none")),
+    ]
+    for name, check, bench in cases:
+        row = dict(
+            kernel=name,
+            batch=cfg.batch,
+            window=cfg.window,
+            check="",
+            us=float("nan"),
+            us_min=float("nan"),
+            us_max=float("nan"),
+            MB=float("nan"),
+            GBs=float("nan"),
+            copy_GBs=copy_gbs,
+        )
+        try:
+            ok = check()
+            row["check"] = "ok" if ok else "FAILED"
+            if ok:
+                (ms, ms_min, ms_max), nbytes = bench()
+                row.update(us=1e3 * ms, us_min=1e3 * ms_min, us_max=1e3 * ms_max)
+                if nbytes:
+                    row.update(MB=nbytes / 1e6, GBs=nbytes / ms / 1e6)
+        except Exception as e:  # report and go on: one broken kernel must not hide the rest
+            row["check"] = f"error: {type(e).__name__}: {str(e)[:160]}"
+        rows.append(row)
+        torch.cuda.empty_cache()
+    return rows
+
+
+def print_table(rows):
+    copy_gbs = rows[0]["copy_GBs"]
+    print(
+        f"\nbatch {rows[0]['batch']}, window {rows[0]['window']}; "
+        f"device-to-device copy {copy_gbs:,.0f} GB/s (read + write)"
+    )
+    print(
+        f"{'kernel':32s} {'check':>6s} {'us':>9s} {'min-max':>15s} {'MB':>8s} {'GB/s':>7s} "
+        f"{'%copy':>6s}"
+    )
+    for r in rows:
+        status = r["check"] if r["check"] in ("ok", "FAILED") else "error"
+        spread = f"{r['us_min']:.1f}-{r['us_max']:.1f}"
+        print(
+            f"{r['kernel']:32s} {status:>6s} {r['us']:9.1f} {spread:>15s} {r['MB']:8.1f} "
+            f"{r['GBs']:7.0f} {100 * r['GBs'] / copy_gbs:6.1f}"
+        )
+    us = {r["kernel"]: r["us"] for r in rows}
+    two = us.get("window/token fp16-SR + nvfp4", float("nan"))
+    print(
+        f"conventional fp32 / two-precision window, per token: "
+        f"{us.get('state_update fp32', float('nan')) / two:.2f}x (target 7.5x); "
+        f"fp32 ReplaySSM / two-precision: "
+        f"{us.get('window/token fp32 single copy', float('nan')) / two:.2f}x (target 4x)"
+    )
+    for r in rows:
+        if r["check"] not in ("ok", "FAILED"):
+            print(f"  {r['kernel']}: {r['check']}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--window", type=int, default=16)
+    parser.add_argument("--reps", type=int, default=12)
+    parser.add_argument("--replays", type=int, default=15)
+    parser.add_argument("--out", default=None, help="CSV path")
+    args = parser.parse_args()
+    cfg = BenchConfig(batch=args.batch, window=args.window, reps=args.reps, replays=args.replays)
+    rows = run(cfg)
+    if args.out:
+        import pandas as pd
+
+        frame = pd.DataFrame(rows)
+        frame["device"] = torch.cuda.get_device_name()
+        frame.to_csv(args.out, index=False)
+    print_table(rows)
+
+
+if __name__ == "__main__":
+    main()

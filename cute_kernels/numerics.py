@@ -1,0 +1,352 @@
+"""Device numerics shared by the CuTe DSL kernels: bit for bit the contract of lowprec/README.md.
+
+Hopper (sm_90) has no stochastic-rounding conversion and no FP4 conversion instruction, so every
+rounding here is integer arithmetic on the fp32 bits; nothing depends on an instruction that a
+later architecture might add. Each function is a plain Python function of DSL scalars, traced
+into the calling kernel (no call overhead), and states its equivalence to `lowprec`:
+
+    philox_keys, philox_word    lowprec.philox.randint (= Triton tl.randint): Philox-4x32-10,
+                                key (seed lo, seed hi), counter (offset lo, offset hi, 0, 0),
+                                first output word
+    state_counter               the counter words of offset = (slot<<44)|(flush<<24)|element
+    sr_fp16_bits                encode_bits(round_to(x, FP16, 'sr', r), FP16)
+    rn_fp16_bits, rn_e4m3_byte, encode_bits(round_to(x, fmt, 'rn'), fmt): ties to even,
+      rn_e2m1_nibble            saturating (plain hardware cvt.rn.f16 gives inf from 65520 on)
+    rn_fp16x2                   two rn_fp16_bits with cvt.rn.satfinite.f16x2.f32 (fast path)
+    e4m3_value                  decode_bits(byte, E4M3) for a block scale: exact
+    div_rn                      one correctly rounded fp32 division (PTX div.rn.f32)
+    saturate_f32                lowprec's fp32 "rounding" of fp32: identity, +-inf -> +-FLT_MAX
+
+Why integers are exact. For an fp32 input with significand `F` (the hidden bit included; 23
+bits for fp32 subnormals) and biased exponent `E` (`Eeff = max(E, 1)`), lowprec's
+`m = |x| / ulp` is `F / 2^shift` with
+
+    shift = (23 - mbits) + max(0, emin + 127 - Eeff)
+
+so `floor(m) = F >> shift`, `floor(frac * 2^32)` is the `shift` discarded bits of `F`
+left-aligned in 32 bits, and RN's remainder and half-way point are those bits and `2^(shift-1)`.
+The code of `(floor(m) + up) * ulp` is `(max(Eeff - 127 - emin, 0) << mbits) + floor(m) + up`: a
+carry out of the significand moves into the exponent field by itself, and below the smallest
+normal the exponent field is 0 (subnormal codes). Saturation is a `min` with the largest
+finite code; NaN becomes the canonical NaN without a sign (as `encode_bits` does); `-0` keeps
+its sign; `+-inf` saturate like any value past the largest finite one.
+
+Shifts: LLVM makes a shift by >= 32 poison, so every data-dependent shift amount is clamped to
+[0, 31] (the clamped cases are those where the clamped result is already right).
+
+Two backends. The same functions accept numpy uint32/float32 arrays: the CPU tests run the
+identical integer code on arrays and compare it with `lowprec` exhaustively, and the GPU tests
+check that the compiled kernels agree with it.
+"""
+
+from __future__ import annotations
+
+import cutlass  # noqa: I001
+import cutlass.cute as cute
+import numpy as np
+from cutlass import Float32, Uint32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T
+
+from cute_kernels import _compile  # noqa: F401  (sets the sm_90a target before cutlass)
+
+__all__ = [
+    "PHILOX_ROUNDS",
+    "FP16",
+    "E4M3",
+    "E2M1",
+    "philox_keys",
+    "philox_word",
+    "state_counter",
+    "f32_bits",
+    "bits_f32",
+    "sr_fp16_bits",
+    "rn_code",
+    "rn_fp16_bits",
+    "rn_fp16x2",
+    "rn_e4m3_byte",
+    "rn_e2m1_nibble",
+    "e4m3_value",
+    "div_rn",
+    "saturate_f32",
+    "softplus",
+    "silu",
+]
+
+PHILOX_ROUNDS = 10
+ROUND_A = 0xD2511F53
+ROUND_B = 0xCD9E8D57
+KEY_A = 0x9E3779B9
+KEY_B = 0xBB67AE85
+MASK32 = 0xFFFFFFFF
+SLOT_SHIFT = 44
+FLUSH_SHIFT = 24
+
+# Element formats as data: (mbits, bias, largest finite code, NaN code, sign bit position).
+FP16 = (10, 15, 0x7BFF, 0x7E00, 15)  # 65504; NaN 0x7E00
+E4M3 = (3, 7, 0x7E, 0x7F, 7)  # OCP E4M3FN: 448; S.1111.111 is NaN
+E2M1 = (1, 1, 0x7, 0x7, 3)  # 6; no NaN: a NaN input (outside the contract) saturates
+
+
+# --------------------------------------------------------------------------------------------
+# the two backends: DSL scalars in kernels, numpy arrays in CPU tests
+
+
+def _is_np(v) -> bool:
+    return isinstance(v, (np.ndarray, np.generic))
+
+
+def _u(value, like):
+    """The uint32 constant `value` in `like`'s backend."""
+    return np.uint32(value) if _is_np(like) else Uint32(value)
+
+
+def _sel(cond, a, b):
+    """`a if cond else b`, element-wise; a and b of one type (uint32 or fp32)."""
+    if _is_np(cond) or _is_np(a) or _is_np(b):
+        return np.where(cond, a, b).astype(np.asarray(a).dtype)
+    return type(a)(cutlass.select_(cond, a, b))
+
+
+def _umin(a, b):
+    return _sel(a < b, a, b)
+
+
+def _umax(a, b):
+    return _sel(a > b, a, b)
+
+
+def _mul_hi(a, constant: int):
+    if _is_np(a):
+        return ((a.astype(np.uint64) * np.uint64(constant)) >> np.uint64(32)).astype(np.uint32)
+    return cute.arch.mul_hi(Uint32(a), Uint32(constant))
+
+
+def _mul_lo(a, constant: int):
+    if _is_np(a):
+        return ((a.astype(np.uint64) * np.uint64(constant)) & np.uint64(MASK32)).astype(np.uint32)
+    return Uint32(a) * Uint32(constant)
+
+
+def f32_bits(x):
+    """The 32 bits of an fp32 value (a register move, no instruction)."""
+    if _is_np(x):
+        return np.asarray(x, dtype=np.float32).view(np.uint32)
+    return Float32(x).bitcast(Uint32)
+
+
+def bits_f32(u):
+    """The fp32 value of 32 bits."""
+    if _is_np(u):
+        return np.asarray(u, dtype=np.uint32).view(np.float32)
+    return Uint32(u).bitcast(Float32)
+
+
+# --------------------------------------------------------------------------------------------
+# Philox-4x32-10
+
+
+def philox_keys(seed_lo, seed_hi) -> list:
+    """The ten round keys `(k0, k1)` of a seed: compute once per thread outside element loops
+    (they are uniform across the grid, so they cost registers, not instructions)."""
+    k0, k1 = seed_lo, seed_hi
+    keys = []
+    for _ in range(PHILOX_ROUNDS):
+        keys.append((k0, k1))
+        if _is_np(k0):
+            k0 = np.uint32((int(k0) + KEY_A) & MASK32)
+            k1 = np.uint32((int(k1) + KEY_B) & MASK32)
+        else:
+            k0 = Uint32(k0) + Uint32(KEY_A)
+            k1 = Uint32(k1) + Uint32(KEY_B)
+    return keys
+
+
+def philox_word(c0, c1, keys):
+    """First word of Philox-4x32-10 of the counter `(c0, c1, 0, 0)` under `keys`.
+
+    Equal to `lowprec.philox.randint(seed, offset)` and Triton's `tl.randint(seed, offset)` for
+    `offset = c1 << 32 | c0` and `keys = philox_keys(seed & 0xffffffff, seed >> 32)`. Round 1 is
+    specialised for `c2 = c3 = 0` and the last round forms only the first word, which leaves
+    18 of the 20 wide multiplies.
+    """
+    k0, k1 = keys[0]
+    # round 1: (hi(B*0) ^ c1 ^ k0, lo(B*0), hi(A*c0) ^ 0 ^ k1, lo(A*c0))
+    c0, c1, c2, c3 = c1 ^ k0, _u(0, c0), _mul_hi(c0, ROUND_A) ^ k1, _mul_lo(c0, ROUND_A)
+    for r in range(1, PHILOX_ROUNDS - 1):
+        k0, k1 = keys[r]
+        c0, c1, c2, c3 = (
+            _mul_hi(c2, ROUND_B) ^ c1 ^ k0,
+            _mul_lo(c2, ROUND_B),
+            _mul_hi(c0, ROUND_A) ^ c3 ^ k1,
+            _mul_lo(c0, ROUND_A),
+        )
+    k0, _ = keys[PHILOX_ROUNDS - 1]
+    return _mul_hi(c2, ROUND_B) ^ c1 ^ k0
+
+
+def state_counter(slot, flush, element):
+    """Counter words `(lo, hi)` of `offset = (slot << 44) | (flush << 24) | element`
+    (lowprec.philox.state_offsets), for slot, flush < 2^20 and element < 2^24."""
+    lo = ((flush & _u(0xFF, flush)) << _u(FLUSH_SHIFT, flush)) | element
+    hi = (slot << _u(SLOT_SHIFT - 32, slot)) | (flush >> _u(32 - FLUSH_SHIFT, flush))
+    return lo, hi
+
+
+# --------------------------------------------------------------------------------------------
+# rounding fp32 values onto narrower grids
+
+
+def _decompose(x):
+    """(sign bit, |x| bits, significand F with its hidden bit, Eeff = max(E, 1)) of fp32 x."""
+    u = f32_bits(x)
+    sign = u >> _u(31, u)
+    a = u & _u(0x7FFFFFFF, u)
+    e = a >> _u(23, u)
+    man = a & _u(0x7FFFFF, u)
+    significand = _sel(e == _u(0, u), man, man | _u(0x800000, u))
+    return sign, a, significand, _umax(e, _u(1, u))
+
+
+def _shift(e_eff, mbits: int, bias: int):
+    """(23 - mbits) + max(0, emin + 127 - Eeff): bits of F below the target grid."""
+    emin_biased = _u(128 - bias, e_eff)  # Eeff of the target's smallest normal
+    extra = _sel(e_eff < emin_biased, emin_biased - e_eff, _u(0, e_eff))
+    return _u(23 - mbits, e_eff) + extra
+
+
+def _exponent_field(e_eff, mbits: int, bias: int):
+    """max(Eeff - 127 - emin, 0) << mbits: what floor(m) + up is added to for the code."""
+    emin_biased = _u(128 - bias, e_eff)
+    over = _sel(e_eff > emin_biased, e_eff - emin_biased, _u(0, e_eff))
+    return over << _u(mbits, e_eff)
+
+
+def _finish(sign, a, magnitude, fmt):
+    _, _, max_code, nan_code, sign_bit = fmt
+    code = _umin(magnitude, _u(max_code, a)) | (sign << _u(sign_bit, a))
+    return _sel(a > _u(0x7F800000, a), _u(nan_code, a), code)
+
+
+def sr_fp16_bits(x, r):
+    """fp16 bits (in the low 16 bits) of SR(x) with the random word r.
+
+    lowprec: up = r < floor(frac * 2^32) (unsigned), subnormals included, saturating at 65504,
+    NaN -> 0x7E00, -0 -> 0x8000; zero never rounds up.
+    """
+    mbits, bias = FP16[0], FP16[1]
+    sign, a, significand, e_eff = _decompose(x)
+    shift = _shift(e_eff, mbits, bias)  # 13 .. 138
+    floor_m = significand >> _umin(shift, _u(31, a))
+    # floor(frac * 2^32): the discarded bits left-aligned (shift <= 32), or shifted further
+    # right (shift > 32; 0 from shift = 56 on since F < 2^24)
+    left = significand << (_u(32, a) - _umin(shift, _u(32, a)))
+    right = significand >> _umin(_umax(shift, _u(32, a)) - _u(32, a), _u(31, a))
+    threshold = _sel(shift <= _u(32, a), left, right)
+    up = _sel(r < threshold, _u(1, a), _u(0, a))
+    return _finish(sign, a, _exponent_field(e_eff, mbits, bias) + floor_m + up, FP16)
+
+
+def rn_code(x, fmt):
+    """Code of RN(x) (ties to even, saturating) in the element format `fmt` (FP16, E4M3,
+    E2M1 of this module)."""
+    mbits, bias = fmt[0], fmt[1]
+    sign, a, significand, e_eff = _decompose(x)
+    shift = _umin(_shift(e_eff, mbits, bias), _u(31, a))  # >= 13 for every format here
+    floor_m = significand >> shift
+    remainder = significand & ((_u(1, a) << shift) - _u(1, a))
+    half = _u(1, a) << (shift - _u(1, a))
+    odd = (floor_m & _u(1, a)) == _u(1, a)
+    up = _sel((remainder > half) | ((remainder == half) & odd), _u(1, a), _u(0, a))
+    return _finish(sign, a, _exponent_field(e_eff, mbits, bias) + floor_m + up, fmt)
+
+
+def rn_fp16_bits(x):
+    """fp16 bits of RN(x), saturating at 65504."""
+    return rn_code(x, FP16)
+
+
+def rn_fp16x2(a, b):
+    """fp16 bits of RN(a) (low half) and RN(b) (high half) in one word, saturating at 65504:
+    the hardware `cvt.rn.satfinite.f16x2.f32` (satfinite clamps past 65504 to 65504, which is
+    lowprec's min(RN(x), max)), with NaN mapped to lowprec's 0x7E00 (hardware gives 0x7FFF).
+    Same bits as two rn_fp16_bits; the fast path for kernels that round every element."""
+    if _is_np(a):
+        return rn_fp16_bits(a) | (rn_fp16_bits(b) << np.uint32(16))
+    a, b = Float32(a), Float32(b)
+    packed = Uint32(
+        llvm.inline_asm(
+            T.i32(),
+            [b.ir_value(), a.ir_value()],
+            "cvt.rn.satfinite.f16x2.f32 $0, $1, $2;",
+            "=r,f,f",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+    low = _sel(a != a, Uint32(0x7E00), packed & Uint32(0xFFFF))
+    high = _sel(b != b, Uint32(0x7E000000), packed & Uint32(0xFFFF0000))
+    return low | high
+
+
+def rn_e4m3_byte(x):
+    """OCP E4M3FN byte of RN(x), saturating at 448."""
+    return rn_code(x, E4M3)
+
+
+def rn_e2m1_nibble(x):
+    """E2M1 nibble `s e1 e0 m` of RN(x), saturating at 6."""
+    return rn_code(x, E2M1)
+
+
+def e4m3_value(byte):
+    """Exact fp32 value of a non-negative, non-NaN E4M3 byte (a block scale)."""
+    exponent = byte >> _u(3, byte)
+    mantissa = byte & _u(7, byte)
+    normal = bits_f32(((exponent + _u(120, byte)) << _u(23, byte)) | (mantissa << _u(20, byte)))
+    subnormal = _mantissa_as_f32(mantissa) * 2.0**-9  # exact: a power-of-two scaling
+    return _sel(exponent == _u(0, byte), subnormal, normal)
+
+
+def _mantissa_as_f32(mantissa):
+    if _is_np(mantissa):
+        return mantissa.astype(np.float32)
+    return Float32(mantissa.to(cutlass.Int32))
+
+
+def div_rn(a, b):
+    """a / b correctly rounded: IEEE fp32 division, PTX div.rn.f32 (no flush to zero)."""
+    if _is_np(a) or _is_np(b):
+        return (np.asarray(a, np.float32) / np.asarray(b, np.float32)).astype(np.float32)
+    result = llvm.inline_asm(
+        T.f32(),
+        [Float32(a).ir_value(), Float32(b).ir_value()],
+        "div.rn.f32 $0, $1, $2;",
+        "=f,f,f",
+        has_side_effects=False,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+    return Float32(result)
+
+
+def saturate_f32(x):
+    """lowprec's fp32 store of an fp32 value: the identity except +-inf -> +-FLT_MAX."""
+    u = f32_bits(x)
+    is_inf = (u & _u(0x7FFFFFFF, u)) == _u(0x7F800000, u)
+    return bits_f32(_sel(is_inf, u - _u(1, u), u))
+
+
+# --------------------------------------------------------------------------------------------
+# Mamba-2 scalar math (fp32 tolerance, not bit-exact: lowprec uses torch's exp and log1p)
+
+
+def softplus(x):
+    """torch.nn.functional.softplus with its default threshold: x above 20, else log1p(exp(x))."""
+    return _sel(x > Float32(20.0), x, cute.math.log1p(cute.math.exp(x)))
+
+
+def silu(z):
+    """z * sigmoid(z)."""
+    return z / (Float32(1.0) + cute.math.exp(-z))

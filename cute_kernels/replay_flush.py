@@ -1,0 +1,1011 @@
+"""Mamba-2 ReplaySSM flush kernel (CuTe DSL): fold the ring into a new checkpoint and store it
+twice, the recurrence copy (hi) with FP16 SR and the read copy (lo) with NVFP4 RN.
+
+For every slot `s` whose step is a flush (`cursors[s] + 1 == window`; other slots exit at
+once), per head `h` (one CTA owns one (slot, head) state, `headdim x dstate`):
+
+    record      the current (x, dt, B) is appended at ring position window - 1
+                (dt after dt_bias and softplus; B by the first head of each group)
+    S_new       = g_{0:L-1} S_hi + sum_j g_{j+1:L-1} dt_j x_j B_j^T           (fp32)
+    y           = S_new C + D x, times silu(z) if z is given                    (fp32 -> out)
+    hi          <- fp16 SR of S_new with words lowprec.philox.random_words(seed, s, flushes[s])
+                   (or fp16 RN, or fp32 exact)
+    lo          <- RN of S_new in lo_format: nvfp4 (E2M1 codes two per byte, low nibble = even
+                   index; E4M3 scale per 16 along dstate; fp32 scale per (slot, head) from the
+                   amax of the whole state), fp8_e4m3, fp16, fp32 or none
+    counters    cursors[s] = 0, flushes[s] += 1   (a second, tiny kernel; see below)
+
+`lo_format='none'` with `hi_format='fp32'` is the single-copy FP32 ReplaySSM flush baseline.
+`debug_state` (fp32, state-shaped) receives the unrounded S_new, so tests can check the stored
+codes against `lowprec` applied to it, bit for bit.
+
+Thread ownership (one CTA per (slot, head); T threads, 64 state elements per thread; drawn for
+the Nemotron-3-Super head, headdim 64 x dstate 128, T = 128):
+
+    state row p, 16 chunks of 8 elements (16 B of fp16 hi, 4 B of nvfp4 codes)
+             chunk  0    1    2   ...  15
+    p =  0        t0   t1   t2  ...  t15        thread t owns chunk c = t % 16
+    p =  1        t16  t17  t18 ...  t31        of rows p = t // 16 + 8 i, i = 0..7
+     ...
+    p =  7        t112 ...           t127
+    p =  8        t0   t1   ...              (pass i = 1: the same threads, 8 rows down)
+
+A warp touches 2 rows = 512 contiguous bytes of fp16 hi per pass: every hi access is one
+128-bit load or store, coalesced across the warp (fp32 hi: two, 1 KiB per warp). An NVFP4
+block (16 elements) is the chunk pair (t, t ^ 1): block amax takes one shuffle, each thread
+writes its 4 code bytes (a 32-bit store, 128 B per warp) and the even thread the scale byte.
+The head's amax is a CTA reduction before any code is written: all 64 values stay in registers.
+
+Ring term: the CTA stages B_j (window x dstate), x_j (window x headdim) in fp32 shared memory
+and the decay weights w_j = exp(A (cum_{L-1} - cum_j)) dt_j (a warp scan over the window's dt);
+each thread then does window x 64 FMAs. y: each row's partial dot products meet in a
+shuffle reduction over its 16 lanes.
+
+Counters. Every CTA of a slot reads `cursors[s]` (is this a flush?) and `flushes[s]` (its
+Philox words), so no CTA may change them while siblings may still read them. The flush kernel
+therefore only reads them; `replay_flush` then launches a one-thread-per-slot kernel that
+resets the cursors and advances the flush counters of the slots that flushed. The decision
+input is a separate argument of the launch helper, so `replay_decode_step` can hand it a
+snapshot taken before the non-flush kernel advanced the other slots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cutlass  # noqa: I001
+import cutlass.cute as cute
+import torch
+from cutlass import Float32, Int32, Uint8, Uint32
+from cutlass.memory import SmemAllocator
+
+from cute_kernels import _compile
+from cute_kernels import numerics as nm
+
+__all__ = [
+    "FlushConfig",
+    "replay_flush",
+    "launch_flush",
+    "launch_advance_counters",
+    "compile_flush",
+    "traffic_bytes",
+]
+
+HI_FORMATS = ("fp16", "fp32")
+HI_ROUNDINGS = ("sr", "rn")
+LO_FORMATS = ("nvfp4", "fp8_e4m3", "fp16", "fp32", "none")
+ACT_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+CUTE_DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp32": Float32}
+
+CHUNK = 8  # state elements per thread access: 16 B of fp16, 32 B of fp32, 4 B of nvfp4 codes
+ELEMENTS_PER_THREAD = 64  # registers held per thread for the head's amax (nvfp4)
+NVFP4_BLOCK = 16
+E2M1_E4M3_MAX = 2688.0  # 448 * 6
+E2M1_MAX = 6.0
+
+
+def thread_count(headdim: int, dstate: int) -> int:
+    """Threads per CTA: 64 state elements each, at least one warp, at most 1024."""
+    return min(max(headdim * dstate // ELEMENTS_PER_THREAD, 32), 1024)
+
+
+@dataclass(frozen=True)
+class FlushConfig:
+    """Static parameters of one compiled flush kernel (the compile-cache key)."""
+
+    nheads: int
+    headdim: int
+    dstate: int
+    ngroups: int
+    window: int
+    ring_len: int  # positions in the ring buffers (window, or window + T for speculation)
+    act: str  # dtype of x, B, C, z, ring_x, ring_B and out: 'bf16', 'fp16' or 'fp32'
+    dt_dtype: str
+    hi_format: str
+    hi_rounding: str
+    lo_format: str
+    has_D: bool
+    has_z: bool
+    has_dt_bias: bool
+    dt_softplus: bool
+    has_debug: bool
+
+    @property
+    def threads(self) -> int:
+        return thread_count(self.headdim, self.dstate)
+
+    @property
+    def chunks_per_row(self) -> int:
+        return self.dstate // CHUNK
+
+    @property
+    def rows_per_pass(self) -> int:
+        return self.threads // self.chunks_per_row
+
+    @property
+    def passes(self) -> int:
+        return self.headdim // self.rows_per_pass
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.nheads // self.ngroups
+
+
+class ReplayFlush:
+    """Host side (`__call__`: tensors from pointers, launch) and device side (`kernel`)."""
+
+    def __init__(self, config: FlushConfig):
+        self.cfg = config
+
+    @cute.jit
+    def __call__(
+        self,
+        p_hi: cute.Pointer,
+        p_lo_codes: cute.Pointer,
+        p_lo_scales: cute.Pointer,
+        p_lo_global: cute.Pointer,
+        p_ring_x: cute.Pointer,
+        p_ring_dt: cute.Pointer,
+        p_ring_B: cute.Pointer,
+        p_decision: cute.Pointer,
+        p_flushes: cute.Pointer,
+        p_x: cute.Pointer,
+        p_dt: cute.Pointer,
+        p_A: cute.Pointer,
+        p_B: cute.Pointer,
+        p_C: cute.Pointer,
+        p_D: cute.Pointer,
+        p_z: cute.Pointer,
+        p_dt_bias: cute.Pointer,
+        p_out: cute.Pointer,
+        p_debug: cute.Pointer,
+        batch: Int32,
+        seed_lo: Uint32,
+        seed_hi: Uint32,
+        stream,
+    ):
+        cfg = self.cfg
+        H, P, N, G, L = cfg.nheads, cfg.headdim, cfg.dstate, cfg.ngroups, cfg.ring_len
+        state = (batch, H, P, N)
+        hi = cute.make_tensor(p_hi, cute.make_layout(state, stride=(H * P * N, P * N, N, 1)))
+        lo_codes = _lo_codes_tensor(cfg, p_lo_codes, batch)
+        lo_scales = cute.make_tensor(
+            p_lo_scales,
+            cute.make_layout(
+                (batch, H, P, N // NVFP4_BLOCK),
+                stride=(H * P * N // NVFP4_BLOCK, P * N // NVFP4_BLOCK, N // NVFP4_BLOCK, 1),
+            ),
+        )
+        lo_global = cute.make_tensor(p_lo_global, cute.make_layout((batch, H), stride=(H, 1)))
+        ring_x = cute.make_tensor(
+            p_ring_x, cute.make_layout((batch, H, L, P), stride=(H * L * P, L * P, P, 1))
+        )
+        ring_dt = cute.make_tensor(p_ring_dt, cute.make_layout((batch, H, L), stride=(H * L, L, 1)))
+        ring_B = cute.make_tensor(
+            p_ring_B, cute.make_layout((batch, G, L, N), stride=(G * L * N, L * N, N, 1))
+        )
+        decision = cute.make_tensor(p_decision, cute.make_layout(batch))
+        flushes = cute.make_tensor(p_flushes, cute.make_layout(batch))
+        x = cute.make_tensor(p_x, cute.make_layout((batch, H, P), stride=(H * P, P, 1)))
+        dt = cute.make_tensor(p_dt, cute.make_layout((batch, H), stride=(H, 1)))
+        A = cute.make_tensor(p_A, cute.make_layout(H))
+        B = cute.make_tensor(p_B, cute.make_layout((batch, G, N), stride=(G * N, N, 1)))
+        C = cute.make_tensor(p_C, cute.make_layout((batch, G, N), stride=(G * N, N, 1)))
+        D = cute.make_tensor(p_D, cute.make_layout(H))
+        z = cute.make_tensor(p_z, cute.make_layout((batch, H, P), stride=(H * P, P, 1)))
+        dt_bias = cute.make_tensor(p_dt_bias, cute.make_layout(H))
+        out = cute.make_tensor(p_out, cute.make_layout((batch, H, P), stride=(H * P, P, 1)))
+        debug = cute.make_tensor(p_debug, cute.make_layout(state, stride=(H * P * N, P * N, N, 1)))
+        self.kernel(
+            hi,
+            lo_codes,
+            lo_scales,
+            lo_global,
+            ring_x,
+            ring_dt,
+            ring_B,
+            decision,
+            flushes,
+            x,
+            dt,
+            A,
+            B,
+            C,
+            D,
+            z,
+            dt_bias,
+            out,
+            debug,
+            seed_lo,
+            seed_hi,
+        ).launch(grid=[H, batch, 1], block=[cfg.threads, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(
+        self,
+        hi: cute.Tensor,
+        lo_codes: cute.Tensor,
+        lo_scales: cute.Tensor,
+        lo_global: cute.Tensor,
+        ring_x: cute.Tensor,
+        ring_dt: cute.Tensor,
+        ring_B: cute.Tensor,
+        decision: cute.Tensor,
+        flushes: cute.Tensor,
+        x: cute.Tensor,
+        dt: cute.Tensor,
+        A: cute.Tensor,
+        B: cute.Tensor,
+        C: cute.Tensor,
+        D: cute.Tensor,
+        z: cute.Tensor,
+        dt_bias: cute.Tensor,
+        out: cute.Tensor,
+        debug: cute.Tensor,
+        seed_lo: Uint32,
+        seed_hi: Uint32,
+    ):
+        cfg = self.cfg
+        P, N, L = cfg.headdim, cfg.dstate, cfg.window
+        R, rows, passes, T = cfg.chunks_per_row, cfg.rows_per_pass, cfg.passes, cfg.threads
+        tidx, _, _ = cute.arch.thread_idx()
+        h, s, _ = cute.arch.block_idx()
+        g = h // cfg.heads_per_group
+        col = tidx % R  # this thread's chunk: state columns col*8 .. col*8+7
+        row0 = tidx // R  # its rows: row0 + rows*i
+
+        smem = SmemAllocator()
+        sB = smem.allocate_tensor(Float32, cute.make_layout((L, N), stride=(N, 1)), 16)
+        sX = smem.allocate_tensor(Float32, cute.make_layout((L, P), stride=(P, 1)), 16)
+        sW = smem.allocate_tensor(Float32, cute.make_layout(64), 16)  # w_j; [L]: g_{0:L-1}
+        sRed = smem.allocate_tensor(Float32, cute.make_layout(32), 16)
+
+        if decision[s] == L - 1:
+            flush = Uint32(flushes[s])
+            hi_h = hi[s, h, None, None]  # (P, N):(N, 1)
+
+            # 1. the recurrence copy, all loads in flight before the ring is staged
+            acc = []
+            for i in cutlass.range_constexpr(passes):
+                hi_frag = cute.make_rmem_tensor((CHUNK,), hi.element_type)
+                cute.autovec_copy(_chunk(hi_h, row0 + rows * i, col), hi_frag)
+                acc.append(hi_frag.load().to(Float32))
+
+            # 2. stage the ring in fp32 shared memory and append the current record
+            x_cur = x[s, h, None]
+            for q in cutlass.range_constexpr((L * P // CHUNK + T - 1) // T):
+                x_chunk = tidx + T * q
+                if x_chunk < L * P // CHUNK:
+                    xj = x_chunk // (P // CHUNK)
+                    xc = x_chunk % (P // CHUNK)
+                    x_frag = cute.make_rmem_tensor((CHUNK,), x.element_type)
+                    x_slot = cute.local_tile(ring_x[s, h, xj, None], (CHUNK,), (xc,))
+                    if xj == L - 1:
+                        cute.autovec_copy(cute.local_tile(x_cur, (CHUNK,), (xc,)), x_frag)
+                        cute.autovec_copy(x_frag, x_slot)
+                    else:
+                        cute.autovec_copy(x_slot, x_frag)
+                    x_staged = cute.make_rmem_tensor((CHUNK,), Float32)
+                    x_staged.store(x_frag.load().to(Float32))
+                    cute.autovec_copy(x_staged, cute.local_tile(sX[xj, None], (CHUNK,), (xc,)))
+            B_cur = B[s, g, None]
+            for q in cutlass.range_constexpr((L * R + T - 1) // T):
+                b_chunk = tidx + T * q
+                if b_chunk < L * R:
+                    bj = b_chunk // R
+                    bc = b_chunk % R
+                    b_frag = cute.make_rmem_tensor((CHUNK,), B.element_type)
+                    b_slot = cute.local_tile(ring_B[s, g, bj, None], (CHUNK,), (bc,))
+                    if bj == L - 1:
+                        cute.autovec_copy(cute.local_tile(B_cur, (CHUNK,), (bc,)), b_frag)
+                        if h % cfg.heads_per_group == 0:
+                            cute.autovec_copy(b_frag, b_slot)
+                    else:
+                        cute.autovec_copy(b_slot, b_frag)
+                    b_staged = cute.make_rmem_tensor((CHUNK,), Float32)
+                    b_staged.store(b_frag.load().to(Float32))
+                    cute.autovec_copy(b_staged, cute.local_tile(sB[bj, None], (CHUNK,), (bc,)))
+            if tidx < 32:
+                _stage_decay(cfg, tidx, s, h, ring_dt, dt, A, dt_bias, sW)
+            cute.arch.sync_threads()
+
+            # 3. S_new = g S_hi + sum_j (w_j x_j) B_j^T, fp32
+            decay = sW[L]
+            for i in cutlass.range_constexpr(passes):
+                acc[i] = acc[i] * decay
+            for j in cutlass.range_constexpr(L):
+                sb_frag = cute.make_rmem_tensor((CHUNK,), Float32)
+                cute.autovec_copy(cute.local_tile(sB[j, None], (CHUNK,), (col,)), sb_frag)
+                b_vec = sb_frag.load()
+                w = sW[j]
+                for i in cutlass.range_constexpr(passes):
+                    acc[i] = acc[i] + (sX[j, row0 + rows * i] * w) * b_vec
+
+            # 4. y = S_new C + D x [* silu(z)]: a row's 16 lanes meet in a shuffle reduction
+            c_frag = cute.make_rmem_tensor((CHUNK,), C.element_type)
+            cute.autovec_copy(cute.local_tile(C[s, g, None], (CHUNK,), (col,)), c_frag)
+            c_vec = c_frag.load().to(Float32)
+            for i in cutlass.range_constexpr(passes):
+                p = row0 + rows * i
+                part = (acc[i] * c_vec).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                total = cute.arch.warp_reduction(part, _add, threads_in_group=R)
+                if col == 0:
+                    out[s, h, p] = _gate(cfg, total, sX[L - 1, p], s, h, p, D, z).to(
+                        out.element_type
+                    )
+
+            # 5. stores, one chunk at a time so that each chunk's values die after its stores
+            # (all chunks at once spilled: SR words and codes for 64 values do not fit)
+            keys = nm.philox_keys(seed_lo, seed_hi)
+            _, counter_hi = nm.state_counter(Uint32(s), flush, Uint32(0))
+            global_scale = Float32(0.0)
+            if cutlass.const_expr(cfg.lo_format == "nvfp4"):
+                global_scale = _head_global_scale(acc, tidx, T, sRed)
+                if tidx == 0:
+                    lo_global[s, h] = global_scale
+            debug_h = debug[s, h, None, None]
+            hi_bits = cute.make_tensor(
+                cute.recast_ptr(hi_h.iterator, dtype=Uint32),
+                cute.make_layout((P, N // 2), stride=(N // 2, 1)),
+            )
+            lo_h = lo_codes[s, h, None, None]
+            scales_h = lo_scales[s, h, None, None]
+            for i in cutlass.range_constexpr(passes):
+                p = row0 + rows * i
+                if cutlass.const_expr(cfg.has_debug):
+                    debug_frag = cute.make_rmem_tensor((CHUNK,), Float32)
+                    debug_frag.store(acc[i])
+                    cute.autovec_copy(debug_frag, _chunk(debug_h, p, col))
+                element0 = Uint32((h * P + p) * N) + Uint32(col * CHUNK)
+                counter_lo0, _ = nm.state_counter(Uint32(s), flush, element0)
+                _store_hi_chunk(cfg, hi_h, hi_bits, acc[i], p, col, counter_lo0, counter_hi, keys)
+                if cutlass.const_expr(cfg.lo_format == "nvfp4"):
+                    _store_nvfp4_chunk(lo_h, scales_h, acc[i], p, col, global_scale)
+                elif cutlass.const_expr(cfg.lo_format != "none"):
+                    _store_lo_chunk(cfg, lo_h, acc[i], p, col)
+
+
+def _add(a, b):
+    return a + b
+
+
+def _chunk(t2d, row, col, width=CHUNK):
+    """The `width` consecutive elements of row `row` starting at column `col * width`."""
+    return cute.local_tile(t2d[row, None], (width,), (col,))
+
+
+def _lo_codes_tensor(cfg: FlushConfig, ptr, batch):
+    """The read copy's code tensor, typed for this format's stores: nvfp4 codes as one 32-bit
+    word per chunk (8 nibbles), fp8 as two words per chunk, fp16 as fp16 bits in 32-bit pairs,
+    fp32 as itself."""
+    H, P, N = cfg.nheads, cfg.headdim, cfg.dstate
+    per_element = {"nvfp4": 8, "fp8_e4m3": 4, "fp16": 2, "fp32": 1, "none": 1}[cfg.lo_format]
+    width = N // per_element
+    return cute.make_tensor(
+        ptr, cute.make_layout((batch, H, P, width), stride=(H * P * width, P * width, width, 1))
+    )
+
+
+def _processed_dt(cfg: FlushConfig, raw, h, dt_bias):
+    value = raw.to(Float32)
+    if cutlass.const_expr(cfg.has_dt_bias):
+        value = value + dt_bias[h]
+    if cutlass.const_expr(cfg.dt_softplus):
+        value = nm.softplus(value)
+    return value
+
+
+@cute.jit
+def _stage_decay(cfg: cutlass.Constexpr, lane, s, h, ring_dt, dt, A, dt_bias, sW):
+    """Warp 0: sW[j] = exp(A (cum_{L-1} - cum_j)) dt_j for j < L and sW[L] = exp(A cum_{L-1}),
+    with cum the inclusive prefix sum of the window's dt (the current dt, processed, last);
+    the processed dt is appended to the ring."""
+    L = cfg.window
+    dt_j = Float32(0.0)
+    if lane < L - 1:
+        dt_j = ring_dt[s, h, lane]
+    if lane == L - 1:
+        dt_j = _processed_dt(cfg, dt[s, h], h, dt_bias)
+        ring_dt[s, h, L - 1] = dt_j
+    cum = dt_j
+    offset = 1
+    while cutlass.const_expr(offset < L):
+        other = cute.arch.shuffle_sync_up(cum, offset=offset)
+        if lane >= offset:
+            cum = cum + other
+        offset *= 2
+    total = cute.arch.shuffle_sync(cum, offset=L - 1)
+    a = A[h]
+    exponent = a * (total - cum)
+    exponent = nm._sel(exponent > Float32(0.0), Float32(0.0), exponent)
+    if lane < L:
+        sW[lane] = cute.math.exp(exponent) * dt_j
+    if lane == 0:
+        sW[L] = cute.math.exp(a * total)
+
+
+@cute.jit
+def _gate(cfg: cutlass.Constexpr, y, x_p, s, h, p, D, z):
+    if cutlass.const_expr(cfg.has_D):
+        y = y + D[h] * x_p
+    if cutlass.const_expr(cfg.has_z):
+        y = y * nm.silu(z[s, h, p].to(Float32))
+    return y
+
+
+@cute.jit
+def _store_hi_chunk(
+    cfg: cutlass.Constexpr, hi_h, hi_bits, values, p, col, counter_lo0, counter_hi, keys
+):
+    """The recurrence copy of one chunk: fp16 SR (the words of elements counter_lo0 + v; the
+    element field is the low 24 bits, so adding v is or-ing it in), fp16 RN, or fp32."""
+    if cutlass.const_expr(cfg.hi_format == "fp32"):
+        frag = cute.make_rmem_tensor((CHUNK,), Float32)
+        for v in cutlass.range_constexpr(CHUNK):
+            frag[v] = nm.saturate_f32(values[v])
+        cute.autovec_copy(frag, _chunk(hi_h, p, col))
+    else:
+        frag = cute.make_rmem_tensor((CHUNK // 2,), Uint32)
+        for v2 in cutlass.range_constexpr(CHUNK // 2):
+            if cutlass.const_expr(cfg.hi_rounding == "sr"):
+                low = nm.sr_fp16_bits(
+                    values[2 * v2], nm.philox_word(counter_lo0 + Uint32(2 * v2), counter_hi, keys)
+                )
+                high = nm.sr_fp16_bits(
+                    values[2 * v2 + 1],
+                    nm.philox_word(counter_lo0 + Uint32(2 * v2 + 1), counter_hi, keys),
+                )
+                frag[v2] = low | (high << Uint32(16))
+            else:
+                frag[v2] = nm.rn_fp16x2(values[2 * v2], values[2 * v2 + 1])
+        cute.autovec_copy(frag, _chunk(hi_bits, p, col, CHUNK // 2))
+
+
+@cute.jit
+def _head_global_scale(acc, tidx, T: cutlass.Constexpr, sRed):
+    """s_g = amax(|S|) / 2688 over the whole head: thread, warp, then CTA maximum."""
+    local = Float32(0.0)
+    for i in cutlass.range_constexpr(len(acc)):
+        for v in cutlass.range_constexpr(CHUNK):
+            local = cute.arch.fmax(local, cute.math.absf(acc[i][v]))
+    local = cute.arch.warp_reduction(local, cute.arch.fmax)
+    if tidx % 32 == 0:
+        sRed[tidx // 32] = local
+    cute.arch.sync_threads()
+    amax = sRed[0]
+    for w in cutlass.range_constexpr(1, T // 32):
+        amax = cute.arch.fmax(amax, sRed[w])
+    return nm.div_rn(amax, Float32(E2M1_E4M3_MAX))
+
+
+@cute.jit
+def _store_nvfp4_chunk(lo_h, scales_h, values, p, col, global_scale):
+    """NVFP4 codes of one chunk (half a block; the partner chunk is lane ^ 1), in lowprec's
+    order: den = 6 s_g; s_b = RN_e4m3(amax_b / den) (0 for a zero block); divisor = s_b s_g;
+    code = RN_e2m1(x / divisor), all codes 0 where amax_b or divisor is 0."""
+    own = Float32(0.0)
+    for v in cutlass.range_constexpr(CHUNK):
+        own = cute.arch.fmax(own, cute.math.absf(values[v]))
+    amax_b = cute.arch.fmax(own, cute.arch.shuffle_sync_bfly(own, offset=1))
+    den = Float32(E2M1_MAX) * global_scale
+    is_zero = amax_b == Float32(0.0)
+    ratio = nm._sel(is_zero, Float32(0.0), nm.div_rn(amax_b, den))
+    scale_byte = nm.rn_e4m3_byte(ratio)
+    divisor = nm.e4m3_value(scale_byte) * global_scale
+    zero_block = is_zero | (divisor == Float32(0.0))
+    word = Uint32(0)
+    for v in cutlass.range_constexpr(CHUNK):
+        nibble = nm.rn_e2m1_nibble(nm.div_rn(values[v], divisor))
+        word = word | (nibble << Uint32(4 * v))
+    lo_h[p, col] = nm._sel(zero_block, Uint32(0), word)
+    if col % 2 == 0:
+        scales_h[p, col // 2] = scale_byte.to(Uint8)
+
+
+@cute.jit
+def _store_lo_chunk(cfg: cutlass.Constexpr, lo_h, values, p, col):
+    """Element-only read copies of one chunk: fp32, fp16 bits or fp8_e4m3 bytes (RN,
+    saturating)."""
+    if cutlass.const_expr(cfg.lo_format == "fp32"):
+        frag = cute.make_rmem_tensor((CHUNK,), Float32)
+        for v in cutlass.range_constexpr(CHUNK):
+            frag[v] = nm.saturate_f32(values[v])
+        cute.autovec_copy(frag, _chunk(lo_h, p, col))
+    elif cutlass.const_expr(cfg.lo_format == "fp16"):
+        frag = cute.make_rmem_tensor((CHUNK // 2,), Uint32)
+        for v2 in cutlass.range_constexpr(CHUNK // 2):
+            frag[v2] = nm.rn_fp16x2(values[2 * v2], values[2 * v2 + 1])
+        cute.autovec_copy(frag, _chunk(lo_h, p, col, CHUNK // 2))
+    else:
+        frag = cute.make_rmem_tensor((CHUNK // 4,), Uint32)
+        for v4 in cutlass.range_constexpr(CHUNK // 4):
+            word = Uint32(0)
+            for b in cutlass.range_constexpr(4):
+                word = word | (nm.rn_e4m3_byte(values[4 * v4 + b]) << Uint32(8 * b))
+            frag[v4] = word
+        cute.autovec_copy(frag, _chunk(lo_h, p, col, CHUNK // 4))
+
+
+# --------------------------------------------------------------------------------------------
+# counters: one thread per slot, after the flush kernel
+
+
+@cute.kernel
+def _advance_kernel(
+    decision: cute.Tensor,
+    cursors: cute.Tensor,
+    flushes: cute.Tensor,
+    batch: Int32,
+    window: cutlass.Constexpr,
+    advance_others: cutlass.Constexpr,
+):
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    s = bidx * 128 + tidx
+    if s < batch:
+        before = decision[s]
+        if before == window - 1:
+            cursors[s] = 0
+            flushes[s] = flushes[s] + 1
+        elif cutlass.const_expr(advance_others):
+            cursors[s] = before + 1
+
+
+@cute.jit
+def _advance_host(
+    p_decision: cute.Pointer,
+    p_cursors: cute.Pointer,
+    p_flushes: cute.Pointer,
+    batch: Int32,
+    window: cutlass.Constexpr,
+    advance_others: cutlass.Constexpr,
+    stream,
+):
+    decision = cute.make_tensor(p_decision, cute.make_layout(batch))
+    cursors = cute.make_tensor(p_cursors, cute.make_layout(batch))
+    flushes = cute.make_tensor(p_flushes, cute.make_layout(batch))
+    _advance_kernel(decision, cursors, flushes, batch, window, advance_others).launch(
+        grid=[(batch + 127) // 128, 1, 1], block=[128, 1, 1], stream=stream
+    )
+
+
+def compile_advance(window: int, advance_others: bool, keep_ptx: bool = False):
+    """The counter kernel: slots whose decision cursor is window - 1 get cursor 0 and one more
+    flush; with `advance_others`, every other slot's cursor becomes decision + 1."""
+
+    def build():
+        ptr = _compile.fake_ptr(Int32)
+        return cute.compile(
+            _advance_host,
+            ptr,
+            ptr,
+            ptr,
+            Int32(1),
+            window,
+            advance_others,
+            _compile.fake_stream(),
+            options=_compile.compile_options(keep_ptx),
+        )
+
+    return _compile.compile_cached(("advance", window, advance_others, keep_ptx), build)
+
+
+def launch_advance_counters(decision, cursors, flushes, window: int, advance_others: bool):
+    """Launch the counter kernel on torch's current stream (tensors already validated)."""
+    kernel = compile_advance(window, advance_others)
+    kernel(
+        _compile.gmem_ptr(decision),
+        _compile.gmem_ptr(cursors),
+        _compile.gmem_ptr(flushes),
+        Int32(cursors.shape[0]),
+        _compile.current_stream(),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# compile and launch
+
+
+def compile_flush(cfg: FlushConfig, keep_ptx: bool = False):
+    """The compiled flush kernel of `cfg` (cached); `keep_ptx` keeps its PTX text."""
+
+    def build():
+        act = CUTE_DTYPES[cfg.act]
+        hi_dtype = Float32 if cfg.hi_format == "fp32" else cutlass.Float16
+        lo_dtype = Float32 if cfg.lo_format == "fp32" else Uint32
+        f = _compile.fake_ptr
+        args = (
+            f(hi_dtype),
+            f(lo_dtype),
+            f(Uint8),
+            f(Float32),
+            f(act),
+            f(Float32),
+            f(act),
+            f(Int32),
+            f(Int32),
+            f(act),
+            f(CUTE_DTYPES[cfg.dt_dtype]),
+            f(Float32),
+            f(act),
+            f(act),
+            f(Float32),
+            f(act),
+            f(Float32),
+            f(act),
+            f(Float32),
+            Int32(1),
+            Uint32(0),
+            Uint32(0),
+            _compile.fake_stream(),
+        )
+        return cute.compile(ReplayFlush(cfg), *args, options=_compile.compile_options(keep_ptx))
+
+    return _compile.compile_cached(("flush", cfg, keep_ptx), build)
+
+
+def launch_flush(
+    cfg: FlushConfig,
+    hi,
+    lo,
+    ring_x,
+    ring_dt,
+    ring_B,
+    decision,
+    flushes,
+    x,
+    dt,
+    A,
+    B,
+    C,
+    D,
+    z,
+    dt_bias,
+    out,
+    debug_state,
+    seed: int,
+) -> None:
+    """Launch the flush kernel on torch's current stream (arguments already validated; `lo`
+    normalised to a dict, absent optional tensors None). Counters are only read."""
+    kernel = compile_flush(cfg)
+    f32 = Float32
+    none = _compile.fake_ptr
+    lo_codes = lo.get("codes")
+    kernel(
+        _compile.gmem_ptr(hi, f32 if cfg.hi_format == "fp32" else cutlass.Float16),
+        none(Uint32)
+        if lo_codes is None
+        else _compile.gmem_ptr(lo_codes, f32 if cfg.lo_format == "fp32" else Uint32),
+        _optional_ptr(lo.get("scales"), Uint8),
+        _optional_ptr(lo.get("global_scale"), f32),
+        _compile.gmem_ptr(ring_x),
+        _compile.gmem_ptr(ring_dt),
+        _compile.gmem_ptr(ring_B),
+        _compile.gmem_ptr(decision),
+        _compile.gmem_ptr(flushes),
+        _compile.gmem_ptr(x),
+        _compile.gmem_ptr(dt),
+        _compile.gmem_ptr(A),
+        _compile.gmem_ptr(B),
+        _compile.gmem_ptr(C),
+        _optional_ptr(D, f32),
+        _optional_ptr(z, CUTE_DTYPES[cfg.act]),
+        _optional_ptr(dt_bias, f32),
+        _compile.gmem_ptr(out),
+        _optional_ptr(debug_state, f32),
+        Int32(hi.shape[0]),
+        Uint32(seed & 0xFFFFFFFF),
+        Uint32(seed >> 32),
+        _compile.current_stream(),
+    )
+
+
+def _optional_ptr(tensor, dtype):
+    return _compile.fake_ptr(dtype) if tensor is None else _compile.gmem_ptr(tensor, dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# validation
+
+
+def check_state_shape(name, t):
+    if not isinstance(t, torch.Tensor) or t.dim() != 4:
+        shape = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+        _compile.fail(name, "a 4-d tensor [slots, nheads, headdim, dstate]", shape)
+    slots, nheads, headdim, dstate = t.shape
+    if dstate not in (16, 32, 64, 128, 256):
+        _compile.fail(f"{name}.shape[3] (dstate)", "a power of two in [16, 256]", dstate)
+    threads = thread_count(headdim, dstate)
+    if headdim % 8 or (headdim * (dstate // CHUNK)) % threads:
+        _compile.fail(
+            f"{name}.shape[2] (headdim)",
+            f"a multiple of 8 and of {threads * CHUNK // dstate}",
+            headdim,
+        )
+    return slots, nheads, headdim, dstate
+
+
+def check_mamba2_inputs(device, slots, nheads, headdim, dstate, x, dt, A, B, C, D, z, dt_bias, out):
+    """Validate the token inputs (out may be None); returns (act name, dt name, ngroups)."""
+    if not isinstance(x, torch.Tensor) or x.dtype not in ACT_DTYPES:
+        _compile.fail(
+            "x",
+            f"a tensor of dtype {' or '.join(map(str, ACT_DTYPES))}",
+            getattr(x, "dtype", type(x).__name__),
+        )
+    act = x.dtype
+    _compile.check_tensor("x", x, act, (slots, nheads, headdim), device)
+    _compile.check_tensor("dt", dt, tuple(ACT_DTYPES), (slots, nheads), device)
+    _compile.check_tensor("A", A, torch.float32, (nheads,), device)
+    if not isinstance(B, torch.Tensor) or B.dim() != 3:
+        _compile.fail(
+            "B",
+            "a 3-d tensor [slots, ngroups, dstate]",
+            list(B.shape) if isinstance(B, torch.Tensor) else type(B).__name__,
+        )
+    ngroups = B.shape[1]
+    if ngroups < 1 or nheads % ngroups:
+        _compile.fail("B.shape[1] (ngroups)", f"a divisor of nheads={nheads}", ngroups)
+    _compile.check_tensor("B", B, act, (slots, ngroups, dstate), device)
+    _compile.check_tensor("C", C, act, (slots, ngroups, dstate), device)
+    if D is not None:
+        _compile.check_tensor("D", D, torch.float32, (nheads,), device)
+    if z is not None:
+        _compile.check_tensor("z", z, act, (slots, nheads, headdim), device)
+    if dt_bias is not None:
+        _compile.check_tensor("dt_bias", dt_bias, torch.float32, (nheads,), device)
+    if out is not None:
+        _compile.check_tensor("out", out, act, (slots, nheads, headdim), device)
+    return ACT_DTYPES[act], ACT_DTYPES[dt.dtype], ngroups
+
+
+def check_seed(seed):
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 1 << 64:
+        _compile.fail("seed", "an int in [0, 2^64)", repr(seed))
+
+
+def check_choice(name, value, choices):
+    if value not in choices:
+        _compile.fail(name, f"one of {choices}", repr(value))
+
+
+def normalise_lo(lo, lo_format, slots, nheads, headdim, dstate, device) -> dict:
+    """The read copy as {'codes'[, 'scales', 'global_scale']}, validated against `lo_format`.
+
+    Accepted (the same as replay_output): nvfp4 a dict with 'codes', 'scales' and
+    'global_scale' (or 'global'); element formats a dict with 'values' or 'codes' (raw bits
+    as lowprec.quantize.pack stores them are viewed as the storage dtype), or a bare tensor.
+    """
+    state = (slots, nheads, headdim, dstate)
+    if lo_format == "none":
+        if lo is not None:
+            _compile.fail("lo", "None for lo_format='none'", type(lo).__name__)
+        return {}
+    if isinstance(lo, torch.Tensor) and lo_format != "nvfp4":
+        lo = {"values": lo}
+    if not isinstance(lo, dict):
+        _compile.fail("lo", f"a dict of storage tensors for {lo_format}", type(lo).__name__)
+    if lo_format == "nvfp4":
+        g_key = "global" if "global" in lo else "global_scale"
+        if set(lo) != {"codes", "scales", g_key}:
+            _compile.fail("lo", "keys ['codes', 'global_scale', 'scales']", sorted(lo))
+        codes, scales, global_scale = lo["codes"], lo["scales"], lo[g_key]
+        _compile.check_tensor("lo['codes']", codes, torch.uint8, (*state[:3], dstate // 2), device)
+        _compile.check_tensor(
+            "lo['scales']", scales, torch.uint8, (*state[:3], dstate // NVFP4_BLOCK), device
+        )
+        _compile.check_tensor(f"lo[{g_key!r}]", global_scale, torch.float32, state[:2], device)
+        return {"codes": codes, "scales": scales, "global_scale": global_scale}
+    key = "values" if "values" in lo else "codes"
+    if set(lo) != {key}:
+        _compile.fail("lo", "a tensor or a dict with the key 'values' (or 'codes')", sorted(lo))
+    raw = {"fp8_e4m3": torch.uint8, "fp16": torch.float16, "fp32": torch.float32}[lo_format]
+    values = lo[key]
+    if (
+        isinstance(values, torch.Tensor)
+        and values.dtype != raw
+        and (values.element_size() == raw.itemsize and not values.dtype.is_floating_point)
+    ):
+        values = values.view(raw)  # raw bits, as lowprec.quantize.pack stores them
+    _compile.check_tensor(f"lo[{key!r}]", values, raw, state, device)
+    return {"codes": values}
+
+
+# --------------------------------------------------------------------------------------------
+# public function
+
+
+def replay_flush(
+    hi,
+    lo,
+    ring_x,
+    ring_dt,
+    ring_B,
+    cursors,
+    flushes,
+    x,
+    dt,
+    A,
+    B,
+    C,
+    D=None,
+    z=None,
+    dt_bias=None,
+    dt_softplus=True,
+    out=None,
+    *,
+    window=16,
+    hi_format="fp16",
+    hi_rounding="sr",
+    lo_format="nvfp4",
+    seed=0,
+    debug_state=None,
+):
+    """Flush every slot whose step is a flush (`cursors[s] + 1 == window`); see the module doc.
+
+    hi: fp16 or fp32 `[slots, nheads, headdim, dstate]`. lo: the read copy in `lo_format`
+    (nvfp4: dict codes uint8 [.., dstate/2], scales uint8 [.., dstate/16], global_scale fp32
+    [slots, nheads]; fp8_e4m3: uint8 codes; fp16/fp32: a tensor of that dtype; none: None).
+    ring_x [slots, nheads, Lcap, headdim], ring_dt fp32 [slots, nheads, Lcap], ring_B [slots,
+    ngroups, Lcap, dstate] (Lcap >= window), cursors and flushes int32 [slots]; x, z [slots,
+    nheads, headdim], dt [slots, nheads] (raw), B, C [slots, ngroups, dstate] in the act dtype
+    (x's: bf16, fp16 or fp32); A, D, dt_bias fp32 [nheads]. Values of cursors are not checked
+    (that would synchronise): they must lie in [0, window - 1].
+
+    Writes hi, lo, the rings' last position, out (only rows of flushing slots; allocated when
+    None) and debug_state (fp32, state-shaped, optional); then resets the cursors and advances
+    `flushes` of the slots that flushed. Returns out. Runs on torch's current stream.
+    """
+    cfg, lo = _prepare_flush(
+        hi,
+        lo,
+        ring_x,
+        ring_dt,
+        ring_B,
+        cursors,
+        flushes,
+        x,
+        dt,
+        A,
+        B,
+        C,
+        D,
+        z,
+        dt_bias,
+        dt_softplus,
+        out,
+        window,
+        hi_format,
+        hi_rounding,
+        lo_format,
+        seed,
+        debug_state,
+    )
+    if out is None:
+        out = torch.empty_like(x)
+    launch_flush(
+        cfg,
+        hi,
+        lo,
+        ring_x,
+        ring_dt,
+        ring_B,
+        cursors,
+        flushes,
+        x,
+        dt,
+        A,
+        B,
+        C,
+        D,
+        z,
+        dt_bias,
+        out,
+        debug_state,
+        seed,
+    )
+    launch_advance_counters(cursors, cursors, flushes, window, advance_others=False)
+    return out
+
+
+def _prepare_flush(
+    hi,
+    lo,
+    ring_x,
+    ring_dt,
+    ring_B,
+    cursors,
+    flushes,
+    x,
+    dt,
+    A,
+    B,
+    C,
+    D,
+    z,
+    dt_bias,
+    dt_softplus,
+    out,
+    window,
+    hi_format,
+    hi_rounding,
+    lo_format,
+    seed,
+    debug_state,
+):
+    """Validate a flush call; returns (FlushConfig, lo as a dict)."""
+    check_choice("hi_format", hi_format, HI_FORMATS)
+    check_choice("hi_rounding", hi_rounding, HI_ROUNDINGS)
+    check_choice("lo_format", lo_format, LO_FORMATS)
+    check_seed(seed)
+    if not isinstance(dt_softplus, bool):
+        _compile.fail("dt_softplus", "a bool", repr(dt_softplus))
+    slots, nheads, headdim, dstate = check_state_shape("hi", hi)
+    device = hi.device
+    hi_dtype = torch.float16 if hi_format == "fp16" else torch.float32
+    _compile.check_tensor("hi", hi, hi_dtype, hi.shape, device)
+    if isinstance(window, bool) or not isinstance(window, int) or not 1 <= window <= 32:
+        _compile.fail("window", "an int in [1, 32]", repr(window))
+    act, dt_name, ngroups = check_mamba2_inputs(
+        device, slots, nheads, headdim, dstate, x, dt, A, B, C, D, z, dt_bias, out
+    )
+    if not isinstance(ring_x, torch.Tensor) or ring_x.dim() != 4:
+        _compile.fail(
+            "ring_x",
+            "a 4-d tensor [slots, nheads, Lcap, headdim]",
+            list(ring_x.shape) if isinstance(ring_x, torch.Tensor) else type(ring_x).__name__,
+        )
+    ring_len = ring_x.shape[2]
+    if ring_len < window:
+        _compile.fail("ring_x.shape[2] (Lcap)", f">= window={window}", ring_len)
+    _compile.check_tensor("ring_x", ring_x, x.dtype, (slots, nheads, ring_len, headdim), device)
+    _compile.check_tensor("ring_dt", ring_dt, torch.float32, (slots, nheads, ring_len), device)
+    _compile.check_tensor("ring_B", ring_B, x.dtype, (slots, ngroups, ring_len, dstate), device)
+    _compile.check_tensor("cursors", cursors, torch.int32, (slots,), device)
+    _compile.check_tensor("flushes", flushes, torch.int32, (slots,), device)
+    if debug_state is not None:
+        _compile.check_tensor("debug_state", debug_state, torch.float32, hi.shape, device)
+    lo = normalise_lo(lo, lo_format, slots, nheads, headdim, dstate, device)
+    if slots >= 1 << 20:
+        _compile.fail("hi.shape[0] (slots)", "fewer than 2^20 (Philox slot field)", slots)
+    cfg = FlushConfig(
+        nheads=nheads,
+        headdim=headdim,
+        dstate=dstate,
+        ngroups=ngroups,
+        window=window,
+        ring_len=ring_len,
+        act=act,
+        dt_dtype=dt_name,
+        hi_format=hi_format,
+        hi_rounding=hi_rounding if hi_format == "fp16" else "rn",
+        lo_format=lo_format,
+        has_D=D is not None,
+        has_z=z is not None,
+        has_dt_bias=dt_bias is not None,
+        dt_softplus=dt_softplus,
+        has_debug=debug_state is not None,
+    )
+    return cfg, lo
+
+
+def traffic_bytes(cfg: FlushConfig, flushing_slots: int, act_bytes: int = 2) -> int:
+    """Bytes one flush launch must move for `flushing_slots` flushing slots, each read once
+    and each write once: the recurrence copy read and written, the read copy written (scales
+    included), the ring's window - 1 held records (x, dt per head; B per group), this token's
+    x, z, dt, out and its appended record, and C per group (A, D, dt_bias and counters are
+    noise). The debug copy is not counted."""
+    P, N, L = cfg.headdim, cfg.dstate, cfg.window
+    hi_bytes = P * N * (2 if cfg.hi_format == "fp16" else 4)
+    lo_bytes = {
+        "nvfp4": P * N // 2 + P * N // NVFP4_BLOCK + 4,
+        "fp8_e4m3": P * N,
+        "fp16": 2 * P * N,
+        "fp32": 4 * P * N,
+        "none": 0,
+    }[cfg.lo_format]
+    per_head = (
+        2 * hi_bytes + lo_bytes + (L - 1) * (P * act_bytes + 4) + P * act_bytes * 4 + act_bytes + 4
+    )  # x, z read; out, ring x written; dt
+    per_group = (L - 1) * N * act_bytes + 3 * N * act_bytes  # ring B, B, C, B appended
+    return flushing_slots * (cfg.nheads * per_head + cfg.ngroups * per_group)

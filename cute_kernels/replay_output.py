@@ -1,0 +1,930 @@
+"""Mamba-2 ReplaySSM non-flush decode step (output only), reading the packed read copy.
+
+Contract (lowprec/mamba2.py, ../shared/DESIGN.md). For every slot ``s`` whose step is not a
+flush (``h = cursors[s] + 1 < window``), and every head:
+
+    append the record at ring position cursors[s]:  ring_x <- x (bit copy), ring_dt <- dt_proc,
+                                                    ring_B <- B (once per group)
+    y = g_{0:h} (S_lo C) + sum_{j<h} g_{j+1:h} dt_j (B_j . C) x_j + D x   [* silu(z)]
+    cursors[s] <- h
+
+with ``dt_proc = softplus(dt + dt_bias)`` (or ``dt + dt_bias``), ``g_{i:h} = exp(A * sum_{l=i..h-1}
+dt_l)``, ``S_lo`` the dequantised read copy, record ``h-1`` this step's own ``(x, dt_proc, B)``.
+This is `lowprec.mamba2.mamba2_replay_output` on the ring after the append. Flush slots
+(``cursors[s] + 1 == window``) are left entirely alone (outputs, ring and cursor): the flush
+kernel (replay_flush.py) handles them, and must run AFTER this kernel in a decode step.
+Accumulation is fp32; outputs differ from the reference only by summation order.
+
+Read-copy formats (``lo`` dicts, cache layout of DESIGN.md):
+
+    nvfp4     codes uint8 [S, H, P, N/2] (low nibble = even k), scales uint8 E4M3
+              [S, H, P, N/16], global fp32 [S, H]; value = (code * s_b) * s_g
+    fp8_e4m3  codes uint8 [S, H, P, N] (OCP E4M3FN bits, no scale)
+    fp16      values fp16 [S, H, P, N]
+    fp32      values fp32 [S, H, P, N]  (the single-copy FP32 ReplaySSM baseline)
+
+Work decomposition (README.read.md draws it): one CTA per (group, slot), ``warps`` warps, each
+warp owns ``heads_per_group / warps`` heads, one at a time. The CTA computes the group's ``h``
+dot products ``B_j . C`` once (shared memory) and appends ``B``; each warp forms ``S_lo C`` for
+its head into shared memory, then every lane finishes two output rows (ring term, D, gate).
+
+Checkpoint term, fp8/fp16/nvfp4 (``decode='mma'``): the state is the A operand of
+``mma.sync.m16n8k16`` (f16 in, fp32 accumulate); C (fp32) is split into f16 ``hi + lo`` placed
+in B's columns 0 and 1 (columns 2..7 are zero), so ``D[:,0] + D[:,1] = S C`` to about 2^-22.
+Each quad of lanes owns two state rows (``g`` and ``g+8`` of a 16-row stripe) and loads them
+16 bytes per lane (``ld.global.nc.v4``); the k index of each A register is chosen to match the
+bytes a lane loaded, and B is laid out with the same permutation. E2M1 nibbles become f16 with
+two integer ops per pair of values (``(n&7)<<9 | (n&8)<<12`` is E2M1 * 2^-14), the E4M3 block
+scale (times 2^7, so products stay normal) multiplies them exactly in f16, and the tensor cores
+do the multiply-adds. fp32 (``decode='simt'``): octets of lanes read one row with 128-bit
+loads, FFMA against C in registers, then a 3-step butterfly.
+
+Cursor update without a second launch: every CTA of a slot reads ``cursors[s]`` (low 16 bits),
+then adds 1 << 16 to it atomically; the CTA that sees ``ngroups - 1`` earlier arrivals (all
+others have read the cursor) stores ``h``. Between launches the cursors are plain counts.
+"""
+
+from __future__ import annotations  # noqa: I001  (_compile must precede cutlass)
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from cute_kernels import _compile
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64, Uint32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+from cutlass.memory import SmemAllocator
+
+from cute_kernels.numerics import bits_f32, f32_bits, silu, softplus
+
+__all__ = ["ReplayOutputConfig", "ReplayOutput", "replay_output", "compile_replay_output"]
+
+LO_FORMATS = ("nvfp4", "fp8_e4m3", "fp16", "fp32")
+ACT_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+_ACT_CUTE = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp32": cutlass.Float32}
+_ACT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+# Elements of one state row that one lane loads with one 16-byte access, per format. A quad
+# of lanes covers 4 * E consecutive k of a row (one "chunk"); dstate must be a multiple.
+_ELEMENTS_PER_LOAD = {"nvfp4": 32, "fp8_e4m3": 16, "fp16": 8, "fp32": 4}
+_BYTES_PER_ELEMENT = {"nvfp4": 0.5, "fp8_e4m3": 1, "fp16": 2, "fp32": 4}
+_DSTATE_MULTIPLE = {"nvfp4": 128, "fp8_e4m3": 64, "fp16": 32, "fp32": 32}
+
+# nvfp4: decoded nibbles are E2M1 * 2^-14 and block scales are multiplied by 2^7 before the
+# f16 product, so A = E2M1 * s_b * 2^-7 lies in [2^-17, 21]: exact in f16, and normal
+# (>= 2^-14) unless E2M1 * s_b < 2^-7, i.e. only for blocks 2^15 below the head's amax.
+_NVFP4_SCALE_LIFT = 128.0
+_F16_128X2 = 0x58005800  # f16x2 (128.0, 128.0)
+_NVFP4_UNDO = 2.0**14 / _NVFP4_SCALE_LIFT  # y = (D0 + D1) * 2^7 * s_g
+
+
+# --------------------------------------------------------------------------------------------
+# PTX helpers (pure register operations are side-effect free so LLVM may schedule them)
+
+
+def _asm(res, args, code, constraints, side_effects=False, loc=None, ip=None):
+    return llvm.inline_asm(
+        res,
+        args,
+        code,
+        constraints,
+        has_side_effects=side_effects,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )
+
+
+def _ir(v, loc=None, ip=None):
+    return Uint32(v).ir_value(loc=loc, ip=ip) if not isinstance(v, Float32) else v.ir_value()
+
+
+def _addr(addr, loc=None, ip=None):
+    return Int64(addr).ir_value(loc=loc, ip=ip)
+
+
+def _unpack_struct(res, n, ty, wrap, loc=None, ip=None):
+    return [wrap(llvm.extractvalue(ty, res, [i], loc=loc, ip=ip)) for i in range(n)]
+
+
+@dsl_user_op
+def _ld_words(addr, n: int, state: bool = False, *, loc=None, ip=None) -> list:
+    """``n`` 32-bit words (n = 1, 2 or 4) from a global byte address aligned to 4n bytes.
+    State reads use the read-only path and skip L1 (each byte is read once)."""
+    hint = "global.nc.L1::no_allocate" if state else "global"
+    if n == 1:
+        r = _asm(T.i32(), [_addr(addr, loc, ip)], f"ld.{hint}.u32 $0, [$1];", "=r,l",
+                 loc=loc, ip=ip)
+        return [Uint32(r)]
+    outs = ",".join(f"${i}" for i in range(n))
+    st = llvm.StructType.get_literal([T.i32()] * n)
+    r = _asm(
+        st,
+        [_addr(addr, loc, ip)],
+        f"ld.{hint}.v{n}.u32 {{{outs}}}, [${n}];",
+        ",".join(["=r"] * n) + ",l",
+        loc=loc,
+        ip=ip,
+    )
+    return _unpack_struct(r, n, T.i32(), Uint32, loc, ip)
+
+
+@dsl_user_op
+def _ld_words_if(addr, n: int, pred, *, loc=None, ip=None) -> list:
+    """``n`` (1 or 2) words at ``addr`` if ``pred``, else zeros; no access when false."""
+    outs = ",".join(f"${i}" for i in range(n))
+    zero = " ".join(f"mov.b32 ${i}, 0;" for i in range(n))
+    vec = f"v{n}." if n > 1 else ""
+    dst = f"{{{outs}}}" if n > 1 else "$0"
+    code = (
+        f"{{.reg .pred p; setp.ne.b32 p, ${n + 1}, 0; {zero} "
+        f"@p ld.global.{vec}u32 {dst}, [${n}];}}"
+    )
+    args = [_addr(addr, loc, ip), Int32(pred).ir_value(loc=loc, ip=ip)]
+    if n == 1:
+        return [Uint32(_asm(T.i32(), args, code, "=r,l,r", loc=loc, ip=ip))]
+    st = llvm.StructType.get_literal([T.i32()] * n)
+    r = _asm(st, args, code, ",".join(["=r"] * n) + ",l,r", loc=loc, ip=ip)
+    return _unpack_struct(r, n, T.i32(), Uint32, loc, ip)
+
+
+def _load_words(addr, n: int, state: bool = False) -> list:
+    """``n`` consecutive words at byte address ``addr`` with the widest accesses the count
+    allows (``addr`` aligned to 16 bytes when n is a multiple of 4, to 8 when even)."""
+    width = 4 if n % 4 == 0 else (2 if n % 2 == 0 else 1)
+    words = []
+    for i in range(0, n, width):
+        words += _ld_words(addr + 4 * i, width, state)
+    return words
+
+
+@dsl_user_op
+def _ld_u16(addr, *, loc=None, ip=None) -> Uint32:
+    r = _asm(
+        T.i32(),
+        [_addr(addr, loc, ip)],
+        "{.reg .b16 t; ld.global.nc.L1::no_allocate.u16 t, [$1]; cvt.u32.u16 $0, t;}",
+        "=r,l",
+        loc=loc,
+        ip=ip,
+    )
+    return Uint32(r)
+
+
+@dsl_user_op
+def _st_words(addr, words: list, *, loc=None, ip=None) -> None:
+    n = len(words)
+    args = [_addr(addr, loc, ip)] + [_ir(w, loc, ip) for w in words]
+    if n == 1:
+        code = "st.global.u32 [$0], $1;"
+    else:
+        code = f"st.global.v{n}.u32 [$0], {{{','.join(f'${i + 1}' for i in range(n))}}};"
+    _asm(None, args, code, "l," + ",".join(["r"] * n), side_effects=True, loc=loc, ip=ip)
+
+
+def _store_words(addr, words: list) -> None:
+    n = len(words)
+    width = 4 if n % 4 == 0 else (2 if n % 2 == 0 else 1)
+    for i in range(0, n, width):
+        _st_words(addr + 4 * i, words[i : i + width])
+
+
+@dsl_user_op
+def _mma_f16(a: list, b: list, c: list, *, loc=None, ip=None) -> list:
+    """mma.sync m16n8k16, f16 A (4 regs) and B (2 regs), fp32 C/D (4 regs)."""
+    st = llvm.StructType.get_literal([T.f32()] * 4)
+    args = [_ir(v, loc, ip) for v in a + b] + [Float32(v).ir_value(loc=loc, ip=ip) for v in c]
+    r = _asm(
+        st,
+        args,
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "{$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, {$10,$11,$12,$13};",
+        "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f",
+        loc=loc,
+        ip=ip,
+    )
+    return _unpack_struct(r, 4, T.f32(), Float32, loc, ip)
+
+
+@dsl_user_op
+def _hmul2(a, b, *, loc=None, ip=None) -> Uint32:
+    r = _asm(T.i32(), [_ir(a, loc, ip), _ir(b, loc, ip)], "mul.rn.f16x2 $0, $1, $2;", "=r,r,r",
+             loc=loc, ip=ip)
+    return Uint32(r)
+
+
+@dsl_user_op
+def _prmt(a, b, selector: int, *, loc=None, ip=None) -> Uint32:
+    r = _asm(T.i32(), [_ir(a, loc, ip), _ir(b, loc, ip)], f"prmt.b32 $0, $1, $2, {selector:#x};",
+             "=r,r,r", loc=loc, ip=ip)
+    return Uint32(r)
+
+
+@dsl_user_op
+def _e4m3x2_to_f16x2(x, *, loc=None, ip=None) -> Uint32:
+    """Two E4M3 bytes (bits 0-15 of ``x``; byte 0 -> low half) to f16x2, exactly."""
+    r = _asm(T.i32(), [_ir(x, loc, ip)],
+             "{.reg .b16 t; cvt.u16.u32 t, $1; cvt.rn.f16x2.e4m3x2 $0, t;}", "=r,r",
+             loc=loc, ip=ip)
+    return Uint32(r)
+
+
+@dsl_user_op
+def _f32x2_to_f16x2(lo, hi, *, loc=None, ip=None) -> Uint32:
+    """RN to f16 of two fp32 values, packed (``lo`` -> bits 0-15)."""
+    r = _asm(T.i32(), [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)],
+             "cvt.rn.f16x2.f32 $0, $1, $2;", "=r,f,f", loc=loc, ip=ip)
+    return Uint32(r)
+
+
+@dsl_user_op
+def _f32x2_to_bf16x2(lo, hi, *, loc=None, ip=None) -> Uint32:
+    r = _asm(T.i32(), [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)],
+             "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f", loc=loc, ip=ip)
+    return Uint32(r)
+
+
+@dsl_user_op
+def _f16x2_to_f32x2(x, *, loc=None, ip=None) -> list:
+    st = llvm.StructType.get_literal([T.f32()] * 2)
+    r = _asm(st, [_ir(x, loc, ip)],
+             "{.reg .b16 l, h; mov.b32 {l, h}, $2; cvt.f32.f16 $0, l; cvt.f32.f16 $1, h;}",
+             "=f,=f,r", loc=loc, ip=ip)
+    return _unpack_struct(r, 2, T.f32(), Float32, loc, ip)
+
+
+def _words_to_f32(words: list, act: str) -> list:
+    """Activation values packed in 32-bit words, as fp32 (element order preserved)."""
+    out = []
+    for w in words:
+        if act == "bf16":
+            out += [bits_f32(w << Uint32(16)), bits_f32(w & Uint32(0xFFFF0000))]
+        elif act == "fp16":
+            out += _f16x2_to_f32x2(w)
+        else:
+            out.append(bits_f32(w))
+    return out
+
+
+def _f32_to_words(values: list, act: str) -> list:
+    if act == "fp32":
+        return [f32_bits(v) for v in values]
+    pack = _f32x2_to_bf16x2 if act == "bf16" else _f32x2_to_f16x2
+    return [pack(values[i], values[i + 1]) for i in range(0, len(values), 2)]
+
+
+def _sel(cond, a, b):
+    return type(a)(cutlass.select_(cond, a, b))
+
+
+def _shfl(v, lane):
+    return cute.arch.shuffle_sync(v, lane)
+
+
+def _dot_warp(a: list, b: list) -> Float32:
+    """sum_i a_i b_i over the whole warp (every lane gets the total)."""
+    part = Float32(0.0)
+    for e in range(len(a)):
+        part = part + a[e] * b[e]
+    for off in (16, 8, 4, 2, 1):
+        part = part + cute.arch.shuffle_sync_bfly(part, off)
+    return part
+
+
+def _nvfp4_pair(word, m: int):
+    """Nibbles m and m+4 of ``word`` as f16x2 (low, high) = E2M1 value * 2^-14, exactly:
+    shift nibble m to bits 12-15 (nibble m+4 lands on 28-31), keep the signs (bits 15, 31)
+    and move the magnitudes down 3 bits to 9-11 (25-27). The f16 ``(n&7) << 9`` has exponent
+    field ``e1 e0`` and mantissa ``m 0..0``: ``2^(e-15) (1 + m/2)`` = E2M1 * 2^-14 for e >= 1,
+    and the subnormal ``m * 2^-15`` = 0.5 m * 2^-14 for e = 0. Also runs on numpy uint32
+    arrays (the CPU tests check it exhaustively)."""
+    u = np.uint32 if isinstance(word, (np.ndarray, np.generic)) else Uint32
+    y = word << u(12 - 4 * m) if m < 3 else word
+    return (y & u(0x80008000)) | ((y >> u(3)) & u(0x0E000E00))
+
+
+# --------------------------------------------------------------------------------------------
+# Configuration
+
+
+@dataclass(frozen=True)
+class ReplayOutputConfig:
+    """Static parameters of one compiled kernel (the compile-cache key)."""
+
+    lo_format: str
+    act: str  # bf16 | fp16 | fp32: x, z, B, C, ring_x, ring_B, out
+    dt_dtype: str  # bf16 | fp16 | fp32: raw dt
+    nheads: int
+    headdim: int
+    dstate: int
+    ngroups: int
+    ring_capacity: int
+    window: int
+    has_D: bool
+    has_z: bool
+    has_dt_bias: bool
+    dt_softplus: bool
+    warps: int
+    prefetch: bool = False  # issue the next head's loads before computing the current one
+    upfront: bool | None = None  # load a head's whole read copy first (None: format default)
+
+    @property
+    def state_upfront(self) -> bool:
+        """Whether a head's whole read copy is loaded before any of it is used: by default
+        nvfp4 and fp8 (8 or 16 registers of state per lane and stripe); fp16 and fp32 heads
+        are 2-8x larger and are left to the compiler's schedule, which keeps registers low."""
+        if self.upfront is not None:
+            return self.upfront
+        return self.lo_format in ("nvfp4", "fp8_e4m3")
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.nheads // self.ngroups
+
+    @property
+    def decode(self) -> str:
+        return "simt" if self.lo_format == "fp32" else "mma"
+
+
+def default_warps(heads_per_group: int) -> int:
+    """Warps per CTA: 8 (2 heads each at the Nemotron shape: 2048 CTAs of 256 threads at batch
+    256), fewer when the group has fewer heads. Measured (H200, batch 256, h = 8) with the
+    first version, which loaded ring records one per loop iteration after the state: nvfp4
+    2,204 GB/s (54% of the 4,058 GB/s copy), fp8 80%, fp16 69%, fp32 95%: latency-bound, hence
+    the all-loads-first schedule and the `prefetch` / `upfront` knobs (bench_read.py)."""
+    for w in (8, 4, 2, 1):
+        if heads_per_group % w == 0:
+            return w
+    return 1
+
+
+# --------------------------------------------------------------------------------------------
+# Kernel
+
+
+class ReplayOutput:
+    """Host side (launch) and device body of the non-flush step for one configuration."""
+
+    def __init__(self, cfg: ReplayOutputConfig):
+        self.cfg = cfg
+        self.E = _ELEMENTS_PER_LOAD[cfg.lo_format]
+
+    @cute.jit
+    def __call__(
+        self,
+        lo0: cute.Pointer,
+        lo1: cute.Pointer,
+        lo2: cute.Pointer,
+        ring_x: cute.Pointer,
+        ring_dt: cute.Pointer,
+        ring_B: cute.Pointer,
+        cursors: cute.Pointer,
+        x: cute.Pointer,
+        dt: cute.Pointer,
+        A: cute.Pointer,
+        B: cute.Pointer,
+        C: cute.Pointer,
+        D: cute.Pointer,
+        z: cute.Pointer,
+        dt_bias: cute.Pointer,
+        out: cute.Pointer,
+        batch: Int32,
+        stream,
+    ):
+        self.kernel(
+            lo0, lo1, lo2, ring_x, ring_dt, ring_B, cursors, x, dt, A, B, C, D, z, dt_bias, out
+        ).launch(
+            grid=[self.cfg.ngroups, batch, 1], block=[32 * self.cfg.warps, 1, 1], stream=stream
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        lo0: cute.Pointer,
+        lo1: cute.Pointer,
+        lo2: cute.Pointer,
+        ring_x: cute.Pointer,
+        ring_dt: cute.Pointer,
+        ring_B: cute.Pointer,
+        cursors: cute.Pointer,
+        x: cute.Pointer,
+        dt: cute.Pointer,
+        A: cute.Pointer,
+        B: cute.Pointer,
+        C: cute.Pointer,
+        D: cute.Pointer,
+        z: cute.Pointer,
+        dt_bias: cute.Pointer,
+        out: cute.Pointer,
+    ):
+        cfg = self.cfg
+        H, P, N, G, Lc, L = (
+            cfg.nheads, cfg.headdim, cfg.dstate, cfg.ngroups, cfg.ring_capacity, cfg.window
+        )
+        HPG, W, act = cfg.heads_per_group, cfg.warps, cfg.act
+        ab = _ACT_BYTES[act]
+        tid, _, _ = cute.arch.thread_idx()
+        grp, s, _ = cute.arch.block_idx()
+        warp = tid // 32
+        lane = tid % 32
+
+        smem = SmemAllocator()
+        bc_smem = smem.allocate_tensor(Float32, cute.make_layout(32), byte_alignment=16)
+        ys_smem = smem.allocate_tensor(Float32, cute.make_layout((P, W)), byte_alignment=16)
+
+        cursor = Int32(cute.arch.load((cursors + s).llvm_ptr, Int32)) & 0xFFFF
+        h = cursor + 1
+        if h < L:
+            s64 = Int64(s)
+            sg = s64 * G + grp  # (slot, group) row of B, C, ring_B
+            heads = [grp * HPG + warp + W * hh for hh in range(HPG // W)]
+            ptrs = (lo0, lo1, lo2, ring_x, ring_dt, x, dt, A, D, z, dt_bias)
+            # The first head's loads go out before the prologue's barrier, the next head's
+            # before the current one is computed (cfg.prefetch): each warp keeps a head's
+            # state in flight while it works, and no load waits on another load.
+            loads = [self._issue_head(ptrs, s64 * H + heads[0], heads[0], cursor, lane)]
+
+            # ---- the group's dot products B_j . C, j < h (j = h-1: this step's B) ----------
+            nb = N // 32  # consecutive elements of B and C per lane
+            vb = nb * ab // 4
+            c_vals = _words_to_f32(_load_words(C.toint() + (sg * N + lane * nb) * ab, vb), act)
+            for jj in cutlass.range_constexpr((L - 1 + W - 1) // W):
+                j = warp + W * jj
+                if j < cursor:
+                    addr = ring_B.toint() + ((sg * Lc + j) * N + lane * nb) * ab
+                    bc_smem[j] = _dot_warp(_words_to_f32(_load_words(addr, vb), act), c_vals)
+            if warp == 0:
+                # this step's record: B . C, and B appended once per (slot, group)
+                b_words = _load_words(B.toint() + (sg * N + lane * nb) * ab, vb)
+                bc_smem[cursor] = _dot_warp(_words_to_f32(b_words, act), c_vals)
+                _store_words(ring_B.toint() + ((sg * Lc + cursor) * N + lane * nb) * ab, b_words)
+            ck = self._checkpoint_setup(C.toint(), sg, lane)
+            cute.arch.sync_threads()
+            if tid == 0:
+                # every thread of this CTA has read the cursor; the last CTA of the slot stores h
+                old = cute.arch.atomic_add((cursors + s).llvm_ptr, Int32(1 << 16))
+                if (old >> 16) == G - 1:
+                    cute.arch.store((cursors + s).llvm_ptr, h)
+
+            for hh in cutlass.range_constexpr(HPG // W):
+                head = heads[hh]
+                sh = s64 * H + head  # (slot, head) row of every per-head tensor
+                if cutlass.const_expr(cfg.prefetch and hh + 1 < HPG // W):
+                    loads.append(
+                        self._issue_head(ptrs, s64 * H + heads[hh + 1], heads[hh + 1], cursor,
+                                         lane)
+                    )
+                if cutlass.const_expr(not cfg.prefetch and hh > 0):
+                    loads.append(self._issue_head(ptrs, sh, head, cursor, lane))
+                ld = loads[hh]
+                # ---- this step's dt and the decay weights, record j on lane j -------------
+                dt_cur = ld["dt_raw"]
+                if cutlass.const_expr(cfg.dt_softplus):
+                    dt_cur = softplus(dt_cur)
+                dt_j = _sel(lane < cursor, ld["dt_ring"], Float32(0.0))
+                dt_j = _sel(lane == cursor, dt_cur, dt_j)
+                incl = dt_j  # suffix sums: incl[j] = sum_{l >= j} dt_l
+                for off in (1, 2, 4, 8, 16):
+                    nxt = cute.arch.shuffle_sync_down(incl, off)
+                    incl = _sel(lane + off < 32, incl + nxt, incl)
+                excl = _sel(lane < 31, cute.arch.shuffle_sync_down(incl, 1), Float32(0.0))
+                total = _shfl(incl, 0)
+                a_h = ld["A"]
+                decay = cute.math.exp(cutlass.min(a_h * excl, Float32(0.0)))
+                coef = _sel(lane < h, decay * dt_j * bc_smem[lane], Float32(0.0))
+                ck_scale = cute.math.exp(a_h * total)
+
+                # ---- checkpoint term S_lo C -> ys_smem[:, warp] ---------------------------
+                rows, writer = self._checkpoint_term(ck, ld["state"], lane)
+                if writer:
+                    for i in cutlass.range_constexpr(len(rows)):
+                        ys_smem[rows[i][0], warp] = rows[i][1]
+                ck_scale = ck_scale * ld["factor"]
+                cute.arch.sync_warp()
+
+                # ---- epilogue: rows v, v+1 on each lane -----------------------------------
+                coefs = [_shfl(coef, j) for j in range(L - 1)]
+                c_last = _shfl(coef, cursor)
+                for r in cutlass.range_constexpr((P + 63) // 64):
+                    v_raw = 64 * r + 2 * lane
+                    v = cutlass.min(v_raw, P - 2)  # clamped: every lane joins the shuffles
+                    xw = ld["x"][r]
+                    xv = _words_to_f32(xw, act)
+                    acc0 = ck_scale * ys_smem[v, warp]
+                    acc1 = ck_scale * ys_smem[v + 1, warp]
+                    for j in cutlass.range_constexpr(L - 1):
+                        # records j >= cursor were not loaded (zeros) and have coef 0
+                        xr = _words_to_f32(ld["ring"][r][j], act)
+                        acc0 = acc0 + coefs[j] * xr[0]
+                        acc1 = acc1 + coefs[j] * xr[1]
+                    acc0 = acc0 + c_last * xv[0] + ld["D"] * xv[0]
+                    acc1 = acc1 + c_last * xv[1] + ld["D"] * xv[1]
+                    if cutlass.const_expr(cfg.has_z):
+                        zv = _words_to_f32(ld["z"][r], act)
+                        acc0 = acc0 * silu(zv[0])
+                        acc1 = acc1 * silu(zv[1])
+                    if v_raw < P:
+                        out_words = _f32_to_words([acc0, acc1], act)
+                        _store_words(out.toint() + (sh * P + v) * ab, out_words)
+                        _store_words(ring_x.toint() + ((sh * Lc + cursor) * P + v) * ab, xw)
+                if lane == 0:
+                    cute.arch.store((ring_dt + sh * Lc + cursor).llvm_ptr, dt_cur)
+                cute.arch.sync_warp()
+
+    # ---- loads of one head -----------------------------------------------------------------
+
+    def _issue_head(self, ptrs, sh, head, cursor, lane) -> dict:
+        """Every global load one head needs, issued together (none depends on another):
+        the read copy (per format), the ring records before the cursor (predicated: records
+        past it cost no traffic), dt, A, D, x, z."""
+        cfg = self.cfg
+        lo0, lo1, lo2, ring_x, ring_dt, x, dt, A, D, z, dt_bias = ptrs
+        P, Lc, L, act = cfg.headdim, cfg.ring_capacity, cfg.window, cfg.act
+        ab = _ACT_BYTES[act]
+        ld = {"state": self._issue_state(lo0.toint(), lo1.toint(), sh, lane)}
+        ld["factor"] = Float32(1.0)
+        if cfg.lo_format == "nvfp4":
+            s_g = Float32(cute.arch.load((lo2 + sh).llvm_ptr, Float32))
+            ld["factor"] = s_g * Float32(_NVFP4_UNDO)
+        dt_raw = Float32(cute.arch.load((dt + sh).llvm_ptr, _ACT_CUTE[cfg.dt_dtype]))
+        if cfg.has_dt_bias:
+            dt_raw = dt_raw + Float32(cute.arch.load((dt_bias + head).llvm_ptr, Float32))
+        ld["dt_raw"] = dt_raw
+        lane_c = cutlass.min(lane, Lc - 1)
+        ld["dt_ring"] = Float32(cute.arch.load((ring_dt + sh * Lc + lane_c).llvm_ptr, Float32))
+        ld["A"] = Float32(cute.arch.load((A + head).llvm_ptr, Float32))
+        ld["D"] = Float32(0.0)
+        if cfg.has_D:
+            ld["D"] = Float32(cute.arch.load((D + head).llvm_ptr, Float32))
+        ld["x"], ld["z"], ld["ring"] = [], [], []
+        for r in range((P + 63) // 64):
+            v = cutlass.min(64 * r + 2 * lane, P - 2)
+            ld["x"].append(_load_words(x.toint() + (sh * P + v) * ab, ab // 2))
+            if cfg.has_z:
+                ld["z"].append(_load_words(z.toint() + (sh * P + v) * ab, ab // 2))
+            ld["ring"].append([
+                _ld_words_if(ring_x.toint() + ((sh * Lc + j) * P + v) * ab, ab // 2, j < cursor)
+                for j in range(L - 1)
+            ])
+        return ld
+
+    # ---- checkpoint term, per format -------------------------------------------------------
+
+    def _checkpoint_setup(self, c_addr, sg, lane):
+        """Per-warp registers that depend only on (slot, group): C in the B-fragment layout
+        (mma) or the lane's slice of C (simt)."""
+        cfg, E = self.cfg, self.E
+        N, act = cfg.dstate, cfg.act
+        ab = _ACT_BYTES[act]
+        row = c_addr + sg * N * ab
+        if cfg.decode == "simt":
+            # lane l8 = lane % 8 owns k = 4*l8 + 32*m, m < N/32
+            l8 = lane % 8
+            vals = []
+            for m in range(N // 32):
+                vals += _words_to_f32(_load_words(row + (32 * m + 4 * l8) * ab, ab), act)
+            return vals
+        # mma: lane (g, t) holds column g of B; g = 0 -> f16(C), g = 1 -> f16(C - f16(C))
+        g = lane // 4
+        t = lane % 4
+        frags = []
+        for c in range(N // (4 * E)):
+            cv = _words_to_f32(_load_words(row + (4 * E * c + E * t) * ab, E * ab // 4), act)
+            for j in range(E // 4):
+                kap = self._kappa(j)
+                pair = []
+                for q in range(2):
+                    c0, c1 = cv[kap[2 * q]], cv[kap[2 * q + 1]]
+                    hi = _f32x2_to_f16x2(c0, c1)
+                    h0, h1 = _f16x2_to_f32x2(hi)
+                    lo = _f32x2_to_f16x2(c0 - h0, c1 - h1)
+                    pair.append(_sel(g == 0, hi, _sel(g == 1, lo, Uint32(0))))
+                frags.append(pair)
+        return frags
+
+    def _kappa(self, j: int) -> tuple:
+        """k offsets (within a lane's E loaded elements) of A-fragment slots (2t, 2t+1, 2t+8,
+        2t+9) of mma j: they must be the elements that the lane's registers hold."""
+        if self.cfg.lo_format == "nvfp4":
+            base = 8 * (j // 2) + 2 * (j % 2)  # word j//2, nibble pairs (m, m+4), (m+1, m+5)
+            return (base, base + 4, base + 1, base + 5)
+        return (4 * j, 4 * j + 1, 4 * j + 2, 4 * j + 3)
+
+    def _issue_state(self, lo0, lo1, sh, lane) -> list:
+        """The lane's share of one head's read copy (byte addresses ``lo0`` codes/values,
+        ``lo1`` nvfp4 scales): 16-byte loads, issued before any is used (or, for formats
+        without ``state_upfront``, a thunk the compute step calls)."""
+        if not self.cfg.state_upfront:
+            return lambda: self._issue_state_now(lo0, lo1, sh, lane)
+        return self._issue_state_now(lo0, lo1, sh, lane)
+
+    def _issue_state_now(self, lo0, lo1, sh, lane) -> list:
+        cfg, E = self.cfg, self.E
+        P, N = cfg.headdim, cfg.dstate
+        fmt = cfg.lo_format
+        if cfg.decode == "simt":
+            # octet o = lane // 8 owns row 4p + o of pass p; lane l8 = lane % 8 the k in
+            # [32m + 4 l8, 32m + 4 l8 + 4): each access is 16 bytes, each octet 128
+            o, l8 = lane // 8, lane % 8
+            return [
+                [_load_words(lo0 + ((sh * P + 4 * p + o) * N + 32 * m + 4 * l8) * 4, 4, True)
+                 for m in range(N // 32)]
+                for p in range(P // 4)
+            ]
+        g, t = lane // 4, lane % 4
+        row_bytes = int(N * _BYTES_PER_ELEMENT[fmt])
+        stripes = []
+        for q in range(P // 16):
+            r1 = 16 * q + g
+            chunks = []
+            for c in range(N // (4 * E)):
+                a1 = _load_words(lo0 + (sh * P + r1) * row_bytes + 64 * c + 16 * t, 4, True)
+                a2 = _load_words(lo0 + (sh * P + r1 + 8) * row_bytes + 64 * c + 16 * t, 4, True)
+                sc = None
+                if fmt == "nvfp4":
+                    sc_row = N // 16
+                    sc = (_ld_u16(lo1 + (sh * P + r1) * sc_row + 8 * c + 2 * t),
+                          _ld_u16(lo1 + (sh * P + r1 + 8) * sc_row + 8 * c + 2 * t))
+                chunks.append((a1, a2, sc))
+            stripes.append(chunks)
+        return stripes
+
+    def _checkpoint_term(self, ck, state, lane):
+        """The raw S_lo C sums of one head from its loaded ``state``: ``(rows, writer)``,
+        (row, value) pairs held by the lanes with ``writer`` set (they still need the
+        head's factor: nvfp4 2^7 s_g, others 1)."""
+        cfg = self.cfg
+        P, N = cfg.headdim, cfg.dstate
+        fmt = cfg.lo_format
+        if callable(state):
+            state = state()
+        rows = []
+        if cfg.decode == "simt":
+            o, l8 = lane // 8, lane % 8
+            for p in range(P // 4):
+                acc = Float32(0.0)
+                for m in range(N // 32):
+                    for e in range(4):
+                        acc = acc + bits_f32(state[p][m][e]) * ck[4 * m + e]
+                for off in (4, 2, 1):
+                    acc = acc + cute.arch.shuffle_sync_bfly(acc, off)
+                rows.append((4 * p + o, acc))
+            return rows, l8 == 0
+
+        g, t = lane // 4, lane % 4
+        for q in range(P // 16):
+            r1 = 16 * q + g
+            acc = [Float32(0.0)] * 4
+            for c, (a1, a2, sc_raw) in enumerate(state[q]):
+                if fmt == "nvfp4":
+                    # (s_b, s_b) * 2^7 in f16 for blocks 2t (words 0-1) and 2t+1 (words 2-3)
+                    sc = []
+                    for sv in sc_raw:
+                        even = _e4m3x2_to_f16x2(_prmt(sv, sv, 0x0000))
+                        odd = _e4m3x2_to_f16x2(_prmt(sv, sv, 0x1111))
+                        sc.append((_hmul2(even, _F16_128X2), _hmul2(odd, _F16_128X2)))
+                    for j in range(8):
+                        i, m = j // 2, 2 * (j % 2)
+                        s1x, s2x = sc[0][i // 2], sc[1][i // 2]
+                        a = [
+                            _hmul2(_nvfp4_pair(a1[i], m), s1x),
+                            _hmul2(_nvfp4_pair(a2[i], m), s2x),
+                            _hmul2(_nvfp4_pair(a1[i], m + 1), s1x),
+                            _hmul2(_nvfp4_pair(a2[i], m + 1), s2x),
+                        ]
+                        acc = _mma_f16(a, ck[c * 8 + j], acc)
+                elif fmt == "fp8_e4m3":
+                    for j in range(4):
+                        a = [
+                            _e4m3x2_to_f16x2(a1[j]),
+                            _e4m3x2_to_f16x2(a2[j]),
+                            _e4m3x2_to_f16x2(a1[j] >> Uint32(16)),
+                            _e4m3x2_to_f16x2(a2[j] >> Uint32(16)),
+                        ]
+                        acc = _mma_f16(a, ck[c * 4 + j], acc)
+                else:  # fp16: the loaded words are the A registers
+                    for j in range(2):
+                        a = [a1[2 * j], a2[2 * j], a1[2 * j + 1], a2[2 * j + 1]]
+                        acc = _mma_f16(a, ck[c * 2 + j], acc)
+            rows += [(r1, acc[0] + acc[1]), (r1 + 8, acc[2] + acc[3])]
+        return rows, t == 0
+
+
+# --------------------------------------------------------------------------------------------
+# Compile cache and public function
+
+
+def _pointer_types(cfg: ReplayOutputConfig) -> list:
+    act = _ACT_CUTE[cfg.act]
+    lo = {
+        "nvfp4": (cutlass.Uint8, cutlass.Uint8, Float32),
+        "fp8_e4m3": (cutlass.Uint8, cutlass.Uint8, Float32),
+        "fp16": (cutlass.Float16, cutlass.Uint8, Float32),
+        "fp32": (Float32, cutlass.Uint8, Float32),
+    }[cfg.lo_format]
+    return [
+        *lo, act, Float32, act, Int32, act, _ACT_CUTE[cfg.dt_dtype], Float32, act, act,
+        Float32, act, Float32, act,
+    ]
+
+
+def compile_replay_output(cfg: ReplayOutputConfig, keep_ptx: bool = False):
+    """The compiled kernel for ``cfg`` (cached); compiles for sm_90a without a GPU."""
+
+    def build():
+        ptrs = [_compile.fake_ptr(t) for t in _pointer_types(cfg)]
+        return cute.compile(
+            ReplayOutput(cfg),
+            *ptrs,
+            Int32(1),
+            _compile.fake_stream(),
+            options=_compile.compile_options(keep_ptx),
+        )
+
+    return _compile.compile_cached(("replay_output", cfg, keep_ptx), build)
+
+
+def _fail(name, expected, got):
+    raise ValueError(f"{name}: expected {expected}, got {got}")
+
+
+def _check(name, t, dtype, shape, device=None):
+    if not isinstance(t, torch.Tensor):
+        _fail(name, "a torch.Tensor", type(t).__name__)
+    if isinstance(dtype, tuple):
+        if t.dtype not in dtype:
+            _fail(name, f"dtype in {list(dtype)}", t.dtype)
+    elif t.dtype != dtype:
+        _fail(name, f"dtype {dtype}", t.dtype)
+    if tuple(t.shape) != tuple(shape):
+        _fail(name, f"shape {list(shape)}", list(t.shape))
+    if not t.is_contiguous():
+        _fail(name, "a contiguous tensor", f"strides {t.stride()}")
+    if device is not None and t.device != device:
+        _fail(name, f"device {device}", t.device)
+    if t.data_ptr() % _compile.ALIGN:
+        _fail(name, f"a {_compile.ALIGN}-byte aligned data pointer", hex(t.data_ptr()))
+
+
+def _lo_tensors(lo, lo_format, S, H, P, N, device):
+    if not isinstance(lo, dict):
+        _fail("lo", "a dict of packed tensors", type(lo).__name__)
+    if lo_format == "nvfp4":
+        g_key = "global" if "global" in lo else "global_scale"
+        for key in ("codes", "scales", g_key):
+            if key not in lo:
+                _fail("lo", "keys codes, scales, global", sorted(lo))
+        _check("lo['codes']", lo["codes"], torch.uint8, (S, H, P, N // 2), device)
+        _check("lo['scales']", lo["scales"], torch.uint8, (S, H, P, N // 16), device)
+        _check(f"lo[{g_key!r}]", lo[g_key], torch.float32, (S, H), device)
+        return lo["codes"], lo["scales"], lo[g_key]
+    key = "values" if "values" in lo else "codes"
+    if key not in lo:
+        _fail("lo", "key 'values' (or 'codes')", sorted(lo))
+    t = lo[key]
+    raw = {"fp8_e4m3": torch.uint8, "fp16": torch.float16, "fp32": torch.float32}[lo_format]
+    if key == "codes" and lo_format != "fp8_e4m3" and isinstance(t, torch.Tensor):
+        t = t.view(raw)  # lowprec.quantize.pack stores raw bits as unsigned integers
+    _check(f"lo[{key!r}]", t, raw, (S, H, P, N), device)
+    return t, None, None
+
+
+def replay_output(
+    lo,
+    ring_x,
+    ring_dt,
+    ring_B,
+    cursors,
+    x,
+    dt,
+    A,
+    B,
+    C,
+    D=None,
+    z=None,
+    dt_bias=None,
+    dt_softplus=True,
+    out=None,
+    *,
+    window=16,
+    lo_format="nvfp4",
+    warps=None,
+    prefetch=None,
+    upfront=None,
+):
+    """One non-flush decode step for every slot whose ``cursors[s] + 1 < window``; returns
+    ``out`` [S, H, P] (x's dtype; rows of flush slots are not written).
+
+    Shapes: ``ring_x [S, H, Lc, P]``, ``ring_dt fp32 [S, H, Lc]``, ``ring_B [S, G, Lc, N]``,
+    ``cursors int32 [S]``, ``x, z [S, H, P]``, ``dt [S, H]``, ``A, D, dt_bias fp32 [H]``,
+    ``B, C [S, G, N]``; ``lo`` as in the module doc. Launches on torch's current stream and
+    does not synchronise (graph-capturable); cursor values must lie in [0, window - 1].
+    ``warps`` (dividing nheads / ngroups), ``prefetch`` and ``upfront`` override the tuning
+    defaults (`ReplayOutputConfig`).
+    """
+    if lo_format not in LO_FORMATS:
+        _fail("lo_format", f"one of {list(LO_FORMATS)}", repr(lo_format))
+    if not isinstance(x, torch.Tensor) or x.dim() != 3:
+        _fail("x", "a tensor [S, H, P]", list(x.shape) if isinstance(x, torch.Tensor) else x)
+    if x.dtype not in ACT_DTYPES:
+        _fail("x", f"dtype in {list(ACT_DTYPES)}", x.dtype)
+    device = x.device
+    S, H, P = x.shape
+    if not isinstance(C, torch.Tensor) or C.dim() != 3:
+        _fail("C", "a tensor [S, G, N]", list(C.shape) if isinstance(C, torch.Tensor) else C)
+    G, N = C.shape[1], C.shape[2]
+    if G < 1 or H % G:
+        _fail("C", f"ngroups dividing nheads={H}", G)
+    if not isinstance(ring_x, torch.Tensor) or ring_x.dim() != 4:
+        _fail("ring_x", "a tensor [S, H, Lc, P]", getattr(ring_x, "shape", ring_x))
+    Lc = ring_x.shape[2]
+    if isinstance(window, bool) or not isinstance(window, int) or not 2 <= window <= min(Lc, 32):
+        _fail("window", f"an integer in [2, min(ring capacity {Lc}, 32)]", window)
+    if P % 16:
+        _fail("x", "headdim (last dim) a multiple of 16", P)
+    if N % _DSTATE_MULTIPLE[lo_format]:
+        _fail("C", f"dstate a multiple of {_DSTATE_MULTIPLE[lo_format]} for {lo_format}", N)
+    act = x.dtype
+    _check("x", x, act, (S, H, P), device)
+    _check("C", C, act, (S, G, N), device)
+    _check("B", B, act, (S, G, N), device)
+    _check("dt", dt, tuple(ACT_DTYPES), (S, H), device)
+    _check("A", A, torch.float32, (H,), device)
+    _check("ring_x", ring_x, act, (S, H, Lc, P), device)
+    _check("ring_dt", ring_dt, torch.float32, (S, H, Lc), device)
+    _check("ring_B", ring_B, act, (S, G, Lc, N), device)
+    _check("cursors", cursors, torch.int32, (S,), device)
+    if D is not None:
+        _check("D", D, torch.float32, (H,), device)
+    if z is not None:
+        _check("z", z, act, (S, H, P), device)
+    if dt_bias is not None:
+        _check("dt_bias", dt_bias, torch.float32, (H,), device)
+    if out is None:
+        out = torch.empty_like(x)
+    _check("out", out, act, (S, H, P), device)
+    lo0, lo1, lo2 = _lo_tensors(lo, lo_format, S, H, P, N, device)
+    if not x.is_cuda:
+        _fail("x", "a CUDA tensor (every argument on one GPU)", x.device)
+
+    cfg = ReplayOutputConfig(
+        lo_format=lo_format,
+        act=ACT_DTYPES[act],
+        dt_dtype=ACT_DTYPES[dt.dtype],
+        nheads=H,
+        headdim=P,
+        dstate=N,
+        ngroups=G,
+        ring_capacity=Lc,
+        window=window,
+        has_D=D is not None,
+        has_z=z is not None,
+        has_dt_bias=dt_bias is not None,
+        dt_softplus=bool(dt_softplus),
+        warps=default_warps(H // G) if warps is None else warps,
+        prefetch=False if prefetch is None else bool(prefetch),
+        upfront=None if upfront is None else bool(upfront),
+    )
+    if isinstance(cfg.warps, bool) or not isinstance(cfg.warps, int) or (H // G) % cfg.warps:
+        _fail("warps", f"a divisor of nheads / ngroups = {H // G}", warps)
+    if S == 0:
+        return out
+    kernel = compile_replay_output(cfg)
+    types = _pointer_types(cfg)
+    tensors = [
+        lo0,
+        lo1 if lo1 is not None else lo0,
+        lo2 if lo2 is not None else A,
+        ring_x, ring_dt, ring_B, cursors, x, dt, A, B, C,
+        D if D is not None else A,
+        z if z is not None else x,
+        dt_bias if dt_bias is not None else A,
+        out,
+    ]
+    ptrs = [_compile.gmem_ptr(t, ty) for t, ty in zip(tensors, types, strict=True)]
+    kernel(*ptrs, Int32(S), _compile.current_stream())
+    return out
+
+
+def traffic_bytes(
+    lo_format, batch, nheads, headdim, dstate, ngroups, h, act_bytes=2, has_z=False
+) -> int:
+    """Bytes one call must move, each read once and each write once, when every slot holds
+    ``h`` records after the append: the state read in its format (block and second-level
+    scales included), the ring reads of the ``h - 1`` older records (x and dt per head, B per
+    group), this step's x, dt (fp32), z, B and C, the output, the record append (x, dt per
+    head; B per group) and the cursor read and write. A, D and dt_bias (per head, shared by
+    every slot) are left out."""
+    state = headdim * dstate * _BYTES_PER_ELEMENT[lo_format]
+    if lo_format == "nvfp4":
+        state += headdim * dstate // 16 + 4
+    row = headdim * act_bytes
+    per_head = state + (h - 1) * (row + 4) + row * (3 + has_z) + 4 + 4
+    per_group = (h - 1) * dstate * act_bytes + 3 * dstate * act_bytes
+    return int(batch * (nheads * per_head + ngroups * per_group + 8))

@@ -1,0 +1,337 @@
+"""cute_kernels/numerics.py: the device rounding and random words equal lowprec bit for bit.
+
+The numerics functions run on two backends: DSL scalars inside kernels and numpy arrays. On the
+CPU the numpy backend (the very integer code the kernels trace) is compared with `lowprec`
+exhaustively: every fp16 code, its fp32 neighbours and the midpoints to the next code, with
+random and edge words. A probe kernel compiles for sm_90a on the CPU (its PTX must use the
+exact instructions the contract names); on the GPU its outputs must equal both.
+"""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+import cutlass.cute as cute  # noqa: E402
+from cutlass import Float32, Int32, Uint32  # noqa: E402
+
+from cute_kernels import _compile  # noqa: E402  (sets the target before cutlass)
+from cute_kernels import numerics as nm  # noqa: E402
+from lowprec import philox  # noqa: E402
+from lowprec import quantize as q  # noqa: E402
+from lowprec.formats import E2M1, E4M3, FP16  # noqa: E402
+
+SEED = 0x0123456789ABCDEF
+
+
+def fp16_neighbourhoods() -> np.ndarray:
+    """fp32 inputs around every fp16 code: the code's value and its fp32 neighbours (+-1, +-2
+    ulp), the midpoint to the next code and its neighbours (RN ties and SR's smallest
+    fractions), plus random values over 18 decades and special values."""
+    codes = np.arange(1 << 16, dtype=np.uint32)
+    value = codes.astype(np.uint16).view(np.float16).astype(np.float32)
+    nxt = (codes + 1).astype(np.uint16).view(np.float16).astype(np.float32)
+    with np.errstate(invalid="ignore"):
+        mid = ((value.astype(np.float64) + nxt.astype(np.float64)) / 2).astype(np.float32)
+    step = [np.uint32(0), np.uint32(1), np.uint32(2)]
+    bits = [value.view(np.uint32) + d for d in step] + [value.view(np.uint32) - d for d in step[1:]]
+    bits += [mid.view(np.uint32) + d for d in step[:2]] + [mid.view(np.uint32) - step[1]]
+    x = np.concatenate(bits).view(np.float32)
+    rng = np.random.default_rng(7)
+    scale = np.float32(10.0) ** rng.integers(-12, 6, 20001).astype(np.float32)
+    random = (rng.standard_normal(20001).astype(np.float32) * scale).astype(np.float32)
+    special = np.array(
+        [
+            np.inf,
+            -np.inf,
+            np.nan,
+            0.0,
+            -0.0,
+            65504.0,
+            65519.99,
+            65520.0,
+            -65536.0,
+            1e-45,
+            2.98e-8,
+            448.0,
+            464.0,
+            480.0,
+            6.0,
+            7.0,
+            0.25,
+            0.75,
+            1.25,
+            2.5,
+            5.0,
+            3e38,
+        ],
+        dtype=np.float32,
+    )
+    return np.concatenate([x, random, special]).astype(np.float32)
+
+
+def lowprec_codes(x: np.ndarray, element, rounding="rn", words=None) -> np.ndarray:
+    rand = None if words is None else torch.from_numpy(words.astype(np.int64))
+    rounded = q.round_to(torch.from_numpy(x.copy()), element, rounding, rand)
+    if element is E2M1 or element is E4M3:
+        rounded = torch.nan_to_num(rounded, nan=0.0)  # E2M1/E4M3 NaN is outside the contract
+    return q.encode_bits(rounded, element).numpy().astype(np.uint32)
+
+
+def first_mismatches(x, want, got, words=None, n=5):
+    bad = np.nonzero(want != got)[0][:n]
+    rows = [
+        f"x={x[i]!r} ({x[i : i + 1].view(np.uint32)[0]:#010x})"
+        + ("" if words is None else f" r={words[i]:#010x}")
+        + f" want {want[i]:#x} got {got[i]:#x}"
+        for i in bad
+    ]
+    return f"{len(np.nonzero(want != got)[0])} mismatches; first: " + "; ".join(rows)
+
+
+X = fp16_neighbourhoods()
+FINITE_OR_INF = X[~np.isnan(X)]
+
+
+@pytest.mark.parametrize(
+    "element, fn",
+    [(FP16, nm.rn_fp16_bits), (E4M3, nm.rn_e4m3_byte), (E2M1, nm.rn_e2m1_nibble)],
+    ids=["fp16", "e4m3", "e2m1"],
+)
+def test_rn_codes_equal_lowprec_around_every_fp16_code(element, fn):
+    """RN (ties to even, saturating) codes equal lowprec.encode_bits(round_to(x, 'rn')), e.g.
+    fp16 65519.99 -> 0x7BFF, 65520 (a tie past the max) -> 0x7BFF, e4m3 464 (tie) -> 0x7E."""
+    x = X if element is FP16 else FINITE_OR_INF
+    want = lowprec_codes(x, element)
+    got = fn(x)
+    assert np.array_equal(want, got), first_mismatches(x, want, got)
+
+
+def test_rn_fp16x2_numpy_path_equals_two_scalar_roundings():
+    """The packed form's reference path is two scalar RN roundings, low half first."""
+    a, b = X[: X.size // 2 * 2 : 2], X[1 : X.size // 2 * 2 : 2]
+    packed = nm.rn_fp16x2(a, b)
+    assert np.array_equal(packed & 0xFFFF, nm.rn_fp16_bits(a))
+    assert np.array_equal(packed >> 16, nm.rn_fp16_bits(b))
+
+
+@pytest.mark.parametrize("kind", ["random", "zero", "max", "half"])
+def test_sr_fp16_equals_lowprec_for_every_fp16_neighbourhood(kind):
+    """SR bits equal lowprec's for random words and the edge words 0 (rounds up iff any
+    fraction is discarded), 2^32-1 (never rounds up) and 2^31."""
+    rng = np.random.default_rng(11)
+    words = {
+        "random": rng.integers(0, 1 << 32, X.size, dtype=np.uint64).astype(np.uint32),
+        "zero": np.zeros(X.size, np.uint32),
+        "max": np.full(X.size, 0xFFFFFFFF, np.uint32),
+        "half": np.full(X.size, 0x80000000, np.uint32),
+    }[kind]
+    want = lowprec_codes(X, FP16, "sr", words)
+    got = nm.sr_fp16_bits(X, words)
+    assert np.array_equal(want, got), first_mismatches(X, want, got, words)
+
+
+def test_sr_fp16_threshold_is_exact():
+    """Words just below and at floor(frac * 2^32) decide up/down: 1 + 2^-12 lies 2^-12 / 2^-10
+    = 1/4 of an fp16 ulp above 1, so the threshold is 2^30: r = 2^30 - 1 rounds up to
+    0x3C01, r = 2^30 stays at 0x3C00."""
+    x = np.array([1 + 2.0**-12] * 2, np.float32)
+    words = np.array([(1 << 30) - 1, 1 << 30], np.uint32)
+    assert nm.sr_fp16_bits(x, words).tolist() == [0x3C01, 0x3C00]
+
+
+def test_philox_words_equal_lowprec_randint():
+    """First Philox-4x32-10 word of counter (offset lo, offset hi, 0, 0), key (seed lo, hi)."""
+    offsets = torch.cat(
+        [
+            torch.randint(0, 1 << 62, (4000,), dtype=torch.int64),
+            torch.tensor([0, 1, (1 << 32) - 1, 1 << 32, (1 << 63) - 1]),
+        ]
+    )
+    want = philox.randint(SEED, offsets).numpy().astype(np.uint32)
+    o = offsets.numpy().astype(np.uint64)
+    keys = nm.philox_keys(np.uint32(SEED & 0xFFFFFFFF), np.uint32(SEED >> 32))
+    got = nm.philox_word((o & 0xFFFFFFFF).astype(np.uint32), (o >> 32).astype(np.uint32), keys)
+    assert np.array_equal(want, got)
+
+
+def test_state_counter_packs_slot_flush_element():
+    """offset = (slot << 44) | (flush << 24) | element, split into 32-bit counter words."""
+    slot = np.array([0, 5, 1023, (1 << 20) - 1], np.uint32)
+    flush = np.array([0, 300, 255, (1 << 20) - 1], np.uint32)
+    element = np.array([0, 7, (1 << 24) - 1, 12345], np.uint32)
+    lo, hi = nm.state_counter(slot, flush, element)
+    offset = philox.state_offsets(
+        torch.from_numpy(slot.astype(np.int64)), torch.from_numpy(flush.astype(np.int64)), [1]
+    )[:, 0]
+    offset = offset.numpy().astype(np.uint64) | element.astype(np.uint64)
+    assert np.array_equal(lo, (offset & 0xFFFFFFFF).astype(np.uint32))
+    assert np.array_equal(hi, (offset >> 32).astype(np.uint32))
+
+
+def test_e4m3_values_are_exact_for_every_scale_byte():
+    """Every non-negative, non-NaN E4M3 byte decodes to lowprec's value (0x01 = 2^-9,
+    0x7E = 448)."""
+    b = np.arange(0x7F, dtype=np.uint32)
+    want = q.decode_bits(torch.from_numpy(b.astype(np.int64)), E4M3).numpy()
+    assert np.array_equal(want.view(np.uint32), nm.e4m3_value(b).view(np.uint32))
+
+
+def test_saturate_f32_maps_only_infinities():
+    x = np.array([np.inf, -np.inf, 1.0, -0.0, 3.4e38], np.float32)
+    got = nm.saturate_f32(x)
+    want = q.round_to(torch.from_numpy(x.copy()), q.formats.FP32).numpy()
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+# --------------------------------------------------------------------------------------------
+# the probe kernel: every function applied element-wise on the device
+
+
+OUTPUTS = (
+    "sr_fp16",
+    "rn_fp16",
+    "rn_fp16x2",
+    "rn_e4m3",
+    "rn_e2m1",
+    "philox",
+    "div_rn",
+    "e4m3_value",
+)
+
+
+@cute.kernel
+def _probe_kernel(
+    x: cute.Tensor,
+    y: cute.Tensor,
+    words: cute.Tensor,
+    out: cute.Tensor,
+    seed_lo: Uint32,
+    seed_hi: Uint32,
+    n: Int32,
+):
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    i = bidx * 128 + tidx
+    if i < n:
+        v = x[i]
+        r = words[i]
+        keys = nm.philox_keys(seed_lo, seed_hi)
+        out[i, 0] = nm.sr_fp16_bits(v, r)
+        out[i, 1] = nm.rn_fp16_bits(v)
+        out[i, 2] = nm.rn_fp16x2(v, y[i])
+        out[i, 3] = nm.rn_e4m3_byte(v)
+        out[i, 4] = nm.rn_e2m1_nibble(v)
+        out[i, 5] = nm.philox_word(r, nm.f32_bits(y[i]), keys)
+        out[i, 6] = nm.f32_bits(nm.div_rn(v, y[i]))
+        out[i, 7] = nm.f32_bits(nm.e4m3_value(r & Uint32(0x7F)))
+
+
+@cute.jit
+def _probe_host(
+    p_x: cute.Pointer,
+    p_y: cute.Pointer,
+    p_words: cute.Pointer,
+    p_out: cute.Pointer,
+    seed_lo: Uint32,
+    seed_hi: Uint32,
+    n: Int32,
+    stream,
+):
+    x = cute.make_tensor(p_x, cute.make_layout(n))
+    y = cute.make_tensor(p_y, cute.make_layout(n))
+    words = cute.make_tensor(p_words, cute.make_layout(n))
+    out = cute.make_tensor(p_out, cute.make_layout((n, len(OUTPUTS)), stride=(len(OUTPUTS), 1)))
+    _probe_kernel(x, y, words, out, seed_lo, seed_hi, n).launch(
+        grid=[(n + 127) // 128, 1, 1], block=[128, 1, 1], stream=stream
+    )
+
+
+def _compile_probe(keep_ptx=False):
+    def build():
+        f = _compile.fake_ptr
+        args = (
+            f(Float32),
+            f(Float32),
+            f(Uint32),
+            f(Uint32),
+            Uint32(0),
+            Uint32(0),
+            Int32(0),
+            _compile.fake_stream(),
+        )
+        return cute.compile(_probe_host, *args, options=_compile.compile_options(keep_ptx))
+
+    return _compile.compile_cached(("numerics_probe", keep_ptx), build)
+
+
+def test_probe_compiles_for_sm90a_with_the_contract_instructions():
+    """The PTX uses div.rn.f32 (never div.approx or rcp), the satfinite packed fp16
+    conversion and 32-bit high multiplies for Philox; no local memory."""
+    ptx = _compile_probe(keep_ptx=True).__ptx__
+    assert ".target sm_90a" in ptx
+    assert "div.rn.f32" in ptx
+    assert "div.approx" not in ptx and "div.full" not in ptx and "rcp." not in ptx
+    assert "cvt.rn.satfinite.f16x2.f32" in ptx
+    assert "mul.hi.u32" in ptx or "mul.wide.u32" in ptx
+    assert ".local" not in ptx
+
+
+@pytest.mark.gpu
+def test_probe_kernel_equals_numpy_backend_and_lowprec():
+    """On the device every function equals the numpy backend bit for bit (which the CPU
+    tests tie to lowprec), and div_rn equals torch's correctly rounded fp32 division."""
+    rng = np.random.default_rng(3)
+    x = X
+    y = np.where(rng.random(x.size) < 0.5, x[::-1], rng.standard_normal(x.size)).astype(np.float32)
+    words = rng.integers(0, 1 << 32, x.size, dtype=np.uint64).astype(np.uint32)
+    words[: x.size // 8] = 0  # rounds up whenever anything is discarded
+    dev = torch.device("cuda")
+    tx, ty = torch.from_numpy(x).to(dev), torch.from_numpy(y).to(dev)
+    tw = torch.from_numpy(words.view(np.int32)).to(dev)
+    out = torch.full((x.size, len(OUTPUTS)), -1, dtype=torch.int32, device=dev)
+    kernel = _compile_probe()
+    ptr = _compile.gmem_ptr
+    kernel(
+        ptr(tx),
+        ptr(ty),
+        ptr(tw, Uint32),
+        ptr(out, Uint32),
+        Uint32(SEED & 0xFFFFFFFF),
+        Uint32(SEED >> 32),
+        Int32(x.size),
+        _compile.current_stream(),
+    )
+    torch.cuda.synchronize()
+    got = out.cpu().numpy().view(np.uint32)
+    keys = nm.philox_keys(np.uint32(SEED & 0xFFFFFFFF), np.uint32(SEED >> 32))
+    with np.errstate(all="ignore"):
+        want = {
+            "sr_fp16": nm.sr_fp16_bits(x, words),
+            "rn_fp16": nm.rn_fp16_bits(x),
+            "rn_fp16x2": nm.rn_fp16x2(x, y),
+            "rn_e4m3": nm.rn_e4m3_byte(x),
+            "rn_e2m1": nm.rn_e2m1_nibble(x),
+            "philox": nm.philox_word(words, y.view(np.uint32), keys),
+            "div_rn": (x / y).astype(np.float32).view(np.uint32),  # IEEE, correctly rounded
+            "e4m3_value": nm.e4m3_value(words & np.uint32(0x7F)).view(np.uint32),
+        }
+    positive = y.view(np.uint32) < (1 << 31)  # offsets below 2^63 (lowprec takes int64)
+    offsets = torch.from_numpy(
+        (y[positive].view(np.uint32).astype(np.int64) << 32) | words[positive].astype(np.int64)
+    )
+    assert np.array_equal(
+        want["philox"][positive], philox.randint(SEED, offsets).numpy().astype(np.uint32)
+    )
+    for k, name in enumerate(OUTPUTS):
+        g = got[:, k]
+        w = want[name].astype(np.uint32)
+        if name == "div_rn":  # NaN payloads may differ; NaN must stay NaN
+            nan = np.isnan(g.view(np.float32))
+            assert np.array_equal(nan, np.isnan(w.view(np.float32))), name
+            g, w = g[~nan], w[~nan]
+        assert np.array_equal(g, w), f"{name}: " + first_mismatches(x, w, g, words)

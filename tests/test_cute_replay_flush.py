@@ -1,0 +1,528 @@
+"""cute_kernels/replay_flush.py (and replay_decode.py): the flush kernel against lowprec.
+
+CPU: every variant compiles for sm_90a, the PTX holds the 128-bit state accesses the design
+relies on, and bad arguments raise ValueErrors naming them. GPU (marker `gpu`): for the slots
+that flush, the stored recurrence copy (fp16 bits), read copy (nibbles, scale bytes, second
+level scale) equal lowprec applied to the kernel's own unrounded state (`debug_state`) bit for
+bit, that state matches lowprec.mamba2.mamba2_replay_flush (fp64) to a derived fp32 bound,
+outputs match, the record is appended and the counters move; every other slot is untouched.
+A multi-window run drives replay_decode_step (non-flush + flush kernels) with slots at random
+ring positions.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+from cute_kernels import replay_flush as rf  # noqa: E402
+from lowprec import mamba2, philox  # noqa: E402
+from lowprec import quantize as q  # noqa: E402
+from lowprec.formats import FP16  # noqa: E402
+
+DEVICE = torch.device("cuda")
+EPS = 2.0**-24  # fp32 unit roundoff
+SEED = 0x5EED_1234_ABCD
+
+NEMOTRON = dict(nheads=128, headdim=64, dstate=128, ngroups=8)
+ODD = dict(nheads=6, headdim=24, dstate=64, ngroups=3)  # 2 heads per group, 32 threads
+# replay_output needs headdim % 16 == 0 and, for nvfp4, dstate % 128 == 0
+DECODE = dict(nheads=6, headdim=32, dstate=128, ngroups=3)
+VARIANTS = [
+    (hi, rnd, lo)
+    for hi, rnd in (("fp16", "sr"), ("fp16", "rn"), ("fp32", "rn"))
+    for lo in rf.LO_FORMATS
+]
+
+
+def variant_id(v):
+    return "-".join(v)
+
+
+def config(shape, hi, rounding, lo, window=16, act="bf16", debug=True):
+    return rf.FlushConfig(
+        **shape,
+        window=window,
+        ring_len=window,
+        act=act,
+        dt_dtype="fp32",
+        hi_format=hi,
+        hi_rounding=rounding,
+        lo_format=lo,
+        has_D=True,
+        has_z=True,
+        has_dt_bias=True,
+        dt_softplus=True,
+        has_debug=debug,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# CPU: compile, PTX, validation
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", VARIANTS, ids=variant_id)
+def test_every_variant_compiles_for_sm90a(variant):
+    """Each (hi format, hi rounding, lo format) compiles at the Nemotron head shape."""
+    rf.compile_flush(config(NEMOTRON, *variant, debug=False))
+
+
+@pytest.mark.parametrize(
+    "variant", [("fp16", "sr", "nvfp4"), ("fp32", "rn", "none")], ids=variant_id
+)
+def test_ptx_uses_128_bit_state_accesses(variant):
+    """fp16 SR + nvfp4: 8 x 128-bit hi loads and 8 x 128-bit hi stores per thread (plus the
+    ring's), nvfp4 codes as 32-bit stores, correctly rounded divisions only; fp32 single copy:
+    16 + 16 hi accesses of 128 bits. No local memory (no spills)."""
+    ptx = rf.compile_flush(config(NEMOTRON, *variant, debug=False), keep_ptx=True).__ptx__
+    assert ".target sm_90a" in ptx
+    loads = ptx.count("ld.global.v4.b32")
+    stores = ptx.count("st.global.v4.b32")
+    per_thread = 8 if variant[0] == "fp16" else 16
+    assert loads >= per_thread and stores >= per_thread, (loads, stores)
+    assert ".local" not in ptx
+    assert "div.approx" not in ptx and "div.full" not in ptx
+    if variant[2] == "nvfp4":
+        assert ptx.count("div.rn.f32") >= 8 * 8  # one per element, one per block, s_g
+        assert ptx.count("st.global.b32") >= 8  # 8 nibbles per thread per chunk
+        assert ptx.count("st.global.b8") >= 8  # the scale byte of each block
+
+
+def test_advance_kernel_compiles():
+    rf.compile_advance(16, advance_others=False)
+    rf.compile_advance(16, advance_others=True)
+
+
+def cpu_args(slots=3, shape=ODD, window=8, act=torch.float32):
+    """Valid arguments on the CPU (validation runs before any launch)."""
+    H, P, N, G = shape["nheads"], shape["headdim"], shape["dstate"], shape["ngroups"]
+    f32 = torch.float32
+    args = dict(
+        hi=torch.zeros(slots, H, P, N, dtype=torch.float16),
+        lo=dict(
+            codes=torch.zeros(slots, H, P, N // 2, dtype=torch.uint8),
+            scales=torch.zeros(slots, H, P, N // 16, dtype=torch.uint8),
+            global_scale=torch.zeros(slots, H, dtype=f32),
+        ),
+        ring_x=torch.zeros(slots, H, window, P, dtype=act),
+        ring_dt=torch.zeros(slots, H, window, dtype=f32),
+        ring_B=torch.zeros(slots, G, window, N, dtype=act),
+        cursors=torch.zeros(slots, dtype=torch.int32),
+        flushes=torch.zeros(slots, dtype=torch.int32),
+        x=torch.zeros(slots, H, P, dtype=act),
+        dt=torch.zeros(slots, H, dtype=act),
+        A=torch.zeros(H, dtype=f32),
+        B=torch.zeros(slots, G, N, dtype=act),
+        C=torch.zeros(slots, G, N, dtype=act),
+    )
+    return args, window
+
+
+@pytest.mark.parametrize(
+    "name, bad, message",
+    [
+        ("hi", lambda a: a["hi"].float(), "hi: expected dtype torch.float16"),
+        ("ring_x", lambda a: a["ring_x"][:, :, :4], "ring_x.shape[2] (Lcap): expected >= window"),
+        ("A", lambda a: a["A"].double(), "A: expected dtype torch.float32"),
+        ("cursors", lambda a: a["cursors"].long(), "cursors: expected dtype torch.int32"),
+        (
+            "B",
+            lambda a: torch.zeros(3, 4, 64, dtype=a["B"].dtype),
+            "B.shape[1] (ngroups): expected a divisor",
+        ),
+        (
+            "x",
+            lambda a: a["x"].transpose(1, 2).contiguous().transpose(1, 2),
+            "x: expected a contig",
+        ),
+        ("lo", lambda a: {"codes": a["lo"]["codes"]}, "lo: expected keys"),
+    ],
+)
+def test_bad_arguments_raise_value_errors_naming_them(name, bad, message):
+    args, window = cpu_args()
+    args[name] = bad(args)
+    with pytest.raises(
+        ValueError,
+        match=message.replace("(", r"\(")
+        .replace(")", r"\)")
+        .replace("[", r"\[")
+        .replace("]", r"\]"),
+    ):
+        rf.replay_flush(**args, window=window)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(hi_format="bf16"), "hi_format: expected one of"),
+        (dict(lo_format="mxfp4"), "lo_format: expected one of"),
+        (dict(seed=-1), "seed: expected an int in"),
+        (dict(window=33), "window: expected an int in"),
+    ],
+)
+def test_bad_options_raise_value_errors(kwargs, message):
+    args, window = cpu_args()
+    kwargs = {"window": window, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        rf.replay_flush(**args, **kwargs)
+
+
+# --------------------------------------------------------------------------------------------
+# GPU: one flush against lowprec
+
+
+def random_cache(slots, shape, window, act, hi_format, lo_format, gen, flush_slots):
+    """A cache with random contents (never zeros): states ~N(0, 1) per element, ring dt
+    positive; `cursors` random in [0, window - 2] except `flush_slots` at window - 1;
+    `flushes` random in [0, 700) so the flush field crosses its low byte."""
+    H, P, N, G = shape["nheads"], shape["headdim"], shape["dstate"], shape["ngroups"]
+    hi_dtype = torch.float16 if hi_format == "fp16" else torch.float32
+    dev = DEVICE
+
+    def randn(*size, dtype=torch.float32, scale=1.0):
+        return (torch.randn(*size, generator=gen) * scale).to(dtype).to(dev)
+
+    cursors = torch.randint(0, window - 1, (slots,), generator=gen, dtype=torch.int32)
+    cursors[flush_slots] = window - 1
+    lo = None
+    if lo_format == "nvfp4":
+        lo = dict(
+            codes=torch.full((slots, H, P, N // 2), 0xAB, dtype=torch.uint8, device=dev),
+            scales=torch.full((slots, H, P, N // 16), 0x3C, dtype=torch.uint8, device=dev),
+            global_scale=torch.full((slots, H), float("nan"), device=dev),
+        )
+    elif lo_format != "none":
+        dtype = {"fp8_e4m3": torch.uint8, "fp16": torch.float16, "fp32": torch.float32}
+        lo = {
+            "values": torch.full(
+                (slots, H, P, N),
+                0x5A if lo_format == "fp8_e4m3" else float("nan"),
+                dtype=dtype[lo_format],
+                device=dev,
+            )
+        }
+    return dict(
+        hi=randn(slots, H, P, N, dtype=hi_dtype),
+        lo=lo,
+        ring_x=randn(slots, H, window, P, dtype=act),
+        ring_dt=torch.nn.functional.softplus(randn(slots, H, window) - 1.0),
+        ring_B=randn(slots, G, window, N, dtype=act),
+        cursors=cursors.to(dev),
+        flushes=torch.randint(0, 700, (slots,), generator=gen, dtype=torch.int32).to(dev),
+    )
+
+
+def random_token(slots, shape, act, gen):
+    H, P, N, G = shape["nheads"], shape["headdim"], shape["dstate"], shape["ngroups"]
+    dev = DEVICE
+
+    def randn(*size, dtype=act):
+        return torch.randn(*size, generator=gen).to(dtype).to(dev)
+
+    return dict(
+        x=randn(slots, H, P),
+        dt=randn(slots, H, dtype=torch.float32),
+        A=-(0.2 + 1.8 * torch.rand(H, generator=gen)).to(dev),
+        B=randn(slots, G, N),
+        C=randn(slots, G, N),
+        D=randn(H, dtype=torch.float32),
+        z=randn(slots, H, P),
+        dt_bias=randn(H, dtype=torch.float32) * 0.5,
+    )
+
+
+def clone(d):
+    if isinstance(d, dict):
+        return {k: clone(v) for k, v in d.items()}
+    return None if d is None else d.clone()
+
+
+def expected_lo_bytes(state, lo_format):
+    """lowprec's storage of the read copy of an fp32 state, as flat bytes per tensor."""
+    packed = q.pack(q.quantize(state, lo_format, "rn"))
+    return {k: v.contiguous().view(torch.uint8) for k, v in packed.items()}
+
+
+def kernel_lo_bytes(lo, lo_format):
+    if lo_format == "nvfp4":
+        return {k: lo[k].cpu().contiguous().view(torch.uint8) for k in lo}
+    return {"codes": lo["values"].cpu().contiguous().view(torch.uint8)}
+
+
+def state_bound(hi, ring_x, ring_dt, ring_B, A, window, heads_per_group):
+    """Elementwise fp32 error bound of the kernel's S_new: EPS * (16 + 2 L |A| cum) times the
+    sum of the magnitudes of its terms, g |S| + sum_j |w_j x_j B_j|. 16: the exps (libdevice,
+    2 ulp), the products and the fp32 accumulation of L + 1 terms; 2 L |A| cum: the cumulative
+    sums of dt differ from the reference's by up to L ulp of cum, which the exp amplifies by
+    |A| (relative error of each decay weight)."""
+    count = torch.full((hi.shape[0],), window, dtype=torch.int64)
+    A = A.double()
+    cum = ring_dt[..., :window].double().sum(-1)  # [b, h]
+    mag = mamba2.mamba2_replay_flush(
+        hi.double().abs(),
+        ring_x.double().abs(),
+        ring_dt.double(),
+        ring_B.double().abs(),
+        count,
+        torch.zeros_like(A),
+    )
+    # with A = 0 every decay is 1: the sum of magnitudes of terms before their decay, an
+    # upper bound of the decayed sum
+    factor = EPS * (16 + 2 * window * A.abs()[None, :] * cum)
+    return mag * factor[..., None, None]
+
+
+def check_flush(
+    shape, slots, window, act, hi_format, hi_rounding, lo_format, seed=SEED, gen_seed=0
+):
+    gen = torch.Generator().manual_seed(gen_seed)
+    flush_slots = list(range(0, slots, 2))
+    cache = random_cache(slots, shape, window, act, hi_format, lo_format, gen, flush_slots)
+    tok = random_token(slots, shape, act, gen)
+    H, P, N = shape["nheads"], shape["headdim"], shape["dstate"]
+    before = clone(cache)
+    out = torch.full((slots, H, P), float("nan"), dtype=act, device=DEVICE)
+    debug = torch.full((slots, H, P, N), float("nan"), device=DEVICE)
+    rf.replay_flush(
+        **cache,
+        **tok,
+        out=out,
+        window=window,
+        hi_format=hi_format,
+        hi_rounding=hi_rounding,
+        lo_format=lo_format,
+        seed=seed,
+        debug_state=debug,
+    )
+    torch.cuda.synchronize()
+    cpu = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in cache.items()}
+    b = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in before.items()}
+    t = {k: v.cpu() for k, v in tok.items()}
+    fs = torch.tensor(flush_slots)
+    keep = torch.tensor([s for s in range(slots) if s not in flush_slots])
+
+    # counters
+    assert cpu["cursors"][fs].eq(0).all() and cpu["cursors"][keep].eq(b["cursors"][keep]).all()
+    assert cpu["flushes"].eq(b["flushes"] + torch.isin(torch.arange(slots), fs).int()).all()
+
+    # the record: x and B copied bit for bit, dt processed (fp32 against fp64)
+    L1 = window - 1
+    assert torch.equal(cpu["ring_x"][fs, :, L1], t["x"][fs])
+    hpg = H // shape["ngroups"]
+    assert torch.equal(cpu["ring_B"][fs, :, L1], t["B"][fs])
+    dt_ref = mamba2.mamba2_process_dt(t["dt"].double(), t["dt_bias"].double())
+    assert torch.allclose(cpu["ring_dt"][fs, :, L1].double(), dt_ref[fs], rtol=1e-5, atol=0)
+    ring_x, ring_dt, ring_B = b["ring_x"].clone(), b["ring_dt"].clone(), b["ring_B"].clone()
+    ring_x[fs, :, L1], ring_B[fs, :, L1] = t["x"][fs], t["B"][fs]
+    ring_dt[fs, :, L1] = cpu["ring_dt"][fs, :, L1]
+
+    # S_new against the fp64 replay of the same ring
+    state = debug.cpu()[fs]
+    assert not state.isnan().any(), "debug_state rows of flushing slots left unwritten"
+    count = torch.full((len(fs),), window, dtype=torch.int64)
+    ref = mamba2.mamba2_replay_flush(
+        b["hi"][fs].double(),
+        ring_x[fs].double(),
+        ring_dt[fs].double(),
+        ring_B[fs].double(),
+        count,
+        t["A"].double(),
+    )
+    bound = state_bound(b["hi"][fs], ring_x[fs], ring_dt[fs], ring_B[fs], t["A"], window, hpg)
+    err = (state.double() - ref).abs()
+    worst = (err / bound).flatten().argmax()
+    assert (err <= bound).all(), (
+        f"S_new error {err.flatten()[worst]:.3e} over bound {bound.flatten()[worst]:.3e} "
+        f"at flat index {int(worst)}"
+    )
+
+    # stored codes: lowprec applied to the kernel's own state, bit for bit
+    if hi_format == "fp16":
+        rand = None
+        if hi_rounding == "sr":
+            rand = philox.random_words(seed, fs, b["flushes"][fs].long(), (H, P, N))
+        want = q.encode_bits(q.round_to(state, FP16, hi_rounding, rand), FP16)
+        got = cpu["hi"][fs].view(torch.int16).long() & 0xFFFF
+        mism = (want != got).nonzero()
+        assert len(mism) == 0, (
+            f"{len(mism)} hi mismatches, first at {mism[:3].tolist()}: "
+            f"want {want[tuple(mism[0])]:#06x} got {got[tuple(mism[0])]:#06x}"
+        )
+    else:
+        assert torch.equal(cpu["hi"][fs], q.round_to(state, q.formats.FP32))
+    if lo_format != "none":
+        want = expected_lo_bytes(state, lo_format)
+        got = kernel_lo_bytes({k: v[fs] for k, v in cpu["lo"].items()}, lo_format)
+        for key in want:
+            mism = (want[key] != got[key]).nonzero()
+            assert len(mism) == 0, (
+                f"lo[{key}]: {len(mism)} byte mismatches, first at {mism[:3].tolist()}"
+            )
+
+    # outputs from the kernel's state: y = S C + D x, times silu(z)
+    g = torch.arange(H) // hpg
+    C = t["C"].double()[fs][:, g]  # [f, H, N]
+    x, z = t["x"].double()[fs], t["z"].double()[fs]
+    sc = state.double() * C[:, :, None, :]
+    y = sc.sum(-1) + t["D"].double()[None, :, None] * x
+    gate = torch.nn.functional.silu(z)
+    y_ref = y * gate
+    y_bound = EPS * (N + 16) * (sc.abs().sum(-1) + (t["D"].double()[None, :, None] * x).abs())
+    y_bound = y_bound * gate.abs().clamp(min=1)
+    if act != torch.float32:
+        y_bound = y_bound + 2.0**-8 * y_ref.abs()
+    got_y = out.cpu()[fs].double()
+    assert ((got_y - y_ref).abs() <= y_bound).all(), (got_y - y_ref).abs().max()
+
+    # everything of the other slots is untouched
+    if len(keep):
+        assert out.cpu()[keep].isnan().all()
+        assert debug.cpu()[keep].isnan().all()
+        assert torch.equal(cpu["hi"][keep], b["hi"][keep])
+        for name in ("ring_x", "ring_dt", "ring_B"):
+            assert torch.equal(cpu[name][keep], b[name][keep]), name
+        if lo_format != "none":
+            for k in cpu["lo"]:
+                assert torch.equal(
+                    cpu["lo"][k][keep].view(torch.uint8).flatten(),
+                    b["lo"][k][keep].view(torch.uint8).flatten(),
+                ), k
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", VARIANTS, ids=variant_id)
+def test_flush_codes_equal_lowprec_at_an_odd_shape(variant):
+    """7 slots (4 flush), 6 heads in 3 groups, 24 x 64 states, window 16, fp32 activations."""
+    check_flush(ODD, 7, 16, torch.float32, *variant)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "variant", [("fp16", "sr", "nvfp4"), ("fp32", "rn", "none")], ids=variant_id
+)
+def test_flush_at_the_nemotron_shape_with_bf16_activations(variant):
+    """3 slots of the Nemotron-3-Super layer (128 heads, 64 x 128, 8 groups), window 16."""
+    check_flush(NEMOTRON, 3, 16, torch.bfloat16, *variant, gen_seed=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [2, 5])
+def test_flush_at_short_windows(window):
+    check_flush(ODD, 5, window, torch.float32, "fp16", "sr", "nvfp4", gen_seed=window)
+
+
+# --------------------------------------------------------------------------------------------
+# GPU: several windows through replay_decode_step
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "variant", [("fp16", "sr", "nvfp4"), ("fp32", "rn", "none")], ids=variant_id
+)
+def test_decode_steps_over_several_windows(variant):
+    """40 steps (2.5 windows of 16) of 9 slots starting at random ring positions: at every
+    step the slots with cursor 15 flush (codes bit for bit against lowprec of debug_state,
+    S_new against the fp64 replay of the previous hi and the ring), the others produce
+    lowprec.mamba2_replay_output's output from the read copy, and cursors and flush counters
+    advance exactly once per step."""
+    from cute_kernels.replay_decode import replay_decode_step
+
+    hi_format, hi_rounding, lo_format = variant
+    shape, slots, window, act = DECODE, 9, 16, torch.float32
+    H, P, N = shape["nheads"], shape["headdim"], shape["dstate"]
+    gen = torch.Generator().manual_seed(5)
+    cache = random_cache(slots, shape, window, act, hi_format, lo_format, gen, [])
+    cache["cursors"] = torch.randint(0, window, (slots,), generator=gen, dtype=torch.int32).to(
+        DEVICE
+    )
+    # a consistent start: every slot's read copy is lowprec's copy of its hi
+    hi0 = cache["hi"].float().cpu()
+    if lo_format == "nvfp4":
+        packed = q.pack(q.quantize(hi0, "nvfp4", "rn"))
+        for k in ("codes", "scales", "global_scale"):
+            cache["lo"][k].copy_(packed[k].to(DEVICE))
+    steps_seen_flush = 0
+    for _ in range(40):
+        tok = random_token(slots, shape, act, gen)
+        b = {
+            k: (clone(v).cpu() if isinstance(v, torch.Tensor) else clone(v))
+            for k, v in cache.items()
+        }
+        debug = torch.full((slots, H, P, N), float("nan"), device=DEVICE)
+        out = torch.full((slots, H, P), float("nan"), dtype=act, device=DEVICE)
+        replay_decode_step(
+            **cache,
+            **tok,
+            out=out,
+            window=window,
+            hi_format=hi_format,
+            hi_rounding=hi_rounding,
+            lo_format=lo_format,
+            seed=SEED,
+            debug_state=debug,
+        )
+        torch.cuda.synchronize()
+        flushing = b["cursors"] == window - 1
+        cur = cache["cursors"].cpu()
+        assert torch.equal(cur, torch.where(flushing, 0, b["cursors"] + 1))
+        assert torch.equal(cache["flushes"].cpu(), b["flushes"] + flushing.int())
+        assert not out.cpu().isnan().any(), "an output row was left unwritten"
+        t = {k: v.cpu() for k, v in tok.items()}
+        fs = flushing.nonzero().flatten()
+        if len(fs):
+            steps_seen_flush += 1
+            state = debug.cpu()[fs]
+            ring_x, ring_dt, ring_B = (cache[k].cpu()[fs] for k in ("ring_x", "ring_dt", "ring_B"))
+            count = torch.full((len(fs),), window, dtype=torch.int64)
+            ref = mamba2.mamba2_replay_flush(
+                b["hi"][fs].double(),
+                ring_x.double(),
+                ring_dt.double(),
+                ring_B.double(),
+                count,
+                t["A"].double(),
+            )
+            bound = state_bound(
+                b["hi"][fs], ring_x, ring_dt, ring_B, t["A"], window, H // shape["ngroups"]
+            )
+            assert ((state.double() - ref).abs() <= bound).all()
+            if hi_format == "fp16":
+                rand = philox.random_words(SEED, fs, b["flushes"][fs].long(), (H, P, N))
+                want = q.encode_bits(q.round_to(state, FP16, "sr", rand), FP16)
+                assert torch.equal(cache["hi"].cpu()[fs].view(torch.int16).long() & 0xFFFF, want)
+            if lo_format == "nvfp4":
+                want = expected_lo_bytes(state, "nvfp4")
+                got = kernel_lo_bytes({k: v.cpu()[fs] for k, v in cache["lo"].items()}, "nvfp4")
+                for key in want:
+                    assert torch.equal(want[key], got[key]), key
+        ns = (~flushing).nonzero().flatten()
+        if len(ns):
+            if lo_format == "nvfp4":
+                ckpt = q.dequantize(
+                    q.unpack(
+                        {k: v.cpu()[ns] for k, v in b["lo"].items()}, "nvfp4", (len(ns), H, P, N)
+                    )
+                ).double()
+            else:
+                ckpt = b["hi"][ns].double()
+            count = (b["cursors"][ns] + 1).long()
+            ring = {k: cache[k].cpu()[ns].double() for k in ("ring_x", "ring_dt", "ring_B")}
+            y_ref = mamba2.mamba2_replay_output(
+                ckpt,
+                ring["ring_x"],
+                ring["ring_dt"],
+                ring["ring_B"],
+                count,
+                t["C"][ns].double(),
+                t["x"][ns].double(),
+                t["A"].double(),
+                t["D"].double(),
+                t["z"][ns].double(),
+            )
+            err = (out.cpu()[ns].double() - y_ref).abs()
+            assert (err <= 1e-4 * (1 + y_ref.abs())).all(), err.max()
+    assert steps_seen_flush >= 3

@@ -1,0 +1,431 @@
+"""cute_kernels/replay_output.py: the non-flush ReplaySSM step over a packed read copy.
+
+CPU (CI): every variant compiles for sm_90a, its PTX reads the state with 128-bit loads (and
+uses mma.sync where the design says so), the E2M1 bit trick is exact for every nibble, and
+the public function rejects bad arguments with ValueErrors naming them.
+GPU (marker ``gpu``): outputs against lowprec.mamba2.mamba2_replay_output in fp64 on the
+dequantised read copy, ring records and cursors exactly, flush slots untouched, several
+consecutive steps.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from cute_kernels import replay_output as ro
+from lowprec.mamba2 import mamba2_process_dt, mamba2_replay_output
+from lowprec.quantize import dequantize, pack, quantize
+
+# name: (slots, nheads, headdim, dstate, ngroups, ring capacity, window)
+SHAPES = {
+    "nemotron": (6, 128, 64, 128, 8, 16, 16),
+    "odd": (5, 12, 48, 256, 3, 9, 7),
+}
+FORMATS = ro.LO_FORMATS
+E2M1_VALUES = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+
+
+def _config(fmt, shape, act="bf16"):
+    S, H, P, N, G, Lc, L = SHAPES[shape]
+    return ro.ReplayOutputConfig(
+        lo_format=fmt, act=act, dt_dtype="fp32", nheads=H, headdim=P, dstate=N, ngroups=G,
+        ring_capacity=Lc, window=L, has_D=True, has_z=True, has_dt_bias=True,
+        dt_softplus=True, warps=ro.default_warps(H // G),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# CPU: compilation and PTX
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_variant_compiles_for_sm90a_with_128bit_state_loads(fmt, shape):
+    """The PTX targets sm_90a; the state is read only with ld.global.nc.v4 (16 bytes per lane),
+    exactly once per element; the mma variants issue one m16n8k16 per 16 x 16 tile."""
+    cfg = _config(fmt, shape)
+    ptx = ro.compile_replay_output(cfg, keep_ptx=True).__ptx__
+    assert ".target sm_90a" in ptx
+    _, H, P, N, G, _, _ = SHAPES[shape]
+    heads_per_warp = H // G // cfg.warps
+    state_bytes = P * N * ro._BYTES_PER_ELEMENT[fmt] * heads_per_warp
+    wide = ptx.count("ld.global.nc.L1::no_allocate.v4.u32")
+    assert wide * 16 * 32 == state_bytes  # per warp: every state byte once, 16 per access
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    mma = ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32")
+    if fmt == "fp32":
+        assert mma == 0
+    else:
+        assert mma == P * N // 256 * heads_per_warp
+    if fmt == "nvfp4":  # two E4M3 scale bytes per lane and row
+        assert ptx.count("ld.global.nc.L1::no_allocate.u16") * 2 * 32 == state_bytes // 8
+
+
+def test_fp32_activations_compile():
+    """fp32 x/B/C/z (the exact-arm activations) compile too, with the same wide state loads."""
+    cfg = _config("nvfp4", "odd", act="fp32")
+    ptx = ro.compile_replay_output(cfg, keep_ptx=True).__ptx__
+    assert "ld.global.nc.L1::no_allocate.v4.u32" in ptx
+
+
+def test_nvfp4_pair_decode_is_exact_for_every_nibble_pair():
+    """Nibbles m and m+4 of a word become the f16x2 (E2M1[lo], E2M1[hi]) * 2^-14 exactly,
+    whatever the other six nibbles hold (e.g. nibble 0xB = -1.5 -> f16 -1.5 * 2^-14)."""
+    rng = np.random.default_rng(0)
+    lo, hi = np.meshgrid(np.arange(16, dtype=np.uint32), np.arange(16, dtype=np.uint32))
+    lo, hi = lo.ravel(), hi.ravel()
+    value = np.array([(-1.0 if n & 8 else 1.0) * E2M1_VALUES[n & 7] for n in range(16)])
+    for m in range(4):
+        noise = rng.integers(0, 2**32, size=lo.shape, dtype=np.uint64).astype(np.uint32)
+        keep = np.uint32(~((0xF << (4 * m)) | (0xF << (4 * m + 16))) & 0xFFFFFFFF)
+        word = (noise & keep) | (lo << np.uint32(4 * m)) | (hi << np.uint32(4 * m + 16))
+        pair = ro._nvfp4_pair(word, m).astype(np.uint32)
+        halves = pair.view(np.uint16).reshape(-1, 2).view(np.float16).astype(np.float64)
+        np.testing.assert_array_equal(halves[:, 0] * 2.0**14, value[lo])
+        np.testing.assert_array_equal(halves[:, 1] * 2.0**14, value[hi])
+
+
+def test_kappa_covers_each_lanes_elements_once():
+    """Per chunk, the k offsets fed to the mma slots are a permutation of the lane's E
+    loaded elements: every state element meets exactly one C value."""
+    for fmt in ("nvfp4", "fp8_e4m3", "fp16"):
+        k = ro.ReplayOutput(_config(fmt, "nemotron"))
+        offsets = sorted(o for j in range(k.E // 4) for o in k._kappa(j))
+        assert offsets == list(range(k.E))
+
+
+def test_traffic_bytes_worked_example():
+    """nvfp4, Nemotron layer, one slot, h = 8 (7 older records), bf16 activations, no z:
+    per head 4096 + 512 + 4 (state) + 7 * 132 (ring x, dt) + 3 * 128 (x, out, append) + 8;
+    per group 7 * 256 (ring B) + 3 * 256 (B, C, append); plus 8 bytes of cursor."""
+    per_head = 4096 + 512 + 4 + 7 * 132 + 3 * 128 + 8
+    expected = 128 * per_head + 8 * (7 * 256 + 3 * 256) + 8
+    assert ro.traffic_bytes("nvfp4", 1, 128, 64, 128, 8, h=8) == expected
+    fp32_state = 64 * 128 * 4
+    assert ro.traffic_bytes("fp32", 1, 128, 64, 128, 8, h=8) == expected + 128 * (
+        fp32_state - 4612
+    )
+
+
+def _cpu_args(S=3, H=4, P=16, N=128, G=2, Lc=8):
+    bf = torch.bfloat16
+    lo = {
+        "codes": torch.zeros(S, H, P, N // 2, dtype=torch.uint8),
+        "scales": torch.zeros(S, H, P, N // 16, dtype=torch.uint8),
+        "global": torch.zeros(S, H),
+    }
+    return dict(
+        lo=lo,
+        ring_x=torch.zeros(S, H, Lc, P, dtype=bf),
+        ring_dt=torch.zeros(S, H, Lc),
+        ring_B=torch.zeros(S, G, Lc, N, dtype=bf),
+        cursors=torch.zeros(S, dtype=torch.int32),
+        x=torch.zeros(S, H, P, dtype=bf),
+        dt=torch.zeros(S, H),
+        A=torch.zeros(H),
+        B=torch.zeros(S, G, N, dtype=bf),
+        C=torch.zeros(S, G, N, dtype=bf),
+    )
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(lo_format="nvfp8"), "lo_format"),
+        (dict(ring_dt=torch.zeros(3, 4, 8, dtype=torch.bfloat16)), "ring_dt: expected dtype"),
+        (dict(ring_B=torch.zeros(3, 2, 7, 128, dtype=torch.bfloat16)), "ring_B: expected shape"),
+        (dict(window=9), "window"),
+        (dict(window=1), "window"),
+        (dict(A=torch.zeros(5)), "A: expected shape"),
+        (dict(C=torch.zeros(3, 3, 128, dtype=torch.bfloat16)), "C: expected ngroups"),
+        (dict(cursors=torch.zeros(3, dtype=torch.int64)), "cursors: expected dtype"),
+        (dict(lo={"codes": torch.zeros(3, 4, 16, 64, dtype=torch.uint8)}), "lo: expected keys"),
+        (dict(x=torch.zeros(3, 4, 8, dtype=torch.bfloat16)), "headdim"),
+        (dict(z=torch.zeros(3, 4, 16)), "z: expected dtype"),
+    ],
+)
+def test_invalid_arguments_raise_value_errors_naming_them(change, message):
+    """Each bad argument is named with what was expected and what came (checked on CPU
+    tensors: shape and dtype checks come before the device check)."""
+    args = _cpu_args()
+    window = change.pop("window", 8)
+    fmt = change.pop("lo_format", "nvfp4")
+    args.update(change)
+    with pytest.raises(ValueError, match=message):
+        ro.replay_output(**args, window=window, lo_format=fmt)
+
+
+def test_cpu_tensors_are_rejected_after_validation():
+    with pytest.raises(ValueError, match="x: expected a CUDA tensor"):
+        ro.replay_output(**_cpu_args(), window=8)
+
+
+# --------------------------------------------------------------------------------------------
+# GPU: against the lowprec reference
+
+
+def _state(S, H, P, N, gen):
+    """Random fp32 states with rows of different magnitude, a block 2^-14 below its row
+    (NVFP4 scales 2^-9..2^-5: mostly f16-subnormal A operands) and a zero block."""
+    st = torch.randn(S, H, P, N, generator=gen) * torch.exp(torch.randn(S, H, P, 1, generator=gen))
+    st[:, :, 1, 16:32] *= 2.0**-14
+    st[:, :, 3, 32:48] = 0.0
+    return st
+
+
+def _read_copy(fmt, st):
+    """(lo dict for the kernel, dequantised read copy in fp64)."""
+    if fmt == "fp32":
+        return {"values": st.clone()}, st.double()
+    if fmt == "fp16":
+        return {"values": st.half()}, st.half().double()
+    if fmt == "fp8_e4m3":
+        q = quantize(st * 16.0, "fp8_e4m3")
+        return pack(q), dequantize(q).double()
+    q = quantize(st, "nvfp4")
+    packed = pack(q)
+    return {"codes": packed["codes"], "scales": packed["scales"],
+            "global": packed["global_scale"]}, dequantize(q).double()
+
+
+def _inputs(fmt, shape, act, seed):
+    S, H, P, N, G, Lc, L = SHAPES[shape]
+    gen = torch.Generator().manual_seed(seed)
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[act]
+    lo, lo64 = _read_copy(fmt, _state(S, H, P, N, gen))
+    cursors = torch.randint(0, L, (S,), generator=gen, dtype=torch.int32)
+    cursors[0], cursors[-1] = 0, L - 1  # an empty ring and a flush slot at least
+    if S > 2:
+        cursors[1] = L - 2  # the last non-flush step
+    held = torch.arange(Lc)[None, :] < cursors[:, None].long()  # [S, Lc]
+    nan = float("nan")
+
+    def ring(shape_, mask):  # records before the cursor, NaN after (never read)
+        t = torch.randn(*shape_, generator=gen)
+        return torch.where(mask, t, nan)
+
+    t = dict(
+        ring_x=ring((S, H, Lc, P), held[:, None, :, None]).to(dtype),
+        ring_dt=ring((S, H, Lc), held[:, None, :]).abs() * 0.5,
+        ring_B=ring((S, G, Lc, N), held[:, None, :, None]).to(dtype),
+        cursors=cursors,
+        x=torch.randn(S, H, P, generator=gen).to(dtype),
+        dt=torch.randn(S, H, generator=gen) - 1.0,
+        A=-torch.exp(torch.randn(H, generator=gen) * 0.5),
+        B=torch.randn(S, G, N, generator=gen).to(dtype),
+        C=torch.randn(S, G, N, generator=gen).to(dtype),
+        D=torch.randn(H, generator=gen),
+        z=torch.randn(S, H, P, generator=gen).to(dtype),
+        dt_bias=torch.randn(H, generator=gen) * 0.1,
+    )
+    return lo, lo64, t
+
+
+def _reference(lo64, t, window):
+    """(y, magnitude, appended ring) in fp64; magnitude is the same sum over |terms|."""
+    d = {k: v.double() if v.is_floating_point() else v for k, v in t.items()}
+    S = d["x"].shape[0]
+    rows = torch.arange(S)
+    cur = d["cursors"].long()
+    dt_proc = mamba2_process_dt(d["dt"], d["dt_bias"], True)
+    rx, rdt, rB = d["ring_x"].clone(), d["ring_dt"].clone(), d["ring_B"].clone()
+    rx[rows, :, cur] = d["x"]
+    rdt[rows, :, cur] = dt_proc
+    rB[rows, :, cur] = d["B"]
+    count = cur + 1
+    y = mamba2_replay_output(lo64, rx, rdt, rB, count, d["C"], d["x"], d["A"], d["D"], d["z"])
+    silu_abs = torch.nn.functional.silu(d["z"]).abs()
+    mag = mamba2_replay_output(
+        lo64.abs(), rx.abs(), rdt, rB.abs(), count, d["C"].abs(), d["x"].abs(), d["A"],
+        d["D"].abs(), None,
+    ) * silu_abs
+    return y, mag, (rx, rdt, rB), dt_proc
+
+
+def _report(name, got, want, tol):
+    err = (got - want).abs()
+    bad = ~(err <= tol)
+    if bad.any():
+        idx = tuple(int(i) for i in torch.nonzero(bad)[0])
+        raise AssertionError(
+            f"{name}: {int(bad.sum())} of {bad.numel()} outside tolerance "
+            f"({int(torch.isnan(got).sum())} NaN); first at {idx}: got {float(got[idx])!r}, "
+            f"want {float(want[idx])!r}, tol {float(tol[idx]):.3g}; worst error / tol "
+            f"{float((err / tol).nan_to_num(float('inf')).max()):.3g}"
+        )
+
+
+def _check_step(lo64, t_before, t_after, out, window, act):
+    """Outputs, ring records and cursors of one call against the reference."""
+    y, mag, (rx, rdt, rB), dt_proc = _reference(lo64, t_before, window)
+    cur = t_before["cursors"].long()
+    live = cur + 1 < window
+    # Tolerance. The kernel sums fp32 products (tensor-core products of f16 operands are
+    # exact; C = f16 hi + lo is exact for bf16 C, within 2^-22 |C| for fp32 C) over at most
+    # n = dstate + window terms: recursive fp32 summation errs by at most (n-1) 2^-24 sum|terms|
+    # <= 2^-16 mag for n <= 272; tensor cores align and truncate, so allow 4x, plus exp and
+    # softplus in fp32 (a few ulps on each decay, < 2^-20 relative): 2^-14 mag. The output is
+    # then rounded to the activation dtype: half an ulp, at most 2^-8 (bf16: 7 stored
+    # mantissa bits) or 2^-24 (fp32) of |y|; 2^-23 for fp32 leaves room for the fp32 sum.
+    rel = {"bf16": 2.0**-8, "fp32": 2.0**-23}[act]
+    tol = rel * y.abs() + 2.0**-14 * mag
+    _report("out (non-flush slots)", out[live].double(), y[live], tol[live])
+    if act == "fp32":
+        # statistically the error is far below the bound: RMS relative error < 2^-16
+        diff = out[live].double() - y[live]
+        assert float(diff.norm() / y[live].norm()) < 2.0**-16
+    assert torch.isnan(out[~live].float()).all(), "flush slots' outputs must not be written"
+    # ring records: x and B bit for bit, dt to the fp32 softplus accuracy (a few ulps: 2^-19)
+    rows = torch.nonzero(live).flatten()
+    c = cur[rows]
+    assert torch.equal(t_after["ring_x"][rows, :, c], t_before["x"][rows])
+    assert torch.equal(t_after["ring_B"][rows, :, c], t_before["B"][rows])
+    got_dt = t_after["ring_dt"][rows, :, c].double()
+    _report("ring_dt", got_dt, dt_proc[rows], 2.0**-19 * dt_proc[rows].abs())
+    # nothing else in the ring moved, flush slots included
+    for name in ("ring_x", "ring_dt", "ring_B"):
+        keep = torch.ones(t_after[name].shape[:3], dtype=torch.bool)
+        keep[rows, :, c] = False
+        a, b = t_after[name][keep], t_before[name][keep]
+        assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a[~a.isnan()], b[~b.isnan()])
+    assert torch.equal(t_after["cursors"], torch.where(live, cur + 1, cur).int())
+
+
+def _to_cuda(lo, t):
+    return {k: v.cuda() for k, v in lo.items()}, {k: v.cuda() for k, v in t.items()}
+
+
+def _call(lo, t, fmt, window, out, **knobs):
+    return ro.replay_output(
+        lo, t["ring_x"], t["ring_dt"], t["ring_B"], t["cursors"], t["x"], t["dt"], t["A"],
+        t["B"], t["C"], t["D"], t["z"], t["dt_bias"], True, out, window=window, lo_format=fmt,
+        **knobs,
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_step_matches_reference_at_random_ring_positions(fmt, shape):
+    """One call: outputs within the derived tolerance of the fp64 reference on the
+    dequantised read copy, records appended bit for bit, cursors advanced, flush slots and
+    every other ring entry untouched (outputs start as NaN)."""
+    window = SHAPES[shape][-1]
+    lo, lo64, t = _inputs(fmt, shape, "bf16", seed=hash((fmt, shape)) % 1000)
+    lo_d, t_d = _to_cuda(lo, t)
+    out = torch.full_like(t_d["x"], float("nan"))
+    _call(lo_d, t_d, fmt, window, out)
+    torch.cuda.synchronize()
+    after = {k: v.cpu() for k, v in t_d.items()}
+    _check_step(lo64, t, after, out.cpu(), window, "bf16")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt, warps, prefetch, upfront", [
+    ("nvfp4", 4, True, True), ("nvfp4", 8, True, True), ("nvfp4", 16, False, True),
+    ("nvfp4", 8, False, False), ("fp8_e4m3", 4, False, True), ("fp32", 2, True, None),
+])
+def test_tuning_knobs_keep_the_results(fmt, warps, prefetch, upfront):
+    """Warps per CTA, prefetching the next head and loading the read copy up front change
+    only the schedule."""
+    shape = "nemotron"
+    window = SHAPES[shape][-1]
+    lo, lo64, t = _inputs(fmt, shape, "bf16", seed=21)
+    lo_d, t_d = _to_cuda(lo, t)
+    out = torch.full_like(t_d["x"], float("nan"))
+    _call(lo_d, t_d, fmt, window, out, warps=warps, prefetch=prefetch, upfront=upfront)
+    torch.cuda.synchronize()
+    _check_step(lo64, t, {k: v.cpu() for k, v in t_d.items()}, out.cpu(), window, "bf16")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp32"])
+def test_fp32_activations_match_reference_tightly(fmt):
+    """With fp32 x, B, C, z the output keeps fp32 precision (C split into f16 hi + lo)."""
+    window = SHAPES["odd"][-1]
+    lo, lo64, t = _inputs(fmt, "odd", "fp32", seed=7)
+    lo_d, t_d = _to_cuda(lo, t)
+    out = torch.full_like(t_d["x"], float("nan"))
+    _call(lo_d, t_d, fmt, window, out)
+    torch.cuda.synchronize()
+    _check_step(lo64, t, {k: v.cpu() for k, v in t_d.items()}, out.cpu(), window, "fp32")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8_e4m3"])
+def test_consecutive_steps_fill_the_ring(fmt):
+    """window + 1 consecutive calls with fresh x, dt, B, C, z: each matches the reference on
+    the ring the previous calls wrote; slots reaching a flush stop there (cursor window-1)."""
+    shape = "odd"
+    window = SHAPES[shape][-1]
+    lo, lo64, t = _inputs(fmt, shape, "bf16", seed=11)
+    lo_d, t_d = _to_cuda(lo, t)
+    gen = torch.Generator().manual_seed(12)
+    for _ in range(window + 1):
+        for k in ("x", "B", "C", "z"):
+            t_d[k] = torch.randn(t_d[k].shape, generator=gen).to(t_d[k].dtype).cuda()
+        t_d["dt"] = (torch.randn(t_d["dt"].shape, generator=gen) - 1.0).cuda()
+        before = {k: v.cpu().clone() for k, v in t_d.items()}
+        out = torch.full_like(t_d["x"], float("nan"))
+        _call(lo_d, t_d, fmt, window, out)
+        torch.cuda.synchronize()
+        _check_step(lo64, before, {k: v.cpu() for k, v in t_d.items()}, out.cpu(), window,
+                    "bf16")
+
+
+@pytest.mark.gpu
+def test_step_replays_in_a_cuda_graph():
+    """The launch uses torch's current stream: a captured step replays with the same result."""
+    fmt, shape = "nvfp4", "nemotron"
+    window = SHAPES[shape][-1]
+    lo, lo64, t = _inputs(fmt, shape, "bf16", seed=3)
+    lo_d, t_d = _to_cuda(lo, t)
+    out = torch.full_like(t_d["x"], float("nan"))
+    _call(lo_d, t_d, fmt, window, out)  # compile outside the capture
+    torch.cuda.synchronize()
+    start = {k: v.clone() for k, v in t_d.items()}
+    for k, v in start.items():
+        t_d[k].copy_(v)
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph, stream=stream):
+            _call(lo_d, t_d, fmt, window, out)
+    for k, v in start.items():
+        t_d[k].copy_(v)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    _check_step(lo64, {k: v.cpu() for k, v in start.items()},
+                {k: v.cpu() for k, v in t_d.items()}, out.cpu(), window, "bf16")
+
+
+@pytest.mark.gpu
+def test_tiny_nvfp4_blocks_reach_the_output():
+    """A block 2^-14 below its row (E4M3 scales 2^-9..2^-5, so most f16 A operands are
+    subnormal) is not flushed by the tensor cores: with C non-zero only on that block, B = 0,
+    an empty ring and no D or z, row 1's output is g * (S_lo C) of that block alone."""
+    fmt, shape = "nvfp4", "nemotron"
+    window = SHAPES[shape][-1]
+    lo, lo64, t = _inputs(fmt, shape, "bf16", seed=5)
+    t["cursors"].zero_()
+    t["B"].zero_()
+    mask = torch.zeros(t["C"].shape[-1], dtype=torch.bool)
+    mask[16:32] = True
+    t["C"] = torch.where(mask, t["C"], torch.zeros((), dtype=t["C"].dtype))
+    lo_d, t_d = _to_cuda(lo, t)
+    out = torch.full_like(t_d["x"], float("nan"))
+    ro.replay_output(lo_d, t_d["ring_x"], t_d["ring_dt"], t_d["ring_B"], t_d["cursors"],
+                     t_d["x"], t_d["dt"], t_d["A"], t_d["B"], t_d["C"], None, None,
+                     t_d["dt_bias"], True, out, window=window, lo_format=fmt)
+    torch.cuda.synchronize()
+    d = {k: v.double() for k, v in t.items() if v.is_floating_point()}
+    dt_proc = mamba2_process_dt(d["dt"], d["dt_bias"], True)
+    g = torch.exp(d["A"] * dt_proc)  # [S, H]
+    C_h = d["C"].repeat_interleave(t["x"].shape[1] // t["C"].shape[1], dim=1)
+    y1 = g * torch.einsum("shk,shk->sh", lo64[:, :, 1], C_h)
+    assert float((y1 != 0).double().mean()) > 0.5 and float(y1.abs().max()) < 1e-2
+    got = out[:, :, 1].double().cpu()
+    # bf16 output: half an ulp (<= 2^-8 |y|) plus fp32 summation (2^-14 of the magnitude)
+    mag = g * torch.einsum("shk,shk->sh", lo64[:, :, 1].abs(), C_h.abs())
+    _report("row 1", got, y1, 2.0**-8 * y1.abs() + 2.0**-14 * mag)

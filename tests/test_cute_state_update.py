@@ -1,0 +1,180 @@
+"""cute_kernels/state_update.py: the conventional (every-token) baseline against lowprec.
+
+CPU: the three variants (fp32, fp16 RN, fp16 SR) compile for sm_90a with 128-bit state
+accesses only; bad arguments raise ValueErrors. GPU: the new state matches
+lowprec.mamba2.mamba2_step (fp64) to a derived fp32 bound, the stored fp16 bits equal lowprec's
+RN / SR of the kernel's own unrounded state (words of (seed, slot, token counter)), outputs
+match, SR counters advance by one per call.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+from cute_kernels import state_update as su  # noqa: E402
+from lowprec import mamba2, philox  # noqa: E402
+from lowprec import quantize as q  # noqa: E402
+from lowprec.formats import FP16  # noqa: E402
+
+DEVICE = torch.device("cuda")
+EPS = 2.0**-24
+SEED = 0xC0FFEE_0042
+NEMOTRON = dict(nheads=128, headdim=64, dstate=128, ngroups=8)
+ODD = dict(nheads=6, headdim=24, dstate=64, ngroups=3)
+VARIANTS = [("fp32", "rn"), ("fp16", "rn"), ("fp16", "sr")]
+
+
+def config(state, rounding, shape=NEMOTRON):
+    return su.StateUpdateConfig(
+        **shape,
+        state=state,
+        rounding=rounding,
+        act="bf16",
+        dt_dtype="fp32",
+        has_D=True,
+        has_z=True,
+        has_dt_bias=True,
+        dt_softplus=True,
+        has_debug=False,
+    )
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(v))
+def test_compiles_for_sm90a_with_128_bit_state_accesses(variant):
+    """64 state elements per thread, every one loaded and stored with 128-bit accesses: fp32
+    16 + 16 per thread, fp16 8 + 8; no local memory."""
+    ptx = su.compile_state_update(config(*variant), keep_ptx=True).__ptx__
+    per_thread = 16 if variant[0] == "fp32" else 8
+    assert ".target sm_90a" in ptx
+    assert ptx.count("ld.global.v4.b32") >= per_thread
+    assert ptx.count("st.global.v4.b32") == per_thread
+    assert ".local" not in ptx
+    if variant == ("fp16", "rn"):
+        assert "cvt.rn.satfinite.f16x2.f32" in ptx
+
+
+def cpu_args(slots=3, shape=ODD):
+    H, P, N, G = shape["nheads"], shape["headdim"], shape["dstate"], shape["ngroups"]
+    f32 = torch.float32
+    return dict(
+        state=torch.zeros(slots, H, P, N),
+        x=torch.zeros(slots, H, P, dtype=f32),
+        dt=torch.zeros(slots, H),
+        A=torch.zeros(H),
+        B=torch.zeros(slots, G, N),
+        C=torch.zeros(slots, G, N),
+    )
+
+
+@pytest.mark.parametrize(
+    "change, kwargs, message",
+    [
+        (dict(state=torch.zeros(3, 6, 24, 64, dtype=torch.bfloat16)), {}, "state: expected dtype"),
+        ({}, dict(rounding="sr"), "rounding: expected 'rn' for an fp32 state"),
+        (
+            dict(state=torch.zeros(3, 6, 24, 64, dtype=torch.float16)),
+            dict(rounding="sr"),
+            "counters: expected a torch.Tensor",
+        ),
+        (dict(C=torch.zeros(3, 3, 32)), {}, r"C: expected shape \[3, 3, 64\]"),
+        ({}, dict(rounding="up"), "rounding: expected one of"),
+    ],
+)
+def test_bad_arguments_raise_value_errors(change, kwargs, message):
+    args = {**cpu_args(), **change}
+    with pytest.raises(ValueError, match=message):
+        su.state_update(**args, **kwargs)
+
+
+def random_inputs(slots, shape, state_dtype, act, gen):
+    H, P, N, G = shape["nheads"], shape["headdim"], shape["dstate"], shape["ngroups"]
+
+    def randn(*size, dtype=act):
+        return torch.randn(*size, generator=gen).to(dtype).to(DEVICE)
+
+    return dict(
+        state=randn(slots, H, P, N, dtype=state_dtype),
+        x=randn(slots, H, P),
+        dt=randn(slots, H, dtype=torch.float32),
+        A=-(0.2 + 1.8 * torch.rand(H, generator=gen)).to(DEVICE),
+        B=randn(slots, G, N),
+        C=randn(slots, G, N),
+        D=randn(H, dtype=torch.float32),
+        z=randn(slots, H, P),
+        dt_bias=0.5 * randn(H, dtype=torch.float32),
+    )
+
+
+def check_step(shape, slots, state_dtype, rounding, act, gen_seed=0):
+    gen = torch.Generator().manual_seed(gen_seed)
+    inp = random_inputs(slots, shape, state_dtype, act, gen)
+    H, P, N = shape["nheads"], shape["headdim"], shape["dstate"]
+    before = {k: v.cpu().clone() for k, v in inp.items()}
+    counters = None
+    if rounding == "sr":
+        counters = torch.randint(0, 900, (slots,), generator=gen, dtype=torch.int32).to(DEVICE)
+    counters_before = None if counters is None else counters.cpu().clone()
+    out = torch.full((slots, H, P), float("nan"), dtype=act, device=DEVICE)
+    debug = torch.full((slots, H, P, N), float("nan"), device=DEVICE)
+    su.state_update(
+        **inp, out=out, rounding=rounding, seed=SEED, counters=counters, debug_state=debug
+    )
+    torch.cuda.synchronize()
+    b = {k: v.double() for k, v in before.items()}
+    y_ref, s_ref = mamba2.mamba2_step(
+        b["state"], b["x"], b["dt"], b["A"], b["B"], b["C"], b["D"], b["z"], b["dt_bias"]
+    )
+    new = debug.cpu()
+    assert not new.isnan().any()
+    # bound: EPS (8 + 4 |A dt|) (|a S| + |dt x B|): exp (2 ulp) and the products; the
+    # processed dt's few-ulp error enters the decay amplified by |A dt|
+    dt = mamba2.mamba2_process_dt(b["dt"], b["dt_bias"])
+    a = torch.exp(dt * b["A"])
+    g = torch.arange(H) // (H // shape["ngroups"])
+    outer = (dt[..., None] * b["x"])[..., None] * b["B"][:, g][:, :, None, :]
+    mag = (a[..., None, None] * b["state"]).abs() + outer.abs()
+    bound = EPS * (8 + 4 * (b["A"] * dt).abs())[..., None, None] * mag
+    err = (new.double() - s_ref).abs()
+    assert (err <= bound).all(), f"state error {err.max():.3e}"
+    stored = inp["state"].cpu()
+    if state_dtype == torch.float32:
+        assert torch.equal(stored, new)
+    else:
+        rand = None
+        if rounding == "sr":
+            rand = philox.random_words(SEED, torch.arange(slots), counters_before.long(), (H, P, N))
+        want = q.encode_bits(q.round_to(new, FP16, rounding, rand), FP16)
+        got = stored.view(torch.int16).long() & 0xFFFF
+        mism = (want != got).nonzero()
+        assert len(mism) == 0, f"{len(mism)} fp16 mismatches, first {mism[:3].tolist()}"
+        if rounding == "sr":
+            assert torch.equal(counters.cpu(), counters_before + 1)
+    sc = new.double() * b["C"][:, g][:, :, None, :]
+    gate = torch.nn.functional.silu(b["z"])
+    y_new = (sc.sum(-1) + b["D"][None, :, None] * b["x"]) * gate
+    y_bound = EPS * (N + 16) * (sc.abs().sum(-1) + (b["D"][None, :, None] * b["x"]).abs())
+    y_bound = y_bound * gate.abs().clamp(min=1)
+    if act != torch.float32:
+        y_bound = y_bound + 2.0**-8 * y_new.abs()
+    got_y = out.cpu().double()
+    assert ((got_y - y_new).abs() <= y_bound).all(), (got_y - y_new).abs().max()
+    # and against the fp64 step itself: the state's fp32 error carried through C
+    assert torch.allclose(got_y, y_ref, rtol=2e-2 if act != torch.float32 else 1e-4, atol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(v))
+def test_step_at_an_odd_shape_matches_lowprec(variant):
+    dtype = torch.float32 if variant[0] == "fp32" else torch.float16
+    check_step(ODD, 5, dtype, variant[1], torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(v))
+def test_step_at_the_nemotron_shape_matches_lowprec(variant):
+    dtype = torch.float32 if variant[0] == "fp32" else torch.float16
+    check_step(NEMOTRON, 3, dtype, variant[1], torch.bfloat16, gen_seed=1)
