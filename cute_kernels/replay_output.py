@@ -552,7 +552,16 @@ class ReplayOutput:
         if cfg.lo_format == "nvfp4":
             s_g = Float32(cute.arch.load((lo2 + sh).llvm_ptr, Float32))
             ld["factor"] = s_g * Float32(_NVFP4_UNDO)
-        dt_raw = Float32(cute.arch.load((dt + sh).llvm_ptr, _ACT_CUTE[cfg.dt_dtype]))
+        if cfg.dt_dtype == "bf16":
+            # nvvm's scalar load has no 16-bit float form; bf16 is the top half of an fp32,
+            # so load the 16 bits and shift them into place (exact).
+            bits = Uint32(cute.arch.load((dt + sh).llvm_ptr, cutlass.Uint16))
+            dt_raw = bits_f32(bits << Uint32(16))
+        elif cfg.dt_dtype == "fp16":
+            bits = cute.arch.load((dt + sh).llvm_ptr, cutlass.Uint16)
+            dt_raw = Float32(bits.bitcast(cutlass.Float16))
+        else:
+            dt_raw = Float32(cute.arch.load((dt + sh).llvm_ptr, _ACT_CUTE[cfg.dt_dtype]))
         if cfg.has_dt_bias:
             dt_raw = dt_raw + Float32(cute.arch.load((dt_bias + head).llvm_ptr, Float32))
         ld["dt_raw"] = dt_raw

@@ -25,10 +25,10 @@ FORMATS = ro.LO_FORMATS
 E2M1_VALUES = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 
 
-def _config(fmt, shape, act="bf16"):
+def _config(fmt, shape, act="bf16", dt_dtype="fp32"):
     S, H, P, N, G, Lc, L = SHAPES[shape]
     return ro.ReplayOutputConfig(
-        lo_format=fmt, act=act, dt_dtype="fp32", nheads=H, headdim=P, dstate=N, ngroups=G,
+        lo_format=fmt, act=act, dt_dtype=dt_dtype, nheads=H, headdim=P, dstate=N, ngroups=G,
         ring_capacity=Lc, window=L, has_D=True, has_z=True, has_dt_bias=True,
         dt_softplus=True, warps=ro.default_warps(H // G),
     )
@@ -64,6 +64,15 @@ def test_every_variant_compiles_for_sm90a_with_128bit_state_loads(fmt, shape):
 def test_fp32_activations_compile():
     """fp32 x/B/C/z (the exact-arm activations) compile too, with the same wide state loads."""
     cfg = _config("nvfp4", "odd", act="fp32")
+    ptx = ro.compile_replay_output(cfg, keep_ptx=True).__ptx__
+    assert "ld.global.nc.L1::no_allocate.v4.u32" in ptx
+
+
+@pytest.mark.parametrize("dt_dtype", ["bf16", "fp16"])
+def test_half_precision_dt_compiles(dt_dtype):
+    """A bf16 or fp16 raw dt (as serving stacks pass it) compiles: bf16 is loaded as 16 bits
+    and shifted into an fp32, since nvvm has no scalar bf16 load."""
+    cfg = _config("nvfp4", "nemotron", dt_dtype=dt_dtype)
     ptx = ro.compile_replay_output(cfg, keep_ptx=True).__ptx__
     assert "ld.global.nc.L1::no_allocate.v4.u32" in ptx
 

@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# The kernel benchmark's GPU calls (experiments/kernel_bench.py), one command each, run from the
+# repository root on the GPU machine. Everything lands in $OUT (at most 8 files come back):
+#
+#   bash scripts/gpu_session.sh A   carry [".device", ".peers/vllm"]
+#       gpu-marked tests (pytest -m gpu), then the benchmark of the CuTe kernels and vLLM's:
+#       gpu-tests.log, kernel_bench_A.{log,csv,meta.json}, kernel_bench_A_{time,speedup,
+#       formats}.png
+#   bash scripts/gpu_session.sh B   carry [".peers/flashinfer", ".peers/vllm", ".device"]
+#       FlashInfer's kernels, with the CuTe two-precision, FP32 ReplaySSM and conventional FP32
+#       kernels timed again in the same run (the speedups against FlashInfer then come from one
+#       machine); without .device only FlashInfer and vLLM run: kernel_bench_B.{log,csv,meta.json}
+#
+#   bash scripts/gpu_session.sh P   carry [".device"]
+#       where the time goes: ncu (clocks left alone) on the two-precision and the FP32-checkpoint
+#       non-flush kernels and the two-precision flush at the headline point (batch 256, L = 16):
+#       ncu_<kernel>.txt (details page) and kernel_bench_P.log
+#
+# Then, here: copy the files into results/ and merge the two runs:
+#   python -m experiments.kernel_bench --merge results/kernel_bench_A.csv \
+#       results/kernel_bench_B.csv --out results/kernel_bench.csv --plot-dir results
+#
+# The whole command stays under KB_TOTAL_S seconds (default 540, i.e. 9 minutes: the call limit
+# is 10): the tests get at most KB_TESTS_S (default 150), the benchmark the rest less a margin
+# for its plots (--budget-s drops the lowest-priority points when time runs out, and records
+# them as skipped).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+part=${1:-}
+case "$part" in A|B|P) ;; *) echo "usage: bash scripts/gpu_session.sh A|B|P" >&2; exit 2 ;; esac
+out=${OUT:-/tmp/kernel-bench-out}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+py=${PYTHON:-python3}
+start=$(date +%s)
+total=${KB_TOTAL_S:-540}
+remaining() { echo $(( total - ($(date +%s) - start) )); }
+
+log="$out/kernel_bench_$part.log"
+{
+  echo "== kernel_bench call $part: $(date -u +%FT%TZ), $(git rev-parse --short HEAD 2>/dev/null)"
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,power.draw --format=csv
+} > "$log" 2>&1
+
+if [ -f .device/activate.sh ]; then
+  # shellcheck disable=SC1091
+  source .device/activate.sh || echo "CuTe DSL archive failed to unpack" >> "$log"
+fi
+for peer in vllm flashinfer; do
+  if [ -f ".peers/$peer/activate.sh" ]; then
+    # shellcheck disable=SC1090
+    source ".peers/$peer/activate.sh" || echo "peer $peer failed to unpack" >> "$log"
+  fi
+done
+"$py" - >> "$log" 2>&1 <<'EOF'
+import importlib, importlib.metadata, platform, torch
+print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda)
+for name in ("triton", "cutlass", "flashinfer"):
+    try:
+        print(name, getattr(importlib.import_module(name), "__version__", "?"))
+    except Exception as error:
+        print(name, "not importable:", type(error).__name__, error)
+for dist in ("nvidia-cutlass-dsl", "apache-tvm-ffi"):
+    try:
+        print(dist, importlib.metadata.version(dist))
+    except importlib.metadata.PackageNotFoundError:
+        print(dist, "no distribution metadata")
+EOF
+
+if [ "$part" = A ]; then
+  timeout "${KB_TESTS_S:-150}" "$py" -m pytest -m gpu -q -p no:cacheprovider \
+    > "$out/gpu-tests.log" 2>&1
+  echo "gpu tests: exit $? after $(( $(date +%s) - start )) s" | tee -a "$log"
+  tail -n 3 "$out/gpu-tests.log"
+  budget=$(( $(remaining) - 40 ))
+  # the hard limit: a run killed there still leaves the CSV it checkpoints every ~10 s
+  timeout "$(( $(remaining) - 5 ))" "$py" -m experiments.kernel_bench --peers vllm \
+    --run-label A --budget-s "$budget" --out "$out/kernel_bench_A.csv" --plot-dir "$out" 2>&1 \
+    | tee -a "$log"
+elif [ "$part" = P ]; then
+  for kernel in cute:nonflush:nvfp4 cute:nonflush:fp32 cute:flush:fp16sr+nvfp4; do
+    name=$(echo "$kernel" | tr ':+' '__')
+    timeout "$(( $(remaining) / 2 ))" ncu --profile-from-start off --clock-control none \
+      --set full --page details "$py" -m experiments.kernel_bench --profile "$kernel" \
+      --shapes nemotron3-super --batches 256 --windows 16 > "$out/ncu_$name.txt" 2>&1
+    echo "ncu $kernel: exit $?" | tee -a "$log"
+    grep -E "Duration|Memory Throughput|DRAM Throughput|Compute \(SM\) Throughput|Registers Per|Achieved Occupancy" \
+      "$out/ncu_$name.txt" | head -n 12 | tee -a "$log"
+  done
+else
+  kernels=""  # the CuTe anchors, when CuTe DSL came along
+  if "$py" -c "import cutlass" 2> /dev/null; then
+    kernels="cute:nonflush:nvfp4,cute:flush:fp16sr+nvfp4,cute:nonflush:fp32,cute:flush:fp32"
+    kernels="$kernels,cute:update:fp32,cute:update:fp16"
+  fi
+  budget=$(( $(remaining) - 30 ))
+  timeout "$(( $(remaining) - 5 ))" "$py" -m experiments.kernel_bench --kernels "$kernels" \
+    --peers flashinfer,vllm --run-label B --budget-s "$budget" --windows 16,8 \
+    --out "$out/kernel_bench_B.csv" --plot-dir none 2>&1 | tee -a "$log"
+fi
+ls -la "$out" >> "$log"
+echo "call $part done in $(( $(date +%s) - start )) s"

@@ -1,0 +1,324 @@
+"""experiments.kernel_bench on the CPU: its command line, its byte accounting, the derived rows
+and plots it makes from a CSV, and (when scripts/peers/prepare.sh has built .peers/vllm) the
+vLLM adapters run under Triton's interpreter against the lowprec reference."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from experiments import kernel_bench as kb
+
+REPO = Path(__file__).resolve().parent.parent
+# Odd sizes everywhere a kernel does not need multiples: 4 heads in 2 groups, headdim 16,
+# dstate 32 (nvfp4 needs blocks of 16).
+TINY = kb.BenchShape("tiny", nheads=4, headdim=16, dstate=32, ngroups=2, source="test")
+
+
+def test_help_runs_on_a_cpu_only_machine():
+    """`python -m experiments.kernel_bench --help` imports and prints the options (no GPU)."""
+    result = subprocess.run([sys.executable, "-m", "experiments.kernel_bench", "--help"],
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    for option in ("--shapes", "--batches", "--windows", "--kernels", "--peers", "--out",
+                   "--plot-dir", "--quick", "--budget-s", "--merge"):
+        assert option in result.stdout
+
+
+@pytest.mark.parametrize(
+    "argv, word",
+    [
+        (["--shapes", "nemotron3-super,nope"], "shapes"),
+        (["--batches", "1,x"], "batches"),
+        (["--windows", "64"], "windows"),
+        (["--kernels", "cute:nonflush:fp64"], "kernels"),
+        (["--peers", "sglang"], "peers"),
+    ],
+)
+def test_bad_argument_is_one_line_error(argv, word, capsys):
+    """A bad value exits with status 2 and one line on stderr that names the argument."""
+    with pytest.raises(SystemExit) as exit_info:
+        kb.main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and word in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without CUDA")
+def test_measuring_without_cuda_fails_with_one_clear_line(tmp_path, capsys):
+    code = kb.main(["--quick", "--out", str(tmp_path / "x.csv"), "--plot-dir", "none"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "CUDA" in err
+    assert not (tmp_path / "x.csv").exists()
+
+
+# --------------------------------------------------------------------------------------------
+# bytes: a hand count at the tiny shape, batch 3, cursor 5
+
+
+STATE = {"fp32": 4 * 16 * 32 * 4, "fp16": 4 * 16 * 32 * 2, "fp8_e4m3": 4 * 16 * 32,
+         # codes (two per byte) + one E4M3 byte per 16 + one fp32 per head
+         "nvfp4": 4 * 16 * 32 // 2 + 4 * 16 * 32 // 16 + 4 * 4}
+RECORD = 4 * (16 * 2 + 4) + 2 * 32 * 2  # x (bf16) and dt (fp32) per head, B (bf16) per group
+TOKEN = 2 * 4 * 16 * 2 + 4 * 2 + 2 * 2 * 32 * 2  # x and y, dt (bf16), B and C
+FP32_DT = 4 * 2  # 2 bytes more per head where the raw dt is fp32 (the kit's kernels)
+
+
+@pytest.mark.parametrize(
+    "name, per_slot",
+    [
+        ("cute:nonflush:nvfp4", STATE["nvfp4"] + 6 * RECORD + TOKEN + FP32_DT),
+        ("cute:nonflush:fp8_e4m3", STATE["fp8_e4m3"] + 6 * RECORD + TOKEN + FP32_DT),
+        ("cute:nonflush:fp32", STATE["fp32"] + 6 * RECORD + TOKEN + FP32_DT),
+        ("cute:flush:fp16sr+nvfp4",
+         2 * STATE["fp16"] + STATE["nvfp4"] + 6 * RECORD + TOKEN + FP32_DT),
+        ("cute:flush:fp32", 2 * STATE["fp32"] + 6 * RECORD + TOKEN + FP32_DT),
+        ("cute:update:fp16sr", 2 * STATE["fp16"] + TOKEN + FP32_DT),
+        ("vllm:nonflush:fp32", STATE["fp32"] + 6 * RECORD + TOKEN),
+        ("vllm:flush:fp32", 2 * STATE["fp32"] + 5 * RECORD + TOKEN),  # no append on its flush
+        ("flashinfer:update:fp32", 2 * STATE["fp32"] + TOKEN + FP32_DT),
+        ("flashinfer:flush:fp16", 2 * STATE["fp16"] + 6 * RECORD + TOKEN),
+        ("emulation:nonflush:nvfp4", STATE["fp32"] + 6 * RECORD + TOKEN + FP32_DT),
+    ],
+)
+def test_kernel_bytes_equal_a_hand_count(name, per_slot):
+    """Bytes = states read and written in their formats, `cursor` records read, the appended
+    records, and the token's x, y, dt, B, C (module docstring, **Bytes**)."""
+    assert kb.kernel_bytes(name, TINY, batch=3, cursor=5) == 3 * per_slot
+
+
+def test_nemotron_state_and_record_bytes_match_the_design():
+    """DESIGN.md: an NVFP4 read copy of 590,336 B and a record of 18,944 B per sequence."""
+    shape = kb.SHAPES["nemotron3-super"]
+    nonflush = kb.kernel_bytes("cute:nonflush:nvfp4", shape, batch=1, cursor=0)
+    assert nonflush == 590_336 + 18_944 + kb.token_bytes(shape, dt_bytes=4)
+
+
+# --------------------------------------------------------------------------------------------
+# derived rows and plots from a synthetic CSV
+
+
+def _synthetic_frame() -> pd.DataFrame:
+    """Timed rows at L = 16 for two batches: non-flush steps at cursors 0, 8, 14 taking
+    1 + cursor/8 (nvfp4) or 4 * (1 + cursor/8) us (fp32), flushes 20 and 40 us, updates 30 us;
+    batch 256 times are those x 100."""
+    rows = []
+    shape = kb.SHAPES["nemotron3-super"]
+
+    def add(kernel, batch, cursor, us):
+        spec = kb.KERNELS[kernel]
+        nbytes = kb.kernel_bytes(spec, shape, batch, cursor)
+        gbps = nbytes / us / 1e3
+        rows.append(dict(
+            run="A", kernel=kernel, impl=spec.impl, step=spec.step, scheme="",
+            shape=shape.name, batch=batch, window=16, cursor=cursor, time_us=us,
+            time_us_p10=0.9 * us, time_us_p90=1.1 * us, bytes=nbytes, gbps=gbps,
+            frac_copy=gbps / 4000, frac_read=gbps / 4200, copy_gbps=4000.0, read_gbps=4200.0,
+            check=0.1, status="ok", sets=8, timing="graph", note=""))
+
+    for batch, scale in ((1, 1.0), (256, 100.0)):
+        for cursor in (0, 8, 14):
+            add("cute:nonflush:nvfp4", batch, cursor, scale * (1 + cursor / 8))
+            add("cute:nonflush:fp32", batch, cursor, scale * 4 * (1 + cursor / 8))
+        add("cute:flush:fp16sr+nvfp4", batch, 15, scale * 20.0)
+        add("cute:flush:fp32", batch, 15, scale * 40.0)
+        add("cute:update:fp32", batch, 0, scale * 30.0)
+        add("vllm:update:fp32", batch, 0, scale * 35.0)
+    rows.append(dict(rows[-1], kernel="flashinfer:update:fp32", impl="flashinfer",
+                     time_us=math.nan, status="unavailable: flashinfer not importable"))
+    return pd.DataFrame(rows, columns=kb.COLUMNS)
+
+
+def test_token_rows_average_the_window_and_count_its_bytes():
+    """Per token = ((L-1) * mean non-flush + flush) / L; the non-flush time is linear in the
+    cursor here, so the interpolated mean over cursors 0..14 is exactly 1 + 7/8 us."""
+    frame = kb.with_token_rows(_synthetic_frame())
+    tokens = frame[frame["step"] == "token"].set_index(["scheme", "batch"])
+    expected = (15 * (1 + 7 / 8) + 20.0) / 16
+    assert tokens.loc[("two-precision", 1), "time_us"] == pytest.approx(expected, rel=1e-12)
+    assert tokens.loc[("two-precision", 256), "time_us"] == pytest.approx(100 * expected)
+    assert tokens.loc[("conventional-fp32", 1), "time_us"] == 30.0
+    shape = kb.SHAPES["nemotron3-super"]
+    window_bytes = (sum(kb.kernel_bytes("cute:nonflush:nvfp4", shape, 1, c) for c in range(15))
+                    + kb.kernel_bytes("cute:flush:fp16sr+nvfp4", shape, 1, 15))
+    assert tokens.loc[("two-precision", 1), "bytes"] == pytest.approx(window_bytes / 16)
+    assert ("flashinfer-conventional-fp32", 1) not in tokens.index
+
+
+def test_speedups_and_summary_at_the_headline_point():
+    frame = kb.with_token_rows(_synthetic_frame())
+    sp = kb.speedups(frame).set_index(["comparison", "batch"])
+    assert sp.loc[("non-flush: nvfp4 vs fp32 checkpoint", 256), "speedup"] == pytest.approx(4.0)
+    two = (15 * (1 + 7 / 8) + 20.0) / 16
+    fp32 = (15 * 4 * (1 + 7 / 8) + 40.0) / 16
+    assert sp.loc[("token: two-precision vs FP32 ReplaySSM", 1), "speedup"] == pytest.approx(
+        fp32 / two)
+    assert sp.loc[("token: two-precision vs conventional fp32", 256), "speedup"] == pytest.approx(
+        30.0 / two)
+    summary = kb.summarize(frame).set_index("target")
+    assert summary["goal"].tolist() == [0.85, 5.0, 4.0, 7.5, 1.0]
+    assert not summary.loc["non-flush: nvfp4 vs fp32 checkpoint (batch 256)", "met"]
+    text = kb.format_summary(frame)
+    assert "MISSED" in text and "not timed: flashinfer:update:fp32" in text
+
+
+def test_plot_and_merge_read_only_the_csv(tmp_path):
+    """plot() draws three PNGs from a CSV; --merge of two runs' CSVs keeps both runs and pairs
+    speedups within a run first."""
+    frame = _synthetic_frame()
+    a, b = tmp_path / "a.csv", tmp_path / "b.csv"
+    frame.to_csv(a, index=False)
+    frame.assign(run="B", time_us=frame["time_us"] * 2).to_csv(b, index=False)
+    paths = kb.plot(a, tmp_path / "plots")
+    assert [p.name for p in paths] == ["a_time.png", "a_speedup.png", "a_formats.png"]
+    assert all(p.stat().st_size > 10_000 for p in paths)
+    merged = tmp_path / "merged.csv"
+    assert kb.main(["--merge", str(a), str(b), "--out", str(merged), "--plot-dir", "none"]) == 0
+    out = kb.read_csv(merged)
+    # 4 schemes (two-precision, fp32-replay, conventional fp32, vLLM fp32) x 2 batches x 2 runs
+    assert set(out["run"]) == {"A", "B"} and (out["step"] == "token").sum() == 4 * 2 * 2
+    assert kb.speedups(out)["same_run"].all()
+
+
+def test_plan_orders_the_headline_first_and_tiers_the_rest():
+    config = kb.BenchConfig(peers=())
+    points = kb.plan(config)
+    tiers = [p[0] for p in points]
+    assert tiers == sorted(tiers)
+    first = points[0]
+    assert first[1:] == ("cute:nonflush:nvfp4", "nemotron3-super", 16, 256, 8)
+    assert {p[4] for p in points if p[0] == 1} == set(config.batches) - {256}
+    assert {p[2] for p in points if p[0] == 2} == {"mamba2-2.7b"}
+    counted = sum(len(kb.KERNELS[k].cursors(w)) for k in config.all_kernels() for w in (8, 16, 32))
+    assert len(points) == counted * len(config.batches) * len(config.shapes)
+
+
+def test_sets_rotate_past_the_l2():
+    l2 = 60 * 2**20
+    assert kb.sets_for(590_000, l2, 4.0) == math.ceil(4 * l2 / 590_000)
+    assert kb.sets_for(2**31, l2, 4.0) == 4
+
+
+def test_dequantize_nvfp4_follows_the_layout():
+    """Low nibble = even k; value = E2M1 * E4M3 block scale * second-level scale."""
+    # one slot, one head, one row of 16 elements: [slots, heads, headdim, dstate / 2]
+    codes = torch.tensor([0x21, 0xF7] + [0] * 6, dtype=torch.uint8).view(1, 1, 1, 8)
+    scales = torch.tensor([0x38], dtype=torch.uint8).view(1, 1, 1, 1)  # E4M3 1.0
+    lo = {"codes": codes, "scales": scales, "global_scale": torch.tensor([[0.5]])}
+    values = kb.dequantize(lo, "nvfp4").flatten()
+    assert values[:4].tolist() == [0.25, 0.5, 3.0, -3.0]
+    assert values[4:].abs().sum() == 0
+
+
+# --------------------------------------------------------------------------------------------
+# vLLM adapters under the Triton interpreter
+
+VLLM_SITE = REPO / ".peers" / "vllm" / "site"
+
+
+@pytest.fixture
+def interpreted_vllm(monkeypatch):
+    """vLLM's Triton kernels on CPU tensors. Triton decides at decoration time whether to
+    interpret, so the env var must be set before the vLLM modules are imported (they are
+    imported fresh here). Triton 3.6's interpreter converts a 1-element index tensor with
+    int(), which NumPy >= 2.4 refuses for 1-d arrays; the patch takes its one element."""
+    if not VLLM_SITE.is_dir():
+        pytest.skip("no .peers/vllm (run scripts/peers/prepare.sh vllm)")
+    if torch.cuda.is_available():
+        pytest.skip("the interpreter test is for CPU-only machines")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    import triton.runtime.interpreter as interpreter
+
+    original = interpreter._patch_lang_tensor
+
+    def patch(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    monkeypatch.setattr(interpreter, "_patch_lang_tensor", patch)
+    for name in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(kb, "_PEER_MODULES", {})
+    return REPO / ".peers"
+
+
+@pytest.mark.parametrize(
+    "name", ["vllm:update:fp32", "vllm:update:fp16", "vllm:nonflush:fp32", "vllm:flush:fp32",
+             "vllm:flush:fp16"])
+def test_vllm_adapter_matches_the_reference_under_the_interpreter(interpreted_vllm, name):
+    """Each vLLM kernel, given inputs in its own layout by the adapter, reproduces the lowprec
+    reference on 3 slots at different cursors. fp16 activations: the interpreter emulates bf16
+    by truncation and has no bf16 dot, which the GPU has."""
+    ratio = kb.check_kernel(name, TINY, 8, "cpu", peers_dir=interpreted_vllm, act=torch.float16)
+    assert ratio <= 1.0
+
+
+def test_vllm_check_rejects_a_wrong_decay(interpreted_vllm, monkeypatch):
+    """The check is not vacuous: the kernel fed A twice as large fails it."""
+    tied = kb._tied
+
+    def wrong(params, shape):
+        return tied({**params, "A": params["A"] * 2}, shape)
+
+    monkeypatch.setattr(kb, "_tied", wrong)
+    ratio = kb.check_kernel("vllm:nonflush:fp32", TINY, 8, "cpu", peers_dir=interpreted_vllm,
+                            act=torch.float16)
+    assert ratio > 1.0
+
+
+def test_run_end_to_end_on_the_cpu_with_stand_in_timing(interpreted_vllm, monkeypatch, tmp_path):
+    """run() on the CPU (vLLM and the emulation under the interpreter; the ceilings and the
+    timer replaced): plan, checks, buffers over 4 sets, launches, rows, token rows, CSV."""
+    monkeypatch.setitem(kb.SHAPES, "tiny", TINY)
+    monkeypatch.setattr(kb, "measure_ceilings", lambda **_: dict(copy_gbps=4000.0,
+                                                                 read_gbps=4200.0, note=""))
+    launched = []
+
+    def stand_in(case, reps):
+        kb._launcher(case, case.bufs.sets - 1)()  # the last set's views are valid too
+        launched.append(case.spec.name)
+        return [10.0 + case.bufs.sets] * reps, "stand-in"
+
+    monkeypatch.setattr(kb, "time_case", stand_in)
+    config = kb.BenchConfig(shapes=("tiny",), batches=(3,), windows=(8,),
+                            kernels=("emulation:nonflush:nvfp4",), peers=("vllm",), reps=3,
+                            l2_multiple=1e-6, device="cpu", act="fp16",
+                            out=str(tmp_path / "run.csv"))
+    frame = kb.run(config, log=lambda _: None)
+    timed = frame[frame["step"] != "token"]
+    assert (timed["status"] == "ok").all(), timed["status"].tolist()
+    assert (timed["time_us"] == 14.0).all() and (timed["sets"] == 4).all()
+    assert len(launched) == len(timed) == 3 + 1 + 1 + 3 + 1  # emulation, 4 vLLM kernels
+    tokens = frame[frame["step"] == "token"].set_index("scheme")
+    assert set(tokens.index) == {"vllm-replay-fp32", "vllm-conventional-fp32",
+                                 "vllm-conventional-fp16"}
+    assert tokens.loc["vllm-replay-fp32", "time_us"] == pytest.approx(14.0)
+    assert len(kb.read_csv(tmp_path / "run.csv")) == len(frame)
+
+
+def test_stream_read_reads_every_element_once(monkeypatch):
+    """The read-ceiling kernel's partial sums add up to the sum of its input (interpreter)."""
+    if torch.cuda.is_available():
+        pytest.skip("the interpreter test is for CPU-only machines")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.delitem(sys.modules, "experiments._stream_read", raising=False)
+    from experiments._stream_read import BLOCK, stream_read
+
+    src = torch.rand(3 * BLOCK + 123, generator=torch.Generator().manual_seed(3))
+    partial = torch.full((2,), float("nan"))
+    stream_read(src, partial)
+    assert partial.sum().item() == pytest.approx(src.sum().item(), rel=1e-5)
+
+
+def test_emulation_adapter_matches_the_reference_under_the_interpreter():
+    if torch.cuda.is_available():
+        pytest.skip("the interpreter test is for CPU-only machines")
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    assert kb.check_kernel("emulation:nonflush:nvfp4", TINY, 8, "cpu") <= 1.0
