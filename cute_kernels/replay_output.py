@@ -23,10 +23,11 @@ Read-copy formats (``lo`` dicts, cache layout of DESIGN.md):
     fp16      values fp16 [S, H, P, N]
     fp32      values fp32 [S, H, P, N]  (the single-copy FP32 ReplaySSM baseline)
 
-Work decomposition (README.md, "Read path", draws it): one CTA per (group, slot), ``warps`` warps, each
-warp owns ``heads_per_group / warps`` heads, one at a time. The CTA computes the group's ``h``
-dot products ``B_j . C`` once (shared memory) and appends ``B``; each warp forms ``S_lo C`` for
-its head into shared memory, then every lane finishes two output rows (ring term, D, gate).
+Work decomposition (drawn in README.md, "Read path"): one CTA per (group, slot), ``warps``
+warps, each warp owns ``heads_per_group / warps`` heads, one at a time. The CTA computes the
+group's ``h`` dot products ``B_j . C`` once (shared memory) and appends ``B``; each warp
+forms ``S_lo C`` for its head into shared memory, then every lane finishes two output rows
+(ring term, D, gate).
 
 Checkpoint term, fp8/fp16/nvfp4 (``decode='mma'``): the state is the A operand of
 ``mma.sync.m16n8k16`` (f16 in, fp32 accumulate); C (fp32) is split into f16 ``hi + lo`` placed

@@ -44,18 +44,47 @@ window (zero at separate_exact's flush steps, which all powers of two >= L are),
 sampled at one phase would misreport it. The plot and the summary therefore use the *window
 mean* of rel_err (over the L steps of the window holding a step), median over seeds.
 
+Backends (``--backend``; the exact run is the FP64 ``Simulator`` on ``--device`` for both, and
+the CSV has the same rows and columns for both):
+
+    reference   ``lowprec.policies.Simulator`` in FP64, every recurrence (the default)
+    emulation   the Triton kernels of ``emulation/`` (fp32 containers holding values of the
+                format; Mamba-2 only), on a GPU compiled, on a CPU under TRITON_INTERPRET=1
+                (about 0.15 s per arm and step at the test size: tiny runs only)
+
+The emulation runs the generic step through the Mamba-2 kernel arguments exactly
+(``mamba2_kernel_inputs``): per head ``A = -1`` and the processed ``dt = -log(a)``
+(``dt_softplus=False``, no ``dt_bias``), so ``exp(dt A) = a``; ``x = v / dt``, so ``dt x = v``;
+``B = k`` and ``C = q`` with ``ngroups = nheads``; ``D`` and ``z`` absent; all fp32. Its slots
+are the simulator's batch in the same order and the Philox seed is ``--seed0``, so SR draws
+the same words as the reference. Arms: every_step is ``emulation.state_update`` with the
+format and rounding, the output reading the stored state (as the reference defines the arm);
+the other arms are ``emulation.replay_decode`` with window L: separate_fp16sr keeps hi FP16 SR
+and lo the format RN; separate_exact keeps an fp32 recurrence copy (the kernels' exact
+arm; the CSV name stays ``separate_exact``), so its flush steps carry an fp32 error (about
+1e-7) instead of 0; shared keeps hi = lo = the format, which is the shared policy only for
+element formats with RN (the kernels' read copy is always RN and the recurrence copy holds no
+block scales). fp64 is not a kernel format. Otherwise the two backends differ by fp32
+arithmetic only, which now and then flips an FP16 rounding (tests/test_error_growth.py
+compares the two CSVs).
+
 Outputs: a tidy CSV, one row per (arm, format, rounding, memory, window, seed, step), columns
 exactly ``CSV_COLUMNS``, floats written ``%.6e`` so a rerun reproduces the file byte for byte;
 a sidecar ``<csv stem>.meta.json`` (command, commit, seconds, versions, config); a PNG read
 back from the CSV only (``plot``); a summary table printed to stdout (``summarize``).
 
     python -m experiments.error_growth --preset toy                    # ~15 s, 2-core CPU
-    python -m experiments.error_growth --preset default --device cuda  # ~10 min on an H200
+    python -m experiments.error_growth --preset default               # ~5 min on a 2-core CPU
     python -m experiments.error_growth --preset default --replot       # redraw from the CSV
     python -m experiments.error_growth --help
+    python -m experiments.error_growth --backend emulation --device cuda --dv 64 --dk 128 \
+        --heads 128 --seeds 2 --steps 131072 --arms separate_fp16sr:nvfp4,every_step:fp16:rn \
+        --memory long --out results/error_growth_emulation_gpu.csv
 
-The default preset (Nemotron-3-Super head shape, 16,384 steps, 16 arms) spends most of its
-time drawing Philox words for every_step's SR stores: about 1.5 hours on a 2-core CPU.
+The default preset (Nemotron-3-Super head shape, 2 heads x 2 seeds, 16,384 steps, 16 arms)
+took 293 s on a 2-core CPU. Its every_step arms are RN: SR at every token would draw one
+Philox word per state element per step (about 1.5 hours at this size); the toy preset is
+where RN and SR of the conventional state are compared.
 """
 
 from __future__ import annotations
@@ -76,11 +105,13 @@ from tqdm import tqdm
 
 from experiments._common import write_meta
 from lowprec import formats, philox
+from lowprec._checks import check_float, check_ndim, check_shape
 from lowprec.metrics import rel_err
 from lowprec.policies import Simulator, make_policy
 
 __all__ = [
     "ARMS",
+    "BACKENDS",
     "CSV_COLUMNS",
     "MEMORY_PROFILES",
     "PRESETS",
@@ -90,6 +121,7 @@ __all__ = [
     "config_from_args",
     "main",
     "make_inputs",
+    "mamba2_kernel_inputs",
     "parse_arms",
     "parse_memory",
     "plot",
@@ -102,6 +134,7 @@ __all__ = [
 ARMS = ("every_step", "shared", "separate_exact", "separate_fp16sr")
 SEPARATE_ARMS = ("separate_exact", "separate_fp16sr")
 RECURRENCES = ("mamba2", "gdn", "kda")
+BACKENDS = ("reference", "emulation")
 ROUNDINGS = ("rn", "sr")
 MEMORY_PROFILES = {"long": (0.9995, 0.99999), "short": (0.9, 0.95)}
 CSV_COLUMNS = (
@@ -122,6 +155,16 @@ FLOAT_FORMAT = "%.6e"
 INPUT_CHUNK = 256
 # every_step uses the token counter as Philox's write counter, which has 20 bits.
 MAX_STEPS = philox.FLUSH_LIMIT
+# The emulation's state update refuses a counter of 2^20 - 1 before its call, so one step less.
+MAX_EMULATION_STEPS = philox.FLUSH_LIMIT - 1
+# The emulation's recurrence copy (format, rounding) per windowed arm; shared: the arm's own.
+EMULATION_HI_COPY = {"separate_exact": ("fp32", "rn"), "separate_fp16sr": ("fp16", "sr")}
+EMULATION_ARMS_TEXT = (
+    "the emulation backend runs every_step with any format but fp64 (rn or sr), "
+    "separate_exact (its recurrence copy fp32) and separate_fp16sr with any read-copy format "
+    "but fp64, and shared only with rn and an element format but fp64 (fp32, fp16, bf16, "
+    "fp8_e4m3, fp8_e5m2)"
+)
 
 
 # --------------------------------------------------------------------------------------------
@@ -174,6 +217,7 @@ class Config:
     progress: bool = True
     device: str = "cpu"
     threads: int = 1
+    backend: str = "reference"
 
     def __post_init__(self):
         if self.recurrence not in RECURRENCES:
@@ -213,6 +257,36 @@ class Config:
         for spec in self.arms:
             _check_arm(spec, self.dv, self.dk)
         _check_device(self.device)
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend: expected one of {list(BACKENDS)}, got {self.backend!r}")
+        if self.backend == "emulation":
+            _check_emulation(self)
+
+
+def _check_emulation(c: Config) -> None:
+    """The limits of the emulation kernels, beyond those of the reference."""
+    if c.recurrence != "mamba2":
+        raise ValueError(
+            f"backend: the emulation backend implements Mamba-2 only, got recurrence "
+            f"{c.recurrence!r} (use --backend reference)"
+        )
+    if c.steps > MAX_EMULATION_STEPS:
+        raise ValueError(
+            f"steps: expected at most {MAX_EMULATION_STEPS} with the emulation backend (Philox "
+            f"token counter), got {c.steps}"
+        )
+    if len(c.memory) * c.seeds >= philox.SLOT_LIMIT:
+        raise ValueError(
+            f"seeds: expected memories * seeds < {philox.SLOT_LIMIT} slots with the emulation "
+            f"backend, got {len(c.memory) * c.seeds}"
+        )
+    for spec in c.arms:
+        fmt = formats.get(spec.fmt)
+        supported = fmt.element.bits <= 32
+        if spec.arm == "shared":
+            supported = supported and fmt.block is None and spec.rounding == "rn"
+        if not supported:
+            raise ValueError(f"arms: {EMULATION_ARMS_TEXT}; got {spec.label}")
 
 
 def _check_int(name: str, value, minimum: int) -> None:
@@ -330,6 +404,7 @@ BASE_DEFAULTS = {
     "log_grid": 0,
     "device": "cpu",
     "threads": 1,
+    "backend": "reference",
 }
 
 PRESETS = {
@@ -351,12 +426,17 @@ PRESETS = {
         "recurrence": "mamba2",
         "dv": 64,
         "dk": 128,
-        "heads": 8,
-        "seeds": 3,
+        # 2 heads x 2 seeds keeps the 16,384 steps within a few minutes on a 2-core CPU: the
+        # every-token arms quantise every state at every step, and SR there would need 2.6e10
+        # Philox words (about 1.5 h measured), so the conventional arm is RN here (as serving
+        # stacks store FP16 states) and the toy preset is where RN and SR are compared.
+        "heads": 2,
+        "seeds": 2,
         "steps": 16384,
         "window": 16,
         "memory": ["long", "short"],
-        "arms": ",".join(ARMS),
+        "arms": "every_step:fp16:rn,every_step:fp8_e4m3:rn,every_step:nvfp4:rn,"
+        "every_step:mxfp4:rn,shared,separate_exact,separate_fp16sr",
         "formats": "fp16,fp8_e4m3,nvfp4,mxfp4",
         "rounding": "sr",
         "log_grid": 12,
@@ -388,6 +468,9 @@ _HELP = {
     "sums, hence the CSV's bytes, depend on the device)",
     "threads": "torch CPU threads during the run (restored after); one is fastest for these "
     "small per-step operations and keeps the sums' order fixed",
+    "backend": "reference (lowprec.policies in FP64, every recurrence) or emulation (the Triton "
+    "kernels of emulation/ with fp32 containers; Mamba-2 only; needs CUDA for real sizes, "
+    "runs interpreted on a CPU)",
 }
 
 
@@ -432,6 +515,8 @@ def build_parser() -> argparse.ArgumentParser:
         kwargs = {"type": kinds.get(name, str), "default": None}
         if name == "recurrence":
             kwargs["choices"] = RECURRENCES
+        if name == "backend":
+            kwargs["choices"] = BACKENDS
         if name == "memory":
             kwargs["nargs"] = "+"
         parser.add_argument(flag, help=f"{text} (default: {_show(BASE_DEFAULTS[name])})", **kwargs)
@@ -484,6 +569,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         progress=not args.no_progress,
         device=values["device"],
         threads=values["threads"],
+        backend=values["backend"],
     )
 
 
@@ -584,15 +670,21 @@ def run(config: Config) -> pd.DataFrame:
     steps_kept = recorded_steps(c.steps, c.window, c.log_grid)
     keep = np.zeros(c.steps + 1, dtype=bool)
     keep[steps_kept] = True
+    emulated = c.backend == "emulation"
 
     def simulator(arm, fmt, rounding):
         policy = make_policy(arm, fmt, rounding, window=c.window, seed=c.seed0)
         return Simulator(c.recurrence, policy, batch, c.heads, c.dv, c.dk, dtype=torch.float64)
 
+    def arm_step(spec):
+        if emulated:
+            return _emulation_step(c, spec, batch)
+        return simulator(spec.arm, spec.fmt, spec.rounding).step
+
     column = 0
     bar = tqdm(
         total=c.steps,
-        desc=f"error_growth {c.recurrence} ({len(c.arms)} arms x {batch} seqs)",
+        desc=f"error_growth {c.recurrence} {c.backend} ({len(c.arms)} arms x {batch} seqs)",
         unit="step",
         file=sys.stderr,
         disable=not c.progress,
@@ -604,14 +696,18 @@ def run(config: Config) -> pd.DataFrame:
     on_device = torch.device(c.device) if c.device != "cpu" else nullcontext()
     with bar, torch.no_grad(), on_device, _cpu_threads(c.threads):
         exact = simulator("exact", "fp64", "rn")
-        sims = [simulator(s.arm, s.fmt, s.rounding) for s in c.arms]
-        errors = torch.full((len(sims), batch, len(steps_kept)), float("nan"), dtype=torch.float64)
+        arm_steps = [arm_step(spec) for spec in c.arms]
+        errors = torch.full(
+            (len(arm_steps), batch, len(steps_kept)), float("nan"), dtype=torch.float64
+        )
         inputs = _Inputs(c)
         for t in range(1, c.steps + 1):
             a, v, k, q, beta = inputs.next()
             y = exact.step(a, v, k, q, beta)
-            for i, sim in enumerate(sims):
-                y_hat = sim.step(a, v, k, q, beta)
+            # the reference arms take the generic inputs, the emulation's the kernel arguments
+            arm_inputs = mamba2_kernel_inputs(a, v, k, q) if emulated else (a, v, k, q, beta)
+            for i, step in enumerate(arm_steps):
+                y_hat = step(*arm_inputs)
                 if keep[t]:
                     errors[i, :, column] = rel_err(y_hat, y)
             column += int(keep[t])
@@ -619,6 +715,73 @@ def run(config: Config) -> pd.DataFrame:
     frame = _to_frame(c, steps_kept, errors.cpu())
     write_csv(frame, c.out)
     return frame
+
+
+def mamba2_kernel_inputs(a, v, k, q, dtype=torch.float32) -> tuple[torch.Tensor, ...]:
+    """``(x, dt, A, B, C)`` of the Mamba-2 kernels for the generic step S_t = a S_{t-1} + v k^T,
+    y = S q (``a [b, h]``, ``v [b, h, dv]``, ``k, q [b, h, dk]``), in ``dtype``:
+
+        dt = -log(a)   the processed dt: call with dt_softplus=False and no dt_bias
+        A  = -1        per head, so that exp(dt A) = a
+        x  = v / dt    with the rounded dt, so that dt x = v up to one rounding of x
+        B  = k, C = q  ngroups = nheads: each head its own B and C
+
+    In fp32, exp(dt A) and dt x are a and v to a few units of 2^-24 (relative).
+    """
+    check_float("a", a)
+    check_ndim("a", a, 2, "[b, h]")
+    b, h = a.shape
+    for name, t in (("v", v), ("k", k), ("q", q)):
+        check_float(name, t)
+        check_ndim(name, t, 3, f"[{b}, {h}, d]")
+        check_shape(name, t, (b, h, t.shape[-1]))
+    check_shape("q", q, k.shape)
+    dt = (-torch.log(a)).to(dtype)
+    x = (v / dt.to(v.dtype)[..., None]).to(dtype)
+    A = torch.full((a.shape[-1],), -1.0, dtype=dtype, device=a.device)
+    return x, dt, A, k.to(dtype), q.to(dtype)
+
+
+def _emulation_step(c: Config, spec: ArmSpec, batch: int):
+    """A function ``(x, dt, A, B, C) -> y_hat`` that advances one arm's emulation cache by one
+    token: every_step on a ``StateCache`` (the output reads the stored state), the windowed
+    arms on a ``ReplayCache`` whose recurrence copy is ``EMULATION_HI_COPY`` (shared: the
+    format itself) and read copy the format (RN). Slot b of the cache is slot b of the
+    reference's batch and the seed is ``seed0``, so SR uses the same Philox words."""
+    # Imported here: emulation.numerics switches Triton's interpreter on without CUDA, which
+    # the reference backend has no need of.
+    from emulation.replay_decode import ReplayCache, mamba2_replay_decode
+    from emulation.state_update import StateCache, mamba2_state_update
+
+    shape = (batch, c.heads, c.dv, c.dk)
+    if spec.arm == "every_step":
+        cache = StateCache.empty(
+            *shape, format=spec.fmt, rounding=spec.rounding, seed=c.seed0, device=c.device
+        )
+
+        def step(x, dt, A, B, C):
+            return mamba2_state_update(
+                cache, x, dt, A, B, C, dt_softplus=False, output_from="stored"
+            )
+
+        return step
+    hi_format, hi_rounding = EMULATION_HI_COPY.get(spec.arm, (spec.fmt, spec.rounding))
+    cache = ReplayCache.empty(
+        *shape,
+        ngroups=c.heads,
+        window=c.window,
+        hi_format=hi_format,
+        hi_rounding=hi_rounding,
+        lo_format=spec.fmt,
+        seed=c.seed0,
+        act_dtype=torch.float32,
+        device=c.device,
+    )
+
+    def step(x, dt, A, B, C):
+        return mamba2_replay_decode(cache, x, dt, A, B, C, dt_softplus=False)
+
+    return step
 
 
 @contextmanager

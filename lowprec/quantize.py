@@ -62,7 +62,7 @@ from dataclasses import dataclass
 import torch
 
 from lowprec import formats
-from lowprec.formats import E2M1, E4M3, ElementFormat, Format
+from lowprec.formats import E4M3, ElementFormat, Format
 
 ROUNDINGS = ("rn", "sr")
 INPUT_DTYPES = (torch.float32, torch.float64)

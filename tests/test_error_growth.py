@@ -1,9 +1,12 @@
 """experiments/error_growth.py: the error-growth experiment's numbers, files and command line.
 
 Sizes are small and odd where the format allows (dv = 7, dk = 33 for element formats; dk a
-multiple of 32 for the block formats). Each simulation here takes well under a second.
+multiple of 32 for the block formats). Each reference simulation here takes well under a
+second; the emulation backend's comparison runs the Triton kernels (interpreted on a CPU) once
+for the module, about 30 s, and is marked slow.
 """
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +16,7 @@ import pytest
 import torch
 
 from experiments import error_growth as eg
-from lowprec import formats
+from lowprec import formats, mamba2
 from lowprec.metrics import rel_err
 from lowprec.policies import Simulator, make_policy
 
@@ -188,6 +191,173 @@ def test_rel_err_is_the_norm_over_heads_and_dv_of_one_sequence():
 
 
 # --------------------------------------------------------------------------------------------
+# the emulation backend
+
+FP32_U = 2.0**-24  # unit roundoff of fp32
+# Arms of the backend comparison; a tiny case, because the interpreter costs ~0.1-0.25 s per
+# kernel call (5 arms x 48 steps = 240 calls).
+BACKEND_ARMS = (
+    "every_step:fp16:rn,every_step:nvfp4:sr,separate_exact:nvfp4,separate_fp16sr:nvfp4,"
+    "separate_fp16sr:fp8_e4m3"
+)
+# The fp32 floor of the emulation's rel_err, where the reference's is exactly 0 (steps before
+# the first flush, separate_exact's flush steps): y is an fp32 sum of n <= dk + L = 36 products
+# (records or state times C), each factor within a few u of its FP64 value (the mapping's dt
+# and x, exp), and separate_exact's fp32 recurrence copy gains about (L + 2) u per flush.
+# Rounding errors of random sign add in quadrature: about sqrt(n) u = 6 u per row relative to
+# sum|terms|, which is about sqrt(dk) = 5.7 times |y| for Gaussian C, i.e. ~2e-6, plus the
+# copy's ~sqrt(11 flushes) * 6 u = 1.2e-6. (Higham's worst case, n u instead of sqrt(n) u, is
+# ~2e-5 and never approached.) Measured: 2.1e-7; allowed 1e-5.
+FP32_FLOOR = 1e-5
+# Rows whose error is set by a coarse format (nvfp4 E2M1, fp8 E4M3 read copies; nvfp4 SR
+# state) agree pointwise: a rounding decision differs between the backends only where the
+# fp32 and FP64 unrounded values straddle a threshold (RN midpoint or SR draw), probability
+# about 2 |dx| / spacing <= 2 * 4 u * (|x| / spacing <= 16 for E4M3) = 3e-6 per rounding,
+# ~1e5 roundings per arm here: expected <= 0.3 flips, none in this case. Without a flip the
+# rel_err values agree to the fp32 floor, plus the fp16 SR flips of separate_fp16sr's
+# recurrence copy (below) seen through the read copy: measured 7.5e-4 relative, allowed 1e-2.
+COARSE_RTOL = 1e-2
+# Rows whose error is set by FP16 roundings (every_step fp16 at every step; separate_fp16sr's
+# flush steps, which read the FP16-SR recurrence copy) do see flips: |x| / spacing is up to
+# 2^11, so about 2 * 4 u * 2^11 = 1e-3 of the roundings, ~25 flips per arm here, each moving
+# one element by one FP16 ulp: single values differ by up to 12% (measured). Compared
+# statistically: the mean rel_err of each (arm, format, memory) over these rows within 5%
+# (measured: at most 0.55%).
+FP16_MEAN_RTOL = 0.05
+
+
+def _backend_config(out, **overrides):
+    base = dict(
+        recurrence="mamba2",
+        dv=8,
+        dk=32,
+        heads=2,
+        seeds=2,
+        steps=48,
+        window=4,
+        memory=(eg.parse_memory("long"), eg.parse_memory("short")),
+        arms=eg.parse_arms(BACKEND_ARMS, "nvfp4", "rn"),
+        out=str(out),
+        plot=None,
+        progress=False,
+    )
+    base.update(overrides)
+    return eg.Config(**base)
+
+
+@pytest.fixture(scope="module")
+def backend_csvs(tmp_path_factory):
+    """The CSVs of the same run on both backends, read back: (reference, emulation, config)."""
+    folder = tmp_path_factory.mktemp("backends")
+    reference = _backend_config(folder / "reference.csv")
+    emulation = dataclasses.replace(
+        reference, backend="emulation", out=str(folder / "emulation.csv")
+    )
+    eg.run(reference)
+    eg.run(emulation)
+    return eg.read_csv(reference.out), eg.read_csv(emulation.out), reference
+
+
+def _compare(reference, emulation, window):
+    """The reference's rows with the emulation's rel_err beside them and each row's class."""
+    frame = reference.assign(emulated=emulation["rel_err"])
+    flush = frame["step"] % window == 0
+    fp16_limited = ((frame["arm"] == "every_step") & (frame["format"] == "fp16")) | (
+        (frame["arm"] == "separate_fp16sr") & flush
+    )
+    return frame.assign(exact=frame["rel_err"] == 0, fp16_limited=fp16_limited)
+
+
+def test_kernel_inputs_map_the_generic_mamba2_step_exactly(tmp_path):
+    """dt = -log(a), A = -1, x = v / dt, B = k, C = q: in FP64, lowprec.mamba2.mamba2_step
+    (dt_softplus off) on the mapped inputs follows the Simulator's exact run to a few FP64
+    ulps over 60 steps (allowed 1e-12 of max |y|). In fp32 the mapping rounds dt and x once:
+    exp(dt A) = a exp(log(a) d) and dt x = v (1 + d') with |d|, |d'| <= u, so both are
+    within u of a and v when evaluated exactly (in FP64 here)."""
+    c = _config(tmp_path, heads=3, seeds=2, steps=60)
+    batch = len(c.memory) * c.seeds
+    exact = Simulator("mamba2", make_policy("exact", "fp64"), batch, c.heads, c.dv, c.dk)
+    state = torch.zeros(batch, c.heads, c.dv, c.dk, dtype=torch.float64)
+    for a, v, k, q, _ in eg.make_inputs(c, c.steps):
+        x, dt, A, B, C = eg.mamba2_kernel_inputs(a, v, k, q, dtype=torch.float64)
+        y, state = mamba2.mamba2_step(state, x, dt, A, B, C, dt_softplus=False)
+        y_exact = exact.step(a, v, k, q)
+        torch.testing.assert_close(y, y_exact, rtol=0, atol=1e-12 * y_exact.abs().max().item())
+        x32, dt32, A32, B32, C32 = eg.mamba2_kernel_inputs(a, v, k, q)
+        assert {t.dtype for t in (x32, dt32, A32, B32, C32)} == {torch.float32}
+        assert (A32 == -1).all() and B32.shape == k.shape and C32.shape == q.shape
+        decay = torch.exp(dt32.double() * A32.double())
+        assert ((decay - a).abs() <= FP32_U * a).all()
+        update = dt32.double()[..., None] * x32.double()
+        assert ((update - v).abs() <= FP32_U * v.abs()).all()
+    with pytest.raises(ValueError, match="q: expected shape"):
+        eg.mamba2_kernel_inputs(a, v, k, q[..., :-1])
+
+
+@pytest.mark.slow
+def test_emulation_backend_writes_the_reference_rows_and_columns(backend_csvs):
+    """Same header (CSV_COLUMNS), same rows in the same order (arm, format, rounding, memory,
+    window, seed, step), a finite rel_err everywhere."""
+    reference, emulation, _ = backend_csvs
+    assert tuple(emulation.columns) == eg.CSV_COLUMNS
+    keys = [name for name in eg.CSV_COLUMNS if name != "rel_err"]
+    pd.testing.assert_frame_equal(emulation[keys], reference[keys])
+    assert len(emulation) == 5 * 2 * 2 * 48
+    assert emulation["rel_err"].notna().all() and (emulation["rel_err"] >= 0).all()
+
+
+@pytest.mark.slow
+def test_emulation_is_exact_to_fp32_where_the_reference_is_exact(backend_csvs):
+    """Before the first flush every windowed arm reads exact records, and separate_exact's
+    flush steps read the exact recurrence copy: the reference's error is exactly 0 there
+    (4 windowed arms x 2 memories x 2 seeds x L steps, plus separate_exact's 11 later flushes
+    x 4 sequences); the emulation's is fp32 arithmetic (and an fp32 recurrence copy), below
+    FP32_FLOOR."""
+    reference, emulation, c = backend_csvs
+    frame = _compare(reference, emulation, c.window)
+    exact = frame[frame["exact"]]
+    assert len(exact) == 3 * 4 * c.window + 11 * 4
+    assert exact["emulated"].max() <= FP32_FLOOR, exact.nlargest(3, "emulated")
+
+
+@pytest.mark.slow
+def test_emulation_matches_coarse_format_errors_step_by_step(backend_csvs):
+    """Where a coarse format sets the error (nvfp4 and fp8 read copies, the nvfp4 SR state),
+    every row agrees: |emulated - reference| <= COARSE_RTOL * reference + FP32_FLOOR."""
+    reference, emulation, c = backend_csvs
+    frame = _compare(reference, emulation, c.window)
+    coarse = frame[~frame["exact"] & ~frame["fp16_limited"]]
+    assert len(coarse) == 4 * 48 + 3 * 4 * 33  # every_step nvfp4; non-flush steps after L
+    gap = (coarse["emulated"] - coarse["rel_err"]).abs()
+    bad = coarse[gap > COARSE_RTOL * coarse["rel_err"] + FP32_FLOOR]
+    assert bad.empty, bad.head()
+
+
+@pytest.mark.slow
+def test_emulation_matches_fp16_limited_errors_on_average(backend_csvs):
+    """Where FP16 roundings set the error (every_step fp16 RN; separate_fp16sr's flush steps)
+    single values may differ by a flipped rounding, so the mean rel_err of each arm, format
+    and memory agrees within FP16_MEAN_RTOL."""
+    reference, emulation, c = backend_csvs
+    frame = _compare(reference, emulation, c.window)
+    limited = frame[~frame["exact"] & frame["fp16_limited"]]
+    means = limited.groupby(["arm", "format", "memory"])[["rel_err", "emulated"]].mean()
+    assert len(means) == 3 * 2
+    ratio = means["emulated"] / means["rel_err"]
+    assert ((ratio - 1).abs() <= FP16_MEAN_RTOL).all(), ratio
+
+
+def test_emulation_backend_refuses_gdn_in_one_line(capsys):
+    """--backend emulation --recurrence gdn: one line naming the limitation, exit status 2."""
+    with pytest.raises(SystemExit) as exit_info:
+        eg.main(["--backend", "emulation", "--recurrence", "gdn", "--out", "/nonexistent/x.csv"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    assert "Mamba-2 only" in err and "gdn" in err and "Traceback" not in err
+
+
+# --------------------------------------------------------------------------------------------
 # files
 
 
@@ -303,6 +473,11 @@ BAD_ARGUMENTS = {
     "unknown recurrence": ["--recurrence", "lstm"],
     "empty arm item": ["--arms", "shared,,every_step"],
     "no such device": ["--device", "tpu"],
+    "unknown backend": ["--backend", "cutlass"],
+    "emulation kda": ["--backend", "emulation", "--recurrence", "kda"],
+    "emulation shared sr": ["--backend", "emulation", "--arms", "shared:fp16:sr"],
+    "emulation shared block": ["--backend", "emulation", "--arms", "shared:nvfp4:rn"],
+    "emulation fp64": ["--backend", "emulation", "--arms", "separate_exact:fp64"],
 }
 
 
