@@ -18,6 +18,8 @@ import torch
 if not torch.cuda.is_available():  # Triton cannot compile for a CPU: interpret (before import)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from checks import assert_bits_equal
+
 from emulation import numerics  # noqa: E402
 from lowprec import formats, philox  # noqa: E402
 from lowprec import quantize as lq  # noqa: E402
@@ -30,23 +32,6 @@ DEVICES = [
 ELEMENTS = ["fp32", "fp16", "bf16", "e4m3", "e5m2", "e2m1"]
 KERNEL_FORMATS = [name for name in formats.names() if name != "fp64"]
 BLOCK_FORMATS = ["nvfp4", "mxfp4", "fp8_e4m3_row", "fp4_e2m1_b16"]
-
-
-def assert_bits_equal(actual: torch.Tensor, expected: torch.Tensor, what: str):
-    """Same fp32 bits, NaN matching any NaN; on failure the first mismatches in hex."""
-    actual, expected = actual.cpu(), expected.cpu()
-    a_bits = actual.view(torch.int32)
-    e_bits = expected.view(torch.int32)
-    same = (a_bits == e_bits) | (actual.isnan() & expected.isnan())
-    if not bool(same.all()):
-        bad = (~same).nonzero()[:4]
-        lines = []
-        for i in (tuple(j) for j in bad.tolist()):
-            a_hex = a_bits[i].item() & 0xFFFFFFFF
-            e_hex = e_bits[i].item() & 0xFFFFFFFF
-            lines.append(f"  at {list(i)}: {actual[i].item()!r} (0x{a_hex:08x}) vs "
-                         f"{expected[i].item()!r} (0x{e_hex:08x})")
-        pytest.fail(f"{what}: {int((~same).sum())} of {same.numel()} differ\n" + "\n".join(lines))
 
 
 def special_values(element: formats.ElementFormat) -> torch.Tensor:

@@ -32,6 +32,8 @@ import torch.nn.functional as F
 if not torch.cuda.is_available():  # Triton cannot compile for a CPU: interpret (before import)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from checks import assert_bits_equal, assert_within
+
 from emulation.replay_decode import ReplayCache, mamba2_replay_decode  # noqa: E402
 from lowprec import formats, mamba2  # noqa: E402
 from lowprec import quantize as lq  # noqa: E402
@@ -156,35 +158,6 @@ def reference_step(before, token, params, window):
     factor = 2 * (dstate + 2 * lcap + 16) * U
     y_bound = factor * torch.where(flush3, mag_flush, mag_out)
     return y, S_new, y_bound, factor * mag_S, is_flush, (ring_x, ring_dt, ring_B)
-
-
-def assert_within(actual, expected, bound, what):
-    """|actual - expected| <= bound elementwise; on failure the worst element and NaN count."""
-    actual = actual.detach().cpu().double()
-    err = (actual - expected).abs()
-    ok = err <= bound
-    if not bool(ok.all()):
-        excess = torch.where(ok, 0.0, err / bound.clamp(min=1e-300))
-        excess = torch.where(excess.isnan(), math.inf, excess)
-        i = tuple(int(j) for j in torch.unravel_index(excess.argmax(), excess.shape))
-        pytest.fail(
-            f"{what}: {int((~ok).sum())} of {ok.numel()} outside the bound; worst at {i}: "
-            f"{actual[i].item()!r} vs {expected[i].item()!r} (bound {bound[i].item():.3e}); "
-            f"NaNs: {int(actual.isnan().sum())}"
-        )
-
-
-def assert_bits_equal(actual, expected, what):
-    actual = actual.detach().cpu().float()
-    expected = expected.detach().cpu().float()
-    same = (actual.view(torch.int32) == expected.view(torch.int32))
-    same |= actual.isnan() & expected.isnan()
-    if not bool(same.all()):
-        i = tuple((~same).nonzero()[0].tolist())
-        pytest.fail(
-            f"{what}: {int((~same).sum())} of {same.numel()} differ; first at {i}: "
-            f"{actual[i].item()!r} vs {expected[i].item()!r}"
-        )
 
 
 def run_and_check_step(cache, token, params, hi, lo):

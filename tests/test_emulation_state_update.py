@@ -23,6 +23,9 @@ import torch.nn.functional as F
 if not torch.cuda.is_available():  # Triton cannot compile for a CPU: interpret (before import)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from checks import assert_bits_equal, assert_within
+from checks import to_device as to
+
 from emulation.state_update import StateCache, mamba2_state_update  # noqa: E402
 from lowprec import formats, mamba2  # noqa: E402
 from lowprec import quantize as lq  # noqa: E402
@@ -56,36 +59,6 @@ def make_token(gen, slots):
         C=torch.randn(slots, g, n, generator=gen),
         z=torch.randn(slots, h, p, generator=gen),
     )
-
-
-def to(d, device):
-    return {k: v.to(device) for k, v in d.items()}
-
-
-def assert_within(actual, expected, bound, what):
-    actual = actual.detach().cpu().double()
-    err = (actual - expected).abs()
-    ok = err <= bound
-    if not bool(ok.all()):
-        excess = torch.where(ok, 0.0, err / bound.clamp(min=1e-300))
-        excess = torch.where(excess.isnan(), math.inf, excess)
-        i = tuple(int(j) for j in torch.unravel_index(excess.argmax(), excess.shape))
-        pytest.fail(
-            f"{what}: {int((~ok).sum())} of {ok.numel()} outside the bound; worst at {i}: "
-            f"{actual[i].item()!r} vs {expected[i].item()!r} (bound {bound[i].item():.3e}); "
-            f"NaNs: {int(actual.isnan().sum())}"
-        )
-
-
-def assert_bits_equal(actual, expected, what):
-    actual = actual.detach().cpu().float()
-    expected = expected.detach().cpu().float()
-    same = (actual.view(torch.int32) == expected.view(torch.int32))
-    same |= actual.isnan() & expected.isnan()
-    if not bool(same.all()):
-        i = tuple((~same).nonzero()[0].tolist())
-        pytest.fail(f"{what}: {int((~same).sum())} differ; first at {i}: "
-                    f"{actual[i].item()!r} vs {expected[i].item()!r}")
 
 
 def run_and_check(cache, token, params, output_from="stored"):
