@@ -208,7 +208,7 @@ def time_graph(launches, reps, replays):
     return statistics.median(times), min(times), max(times)
 
 
-def flush_config(batch, window, hi_format, lo_format):
+def flush_config(batch, window, hi_format, lo_format, hi_rounding=None):
     return rf.FlushConfig(
         **NEMOTRON,
         window=window,
@@ -216,7 +216,7 @@ def flush_config(batch, window, hi_format, lo_format):
         act="bf16",
         dt_dtype="fp32",
         hi_format=hi_format,
-        hi_rounding="sr" if hi_format == "fp16" else "rn",
+        hi_rounding=hi_rounding or ("sr" if hi_format == "fp16" else "rn"),
         lo_format=lo_format,
         has_D=True,
         has_z=True,
@@ -226,10 +226,10 @@ def flush_config(batch, window, hi_format, lo_format):
     )
 
 
-def bench_flush(cfg: BenchConfig, hi_format, lo_format, flushing=True):
+def bench_flush(cfg: BenchConfig, hi_format, lo_format, flushing=True, hi_rounding=None):
     gen = torch.Generator(device="cuda").manual_seed(3)
     B, L = cfg.batch, cfg.window
-    fcfg = flush_config(B, L, hi_format, lo_format)
+    fcfg = flush_config(B, L, hi_format, lo_format, hi_rounding)
     launches = []
     for _ in range(cfg.sets):
         cache = make_cache(B, L, hi_format, "none", gen, torch.full((B,), L - 1 if flushing else 0))
@@ -342,6 +342,22 @@ def run(cfg: BenchConfig):
             "flush fp32 single copy",
             lambda: check_flush("fp32", "none", cfg.window, cfg.seed),
             lambda: bench_flush(cfg, "fp32", "none"),
+        ),
+        # where the flush's time goes: the same kernel with a stage left out
+        (
+            "flush fp16-RN + nvfp4 (no Philox, no SR)",
+            lambda: True,
+            lambda: bench_flush(cfg, "fp16", "nvfp4", hi_rounding="rn"),
+        ),
+        (
+            "flush fp16-SR, no read copy (no NVFP4 encode)",
+            lambda: True,
+            lambda: bench_flush(cfg, "fp16", "none"),
+        ),
+        (
+            "flush fp16-RN, no read copy (fold, output, stores)",
+            lambda: True,
+            lambda: bench_flush(cfg, "fp16", "none", hi_rounding="rn"),
         ),
         (
             "flush, no slot flushing",

@@ -5,16 +5,20 @@ rounding here is integer arithmetic on the fp32 bits; nothing depends on an inst
 later architecture might add. Each function is a plain Python function of DSL scalars, traced
 into the calling kernel (no call overhead), and states its equivalence to `lowprec`:
 
-    philox_keys, philox_word    lowprec.philox.randint (= Triton tl.randint): Philox-4x32-10,
-                                key (seed lo, seed hi), counter (offset lo, offset hi, 0, 0),
-                                first output word
-    state_counter               the counter words of offset = (slot<<44)|(flush<<24)|element
+    philox_keys, philox_word,   lowprec.philox.randint / randint4x (= Triton tl.randint,
+      philox_words              tl.randint4x): Philox-4x32-10, key (seed lo, seed hi), counter
+                                (offset lo, offset hi, 0, 0); the first word, or all four
+    state_counter               the counter words of offset = (slot<<44)|(flush<<24)|counter,
+                                counter = element // 4 (element e takes word e % 4)
     sr_fp16_bits                encode_bits(round_to(x, FP16, 'sr', r), FP16)
+    sr_fp16_bits_fast           the same by one add where |x| >= 2^-14, with a flag elsewhere
     rn_fp16_bits, rn_e4m3_byte, encode_bits(round_to(x, fmt, 'rn'), fmt): ties to even,
       rn_e2m1_nibble            saturating (plain hardware cvt.rn.f16 gives inf from 65520 on)
     rn_fp16x2                   two rn_fp16_bits with cvt.rn.satfinite.f16x2.f32 (fast path)
     e4m3_value                  decode_bits(byte, E4M3) for a block scale: exact
     div_rn                      one correctly rounded fp32 division (PTX div.rn.f32)
+    e2m1_quotient_fast          rn_e2m1_nibble(div_rn(x, d)) from x * RN(1/d) when provably
+                                equal, else a flag asking for the division (derivation there)
     saturate_f32                lowprec's fp32 "rounding" of fp32: identity, +-inf -> +-FLT_MAX
 
 Why integers are exact. For an fp32 input with significand `F` (the hidden bit included; 23
@@ -57,10 +61,13 @@ __all__ = [
     "E2M1",
     "philox_keys",
     "philox_word",
+    "philox_words",
     "state_counter",
     "f32_bits",
     "bits_f32",
     "sr_fp16_bits",
+    "sr_fp16_bits_fast",
+    "sr_fp16_chunk",
     "rn_code",
     "rn_fp16_bits",
     "rn_fp16x2",
@@ -68,6 +75,8 @@ __all__ = [
     "rn_e2m1_nibble",
     "e4m3_value",
     "div_rn",
+    "e2m1_quotient_fast",
+    "recip_usable",
     "saturate_f32",
     "softplus",
     "silu",
@@ -185,10 +194,28 @@ def philox_word(c0, c1, keys):
     return _mul_hi(c2, ROUND_B) ^ c1 ^ k0
 
 
-def state_counter(slot, flush, element):
-    """Counter words `(lo, hi)` of `offset = (slot << 44) | (flush << 24) | element`
-    (lowprec.philox.state_offsets), for slot, flush < 2^20 and element < 2^24."""
-    lo = ((flush & _u(0xFF, flush)) << _u(FLUSH_SHIFT, flush)) | element
+def philox_words(c0, c1, keys):
+    """The four words of Philox-4x32-10 of the counter `(c0, c1, 0, 0)` under `keys`:
+    `lowprec.philox.randint4x` and Triton's `tl.randint4x`. Round 1 is specialised for
+    `c2 = c3 = 0`: 19 wide multiplies for four words (philox_word: 18 for one)."""
+    k0, k1 = keys[0]
+    c0, c1, c2, c3 = c1 ^ k0, _u(0, c0), _mul_hi(c0, ROUND_A) ^ k1, _mul_lo(c0, ROUND_A)
+    for r in range(1, PHILOX_ROUNDS):
+        k0, k1 = keys[r]
+        c0, c1, c2, c3 = (
+            _mul_hi(c2, ROUND_B) ^ c1 ^ k0,
+            _mul_lo(c2, ROUND_B),
+            _mul_hi(c0, ROUND_A) ^ c3 ^ k1,
+            _mul_lo(c0, ROUND_A),
+        )
+    return c0, c1, c2, c3
+
+
+def state_counter(slot, flush, counter):
+    """Counter words `(lo, hi)` of `offset = (slot << 44) | (flush << 24) | counter`
+    (lowprec.philox.state_offsets: counter = element // 4), for slot, flush < 2^20 and
+    counter < 2^22."""
+    lo = ((flush & _u(0xFF, flush)) << _u(FLUSH_SHIFT, flush)) | counter
     hi = (slot << _u(SLOT_SHIFT - 32, slot)) | (flush >> _u(32 - FLUSH_SHIFT, flush))
     return lo, hi
 
@@ -245,6 +272,48 @@ def sr_fp16_bits(x, r):
     threshold = _sel(shift <= _u(32, a), left, right)
     up = _sel(r < threshold, _u(1, a), _u(0, a))
     return _finish(sign, a, _exponent_field(e_eff, mbits, bias) + floor_m + up, FP16)
+
+
+def sr_fp16_bits_fast(x, r):
+    """(bits, exact): fp16 bits of SR(x) with the word r by one add, and whether they are
+    sr_fp16_bits(x, r): true for |x| >= 2^-14 (fp16's normal range and above, inf included),
+    false for smaller |x| (fp16 subnormals and zero, where more than 13 bits are dropped) and NaN.
+
+    Why: for |x| >= 2^-14 SR drops the low 13 bits of the fp32 significand, and lowprec's
+    `r < floor(frac * 2^32) = low13 << 19` is `(r >> 19) < low13`, i.e. exactly when
+    `low13 + (~r >> 19)` carries out of 13 bits. So `(|x| bits + (~r >> 19)) >> 13` is fp32's
+    exponent and top 10 significand bits after rounding (a carry moves into the exponent), and
+    subtracting 112 << 10 rebiases them to fp16; a min with 0x7BFF saturates as lowprec does.
+    Cost (ptxas 13.0, sm_90a): 8 instructions against about 26 for sr_fp16_bits.
+    """
+    u = f32_bits(x)
+    a = u & _u(0x7FFFFFFF, u)
+    rounded = (a + ((~r & _u(MASK32, u)) >> _u(19, u))) >> _u(13, u)
+    code = _umin(rounded - _u(112 << 10, u), _u(FP16[2], u))
+    exact = (a >= _u(113 << 23, u)) & (a <= _u(0x7F800000, u))
+    return code | ((u >> _u(16, u)) & _u(0x8000, u)), exact
+
+
+@cute.jit
+def sr_fp16_chunk(frag, values, counter_lo0, counter_hi, keys):
+    """fp16 SR bits of 8 consecutive state elements (the first a multiple of 4), two per
+    uint32 of `frag`: element 4j + k takes word k of the counter `(counter_lo0 + j,
+    counter_hi)`. The one-add form (sr_fp16_bits_fast) where all eight |values| are at least
+    2^-14; a thread holding an fp16 subnormal, zero or NaN redoes its eight the general way."""
+    words = []
+    for j in cutlass.range_constexpr(2):
+        words.extend(philox_words(counter_lo0 + Uint32(j), counter_hi, keys))
+    exact = cutlass.Boolean(True)
+    for v2 in cutlass.range_constexpr(4):
+        low, exact_low = sr_fp16_bits_fast(values[2 * v2], words[2 * v2])
+        high, exact_high = sr_fp16_bits_fast(values[2 * v2 + 1], words[2 * v2 + 1])
+        frag[v2] = low | (high << Uint32(16))
+        exact = exact & exact_low & exact_high
+    if not exact:
+        for v2 in cutlass.range_constexpr(4):
+            low = sr_fp16_bits(values[2 * v2], words[2 * v2])
+            high = sr_fp16_bits(values[2 * v2 + 1], words[2 * v2 + 1])
+            frag[v2] = low | (high << Uint32(16))
 
 
 def rn_code(x, fmt):
@@ -329,6 +398,111 @@ def div_rn(a, b):
         asm_dialect=llvm.AsmDialect.AD_ATT,
     )
     return Float32(result)
+
+
+def _add_rn(a, b):
+    """a + b rounded to nearest even, kept as one add (never reassociated or fused)."""
+    if _is_np(a) or _is_np(b):
+        return (np.float32(a) + np.float32(b)).astype(np.float32)
+    result = llvm.inline_asm(
+        T.f32(),
+        [Float32(a).ir_value(), Float32(b).ir_value()],
+        "add.rn.f32 $0, $1, $2;",
+        "=f,f,f",
+        has_side_effects=False,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+    return Float32(result)
+
+
+def _fmin(a, b):
+    if _is_np(a):
+        return np.fmin(a, np.float32(b)).astype(np.float32)
+    return cute.arch.fmin(a, Float32(b))
+
+
+# RN to a multiple of s by one add and one subtract of 1.5 * 2^23 * s: the sum's ulp is s, so the
+# hardware's ties-to-even picks the even multiple, which is E2M1's even code in every binade.
+_MAGIC = (1.5 * 2.0**22, 1.5 * 2.0**23, 1.5 * 2.0**24)  # s = 0.5 on [0, 2), 1 on [2, 4), 2 above
+_MARGIN = 2.0**-20  # relative distance to a decision point below which the division decides
+
+
+def _f(value, like):
+    """The fp32 constant `value` in `like`'s backend."""
+    return np.float32(value) if _is_np(like) else Float32(value)
+
+
+def _fabs(a):
+    return np.abs(a).astype(np.float32) if _is_np(a) else cute.math.absf(a)
+
+
+def _fmax(a, b):
+    if _is_np(a):
+        return np.fmax(a, np.float32(b)).astype(np.float32)
+    return cute.arch.fmax(a, Float32(b))
+
+
+def recip_usable(recip):
+    """True where `recip` = RN(1/d) is normal and below 2^126, so that x * recip carries the
+    relative error e2m1_quotient_fast assumes (False for NaN and inf)."""
+    return (recip >= _f(2.0**-125, recip)) & (recip < _f(2.0**126, recip))
+
+
+def e2m1_quotient_fast(x, recip):
+    """(nibble, exact): the E2M1 nibble `s e1 e0 m` of RN_e2m1(x * recip), and whether it is
+    provably lowprec's nibble RN_e2m1(RN(x / d)) for recip = RN(1 / d), recip_usable(recip).
+
+    Why it is exact when `exact`: v = RN(|x| recip) = |x/d| (1 + e) with |e| <= 2^-23 + 2^-48,
+    and RN(x/d) is within 2^-24 |x/d| of x/d, so both lie within about 2^-22 v of v. RN_e2m1
+    is constant between its decision points (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5), so when v
+    is farther than 2^-20 v from each of them the two quotients have one code. Near a
+    decision point (about one element in 2^18) and for NaN, `exact` is False and the caller
+    divides. The sign is x's, which RN(x/d) has for d > 0 (-0 included). A subnormal v (no
+    relative bound) is far below 0.25, where both codes are 0.
+
+    Cost (ptxas 13.0, sm_90a): about 22 instructions against about 50 for
+    rn_e2m1_nibble(div_rn(x, d)).
+    """
+    if _is_np(x):
+        x = np.asarray(x, np.float32)
+        v = (np.abs(x) * np.float32(recip)).astype(np.float32)
+    else:
+        v = cute.math.absf(Float32(x)) * Float32(recip)
+    vc = _fmin(v, 6.0)  # past 6 saturates; NaN becomes 6 here and fails `exact` below
+    magic = _sel(
+        vc < _f(2.0, vc),
+        _f(_MAGIC[0], vc),
+        _sel(vc < _f(4.0, vc), _f(_MAGIC[1], vc), _f(_MAGIC[2], vc)),
+    )
+    rounded = _add_rn(_add_rn(vc, magic), -magic)  # vc rounded on E2M1's grid, ties to even
+    half_step = magic * _f(1.0 / (3.0 * 2.0**23), vc)  # s / 2, exactly
+    gap = half_step - _fabs(vc - rounded)  # distance to the nearer decision point
+    exact = gap > v * _f(_MARGIN, vc)  # False for NaN
+    # the code of `rounded` (0, .5, 1, 1.5, 2, 3, 4 or 6): for r = max(rounded, 1/8) the index
+    # i = (bits(r) >> 22) - 248 is 0, 4, 6, 7, 8, 9, 10, 11 and the code is max(i - 4, i >> 2)
+    bits = f32_bits(_fmax(rounded, 0.125))
+    index = _as_i32(bits >> _u(22, bits)) - _i(248, bits)
+    low, high = index >> _i(2, bits), index - _i(4, bits)
+    code = _sel(high > low, high, low)
+    sign = (f32_bits(x) >> _u(28, bits)) & _u(8, bits)
+    return _as_u32(code) | sign, exact
+
+
+def _i(value, like):
+    return np.int32(value) if _is_np(like) else cutlass.Int32(value)
+
+
+def _as_i32(u):
+    if _is_np(u):
+        return np.asarray(u, np.uint32).view(np.int32)
+    return Uint32(u).bitcast(cutlass.Int32)
+
+
+def _as_u32(i):
+    if _is_np(i):
+        return np.asarray(i, np.int32).view(np.uint32)
+    return cutlass.Int32(i).bitcast(Uint32)
 
 
 def saturate_f32(x):

@@ -228,17 +228,11 @@ class StateUpdate:
                 p = row0 + rows * i
                 w_frag = cute.make_rmem_tensor((V // 2,), Uint32)
                 element0 = Uint32((h * P + p) * N + col * V)
-                for v2 in cutlass.range_constexpr(V // 2):
-                    if cutlass.const_expr(cfg.rounding == "sr"):
-                        halves = []
-                        for v in cutlass.range_constexpr(2 * v2, 2 * v2 + 2):
-                            counter_lo, _ = nm.state_counter(
-                                Uint32(s), counter, element0 + Uint32(v)
-                            )
-                            word = nm.philox_word(counter_lo, counter_hi, keys)
-                            halves.append(nm.sr_fp16_bits(acc[i][v], word))
-                        w_frag[v2] = halves[0] | (halves[1] << Uint32(16))
-                    else:
+                if cutlass.const_expr(cfg.rounding == "sr"):
+                    counter_lo0, _ = nm.state_counter(Uint32(s), counter, element0 >> Uint32(2))
+                    nm.sr_fp16_chunk(w_frag, acc[i], counter_lo0, counter_hi, keys)
+                else:
+                    for v2 in cutlass.range_constexpr(V // 2):
                         w_frag[v2] = nm.rn_fp16x2(acc[i][2 * v2], acc[i][2 * v2 + 1])
                 cute.autovec_copy(w_frag, _chunk(bits, p, col, V // 2))
 

@@ -17,8 +17,10 @@ Formats are data: the kernels take a `FormatSpec` (a NamedTuple built from a `lo
 by `format_spec`) as one `tl.constexpr` argument and read its fields; the only branches are on
 those fields (is there a block scale, is it a power of two, is there a second level).
 
-Random words: `random_words(seed, slot, flush, element)` is `tl.randint(seed, offset)` with
-`offset = (slot << 44) | (flush << 24) | element`, `lowprec.philox.random_words` word for word.
+Random words: `random_words(seed, slot, flush, element)` is word `element % 4` of
+`tl.randint4x(seed, offset)` with `offset = (slot << 44) | (flush << 24) | (element // 4)`,
+`lowprec.philox.random_words` word for word (`tl.randint` forms the same four words and keeps
+the first, so selecting one costs nothing extra).
 
 Host wrappers `round_to`, `quantize` and `random_words_host` run these device functions over
 whole tensors; the tests compare them with `lowprec` on every format and special value.
@@ -287,13 +289,16 @@ def quantize_tile(
 
 @triton.jit
 def random_words(seed, slot, flush, element):
-    """uint32 SR words of state elements: tl.randint at (slot << 44) | (flush << 24) | element."""
+    """uint32 SR words of state elements: word `element % 4` of tl.randint4x at
+    (slot << 44) | (flush << 24) | (element // 4)."""
     # tl.cast, not .to: Triton passes an int argument equal to 1 as a constant, not a tensor.
     offset = (
         (tl.cast(slot, tl.int64) << 44) | (tl.cast(flush, tl.int64) << 24)
-        | tl.cast(element, tl.int64)
+        | (tl.cast(element, tl.int64) >> 2)
     )
-    return tl.randint(seed, offset)
+    w0, w1, w2, w3 = tl.randint4x(seed, offset)
+    which = element & 3
+    return tl.where(which == 0, w0, tl.where(which == 1, w1, tl.where(which == 2, w2, w3)))
 
 
 # --------------------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ Submodules (import them directly, e.g. ``from lowprec.quantize import fake_quant
 
 - ``formats``   number formats as data (``names()``, ``get(name)``)
 - ``quantize``  RN / SR rounding, block formats, quantize / dequantize / pack / unpack
-- ``philox``    counter-based random words (Philox-4x32-10, equal to Triton's ``tl.randint``)
+- ``philox``    counter-based random words (Philox-4x32-10, equal to Triton's ``tl.randint4x``)
 - ``mamba2``, ``gdn``, ``kda``   reference recurrences and their replay forms
 - ``replay``    ReplaySSM bookkeeping (standard and speculative decoding)
 - ``policies``  precision policies and the vectorised simulator the experiments drive

@@ -1,4 +1,4 @@
-"""Counter-based random words: Philox-4x32-10, word for word equal to Triton's `tl.randint`.
+"""Counter-based random words: Philox-4x32-10, word for word equal to Triton's `tl.randint4x`.
 
 Philox-4x32 (Salmon, Moraes, Dror, Shaw, "Parallel random numbers: as easy as 1, 2, 3",
 SC 2011) maps a 128-bit counter `(c0, c1, c2, c3)` and a 64-bit key `(k0, k1)` to four 32-bit
@@ -9,15 +9,22 @@ words in 10 rounds of
 
 with A = 0xD2511F53, B = 0xCD9E8D57. `tl.randint(seed, offset)` uses key
 `(seed & 0xffffffff, seed >> 32)`, counter `(offset & 0xffffffff, offset >> 32, 0, 0)` and
-returns the first word; `randint` here does the same.
+returns the first word; `tl.randint4x` returns all four. `randint` and `randint4x` here do
+the same.
 
 Words are uint32 values held in int64 tensors (PyTorch has no full uint32 arithmetic); a
 32x32-bit product is formed from 16-bit halves so that nothing overflows int64.
 
-Each stored state element gets its own offset (README.md, "Random words"):
+Each stored state element gets its own word (README.md, "Random words"): element `e` of a
+slot's state takes word `e % 4` of the counter at
 
-    offset  = (slot << 44) | (flush << 24) | element      slot, flush < 2^20, element < 2^24
-    element = flat index of [..., nheads, headdim, dstate] inside one slot
+    offset  = (slot << 44) | (flush << 24) | (e // 4)       slot, flush < 2^20, e < 2^24
+    e       = flat index of [..., nheads, headdim, dstate] inside one slot
+
+that is, `tl.randint4x(seed, offset)` and its four words in order. Using all four words of a
+counter, not only the first, is what a kernel can afford: Philox-4x32-10 costs about 40
+integer instructions per counter, which at one word per element was a quarter of the H200
+flush kernel's instructions (ptxas count, 2026-11-29).
 
 Offsets are 64-bit patterns held in int64: with `slot >= 2^19` the top bit is set and the
 int64 is negative. Triton reads an int64 offset the same way (its low and high 32-bit halves),
@@ -44,6 +51,7 @@ SLOT_LIMIT = 1 << 20
 FLUSH_LIMIT = 1 << 20
 ELEMENT_LIMIT = 1 << 24
 SEED_LIMIT = 1 << 64
+WORDS_PER_COUNTER = 4
 
 
 def _mul_hi_lo(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,6 +160,16 @@ def randint(seed: int, offset: torch.Tensor) -> torch.Tensor:
     return word
 
 
+def randint4x(seed: int, offset: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """`tl.randint4x(seed, offset)` word for word: the four words of each offset's counter."""
+    seed = _check_seed(seed)
+    if not isinstance(offset, torch.Tensor) or offset.dtype != torch.int64:
+        got = offset.dtype if isinstance(offset, torch.Tensor) else type(offset).__name__
+        raise ValueError(f"offset: expected an int64 tensor, got {got}")
+    low, high = offset & MASK32, (offset >> 32) & MASK32
+    return philox4x32(low, high, 0, 0, seed & MASK32, seed >> 32)
+
+
 def _counter(value, limit: int, name: str) -> torch.Tensor:
     t = value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
     if t.dtype.is_floating_point or t.dtype == torch.bool:
@@ -165,29 +183,46 @@ def _counter(value, limit: int, name: str) -> torch.Tensor:
     return t
 
 
-def state_offsets(slot, flush, shape) -> torch.Tensor:
-    """Philox offsets of every element of a state of per-slot `shape` (e.g. [nheads, headdim,
-    dstate]).
+def _slot_flush_base(slot, flush) -> torch.Tensor:
+    """(slot << 44) | (flush << 24) as int64 64-bit patterns, shape of slot and flush broadcast."""
+    slot = _counter(slot, SLOT_LIMIT, "slot")
+    flush = _counter(flush, FLUSH_LIMIT, "flush")
+    # slot << 44 as a 64-bit pattern without signed overflow: slots >= 2^19 set the top bit,
+    # i.e. they are (slot - 2^20) * 2^44 in two's complement. The fields do not overlap, so
+    # adding them is the same as or-ing them.
+    signed_slot = torch.where(slot >= SLOT_LIMIT // 2, slot - SLOT_LIMIT, slot)
+    return signed_slot * (1 << SLOT_SHIFT) + flush * (1 << FLUSH_SHIFT)
 
-    slot, flush: ints or integer tensors (broadcast together, shape `batch`); the result has
-    shape `batch + shape`, e.g. slot = arange(slots), flush = counts[slots] gives
-    [slots, nheads, headdim, dstate].
-    """
+
+def _state_numel(shape) -> tuple[tuple[int, ...], int]:
     shape = tuple(int(n) for n in shape)
     numel = math.prod(shape)
     if any(n < 0 for n in shape) or numel > ELEMENT_LIMIT:
         raise ValueError(f"shape: expected at most 2^24 elements per slot, got {list(shape)}")
-    slot = _counter(slot, SLOT_LIMIT, "slot")
-    flush = _counter(flush, FLUSH_LIMIT, "flush")
-    # slot << 44 as a 64-bit pattern without signed overflow: slots >= 2^19 set the top bit,
-    # i.e. they are (slot - 2^20) * 2^44 in two's complement. The three fields do not
-    # overlap, so adding them is the same as or-ing them.
-    signed_slot = torch.where(slot >= SLOT_LIMIT // 2, slot - SLOT_LIMIT, slot)
-    base = signed_slot * (1 << SLOT_SHIFT) + flush * (1 << FLUSH_SHIFT)  # [batch]
-    element = torch.arange(numel, dtype=torch.int64).reshape(shape)
-    return base.reshape(*base.shape, *([1] * len(shape))) + element
+    return shape, numel
+
+
+def state_offsets(slot, flush, shape) -> torch.Tensor:
+    """The Philox offset of every element's counter in a state of per-slot `shape` (e.g.
+    [nheads, headdim, dstate]): `(slot << 44) | (flush << 24) | (element // 4)`.
+
+    slot, flush: ints or integer tensors (broadcast together, shape `batch`); the result has
+    shape `batch + shape`, e.g. slot = arange(slots), flush = counts[slots] gives
+    [slots, nheads, headdim, dstate]. Element e uses word e % 4 of its counter.
+    """
+    shape, numel = _state_numel(shape)
+    base = _slot_flush_base(slot, flush)
+    counter = torch.arange(numel, dtype=torch.int64).reshape(shape) // WORDS_PER_COUNTER
+    return base.reshape(*base.shape, *([1] * len(shape))) + counter
 
 
 def random_words(seed: int, slot, flush, shape) -> torch.Tensor:
-    """SR words for a state: `randint(seed, state_offsets(slot, flush, shape))`."""
-    return randint(seed, state_offsets(slot, flush, shape))
+    """SR words for a state of per-slot `shape`: element e (flat index within the slot) gets
+    word e % 4 of `randint4x(seed, (slot << 44) | (flush << 24) | (e // 4))`."""
+    shape, numel = _state_numel(shape)
+    base = _slot_flush_base(slot, flush)
+    counters = -(-numel // WORDS_PER_COUNTER)
+    offsets = base.reshape(*base.shape, 1) + torch.arange(counters, dtype=torch.int64)
+    words = torch.stack(randint4x(seed, offsets), dim=-1)  # batch + [counters, 4]
+    words = words.reshape(*base.shape, counters * WORDS_PER_COUNTER)[..., :numel]
+    return words.reshape(*base.shape, *shape)

@@ -173,6 +173,79 @@ def test_state_counter_packs_slot_flush_element():
     assert np.array_equal(hi, (offset >> 32).astype(np.uint32))
 
 
+def _flagged(value, flag, bit):
+    return value.astype(np.uint32) | (flag.astype(np.uint32) << np.uint32(bit))
+
+
+def test_philox_words_equal_lowprec_randint4x():
+    """All four words of the counter (offset lo, offset hi, 0, 0), in Triton's order."""
+    offsets = torch.cat(
+        [torch.randint(0, 1 << 62, (3001,), dtype=torch.int64), torch.tensor([0, (1 << 63) - 1])]
+    )
+    want = [w.numpy().astype(np.uint32) for w in philox.randint4x(SEED, offsets)]
+    o = offsets.numpy().astype(np.uint64)
+    keys = nm.philox_keys(np.uint32(SEED & 0xFFFFFFFF), np.uint32(SEED >> 32))
+    got = nm.philox_words((o & 0xFFFFFFFF).astype(np.uint32), (o >> 32).astype(np.uint32), keys)
+    for k in range(4):
+        assert np.array_equal(want[k], got[k]), f"word {k}"
+    first = nm.philox_word((o & 0xFFFFFFFF).astype(np.uint32), (o >> 32).astype(np.uint32), keys)
+    assert np.array_equal(got[0], first)
+
+
+def _fp16_neighbourhood_inputs(rng, n):
+    """fp32 values around every fp16 exponent (subnormal range, normal range, overflow), zeros,
+    infinities and NaNs, and words at and next to each value's rounding threshold."""
+    exponent = rng.integers(95, 150, n).astype(np.uint32)
+    bits = rng.integers(0, 1 << 32, n, dtype=np.uint64).astype(np.uint32)
+    bits = (bits & np.uint32(0x807FFFFF)) | (exponent << np.uint32(23))
+    special = np.array([0, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00001,
+                        113 << 23, (113 << 23) - 1, 0x477FEFFF, 0x477FF000], np.uint32)
+    bits[: special.size] = special
+    words = rng.integers(0, 1 << 32, n, dtype=np.uint64)
+    threshold = (bits & np.uint32(0x1FFF)).astype(np.uint64) << np.uint64(19)
+    near = (threshold + rng.integers(-1, 2, n).astype(np.uint64)) & np.uint64(0xFFFFFFFF)
+    words = np.where(rng.random(n) < 0.5, near, words).astype(np.uint32)
+    return bits.view(np.float32), words
+
+
+def test_sr_fp16_fast_equals_the_general_form_wherever_it_claims_to():
+    """The one-add SR is exact for every |x| >= 2^-14 (infinities saturate), flags smaller
+    |x| and NaN, and agrees bit for bit with sr_fp16_bits (tied to lowprec above)."""
+    x, words = _fp16_neighbourhood_inputs(np.random.default_rng(5), 400_000)
+    fast, exact = nm.sr_fp16_bits_fast(x, words)
+    with np.errstate(invalid="ignore"):
+        should = (np.abs(x) >= np.float32(2.0**-14)) & ~np.isnan(x)
+    assert np.array_equal(exact, should)
+    assert np.array_equal(fast[exact], nm.sr_fp16_bits(x, words)[exact])
+
+
+def test_e2m1_quotient_fast_equals_the_division_wherever_it_claims_to():
+    """x * RN(1/d) gives lowprec's E2M1 code of RN(x / d) wherever it says it is exact, for
+    divisors over 2^-60 .. 2^60 and quotients placed on, and 1-3 ulps from, every decision
+    point, every code value, 0 and past saturation; away from decision points it is exact."""
+    rng = np.random.default_rng(6)
+    n = 600_000
+    d = (rng.uniform(0.5, 2, n) * np.exp2(rng.integers(-60, 60, n))).astype(np.float32)
+    points = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5, 0, 0.5, 1, 1.5, 2, 3, 4, 6, 7, 9])
+    target = np.where(rng.random(n) < 0.5, points[rng.integers(0, points.size, n)],
+                      rng.uniform(0, 8, n)) * np.where(rng.random(n) < 0.5, -1, 1)
+    x = (target * d.astype(np.float64)).astype(np.float32)
+    for _ in range(3):
+        step = rng.integers(-1, 2, n)
+        x = np.where(step > 0, np.nextafter(x, np.float32(np.inf)), x)
+        x = np.where(step < 0, np.nextafter(x, np.float32(-np.inf)), x)
+    recip = (np.float32(1) / d).astype(np.float32)
+    assert nm.recip_usable(recip).all()
+    nibble, exact = nm.e2m1_quotient_fast(x, recip)
+    want = nm.rn_e2m1_nibble((x / d).astype(np.float32))
+    assert np.array_equal(nibble[exact], want[exact])
+    quotient = np.abs(x / d)
+    far = np.min(np.abs(quotient[:, None] - points[None, :7]), axis=1) > 1e-5 * quotient
+    assert exact[far].all()
+    assert 0.3 < exact.mean() < 0.95  # both paths are exercised
+    assert not nm.recip_usable(np.array([np.inf, np.nan, 2.0**127, 2.0**-127], np.float32)).any()
+
+
 def test_e4m3_values_are_exact_for_every_scale_byte():
     """Every non-negative, non-NaN E4M3 byte decodes to lowprec's value (0x01 = 2^-9,
     0x7E = 448)."""
@@ -201,6 +274,9 @@ OUTPUTS = (
     "philox",
     "div_rn",
     "e4m3_value",
+    "sr_fp16_fast",  # bits | exact << 16
+    "e2m1_fast",  # nibble | exact << 4, quotient x * RN(1 / y)
+    "philox_w3",  # the last of the four words (the first is "philox")
 )
 
 
@@ -229,6 +305,11 @@ def _probe_kernel(
         out[i, 5] = nm.philox_word(r, nm.f32_bits(y[i]), keys)
         out[i, 6] = nm.f32_bits(nm.div_rn(v, y[i]))
         out[i, 7] = nm.f32_bits(nm.e4m3_value(r & Uint32(0x7F)))
+        fast, exact = nm.sr_fp16_bits_fast(v, r)
+        out[i, 8] = fast | (nm._sel(exact, Uint32(1), Uint32(0)) << Uint32(16))
+        nibble, exact = nm.e2m1_quotient_fast(v, nm.div_rn(Float32(1.0), y[i]))
+        out[i, 9] = nibble | (nm._sel(exact, Uint32(1), Uint32(0)) << Uint32(4))
+        out[i, 10] = nm.philox_words(r, nm.f32_bits(y[i]), keys)[3]
 
 
 @cute.jit
@@ -319,6 +400,9 @@ def test_probe_kernel_equals_numpy_backend_and_lowprec():
             "philox": nm.philox_word(words, y.view(np.uint32), keys),
             "div_rn": (x / y).astype(np.float32).view(np.uint32),  # IEEE, correctly rounded
             "e4m3_value": nm.e4m3_value(words & np.uint32(0x7F)).view(np.uint32),
+            "sr_fp16_fast": _flagged(*nm.sr_fp16_bits_fast(x, words), 16),
+            "e2m1_fast": _flagged(*nm.e2m1_quotient_fast(x, (1 / y).astype(np.float32)), 4),
+            "philox_w3": nm.philox_words(words, y.view(np.uint32), keys)[3],
         }
     positive = y.view(np.uint32) < (1 << 31)  # offsets below 2^63 (lowprec takes int64)
     offsets = torch.from_numpy(

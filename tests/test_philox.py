@@ -143,18 +143,21 @@ def test_words_equal_triton_randint_under_the_interpreter():
 # offsets of state elements
 
 
-def test_state_offsets_pack_slot_flush_and_element_into_bit_fields():
-    offsets = philox.state_offsets(3, 7, (2, 3, 4))
-    expected = [(3 << 44) | (7 << 24) | e for e in range(24)]
-    assert offsets.shape == (2, 3, 4) and offsets.flatten().tolist() == expected
+def test_state_offsets_pack_slot_flush_and_counter_into_bit_fields():
+    """Element e's counter is e // 4: four consecutive elements share one offset."""
+    offsets = philox.state_offsets(3, 7, (2, 3, 5))
+    expected = [(3 << 44) | (7 << 24) | (e // 4) for e in range(30)]
+    assert offsets.shape == (2, 3, 5) and offsets.flatten().tolist() == expected
 
 
 def test_state_offsets_of_top_slots_are_the_64_bit_pattern_in_int64():
     top = (1 << 20) - 1
-    offsets = philox.state_offsets(torch.tensor([2**19, top]), top, (3,))
-    expected = [[as_int64((s << 44) | (top << 24) | e) for e in range(3)] for s in (2**19, top)]
+    offsets = philox.state_offsets(torch.tensor([2**19, top]), top, (9,))
+    expected = [
+        [as_int64((s << 44) | (top << 24) | e // 4) for e in range(9)] for s in (2**19, top)
+    ]
     assert offsets.tolist() == expected
-    assert offsets[1, 2] == -(2**24) + 2  # all ones above bit 24, element 2
+    assert offsets[1, 8] == -(2**24) + 2  # all ones above bit 24, element 8: counter 2
 
 
 def test_state_offsets_broadcast_slot_and_flush_over_the_leading_dim():
@@ -166,11 +169,26 @@ def test_state_offsets_broadcast_slot_and_flush_over_the_leading_dim():
     assert philox.state_offsets(slots, 0, (5, 6)).shape == (3, 5, 6)
 
 
-def test_offsets_of_distinct_slots_flushes_and_elements_never_collide():
+def test_offsets_of_distinct_slots_flushes_and_counters_never_collide():
+    """Each (slot, flush) has ceil(numel / 4) distinct counters, none shared with another."""
     slots = torch.tensor([0, 1, 2**19, 2**20 - 1]).repeat_interleave(3)
     flushes = torch.tensor([0, 1, 2**20 - 1]).repeat(4)
     offsets = philox.state_offsets(slots, flushes, (7, 9))
-    assert offsets.unique().numel() == offsets.numel()
+    assert offsets.unique().numel() == slots.numel() * 16  # 63 elements: 16 counters
+
+
+def test_random_words_take_the_four_words_of_each_counter_in_order():
+    """Element e gets word e % 4 of randint4x at its counter's offset, for an odd-sized state
+    (the last counter's unused words are dropped) and two slots."""
+    shape = (3, 7)
+    words = philox.random_words(13, torch.tensor([2, 9]), 4, shape)
+    offsets = philox.state_offsets(torch.tensor([2, 9]), 4, shape)
+    four = philox.randint4x(13, offsets)
+    element = torch.arange(21).reshape(shape)
+    for k in range(4):
+        assert torch.equal(words[:, element % 4 == k], four[k][:, element % 4 == k])
+    assert torch.equal(four[0], philox.randint(13, offsets))
+    assert words.unique().numel() == words.numel()  # 42 words, all different
 
 
 def test_state_offsets_validate_the_field_ranges():
@@ -193,7 +211,8 @@ def test_state_offsets_validate_the_field_ranges():
 def test_random_words_replay_and_never_share_words_across_flushes():
     shape = (3, 4, 8)
     first = philox.random_words(77, torch.arange(2), torch.tensor([5, 5]), shape)
-    assert torch.equal(first, philox.randint(77, philox.state_offsets(torch.arange(2), 5, shape)))
+    offsets = philox.state_offsets(torch.arange(2), 5, shape)
+    assert torch.equal(first[..., ::4], philox.randint(77, offsets)[..., ::4])
     assert torch.equal(first, philox.random_words(77, torch.arange(2), 5, shape))  # replay
     later = philox.random_words(77, torch.arange(2), 6, shape)
     assert not bool((first == later).all(dim=(1, 2, 3)).any())

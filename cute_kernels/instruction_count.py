@@ -1,0 +1,140 @@
+"""Static SASS instruction counts of the flush kernel's variants, per state element, on the CPU.
+
+    python -m cute_kernels.instruction_count            # every variant, fast paths only
+    python -m cute_kernels.instruction_count --with-fallbacks
+
+The flush kernel is unrolled (64 state elements per thread, no loops but the CTA's ring
+staging), so the number of SASS instructions in the compiled kernel divided by 64 is what
+one thread issues per element, which is what bounds an ALU-bound kernel. Differences between
+variants say where the instructions go: fp16 RN + no read copy is the fold, the output and the
+stores; SR adds Philox and the rounding; nvfp4 adds the encoder.
+
+The SR and NVFP4 encoders have a fast path and a general fallback that a thread takes only
+for rare elements (fp16 subnormals, quotients within 2^-20 of an E2M1 decision point), so by
+default the fallbacks are compiled out (replaced by a constant) to count what a thread runs;
+`--with-fallbacks` counts the kernel as shipped.
+
+Needs `ptxas` from CUDA 12.9 or newer (CuTe DSL 4.8 emits PTX 8.8) and `cuobjdump`: the
+`CUDA_HOME` toolkit's, else the first on PATH, else (cuobjdump only) the one in Triton's wheel.
+
+Measured 2026-11-29, ptxas 13.0, Nemotron-3-Super head (64 x 128), window 16, bf16:
+
+    variant                     before (1 word/counter, div.rn)   now (fast paths)
+    fp32 hi, no read copy       33.8                              33.8
+    fp16 RN hi, no read copy    34.5                              34.5
+    fp16 SR hi, no read copy    96.4                              49.2
+    fp16 RN hi + nvfp4          95.0                              ~68
+    fp16 SR hi + nvfp4          156.9                             ~84
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import cutlass  # noqa: E402, I001
+
+from cute_kernels import _compile  # noqa: F401  (sm_90a target before cutlass)
+from cute_kernels import numerics as nm  # noqa: E402
+from cute_kernels import replay_flush as rf  # noqa: E402
+
+VARIANTS = (
+    ("fp32", "rn", "none"),
+    ("fp16", "rn", "none"),
+    ("fp16", "sr", "none"),
+    ("fp16", "rn", "nvfp4"),
+    ("fp16", "sr", "nvfp4"),
+)
+
+
+def _tool(name: str) -> str:
+    home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
+    candidates = [os.path.join(home, "bin", name), shutil.which(name)]
+    try:  # Triton's wheel carries a cuobjdump (its ptxas is too old for CuTe DSL's PTX)
+        import triton
+
+        bundled = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+        candidates.append(os.path.join(bundled, name))
+    except ImportError:
+        pass
+    for path in candidates:
+        if path and os.path.exists(path):
+            return path
+    raise SystemExit(f"instruction_count: {name} not found (set CUDA_HOME to a CUDA 12.8+ toolkit)")
+
+
+def sass_histogram(ptx: str) -> collections.Counter:
+    """Opcode -> count of the SASS that ptxas makes of `ptx` for sm_90a."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
+        with open(src, "w") as f:
+            f.write(ptx)
+        done = subprocess.run(
+            [_tool("ptxas"), "-arch=sm_90a", "-O3", src, "-o", cubin],
+            capture_output=True,
+            text=True,
+        )
+        if done.returncode:
+            raise SystemExit(f"instruction_count: ptxas failed:\n{done.stderr[-2000:]}")
+        sass = subprocess.run(
+            [_tool("cuobjdump"), "-sass", cubin], capture_output=True, text=True, check=True
+        ).stdout
+    ops: collections.Counter = collections.Counter()
+    for line in sass.splitlines():
+        m = re.match(r"\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", line)
+        if m and m.group(1) not in ("NOP", "EXIT", "BRA"):
+            ops[m.group(1)] += 1
+    return ops
+
+
+def flush_config(hi: str, rounding: str, lo: str) -> rf.FlushConfig:
+    """The benchmark's flush at the Nemotron-3-Super head, without debug output."""
+    return rf.FlushConfig(
+        nheads=128, headdim=64, dstate=128, ngroups=8, window=16, ring_len=16, act="bf16",
+        dt_dtype="fp32", hi_format=hi, hi_rounding=rounding, lo_format=lo, has_D=True,
+        has_z=False, has_dt_bias=True, dt_softplus=True, has_debug=False,
+    )  # fmt: skip
+
+
+def count(with_fallbacks: bool) -> list[tuple[tuple[str, str, str], float, list]]:
+    general = (nm.sr_fp16_bits, nm.rn_e2m1_nibble)
+    _compile._CACHE.clear()
+    if not with_fallbacks:  # what a thread runs: the fallbacks' bodies become constants
+        nm.sr_fp16_bits = lambda x, r: cutlass.Uint32(0)
+        nm.rn_e2m1_nibble = lambda x: cutlass.Uint32(0)
+    try:
+        rows = []
+        for variant in VARIANTS:
+            kernel = rf.compile_flush(flush_config(*variant), keep_ptx=True)
+            ops = sass_histogram(kernel.__ptx__)
+            rows.append((variant, sum(ops.values()) / rf.ELEMENTS_PER_THREAD, ops.most_common(8)))
+        return rows
+    finally:
+        nm.sr_fp16_bits, nm.rn_e2m1_nibble = general
+        _compile._CACHE.clear()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m cute_kernels.instruction_count",
+        description="SASS instructions per state element of each flush variant (sm_90a, "
+        "compiled on the CPU). Without --with-fallbacks the rare general-path bodies are "
+        "compiled out, so the count is what a thread issues.",
+    )
+    parser.add_argument("--with-fallbacks", action="store_true", help="count the kernel as shipped")
+    args = parser.parse_args(argv)
+    for (hi, rounding, lo), per_element, top in count(args.with_fallbacks):
+        name = f"{hi} {rounding} hi + {lo}"
+        ops = ", ".join(f"{op} {n / rf.ELEMENTS_PER_THREAD:.1f}" for op, n in top)
+        print(f"{name:22s} {per_element:6.1f} per element   ({ops})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
