@@ -476,7 +476,10 @@ def e2m1_quotient_fast(x, recip):
         _sel(vc < _f(4.0, vc), _f(_MAGIC[1], vc), _f(_MAGIC[2], vc)),
     )
     rounded = _add_rn(_add_rn(vc, magic), -magic)  # vc rounded on E2M1's grid, ties to even
-    half_step = magic * _f(1.0 / (3.0 * 2.0**23), vc)  # s / 2, exactly
+    # s / 2 = 2^(j - 2) for magic = 1.5 * 2^(22 + j): the exponent field less 24, exactly
+    # (an fp32 multiply by 1 / (3 * 2^23) would round, and the device might fuse it below)
+    magic_bits = f32_bits(magic)
+    half_step = bits_f32((magic_bits & _u(0x7F800000, magic_bits)) - _u(24 << 23, magic_bits))
     gap = half_step - _fabs(vc - rounded)  # distance to the nearer decision point
     exact = gap > v * _f(_MARGIN, vc)  # False for NaN
     # the code of `rounded` (0, .5, 1, 1.5, 2, 3, 4 or 6): for r = max(rounded, 1/8) the index

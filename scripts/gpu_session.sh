@@ -11,6 +11,16 @@
 #       kernels timed again in the same run (the speedups against FlashInfer then come from one
 #       machine); without .device only FlashInfer and vLLM run: kernel_bench_B.{log,csv,meta.json}
 #
+#   bash scripts/gpu_session.sh C   carry [".device"]
+#       check and first timing after a kernel change: gpu-marked tests (-n 8), then
+#       cute_kernels.bench_write (flush stages left out one at a time) and bench_read (tuning
+#       variants) at batch 256, L = 16, then the E run below with the time left:
+#       gpu-tests.log, bench_write.csv, bench_read.csv, kernel_bench_C.log
+#
+#   bash scripts/gpu_session.sh E   carry [".device"] (not needed: the emulation is Triton)
+#       the emulation backend of experiments.error_growth at the real layer shape (issue 5):
+#       error_growth_emulation_gpu.{csv,png,meta.json}
+#
 #   bash scripts/gpu_session.sh P   carry [".device"]
 #       where the time goes: ncu (clocks left alone) on the two-precision and the FP32-checkpoint
 #       non-flush kernels and the two-precision flush at the headline point (batch 256, L = 16):
@@ -27,7 +37,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 part=${1:-}
-case "$part" in A|B|P) ;; *) echo "usage: bash scripts/gpu_session.sh A|B|P" >&2; exit 2 ;; esac
+case "$part" in A|B|C|E|P) ;; *) echo "usage: bash scripts/gpu_session.sh A|B|C|E|P" >&2; exit 2 ;; esac
 out=${OUT:-/tmp/kernel-bench-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -67,7 +77,28 @@ for dist in ("nvidia-cutlass-dsl", "apache-tvm-ffi"):
         print(dist, "no distribution metadata")
 EOF
 
-if [ "$part" = A ]; then
+emulation_run() {  # issue 5: 128 heads x 64 x 128, 2 sequences, 131,072 steps, two arms
+  timeout "$1" "$py" -m experiments.error_growth --backend emulation --device cuda \
+    --dv 64 --dk 128 --heads 128 --seeds 2 --steps 131072 \
+    --arms separate_fp16sr:nvfp4,every_step:fp16:rn --memory long \
+    --out "$out/error_growth_emulation_gpu.csv" --plot "$out/error_growth_emulation_gpu.png" 2>&1 \
+    | tr '\r' '\n' | awk 'NR % 20 == 1 || /error|Error|rel_err|arm|t=/' | tail -n 60 | tee -a "$log"
+  echo "error_growth emulation: exit ${PIPESTATUS[0]} after $(( $(date +%s) - start )) s" | tee -a "$log"
+}
+
+if [ "$part" = C ]; then
+  timeout "${KB_TESTS_S:-200}" "$py" -m pytest -m gpu -q -n 8 -p no:cacheprovider \
+    > "$out/gpu-tests.log" 2>&1
+  echo "gpu tests: exit $? after $(( $(date +%s) - start )) s" | tee -a "$log"
+  tail -n 3 "$out/gpu-tests.log"
+  timeout 120 "$py" -m cute_kernels.bench_write --batch 256 --out "$out/bench_write.csv" 2>&1 \
+    | tee -a "$log"
+  timeout 90 "$py" -m cute_kernels.bench_read --batch 256 --out "$out/bench_read.csv" 2>&1 \
+    | tee -a "$log"
+  emulation_run "$(( $(remaining) - 5 ))"
+elif [ "$part" = E ]; then
+  emulation_run "$(( $(remaining) - 5 ))"
+elif [ "$part" = A ]; then
   timeout "${KB_TESTS_S:-150}" "$py" -m pytest -m gpu -q -p no:cacheprovider \
     > "$out/gpu-tests.log" 2>&1
   echo "gpu tests: exit $? after $(( $(date +%s) - start )) s" | tee -a "$log"
