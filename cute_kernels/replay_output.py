@@ -354,12 +354,14 @@ class ReplayOutputConfig:
 
 
 def default_warps(heads_per_group: int) -> int:
-    """Warps per CTA: 8 (2 heads each at the Nemotron shape: 2048 CTAs of 256 threads at batch
-    256), fewer when the group has fewer heads. Measured (H200, batch 256, h = 8) with the
-    first version, which loaded ring records one per loop iteration after the state: nvfp4
-    2,204 GB/s (54% of the 4,058 GB/s copy), fp8 80%, fp16 69%, fp32 95%: latency-bound, hence
-    the all-loads-first schedule and the `prefetch` / `upfront` knobs (bench_read.py)."""
-    for w in (8, 4, 2, 1):
+    """Warps per CTA: 4 (4 heads each at the Nemotron shape: 2048 CTAs of 128 threads at batch
+    256), fewer when the group's head count is not a multiple of 4. Measured on the H200 at
+    batch 256, h = 8, nvfp4 (`python -m cute_kernels.bench_read --batch 256`, 2026-11-29,
+    results/gpu_first_timing/bench_read_2.csv): 4 warps 77.0 us, 8 warps 84.4 us, 16 warps
+    105.4 us; prefetching the next head's loads was slower (4 warps 90.0 us, 8 warps 116.8 us).
+    Registers are 128 per thread in each case, so fewer warps per CTA means more, smaller CTAs
+    resident per SM, which start and finish out of step and keep loads in flight."""
+    for w in (4, 2, 1):
         if heads_per_group % w == 0:
             return w
     return 1

@@ -209,6 +209,7 @@ def mamba2_state_update(
     output_from: str = "stored",
     out: torch.Tensor | None = None,
     debug_state: torch.Tensor | None = None,
+    check_counters: bool = True,
 ) -> torch.Tensor:
     """One conventional decode step of every slot (module docstring); returns y.
 
@@ -217,6 +218,9 @@ def mamba2_state_update(
     `out` [slots, nheads, headdim] (default x's dtype). `debug_state` fp32
     [slots, nheads, headdim, dstate] receives the unrounded new state. `output_from`: 'stored'
     or 'unrounded' (which state y reads). Launches on the current stream.
+    `check_counters=False` skips the range check of `cache.tokens`, the one check that reads
+    the device (a stream sync): for a loop that advances every slot in lockstep and knows the
+    counters stay below 2^20 - 1 (experiments.error_growth on a GPU).
     """
     check_state_cache(cache)
     if output_from not in OUTPUT_FROM:
@@ -242,12 +246,14 @@ def mamba2_state_update(
     ):
         if tensor is not None:
             _expect(name, tensor, shape, dtypes, device)
-    tokens = cache.tokens
-    if slots and (int(tokens.min()) < 0 or int(tokens.max()) >= (1 << 20) - 1):
-        raise ValueError(
-            f"cache.tokens: expected values in [0, 2^20 - 1) (Philox counter), got range "
-            f"[{int(tokens.min())}, {int(tokens.max())}]"
-        )
+    if slots and check_counters:  # one host read (a stream sync) of the counters' range
+        t_lo, t_hi = torch.aminmax(cache.tokens)
+        t_lo, t_hi = torch.stack([t_lo, t_hi]).tolist()
+        if t_lo < 0 or t_hi >= (1 << 20) - 1:
+            raise ValueError(
+                f"cache.tokens: expected values in [0, 2^20 - 1) (Philox counter), got range "
+                f"[{t_lo}, {t_hi}]"
+            )
     if out is None:
         out = torch.empty(slots, nheads, headdim, dtype=x.dtype, device=device)
     _expect("out", out, (slots, nheads, headdim), ACT_DTYPES, device)

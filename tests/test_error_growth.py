@@ -524,3 +524,16 @@ def test_main_writes_csv_meta_png_and_prints_the_summary(tmp_path, capsys):
     assert (tmp_path / "run.png").exists() and out.read_bytes() == csv_bytes
     assert capsys.readouterr().out == printed
     assert formats.get("fp16").element.mbits == 10  # the u line of the plot: 2^-(10+1)
+
+
+def test_prefetched_inputs_are_the_inputs_drawn_in_line():
+    """The worker thread that draws the next input chunk on a GPU run gives the same inputs
+    in the same order as drawing in line (checked over two chunk boundaries, odd sizes)."""
+    config = eg.Config(dv=3, dk=5, heads=2, seeds=3, steps=10)
+    in_line, ahead = eg._Inputs(config, prefetch=False), eg._Inputs(config, prefetch=True)
+    try:
+        for _ in range(2 * eg.INPUT_CHUNK + 7):
+            for a, b in zip(in_line.next(), ahead.next(), strict=True):
+                assert (a is None and b is None) or torch.equal(a, b)
+    finally:
+        ahead.close()

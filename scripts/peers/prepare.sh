@@ -273,6 +273,11 @@ prepare_flashinfer() {
     fi
     local cuda_home
     cuda_home=${CUDA_HOME:-$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")}
+    if [ ! -e "$cuda_home/lib64/libcudart.so" ]; then  # nvcc may be a wrapper script on PATH
+      for candidate in /usr/local/cuda /usr/local/cuda-*; do
+        if [ -e "$candidate/lib64/libcudart.so" ]; then cuda_home=$candidate; break; fi
+      done
+    fi
     echo "flashinfer: prebuilding sm_90a modules (minutes each on a small CPU; cached in ${FI_WS:-$work/ws})"
     CUDA_HOME="$cuda_home" FLASHINFER_CUDA_ARCH_LIST="9.0" \
       FLASHINFER_WORKSPACE_BASE="${FI_WS:-$work/ws}" FLASHINFER_EXTRA_LDFLAGS="-L$work/stub" \
