@@ -92,7 +92,9 @@ from __future__ import annotations
 import argparse
 import math
 import shlex
+import signal
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
@@ -709,6 +711,7 @@ def run(config: Config) -> pd.DataFrame:
     # intercepts every torch call (measured: half of a GPU run's host time), so it is entered
     # only for a GPU.
     on_device = torch.device(c.device) if c.device != "cpu" else nullcontext()
+    stop = _StopRequest()
     with bar, torch.no_grad(), on_device, _cpu_threads(c.threads):
         exact = simulator("exact", "fp64", "rn")
         arm_steps = [arm_step(spec) for spec in c.arms]
@@ -716,7 +719,10 @@ def run(config: Config) -> pd.DataFrame:
             (len(arm_steps), batch, len(steps_kept)), float("nan"), dtype=torch.float64
         )
         inputs = _Inputs(c)
+        done = 0
         for t in range(1, c.steps + 1):
+            if stop.requested:
+                break
             a, v, k, q, beta = inputs.next()
             y = exact.step(a, v, k, q, beta)
             # the reference arms take the generic inputs, the emulation's the kernel arguments
@@ -726,11 +732,36 @@ def run(config: Config) -> pd.DataFrame:
                 if keep[t]:
                     errors[i, :, column] = rel_err(y_hat, y)
             column += int(keep[t])
+            done = t
             bar.update()
         inputs.close()
+    stop.restore()
+    if done < c.steps:  # stopped by SIGTERM/SIGINT: keep the windows that were completed
+        whole = steps_kept <= done - done % c.window
+        steps_kept, errors = steps_kept[whole], errors[:, :, : int(whole.sum())]
     frame = _to_frame(c, steps_kept, errors.cpu())
+    frame.attrs["steps_done"] = done
     write_csv(frame, c.out)
     return frame
+
+
+class _StopRequest:
+    """SIGTERM or SIGINT during run(): finish the current step, then write what was done (a
+    `timeout` on a long GPU run still leaves a CSV). Outside the main thread: not installed."""
+
+    def __init__(self):
+        self.requested = False
+        self.previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self.previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        self.requested = True
+
+    def restore(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
 
 
 def mamba2_kernel_inputs(a, v, k, q, dtype=torch.float32) -> tuple[torch.Tensor, ...]:
@@ -1042,6 +1073,10 @@ def main(argv: list[str] | None = None) -> int:
         seconds = time.perf_counter() - start
         settings = asdict(config)
         del settings["out"], settings["plot"], settings["progress"]
+        if frame.attrs["steps_done"] < config.steps:
+            settings["stopped_after_step"] = frame.attrs["steps_done"]
+            print(f"stopped after step {frame.attrs['steps_done']} of {config.steps}: the CSV "
+                  "holds the whole windows done", file=sys.stderr)
         command = " ".join(["python -m experiments.error_growth", *map(shlex.quote, argv)])
         write_meta(config.out, command, seconds, settings, device=config.device)
         print(f"wrote {config.out} ({len(frame)} rows) in {seconds:.1f} s", file=sys.stderr)

@@ -21,6 +21,10 @@
 #       the emulation backend of experiments.error_growth at the real layer shape (issue 5):
 #       error_growth_emulation_gpu.{csv,png,meta.json}
 #
+#   bash scripts/gpu_session.sh D   carry [".device", ".peers/vllm"]
+#       E (at most KB_E_S seconds, default 290), then A's benchmark without A's tests (for a
+#       session whose kernels were tested in an earlier call, C): the files of E and of A
+#
 #   bash scripts/gpu_session.sh P   carry [".device"]
 #       where the time goes: ncu (clocks left alone) on the two-precision and the FP32-checkpoint
 #       non-flush kernels and the two-precision flush at the headline point (batch 256, L = 16):
@@ -37,7 +41,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 part=${1:-}
-case "$part" in A|B|C|E|P) ;; *) echo "usage: bash scripts/gpu_session.sh A|B|C|E|P" >&2; exit 2 ;; esac
+case "$part" in A|B|C|D|E|P) ;; *) echo "usage: bash scripts/gpu_session.sh A|B|C|D|E|P" >&2; exit 2 ;; esac
 out=${OUT:-/tmp/kernel-bench-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -98,15 +102,20 @@ if [ "$part" = C ]; then
   emulation_run "$(( $(remaining) - 5 ))"
 elif [ "$part" = E ]; then
   emulation_run "$(( $(remaining) - 5 ))"
-elif [ "$part" = A ]; then
-  timeout "${KB_TESTS_S:-150}" "$py" -m pytest -m gpu -q -p no:cacheprovider \
-    > "$out/gpu-tests.log" 2>&1
-  echo "gpu tests: exit $? after $(( $(date +%s) - start )) s" | tee -a "$log"
-  tail -n 3 "$out/gpu-tests.log"
+elif [ "$part" = A ] || [ "$part" = D ]; then
+  if [ "$part" = A ]; then
+    timeout "${KB_TESTS_S:-150}" "$py" -m pytest -m gpu -q -n 8 -p no:cacheprovider \
+      > "$out/gpu-tests.log" 2>&1
+    echo "gpu tests: exit $? after $(( $(date +%s) - start )) s" | tee -a "$log"
+    tail -n 3 "$out/gpu-tests.log"
+  else
+    emulation_run "${KB_E_S:-290}"
+  fi
   budget=$(( $(remaining) - 40 ))
   # the hard limit: a run killed there still leaves the CSV it checkpoints every ~10 s
   timeout "$(( $(remaining) - 5 ))" "$py" -m experiments.kernel_bench --peers vllm \
-    --run-label A --budget-s "$budget" --out "$out/kernel_bench_A.csv" --plot-dir "$out" 2>&1 \
+    --run-label A --budget-s "$budget" --out "$out/kernel_bench_A.csv" \
+    --plot-dir "$([ "$part" = D ] && echo none || echo "$out")" 2>&1 \
     | tee -a "$log"
 elif [ "$part" = P ]; then
   for kernel in cute:nonflush:nvfp4 cute:nonflush:fp32 cute:flush:fp16sr+nvfp4; do
