@@ -83,7 +83,7 @@ EOF
 
 emulation_run() {  # issue 5: 128 heads x 64 x 128, 2 sequences, 131,072 steps, two arms
   timeout "$1" "$py" -m experiments.error_growth --backend emulation --device cuda \
-    --dv 64 --dk 128 --heads 128 --seeds 2 --steps 131072 \
+    --dv 64 --dk 128 --heads 128 --seeds 2 --steps 131072 --log-grid 48 \
     --arms separate_fp16sr:nvfp4,every_step:fp16:rn --memory long \
     --out "$out/error_growth_emulation_gpu.csv" --plot "$out/error_growth_emulation_gpu.png" 2>&1 \
     | tr '\r' '\n' | awk 'NR % 20 == 1 || /error|Error|rel_err|arm|t=/' | tail -n 60 | tee -a "$log"
