@@ -353,16 +353,22 @@ class ReplayOutputConfig:
         return "simt" if self.lo_format == "fp32" else "mma"
 
 
-def default_warps(heads_per_group: int) -> int:
-    """Warps per CTA: 4 (4 heads each at the Nemotron shape: 2048 CTAs of 128 threads at batch
-    256), fewer when the group's head count is not a multiple of 4. Measured on the H200 at
-    batch 256, h = 8, nvfp4 (`python -m cute_kernels.bench_read --batch 256`, 2026-11-29,
-    results/gpu_first_timing/bench_read_2.csv): 4 warps 77.0 us, 8 warps 84.4 us, 16 warps
-    105.4 us; prefetching the next head's loads was slower (4 warps 90.0 us, 8 warps 116.8 us).
-    Registers are 128 per thread in each case, so fewer warps per CTA means more, smaller CTAs
-    resident per SM, which start and finish out of step and keep loads in flight."""
-    for w in (4, 2, 1):
-        if heads_per_group % w == 0:
+def default_warps(heads_per_group: int, lo_format: str = "nvfp4") -> int:
+    """Warps per CTA, by read-copy format, as measured on the H200 at batch 256, h = 8
+    (2026-11-29; `python -m cute_kernels.bench_read --batch 256` and the kernel benchmark):
+
+        nvfp4     4 warps 77.0 us, 8 warps 84.4 us, 16 warps 105.4 us (prefetching the next
+                  head was slower: 4 warps 90.0 us, 8 warps 116.8 us)
+        fp8_e4m3  4 warps 101.2 us, 8 warps 120.5 us
+        fp16      4 warps 244.7 us, 8 warps 240.0 us
+        fp32      4 warps 369.0 us, 8 warps 309.1 us (its SIMT decode wants the 8 warps)
+
+    Registers are 128 per thread for the tensor-core formats, so fewer warps per CTA means
+    more, smaller CTAs resident per SM, which start and finish out of step and keep loads in
+    flight. Fewer warps where the group's head count is not a multiple."""
+    preferred = 8 if lo_format in ("fp16", "fp32") else 4
+    for w in (preferred, 4, 2, 1):
+        if w <= preferred and heads_per_group % w == 0:
             return w
     return 1
 
@@ -899,7 +905,7 @@ def replay_output(
         has_z=z is not None,
         has_dt_bias=dt_bias is not None,
         dt_softplus=bool(dt_softplus),
-        warps=default_warps(H // G) if warps is None else warps,
+        warps=default_warps(H // G, lo_format) if warps is None else warps,
         prefetch=False if prefetch is None else bool(prefetch),
         upfront=None if upfront is None else bool(upfront),
     )

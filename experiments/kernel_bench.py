@@ -75,6 +75,7 @@ only the CSV) and a summary table of the issue's targets, printed last.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import math
 import os
 import shlex
@@ -749,6 +750,12 @@ def _import_flashinfer(peers_dir: Path):
             # an older torch: tvm-ffi would JIT-build its DLPack addon at import (minutes of
             # device time); its fallback converts tensors in Python, on torch's current stream
             os.environ.setdefault("TVM_FFI_DISABLE_TORCH_C_DLPACK", "1")
+        # The prebuilt modules were linked on a machine without a driver, against a stub
+        # libcuda with no symbols, so they do not name libcuda as a dependency; their driver
+        # calls (cuTensorMapEncodeTiled) resolve only if the driver library is already loaded
+        # globally. Seen on the H200 on 2026-11-29: "symbol lookup error ... undefined symbol:
+        # cuTensorMapEncodeTiled" without this (results/kernel_bench_runs/call_B_first_try.log).
+        ctypes.CDLL("libcuda.so.1", mode=ctypes.RTLD_GLOBAL)
         from flashinfer.mamba.checkpointing_ssu import (
             allocate_checkpointing_ssu_scratch,
             checkpointing_ssu,

@@ -30,7 +30,7 @@ def _config(fmt, shape, act="bf16", dt_dtype="fp32"):
     return ro.ReplayOutputConfig(
         lo_format=fmt, act=act, dt_dtype=dt_dtype, nheads=H, headdim=P, dstate=N, ngroups=G,
         ring_capacity=Lc, window=L, has_D=True, has_z=True, has_dt_bias=True,
-        dt_softplus=True, warps=ro.default_warps(H // G),
+        dt_softplus=True, warps=ro.default_warps(H // G, fmt),
     )
 
 
@@ -438,3 +438,11 @@ def test_tiny_nvfp4_blocks_reach_the_output():
     # bf16 output: half an ulp (<= 2^-8 |y|) plus fp32 summation (2^-14 of the magnitude)
     mag = g * torch.einsum("shk,shk->sh", lo64[:, :, 1].abs(), C_h.abs())
     _report("row 1", got, y1, 2.0**-8 * y1.abs() + 2.0**-14 * mag)
+
+
+def test_default_warps_follow_the_measured_best_per_format():
+    """4 warps for the tensor-core read copies (nvfp4, fp8), 8 for fp16 and the fp32 SIMT
+    decode (measured on the H200, see default_warps); a divisor of the group's heads."""
+    assert [ro.default_warps(16, f) for f in ("nvfp4", "fp8_e4m3", "fp16", "fp32")] == [4, 4, 8, 8]
+    assert ro.default_warps(80, "fp32") == 8 and ro.default_warps(6, "fp32") == 2
+    assert ro.default_warps(6, "nvfp4") == 2 and ro.default_warps(5, "nvfp4") == 1

@@ -188,7 +188,7 @@ jit/mamba/__init__.py jit/mamba/checkpointing_ssu.py jit/mamba/selective_state_u
 jit/mamba/seq_chunk_cumsum.py jit/spdlog.py jit/tllm_utils.py jit/utils.py
 mamba/checkpointing_ssu.py mamba/selective_state_update.py tllm_enums.py tllm_utils.py
 trace/__init__.py trace/solution.py trace/template.py trace/templates/__init__.py
-trace/templates/mamba.py utils.py version.py"
+trace/templates/mamba.py tactics_blocklist.py utils.py version.py"
 # The JIT sources of the two modules (FlashInfer copies them into its workspace and renders
 # the .jinja configs).
 FI_CSRC="checkpointing_ssu.cu checkpointing_ssu_customize_config.jinja
