@@ -17,14 +17,20 @@ default the fallbacks are compiled out (replaced by a constant) to count what a 
 Needs `ptxas` from CUDA 12.9 or newer (CuTe DSL 4.8 emits PTX 8.8) and `cuobjdump`: the
 `CUDA_HOME` toolkit's, else the first on PATH, else (cuobjdump only) the one in Triton's wheel.
 
-Measured 2026-11-29, ptxas 13.0, Nemotron-3-Super head (64 x 128), window 16, bf16:
+Measured 2026-11-29, ptxas 13.0 (CUDA 13.0), Nemotron-3-Super head (64 x 128), window 16,
+bf16 activations, D and dt_bias, no z. "Before" is the kernel of commit 30c950c (one Philox
+word per counter, every E2M1 code by division); "now" the fast paths only, "as shipped" with
+the fallbacks compiled in (static code size, not what a thread runs):
 
-    variant                     before (1 word/counter, div.rn)   now (fast paths)
-    fp32 hi, no read copy       33.8                              33.8
-    fp16 RN hi, no read copy    34.5                              34.5
-    fp16 SR hi, no read copy    96.4                              49.2
-    fp16 RN hi + nvfp4          95.0                              ~68
-    fp16 SR hi + nvfp4          156.9                             ~84
+    variant                     before    now    as shipped
+    fp32 hi, no read copy       33.8      33.5   33.5
+    fp16 RN hi, no read copy    34.5      34.1   34.1
+    fp16 SR hi, no read copy    96.4      48.9   77.2
+    fp16 RN hi + nvfp4          95.0      71.8   118.0
+    fp16 SR hi + nvfp4          156.9     86.8   161.1
+
+On the H200 the fp16-SR + nvfp4 flush went from 2,244 to 1,452 us at batch 256
+(results/README.md, "Second timing").
 """
 
 from __future__ import annotations
