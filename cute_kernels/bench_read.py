@@ -239,9 +239,13 @@ def time_format(fmt, batch, h, window, sets, reps, knobs=None):
 
 
 # Tuning variants timed besides the defaults: (format, warps per CTA, prefetch the next
-# head, load a head's whole read copy first).
-VARIANTS = [("nvfp4", 4, False, True), ("nvfp4", 16, False, True), ("nvfp4", 4, True, True),
-            ("nvfp4", 8, True, True), ("nvfp4", 8, False, False), ("fp8_e4m3", 8, False, False)]
+# head, load a head's whole read copy first, CTAs per group). The head splits are for small
+# batches (run with --batch 1 8 32): not yet timed on the GPU (2026-11-29).
+VARIANTS = [("nvfp4", 4, False, True, 1), ("nvfp4", 8, False, True, 1),
+            ("nvfp4", 16, False, True, 1), ("nvfp4", 4, True, True, 1),
+            ("nvfp4", 8, False, False, 1), ("fp8_e4m3", 8, False, False, 1),
+            ("fp32", 4, False, None, 1), ("nvfp4", 4, False, True, 4),
+            ("nvfp4", 1, False, True, 16), ("fp32", 8, False, None, 2)]
 
 
 def run(batches, h, window, sets, reps, out=None, variants=True):
@@ -249,7 +253,8 @@ def run(batches, h, window, sets, reps, out=None, variants=True):
     rows = []
     cases = [(fmt, None) for fmt in ro.LO_FORMATS]
     if variants:
-        cases += [(fmt, dict(warps=w, prefetch=p, upfront=u)) for fmt, w, p, u in VARIANTS]
+        cases += [(fmt, dict(warps=w, prefetch=p, upfront=u, head_splits=k))
+                  for fmt, w, p, u, k in VARIANTS]
     for batch in batches:
         for fmt, knobs in cases:
             us, ratio = time_format(fmt, batch, h, window, sets, reps, knobs)
@@ -257,7 +262,8 @@ def run(batches, h, window, sets, reps, out=None, variants=True):
             name = fmt
             if knobs is not None:
                 name += f"/w{knobs['warps']}" + ("p" if knobs["prefetch"] else "")
-                name += "" if knobs["upfront"] else "l"
+                name += "" if knobs["upfront"] in (True, None) else "l"
+                name += f"/s{knobs['head_splits']}" if knobs["head_splits"] > 1 else ""
             rows.append(dict(
                 format=name, batch=batch, h=h, window=window, us=us, bytes=nbytes,
                 gbs=nbytes / us / 1e3 if us == us else float("nan"), check=ratio,

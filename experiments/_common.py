@@ -17,7 +17,13 @@ __all__ = ["git_commit", "device_name", "meta_path", "write_meta"]
 
 def git_commit(repo: Path | None = None) -> str:
     """The checked-out commit (with ``+dirty`` if the tree has changes or untracked files), or
-    ``'unknown'`` outside a git repository or before the first commit."""
+    ``'unknown'`` outside a git repository or before the first commit.
+
+    ``LOWPREC_COMMIT`` in the environment wins: the GPU machine gets a copy of the working
+    tree whose ``.git`` is not the checkout's (on 2026-11-29 it named a commit several hours
+    old), so a GPU run is started as ``LOWPREC_COMMIT=<hash here> bash scripts/...``."""
+    if os.environ.get("LOWPREC_COMMIT"):
+        return os.environ["LOWPREC_COMMIT"] + " (LOWPREC_COMMIT)"
     repo = repo or Path(__file__).resolve().parent.parent
     try:
         commit = subprocess.run(

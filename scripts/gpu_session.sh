@@ -30,6 +30,10 @@
 #       non-flush kernels and the two-precision flush at the headline point (batch 256, L = 16):
 #       ncu_<kernel>.txt (details page) and kernel_bench_P.log
 #
+# Start each as `LOWPREC_COMMIT=<git rev-parse --short HEAD, here> bash scripts/gpu_session.sh X`:
+# the device's copy of the tree carries a .git that is not this checkout's, so the meta files
+# would otherwise name a stale commit (they did on 2026-11-29).
+#
 # Then, here: copy the files into results/ and merge the two runs:
 #   python -m experiments.kernel_bench --merge results/kernel_bench_A.csv \
 #       results/kernel_bench_B.csv --out results/kernel_bench.csv --plot-dir results
@@ -52,7 +56,7 @@ remaining() { echo $(( total - ($(date +%s) - start) )); }
 
 log="$out/kernel_bench_$part.log"
 {
-  echo "== kernel_bench call $part: $(date -u +%FT%TZ), $(git rev-parse --short HEAD 2>/dev/null)"
+  echo "== kernel_bench call $part: $(date -u +%FT%TZ), ${LOWPREC_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null) (device .git, may be stale)}"
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,power.draw --format=csv
 } > "$log" 2>&1
 

@@ -8,6 +8,8 @@ dequantised read copy, ring records and cursors exactly, flush slots untouched, 
 consecutive steps.
 """
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -59,6 +61,20 @@ def test_every_variant_compiles_for_sm90a_with_128bit_state_loads(fmt, shape):
         assert mma == P * N // 256 * heads_per_warp
     if fmt == "nvfp4":  # two E4M3 scale bytes per lane and row
         assert ptx.count("ld.global.nc.L1::no_allocate.u16") * 2 * 32 == state_bytes // 8
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp32"])
+def test_head_splits_compile_with_a_share_of_the_heads_per_cta(fmt):
+    """head_splits = 4 at the Nemotron shape: each CTA (4 warps for nvfp4, 2 for fp32) reads
+    a quarter of its group's heads, still every state byte once with 16-byte loads."""
+    warps = 4 if fmt == "nvfp4" else 2
+    cfg = dataclasses.replace(_config(fmt, "nemotron"), warps=warps, head_splits=4)
+    ptx = ro.compile_replay_output(cfg, keep_ptx=True).__ptx__
+    _, H, P, N, G, _, _ = SHAPES["nemotron"]
+    heads_per_warp = H // G // 4 // warps
+    state_bytes = P * N * ro._BYTES_PER_ELEMENT[fmt] * heads_per_warp
+    assert ptx.count("ld.global.nc.L1::no_allocate.v4.u32") * 16 * 32 == state_bytes
+    assert "ld.local" not in ptx and "st.local" not in ptx
 
 
 def test_fp32_activations_compile():
@@ -345,6 +361,26 @@ def test_tuning_knobs_keep_the_results(fmt, warps, prefetch, upfront):
     _call(lo_d, t_d, fmt, window, out, warps=warps, prefetch=prefetch, upfront=upfront)
     torch.cuda.synchronize()
     _check_step(lo64, t, {k: v.cpu() for k, v in t_d.items()}, out.cpu(), window, "bf16")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt, warps, head_splits, shape", [
+    ("nvfp4", 4, 2, "nemotron"), ("nvfp4", 1, 16, "nemotron"), ("fp32", 2, 4, "nemotron"),
+    ("fp8_e4m3", 1, 4, "odd"),
+])
+def test_head_splits_keep_the_results(fmt, warps, head_splits, shape):
+    """Spreading a group's heads over several CTAs changes only the schedule: outputs, the
+    appended records (B once per group) and the cursors (one arrival per CTA) as with one CTA
+    per group; a head_splits that does not divide the group's heads is refused."""
+    window = SHAPES[shape][-1]
+    lo, lo64, t = _inputs(fmt, shape, "bf16", seed=23)
+    lo_d, t_d = _to_cuda(lo, t)
+    out = torch.full_like(t_d["x"], float("nan"))
+    _call(lo_d, t_d, fmt, window, out, warps=warps, head_splits=head_splits)
+    torch.cuda.synchronize()
+    _check_step(lo64, t, {k: v.cpu() for k, v in t_d.items()}, out.cpu(), window, "bf16")
+    with pytest.raises(ValueError, match="head_splits"):
+        _call(lo_d, t_d, fmt, window, out, warps=warps, head_splits=7)
 
 
 @pytest.mark.gpu

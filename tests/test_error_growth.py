@@ -537,3 +537,14 @@ def test_prefetched_inputs_are_the_inputs_drawn_in_line():
                 assert (a is None and b is None) or torch.equal(a, b)
     finally:
         ahead.close()
+
+
+def test_meta_commit_can_be_named_by_the_environment(monkeypatch):
+    """A GPU run names the commit it was started from (LOWPREC_COMMIT): the device's copy of
+    the tree has a .git that is not the checkout's."""
+    from experiments import _common
+
+    monkeypatch.setenv("LOWPREC_COMMIT", "abc1234")
+    assert _common.git_commit() == "abc1234 (LOWPREC_COMMIT)"
+    monkeypatch.delenv("LOWPREC_COMMIT")
+    assert _common.git_commit() != "abc1234 (LOWPREC_COMMIT)"
