@@ -968,7 +968,7 @@ def plot(csv_path: str | Path, png_path: str | Path) -> None:
     fig, axes = plt.subplots(
         len(fmts),
         len(mems),
-        figsize=(4.4 * len(mems), height),
+        figsize=(max(4.4 * len(mems), 7.0), height),  # one memory: wide enough for the title
         sharex=True,
         sharey="row",
         squeeze=False,
@@ -1006,7 +1006,10 @@ def plot(csv_path: str | Path, png_path: str | Path) -> None:
             ax.xaxis.set_major_locator(LogLocator(base=10))
             ax.xaxis.set_major_formatter(plain)
             ax.xaxis.set_minor_formatter(NullFormatter())
-            ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+            # 1-2-5 labels over a few decades; past three decades they would overlap
+            low, high = ax.get_ylim()
+            subs = (1.0, 2.0, 5.0) if high / low <= 1e3 else (1.0,)
+            ax.yaxis.set_major_locator(LogLocator(base=10, subs=subs))
             ax.yaxis.set_major_formatter(plain)
             ax.yaxis.set_minor_formatter(NullFormatter())
             ax.tick_params(labelsize=7)
