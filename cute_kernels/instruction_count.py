@@ -75,6 +75,15 @@ def _tool(name: str) -> str:
     raise SystemExit(f"instruction_count: {name} not found (set CUDA_HOME to a CUDA 12.8+ toolkit)")
 
 
+def tools_available() -> bool:
+    """Whether ptxas and cuobjdump were found (tests skip without them)."""
+    try:
+        _tool("ptxas"), _tool("cuobjdump")
+    except SystemExit:
+        return False
+    return True
+
+
 def sass_histogram(ptx: str) -> collections.Counter:
     """Opcode -> count of the SASS that ptxas makes of `ptx` for sm_90a."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -108,7 +117,10 @@ def flush_config(hi: str, rounding: str, lo: str) -> rf.FlushConfig:
     )  # fmt: skip
 
 
-def count(with_fallbacks: bool) -> list[tuple[tuple[str, str, str], float, list]]:
+def count(
+    with_fallbacks: bool, variants=VARIANTS
+) -> list[tuple[tuple[str, str, str], float, list]]:
+    """(variant, SASS instructions per state element, the 8 commonest opcodes) per variant."""
     general = (nm.sr_fp16_bits, nm.rn_e2m1_nibble)
     _compile._CACHE.clear()
     if not with_fallbacks:  # what a thread runs: the fallbacks' bodies become constants
@@ -116,7 +128,7 @@ def count(with_fallbacks: bool) -> list[tuple[tuple[str, str, str], float, list]
         nm.rn_e2m1_nibble = lambda x: cutlass.Uint32(0)
     try:
         rows = []
-        for variant in VARIANTS:
+        for variant in variants:
             kernel = rf.compile_flush(flush_config(*variant), keep_ptx=True)
             ops = sass_histogram(kernel.__ptx__)
             rows.append((variant, sum(ops.values()) / rf.ELEMENTS_PER_THREAD, ops.most_common(8)))
