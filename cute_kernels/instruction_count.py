@@ -76,12 +76,14 @@ def _tool(name: str) -> str:
 
 
 def tools_available() -> bool:
-    """Whether ptxas and cuobjdump were found (tests skip without them)."""
+    """Whether ptxas (CUDA 12.9 or newer) and cuobjdump were found (tests skip without)."""
     try:
-        _tool("ptxas"), _tool("cuobjdump")
-    except SystemExit:
+        ptxas, _ = _tool("ptxas"), _tool("cuobjdump")
+        banner = subprocess.run([ptxas, "--version"], capture_output=True, text=True).stdout
+    except (SystemExit, OSError):
         return False
-    return True
+    release = re.search(r"release (\d+)\.(\d+)", banner)
+    return bool(release) and (int(release[1]), int(release[2])) >= (12, 9)  # PTX 8.8
 
 
 def sass_histogram(ptx: str) -> collections.Counter:
