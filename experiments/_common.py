@@ -71,3 +71,17 @@ def write_meta(
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(meta, indent=2) + "\n")
     return path
+
+
+def save_small_png(fig, png) -> None:
+    """Save at dpi 110 with a 128-colour palette: a third of the RGBA size (about 100 KB for
+    a traffic plot), no visible change for line plots."""
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    fig.savefig(buffer, dpi=110, format="png")
+    buffer.seek(0)
+    with Image.open(buffer) as image:
+        image.convert("RGB").quantize(colors=128).save(png, optimize=True)

@@ -90,6 +90,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from experiments._common import save_small_png
 from lowprec import models, traffic
 
 __all__ = [
@@ -1455,6 +1456,8 @@ def plot(csv: str | Path, outdir: str | Path) -> list[Path]:
 
     fig, axes = plt.subplots(2, max(len(shapes), 1), figsize=(7 * max(len(shapes), 1), 9),
                              squeeze=False)
+    for ax in axes.flat:  # 15 or so kernels: 20 colours, so no two share one
+        ax.set_prop_cycle(color=plt.cm.tab20.colors)
     for col, shape in enumerate(shapes):
         sel = headline(ok[(ok["shape"] == shape) & (ok["window"] == window)
                           & (ok["step"] != "token")])
@@ -1470,7 +1473,7 @@ def plot(csv: str | Path, outdir: str | Path) -> list[Path]:
         axes[0, col].legend(fontsize=6, ncol=2)
     fig.tight_layout()
     paths.append(outdir / f"{stem}_time.png")
-    fig.savefig(paths[-1], dpi=110)
+    save_small_png(fig, paths[-1])
     plt.close(fig)
 
     sp = speedups(frame)
@@ -1491,7 +1494,7 @@ def plot(csv: str | Path, outdir: str | Path) -> list[Path]:
         axes[0, col].legend(fontsize=6)
     fig.tight_layout()
     paths.append(outdir / f"{stem}_speedup.png")
-    fig.savefig(paths[-1], dpi=110)
+    save_small_png(fig, paths[-1])
     plt.close(fig)
 
     fig, axes = plt.subplots(2, max(len(shapes), 1), figsize=(7 * max(len(shapes), 1), 9),
@@ -1519,7 +1522,7 @@ def plot(csv: str | Path, outdir: str | Path) -> list[Path]:
             axes[1, col].legend(fontsize=6, ncol=2)
     fig.tight_layout()
     paths.append(outdir / f"{stem}_formats.png")
-    fig.savefig(paths[-1], dpi=110)
+    save_small_png(fig, paths[-1])
     plt.close(fig)
     return paths
 

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from experiments._common import save_small_png
 from lowprec import models
 from lowprec import traffic as tr
 
@@ -465,20 +466,6 @@ def _plot_memory(df: pd.DataFrame, axes) -> None:
     axes[0].set_ylabel("requests that fit")
 
 
-def _save_small_png(fig, png: Path) -> None:
-    """Save at dpi 110 with a 128-colour palette: a third of the RGBA size (about 100 KB here),
-    no visible change for line plots."""
-    import io
-
-    from PIL import Image
-
-    buffer = io.BytesIO()
-    fig.savefig(buffer, dpi=110, format="png")
-    buffer.seek(0)
-    with Image.open(buffer) as image:
-        image.convert("RGB").quantize(colors=128).save(png, optimize=True)
-
-
 def plot(csv: str | Path) -> Path:
     """Draw the figure of one `traffic_*.csv` (reading nothing else); returns the PNG's path."""
     import matplotlib
@@ -511,7 +498,7 @@ def plot(csv: str | Path) -> Path:
     fig.suptitle(f"{title} - {model} (commit {df.git_commit.iloc[0]})", fontsize=9)
     fig.tight_layout()
     png = csv.with_suffix(".png")
-    _save_small_png(fig, png)
+    save_small_png(fig, png)
     plt.close(fig)
     return png
 
