@@ -253,6 +253,41 @@ def kernel_lo_bytes(lo, lo_format):
     return {"codes": lo["values"].cpu().contiguous().view(torch.uint8)}
 
 
+def _emulation_stores_the_same_codes(state, cpu, fs, b, seed, hi_format, hi_rounding,
+                                     lo_format):
+    """The third implementation, directly: the Triton emulation's quantiser and Philox words
+    (emulation.numerics, on the GPU) applied to the CuTe kernel's own unrounded state give
+    the CuTe kernel's stored bits. (The rest of this test ties both to lowprec.)"""
+    from emulation import numerics as em
+
+    H, P, N = state.shape[1:]
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: Triton's interpreter
+    dev_state = state.to(device)
+    if hi_format == "fp16":
+        rand = None
+        if hi_rounding == "sr":
+            rand = torch.stack([
+                em.random_words_host(seed, int(s), int(b["flushes"][s]), H * P * N, device)
+                for s in fs
+            ]).reshape(state.shape)
+        rounded = em.round_to(dev_state, "fp16", hi_rounding, rand).cpu()  # rand on device
+        want = q.encode_bits(rounded, FP16)
+        got = cpu["hi"][fs].view(torch.int16).long() & 0xFFFF
+        assert torch.equal(want, got), "emulation and CuTe fp16 recurrence copies differ"
+    if lo_format not in ("none", "fp32"):
+        quantized = em.quantize(dev_state, lo_format, "rn")
+        quantized = q.Quantized(
+            quantized.fmt,
+            quantized.elements.cpu(),
+            None if quantized.scales is None else quantized.scales.cpu(),
+            None if quantized.global_scale is None else quantized.global_scale.cpu(),
+        )
+        want = {k: v.contiguous().view(torch.uint8) for k, v in q.pack(quantized).items()}
+        got = kernel_lo_bytes({k: v[fs] for k, v in cpu["lo"].items()}, lo_format)
+        for key in want:
+            assert torch.equal(want[key], got[key]), f"emulation and CuTe lo[{key}] differ"
+
+
 def state_bound(hi, ring_x, ring_dt, ring_B, A, window, heads_per_group):
     """Elementwise fp32 error bound of the kernel's S_new: EPS * (16 + 2 L |A| cum) times the
     sum of the magnitudes of its terms, g |S| + sum_j |w_j x_j B_j|. 16: the exps (libdevice,
@@ -362,6 +397,7 @@ def check_flush(
             assert len(mism) == 0, (
                 f"lo[{key}]: {len(mism)} byte mismatches, first at {mism[:3].tolist()}"
             )
+    _emulation_stores_the_same_codes(state, cpu, fs, b, seed, hi_format, hi_rounding, lo_format)
 
     # outputs from the kernel's state: y = S C + D x, times silu(z)
     g = torch.arange(H) // hpg
@@ -546,3 +582,31 @@ def test_flush_instruction_budget_per_element():
     (_, shipped, _), = ic.count(True, variants)
     assert fast <= 90.0
     assert shipped > fast
+
+
+@pytest.mark.parametrize("lo_format", ["nvfp4", "fp8_e4m3"])
+def test_emulation_comparison_accepts_lowprec_stores(lo_format):
+    """The direct CuTe-vs-emulation check of the GPU test, run here on stores made by lowprec
+    (which the kernel must equal): it passes, and it fails on one flipped code byte."""
+    gen = torch.Generator().manual_seed(4)
+    slots, H, P, N, seed = 3, 2, 16, 32, 77
+    state = torch.randn(slots, H, P, N, generator=gen) * torch.exp2(
+        torch.randint(-6, 6, (slots, H, 1, 1), generator=gen).float()
+    )
+    fs = torch.tensor([0, 2])
+    b = {"flushes": torch.tensor([5, 9, 11], dtype=torch.int32)}
+    rand = philox.random_words(seed, fs, b["flushes"][fs].long(), (H, P, N))
+    hi = q.encode_bits(q.round_to(state[fs], FP16, "sr", rand), FP16).to(torch.int16)
+    packed = q.pack(q.quantize(state[fs], lo_format, "rn"))
+    lo = packed if lo_format == "nvfp4" else {"values": packed["codes"]}
+    cpu = {
+        "hi": torch.zeros(slots, H, P, N, dtype=torch.int16).index_copy(0, fs, hi)
+        .view(torch.float16),
+        "lo": {k: torch.zeros((slots, *v.shape[1:]), dtype=v.dtype).index_copy(0, fs, v)
+               for k, v in lo.items()},
+    }
+    _emulation_stores_the_same_codes(state[fs], cpu, fs, b, seed, "fp16", "sr", lo_format)
+    key = "codes" if lo_format == "nvfp4" else "values"
+    cpu["lo"][key].view(torch.uint8).view(-1)[fs[1] * 7 + 3] ^= 1
+    with pytest.raises(AssertionError, match="emulation and CuTe lo"):
+        _emulation_stores_the_same_codes(state[fs], cpu, fs, b, seed, "fp16", "sr", lo_format)
