@@ -208,7 +208,7 @@ def time_graph(launches, reps, replays):
     return statistics.median(times), min(times), max(times)
 
 
-def flush_config(batch, window, hi_format, lo_format, hi_rounding=None):
+def flush_config(batch, window, hi_format, lo_format, hi_rounding=None, elements_per_thread=64):
     return rf.FlushConfig(
         **NEMOTRON,
         window=window,
@@ -223,13 +223,16 @@ def flush_config(batch, window, hi_format, lo_format, hi_rounding=None):
         has_dt_bias=True,
         dt_softplus=True,
         has_debug=False,
+        elements_per_thread=elements_per_thread,
     )
 
 
-def bench_flush(cfg: BenchConfig, hi_format, lo_format, flushing=True, hi_rounding=None):
+def bench_flush(
+    cfg: BenchConfig, hi_format, lo_format, flushing=True, hi_rounding=None, elements_per_thread=64
+):
     gen = torch.Generator(device="cuda").manual_seed(3)
     B, L = cfg.batch, cfg.window
-    fcfg = flush_config(B, L, hi_format, lo_format, hi_rounding)
+    fcfg = flush_config(B, L, hi_format, lo_format, hi_rounding, elements_per_thread)
     launches = []
     for _ in range(cfg.sets):
         cache = make_cache(B, L, hi_format, "none", gen, torch.full((B,), L - 1 if flushing else 0))
@@ -358,6 +361,11 @@ def run(cfg: BenchConfig):
             "flush fp16-RN, no read copy (fold, output, stores)",
             lambda: True,
             lambda: bench_flush(cfg, "fp16", "none", hi_rounding="rn"),
+        ),
+        (  # the tuning knob (correctness: tests/test_cute_replay_flush.py, gpu)
+            "flush fp16-SR + nvfp4, 32 elements per thread (256 threads)",
+            lambda: True,
+            lambda: bench_flush(cfg, "fp16", "nvfp4", elements_per_thread=32),
         ),
         (
             "flush, no slot flushing",

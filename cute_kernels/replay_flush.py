@@ -85,9 +85,10 @@ E2M1_E4M3_MAX = 2688.0  # 448 * 6
 E2M1_MAX = 6.0
 
 
-def thread_count(headdim: int, dstate: int) -> int:
-    """Threads per CTA: 64 state elements each, at least one warp, at most 1024."""
-    return min(max(headdim * dstate // ELEMENTS_PER_THREAD, 32), 1024)
+def thread_count(headdim: int, dstate: int, elements_per_thread: int = ELEMENTS_PER_THREAD) -> int:
+    """Threads per CTA: `elements_per_thread` state elements each (64 by default), at least
+    one warp, at most 1024."""
+    return min(max(headdim * dstate // elements_per_thread, 32), 1024)
 
 
 @dataclass(frozen=True)
@@ -110,10 +111,13 @@ class FlushConfig:
     has_dt_bias: bool
     dt_softplus: bool
     has_debug: bool
+    # 32 halves the registers a thread holds (twice the threads per CTA): more CTAs resident
+    # per SM to hide the load-compute-store phases. Compile-checked only (2026-11-29); off.
+    elements_per_thread: int = ELEMENTS_PER_THREAD
 
     @property
     def threads(self) -> int:
-        return thread_count(self.headdim, self.dstate)
+        return thread_count(self.headdim, self.dstate, self.elements_per_thread)
 
     @property
     def chunks_per_row(self) -> int:
@@ -714,19 +718,26 @@ def _optional_ptr(tensor, dtype):
 # validation
 
 
-def check_state_shape(name, t):
+def check_state_shape(name, t, elements_per_thread=ELEMENTS_PER_THREAD):
     if not isinstance(t, torch.Tensor) or t.dim() != 4:
         shape = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
         _compile.fail(name, "a 4-d tensor [slots, nheads, headdim, dstate]", shape)
     slots, nheads, headdim, dstate = t.shape
     if dstate not in (16, 32, 64, 128, 256):
         _compile.fail(f"{name}.shape[3] (dstate)", "a power of two in [16, 256]", dstate)
-    threads = thread_count(headdim, dstate)
+    threads = thread_count(headdim, dstate, elements_per_thread)
     if headdim % 8 or (headdim * (dstate // CHUNK)) % threads:
         _compile.fail(
             f"{name}.shape[2] (headdim)",
             f"a multiple of 8 and of {threads * CHUNK // dstate}",
             headdim,
+        )
+    if threads % 32:  # the warp shuffles assume whole warps
+        _compile.fail(
+            f"{name}.shape[2:] (headdim x dstate)",
+            f"headdim * dstate / {elements_per_thread} threads, a multiple of 32 (or 32 at most "
+            f"{32 * elements_per_thread} elements)",
+            f"{headdim} x {dstate} ({threads} threads)",
         )
     return slots, nheads, headdim, dstate
 
@@ -846,6 +857,7 @@ def replay_flush(
     lo_format="nvfp4",
     seed=0,
     debug_state=None,
+    elements_per_thread=ELEMENTS_PER_THREAD,
 ):
     """Flush every slot whose step is a flush (`cursors[s] + 1 == window`); see the module doc.
 
@@ -861,6 +873,8 @@ def replay_flush(
     Writes hi, lo, the rings' last position, out (only rows of flushing slots; allocated when
     None) and debug_state (fp32, state-shaped, optional); then resets the cursors and advances
     `flushes` of the slots that flushed. Returns out. Runs on torch's current stream.
+    `elements_per_thread` (64, or 32 for twice the threads and about 80 registers each) is a
+    tuning knob that has not run on a GPU yet (FlushConfig).
     """
     cfg, lo = _prepare_flush(
         hi,
@@ -886,6 +900,7 @@ def replay_flush(
         lo_format,
         seed,
         debug_state,
+        elements_per_thread,
     )
     if out is None:
         out = torch.empty_like(x)
@@ -938,15 +953,18 @@ def _prepare_flush(
     lo_format,
     seed,
     debug_state,
+    elements_per_thread=ELEMENTS_PER_THREAD,
 ):
     """Validate a flush call; returns (FlushConfig, lo as a dict)."""
+    if elements_per_thread not in (32, 64):
+        _compile.fail("elements_per_thread", "32 or 64", repr(elements_per_thread))
     check_choice("hi_format", hi_format, HI_FORMATS)
     check_choice("hi_rounding", hi_rounding, HI_ROUNDINGS)
     check_choice("lo_format", lo_format, LO_FORMATS)
     check_seed(seed)
     if not isinstance(dt_softplus, bool):
         _compile.fail("dt_softplus", "a bool", repr(dt_softplus))
-    slots, nheads, headdim, dstate = check_state_shape("hi", hi)
+    slots, nheads, headdim, dstate = check_state_shape("hi", hi, elements_per_thread)
     device = hi.device
     hi_dtype = torch.float16 if hi_format == "fp16" else torch.float32
     _compile.check_tensor("hi", hi, hi_dtype, hi.shape, device)
@@ -991,6 +1009,7 @@ def _prepare_flush(
         has_dt_bias=dt_bias is not None,
         dt_softplus=dt_softplus,
         has_debug=debug_state is not None,
+        elements_per_thread=elements_per_thread,
     )
     return cfg, lo
 

@@ -10,6 +10,7 @@ A multi-window run drives replay_decode_step (non-flush + flush kernels) with sl
 ring positions.
 """
 
+import dataclasses
 import os
 
 import pytest
@@ -90,6 +91,31 @@ def test_ptx_uses_128_bit_state_accesses(variant):
         assert ptx.count("div.rn.f32") >= 8 * 8  # one per element, one per block, s_g
         assert ptx.count("st.global.b32") >= 8  # 8 nibbles per thread per chunk
         assert ptx.count("st.global.b8") >= 8  # the scale byte of each block
+
+
+@pytest.mark.parametrize(
+    "variant", [("fp16", "sr", "nvfp4"), ("fp32", "rn", "none")], ids=variant_id
+)
+def test_32_elements_per_thread_compile_with_128_bit_state_accesses(variant):
+    """elements_per_thread = 32: 256 threads, half the hi accesses per thread, still 128-bit."""
+    cfg = dataclasses.replace(config(NEMOTRON, *variant, debug=False), elements_per_thread=32)
+    assert cfg.threads == 256
+    ptx = rf.compile_flush(cfg, keep_ptx=True).__ptx__
+    per_thread = 4 if variant[0] == "fp16" else 8
+    assert ptx.count("ld.global.v4.b32") >= per_thread
+    assert ptx.count("st.global.v4.b32") >= per_thread
+    assert ".local" not in ptx
+
+
+def test_state_shapes_that_need_a_partial_warp_are_refused():
+    """A 24 x 128 head would take 48 threads (64 elements each): one and a half warps, which
+    the warp shuffles cannot serve; 24 x 64 takes one whole warp (32 threads, fewer elements
+    each) and passes; with 32 elements per thread 24 x 64 would need 48 and is refused."""
+    with pytest.raises(ValueError, match="multiple of 32"):
+        rf.check_state_shape("hi", torch.empty(1, 2, 24, 128))
+    assert rf.check_state_shape("hi", torch.empty(1, 2, 24, 64)) == (1, 2, 24, 64)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        rf.check_state_shape("hi", torch.empty(1, 2, 24, 64), 32)
 
 
 def test_advance_kernel_compiles():
@@ -312,7 +338,8 @@ def state_bound(hi, ring_x, ring_dt, ring_B, A, window, heads_per_group):
 
 
 def check_flush(
-    shape, slots, window, act, hi_format, hi_rounding, lo_format, seed=SEED, gen_seed=0
+    shape, slots, window, act, hi_format, hi_rounding, lo_format, seed=SEED, gen_seed=0,
+    elements_per_thread=rf.ELEMENTS_PER_THREAD,
 ):
     gen = torch.Generator().manual_seed(gen_seed)
     flush_slots = list(range(0, slots, 2))
@@ -332,6 +359,7 @@ def check_flush(
         lo_format=lo_format,
         seed=seed,
         debug_state=debug,
+        elements_per_thread=elements_per_thread,
     )
     torch.cuda.synchronize()
     cpu = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in cache.items()}
@@ -443,6 +471,15 @@ def test_flush_codes_equal_lowprec_at_an_odd_shape(variant):
 def test_flush_at_the_nemotron_shape_with_bf16_activations(variant):
     """3 slots of the Nemotron-3-Super layer (128 heads, 64 x 128, 8 groups), window 16."""
     check_flush(NEMOTRON, 3, 16, torch.bfloat16, *variant, gen_seed=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "variant", [("fp16", "sr", "nvfp4"), ("fp32", "rn", "none")], ids=variant_id
+)
+def test_flush_with_32_elements_per_thread(variant):
+    """The 256-thread form (the tuning knob, not yet the default) stores the same codes."""
+    check_flush(NEMOTRON, 3, 16, torch.bfloat16, *variant, gen_seed=2, elements_per_thread=32)
 
 
 @pytest.mark.gpu
