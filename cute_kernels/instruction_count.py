@@ -1,4 +1,5 @@
-"""Static SASS instruction counts of the flush kernel's variants, per state element, on the CPU.
+"""Static SASS instruction counts per state element, and registers per thread, of the flush
+kernel's variants and of the non-flush kernel, compiled for sm_90a on the CPU.
 
     python -m cute_kernels.instruction_count            # every variant, fast paths only
     python -m cute_kernels.instruction_count --with-fallbacks
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import os
 import re
 import shutil
@@ -49,6 +51,7 @@ import cutlass  # noqa: E402, I001
 from cute_kernels import _compile  # noqa: F401  (sm_90a target before cutlass)
 from cute_kernels import numerics as nm  # noqa: E402
 from cute_kernels import replay_flush as rf  # noqa: E402
+from cute_kernels import replay_output as ro  # noqa: E402
 
 VARIANTS = (
     ("fp32", "rn", "none"),
@@ -86,14 +89,15 @@ def tools_available() -> bool:
     return bool(release) and (int(release[1]), int(release[2])) >= (12, 9)  # PTX 8.8
 
 
-def sass_histogram(ptx: str) -> collections.Counter:
-    """Opcode -> count of the SASS that ptxas makes of `ptx` for sm_90a."""
+def sass_histogram(ptx: str) -> tuple[collections.Counter, int]:
+    """(opcode -> count, registers per thread) of the SASS that ptxas makes of `ptx` for
+    sm_90a."""
     with tempfile.TemporaryDirectory() as tmp:
         src, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
         with open(src, "w") as f:
             f.write(ptx)
         done = subprocess.run(
-            [_tool("ptxas"), "-arch=sm_90a", "-O3", src, "-o", cubin],
+            [_tool("ptxas"), "-arch=sm_90a", "-O3", "-v", src, "-o", cubin],
             capture_output=True,
             text=True,
         )
@@ -107,7 +111,8 @@ def sass_histogram(ptx: str) -> collections.Counter:
         m = re.match(r"\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", line)
         if m and m.group(1) not in ("NOP", "EXIT", "BRA"):
             ops[m.group(1)] += 1
-    return ops
+    registers = re.findall(r"Used (\d+) registers", done.stderr)
+    return ops, int(registers[-1]) if registers else -1
 
 
 def flush_config(hi: str, rounding: str, lo: str) -> rf.FlushConfig:
@@ -120,9 +125,10 @@ def flush_config(hi: str, rounding: str, lo: str) -> rf.FlushConfig:
 
 
 def count(
-    with_fallbacks: bool, variants=VARIANTS
-) -> list[tuple[tuple[str, str, str], float, list]]:
-    """(variant, SASS instructions per state element, the 8 commonest opcodes) per variant."""
+    with_fallbacks: bool, variants=VARIANTS, elements_per_thread: int = rf.ELEMENTS_PER_THREAD
+) -> list[tuple[tuple[str, str, str], float, int, list]]:
+    """Per flush variant: (variant, SASS instructions per state element, registers per
+    thread, the 8 commonest opcodes)."""
     general = (nm.sr_fp16_bits, nm.rn_e2m1_nibble)
     _compile._CACHE.clear()
     if not with_fallbacks:  # what a thread runs: the fallbacks' bodies become constants
@@ -131,28 +137,59 @@ def count(
     try:
         rows = []
         for variant in variants:
-            kernel = rf.compile_flush(flush_config(*variant), keep_ptx=True)
-            ops = sass_histogram(kernel.__ptx__)
-            rows.append((variant, sum(ops.values()) / rf.ELEMENTS_PER_THREAD, ops.most_common(8)))
+            cfg = flush_config(*variant)
+            cfg = dataclasses.replace(cfg, elements_per_thread=elements_per_thread)
+            ops, registers = sass_histogram(rf.compile_flush(cfg, keep_ptx=True).__ptx__)
+            per_element = sum(ops.values()) / elements_per_thread
+            rows.append((variant, per_element, registers, ops.most_common(8)))
         return rows
     finally:
         nm.sr_fp16_bits, nm.rn_e2m1_nibble = general
         _compile._CACHE.clear()
 
 
+# The non-flush kernel is unrolled over the heads a warp owns, so its SASS count divided by
+# the elements one lane handles (heads per warp x headdim x dstate / 32) is what a lane issues
+# per read-copy element, prologue and epilogue included.
+NONFLUSH_VARIANTS = (("nvfp4", 4), ("nvfp4", 8), ("fp8_e4m3", 4), ("fp32", 8))
+
+
+def count_nonflush(variants=NONFLUSH_VARIANTS) -> list[tuple[tuple[str, int], float, int]]:
+    """Per (read-copy format, warps): (variant, SASS instructions per element and lane,
+    registers per thread) of the non-flush kernel at the Nemotron-3-Super layer, h = 8."""
+    rows = []
+    for lo_format, warps in variants:
+        cfg = ro.ReplayOutputConfig(
+            lo_format=lo_format, act="bf16", dt_dtype="fp32", nheads=128, headdim=64,
+            dstate=128, ngroups=8, ring_capacity=16, window=16, has_D=True, has_z=False,
+            has_dt_bias=True, dt_softplus=True, warps=warps,
+        )  # fmt: skip
+        ops, registers = sass_histogram(ro.compile_replay_output(cfg, keep_ptx=True).__ptx__)
+        per_lane = cfg.heads_per_group // warps * cfg.headdim * cfg.dstate // 32
+        rows.append(((lo_format, warps), sum(ops.values()) / per_lane, registers))
+    return rows
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m cute_kernels.instruction_count",
-        description="SASS instructions per state element of each flush variant (sm_90a, "
-        "compiled on the CPU). Without --with-fallbacks the rare general-path bodies are "
-        "compiled out, so the count is what a thread issues.",
+        description="SASS instructions per state element and registers per thread of the "
+        "flush variants (64 and 32 elements per thread) and of the non-flush kernel (sm_90a, "
+        "compiled on the CPU). Without --with-fallbacks the flush's rare general-path bodies "
+        "are compiled out, so the count is what a thread issues.",
     )
     parser.add_argument("--with-fallbacks", action="store_true", help="count the kernel as shipped")
     args = parser.parse_args(argv)
-    for (hi, rounding, lo), per_element, top in count(args.with_fallbacks):
-        name = f"{hi} {rounding} hi + {lo}"
-        ops = ", ".join(f"{op} {n / rf.ELEMENTS_PER_THREAD:.1f}" for op, n in top)
-        print(f"{name:22s} {per_element:6.1f} per element   ({ops})")
+    for ept in (rf.ELEMENTS_PER_THREAD, 32):
+        print(f"flush, {ept} elements per thread:")
+        rows = count(args.with_fallbacks, VARIANTS, ept)
+        for (hi, rounding, lo), per_element, registers, top in rows:
+            ops = ", ".join(f"{op} {n / ept:.1f}" for op, n in top)
+            name = f"{hi} {rounding} hi + {lo}"
+            print(f"  {name:22s} {per_element:6.1f} per element, {registers:3d} registers ({ops})")
+    print("non-flush (replay_output), per element and lane:")
+    for (lo, warps), per_element, registers in count_nonflush():
+        print(f"  {lo:9s} {warps:2d} warps {per_element:5.2f} per element, {registers} registers")
     return 0
 
 

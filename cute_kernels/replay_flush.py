@@ -493,8 +493,9 @@ def _store_nvfp4_chunk(lo_h, scales_h, values, p, col, global_scale):
     divisor = nm.e4m3_value(scale_byte) * global_scale
     zero_block = is_zero | (divisor == Float32(0.0))
     # x * RN(1/divisor) decides the code unless a quotient lies within 2^-20 of a decision
-    # point (or the reciprocal is out of range); only then does this thread divide. Measured
-    # with ptxas: 95 -> see README instructions per element for the whole flush.
+    # point (or the reciprocal is out of range); only then does this thread divide. The
+    # fp16-RN + nvfp4 flush went from 95.0 to 71.8 instructions per element with this
+    # (`python -m cute_kernels.instruction_count`).
     recip = nm.div_rn(Float32(1.0), divisor)
     exact = nm.recip_usable(recip)
     word = Uint32(0)

@@ -247,8 +247,7 @@ def mamba2_state_update(
         if tensor is not None:
             _expect(name, tensor, shape, dtypes, device)
     if slots and check_counters:  # one host read (a stream sync) of the counters' range
-        t_lo, t_hi = torch.aminmax(cache.tokens)
-        t_lo, t_hi = torch.stack([t_lo, t_hi]).tolist()
+        t_lo, t_hi = torch.stack(torch.aminmax(cache.tokens)).tolist()
         if t_lo < 0 or t_hi >= (1 << 20) - 1:
             raise ValueError(
                 f"cache.tokens: expected values in [0, 2^20 - 1) (Philox counter), got range "

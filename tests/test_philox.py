@@ -187,7 +187,12 @@ def test_random_words_take_the_four_words_of_each_counter_in_order():
     element = torch.arange(21).reshape(shape)
     for k in range(4):
         assert torch.equal(words[:, element % 4 == k], four[k][:, element % 4 == k])
-    assert torch.equal(four[0], philox.randint(13, offsets))
+    # randint4x against the independent scalar Philox: counter (offset lo, hi, 0, 0), key
+    # (seed lo, seed hi); slot 9's counter 5 is element 20, the state's last
+    offset = (9 << 44) | (4 << 24) | 5
+    want = philox_scalar((offset & MASK32, offset >> 32, 0, 0), (13, 0))
+    assert [int(w[1, 2, 6]) for w in four] == list(want)
+    assert int(words[1, 2, 6]) == want[0]  # element 20: word 20 % 4 = 0
     assert words.unique().numel() == words.numel()  # 42 words, all different
 
 
