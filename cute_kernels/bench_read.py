@@ -248,13 +248,24 @@ VARIANTS = [("nvfp4", 4, False, True, 1), ("nvfp4", 8, False, True, 1),
             ("nvfp4", 1, False, True, 16), ("fp32", 8, False, None, 2)]
 
 
-def run(batches, h, window, sets, reps, out=None, variants=True):
+# The small-batch grid (--splits-sweep): (format, warps, head_splits), each a CTA of
+# `warps` warps per 1/head_splits of a group's 16 heads, at the default prefetch and upfront.
+SPLITS_SWEEP = [("nvfp4", 4, 1), ("nvfp4", 4, 2), ("nvfp4", 4, 4), ("nvfp4", 2, 4),
+                ("nvfp4", 2, 8), ("nvfp4", 1, 8), ("nvfp4", 1, 16), ("fp32", 8, 1),
+                ("fp32", 8, 2), ("fp32", 4, 2), ("fp32", 4, 4), ("fp32", 2, 8)]
+
+
+def run(batches, h, window, sets, reps, out=None, variants=True, splits_sweep=False):
     copy_gbs, read_gbs = ceilings()
     rows = []
     cases = [(fmt, None) for fmt in ro.LO_FORMATS]
     if variants:
         cases += [(fmt, dict(warps=w, prefetch=p, upfront=u, head_splits=k))
                   for fmt, w, p, u, k in VARIANTS]
+    if splits_sweep:
+        cases = [(fmt, None) for fmt in ("nvfp4", "fp32")]
+        cases += [(fmt, dict(warps=w, prefetch=False, upfront=None, head_splits=k))
+                  for fmt, w, k in SPLITS_SWEEP]
     for batch in batches:
         for fmt, knobs in cases:
             us, ratio = time_format(fmt, batch, h, window, sets, reps, knobs)
@@ -262,7 +273,7 @@ def run(batches, h, window, sets, reps, out=None, variants=True):
             name = fmt
             if knobs is not None:
                 name += f"/w{knobs['warps']}" + ("p" if knobs["prefetch"] else "")
-                name += "" if knobs["upfront"] in (True, None) else "l"
+                name += "" if knobs["upfront"] in (True, None) else "l"  # lazy state loads
                 name += f"/s{knobs['head_splits']}" if knobs["head_splits"] > 1 else ""
             rows.append(dict(
                 format=name, batch=batch, h=h, window=window, us=us, bytes=nbytes,
@@ -298,8 +309,10 @@ def main():
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--out", default=None)
     p.add_argument("--no-variants", action="store_true", help="time the defaults only")
+    p.add_argument("--splits-sweep", action="store_true",
+                   help="nvfp4 and fp32 only, over (warps, head_splits): the small-batch grid")
     a = p.parse_args()
-    run(a.batch, a.h, a.window, a.sets, a.reps, a.out, not a.no_variants)
+    run(a.batch, a.h, a.window, a.sets, a.reps, a.out, not a.no_variants, a.splits_sweep)
 
 
 if __name__ == "__main__":

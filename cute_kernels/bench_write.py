@@ -326,7 +326,9 @@ def bench_window(cfg: BenchConfig, hi_format, lo_format):
 # run
 
 
-def run(cfg: BenchConfig):
+def run(cfg: BenchConfig, only=None):
+    """Checks and times every case (or those whose name contains one of the strings in
+    ``only``); returns one row per case."""
     torch.manual_seed(0)
     rows = []
     warm_up()
@@ -390,6 +392,8 @@ def run(cfg: BenchConfig):
         ("window/token fp16-SR + nvfp4", lambda: True, lambda: bench_window(cfg, "fp16", "nvfp4")),
         ("window/token fp32 single copy", lambda: True, lambda: bench_window(cfg, "fp32", "none")),
     ]
+    if only:
+        cases = [c for c in cases if any(o in c[0] for o in only)]
     for name, check, bench in cases:
         row = dict(
             kernel=name,
@@ -455,9 +459,15 @@ def main():
     parser.add_argument("--reps", type=int, default=12)
     parser.add_argument("--replays", type=int, default=15)
     parser.add_argument("--out", default=None, help="CSV path")
+    parser.add_argument(
+        "--only", nargs="+", default=None, metavar="TEXT",
+        help="time only the cases whose name contains one of these strings (e.g. 'flush fp16-SR')",
+    )
     args = parser.parse_args()
     cfg = BenchConfig(batch=args.batch, window=args.window, reps=args.reps, replays=args.replays)
-    rows = run(cfg)
+    rows = run(cfg, args.only)
+    if not rows:
+        raise SystemExit(f"bench_write: no case name contains any of {args.only}")
     if args.out:
         import pandas as pd
 

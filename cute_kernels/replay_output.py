@@ -34,11 +34,13 @@ Checkpoint term, fp8/fp16/nvfp4 (``decode='mma'``): the state is the A operand o
 in B's columns 0 and 1 (columns 2..7 are zero), so ``D[:,0] + D[:,1] = S C`` to about 2^-22.
 Each quad of lanes owns two state rows (``g`` and ``g+8`` of a 16-row stripe) and loads them
 16 bytes per lane (``ld.global.nc.v4``); the k index of each A register is chosen to match the
-bytes a lane loaded, and B is laid out with the same permutation. E2M1 nibbles become f16 with
-two integer ops per pair of values (``(n&7)<<9 | (n&8)<<12`` is E2M1 * 2^-14), the E4M3 block
-scale (times 2^7, so products stay normal) multiplies them exactly in f16, and the tensor cores
-do the multiply-adds. fp32 (``decode='simt'``): octets of lanes read one row with 128-bit
-loads, FFMA against C in registers, then a 3-step butterfly.
+bytes a lane loaded, and B is laid out with the same permutation. E2M1 nibbles are re-packed
+as E4M3 bytes (``s 0 0 e1 e0 m 0 0`` is E2M1 * 2^-6; 7 integer ops per 8 values), which the
+hardware converts to f16 pairs; the tensor cores do the multiply-adds per 16-element block
+(B's columns 2t, 2t+1 carry C on lane t's k only), and each lane multiplies its blocks' sums
+by their E4M3 scales in fp32: no f16 multiply per element (`_nvfp4_term`). fp32
+(``decode='simt'``): octets of lanes read one row with 128-bit loads, FFMA against C in
+registers, then a 3-step butterfly.
 
 Cursor update without a second launch: every CTA of a slot reads ``cursors[s]`` (low 16 bits),
 then adds 1 << 16 to it atomically; the CTA that sees ``ngroups * head_splits - 1`` earlier
@@ -65,7 +67,10 @@ from cutlass.memory import SmemAllocator
 
 from cute_kernels.numerics import bits_f32, f32_bits, silu, softplus
 
-__all__ = ["ReplayOutputConfig", "ReplayOutput", "replay_output", "compile_replay_output"]
+__all__ = [
+    "ReplayOutputConfig", "ReplayOutput", "replay_output", "compile_replay_output",
+    "default_warps", "default_head_splits",
+]
 
 LO_FORMATS = ("nvfp4", "fp8_e4m3", "fp16", "fp32")
 ACT_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -78,12 +83,10 @@ _ELEMENTS_PER_LOAD = {"nvfp4": 32, "fp8_e4m3": 16, "fp16": 8, "fp32": 4}
 _BYTES_PER_ELEMENT = {"nvfp4": 0.5, "fp8_e4m3": 1, "fp16": 2, "fp32": 4}
 _DSTATE_MULTIPLE = {"nvfp4": 128, "fp8_e4m3": 64, "fp16": 32, "fp32": 32}
 
-# nvfp4: decoded nibbles are E2M1 * 2^-14 and block scales are multiplied by 2^7 before the
-# f16 product, so A = E2M1 * s_b * 2^-7 lies in [2^-17, 21]: exact in f16, and normal
-# (>= 2^-14) unless E2M1 * s_b < 2^-7, i.e. only for blocks 2^15 below the head's amax.
-_NVFP4_SCALE_LIFT = 128.0
-_F16_128X2 = 0x58005800  # f16x2 (128.0, 128.0)
-_NVFP4_UNDO = 2.0**14 / _NVFP4_SCALE_LIFT  # y = (D0 + D1) * 2^7 * s_g
+# nvfp4: nibbles are re-packed as E4M3 bytes (E2M1 * 2^-6 exactly, never subnormal in f16)
+# and converted to f16 by the hardware; the tensor cores sum codes times C per block and the
+# block scale multiplies those sums in fp32, so y = sum_blocks s_b (D0 + D1) * 2^6 * s_g.
+_NVFP4_UNDO = 2.0**6
 
 
 # --------------------------------------------------------------------------------------------
@@ -216,25 +219,12 @@ def _mma_f16(a: list, b: list, c: list, *, loc=None, ip=None) -> list:
 
 
 @dsl_user_op
-def _hmul2(a, b, *, loc=None, ip=None) -> Uint32:
-    r = _asm(T.i32(), [_ir(a, loc, ip), _ir(b, loc, ip)], "mul.rn.f16x2 $0, $1, $2;", "=r,r,r",
-             loc=loc, ip=ip)
-    return Uint32(r)
-
-
-@dsl_user_op
-def _prmt(a, b, selector: int, *, loc=None, ip=None) -> Uint32:
-    r = _asm(T.i32(), [_ir(a, loc, ip), _ir(b, loc, ip)], f"prmt.b32 $0, $1, $2, {selector:#x};",
-             "=r,r,r", loc=loc, ip=ip)
-    return Uint32(r)
-
-
-@dsl_user_op
-def _e4m3x2_to_f16x2(x, *, loc=None, ip=None) -> Uint32:
-    """Two E4M3 bytes (bits 0-15 of ``x``; byte 0 -> low half) to f16x2, exactly."""
+def _e4m3x2_to_f16x2(x, half: int = 0, *, loc=None, ip=None) -> Uint32:
+    """Two E4M3 bytes of ``x`` to f16x2, exactly: bytes 0, 1 (``half`` 0) or 2, 3 (``half``
+    1); the lower byte goes to the low half."""
     r = _asm(T.i32(), [_ir(x, loc, ip)],
-             "{.reg .b16 t; cvt.u16.u32 t, $1; cvt.rn.f16x2.e4m3x2 $0, t;}", "=r,r",
-             loc=loc, ip=ip)
+             f"{{.reg .b16 l, h; mov.b32 {{l, h}}, $1; cvt.rn.f16x2.e4m3x2 $0, {'lh'[half]};}}",
+             "=r,r", loc=loc, ip=ip)
     return Uint32(r)
 
 
@@ -300,16 +290,21 @@ def _dot_warp(a: list, b: list) -> Float32:
     return part
 
 
-def _nvfp4_pair(word, m: int):
-    """Nibbles m and m+4 of ``word`` as f16x2 (low, high) = E2M1 value * 2^-14, exactly:
-    shift nibble m to bits 12-15 (nibble m+4 lands on 28-31), keep the signs (bits 15, 31)
-    and move the magnitudes down 3 bits to 9-11 (25-27). The f16 ``(n&7) << 9`` has exponent
-    field ``e1 e0`` and mantissa ``m 0..0``: ``2^(e-15) (1 + m/2)`` = E2M1 * 2^-14 for e >= 1,
-    and the subnormal ``m * 2^-15`` = 0.5 m * 2^-14 for e = 0. Also runs on numpy uint32
-    arrays (the CPU tests check it exhaustively)."""
+def _nvfp4_as_e4m3(word):
+    """The 8 E2M1 nibbles of ``word`` re-packed as E4M3 bytes of E2M1 * 2^-6, exactly:
+    (even, odd), byte b of ``even`` from nibble 2b, of ``odd`` from nibble 2b + 1.
+
+    A nibble ``s e1 e0 m`` becomes the byte ``s 0 0 e1 e0 m 0 0``: exponent field ``e1 e0``
+    and mantissa ``m 0 0`` give ``2^(e-7) (1 + m/2)`` = E2M1 * 2^-6 for e >= 1, and the
+    subnormal ``2^-6 m/2`` for e = 0. Odd nibbles already have their sign at bit 7 of their
+    byte, so they take a shift and two logic ops, even ones two shifts and two logic ops:
+    7 integer instructions per 8 elements (the f16 trick this replaces took about 15, and left
+    code 1 subnormal). Also runs on numpy uint32 arrays (the CPU tests check it exhaustively).
+    """
     u = np.uint32 if isinstance(word, (np.ndarray, np.generic)) else Uint32
-    y = word << u(12 - 4 * m) if m < 3 else word
-    return (y & u(0x80008000)) | ((y >> u(3)) & u(0x0E000E00))
+    odd = (word & u(0x80808080)) | ((word >> u(2)) & u(0x1C1C1C1C))
+    even = ((word << u(4)) & u(0x80808080)) | ((word << u(2)) & u(0x1C1C1C1C))
+    return even, odd
 
 
 # --------------------------------------------------------------------------------------------
@@ -380,6 +375,34 @@ def default_warps(heads_per_group: int, lo_format: str = "nvfp4") -> int:
     return 1
 
 
+# CTAs the grid should hold per SM before a group's heads are split further (see below).
+SPLIT_TARGET_CTAS_PER_SM = 1
+
+
+def default_head_splits(batch: int, ngroups: int, heads_per_group: int, warps: int,
+                        sm_count: int) -> int:
+    """CTAs per (group, slot) when none is asked for: 1 while ``batch * ngroups`` CTAs fill
+    the GPU, else the smallest power of two that gives every SM
+    ``SPLIT_TARGET_CTAS_PER_SM`` CTAs, at most ``heads_per_group / warps`` (one head per warp).
+    Small batches are latency-bound: at batch 1 the Nemotron layer is 8 CTAs whose warps each
+    walk 4 heads one after another."""
+    splits = 1
+    while (batch * ngroups * splits < SPLIT_TARGET_CTAS_PER_SM * sm_count
+           and heads_per_group % (2 * splits * warps) == 0):
+        splits *= 2
+    return splits
+
+
+_SM_COUNT: dict = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNT[index]
+
+
 # --------------------------------------------------------------------------------------------
 # Kernel
 
@@ -390,6 +413,9 @@ class ReplayOutput:
     def __init__(self, cfg: ReplayOutputConfig):
         self.cfg = cfg
         self.E = _ELEMENTS_PER_LOAD[cfg.lo_format]
+        # nvfp4 applies each block scale to the mma's per-block sums, which lane t of a quad
+        # holds for its own blocks: four partial sums per row meet in shared memory
+        self.quads = 4 if cfg.lo_format == "nvfp4" else 1
 
     @cute.jit
     def __call__(
@@ -419,6 +445,13 @@ class ReplayOutput:
             grid=[self.cfg.ngroups * self.cfg.head_splits, batch, 1],
             block=[32 * self.cfg.warps, 1, 1],
             stream=stream,
+            # tensor-core formats: at most 128 registers a thread (16 warps an SM); the nvfp4
+            # decode otherwise takes 134 and drops from 4 resident CTAs of 4 warps to 3. The
+            # SIMT fp32 decode needs 79 and is left alone (a floor of 2 CTAs of 8 warps would
+            # let it grow to 128). The carveout is the driver's default, named so that
+            # compiling needs no GPU.
+            min_blocks_per_mp=max(1, 16 // self.cfg.warps) if self.cfg.decode == "mma" else 0,
+            preferred_smem_carveout=-1,
         )
 
     @cute.kernel
@@ -458,7 +491,8 @@ class ReplayOutput:
 
         smem = SmemAllocator()
         bc_smem = smem.allocate_tensor(Float32, cute.make_layout(32), byte_alignment=16)
-        ys_smem = smem.allocate_tensor(Float32, cute.make_layout((P, W)), byte_alignment=16)
+        Q = self.quads  # partial sums per row (nvfp4: one per lane of a quad)
+        ys_smem = smem.allocate_tensor(Float32, cute.make_layout((P, W, Q)), byte_alignment=16)
 
         cursor = Int32(cute.arch.load((cursors + s).llvm_ptr, Int32)) & 0xFFFF
         h = cursor + 1
@@ -529,7 +563,7 @@ class ReplayOutput:
                 rows, writer = self._checkpoint_term(ck, ld["state"], lane)
                 if writer:
                     for i in cutlass.range_constexpr(len(rows)):
-                        ys_smem[rows[i][0], warp] = rows[i][1]
+                        ys_smem[rows[i][0], warp, (lane % 4) % Q] = rows[i][1]
                 ck_scale = ck_scale * ld["factor"]
                 cute.arch.sync_warp()
 
@@ -541,8 +575,11 @@ class ReplayOutput:
                     v = cutlass.min(v_raw, P - 2)  # clamped: every lane joins the shuffles
                     xw = ld["x"][r]
                     xv = _words_to_f32(xw, act)
-                    acc0 = ck_scale * ys_smem[v, warp]
-                    acc1 = ck_scale * ys_smem[v + 1, warp]
+                    ys0, ys1 = ys_smem[v, warp, 0], ys_smem[v + 1, warp, 0]
+                    for q in cutlass.range_constexpr(1, Q):
+                        ys0, ys1 = ys0 + ys_smem[v, warp, q], ys1 + ys_smem[v + 1, warp, q]
+                    acc0 = ck_scale * ys0
+                    acc1 = ck_scale * ys1
                     for j in cutlass.range_constexpr(L - 1):
                         # records j >= cursor were not loaded (zeros) and have coef 0
                         xr = _words_to_f32(ld["ring"][r][j], act)
@@ -624,9 +661,12 @@ class ReplayOutput:
             for m in range(N // 32):
                 vals += _words_to_f32(_load_words(row + (32 * m + 4 * l8) * ab, ab), act)
             return vals
-        # mma: lane (g, t) holds column g of B; g = 0 -> f16(C), g = 1 -> f16(C - f16(C))
+        # mma: lane (g, t) holds column g of B; g = 0 -> f16(C), g = 1 -> f16(C - f16(C)).
+        # nvfp4: columns 2t' and 2t'+1 hold C's hi and lo on lane t''s k only (zero on the
+        # other lanes' k), so D[r, 2t] + D[r, 2t+1] is row r's sum over lane t's block alone.
         g = lane // 4
         t = lane % 4
+        hi_col, lo_col = (2 * t, 2 * t + 1) if self.quads == 4 else (0, 1)
         frags = []
         for c in range(N // (4 * E)):
             cv = _words_to_f32(_load_words(row + (4 * E * c + E * t) * ab, E * ab // 4), act)
@@ -638,7 +678,7 @@ class ReplayOutput:
                     hi = _f32x2_to_f16x2(c0, c1)
                     h0, h1 = _f16x2_to_f32x2(hi)
                     lo = _f32x2_to_f16x2(c0 - h0, c1 - h1)
-                    pair.append(_sel(g == 0, hi, _sel(g == 1, lo, Uint32(0))))
+                    pair.append(_sel(g == hi_col, hi, _sel(g == lo_col, lo, Uint32(0))))
                 frags.append(pair)
         return frags
 
@@ -646,8 +686,10 @@ class ReplayOutput:
         """k offsets (within a lane's E loaded elements) of A-fragment slots (2t, 2t+1, 2t+8,
         2t+9) of mma j: they must be the elements that the lane's registers hold."""
         if self.cfg.lo_format == "nvfp4":
-            base = 8 * (j // 2) + 2 * (j % 2)  # word j//2, nibble pairs (m, m+4), (m+1, m+5)
-            return (base, base + 4, base + 1, base + 5)
+            # word j//2; bytes 0-1 (j even) or 2-3 (j odd) of its even and odd re-packs:
+            # nibbles (0, 2), (1, 3) or (4, 6), (5, 7)
+            base = 8 * (j // 2) + 4 * (j % 2)
+            return (base, base + 2, base + 1, base + 3)
         return (4 * j, 4 * j + 1, 4 * j + 2, 4 * j + 3)
 
     def _issue_state(self, lo0, lo1, sh, lane) -> list:
@@ -712,34 +754,19 @@ class ReplayOutput:
             return rows, l8 == 0
 
         g, t = lane // 4, lane % 4
+        if fmt == "nvfp4":
+            return self._nvfp4_term(ck, state, g, t), True
         for q in range(P // 16):
             r1 = 16 * q + g
             acc = [Float32(0.0)] * 4
-            for c, (a1, a2, sc_raw) in enumerate(state[q]):
-                if fmt == "nvfp4":
-                    # (s_b, s_b) * 2^7 in f16 for blocks 2t (words 0-1) and 2t+1 (words 2-3)
-                    sc = []
-                    for sv in sc_raw:
-                        even = _e4m3x2_to_f16x2(_prmt(sv, sv, 0x0000))
-                        odd = _e4m3x2_to_f16x2(_prmt(sv, sv, 0x1111))
-                        sc.append((_hmul2(even, _F16_128X2), _hmul2(odd, _F16_128X2)))
-                    for j in range(8):
-                        i, m = j // 2, 2 * (j % 2)
-                        s1x, s2x = sc[0][i // 2], sc[1][i // 2]
-                        a = [
-                            _hmul2(_nvfp4_pair(a1[i], m), s1x),
-                            _hmul2(_nvfp4_pair(a2[i], m), s2x),
-                            _hmul2(_nvfp4_pair(a1[i], m + 1), s1x),
-                            _hmul2(_nvfp4_pair(a2[i], m + 1), s2x),
-                        ]
-                        acc = _mma_f16(a, ck[c * 8 + j], acc)
-                elif fmt == "fp8_e4m3":
+            for c, (a1, a2, _) in enumerate(state[q]):
+                if fmt == "fp8_e4m3":
                     for j in range(4):
                         a = [
                             _e4m3x2_to_f16x2(a1[j]),
                             _e4m3x2_to_f16x2(a2[j]),
-                            _e4m3x2_to_f16x2(a1[j] >> Uint32(16)),
-                            _e4m3x2_to_f16x2(a2[j] >> Uint32(16)),
+                            _e4m3x2_to_f16x2(a1[j], 1),
+                            _e4m3x2_to_f16x2(a2[j], 1),
                         ]
                         acc = _mma_f16(a, ck[c * 4 + j], acc)
                 else:  # fp16: the loaded words are the A registers
@@ -748,6 +775,37 @@ class ReplayOutput:
                         acc = _mma_f16(a, ck[c * 2 + j], acc)
             rows += [(r1, acc[0] + acc[1]), (r1 + 8, acc[2] + acc[3])]
         return rows, t == 0
+
+    def _nvfp4_term(self, ck, state, g, t):
+        """nvfp4: per 16-row stripe and chunk, the mmas of words 0-1 (block 2t of the lane's
+        chunk) and of words 2-3 (block 2t + 1) accumulate apart, so that D's columns 2t, 2t+1
+        hold each row's unscaled sums over this lane's two blocks; the lane multiplies them
+        by its own block scales in fp32. Each lane's partial sums of rows g and g + 8 go to
+        shared memory (the epilogue adds the quad's four). No f16 multiply per element:
+        3.9 -> 3.4 SASS instructions per element (`python -m cute_kernels.instruction_count`)."""
+        P = self.cfg.headdim
+        rows = []
+        for q in range(P // 16):
+            part = [Float32(0.0), Float32(0.0)]  # rows g, g + 8 of the stripe
+            for c, (a1, a2, sc_raw) in enumerate(state[q]):
+                acc = [[Float32(0.0)] * 4, [Float32(0.0)] * 4]  # blocks 2t, 2t + 1
+                for i in range(4):  # word i: elements 8i..8i+7, block 2t + i // 2
+                    ev1, od1 = _nvfp4_as_e4m3(a1[i])
+                    ev2, od2 = _nvfp4_as_e4m3(a2[i])
+                    for half in range(2):  # mma j = 2i + half (see _kappa)
+                        a = [
+                            _e4m3x2_to_f16x2(ev1, half),
+                            _e4m3x2_to_f16x2(ev2, half),
+                            _e4m3x2_to_f16x2(od1, half),
+                            _e4m3x2_to_f16x2(od2, half),
+                        ]
+                        acc[i // 2] = _mma_f16(a, ck[c * 8 + 2 * i + half], acc[i // 2])
+                for r, sv in enumerate(sc_raw):  # scales of blocks 2t, 2t + 1, rows g, g + 8
+                    s_even, s_odd = _f16x2_to_f32x2(_e4m3x2_to_f16x2(sv))  # exact
+                    part[r] = (part[r] + s_even * (acc[0][2 * r] + acc[0][2 * r + 1])
+                               + s_odd * (acc[1][2 * r] + acc[1][2 * r + 1]))
+            rows += [(16 * q + g, part[0]), (16 * q + g + 8, part[1])]
+        return rows
 
 
 # --------------------------------------------------------------------------------------------
@@ -851,7 +909,7 @@ def replay_output(
     warps=None,
     prefetch=None,
     upfront=None,
-    head_splits=1,
+    head_splits=None,
 ):
     """One non-flush decode step for every slot whose ``cursors[s] + 1 < window``; returns
     ``out`` [S, H, P] (x's dtype; rows of flush slots are not written).
@@ -862,7 +920,8 @@ def replay_output(
     does not synchronise (graph-capturable); cursor values must lie in [0, window - 1].
     ``warps`` (dividing nheads / ngroups), ``prefetch`` and ``upfront`` override the tuning
     defaults (`ReplayOutputConfig`); ``head_splits`` (with ``head_splits * warps`` dividing
-    nheads / ngroups) spreads a group's heads over that many CTAs (not yet checked on a GPU).
+    nheads / ngroups) spreads a group's heads over that many CTAs (default: by batch size,
+    `default_head_splits`).
     """
     if lo_format not in LO_FORMATS:
         _fail("lo_format", f"one of {list(LO_FORMATS)}", repr(lo_format))
@@ -909,6 +968,11 @@ def replay_output(
     if not x.is_cuda:
         _fail("x", "a CUDA tensor (every argument on one GPU)", x.device)
 
+    warps = default_warps(H // G, lo_format) if warps is None else warps
+    if isinstance(warps, bool) or not isinstance(warps, int) or warps < 1 or (H // G) % warps:
+        _fail("warps", f"a divisor of nheads / ngroups = {H // G}", warps)
+    if head_splits is None:
+        head_splits = default_head_splits(S, G, H // G, warps, _sm_count(device))
     cfg = ReplayOutputConfig(
         lo_format=lo_format,
         act=ACT_DTYPES[act],
@@ -923,13 +987,11 @@ def replay_output(
         has_z=z is not None,
         has_dt_bias=dt_bias is not None,
         dt_softplus=bool(dt_softplus),
-        warps=default_warps(H // G, lo_format) if warps is None else warps,
+        warps=warps,
         prefetch=False if prefetch is None else bool(prefetch),
         upfront=None if upfront is None else bool(upfront),
         head_splits=head_splits,
     )
-    if isinstance(cfg.warps, bool) or not isinstance(cfg.warps, int) or (H // G) % cfg.warps:
-        _fail("warps", f"a divisor of nheads / ngroups = {H // G}", warps)
     hs = cfg.head_splits
     if isinstance(hs, bool) or not isinstance(hs, int) or hs < 1 or (H // G) % (hs * cfg.warps):
         _fail("head_splits", f"a positive integer with head_splits * warps ({cfg.warps}) dividing "

@@ -12,10 +12,12 @@
 #       machine); without .device only FlashInfer and vLLM run: kernel_bench_B.{log,csv,meta.json}
 #
 #   bash scripts/gpu_session.sh C   carry [".device"]
-#       check and first timing after a kernel change: gpu-marked tests (-n 8), then
+#       check and tuning after a kernel change: gpu-marked tests (-n 8), then at L = 16
 #       cute_kernels.bench_write (flush stages left out one at a time) and bench_read (tuning
-#       variants) at batch 256, L = 16, then the E run below with the time left:
-#       gpu-tests.log, bench_write.csv, bench_read.csv, kernel_bench_C.log
+#       variants) at batch 256, bench_read's small-batch grid (warps x head_splits) at batch
+#       1 to 128, and the two flush layouts (64 or 32 elements a thread) at batch 1 and 8:
+#       gpu-tests.log, bench_write.csv, bench_read.csv, bench_read_splits.csv,
+#       bench_write_small_{1,8}.csv, kernel_bench_C.log
 #
 #   bash scripts/gpu_session.sh E   carry [".device"] (not needed: the emulation is Triton)
 #       the emulation backend of experiments.error_growth at the real layer shape (issue 5):
@@ -103,7 +105,12 @@ if [ "$part" = C ]; then
     | tee -a "$log"
   timeout 90 "$py" -m cute_kernels.bench_read --batch 256 --out "$out/bench_read.csv" 2>&1 \
     | tee -a "$log"
-  emulation_run "$(( $(remaining) - 5 ))"
+  timeout "$(( $(remaining) - 70 ))" "$py" -m cute_kernels.bench_read --splits-sweep \
+    --batch 1 8 32 64 128 --out "$out/bench_read_splits.csv" 2>&1 | tee -a "$log"
+  for b in 1 8; do
+    timeout 30 "$py" -m cute_kernels.bench_write --batch $b --only "flush fp16-SR + nvfp4" \
+      --out "$out/bench_write_small_$b.csv" 2>&1 | tee -a "$log"
+  done
 elif [ "$part" = E ]; then
   emulation_run "$(( $(remaining) - 5 ))"
 elif [ "$part" = A ] || [ "$part" = D ]; then

@@ -77,6 +77,24 @@ def test_head_splits_compile_with_a_share_of_the_heads_per_cta(fmt):
     assert "ld.local" not in ptx and "st.local" not in ptx
 
 
+def test_default_head_splits_fill_the_gpu_only_when_the_batch_does_not():
+    """The default split is 1 once batch * ngroups CTAs give every SM one; below that, the
+    smallest power of two that does, never more than one head per warp."""
+    sms = 132
+    for batch in (17, 64, 256, 512):  # 136 CTAs and up on the Nemotron layer
+        assert ro.default_head_splits(batch, 8, 16, 4, sms) == 1
+    assert ro.default_head_splits(1, 8, 16, 4, sms) == 4  # capped: 4 warps x 4 CTAs = 16 heads
+    assert ro.default_head_splits(1, 8, 16, 1, sms) == 16
+    assert ro.default_head_splits(5, 8, 16, 1, sms) == 4  # 40 CTAs -> 160
+    assert ro.default_head_splits(9, 8, 16, 2, sms) == 2  # 72 CTAs -> 144
+    assert ro.default_head_splits(1, 1, 24, 8, sms) == 1  # 24 heads / 8 warps: 3, odd
+    for batch in range(1, 40, 3):
+        for warps in (1, 2, 4, 8):
+            k = ro.default_head_splits(batch, 8, 16, warps, sms)
+            assert 16 % (k * warps) == 0 and k & (k - 1) == 0
+            assert batch * 8 * k >= sms or k * warps == 16
+
+
 def test_fp32_activations_compile():
     """fp32 x/B/C/z (the exact-arm activations) compile too, with the same wide state loads."""
     cfg = _config("nvfp4", "odd", act="fp32")
@@ -93,21 +111,24 @@ def test_half_precision_dt_compiles(dt_dtype):
     assert "ld.global.nc.L1::no_allocate.v4.u32" in ptx
 
 
-def test_nvfp4_pair_decode_is_exact_for_every_nibble_pair():
-    """Nibbles m and m+4 of a word become the f16x2 (E2M1[lo], E2M1[hi]) * 2^-14 exactly,
-    whatever the other six nibbles hold (e.g. nibble 0xB = -1.5 -> f16 -1.5 * 2^-14)."""
+def test_nvfp4_e4m3_repack_is_exact_for_every_nibble():
+    """Each nibble of a word becomes the E4M3 byte of E2M1 * 2^-6 exactly (nibble 2b to byte
+    b of the even re-pack, 2b + 1 to byte b of the odd one), whatever its neighbours hold:
+    e.g. nibble 0xB = -1.5 -> E4M3 -1.5 * 2^-6. Checked against ml_dtypes' E4M3FN decoding,
+    the conversion the hardware's cvt.rn.f16x2.e4m3x2 performs exactly."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
     rng = np.random.default_rng(0)
-    lo, hi = np.meshgrid(np.arange(16, dtype=np.uint32), np.arange(16, dtype=np.uint32))
-    lo, hi = lo.ravel(), hi.ravel()
     value = np.array([(-1.0 if n & 8 else 1.0) * E2M1_VALUES[n & 7] for n in range(16)])
-    for m in range(4):
-        noise = rng.integers(0, 2**32, size=lo.shape, dtype=np.uint64).astype(np.uint32)
-        keep = np.uint32(~((0xF << (4 * m)) | (0xF << (4 * m + 16))) & 0xFFFFFFFF)
-        word = (noise & keep) | (lo << np.uint32(4 * m)) | (hi << np.uint32(4 * m + 16))
-        pair = ro._nvfp4_pair(word, m).astype(np.uint32)
-        halves = pair.view(np.uint16).reshape(-1, 2).view(np.float16).astype(np.float64)
-        np.testing.assert_array_equal(halves[:, 0] * 2.0**14, value[lo])
-        np.testing.assert_array_equal(halves[:, 1] * 2.0**14, value[hi])
+    for position in range(8):
+        nibble = np.repeat(np.arange(16, dtype=np.uint32), 64)
+        noise = rng.integers(0, 2**32, size=nibble.shape, dtype=np.uint64).astype(np.uint32)
+        keep = np.uint32(~(0xF << (4 * position)) & 0xFFFFFFFF)
+        word = (noise & keep) | (nibble << np.uint32(4 * position))
+        even, odd = ro._nvfp4_as_e4m3(word)
+        packed = (odd if position % 2 else even).astype(np.uint32)
+        byte = ((packed >> np.uint32(8 * (position // 2))) & np.uint32(0xFF)).astype(np.uint8)
+        decoded = byte.view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+        np.testing.assert_array_equal(decoded * 2.0**6, value[nibble])
 
 
 def test_kappa_covers_each_lanes_elements_once():
@@ -365,8 +386,8 @@ def test_tuning_knobs_keep_the_results(fmt, warps, prefetch, upfront):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt, warps, head_splits, shape", [
-    ("nvfp4", 4, 2, "nemotron"), ("nvfp4", 1, 16, "nemotron"), ("fp32", 2, 4, "nemotron"),
-    ("fp8_e4m3", 1, 4, "odd"),
+    ("nvfp4", 4, 1, "nemotron"), ("nvfp4", 4, 2, "nemotron"), ("nvfp4", 1, 16, "nemotron"),
+    ("fp32", 8, 1, "nemotron"), ("fp32", 2, 4, "nemotron"), ("fp8_e4m3", 1, 4, "odd"),
 ])
 def test_head_splits_keep_the_results(fmt, warps, head_splits, shape):
     """Spreading a group's heads over several CTAs changes only the schedule: outputs, the
