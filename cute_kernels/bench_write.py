@@ -208,7 +208,11 @@ def time_graph(launches, reps, replays):
     return statistics.median(times), min(times), max(times)
 
 
-def flush_config(batch, window, hi_format, lo_format, hi_rounding=None, elements_per_thread=64):
+def flush_config(batch, window, hi_format, lo_format, hi_rounding=None, elements_per_thread=None):
+    """The flush at the Nemotron layer; elements per thread as replay_flush's default."""
+    if elements_per_thread is None:
+        elements_per_thread = rf.default_elements_per_thread(NEMOTRON["headdim"],
+                                                             NEMOTRON["dstate"])
     return rf.FlushConfig(
         **NEMOTRON,
         window=window,
@@ -228,7 +232,8 @@ def flush_config(batch, window, hi_format, lo_format, hi_rounding=None, elements
 
 
 def bench_flush(
-    cfg: BenchConfig, hi_format, lo_format, flushing=True, hi_rounding=None, elements_per_thread=64
+    cfg: BenchConfig, hi_format, lo_format, flushing=True, hi_rounding=None,
+    elements_per_thread=None,
 ):
     gen = torch.Generator(device="cuda").manual_seed(3)
     B, L = cfg.batch, cfg.window
@@ -364,10 +369,17 @@ def run(cfg: BenchConfig, only=None):
             lambda: True,
             lambda: bench_flush(cfg, "fp16", "none", hi_rounding="rn"),
         ),
-        (  # the tuning knob (correctness: tests/test_cute_replay_flush.py, gpu)
-            "flush fp16-SR + nvfp4, 32 elements per thread (256 threads)",
+        # the tuning knob, the layout the default replaced (correctness: the gpu tests of
+        # tests/test_cute_replay_flush.py run both)
+        (
+            "flush fp16-SR + nvfp4, 64 elements per thread (128 threads)",
             lambda: True,
-            lambda: bench_flush(cfg, "fp16", "nvfp4", elements_per_thread=32),
+            lambda: bench_flush(cfg, "fp16", "nvfp4", elements_per_thread=64),
+        ),
+        (
+            "flush fp32 single copy, 64 elements per thread (128 threads)",
+            lambda: True,
+            lambda: bench_flush(cfg, "fp32", "none", elements_per_thread=64),
         ),
         (
             "flush, no slot flushing",

@@ -376,16 +376,29 @@ def default_warps(heads_per_group: int, lo_format: str = "nvfp4") -> int:
 
 
 # CTAs the grid should hold per SM before a group's heads are split further (see below).
-SPLIT_TARGET_CTAS_PER_SM = 1
+SPLIT_TARGET_CTAS_PER_SM = 2
 
 
 def default_head_splits(batch: int, ngroups: int, heads_per_group: int, warps: int,
-                        sm_count: int) -> int:
-    """CTAs per (group, slot) when none is asked for: 1 while ``batch * ngroups`` CTAs fill
-    the GPU, else the smallest power of two that gives every SM
-    ``SPLIT_TARGET_CTAS_PER_SM`` CTAs, at most ``heads_per_group / warps`` (one head per warp).
+                        sm_count: int, lo_format: str = "nvfp4") -> int:
+    """CTAs per (group, slot) when none is asked for. Tensor-core formats: 1 while ``batch *
+    ngroups`` CTAs give every SM ``SPLIT_TARGET_CTAS_PER_SM``, else the smallest power of two
+    that does, at most ``heads_per_group / warps`` (one head per warp). fp32 (SIMT decode):
+    one head per warp at every batch. Measured on the H200 at the Nemotron layer, h = 8, in
+    us (2026-11-29, `python -m cute_kernels.bench_read --splits-sweep --batch 1 8 32 64 128`
+    and `--batch 256`; results/gpu_first_timing/bench_read_splits_3.csv):
+
+        batch               1     8     32    64    128   256
+        nvfp4 4 warps  s1   8.7   9.4  13.6  20.8  38.3  70.5
+                       s2   6.5   6.2  11.6  21.6  39.3
+                       s4   4.9   5.7  13.1  25.5  47.1  87.1
+        fp32  8 warps  s1  15.0  31.5  42.5  90.0 155.6 304.5
+                       s2   7.5  15.5  40.1  75.1 146.6 275.7
+
     Small batches are latency-bound: at batch 1 the Nemotron layer is 8 CTAs whose warps each
     walk 4 heads one after another."""
+    if lo_format == "fp32":
+        return heads_per_group // warps
     splits = 1
     while (batch * ngroups * splits < SPLIT_TARGET_CTAS_PER_SM * sm_count
            and heads_per_group % (2 * splits * warps) == 0):
@@ -972,7 +985,7 @@ def replay_output(
     if isinstance(warps, bool) or not isinstance(warps, int) or warps < 1 or (H // G) % warps:
         _fail("warps", f"a divisor of nheads / ngroups = {H // G}", warps)
     if head_splits is None:
-        head_splits = default_head_splits(S, G, H // G, warps, _sm_count(device))
+        head_splits = default_head_splits(S, G, H // G, warps, _sm_count(device), lo_format)
     cfg = ReplayOutputConfig(
         lo_format=lo_format,
         act=ACT_DTYPES[act],

@@ -32,6 +32,7 @@
 #       non-flush kernels and the two-precision flush at the headline point (batch 256, L = 16):
 #       ncu_<kernel>.txt (details page) and kernel_bench_P.log
 #
+# KB_SKIP_TESTS=1 leaves A's tests out (for a call after C tested the same kernels).
 # Start each as `LOWPREC_COMMIT=<git rev-parse --short HEAD, here> bash scripts/gpu_session.sh X`:
 # the device's copy of the tree carries a .git that is not this checkout's, so the meta files
 # would otherwise name a stale commit (they did on 2026-11-29).
@@ -114,7 +115,9 @@ if [ "$part" = C ]; then
 elif [ "$part" = E ]; then
   emulation_run "$(( $(remaining) - 5 ))"
 elif [ "$part" = A ] || [ "$part" = D ]; then
-  if [ "$part" = A ]; then
+  if [ "$part" = A ] && [ -n "${KB_SKIP_TESTS:-}" ]; then
+    echo "gpu tests: skipped (KB_SKIP_TESTS; they ran in an earlier call)" | tee -a "$log"
+  elif [ "$part" = A ]; then
     timeout "${KB_TESTS_S:-150}" "$py" -m pytest -m gpu -q -n 8 -p no:cacheprovider \
       > "$out/gpu-tests.log" 2>&1
     echo "gpu tests: exit $? after $(( $(date +%s) - start )) s" | tee -a "$log"

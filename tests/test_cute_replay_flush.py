@@ -339,7 +339,7 @@ def state_bound(hi, ring_x, ring_dt, ring_B, A, window, heads_per_group):
 
 def check_flush(
     shape, slots, window, act, hi_format, hi_rounding, lo_format, seed=SEED, gen_seed=0,
-    elements_per_thread=rf.ELEMENTS_PER_THREAD,
+    elements_per_thread=None,
 ):
     gen = torch.Generator().manual_seed(gen_seed)
     flush_slots = list(range(0, slots, 2))
@@ -473,13 +473,32 @@ def test_flush_at_the_nemotron_shape_with_bf16_activations(variant):
     check_flush(NEMOTRON, 3, 16, torch.bfloat16, *variant, gen_seed=1)
 
 
+def test_default_layout_is_32_elements_per_thread_where_whole_warps_fit():
+    """32 elements a thread (the faster layout on the H200) wherever the head splits into
+    whole warps and at most 1024 threads; 64 otherwise (24 x 128: 96 threads at 32 is fine,
+    but 8 x 16 would be 4 threads)."""
+    assert rf.default_elements_per_thread(64, 128) == 32  # Nemotron-3-Super: 256 threads
+    assert rf.default_elements_per_thread(24, 128) == 32  # 96 threads
+    assert rf.default_elements_per_thread(8, 16) == 64  # 128 elements: one warp either way
+    assert rf.default_elements_per_thread(256, 256) == 64  # 2048 threads at 32
+    for headdim in range(8, 257, 8):
+        for dstate in (16, 32, 64, 128, 256):
+            ept = rf.default_elements_per_thread(headdim, dstate)
+            threads = rf.thread_count(headdim, dstate, ept)
+            if ept == 32:
+                assert threads % 32 == 0 and threads <= 1024
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "variant", [("fp16", "sr", "nvfp4"), ("fp32", "rn", "none")], ids=variant_id
 )
-def test_flush_with_32_elements_per_thread(variant):
-    """The 256-thread form (the tuning knob, not yet the default) stores the same codes."""
-    check_flush(NEMOTRON, 3, 16, torch.bfloat16, *variant, gen_seed=2, elements_per_thread=32)
+@pytest.mark.parametrize("elements_per_thread", [32, 64])
+def test_flush_with_either_thread_layout(variant, elements_per_thread):
+    """Both layouts (32 elements a thread, the default at this shape, and 64) store the same
+    codes as lowprec."""
+    check_flush(NEMOTRON, 3, 16, torch.bfloat16, *variant, gen_seed=2,
+                elements_per_thread=elements_per_thread)
 
 
 @pytest.mark.gpu

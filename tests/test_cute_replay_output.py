@@ -78,21 +78,24 @@ def test_head_splits_compile_with_a_share_of_the_heads_per_cta(fmt):
 
 
 def test_default_head_splits_fill_the_gpu_only_when_the_batch_does_not():
-    """The default split is 1 once batch * ngroups CTAs give every SM one; below that, the
-    smallest power of two that does, never more than one head per warp."""
+    """Tensor-core formats: split 1 once batch * ngroups CTAs give every SM two; below that,
+    the smallest power of two that does, never more than one head per warp. fp32: one head
+    per warp at every batch."""
     sms = 132
-    for batch in (17, 64, 256, 512):  # 136 CTAs and up on the Nemotron layer
+    for batch in (33, 64, 256, 512):  # 264 CTAs and up on the Nemotron layer
         assert ro.default_head_splits(batch, 8, 16, 4, sms) == 1
     assert ro.default_head_splits(1, 8, 16, 4, sms) == 4  # capped: 4 warps x 4 CTAs = 16 heads
     assert ro.default_head_splits(1, 8, 16, 1, sms) == 16
-    assert ro.default_head_splits(5, 8, 16, 1, sms) == 4  # 40 CTAs -> 160
-    assert ro.default_head_splits(9, 8, 16, 2, sms) == 2  # 72 CTAs -> 144
+    assert ro.default_head_splits(5, 8, 16, 1, sms) == 8  # 40 CTAs -> 320
+    assert ro.default_head_splits(17, 8, 16, 2, sms) == 2  # 136 CTAs -> 272
     assert ro.default_head_splits(1, 1, 24, 8, sms) == 1  # 24 heads / 8 warps: 3, odd
+    for batch in (1, 256, 512):
+        assert ro.default_head_splits(batch, 8, 16, 8, sms, "fp32") == 2
     for batch in range(1, 40, 3):
         for warps in (1, 2, 4, 8):
             k = ro.default_head_splits(batch, 8, 16, warps, sms)
             assert 16 % (k * warps) == 0 and k & (k - 1) == 0
-            assert batch * 8 * k >= sms or k * warps == 16
+            assert batch * 8 * k >= 2 * sms or k * warps == 16
 
 
 def test_fp32_activations_compile():
