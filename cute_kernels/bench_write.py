@@ -208,7 +208,8 @@ def time_graph(launches, reps, replays):
     return statistics.median(times), min(times), max(times)
 
 
-def flush_config(batch, window, hi_format, lo_format, hi_rounding=None, elements_per_thread=None):
+def flush_config(batch, window, hi_format, lo_format, hi_rounding=None, elements_per_thread=None,
+                 min_ctas_per_sm=0):
     """The flush at the Nemotron layer; elements per thread as replay_flush's default."""
     if elements_per_thread is None:
         elements_per_thread = rf.default_elements_per_thread(NEMOTRON["headdim"],
@@ -228,16 +229,18 @@ def flush_config(batch, window, hi_format, lo_format, hi_rounding=None, elements
         dt_softplus=True,
         has_debug=False,
         elements_per_thread=elements_per_thread,
+        min_ctas_per_sm=min_ctas_per_sm,
     )
 
 
 def bench_flush(
     cfg: BenchConfig, hi_format, lo_format, flushing=True, hi_rounding=None,
-    elements_per_thread=None,
+    elements_per_thread=None, min_ctas_per_sm=0,
 ):
     gen = torch.Generator(device="cuda").manual_seed(3)
     B, L = cfg.batch, cfg.window
-    fcfg = flush_config(B, L, hi_format, lo_format, hi_rounding, elements_per_thread)
+    fcfg = flush_config(B, L, hi_format, lo_format, hi_rounding, elements_per_thread,
+                        min_ctas_per_sm)
     launches = []
     for _ in range(cfg.sets):
         cache = make_cache(B, L, hi_format, "none", gen, torch.full((B,), L - 1 if flushing else 0))
@@ -375,6 +378,11 @@ def run(cfg: BenchConfig, only=None):
             "flush fp16-SR + nvfp4, 64 elements per thread (128 threads)",
             lambda: True,
             lambda: bench_flush(cfg, "fp16", "nvfp4", elements_per_thread=64),
+        ),
+        (  # 64 registers instead of 79: 32 warps resident per SM instead of 24, 3 spills
+            "flush fp16-SR + nvfp4, registers capped for 4 CTAs per SM",
+            lambda: True,
+            lambda: bench_flush(cfg, "fp16", "nvfp4", min_ctas_per_sm=4),
         ),
         (
             "flush fp32 single copy, 64 elements per thread (128 threads)",

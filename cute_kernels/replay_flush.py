@@ -127,6 +127,8 @@ class FlushConfig:
     # per SM to hide the load-compute-store phases; replay_flush's default where it fits
     # (default_elements_per_thread; timings at ELEMENTS_PER_THREAD).
     elements_per_thread: int = ELEMENTS_PER_THREAD
+    # resident CTAs per SM that ptxas must leave registers for (0: no cap); a tuning knob
+    min_ctas_per_sm: int = 0
 
     @property
     def threads(self) -> int:
@@ -236,7 +238,13 @@ class ReplayFlush:
             debug,
             seed_lo,
             seed_hi,
-        ).launch(grid=[H, batch, 1], block=[cfg.threads, 1, 1], stream=stream)
+        ).launch(
+            grid=[H, batch, 1],
+            block=[cfg.threads, 1, 1],
+            stream=stream,
+            min_blocks_per_mp=cfg.min_ctas_per_sm,
+            preferred_smem_carveout=-1,  # the driver's default, named: compiles without a GPU
+        )
 
     @cute.kernel
     def kernel(

@@ -336,6 +336,16 @@ class ReplayOutputConfig:
     # batch 1 on the Nemotron layer: 12.1 us against vLLM's 6.8). Compile-checked; not yet
     # timed or checked on a GPU (the 2026-11-29 device time ran out), hence off by default.
     head_splits: int = 1
+    # resident CTAs per SM that ptxas must leave room for (it caps registers at 65536 /
+    # (this * 32 * warps)); None: 16 warps' worth (128 registers) for the tensor-core
+    # formats, no cap for fp32
+    min_ctas_per_sm: int | None = None
+
+    @property
+    def min_ctas(self) -> int:
+        if self.min_ctas_per_sm is not None:
+            return self.min_ctas_per_sm
+        return max(1, 16 // self.warps) if self.decode == "mma" else 0
 
     @property
     def state_upfront(self) -> bool:
@@ -463,7 +473,7 @@ class ReplayOutput:
             # SIMT fp32 decode needs 79 and is left alone (a floor of 2 CTAs of 8 warps would
             # let it grow to 128). The carveout is the driver's default, named so that
             # compiling needs no GPU.
-            min_blocks_per_mp=max(1, 16 // self.cfg.warps) if self.cfg.decode == "mma" else 0,
+            min_blocks_per_mp=self.cfg.min_ctas,
             preferred_smem_carveout=-1,
         )
 
@@ -923,6 +933,7 @@ def replay_output(
     prefetch=None,
     upfront=None,
     head_splits=None,
+    min_ctas_per_sm=None,
 ):
     """One non-flush decode step for every slot whose ``cursors[s] + 1 < window``; returns
     ``out`` [S, H, P] (x's dtype; rows of flush slots are not written).
@@ -934,7 +945,7 @@ def replay_output(
     ``warps`` (dividing nheads / ngroups), ``prefetch`` and ``upfront`` override the tuning
     defaults (`ReplayOutputConfig`); ``head_splits`` (with ``head_splits * warps`` dividing
     nheads / ngroups) spreads a group's heads over that many CTAs (default: by batch size,
-    `default_head_splits`).
+    `default_head_splits`); ``min_ctas_per_sm`` caps registers (`ReplayOutputConfig`).
     """
     if lo_format not in LO_FORMATS:
         _fail("lo_format", f"one of {list(LO_FORMATS)}", repr(lo_format))
@@ -1004,7 +1015,11 @@ def replay_output(
         prefetch=False if prefetch is None else bool(prefetch),
         upfront=None if upfront is None else bool(upfront),
         head_splits=head_splits,
+        min_ctas_per_sm=min_ctas_per_sm,
     )
+    m = cfg.min_ctas_per_sm
+    if m is not None and (isinstance(m, bool) or not isinstance(m, int) or not 0 <= m <= 32):
+        _fail("min_ctas_per_sm", "None or an integer in [0, 32]", m)
     hs = cfg.head_splits
     if isinstance(hs, bool) or not isinstance(hs, int) or hs < 1 or (H // G) % (hs * cfg.warps):
         _fail("head_splits", f"a positive integer with head_splits * warps ({cfg.warps}) dividing "
