@@ -213,7 +213,7 @@ def flush_config(batch, window, hi_format, lo_format, hi_rounding=None, elements
     """The flush at the Nemotron layer; elements per thread as replay_flush's default."""
     if elements_per_thread is None:
         elements_per_thread = rf.default_elements_per_thread(NEMOTRON["headdim"],
-                                                             NEMOTRON["dstate"])
+                                                             NEMOTRON["dstate"], hi_format)
     return rf.FlushConfig(
         **NEMOTRON,
         window=window,
@@ -385,9 +385,9 @@ def run(cfg: BenchConfig, only=None):
             lambda: bench_flush(cfg, "fp16", "nvfp4", min_ctas_per_sm=4),
         ),
         (
-            "flush fp32 single copy, 64 elements per thread (128 threads)",
+            "flush fp32 single copy, 32 elements per thread (256 threads)",
             lambda: True,
-            lambda: bench_flush(cfg, "fp32", "none", elements_per_thread=64),
+            lambda: bench_flush(cfg, "fp32", "none", elements_per_thread=32),
         ),
         (
             "flush, no slot flushing",

@@ -81,17 +81,23 @@ CUTE_DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp32": Float3
 
 CHUNK = 8  # state elements per thread access: 16 B of fp16, 32 B of fp32, 4 B of nvfp4 codes
 ELEMENTS_PER_THREAD = 64  # registers held per thread for the head's amax (nvfp4); the layout
-# that fits every accepted shape. replay_flush defaults to 32 where the shape allows it:
-# measured on the H200 (2026-11-29, `python -m cute_kernels.bench_write`, fp16-SR + nvfp4,
-# Nemotron layer, L = 16): batch 256 1,452.8 -> 1,098.9 us, batch 8 49.4 -> 43.4 us,
-# batch 1 16.9 -> 9.4 us (256 threads at 79 registers: 24 warps resident per SM, not 16).
+# that fits every accepted shape. replay_flush defaults to 32 for an fp16 recurrence copy where
+# the shape allows it: measured on the H200 (2026-11-29, `python -m cute_kernels.bench_write`,
+# fp16-SR + nvfp4, Nemotron layer, L = 16): batch 256 1,452.8 -> 1,098.9 us, batch 8
+# 49.4 -> 43.4 us, batch 1 16.9 -> 9.4 us (256 threads at 79 registers: 24 warps resident per
+# SM, not 16). The fp32 single copy is faster at 64: 847.9 us against 928.9 us at batch 256.
+# Capping the 32 layout at 64 registers (FlushConfig.min_ctas_per_sm = 4, 3 spills) was
+# slower: 1,113.1 against 1,093.9 us (results/gpu_first_timing/bench_write_4.csv).
 NVFP4_BLOCK = 16
 E2M1_E4M3_MAX = 2688.0  # 448 * 6
 E2M1_MAX = 6.0
 
 
-def default_elements_per_thread(headdim: int, dstate: int) -> int:
-    """32 where the head takes whole warps and at most 1024 threads that way, else 64."""
+def default_elements_per_thread(headdim: int, dstate: int, hi_format: str = "fp16") -> int:
+    """32 for an fp16 recurrence copy where the head takes whole warps and at most 1024
+    threads that way, else 64 (and always 64 for fp32, which measured faster there)."""
+    if hi_format == "fp32":
+        return ELEMENTS_PER_THREAD
     threads = thread_count(headdim, dstate, 32)
     fits = threads % 32 == 0 and (headdim * (dstate // CHUNK)) % threads == 0
     return 32 if fits and headdim * dstate // 32 <= 1024 else ELEMENTS_PER_THREAD
@@ -896,8 +902,8 @@ def replay_flush(
     None) and debug_state (fp32, state-shaped, optional); then resets the cursors and advances
     `flushes` of the slots that flushed. Returns out. Runs on torch's current stream.
     `elements_per_thread` (64, or 32 for twice the threads and about 80 registers each;
-    default 32 where the head shape allows it, `default_elements_per_thread`) is a tuning
-    knob (FlushConfig).
+    default 32 for fp16 hi where the head shape allows it, `default_elements_per_thread`) is a
+    tuning knob (FlushConfig).
     """
     cfg, lo = _prepare_flush(
         hi,
@@ -980,7 +986,7 @@ def _prepare_flush(
 ):
     """Validate a flush call; returns (FlushConfig, lo as a dict)."""
     if elements_per_thread is None and isinstance(hi, torch.Tensor) and hi.dim() == 4:
-        elements_per_thread = default_elements_per_thread(hi.shape[2], hi.shape[3])
+        elements_per_thread = default_elements_per_thread(hi.shape[2], hi.shape[3], hi_format)
     elif elements_per_thread is None:
         elements_per_thread = ELEMENTS_PER_THREAD  # check_state_shape reports the bad hi
     if elements_per_thread not in (32, 64):

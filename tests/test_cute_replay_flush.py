@@ -474,13 +474,14 @@ def test_flush_at_the_nemotron_shape_with_bf16_activations(variant):
 
 
 def test_default_layout_is_32_elements_per_thread_where_whole_warps_fit():
-    """32 elements a thread (the faster layout on the H200) wherever the head splits into
-    whole warps and at most 1024 threads; 64 otherwise (24 x 128: 96 threads at 32 is fine,
-    but 8 x 16 would be 4 threads)."""
+    """fp16 hi: 32 elements a thread (the faster layout on the H200) wherever the head splits
+    into whole warps and at most 1024 threads; 64 otherwise (24 x 128: 96 threads at 32 is
+    fine, but 8 x 16 would be 4 threads). fp32 hi: 64."""
     assert rf.default_elements_per_thread(64, 128) == 32  # Nemotron-3-Super: 256 threads
     assert rf.default_elements_per_thread(24, 128) == 32  # 96 threads
     assert rf.default_elements_per_thread(8, 16) == 64  # 128 elements: one warp either way
     assert rf.default_elements_per_thread(256, 256) == 64  # 2048 threads at 32
+    assert rf.default_elements_per_thread(64, 128, "fp32") == 64  # measured faster
     for headdim in range(8, 257, 8):
         for dstate in (16, 32, 64, 128, 256):
             ept = rf.default_elements_per_thread(headdim, dstate)
