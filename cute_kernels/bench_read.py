@@ -249,6 +249,8 @@ VARIANTS = [("nvfp4", 4, False, True, 1), ("nvfp4", 8, False, True, 1),
 # Register caps (format, warps, resident CTAs per SM ptxas must allow): 5 -> 96 registers,
 # 6 -> 80 for nvfp4 at 4 warps (more warps resident, a few spills).
 MIN_CTAS_VARIANTS = [("nvfp4", 4, 5), ("nvfp4", 4, 6), ("fp8_e4m3", 4, 5)]
+# The read copy staged through shared memory (format, warps, min CTAs per SM or None):
+STAGE_VARIANTS = [("nvfp4", 4, None), ("nvfp4", 4, 5), ("nvfp4", 2, None), ("nvfp4", 2, 10)]
 
 
 # The small-batch grid (--splits-sweep): (format, warps, head_splits), each a CTA of
@@ -268,6 +270,9 @@ def run(batches, h, window, sets, reps, out=None, variants=True, splits_sweep=Fa
         cases += [(fmt, dict(warps=w, prefetch=False, upfront=None, head_splits=1,
                              min_ctas_per_sm=m))
                   for fmt, w, m in MIN_CTAS_VARIANTS]
+        cases += [(fmt, dict(warps=w, prefetch=False, upfront=None, head_splits=1,
+                             min_ctas_per_sm=m, stage="smem"))
+                  for fmt, w, m in STAGE_VARIANTS]
     if splits_sweep:
         cases = [(fmt, None) for fmt in ("nvfp4", "fp32")]
         cases += [(fmt, dict(warps=w, prefetch=False, upfront=None, head_splits=k))
@@ -281,7 +286,9 @@ def run(batches, h, window, sets, reps, out=None, variants=True, splits_sweep=Fa
                 name += f"/w{knobs['warps']}" + ("p" if knobs["prefetch"] else "")
                 name += "" if knobs["upfront"] in (True, None) else "l"  # lazy state loads
                 name += f"/s{knobs['head_splits']}" if knobs["head_splits"] > 1 else ""
-                name += f"/m{knobs['min_ctas_per_sm']}" if "min_ctas_per_sm" in knobs else ""
+                if knobs.get("min_ctas_per_sm") is not None:
+                    name += f"/m{knobs['min_ctas_per_sm']}"
+                name += "/smem" if knobs.get("stage") == "smem" else ""
             rows.append(dict(
                 format=name, batch=batch, h=h, window=window, us=us, bytes=nbytes,
                 gbs=nbytes / us / 1e3 if us == us else float("nan"), check=ratio,

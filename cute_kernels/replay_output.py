@@ -184,6 +184,47 @@ def _ld_u16(addr, *, loc=None, ip=None) -> Uint32:
 
 
 @dsl_user_op
+def _cp_async_16(smem_addr, gmem_addr, *, loc=None, ip=None) -> None:
+    """16 bytes global -> shared, asynchronously (L2 only: the state is read once)."""
+    _asm(None, [Int32(smem_addr).ir_value(loc=loc, ip=ip), _addr(gmem_addr, loc, ip)],
+         "cp.async.cg.shared.global [$0], [$1], 16;", "r,l", side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def _cp_async_commit(*, loc=None, ip=None) -> None:
+    _asm(None, [], "cp.async.commit_group;", "", side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def _cp_async_wait(pending: int, *, loc=None, ip=None) -> None:
+    """Until at most ``pending`` of this thread's newest copy groups are still in flight."""
+    _asm(None, [], f"cp.async.wait_group {pending};", "", side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def _lds_words(smem_addr, n: int, *, loc=None, ip=None) -> list:
+    """``n`` (1 or 4) 32-bit words at a shared-memory byte address aligned to 4n bytes.
+    Volatile: a stage's address repeats every other head with new contents, so these reads
+    must neither merge nor move across the cp.async waits and warp barriers."""
+    a = Int32(smem_addr).ir_value(loc=loc, ip=ip)
+    if n == 1:
+        return [Uint32(_asm(T.i32(), [a], "ld.shared.u32 $0, [$1];", "=r,r", side_effects=True,
+                            loc=loc, ip=ip))]
+    st = llvm.StructType.get_literal([T.i32()] * 4)
+    r = _asm(st, [a], "ld.shared.v4.u32 {$0,$1,$2,$3}, [$4];", "=r,=r,=r,=r,r",
+             side_effects=True, loc=loc, ip=ip)
+    return _unpack_struct(r, 4, T.i32(), Uint32, loc, ip)
+
+
+@dsl_user_op
+def _lds_u16(smem_addr, *, loc=None, ip=None) -> Uint32:
+    r = _asm(T.i32(), [Int32(smem_addr).ir_value(loc=loc, ip=ip)],
+             "{.reg .b16 t; ld.shared.u16 t, [$1]; cvt.u32.u16 $0, t;}", "=r,r",
+             side_effects=True, loc=loc, ip=ip)  # volatile, as _lds_words
+    return Uint32(r)
+
+
+@dsl_user_op
 def _st_words(addr, words: list, *, loc=None, ip=None) -> None:
     n = len(words)
     args = [_addr(addr, loc, ip)] + [_ir(w, loc, ip) for w in words]
@@ -330,6 +371,11 @@ class ReplayOutputConfig:
     dt_softplus: bool
     warps: int
     prefetch: bool = False  # issue the next head's loads before computing the current one
+    # nvfp4: where a head's read copy waits for the warp: "registers" (16-byte loads, the
+    # whole head before its mmas) or "smem" (cp.async into two shared-memory stages per warp,
+    # the next head's copy in flight while this one is computed; the small per-head loads
+    # then go out one head ahead)
+    stage: str = "registers"
     upfront: bool | None = None  # load a head's whole read copy first (None: format default)
     # CTAs per (group, slot), each taking heads_per_group / head_splits of the group's heads:
     # for small batches, where one CTA per (group, slot) leaves most SMs idle (8 CTAs at
@@ -383,6 +429,14 @@ def default_warps(heads_per_group: int, lo_format: str = "nvfp4") -> int:
         if w <= preferred and heads_per_group % w == 0:
             return w
     return 1
+
+
+STAGES = ("registers", "smem")
+
+
+def default_stage(lo_format: str) -> str:
+    """Where the read copy waits (ReplayOutputConfig.stage) when none is asked for."""
+    return "registers"
 
 
 # CTAs the grid should hold per SM before a group's heads are split further (see below).
@@ -516,6 +570,13 @@ class ReplayOutput:
         bc_smem = smem.allocate_tensor(Float32, cute.make_layout(32), byte_alignment=16)
         Q = self.quads  # partial sums per row (nvfp4: one per lane of a quad)
         ys_smem = smem.allocate_tensor(Float32, cute.make_layout((P, W, Q)), byte_alignment=16)
+        staged = cfg.stage == "smem"
+        stage_base = Int32(0)
+        if cutlass.const_expr(staged):
+            st_smem = smem.allocate_tensor(
+                Uint32, cute.make_layout(W * 2 * self.stage_bytes // 4), byte_alignment=16
+            )
+            stage_base = st_smem.iterator.toint() + warp * (2 * self.stage_bytes)
 
         cursor = Int32(cute.arch.load((cursors + s).llvm_ptr, Int32)) & 0xFFFF
         h = cursor + 1
@@ -528,6 +589,11 @@ class ReplayOutput:
             # before the current one is computed (cfg.prefetch): each warp keeps a head's
             # state in flight while it works, and no load waits on another load.
             loads = [self._issue_head(ptrs, s64 * H + heads[0], heads[0], cursor, lane)]
+            nh = HPS // W  # heads of this warp
+            if cutlass.const_expr(staged):
+                for k in cutlass.range_constexpr(min(2, nh)):
+                    self._stage_head(lo0.toint(), lo1.toint(), s64 * H + heads[k],
+                                     stage_base + k * self.stage_bytes, lane)
 
             # ---- the group's dot products B_j . C, j < h (j = h-1: this step's B) ----------
             nb = N // 32  # consecutive elements of B and C per lane
@@ -557,14 +623,20 @@ class ReplayOutput:
             for hh in cutlass.range_constexpr(HPS // W):
                 head = heads[hh]
                 sh = s64 * H + head  # (slot, head) row of every per-head tensor
-                if cutlass.const_expr(cfg.prefetch and hh + 1 < HPS // W):
+                ahead = cfg.prefetch or staged
+                if cutlass.const_expr(ahead and hh + 1 < nh):
                     loads.append(
                         self._issue_head(ptrs, s64 * H + heads[hh + 1], heads[hh + 1], cursor,
                                          lane)
                     )
-                if cutlass.const_expr(not cfg.prefetch and hh > 0):
+                if cutlass.const_expr(not ahead and hh > 0):
                     loads.append(self._issue_head(ptrs, sh, head, cursor, lane))
                 ld = loads[hh]
+                stage = stage_base + (hh % 2) * self.stage_bytes
+                if cutlass.const_expr(staged):
+                    _cp_async_wait(1 if hh + 1 < nh else 0)  # this head's group has landed
+                    cute.arch.sync_warp()  # ... for every lane's copies
+                    ld["state"] = self._staged_state(stage, lane)
                 # ---- this step's dt and the decay weights, record j on lane j -------------
                 dt_cur = ld["dt_raw"]
                 if cutlass.const_expr(cfg.dt_softplus):
@@ -589,6 +661,10 @@ class ReplayOutput:
                         ys_smem[rows[i][0], warp, (lane % 4) % Q] = rows[i][1]
                 ck_scale = ck_scale * ld["factor"]
                 cute.arch.sync_warp()
+                if cutlass.const_expr(staged and hh + 2 < nh):
+                    # every lane has read this stage: the head after next goes into it
+                    self._stage_head(lo0.toint(), lo1.toint(), s64 * H + heads[hh + 2], stage,
+                                     lane)
 
                 # ---- epilogue: rows v, v+1 on each lane -----------------------------------
                 coefs = [_shfl(coef, j) for j in range(L - 1)]
@@ -632,7 +708,9 @@ class ReplayOutput:
         lo0, lo1, lo2, ring_x, ring_dt, x, dt, A, D, z, dt_bias = ptrs
         P, Lc, L, act = cfg.headdim, cfg.ring_capacity, cfg.window, cfg.act
         ab = _ACT_BYTES[act]
-        ld = {"state": self._issue_state(lo0.toint(), lo1.toint(), sh, lane)}
+        ld = {"state": None}
+        if cfg.stage != "smem":
+            ld["state"] = self._issue_state(lo0.toint(), lo1.toint(), sh, lane)
         ld["factor"] = Float32(1.0)
         if cfg.lo_format == "nvfp4":
             s_g = Float32(cute.arch.load((lo2 + sh).llvm_ptr, Float32))
@@ -722,6 +800,52 @@ class ReplayOutput:
         if not self.cfg.state_upfront:
             return lambda: self._issue_state_now(lo0, lo1, sh, lane)
         return self._issue_state_now(lo0, lo1, sh, lane)
+
+    @property
+    def stage_bytes(self) -> int:
+        """One head's nvfp4 read copy in shared memory: the codes, then the block scales."""
+        P, N = self.cfg.headdim, self.cfg.dstate
+        return P * N // 2 + P * N // 16
+
+    def _stage_head(self, lo0, lo1, sh, stage, lane) -> None:
+        """cp.async one head's codes and scales (contiguous in global memory) into the
+        warp's stage at shared address ``stage``, 16 bytes per lane and copy; one group."""
+        P, N = self.cfg.headdim, self.cfg.dstate
+        codes16, scales16 = P * N // 32, P * N // 256  # 16-byte pieces
+        for i in range((codes16 + 31) // 32):
+            piece = lane + 32 * i
+            _cp_async_16(stage + piece * 16, lo0 + (sh * (P * N // 2) + piece * 16))
+        for i in range((scales16 + 31) // 32):
+            piece = lane + 32 * i
+            if (i + 1) * 32 > scales16:  # lanes past the end copy the last piece again
+                piece = cutlass.min(piece, scales16 - 1)
+            _cp_async_16(stage + codes16 * 16 + piece * 16,
+                         lo1 + (sh * (P * N // 16) + piece * 16))
+        _cp_async_commit()
+
+    def _staged_state(self, stage, lane):
+        """The lane's share of a staged head, in `_issue_state_now`'s layout, read from
+        shared memory one 16-row stripe at a time (indexing issues the reads)."""
+        P, N, E = self.cfg.headdim, self.cfg.dstate, self.E
+        g, t = lane // 4, lane % 4
+        row_bytes, sc_row, codes = N // 2, N // 16, P * N // 2
+
+        class Stripes:
+            def __len__(self):
+                return P // 16
+
+            def __getitem__(self, q):
+                r1 = 16 * q + g
+                chunks = []
+                for c in range(N // (4 * E)):
+                    a1 = _lds_words(stage + r1 * row_bytes + 64 * c + 16 * t, 4)
+                    a2 = _lds_words(stage + (r1 + 8) * row_bytes + 64 * c + 16 * t, 4)
+                    sc = (_lds_u16(stage + codes + r1 * sc_row + 8 * c + 2 * t),
+                          _lds_u16(stage + codes + (r1 + 8) * sc_row + 8 * c + 2 * t))
+                    chunks.append((a1, a2, sc))
+                return chunks
+
+        return Stripes()
 
     def _issue_state_now(self, lo0, lo1, sh, lane) -> list:
         cfg, E = self.cfg, self.E
@@ -934,6 +1058,7 @@ def replay_output(
     upfront=None,
     head_splits=None,
     min_ctas_per_sm=None,
+    stage=None,
 ):
     """One non-flush decode step for every slot whose ``cursors[s] + 1 < window``; returns
     ``out`` [S, H, P] (x's dtype; rows of flush slots are not written).
@@ -945,10 +1070,13 @@ def replay_output(
     ``warps`` (dividing nheads / ngroups), ``prefetch`` and ``upfront`` override the tuning
     defaults (`ReplayOutputConfig`); ``head_splits`` (with ``head_splits * warps`` dividing
     nheads / ngroups) spreads a group's heads over that many CTAs (default: by batch size,
-    `default_head_splits`); ``min_ctas_per_sm`` caps registers (`ReplayOutputConfig`).
+    `default_head_splits`); ``min_ctas_per_sm`` caps registers and ``stage`` ("registers" or
+    "smem", nvfp4) picks how the read copy is loaded (`ReplayOutputConfig`).
     """
     if lo_format not in LO_FORMATS:
         _fail("lo_format", f"one of {list(LO_FORMATS)}", repr(lo_format))
+    if stage is not None and (stage not in STAGES or (stage == "smem" and lo_format != "nvfp4")):
+        _fail("stage", f"None or one of {list(STAGES)} ('smem' for nvfp4 only)", repr(stage))
     if not isinstance(x, torch.Tensor) or x.dim() != 3:
         _fail("x", "a tensor [S, H, P]", list(x.shape) if isinstance(x, torch.Tensor) else x)
     if x.dtype not in ACT_DTYPES:
@@ -1016,7 +1144,11 @@ def replay_output(
         upfront=None if upfront is None else bool(upfront),
         head_splits=head_splits,
         min_ctas_per_sm=min_ctas_per_sm,
+        stage=default_stage(lo_format) if stage is None else stage,
     )
+    if cfg.stage == "smem" and cfg.warps * 2 * ReplayOutput(cfg).stage_bytes > 40 * 1024:
+        _fail("stage", f"'registers' for this shape and warps ({cfg.warps}): two shared-memory "
+              "stages per warp would pass 40 KiB", repr(stage))
     m = cfg.min_ctas_per_sm
     if m is not None and (isinstance(m, bool) or not isinstance(m, int) or not 0 <= m <= 32):
         _fail("min_ctas_per_sm", "None or an integer in [0, 32]", m)

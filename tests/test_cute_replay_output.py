@@ -98,6 +98,32 @@ def test_default_head_splits_fill_the_gpu_only_when_the_batch_does_not():
             assert batch * 8 * k >= 2 * sms or k * warps == 16
 
 
+@pytest.mark.parametrize("shape, warps", [("nemotron", 4), ("odd", 2)])
+def test_smem_stage_compiles_to_one_async_copy_per_16_bytes(shape, warps):
+    """stage='smem': each warp copies every byte of each of its heads' read copy (codes and
+    scales) into shared memory with 16-byte cp.async, and reads no state from global memory
+    directly ("odd": 48 x 256, whose 768 scale bytes leave a partial round of lanes)."""
+    _, H, P, N, G, _, _ = SHAPES[shape]
+    cfg = dataclasses.replace(_config("nvfp4", shape), warps=warps, stage="smem")
+    ptx = ro.compile_replay_output(cfg, keep_ptx=True).__ptx__
+    heads_per_warp = H // G // warps
+    pieces = P * N // 32 + P * N // 256  # 16-byte pieces of one head
+    rounds = (P * N // 32 + 31) // 32 + (P * N // 256 + 31) // 32
+    assert ptx.count("cp.async.cg.shared.global") == heads_per_warp * rounds
+    assert rounds * 32 >= pieces
+    assert "ld.global.nc.L1::no_allocate.v4.u32" not in ptx
+    assert ptx.count("cp.async.wait_group") == heads_per_warp
+
+
+@pytest.mark.parametrize("fmt, stage", [("nvfp4", "bogus"), ("fp32", "smem"), ("fp16", "smem")])
+def test_smem_stage_is_refused_where_it_does_not_apply(fmt, stage):
+    """stage is 'registers' or 'smem', and 'smem' is for the nvfp4 read copy only: a clear
+    ValueError before any tensor is looked at."""
+    with pytest.raises(ValueError, match="stage"):
+        ro.replay_output({}, None, None, None, None, None, None, None, None, None,
+                         lo_format=fmt, stage=stage)
+
+
 def test_fp32_activations_compile():
     """fp32 x/B/C/z (the exact-arm activations) compile too, with the same wide state loads."""
     cfg = _config("nvfp4", "odd", act="fp32")
@@ -405,6 +431,22 @@ def test_head_splits_keep_the_results(fmt, warps, head_splits, shape):
     _check_step(lo64, t, {k: v.cpu() for k, v in t_d.items()}, out.cpu(), window, "bf16")
     with pytest.raises(ValueError, match="head_splits"):
         _call(lo_d, t_d, fmt, window, out, warps=warps, head_splits=7)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape, warps, head_splits", [
+    ("nemotron", 4, 1), ("nemotron", 1, 4), ("odd", 2, 1), ("odd", 1, 2),
+])
+def test_smem_stage_keeps_the_results(shape, warps, head_splits):
+    """The read copy staged through shared memory (two stages a warp, cp.async) gives the
+    same step as loading it into registers: outputs, records and cursors."""
+    window = SHAPES[shape][-1]
+    lo, lo64, t = _inputs("nvfp4", shape, "bf16", seed=29)
+    lo_d, t_d = _to_cuda(lo, t)
+    out = torch.full_like(t_d["x"], float("nan"))
+    _call(lo_d, t_d, "nvfp4", window, out, warps=warps, head_splits=head_splits, stage="smem")
+    torch.cuda.synchronize()
+    _check_step(lo64, t, {k: v.cpu() for k, v in t_d.items()}, out.cpu(), window, "bf16")
 
 
 @pytest.mark.gpu
