@@ -239,8 +239,8 @@ def time_format(fmt, batch, h, window, sets, reps, knobs=None):
 
 
 # Tuning variants timed besides the defaults: (format, warps per CTA, prefetch the next
-# head, load a head's whole read copy first, CTAs per group). The head splits are for small
-# batches (run with --batch 1 8 32): not yet timed on the GPU (2026-11-29).
+# head, load a head's whole read copy first, CTAs per group). The head splits matter at small
+# batches: --splits-sweep times a grid of them (results/gpu_first_timing/bench_read_splits_3.csv).
 VARIANTS = [("nvfp4", 4, False, True, 1), ("nvfp4", 8, False, True, 1),
             ("nvfp4", 16, False, True, 1), ("nvfp4", 4, True, True, 1),
             ("nvfp4", 8, False, False, 1), ("fp8_e4m3", 8, False, False, 1),

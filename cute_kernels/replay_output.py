@@ -379,8 +379,7 @@ class ReplayOutputConfig:
     upfront: bool | None = None  # load a head's whole read copy first (None: format default)
     # CTAs per (group, slot), each taking heads_per_group / head_splits of the group's heads:
     # for small batches, where one CTA per (group, slot) leaves most SMs idle (8 CTAs at
-    # batch 1 on the Nemotron layer: 12.1 us against vLLM's 6.8). Compile-checked; not yet
-    # timed or checked on a GPU (the 2026-11-29 device time ran out), hence off by default.
+    # batch 1 on the Nemotron layer). replay_output picks it by batch (default_head_splits).
     head_splits: int = 1
     # resident CTAs per SM that ptxas must leave room for (it caps registers at 65536 /
     # (this * 32 * warps)); None: 16 warps' worth (128 registers) for the tensor-core
@@ -435,7 +434,16 @@ STAGES = ("registers", "smem")
 
 
 def default_stage(lo_format: str) -> str:
-    """Where the read copy waits (ReplayOutputConfig.stage) when none is asked for."""
+    """Where the read copy waits (ReplayOutputConfig.stage) when none is asked for:
+    registers. Staging through shared memory was correct on the H200 but not faster
+    (2026-11-29, `python -m cute_kernels.bench_read --batch 256 128`, h = 8, Nemotron layer;
+    results/gpu_first_timing/bench_read_5.csv):
+
+        nvfp4, batch 256    registers 4 warps 69.7 us   smem 4 warps 71.7   2 warps 75.0
+        nvfp4, batch 128    registers 4 warps 38.3 us   smem 4 warps 40.8   2 warps 41.1
+
+    so the step is not waiting on the next head's loads: ncu (results/ncu/) shows 44% of
+    issue slots busy at 16 warps per SM, with no eligible warp in 52% of cycles."""
     return "registers"
 
 
