@@ -1431,6 +1431,16 @@ def _primary(frame: pd.DataFrame) -> pd.DataFrame:
     return ok.drop_duplicates(["kernel", "scheme", "shape", "batch", "window", "cursor"])
 
 
+def _batch_ticks(ax, batches) -> None:
+    """The measured batch sizes as plain tick labels on a log axis (not 10^0, 10^1, ...)."""
+    import matplotlib.ticker
+
+    values = sorted({int(b) for b in batches}) or [1]
+    ax.xaxis.set_major_locator(matplotlib.ticker.FixedLocator(values))
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+
+
 def plot(csv: str | Path, outdir: str | Path) -> list[Path]:
     """Three PNGs from the CSV at `csv` into `outdir`: time and fraction of the copy bandwidth
     against batch, speedups against batch, and the per-format / per-scheme curves."""
@@ -1438,6 +1448,7 @@ def plot(csv: str | Path, outdir: str | Path) -> list[Path]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     frame = with_token_rows(read_csv(csv))
     outdir = Path(outdir)
@@ -1471,27 +1482,47 @@ def plot(csv: str | Path, outdir: str | Path) -> list[Path]:
         axes[1, col].set(xscale="log", xlabel="batch", ylabel="fraction of copy bandwidth")
         axes[1, col].axhline(0.85, color="gray", lw=0.8, ls=":")
         axes[0, col].legend(fontsize=6, ncol=2)
+    for ax in axes.flat:
+        _batch_ticks(ax, ok["batch"])
     fig.tight_layout()
     paths.append(outdir / f"{stem}_time.png")
     save_small_png(fig, paths[-1])
     plt.close(fig)
 
     sp = speedups(frame)
-    fig, axes = plt.subplots(1, max(len(shapes), 1), figsize=(7 * max(len(shapes), 1), 5),
-                             squeeze=False)
+    targeted = {label for label, _, _, target in COMPARISONS if target is not None}
+    fig, axes = plt.subplots(2, max(len(shapes), 1), figsize=(7.5 * max(len(shapes), 1), 12),
+                             squeeze=False, gridspec_kw={"height_ratios": [1, 1.35]})
     for col, shape in enumerate(shapes):
         sel = sp[(sp["shape"] == shape) & (sp["window"] == window)]
-        for label, g in sel.groupby("comparison"):
-            g = g.sort_values("batch")
-            line = axes[0, col].plot(g["batch"], g["speedup"], marker="o", ms=3, label=label)[0]
-            target = g["target"].dropna()
-            if len(target):
-                axes[0, col].axhline(float(target.iloc[0]), color=line.get_color(), lw=0.8,
-                                     ls=":")
-        axes[0, col].axhline(1.0, color="black", lw=0.6)
-        axes[0, col].set(xscale="log", yscale="log", xlabel="batch", ylabel="speedup (x)",
-                         title=f"{shape}, L = {window} (dotted: targets at batch 256)")
-        axes[0, col].legend(fontsize=6)
+        for row, keep in enumerate((True, False)):
+            ax = axes[row, col]
+            # the issue's targets on top (tab10, each with its dotted goal), everything else
+            # below (tab20: no two comparisons share a colour)
+            ax.set_prop_cycle(color=plt.cm.tab10.colors if keep else plt.cm.tab20.colors)
+            part = sel[sel["comparison"].isin(targeted) == keep]
+            for label, g in part.groupby("comparison", sort=False):
+                g = g.sort_values("batch")
+                line = ax.plot(g["batch"], g["speedup"], marker="o", ms=3, label=label)[0]
+                target = g["target"].dropna()
+                if len(target):
+                    ax.axhline(float(target.iloc[0]), color=line.get_color(), lw=0.9, ls=":")
+            ax.axhline(1.0, color="black", lw=0.6)
+            ax.set(xscale="log", yscale="log", xlabel="batch", ylabel="speedup (x)")
+            ax.yaxis.set_major_locator(matplotlib.ticker.FixedLocator(
+                [0.125, 0.25, 0.5, 1, 2, 4, 8, 16]))
+            ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+            ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+            ax.grid(True, which="major", lw=0.3, alpha=0.5)
+            ax.set_title(f"{shape}, L = {window}: " + (
+                "the issue's targets (dotted: goal at batch 256)" if keep
+                else "the other comparisons"), fontsize=10)
+            if len(part) and keep:
+                ax.legend(fontsize=7, loc="upper left", framealpha=0.85)
+            elif len(part):  # a dozen entries: below the axes, clear of the lines
+                ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2)
+    for ax in axes.flat:
+        _batch_ticks(ax, ok["batch"])
     fig.tight_layout()
     paths.append(outdir / f"{stem}_speedup.png")
     save_small_png(fig, paths[-1])
@@ -1513,6 +1544,7 @@ def plot(csv: str | Path, outdir: str | Path) -> list[Path]:
                          title=f"{shape}, L = {window}: non-flush step per read-copy format")
         axes[0, col].legend(fontsize=7)
         tokens = ok[(ok["shape"] == shape) & (ok["window"] == window) & (ok["step"] == "token")]
+        axes[1, col].set_prop_cycle(color=plt.cm.tab20.colors)  # a dozen schemes
         for scheme, g in tokens.groupby("scheme"):
             g = g.sort_values("batch")
             axes[1, col].plot(g["batch"], g["time_us"], marker="o", ms=3, label=scheme)
@@ -1520,6 +1552,8 @@ def plot(csv: str | Path, outdir: str | Path) -> list[Path]:
                          ylabel="us per committed token", title="cost per token by scheme")
         if len(tokens):
             axes[1, col].legend(fontsize=6, ncol=2)
+    for ax in axes.flat:
+        _batch_ticks(ax, ok["batch"])
     fig.tight_layout()
     paths.append(outdir / f"{stem}_formats.png")
     save_small_png(fig, paths[-1])
