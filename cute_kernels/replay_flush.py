@@ -98,9 +98,23 @@ def default_elements_per_thread(headdim: int, dstate: int, hi_format: str = "fp1
     threads that way, else 64 (and always 64 for fp32, which measured faster there)."""
     if hi_format == "fp32":
         return ELEMENTS_PER_THREAD
-    threads = thread_count(headdim, dstate, 32)
-    fits = threads % 32 == 0 and (headdim * (dstate // CHUNK)) % threads == 0
-    return 32 if fits and headdim * dstate // 32 <= 1024 else ELEMENTS_PER_THREAD
+    fits = _layout_problem(headdim, dstate, 32) is None and headdim * dstate // 32 <= 1024
+    return 32 if fits else ELEMENTS_PER_THREAD
+
+
+def _layout_problem(headdim: int, dstate: int, elements_per_thread: int):
+    """None if the head splits over `thread_count` threads as the kernel assumes, else
+    (which dimensions, what they must be): every thread a whole number of chunks, whole
+    warps (the shuffles assume them)."""
+    threads = thread_count(headdim, dstate, elements_per_thread)
+    if headdim % 8 or (headdim * (dstate // CHUNK)) % threads:
+        return "headdim", f"a multiple of 8 and of {threads * CHUNK // dstate}"
+    if threads % 32:
+        return "headdim x dstate", (
+            f"headdim * dstate / {elements_per_thread} threads, a multiple of 32 (or 32 at "
+            f"most {32 * elements_per_thread} elements)"
+        )
+    return None
 
 
 def thread_count(headdim: int, dstate: int, elements_per_thread: int = ELEMENTS_PER_THREAD) -> int:
@@ -753,20 +767,13 @@ def check_state_shape(name, t, elements_per_thread=ELEMENTS_PER_THREAD):
     slots, nheads, headdim, dstate = t.shape
     if dstate not in (16, 32, 64, 128, 256):
         _compile.fail(f"{name}.shape[3] (dstate)", "a power of two in [16, 256]", dstate)
-    threads = thread_count(headdim, dstate, elements_per_thread)
-    if headdim % 8 or (headdim * (dstate // CHUNK)) % threads:
-        _compile.fail(
-            f"{name}.shape[2] (headdim)",
-            f"a multiple of 8 and of {threads * CHUNK // dstate}",
-            headdim,
-        )
-    if threads % 32:  # the warp shuffles assume whole warps
-        _compile.fail(
-            f"{name}.shape[2:] (headdim x dstate)",
-            f"headdim * dstate / {elements_per_thread} threads, a multiple of 32 (or 32 at most "
-            f"{32 * elements_per_thread} elements)",
-            f"{headdim} x {dstate} ({threads} threads)",
-        )
+    problem = _layout_problem(headdim, dstate, elements_per_thread)
+    if problem is not None and problem[0] == "headdim":
+        _compile.fail(f"{name}.shape[2] (headdim)", problem[1], headdim)
+    if problem is not None:
+        threads = thread_count(headdim, dstate, elements_per_thread)
+        _compile.fail(f"{name}.shape[2:] (headdim x dstate)", problem[1],
+                      f"{headdim} x {dstate} ({threads} threads)")
     return slots, nheads, headdim, dstate
 
 

@@ -202,17 +202,14 @@ def _cp_async_wait(pending: int, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
-def _lds_words(smem_addr, n: int, *, loc=None, ip=None) -> list:
-    """``n`` (1 or 4) 32-bit words at a shared-memory byte address aligned to 4n bytes.
-    Volatile: a stage's address repeats every other head with new contents, so these reads
-    must neither merge nor move across the cp.async waits and warp barriers."""
-    a = Int32(smem_addr).ir_value(loc=loc, ip=ip)
-    if n == 1:
-        return [Uint32(_asm(T.i32(), [a], "ld.shared.u32 $0, [$1];", "=r,r", side_effects=True,
-                            loc=loc, ip=ip))]
+def _lds_v4(smem_addr, *, loc=None, ip=None) -> list:
+    """4 32-bit words at a 16-byte aligned shared-memory byte address. Volatile: a stage's
+    address repeats every other head with new contents, so these reads must neither merge
+    nor move across the cp.async waits and warp barriers."""
     st = llvm.StructType.get_literal([T.i32()] * 4)
-    r = _asm(st, [a], "ld.shared.v4.u32 {$0,$1,$2,$3}, [$4];", "=r,=r,=r,=r,r",
-             side_effects=True, loc=loc, ip=ip)
+    r = _asm(st, [Int32(smem_addr).ir_value(loc=loc, ip=ip)],
+             "ld.shared.v4.u32 {$0,$1,$2,$3}, [$4];", "=r,=r,=r,=r,r", side_effects=True,
+             loc=loc, ip=ip)
     return _unpack_struct(r, 4, T.i32(), Uint32, loc, ip)
 
 
@@ -220,7 +217,7 @@ def _lds_words(smem_addr, n: int, *, loc=None, ip=None) -> list:
 def _lds_u16(smem_addr, *, loc=None, ip=None) -> Uint32:
     r = _asm(T.i32(), [Int32(smem_addr).ir_value(loc=loc, ip=ip)],
              "{.reg .b16 t; ld.shared.u16 t, [$1]; cvt.u32.u16 $0, t;}", "=r,r",
-             side_effects=True, loc=loc, ip=ip)  # volatile, as _lds_words
+             side_effects=True, loc=loc, ip=ip)  # volatile, as _lds_v4
     return Uint32(r)
 
 
@@ -430,21 +427,17 @@ def default_warps(heads_per_group: int, lo_format: str = "nvfp4") -> int:
     return 1
 
 
+# Where the read copy waits (ReplayOutputConfig.stage). The default is "registers": staging
+# through shared memory was correct on the H200 but not faster (2026-11-29, `python -m
+# cute_kernels.bench_read --batch 256 128`, h = 8, Nemotron layer;
+# results/gpu_first_timing/bench_read_5.csv):
+#
+#     nvfp4, batch 256    registers 4 warps 69.7 us   smem 4 warps 71.7   2 warps 75.0
+#     nvfp4, batch 128    registers 4 warps 38.3 us   smem 4 warps 40.8   2 warps 41.1
+#
+# so the step is not waiting on the next head's loads: ncu (results/ncu/) shows 44% of issue
+# slots busy at 16 warps per SM, with no eligible warp in 52% of cycles.
 STAGES = ("registers", "smem")
-
-
-def default_stage(lo_format: str) -> str:
-    """Where the read copy waits (ReplayOutputConfig.stage) when none is asked for:
-    registers. Staging through shared memory was correct on the H200 but not faster
-    (2026-11-29, `python -m cute_kernels.bench_read --batch 256 128`, h = 8, Nemotron layer;
-    results/gpu_first_timing/bench_read_5.csv):
-
-        nvfp4, batch 256    registers 4 warps 69.7 us   smem 4 warps 71.7   2 warps 75.0
-        nvfp4, batch 128    registers 4 warps 38.3 us   smem 4 warps 40.8   2 warps 41.1
-
-    so the step is not waiting on the next head's loads: ncu (results/ncu/) shows 44% of
-    issue slots busy at 16 warps per SM, with no eligible warp in 52% of cycles."""
-    return "registers"
 
 
 # CTAs the grid should hold per SM before a group's heads are split further (see below).
@@ -640,7 +633,7 @@ class ReplayOutput:
                 if cutlass.const_expr(not ahead and hh > 0):
                     loads.append(self._issue_head(ptrs, sh, head, cursor, lane))
                 ld = loads[hh]
-                stage = stage_base + (hh % 2) * self.stage_bytes
+                stage = stage_base + (hh % 2) * self.stage_bytes if staged else None
                 if cutlass.const_expr(staged):
                     _cp_async_wait(1 if hh + 1 < nh else 0)  # this head's group has landed
                     cute.arch.sync_warp()  # ... for every lane's copies
@@ -839,15 +832,12 @@ class ReplayOutput:
         row_bytes, sc_row, codes = N // 2, N // 16, P * N // 2
 
         class Stripes:
-            def __len__(self):
-                return P // 16
-
             def __getitem__(self, q):
                 r1 = 16 * q + g
                 chunks = []
                 for c in range(N // (4 * E)):
-                    a1 = _lds_words(stage + r1 * row_bytes + 64 * c + 16 * t, 4)
-                    a2 = _lds_words(stage + (r1 + 8) * row_bytes + 64 * c + 16 * t, 4)
+                    a1 = _lds_v4(stage + r1 * row_bytes + 64 * c + 16 * t)
+                    a2 = _lds_v4(stage + (r1 + 8) * row_bytes + 64 * c + 16 * t)
                     sc = (_lds_u16(stage + codes + r1 * sc_row + 8 * c + 2 * t),
                           _lds_u16(stage + codes + (r1 + 8) * sc_row + 8 * c + 2 * t))
                     chunks.append((a1, a2, sc))
@@ -1152,7 +1142,7 @@ def replay_output(
         upfront=None if upfront is None else bool(upfront),
         head_splits=head_splits,
         min_ctas_per_sm=min_ctas_per_sm,
-        stage=default_stage(lo_format) if stage is None else stage,
+        stage=STAGES[0] if stage is None else stage,
     )
     if cfg.stage == "smem" and cfg.warps * 2 * ReplayOutput(cfg).stage_bytes > 40 * 1024:
         _fail("stage", f"'registers' for this shape and warps ({cfg.warps}): two shared-memory "
