@@ -252,6 +252,14 @@ MIN_CTAS_VARIANTS = [("nvfp4", 4, 5), ("nvfp4", 4, 6), ("fp8_e4m3", 4, 5)]
 # The read copy staged through shared memory (format, warps, min CTAs per SM or None):
 STAGE_VARIANTS = [("nvfp4", 4, None), ("nvfp4", 4, 5), ("nvfp4", 2, None), ("nvfp4", 2, 10)]
 
+# Knobs at their defaults but one (format, knobs): bulk L2 prefetch of the next heads' read
+# copy and ring records, and the quad-major layout of the nvfp4 partial sums.
+KNOB_VARIANTS = [
+    ("nvfp4", dict(l2_prefetch=1)), ("nvfp4", dict(l2_prefetch=2)),
+    ("nvfp4", dict(ys_layout="quads")), ("nvfp4", dict(l2_prefetch=1, ys_layout="quads")),
+    ("fp8_e4m3", dict(l2_prefetch=1)), ("fp16", dict(l2_prefetch=1)),
+]
+
 
 # The small-batch grid (--splits-sweep): (format, warps, head_splits), each a CTA of
 # `warps` warps per 1/head_splits of a group's 16 heads, at the default prefetch and upfront.
@@ -260,7 +268,8 @@ SPLITS_SWEEP = [("nvfp4", 4, 1), ("nvfp4", 4, 2), ("nvfp4", 4, 4), ("nvfp4", 2, 
                 ("fp32", 8, 2), ("fp32", 4, 2), ("fp32", 4, 4), ("fp32", 2, 8)]
 
 
-def run(batches, h, window, sets, reps, out=None, variants=True, splits_sweep=False):
+def run(batches, h, window, sets, reps, out=None, variants=True, splits_sweep=False,
+        knob_variants=False):
     copy_gbs, read_gbs = ceilings()
     rows = []
     cases = [(fmt, None) for fmt in ro.LO_FORMATS]
@@ -273,6 +282,9 @@ def run(batches, h, window, sets, reps, out=None, variants=True, splits_sweep=Fa
         cases += [(fmt, dict(warps=w, prefetch=False, upfront=None, head_splits=1,
                              min_ctas_per_sm=m, stage="smem"))
                   for fmt, w, m in STAGE_VARIANTS]
+        cases += list(KNOB_VARIANTS)
+    if knob_variants:
+        cases = [(fmt, None) for fmt in ro.LO_FORMATS] + list(KNOB_VARIANTS)
     if splits_sweep:
         cases = [(fmt, None) for fmt in ("nvfp4", "fp32")]
         cases += [(fmt, dict(warps=w, prefetch=False, upfront=None, head_splits=k))
@@ -282,7 +294,9 @@ def run(batches, h, window, sets, reps, out=None, variants=True, splits_sweep=Fa
             us, ratio = time_format(fmt, batch, h, window, sets, reps, knobs)
             nbytes = ro.traffic_bytes(fmt, batch, **NEMOTRON, h=h)
             name = fmt
-            if knobs is not None:
+            if knobs is not None and "warps" not in knobs:  # a KNOB_VARIANTS entry
+                name += "/" + ",".join(f"{k}={v}" for k, v in knobs.items())
+            elif knobs is not None:
                 name += f"/w{knobs['warps']}" + ("p" if knobs["prefetch"] else "")
                 name += "" if knobs["upfront"] in (True, None) else "l"  # lazy state loads
                 name += f"/s{knobs['head_splits']}" if knobs["head_splits"] > 1 else ""
@@ -323,10 +337,13 @@ def main():
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--out", default=None)
     p.add_argument("--no-variants", action="store_true", help="time the defaults only")
+    p.add_argument("--knob-variants", action="store_true",
+                   help="the defaults and KNOB_VARIANTS only (L2 prefetch, partial-sum layout)")
     p.add_argument("--splits-sweep", action="store_true",
                    help="nvfp4 and fp32 only, over (warps, head_splits): the small-batch grid")
     a = p.parse_args()
-    run(a.batch, a.h, a.window, a.sets, a.reps, a.out, not a.no_variants, a.splits_sweep)
+    run(a.batch, a.h, a.window, a.sets, a.reps, a.out, not a.no_variants, a.splits_sweep,
+        a.knob_variants)
 
 
 if __name__ == "__main__":

@@ -202,6 +202,16 @@ def _cp_async_wait(pending: int, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
+def _prefetch_l2(gmem_addr, nbytes, *, loc=None, ip=None) -> None:
+    """Bring ``nbytes`` (a multiple of 16; none if 0) at a 16-byte aligned global address into
+    L2 with one bulk request (sm_90): no register waits for it, and the loads that follow hit
+    L2."""
+    _asm(None, [_addr(gmem_addr, loc, ip), Int32(nbytes).ir_value(loc=loc, ip=ip)],
+         "{.reg .pred p; setp.ne.b32 p, $1, 0; @p cp.async.bulk.prefetch.L2.global [$0], $1;}",
+         "l,r", side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
 def _lds_v4(smem_addr, *, loc=None, ip=None) -> list:
     """4 32-bit words at a 16-byte aligned shared-memory byte address. Volatile: a stage's
     address repeats every other head with new contents, so these reads must neither merge
@@ -383,6 +393,14 @@ class ReplayOutputConfig:
     # formats, no cap for fp32
     min_ctas_per_sm: int | None = None
 
+    # heads ahead whose read copy (and ring records) lane 0 asks L2 for with one bulk
+    # prefetch each (cp.async.bulk.prefetch.L2), so that a head's loads find it in L2; 0: off
+    l2_prefetch: int = 0
+    # where the quad's four nvfp4 partial sums of a row sit in shared memory: "rows" (one
+    # (P, warps) plane per quad lane; a quad's stores hit one bank 4 ways) or "quads" (a row's
+    # four side by side: conflict-free stores, one 16-byte read per row)
+    ys_layout: str = "rows"
+
     @property
     def min_ctas(self) -> int:
         if self.min_ctas_per_sm is not None:
@@ -438,20 +456,29 @@ def default_warps(heads_per_group: int, lo_format: str = "nvfp4") -> int:
 # so the step is not waiting on the next head's loads: ncu (results/ncu/) shows 44% of issue
 # slots busy at 16 warps per SM, with no eligible warp in 52% of cycles.
 STAGES = ("registers", "smem")
+YS_LAYOUTS = ("rows", "quads")
 
 
 # CTAs the grid should hold per SM before a group's heads are split further (see below).
 SPLIT_TARGET_CTAS_PER_SM = 2
+# Heads one warp walks at most when the group's heads allow a finer split: the kernel is
+# unrolled over a warp's heads, and 20 of them (Mamba-2 2.7B, one group of 80 heads, at batch
+# 512 with one CTA per group) made 128.5 us of what 10 heads a warp did in 45.0 us at batch
+# 256 (results/kernel_bench.csv of commit 45656da): past a few heads the code outgrows the
+# instruction cache.
+MAX_HEADS_PER_WARP = 4
 
 
 def default_head_splits(batch: int, ngroups: int, heads_per_group: int, warps: int,
                         sm_count: int, lo_format: str = "nvfp4") -> int:
-    """CTAs per (group, slot) when none is asked for. Tensor-core formats: 1 while ``batch *
-    ngroups`` CTAs give every SM ``SPLIT_TARGET_CTAS_PER_SM``, else the smallest power of two
-    that does, at most ``heads_per_group / warps`` (one head per warp). fp32 (SIMT decode):
-    one head per warp at every batch. Measured on the H200 at the Nemotron layer, h = 8, in
-    us (2026-11-29, `python -m cute_kernels.bench_read --splits-sweep --batch 1 8 32 64 128`
-    and `--batch 256`; results/gpu_first_timing/bench_read_splits_3.csv):
+    """CTAs per (group, slot) when none is asked for: a divisor ``s`` of ``heads_per_group /
+    warps`` (so every warp takes the same number of heads). Tensor-core formats: the smallest
+    ``s`` that gives every SM ``SPLIT_TARGET_CTAS_PER_SM`` CTAs (``batch * ngroups * s``) and
+    leaves each warp at most ``MAX_HEADS_PER_WARP`` heads; where none does, one head per warp.
+    fp32 (SIMT decode): one head per warp at every batch. Measured on the H200 at the
+    Nemotron layer, h = 8, in us (2026-11-29, `python -m cute_kernels.bench_read
+    --splits-sweep --batch 1 8 32 64 128` and `--batch 256`;
+    results/gpu_first_timing/bench_read_splits_3.csv):
 
         batch               1     8     32    64    128   256
         nvfp4 4 warps  s1   8.7   9.4  13.6  20.8  38.3  70.5
@@ -461,14 +488,18 @@ def default_head_splits(batch: int, ngroups: int, heads_per_group: int, warps: i
                        s2   7.5  15.5  40.1  75.1 146.6 275.7
 
     Small batches are latency-bound: at batch 1 the Nemotron layer is 8 CTAs whose warps each
-    walk 4 heads one after another."""
+    walk 4 heads one after another. Earlier rules took powers of two only, which left Mamba-2
+    2.7B (80 heads a warp-group of 4 warps cannot halve past 20 / 4) at 4 CTAs for batch 1."""
+    per_warp = heads_per_group // warps
     if lo_format == "fp32":
-        return heads_per_group // warps
-    splits = 1
-    while (batch * ngroups * splits < SPLIT_TARGET_CTAS_PER_SM * sm_count
-           and heads_per_group % (2 * splits * warps) == 0):
-        splits *= 2
-    return splits
+        return per_warp
+    for splits in range(1, per_warp + 1):
+        if per_warp % splits:
+            continue
+        if (batch * ngroups * splits >= SPLIT_TARGET_CTAS_PER_SM * sm_count
+                and per_warp // splits <= MAX_HEADS_PER_WARP):
+            return splits
+    return per_warp
 
 
 _SM_COUNT: dict = {}
@@ -570,7 +601,10 @@ class ReplayOutput:
         smem = SmemAllocator()
         bc_smem = smem.allocate_tensor(Float32, cute.make_layout(32), byte_alignment=16)
         Q = self.quads  # partial sums per row (nvfp4: one per lane of a quad)
-        ys_smem = smem.allocate_tensor(Float32, cute.make_layout((P, W, Q)), byte_alignment=16)
+        quads_inner = cfg.ys_layout == "quads" and Q == 4
+        ys_layout = (cute.make_layout((P, W, Q), stride=(Q, P * Q, 1)) if quads_inner
+                     else cute.make_layout((P, W, Q)))
+        ys_smem = smem.allocate_tensor(Float32, ys_layout, byte_alignment=16)
         staged = cfg.stage == "smem"
         stage_base = Int32(0)
         if cutlass.const_expr(staged):
@@ -591,6 +625,9 @@ class ReplayOutput:
             # state in flight while it works, and no load waits on another load.
             loads = [self._issue_head(ptrs, s64 * H + heads[0], heads[0], cursor, lane)]
             nh = HPS // W  # heads of this warp
+            if lane == 0:  # the next cfg.l2_prefetch heads' bytes, into L2
+                for k in cutlass.range_constexpr(1, min(cfg.l2_prefetch + 1, nh)):
+                    self._prefetch_head(ptrs, s64 * H + heads[k], cursor)
             if cutlass.const_expr(staged):
                 for k in cutlass.range_constexpr(min(2, nh)):
                     self._stage_head(lo0.toint(), lo1.toint(), s64 * H + heads[k],
@@ -633,6 +670,10 @@ class ReplayOutput:
                 if cutlass.const_expr(not ahead and hh > 0):
                     loads.append(self._issue_head(ptrs, sh, head, cursor, lane))
                 ld = loads[hh]
+                if cutlass.const_expr(cfg.l2_prefetch and hh > 0 and hh + cfg.l2_prefetch < nh):
+                    if lane == 0:  # heads hh + 1 .. hh + l2_prefetch asked for (the prologue
+                        # asked for 1 .. l2_prefetch)
+                        self._prefetch_head(ptrs, s64 * H + heads[hh + cfg.l2_prefetch], cursor)
                 stage = stage_base + (hh % 2) * self.stage_bytes if staged else None
                 if cutlass.const_expr(staged):
                     _cp_async_wait(1 if hh + 1 < nh else 0)  # this head's group has landed
@@ -675,9 +716,18 @@ class ReplayOutput:
                     v = cutlass.min(v_raw, P - 2)  # clamped: every lane joins the shuffles
                     xw = ld["x"][r]
                     xv = _words_to_f32(xw, act)
-                    ys0, ys1 = ys_smem[v, warp, 0], ys_smem[v + 1, warp, 0]
-                    for q in cutlass.range_constexpr(1, Q):
-                        ys0, ys1 = ys0 + ys_smem[v, warp, q], ys1 + ys_smem[v + 1, warp, q]
+                    if cutlass.const_expr(quads_inner):
+                        # rows v, v + 1: eight consecutive words, two 16-byte reads
+                        base = ys_smem.iterator.toint() + 4 * Q * (v + P * warp)
+                        p0 = [bits_f32(w) for w in _lds_v4(base)]
+                        p1 = [bits_f32(w) for w in _lds_v4(base + 16)]
+                        ys0 = ((p0[0] + p0[1]) + p0[2]) + p0[3]
+                        ys1 = ((p1[0] + p1[1]) + p1[2]) + p1[3]
+                    else:
+                        ys0, ys1 = ys_smem[v, warp, 0], ys_smem[v + 1, warp, 0]
+                        for q in cutlass.range_constexpr(1, Q):
+                            ys0 = ys0 + ys_smem[v, warp, q]
+                            ys1 = ys1 + ys_smem[v + 1, warp, q]
                     acc0 = ck_scale * ys0
                     acc1 = ck_scale * ys1
                     for j in cutlass.range_constexpr(L - 1):
@@ -700,6 +750,18 @@ class ReplayOutput:
                 cute.arch.sync_warp()
 
     # ---- loads of one head -----------------------------------------------------------------
+
+    def _prefetch_head(self, ptrs, sh, cursor) -> None:
+        """One head's read copy and its ring records before ``cursor`` into L2 (lane 0)."""
+        cfg = self.cfg
+        lo0, lo1, _, ring_x = ptrs[:4]
+        P, N, Lc = cfg.headdim, cfg.dstate, cfg.ring_capacity
+        ab = _ACT_BYTES[cfg.act]
+        nbytes = int(P * N * _BYTES_PER_ELEMENT[cfg.lo_format])
+        _prefetch_l2(lo0.toint() + sh * nbytes, nbytes)
+        if cutlass.const_expr(cfg.lo_format == "nvfp4"):
+            _prefetch_l2(lo1.toint() + sh * (P * N // 16), P * N // 16)
+        _prefetch_l2(ring_x.toint() + sh * (Lc * P * ab), cursor * (P * ab))  # none if 0
 
     def _issue_head(self, ptrs, sh, head, cursor, lane) -> dict:
         """Every global load one head needs, issued together (none depends on another):
@@ -1057,6 +1119,8 @@ def replay_output(
     head_splits=None,
     min_ctas_per_sm=None,
     stage=None,
+    l2_prefetch=None,
+    ys_layout=None,
 ):
     """One non-flush decode step for every slot whose ``cursors[s] + 1 < window``; returns
     ``out`` [S, H, P] (x's dtype; rows of flush slots are not written).
@@ -1069,7 +1133,8 @@ def replay_output(
     defaults (`ReplayOutputConfig`); ``head_splits`` (with ``head_splits * warps`` dividing
     nheads / ngroups) spreads a group's heads over that many CTAs (default: by batch size,
     `default_head_splits`); ``min_ctas_per_sm`` caps registers and ``stage`` ("registers" or
-    "smem", nvfp4) picks how the read copy is loaded (`ReplayOutputConfig`).
+    "smem", nvfp4) picks how the read copy is loaded, ``l2_prefetch`` (heads ahead, 0 off)
+    and ``ys_layout`` ("rows" or "quads") are the tuning knobs of `ReplayOutputConfig`.
     """
     if lo_format not in LO_FORMATS:
         _fail("lo_format", f"one of {list(LO_FORMATS)}", repr(lo_format))
@@ -1143,7 +1208,14 @@ def replay_output(
         head_splits=head_splits,
         min_ctas_per_sm=min_ctas_per_sm,
         stage=STAGES[0] if stage is None else stage,
+        l2_prefetch=0 if l2_prefetch is None else l2_prefetch,
+        ys_layout=YS_LAYOUTS[0] if ys_layout is None else ys_layout,
     )
+    k = cfg.l2_prefetch
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 4:
+        _fail("l2_prefetch", "None or an integer in [0, 4] (heads ahead)", l2_prefetch)
+    if cfg.ys_layout not in YS_LAYOUTS:
+        _fail("ys_layout", f"None or one of {list(YS_LAYOUTS)}", repr(ys_layout))
     if cfg.stage == "smem" and cfg.warps * 2 * ReplayOutput(cfg).stage_bytes > 40 * 1024:
         _fail("stage", f"'registers' for this shape and warps ({cfg.warps}): two shared-memory "
               "stages per warp would pass 40 KiB", repr(stage))

@@ -19,6 +19,12 @@
 #       gpu-tests.log, bench_write.csv, bench_read.csv, bench_read_splits.csv,
 #       bench_write_small_{1,8}.csv, kernel_bench_C.log
 #
+#   bash scripts/gpu_session.sh T   carry [".device"]
+#       a shorter C, for knob changes: gpu-marked tests (-n 8), bench_read's knob variants (L2
+#       prefetch, partial-sum layout) at batch 256 and 128, and bench_write's two-precision and
+#       FP32 flushes and windows at batch 256: gpu-tests.log, bench_read_knobs.csv,
+#       bench_write_T.csv, kernel_bench_T.log
+#
 #   bash scripts/gpu_session.sh E   carry [".device"] (not needed: the emulation is Triton)
 #       the emulation backend of experiments.error_growth at the real layer shape (issue 5):
 #       error_growth_emulation_gpu.{csv,png,meta.json}
@@ -48,7 +54,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 part=${1:-}
-case "$part" in A|B|C|D|E|P) ;; *) echo "usage: bash scripts/gpu_session.sh A|B|C|D|E|P" >&2; exit 2 ;; esac
+case "$part" in A|B|C|D|E|P|T) ;; *) echo "usage: bash scripts/gpu_session.sh A|B|C|D|E|P|T" >&2; exit 2 ;; esac
 out=${OUT:-/tmp/kernel-bench-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -112,6 +118,16 @@ if [ "$part" = C ]; then
     timeout 30 "$py" -m cute_kernels.bench_write --batch $b --only "flush fp16-SR + nvfp4" \
       --out "$out/bench_write_small_$b.csv" 2>&1 | tee -a "$log"
   done
+elif [ "$part" = T ]; then
+  timeout "${KB_TESTS_S:-200}" "$py" -m pytest -m gpu -q -n 8 -p no:cacheprovider \
+    > "$out/gpu-tests.log" 2>&1
+  echo "gpu tests: exit $? after $(( $(date +%s) - start )) s" | tee -a "$log"
+  tail -n 3 "$out/gpu-tests.log"
+  timeout 150 "$py" -m cute_kernels.bench_read --knob-variants --batch 256 128 \
+    --out "$out/bench_read_knobs.csv" 2>&1 | tee -a "$log"
+  timeout "$(( $(remaining) - 10 ))" "$py" -m cute_kernels.bench_write --batch 256 \
+    --only "flush fp16-SR" "flush fp32" "window/token" --out "$out/bench_write_T.csv" 2>&1 \
+    | tee -a "$log"
 elif [ "$part" = E ]; then
   emulation_run "$(( $(remaining) - 5 ))"
 elif [ "$part" = A ] || [ "$part" = D ]; then

@@ -78,9 +78,9 @@ def test_head_splits_compile_with_a_share_of_the_heads_per_cta(fmt):
 
 
 def test_default_head_splits_fill_the_gpu_only_when_the_batch_does_not():
-    """Tensor-core formats: split 1 once batch * ngroups CTAs give every SM two; below that,
-    the smallest power of two that does, never more than one head per warp. fp32: one head
-    per warp at every batch."""
+    """Tensor-core formats: split 1 once batch * ngroups CTAs give every SM two and no warp
+    walks more than MAX_HEADS_PER_WARP heads; below that, the smallest divisor of the warp's
+    heads that does, else one head per warp. fp32: one head per warp at every batch."""
     sms = 132
     for batch in (33, 64, 256, 512):  # 264 CTAs and up on the Nemotron layer
         assert ro.default_head_splits(batch, 8, 16, 4, sms) == 1
@@ -88,14 +88,60 @@ def test_default_head_splits_fill_the_gpu_only_when_the_batch_does_not():
     assert ro.default_head_splits(1, 8, 16, 1, sms) == 16
     assert ro.default_head_splits(5, 8, 16, 1, sms) == 8  # 40 CTAs -> 320
     assert ro.default_head_splits(17, 8, 16, 2, sms) == 2  # 136 CTAs -> 272
-    assert ro.default_head_splits(1, 1, 24, 8, sms) == 1  # 24 heads / 8 warps: 3, odd
+    assert ro.default_head_splits(1, 1, 24, 8, sms) == 3  # 3 heads a warp: one each
+    # Mamba-2 2.7B: one group of 80 heads, 20 a warp at 4 warps; splits divide 20
+    assert ro.default_head_splits(512, 1, 80, 4, sms) == 5  # 4 heads a warp, not 20
+    assert ro.default_head_splits(32, 1, 80, 4, sms) == 10  # 320 CTAs, 2 heads a warp
+    assert ro.default_head_splits(1, 1, 80, 4, sms) == 20  # 20 CTAs, not 4
     for batch in (1, 256, 512):
         assert ro.default_head_splits(batch, 8, 16, 8, sms, "fp32") == 2
-    for batch in range(1, 40, 3):
-        for warps in (1, 2, 4, 8):
-            k = ro.default_head_splits(batch, 8, 16, warps, sms)
-            assert 16 % (k * warps) == 0 and k & (k - 1) == 0
-            assert batch * 8 * k >= 2 * sms or k * warps == 16
+        assert ro.default_head_splits(batch, 1, 80, 8, sms, "fp32") == 10
+    for hpg, groups in ((16, 8), (80, 1), (24, 2), (48, 4)):
+        for batch in list(range(1, 40, 3)) + [128, 256, 512]:
+            for warps in (1, 2, 4, 8):
+                if hpg % warps:
+                    continue
+                k = ro.default_head_splits(batch, groups, hpg, warps, sms)
+                per_warp = hpg // warps
+                assert per_warp % k == 0
+                met = batch * groups * k >= 2 * sms and per_warp // k <= ro.MAX_HEADS_PER_WARP
+                assert met or k == per_warp
+                # no smaller divisor would have done
+                assert not any(
+                    batch * groups * d >= 2 * sms and per_warp // d <= ro.MAX_HEADS_PER_WARP
+                    for d in range(1, k) if per_warp % d == 0
+                )
+
+
+@pytest.mark.parametrize("lo_format, heads_ahead", [("nvfp4", 1), ("nvfp4", 2), ("fp16", 1)])
+def test_l2_prefetch_asks_for_each_later_head_once(lo_format, heads_ahead):
+    """l2_prefetch = k: lane 0 asks L2 for every head of its warp but the first (they are
+    loaded before the prologue) once, a bulk request each for the read copy, the nvfp4 scales
+    and the ring records; the loads themselves are unchanged."""
+    _, H, P, N, G, _, _ = SHAPES["nemotron"]
+    base = dataclasses.replace(_config(lo_format, "nemotron"), warps=4)
+    ptx0 = ro.compile_replay_output(base, keep_ptx=True).__ptx__
+    cfg = dataclasses.replace(base, l2_prefetch=heads_ahead)
+    ptx = ro.compile_replay_output(cfg, keep_ptx=True).__ptx__
+    later_heads = H // G // 4 - 1
+    per_head = 3 if lo_format == "nvfp4" else 2
+    assert "prefetch.L2" not in ptx0
+    assert ptx.count("cp.async.bulk.prefetch.L2.global") == per_head * later_heads
+    load = "ld.global.nc.L1::no_allocate.v4.u32"
+    assert ptx.count(load) == ptx0.count(load) > 0
+
+
+def test_quad_major_partial_sums_are_read_sixteen_bytes_at_a_time():
+    """ys_layout='quads' (nvfp4): the epilogue reads a row's four partial sums with one
+    16-byte shared load instead of four scalar ones."""
+    base = dataclasses.replace(_config("nvfp4", "nemotron"), warps=4)
+    rows = ro.compile_replay_output(base, keep_ptx=True).__ptx__
+    quads = ro.compile_replay_output(
+        dataclasses.replace(base, ys_layout="quads"), keep_ptx=True
+    ).__ptx__
+    heads_per_warp = 16 // 4
+    assert quads.count("ld.shared.v4.u32") == 2 * heads_per_warp
+    assert rows.count("ld.shared.v4.u32") == 0
 
 
 @pytest.mark.parametrize("shape, warps", [("nemotron", 4), ("odd", 2)])
@@ -431,6 +477,30 @@ def test_head_splits_keep_the_results(fmt, warps, head_splits, shape):
     _check_step(lo64, t, {k: v.cpu() for k, v in t_d.items()}, out.cpu(), window, "bf16")
     with pytest.raises(ValueError, match="head_splits"):
         _call(lo_d, t_d, fmt, window, out, warps=warps, head_splits=7)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt, shape, knobs", [
+    ("nvfp4", "nemotron", dict(l2_prefetch=1)), ("nvfp4", "odd", dict(l2_prefetch=2, warps=1)),
+    ("nvfp4", "nemotron", dict(ys_layout="quads")),
+    ("nvfp4", "odd", dict(ys_layout="quads", l2_prefetch=1, warps=1)),
+    ("fp16", "nemotron", dict(l2_prefetch=1)), ("fp32", "odd", dict(l2_prefetch=1, warps=1)),
+])
+def test_l2_prefetch_and_partial_sum_layout_keep_the_results(fmt, shape, knobs):
+    """Prefetching later heads into L2 and the quad-major partial-sum layout change only the
+    schedule: outputs, records and cursors as the reference says."""
+    window = SHAPES[shape][-1]
+    lo, lo64, t = _inputs(fmt, shape, "bf16", seed=31)
+    lo_d, t_d = _to_cuda(lo, t)
+    out = torch.full_like(t_d["x"], float("nan"))
+    # one CTA per group: small test batches would otherwise give each warp one head
+    _call(lo_d, t_d, fmt, window, out, head_splits=1, **knobs)
+    torch.cuda.synchronize()
+    _check_step(lo64, t, {k: v.cpu() for k, v in t_d.items()}, out.cpu(), window, "bf16")
+    with pytest.raises(ValueError, match="l2_prefetch"):
+        _call(lo_d, t_d, fmt, window, out, l2_prefetch=-1)
+    with pytest.raises(ValueError, match="ys_layout"):
+        _call(lo_d, t_d, fmt, window, out, ys_layout="cols")
 
 
 @pytest.mark.gpu
