@@ -253,11 +253,12 @@ MIN_CTAS_VARIANTS = [("nvfp4", 4, 5), ("nvfp4", 4, 6), ("fp8_e4m3", 4, 5)]
 STAGE_VARIANTS = [("nvfp4", 4, None), ("nvfp4", 4, 5), ("nvfp4", 2, None), ("nvfp4", 2, 10)]
 
 # Knobs at their defaults but one (format, knobs): bulk L2 prefetch of the next heads' read
-# copy and ring records, and the quad-major layout of the nvfp4 partial sums.
+# copy and ring records, the quad-major layout of the nvfp4 partial sums, two CTAs a group.
 KNOB_VARIANTS = [
     ("nvfp4", dict(l2_prefetch=1)), ("nvfp4", dict(l2_prefetch=2)),
     ("nvfp4", dict(ys_layout="quads")), ("nvfp4", dict(l2_prefetch=1, ys_layout="quads")),
     ("fp8_e4m3", dict(l2_prefetch=1)), ("fp16", dict(l2_prefetch=1)),
+    ("nvfp4", dict(head_splits=2)),  # 2 heads a warp: half the unrolled code
 ]
 
 
