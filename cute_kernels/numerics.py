@@ -1,8 +1,9 @@
 """Device numerics shared by the CuTe DSL kernels: bit for bit the contract of lowprec/README.md.
 
-Hopper (sm_90) has no stochastic-rounding conversion and no FP4 conversion instruction, so every
-rounding here is integer arithmetic on the fp32 bits; nothing depends on an instruction that a
-later architecture might add. Each function is a plain Python function of DSL scalars, traced
+Hopper (sm_90) has no stochastic-rounding conversion and no FP4 conversion instruction, so those
+roundings are integer arithmetic on the fp32 bits; nothing depends on an instruction that a
+later architecture might add. E4M3 <-> fp32/f16 and fp32 -> f16 RN use the hardware
+conversions Hopper has (sm_89 and later), checked against the integer forms on the device. Each function is a plain Python function of DSL scalars, traced
 into the calling kernel (no call overhead), and states its equivalence to `lowprec`:
 
     philox_keys, philox_word,   lowprec.philox.randint / randint4x (= Triton tl.randint,
@@ -373,9 +374,11 @@ def rn_e2m1_nibble(x):
 
 def e4m3_value(byte):
     """Exact fp32 value of a non-negative, non-NaN E4M3 byte (a block scale). On the device
-    the hardware converts it to f16 (every E4M3 value is an f16 normal) and f16 to fp32."""
+    the hardware converts it to f16 (every E4M3 value is an f16 normal) and f16 to fp32; the
+    NaN byte 0x7F (the scale of a block whose ratio was NaN) gives 480 as the integer form
+    does, not the hardware's NaN, so that such a block's codes stay lowprec's."""
     if not _is_np(byte):
-        return Float32(
+        value = Float32(
             llvm.inline_asm(
                 T.f32(),
                 [Uint32(byte).ir_value()],
@@ -387,6 +390,7 @@ def e4m3_value(byte):
                 asm_dialect=llvm.AsmDialect.AD_ATT,
             )
         )
+        return _sel(Uint32(byte) == Uint32(0x7F), Float32(480.0), value)
     exponent = byte >> _u(3, byte)
     mantissa = byte & _u(7, byte)
     normal = bits_f32(((exponent + _u(120, byte)) << _u(23, byte)) | (mantissa << _u(20, byte)))
