@@ -29,6 +29,10 @@ import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint32
 
 NEMOTRON = dict(nheads=128, headdim=64, dstate=128, ngroups=8)
+# --shape: the layer timed (experiments.kernel_bench's second shape: one group of 80 heads)
+SHAPES = {"nemotron3-super": NEMOTRON,
+          "mamba2-2.7b": dict(nheads=80, headdim=64, dstate=128, ngroups=1)}
+SHAPE = dict(NEMOTRON)
 
 
 # --------------------------------------------------------------------------------------------
@@ -111,8 +115,7 @@ def ceilings(nbytes=2**30):
 
 def make_set(fmt, batch, h, window, gen_seed):
     """One decode step's buffers on the GPU, every slot holding h - 1 records."""
-    S, H, P, N, G = batch, NEMOTRON["nheads"], NEMOTRON["headdim"], NEMOTRON["dstate"], \
-        NEMOTRON["ngroups"]
+    S, H, P, N, G = batch, SHAPE["nheads"], SHAPE["headdim"], SHAPE["dstate"], SHAPE["ngroups"]
     dev = "cuda"
     gen = torch.Generator(device=dev).manual_seed(gen_seed)
     bf = torch.bfloat16
@@ -270,7 +273,7 @@ SPLITS_SWEEP = [("nvfp4", 4, 1), ("nvfp4", 4, 2), ("nvfp4", 4, 4), ("nvfp4", 2, 
 
 
 def run(batches, h, window, sets, reps, out=None, variants=True, splits_sweep=False,
-        knob_variants=False):
+        knob_variants=False, splits=None):
     copy_gbs, read_gbs = ceilings()
     rows = []
     cases = [(fmt, None) for fmt in ro.LO_FORMATS]
@@ -288,12 +291,13 @@ def run(batches, h, window, sets, reps, out=None, variants=True, splits_sweep=Fa
         cases = [(fmt, None) for fmt in ro.LO_FORMATS] + list(KNOB_VARIANTS)
     if splits_sweep:
         cases = [(fmt, None) for fmt in ("nvfp4", "fp32")]
+        grid = SPLITS_SWEEP if not splits else [("nvfp4", 4, k) for k in splits]
         cases += [(fmt, dict(warps=w, prefetch=False, upfront=None, head_splits=k))
-                  for fmt, w, k in SPLITS_SWEEP]
+                  for fmt, w, k in grid]
     for batch in batches:
         for fmt, knobs in cases:
             us, ratio = time_format(fmt, batch, h, window, sets, reps, knobs)
-            nbytes = ro.traffic_bytes(fmt, batch, **NEMOTRON, h=h)
+            nbytes = ro.traffic_bytes(fmt, batch, **SHAPE, h=h)
             name = fmt
             if knobs is not None and "warps" not in knobs:  # a KNOB_VARIANTS entry
                 name += "/" + ",".join(f"{k}={v}" for k, v in knobs.items())
@@ -305,7 +309,8 @@ def run(batches, h, window, sets, reps, out=None, variants=True, splits_sweep=Fa
                     name += f"/m{knobs['min_ctas_per_sm']}"
                 name += "/smem" if knobs.get("stage") == "smem" else ""
             rows.append(dict(
-                format=name, batch=batch, h=h, window=window, us=us, bytes=nbytes,
+                format=name, shape=next(k for k, v in SHAPES.items() if v == SHAPE),
+                batch=batch, h=h, window=window, us=us, bytes=nbytes,
                 gbs=nbytes / us / 1e3 if us == us else float("nan"), check=ratio,
                 copy_gbs=copy_gbs, read_gbs=read_gbs,
                 device=torch.cuda.get_device_name(0),
@@ -340,11 +345,16 @@ def main():
     p.add_argument("--no-variants", action="store_true", help="time the defaults only")
     p.add_argument("--knob-variants", action="store_true",
                    help="the defaults and KNOB_VARIANTS only (L2 prefetch, partial-sum layout)")
+    p.add_argument("--shape", choices=list(SHAPES), default="nemotron3-super")
+    p.add_argument("--splits", type=int, nargs="+", default=None,
+                   help="with --splits-sweep: nvfp4 at 4 warps and these head_splits only")
     p.add_argument("--splits-sweep", action="store_true",
                    help="nvfp4 and fp32 only, over (warps, head_splits): the small-batch grid")
     a = p.parse_args()
+    SHAPE.clear()
+    SHAPE.update(SHAPES[a.shape])
     run(a.batch, a.h, a.window, a.sets, a.reps, a.out, not a.no_variants, a.splits_sweep,
-        a.knob_variants)
+        a.knob_variants, a.splits)
 
 
 if __name__ == "__main__":

@@ -3,8 +3,9 @@
 Hopper (sm_90) has no stochastic-rounding conversion and no FP4 conversion instruction, so those
 roundings are integer arithmetic on the fp32 bits; nothing depends on an instruction that a
 later architecture might add. E4M3 <-> fp32/f16 and fp32 -> f16 RN use the hardware
-conversions Hopper has (sm_89 and later), checked against the integer forms on the device. Each function is a plain Python function of DSL scalars, traced
-into the calling kernel (no call overhead), and states its equivalence to `lowprec`:
+conversions Hopper has (sm_89 and later), checked against the integer forms on the device.
+Each function is a plain Python function of DSL scalars, traced into the calling kernel (no
+call overhead), and states its equivalence to `lowprec`:
 
     philox_keys, philox_word,   lowprec.philox.randint / randint4x (= Triton tl.randint,
       philox_words              tl.randint4x): Philox-4x32-10, key (seed lo, seed hi), counter
