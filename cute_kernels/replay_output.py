@@ -459,47 +459,61 @@ STAGES = ("registers", "smem")
 YS_LAYOUTS = ("rows", "quads")
 
 
-# CTAs the grid should hold per SM before a group's heads are split further (see below).
-SPLIT_TARGET_CTAS_PER_SM = 2
-# Heads one warp walks at most when the group's heads allow a finer split: the kernel is
-# unrolled over a warp's heads, and 20 of them (Mamba-2 2.7B, one group of 80 heads, at batch
-# 512 with one CTA per group) made 128.5 us of what 10 heads a warp did in 45.0 us at batch
-# 256 (results/kernel_bench.csv of commit 45656da): past a few heads the code outgrows the
-# instruction cache.
-MAX_HEADS_PER_WARP = 4
+# Heads one warp walks at most: the kernel is unrolled over a warp's heads, and 20 of them
+# (Mamba-2 2.7B, one group of 80 heads, batch 512, one CTA per group) took 129.0 us where 10
+# took 81.2 (table below): past ten or so the code outgrows the instruction cache.
+MAX_HEADS_PER_WARP = 10
 
 
 def default_head_splits(batch: int, ngroups: int, heads_per_group: int, warps: int,
                         sm_count: int, lo_format: str = "nvfp4") -> int:
     """CTAs per (group, slot) when none is asked for: a divisor ``s`` of ``heads_per_group /
-    warps`` (so every warp takes the same number of heads). Tensor-core formats: the smallest
-    ``s`` that gives every SM ``SPLIT_TARGET_CTAS_PER_SM`` CTAs (``batch * ngroups * s``) and
-    leaves each warp at most ``MAX_HEADS_PER_WARP`` heads; where none does, one head per warp.
-    fp32 (SIMT decode): one head per warp at every batch. Measured on the H200 at the
-    Nemotron layer, h = 8, in us (2026-11-29, `python -m cute_kernels.bench_read
-    --splits-sweep --batch 1 8 32 64 128` and `--batch 256`;
-    results/gpu_first_timing/bench_read_splits_3.csv):
+    warps`` (every warp then takes ``k = heads_per_group / (warps s)`` heads).
 
-        batch               1     8     32    64    128   256
-        nvfp4 4 warps  s1   8.7   9.4  13.6  20.8  38.3  70.5
-                       s2   6.5   6.2  11.6  21.6  39.3
-                       s4   4.9   5.7  13.1  25.5  47.1  87.1
-        fp32  8 warps  s1  15.0  31.5  42.5  90.0 155.6 304.5
-                       s2   7.5  15.5  40.1  75.1 146.6 275.7
+    Tensor-core formats: the ``s`` with the least ``waves * (k + 1)``, where ``waves`` is the
+    grid of ``batch * ngroups * s`` CTAs over the resident ones (``sm_count * 16 / warps`` at
+    128 registers) rounded up, and ``k + 1`` a CTA's heads a warp plus its prologue (about a
+    head's worth: the group's B.C products); ``k <= MAX_HEADS_PER_WARP``, ties to the smaller
+    ``s``. fp32 (SIMT decode): one head per warp at every batch. The model picked the fastest
+    split, or one within 3%, at every point of two sweeps on the H200, h = 8, nvfp4 at 4 warps,
+    in us (2026-11-29, `python -m cute_kernels.bench_read --splits-sweep ...`;
+    results/gpu_first_timing/bench_read_splits_3.csv and bench_read_splits_mamba2_6.csv):
 
-    Small batches are latency-bound: at batch 1 the Nemotron layer is 8 CTAs whose warps each
-    walk 4 heads one after another. Earlier rules took powers of two only, which left Mamba-2
-    2.7B (80 heads a warp-group of 4 warps cannot halve past 20 / 4) at 4 CTAs for batch 1."""
+        Nemotron-3-Super (16 heads a group, 8 groups; model's pick in brackets)
+        batch    1      8      32     64     128    256
+        s1       8.7    9.4   13.6  [20.8] [38.3] [70.5]
+        s2       6.5    6.2  [11.6]  21.6   39.3
+        s4      [4.9]  [5.7]  13.1   25.5   47.1   87.1
+        fp32 8 warps: s1 304.5, s2 275.7 us at batch 256
+
+        Mamba-2 2.7B (80 heads, one group; --shape mamba2-2.7b --splits 1 2 4 5 10 20)
+        batch    32     64     128    256    512
+        s1      58.2   58.9   65.4   78.4  129.0
+        s2      22.8   23.3   31.2  [42.5] [81.2]
+        s4      13.2   15.5  [24.1]  44.0   82.0
+        s5      12.5  [15.7]  29.7   47.6   83.3
+        s10     [9.6]  15.3   26.7   46.2   85.6
+        s20     11.0   16.2   31.1   56.2  105.0
+
+    Small grids are latency-bound (a warp walks its heads one after another), so splitting
+    pays until the grid fills the GPU; past that, a wave left part-empty costs as much as a
+    full one. Earlier rules (powers of two until 2 CTAs an SM; then also at most 4 heads a
+    warp) left Mamba-2 2.7B at 4 CTAs for batch 1, at 20 heads a warp for batch 512, and at
+    1.2 waves for batch 128."""
     per_warp = heads_per_group // warps
     if lo_format == "fp32":
         return per_warp
+    resident = sm_count * max(1, 16 // warps)
+    best, best_cost = per_warp, None
     for splits in range(1, per_warp + 1):
-        if per_warp % splits:
+        heads = per_warp // splits
+        if per_warp % splits or heads > MAX_HEADS_PER_WARP:
             continue
-        if (batch * ngroups * splits >= SPLIT_TARGET_CTAS_PER_SM * sm_count
-                and per_warp // splits <= MAX_HEADS_PER_WARP):
-            return splits
-    return per_warp
+        waves = -(-batch * ngroups * splits // resident)
+        cost = waves * (heads + 1)
+        if best_cost is None or cost < best_cost:
+            best, best_cost = splits, cost
+    return best
 
 
 _SM_COUNT: dict = {}

@@ -77,40 +77,44 @@ def test_head_splits_compile_with_a_share_of_the_heads_per_cta(fmt):
     assert "ld.local" not in ptx and "st.local" not in ptx
 
 
-def test_default_head_splits_fill_the_gpu_only_when_the_batch_does_not():
-    """Tensor-core formats: split 1 once batch * ngroups CTAs give every SM two and no warp
-    walks more than MAX_HEADS_PER_WARP heads; below that, the smallest divisor of the warp's
-    heads that does, else one head per warp. fp32: one head per warp at every batch."""
+def test_default_head_splits_pick_the_measured_fastest_grids():
+    """The splits the H200 sweeps found fastest (default_head_splits' tables): Nemotron-3-Super
+    one CTA per group from batch 64, two at 32, four (one head a warp) below; Mamba-2 2.7B
+    (one group of 80 heads) 20 CTAs at batch 1, 2 at batch 512 (10 heads a warp, not 20).
+    fp32: one head per warp at every batch."""
     sms = 132
-    for batch in (33, 64, 256, 512):  # 264 CTAs and up on the Nemotron layer
-        assert ro.default_head_splits(batch, 8, 16, 4, sms) == 1
-    assert ro.default_head_splits(1, 8, 16, 4, sms) == 4  # capped: 4 warps x 4 CTAs = 16 heads
-    assert ro.default_head_splits(1, 8, 16, 1, sms) == 16
-    assert ro.default_head_splits(5, 8, 16, 1, sms) == 8  # 40 CTAs -> 320
-    assert ro.default_head_splits(17, 8, 16, 2, sms) == 2  # 136 CTAs -> 272
-    assert ro.default_head_splits(1, 1, 24, 8, sms) == 3  # 3 heads a warp: one each
-    # Mamba-2 2.7B: one group of 80 heads, 20 a warp at 4 warps; splits divide 20
-    assert ro.default_head_splits(512, 1, 80, 4, sms) == 5  # 4 heads a warp, not 20
-    assert ro.default_head_splits(32, 1, 80, 4, sms) == 10  # 320 CTAs, 2 heads a warp
-    assert ro.default_head_splits(1, 1, 80, 4, sms) == 20  # 20 CTAs, not 4
+    nemotron = {1: 4, 8: 4, 32: 2, 64: 1, 128: 1, 256: 1, 512: 1}
+    for batch, splits in nemotron.items():
+        assert ro.default_head_splits(batch, 8, 16, 4, sms) == splits, batch
+    mamba = {1: 20, 8: 20, 32: 10, 128: 4, 256: 2, 512: 2}
+    for batch, splits in mamba.items():
+        assert ro.default_head_splits(batch, 1, 80, 4, sms) == splits, batch
     for batch in (1, 256, 512):
         assert ro.default_head_splits(batch, 8, 16, 8, sms, "fp32") == 2
         assert ro.default_head_splits(batch, 1, 80, 8, sms, "fp32") == 10
-    for hpg, groups in ((16, 8), (80, 1), (24, 2), (48, 4)):
-        for batch in list(range(1, 40, 3)) + [128, 256, 512]:
+
+
+def test_default_head_splits_minimise_waves_times_heads_a_warp():
+    """For every shape, batch and warps: the split divides the warp's heads, leaves at most
+    MAX_HEADS_PER_WARP of them, and no other allowed split has fewer (waves x (heads a warp +
+    1)); ties go to the fewer CTAs."""
+    sms = 132
+    for hpg, groups in ((16, 8), (80, 1), (24, 2), (48, 4), (40, 1)):
+        for batch in [1, 2, 5, 8, 17, 32, 33, 64, 100, 128, 256, 512, 1000]:
             for warps in (1, 2, 4, 8):
                 if hpg % warps:
                     continue
-                k = ro.default_head_splits(batch, groups, hpg, warps, sms)
                 per_warp = hpg // warps
-                assert per_warp % k == 0
-                met = batch * groups * k >= 2 * sms and per_warp // k <= ro.MAX_HEADS_PER_WARP
-                assert met or k == per_warp
-                # no smaller divisor would have done
-                assert not any(
-                    batch * groups * d >= 2 * sms and per_warp // d <= ro.MAX_HEADS_PER_WARP
-                    for d in range(1, k) if per_warp % d == 0
-                )
+                k = ro.default_head_splits(batch, groups, hpg, warps, sms)
+                assert per_warp % k == 0 and per_warp // k <= ro.MAX_HEADS_PER_WARP
+
+                resident = sms * max(1, 16 // warps)
+                allowed = [s for s in range(1, per_warp + 1)
+                           if per_warp % s == 0 and per_warp // s <= ro.MAX_HEADS_PER_WARP]
+                cost = {s: -(-batch * groups * s // resident) * (per_warp // s + 1)
+                        for s in allowed}
+                assert cost[k] == min(cost.values())
+                assert all(cost[s] > cost[k] for s in allowed if s < k)
 
 
 @pytest.mark.parametrize("lo_format, heads_ahead", [("nvfp4", 1), ("nvfp4", 2), ("fp16", 1)])
