@@ -629,15 +629,16 @@ def _sass_tools() -> bool:
 
 @pytest.mark.skipif(not _sass_tools(), reason="needs ptxas (CUDA 12.9+) and cuobjdump")
 def test_flush_instruction_budget_per_element():
-    """The fp16-SR + NVFP4 flush issues at most 90 SASS instructions per state element on its
-    fast paths (86.8 measured 2026-11-29; 156.9 before the four-word Philox and the fast SR
-    and E2M1 paths), and the fallbacks only add code that a thread rarely runs."""
+    """The fp16-SR + NVFP4 flush issues at most 82 SASS instructions per state element on its
+    fast paths (79.2 measured 2026-11-29; 86.8 before the hardware E4M3 conversions and the
+    E2M1 code from the magic add's bits, 156.9 before the four-word Philox and the fast SR and
+    E2M1 paths), and the fallbacks only add code that a thread rarely runs."""
     from cute_kernels import instruction_count as ic
 
     variants = (("fp16", "sr", "nvfp4"),)
     ((_, fast, _, _),) = ic.count(False, variants)
     ((_, shipped, _, _),) = ic.count(True, variants)
-    assert fast <= 90.0
+    assert fast <= 82.0
     assert shipped > fast
 
 
