@@ -400,6 +400,11 @@ class ReplayOutputConfig:
     # (P, warps) plane per quad lane; a quad's stores hit one bank 4 ways) or "quads" (a row's
     # four side by side: conflict-free stores, one 16-byte read per row)
     ys_layout: str = "rows"
+    # timing only (the outputs are then wrong): stages left out to see where the time goes,
+    # any of "state" (no read-copy loads: lane-dependent constants instead), "scales" (no
+    # nvfp4 scale loads), "ring" (no ring-record loads), "decode" (the read copy's words are
+    # XOR-folded instead of decoded and multiplied); `bench_read --ablations`
+    ablate: tuple = ()
 
     @property
     def min_ctas(self) -> int:
@@ -457,6 +462,7 @@ def default_warps(heads_per_group: int, lo_format: str = "nvfp4") -> int:
 # slots busy at 16 warps per SM, with no eligible warp in 52% of cycles.
 STAGES = ("registers", "smem")
 YS_LAYOUTS = ("rows", "quads")
+ABLATIONS = ("state", "scales", "ring", "decode")
 
 
 # Heads one warp walks at most: the kernel is unrolled over a warp's heads, and 20 of them
@@ -817,6 +823,9 @@ class ReplayOutput:
             ld["x"].append(_load_words(x.toint() + (sh * P + v) * ab, ab // 2))
             if cfg.has_z:
                 ld["z"].append(_load_words(z.toint() + (sh * P + v) * ab, ab // 2))
+            if "ring" in cfg.ablate:  # timing only: the records' words without their loads
+                ld["ring"].append([[Uint32(lane + j)] * (ab // 2) for j in range(L - 1)])
+                continue
             ld["ring"].append([
                 _ld_words_if(ring_x.toint() + ((sh * Lc + j) * P + v) * ab, ab // 2, j < cursor)
                 for j in range(L - 1)
@@ -941,10 +950,22 @@ class ReplayOutput:
             r1 = 16 * q + g
             chunks = []
             for c in range(N // (4 * E)):
+                if "state" in cfg.ablate:  # timing only: no read-copy traffic at all
+                    # one multiply a word, each by its own odd constant and the head's row,
+                    # so that no decode is shared between words or heads
+                    salt = Uint32(lane + 1) + Uint32(Int32(sh)) * Uint32(0x10001)
+                    word = [salt * Uint32(0x9E3779B1 + 0x2000 * (10 * (q * 8 + c) + i))
+                            for i in range(10)]
+                    a1, a2 = word[:4], word[4:8]
+                    sc = (word[8] & Uint32(0x3F3F), word[9] & Uint32(0x3F3F))
+                    chunks.append((a1, a2, sc if fmt == "nvfp4" else None))
+                    continue
                 a1 = _load_words(lo0 + (sh * P + r1) * row_bytes + 64 * c + 16 * t, 4, True)
                 a2 = _load_words(lo0 + (sh * P + r1 + 8) * row_bytes + 64 * c + 16 * t, 4, True)
                 sc = None
-                if fmt == "nvfp4":
+                if fmt == "nvfp4" and "scales" in cfg.ablate:  # timing only
+                    sc = (a1[0] & Uint32(0x3F3F), a2[0] & Uint32(0x3F3F))
+                elif fmt == "nvfp4":
                     sc_row = N // 16
                     sc = (_ld_u16(lo1 + (sh * P + r1) * sc_row + 8 * c + 2 * t),
                           _ld_u16(lo1 + (sh * P + r1 + 8) * sc_row + 8 * c + 2 * t))
@@ -975,6 +996,15 @@ class ReplayOutput:
             return rows, l8 == 0
 
         g, t = lane // 4, lane % 4
+        if "decode" in cfg.ablate:  # timing only: every loaded word folded, nothing decoded
+            for q in range(P // 16):
+                fold = Uint32(0)
+                for a1, a2, sc in state[q]:
+                    for w in a1 + a2 + (list(sc) if sc is not None else []):
+                        fold = fold ^ w
+                rows += [(16 * q + g, bits_f32(fold & Uint32(0x3FFFFFFF))),
+                         (16 * q + g + 8, bits_f32(fold & Uint32(0x3E000000)))]
+            return rows, True
         if fmt == "nvfp4":
             return self._nvfp4_term(ck, state, g, t), True
         for q in range(P // 16):
@@ -1135,6 +1165,7 @@ def replay_output(
     stage=None,
     l2_prefetch=None,
     ys_layout=None,
+    ablate=(),
 ):
     """One non-flush decode step for every slot whose ``cursors[s] + 1 < window``; returns
     ``out`` [S, H, P] (x's dtype; rows of flush slots are not written).
@@ -1148,7 +1179,8 @@ def replay_output(
     nheads / ngroups) spreads a group's heads over that many CTAs (default: by batch size,
     `default_head_splits`); ``min_ctas_per_sm`` caps registers and ``stage`` ("registers" or
     "smem", nvfp4) picks how the read copy is loaded, ``l2_prefetch`` (heads ahead, 0 off)
-    and ``ys_layout`` ("rows" or "quads") are the tuning knobs of `ReplayOutputConfig`.
+    and ``ys_layout`` ("rows" or "quads") are the tuning knobs of `ReplayOutputConfig`;
+    ``ablate`` leaves stages out for timing (wrong outputs; `ReplayOutputConfig.ablate`).
     """
     if lo_format not in LO_FORMATS:
         _fail("lo_format", f"one of {list(LO_FORMATS)}", repr(lo_format))
@@ -1224,7 +1256,13 @@ def replay_output(
         stage=STAGES[0] if stage is None else stage,
         l2_prefetch=0 if l2_prefetch is None else l2_prefetch,
         ys_layout=YS_LAYOUTS[0] if ys_layout is None else ys_layout,
+        ablate=tuple(sorted(ablate)),
     )
+    if not set(cfg.ablate) <= set(ABLATIONS) or (
+        cfg.ablate and (cfg.decode != "mma" or cfg.stage != "registers")
+    ):
+        _fail("ablate", f"a subset of {list(ABLATIONS)} (tensor-core formats, stage "
+              "'registers'; timing only)", ablate)
     k = cfg.l2_prefetch
     if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 4:
         _fail("l2_prefetch", "None or an integer in [0, 4] (heads ahead)", l2_prefetch)

@@ -135,6 +135,33 @@ def test_l2_prefetch_asks_for_each_later_head_once(lo_format, heads_ahead):
     assert ptx.count(load) == ptx0.count(load) > 0
 
 
+@pytest.mark.parametrize("lo_format", ["nvfp4", "fp8_e4m3"])
+def test_ablations_leave_out_exactly_their_stage(lo_format):
+    """Timing-only ablations: 'state' issues no read-copy (or scale) load, 'scales' no scale
+    load, 'ring' no ring-record load, 'decode' no mma; each keeps the other stages' loads."""
+    base = dataclasses.replace(_config(lo_format, "nemotron"), warps=4)
+
+    def ptx(*ablate):
+        cfg = dataclasses.replace(base, ablate=tuple(sorted(ablate)))
+        return ro.compile_replay_output(cfg, keep_ptx=True).__ptx__
+
+    state, scale, ring = ("ld.global.nc.L1::no_allocate.v4.u32",
+                          "ld.global.nc.L1::no_allocate.u16", "@p ld.global")
+    full = ptx()
+    assert full.count(state) > 0 and full.count(ring) > 0 and "mma.sync" in full
+    assert (full.count(scale) > 0) == (lo_format == "nvfp4")
+    no_state = ptx("state")
+    assert no_state.count(state) == 0 and no_state.count(scale) == 0
+    assert no_state.count(ring) == full.count(ring)
+    no_ring = ptx("ring")
+    assert no_ring.count(ring) == 0 and no_ring.count(state) == full.count(state)
+    no_decode = ptx("decode")
+    assert "mma.sync" not in no_decode and no_decode.count(state) == full.count(state)
+    if lo_format == "nvfp4":
+        no_scales = ptx("scales")
+        assert no_scales.count(scale) == 0 and no_scales.count(state) == full.count(state)
+
+
 def test_quad_major_partial_sums_are_read_sixteen_bytes_at_a_time():
     """ys_layout='quads' (nvfp4): the epilogue reads a row's four partial sums with one
     16-byte shared load instead of four scalar ones."""
