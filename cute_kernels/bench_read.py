@@ -264,6 +264,11 @@ KNOB_VARIANTS = [
     ("nvfp4", dict(ys_layout="quads")), ("nvfp4", dict(l2_prefetch=1, ys_layout="quads")),
     ("fp8_e4m3", dict(l2_prefetch=1)), ("fp16", dict(l2_prefetch=1)),
     ("nvfp4", dict(head_splits=2)),  # 2 heads a warp: half the unrolled code
+    ("nvfp4", dict(l2_prefetch=1, l2_prefetch_small=True)),
+    ("nvfp4", dict(l2_prefetch=2, l2_prefetch_small=True)),
+    ("nvfp4", dict(l2_prefetch=3, l2_prefetch_small=True)),
+    ("fp8_e4m3", dict(l2_prefetch=1, l2_prefetch_small=True)),
+    ("fp16", dict(l2_prefetch=1, l2_prefetch_small=True)),
 ]
 
 

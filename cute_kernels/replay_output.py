@@ -396,6 +396,9 @@ class ReplayOutputConfig:
     # heads ahead whose read copy (and ring records) lane 0 asks L2 for with one bulk
     # prefetch each (cp.async.bulk.prefetch.L2), so that a head's loads find it in L2; 0: off
     l2_prefetch: int = 0
+    # with l2_prefetch: also the head's small inputs (x, z, dt, its ring dt row, the nvfp4
+    # global scale), whose DRAM latency each head otherwise waits out before its epilogue
+    l2_prefetch_small: bool = False
     # where the quad's four nvfp4 partial sums of a row sit in shared memory: "rows" (one
     # (P, warps) plane per quad lane; a quad's stores hit one bank 4 ways) or "quads" (a row's
     # four side by side: conflict-free stores, one 16-byte read per row)
@@ -782,6 +785,19 @@ class ReplayOutput:
         if cutlass.const_expr(cfg.lo_format == "nvfp4"):
             _prefetch_l2(lo1.toint() + sh * (P * N // 16), P * N // 16)
         _prefetch_l2(ring_x.toint() + sh * (Lc * P * ab), cursor * (P * ab))  # none if 0
+        if cutlass.const_expr(cfg.l2_prefetch_small):
+            _, _, lo2, _, ring_dt, x, dt, _, _, z, _ = ptrs
+            _prefetch_l2(x.toint() + sh * (P * ab), P * ab)
+            if cutlass.const_expr(cfg.has_z):
+                _prefetch_l2(z.toint() + sh * (P * ab), P * ab)
+            # rows shorter than 16 bytes or off 16-byte boundaries: the aligned 16-byte
+            # pieces that hold them (inside the allocation: torch rounds it up to 512 bytes)
+            row = ring_dt.toint() + sh * (Lc * 4)
+            first = row & Int64(~15)
+            _prefetch_l2(first, Int32((row + Lc * 4 + 15 - first) & Int64(~15)))
+            _prefetch_l2((dt.toint() + sh * _ACT_BYTES[cfg.dt_dtype]) & Int64(~15), 16)
+            if cutlass.const_expr(cfg.lo_format == "nvfp4"):
+                _prefetch_l2((lo2.toint() + sh * 4) & Int64(~15), 16)
 
     def _issue_head(self, ptrs, sh, head, cursor, lane) -> dict:
         """Every global load one head needs, issued together (none depends on another):
@@ -1166,6 +1182,7 @@ def replay_output(
     l2_prefetch=None,
     ys_layout=None,
     ablate=(),
+    l2_prefetch_small=None,
 ):
     """One non-flush decode step for every slot whose ``cursors[s] + 1 < window``; returns
     ``out`` [S, H, P] (x's dtype; rows of flush slots are not written).
@@ -1255,6 +1272,7 @@ def replay_output(
         min_ctas_per_sm=min_ctas_per_sm,
         stage=STAGES[0] if stage is None else stage,
         l2_prefetch=0 if l2_prefetch is None else l2_prefetch,
+        l2_prefetch_small=bool(l2_prefetch_small),
         ys_layout=YS_LAYOUTS[0] if ys_layout is None else ys_layout,
         ablate=tuple(sorted(ablate)),
     )

@@ -516,6 +516,9 @@ def test_head_splits_keep_the_results(fmt, warps, head_splits, shape):
     ("nvfp4", "nemotron", dict(ys_layout="quads")),
     ("nvfp4", "odd", dict(ys_layout="quads", l2_prefetch=1, warps=1)),
     ("fp16", "nemotron", dict(l2_prefetch=1)), ("fp32", "odd", dict(l2_prefetch=1, warps=1)),
+    ("nvfp4", "nemotron", dict(l2_prefetch=1, l2_prefetch_small=True)),
+    # ring_dt rows of 9 x 4 bytes: the prefetched spans are widened to 16-byte pieces
+    ("nvfp4", "odd", dict(l2_prefetch=3, l2_prefetch_small=True, warps=1)),
 ])
 def test_l2_prefetch_and_partial_sum_layout_keep_the_results(fmt, shape, knobs):
     """Prefetching later heads into L2 and the quad-major partial-sum layout change only the
