@@ -394,14 +394,19 @@ class ReplayOutputConfig:
     min_ctas_per_sm: int | None = None
 
     # heads ahead whose read copy (and ring records) lane 0 asks L2 for with one bulk
-    # prefetch each (cp.async.bulk.prefetch.L2), so that a head's loads find it in L2; 0: off
+    # prefetch each (cp.async.bulk.prefetch.L2), so that a head's loads find it in L2; 0: off.
+    # No faster on the H200 (nvfp4, batch 256: 69.2 us at 0 and 1, 73.1 at 2; with the small
+    # inputs too 68.8 against 68.7; results/gpu_first_timing/bench_read_knobs_6.csv and
+    # bench_read_knobs_small_6.csv): the step is not waiting on its loads (bench_read
+    # --ablations: without any read-copy load it still takes 58 of its 70 us)
     l2_prefetch: int = 0
     # with l2_prefetch: also the head's small inputs (x, z, dt, its ring dt row, the nvfp4
     # global scale), whose DRAM latency each head otherwise waits out before its epilogue
     l2_prefetch_small: bool = False
     # where the quad's four nvfp4 partial sums of a row sit in shared memory: "rows" (one
     # (P, warps) plane per quad lane; a quad's stores hit one bank 4 ways) or "quads" (a row's
-    # four side by side: conflict-free stores, one 16-byte read per row)
+    # four side by side: conflict-free stores, one 16-byte read per row). No faster: 69.7
+    # against 69.2 us at batch 256 (bench_read_knobs_6.csv)
     ys_layout: str = "rows"
     # timing only (the outputs are then wrong): stages left out to see where the time goes,
     # any of "state" (no read-copy loads: lane-dependent constants instead), "scales" (no
