@@ -1,6 +1,11 @@
-"""Timing of the non-flush (read-path) kernels at the Nemotron-3-Super layer shape.
+"""Timing of the non-flush (read-path) kernels at the Nemotron-3-Super layer shape (or, with
+``--shape mamba2-2.7b``, Mamba-2 2.7B's one group of 80 heads).
 
     python -m cute_kernels.bench_read --batch 256 512 --out results/bench_read.csv
+    python -m cute_kernels.bench_read --knob-variants --batch 256   # L2 prefetch, layouts
+    python -m cute_kernels.bench_read --ablations --batch 256       # stages left out
+    python -m cute_kernels.bench_read --splits-sweep --shape mamba2-2.7b --splits 1 2 4 5 \
+        --batch 32 128 512                                            # head splits
 
 For each read-copy format (nvfp4, fp8_e4m3, fp16, fp32 = the single-copy FP32 ReplaySSM
 baseline) and batch: checks the kernel against the fp64 reference on the first slots (a
@@ -10,7 +15,9 @@ L2, so no call finds its state in cache), resetting the cursors between replays 
 timed region so every call runs at the same ``h``. Bytes moved follow
 `replay_output.traffic_bytes`. The ceilings come from the same run, after a ~1 s warm-up: a
 device-to-device copy (bytes read + written) and a streaming read (16-byte loads).
-Prints one table last; writes a tidy CSV when ``--out`` is given.
+Prints one table last; writes a tidy CSV when ``--out`` is given. Ablations (a stage left
+out, `ReplayOutputConfig.ablate`) give wrong outputs by design: they are timed without the
+check, whose column then reads nan.
 """
 
 from __future__ import annotations  # noqa: I001  (_compile must precede cutlass)
