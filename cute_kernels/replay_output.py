@@ -1208,6 +1208,12 @@ def replay_output(
         _fail("lo_format", f"one of {list(LO_FORMATS)}", repr(lo_format))
     if stage is not None and (stage not in STAGES or (stage == "smem" and lo_format != "nvfp4")):
         _fail("stage", f"None or one of {list(STAGES)} ('smem' for nvfp4 only)", repr(stage))
+    ablate = tuple(sorted(ablate)) if isinstance(ablate, (tuple, list, set)) else ablate
+    if not isinstance(ablate, tuple) or not set(ablate) <= set(ABLATIONS) or (
+        ablate and (lo_format == "fp32" or stage not in (None, "registers"))
+    ):
+        _fail("ablate", f"a subset of {list(ABLATIONS)} (tensor-core formats, stage "
+              "'registers'; timing only)", ablate)
     if not isinstance(x, torch.Tensor) or x.dim() != 3:
         _fail("x", "a tensor [S, H, P]", list(x.shape) if isinstance(x, torch.Tensor) else x)
     if x.dtype not in ACT_DTYPES:
@@ -1279,13 +1285,8 @@ def replay_output(
         l2_prefetch=0 if l2_prefetch is None else l2_prefetch,
         l2_prefetch_small=bool(l2_prefetch_small),
         ys_layout=YS_LAYOUTS[0] if ys_layout is None else ys_layout,
-        ablate=tuple(sorted(ablate)),
+        ablate=ablate,
     )
-    if not set(cfg.ablate) <= set(ABLATIONS) or (
-        cfg.ablate and (cfg.decode != "mma" or cfg.stage != "registers")
-    ):
-        _fail("ablate", f"a subset of {list(ABLATIONS)} (tensor-core formats, stage "
-              "'registers'; timing only)", ablate)
     k = cfg.l2_prefetch
     if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 4:
         _fail("l2_prefetch", "None or an integer in [0, 4] (heads ahead)", l2_prefetch)

@@ -162,6 +162,19 @@ def test_ablations_leave_out_exactly_their_stage(lo_format):
         assert no_scales.count(scale) == 0 and no_scales.count(state) == full.count(state)
 
 
+@pytest.mark.parametrize("fmt, ablate, stage", [
+    ("nvfp4", ("decode", "cache"), None), ("fp32", ("ring",), None),
+    ("nvfp4", ("state",), "smem"), ("nvfp4", "ring", None),
+])
+def test_bad_ablations_are_refused_before_any_tensor_is_looked_at(fmt, ablate, stage):
+    """Timing-only ablations: an unknown stage, the SIMT fp32 decode, the shared-memory stage
+    or a bare string are refused with a ValueError naming the argument."""
+    x = torch.zeros(1, 8, 16)
+    with pytest.raises(ValueError, match="ablate"):
+        ro.replay_output({}, x, x, x, x, x, x, x, x, x, lo_format=fmt, stage=stage,
+                         ablate=ablate)
+
+
 def test_quad_major_partial_sums_are_read_sixteen_bytes_at_a_time():
     """ys_layout='quads' (nvfp4): the epilogue reads a row's four partial sums with one
     16-byte shared load instead of four scalar ones."""
