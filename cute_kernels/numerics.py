@@ -56,6 +56,23 @@ from cutlass.cutlass_dsl import T
 
 from cute_kernels import _compile  # noqa: F401  (sets the sm_90a target before cutlass)
 
+
+def inline_ptx(res, args, code, constraints, side_effects=False, loc=None, ip=None):
+    """One inline PTX statement (AT&T operand numbering). Pure register operations are
+    side-effect free, so LLVM may schedule them; loads and stores say otherwise."""
+    return llvm.inline_asm(
+        res,
+        args,
+        code,
+        constraints,
+        has_side_effects=side_effects,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )
+
+
 __all__ = [
     "PHILOX_ROUNDS",
     "FP16",
@@ -331,14 +348,11 @@ def rn_fp16x2(a, b):
         return rn_fp16_bits(a) | (rn_fp16_bits(b) << np.uint32(16))
     a, b = Float32(a), Float32(b)
     packed = Uint32(
-        llvm.inline_asm(
+        inline_ptx(
             T.i32(),
             [b.ir_value(), a.ir_value()],
             "cvt.rn.satfinite.f16x2.f32 $0, $1, $2;",
             "=r,f,f",
-            has_side_effects=False,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
         )
     )
     low = _sel(a != a, Uint32(0x7E00), packed & Uint32(0xFFFF))
@@ -355,14 +369,11 @@ def rn_e4m3_byte(x):
         return rn_code(x, E4M3)
     x = Float32(x)
     byte = Uint32(
-        llvm.inline_asm(
+        inline_ptx(
             T.i32(),
             [x.ir_value()],
             "{.reg .b16 t; cvt.rn.satfinite.e4m3x2.f32 t, $1, $1; cvt.u32.u16 $0, t;}",
             "=r,f",
-            has_side_effects=False,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
         )
     )
     return _sel(x != x, Uint32(0x7F), byte & Uint32(0xFF))
@@ -380,15 +391,12 @@ def e4m3_value(byte):
     does, not the hardware's NaN, so that such a block's codes stay lowprec's."""
     if not _is_np(byte):
         value = Float32(
-            llvm.inline_asm(
+            inline_ptx(
                 T.f32(),
                 [Uint32(byte).ir_value()],
                 "{.reg .b16 b, l, h; .reg .b32 p; cvt.u16.u32 b, $1; "
                 "cvt.rn.f16x2.e4m3x2 p, b; mov.b32 {l, h}, p; cvt.f32.f16 $0, l;}",
                 "=f,r",
-                has_side_effects=False,
-                is_align_stack=False,
-                asm_dialect=llvm.AsmDialect.AD_ATT,
             )
         )
         return _sel(Uint32(byte) == Uint32(0x7F), Float32(480.0), value)
@@ -409,30 +417,20 @@ def div_rn(a, b):
     """a / b correctly rounded: IEEE fp32 division, PTX div.rn.f32 (no flush to zero)."""
     if _is_np(a) or _is_np(b):
         return (np.asarray(a, np.float32) / np.asarray(b, np.float32)).astype(np.float32)
-    result = llvm.inline_asm(
-        T.f32(),
-        [Float32(a).ir_value(), Float32(b).ir_value()],
-        "div.rn.f32 $0, $1, $2;",
-        "=f,f,f",
-        has_side_effects=False,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
-    return Float32(result)
+    return _f32_ptx("div.rn.f32", a, b)
 
 
 def _add_rn(a, b):
     """a + b rounded to nearest even, kept as one add (never reassociated or fused)."""
     if _is_np(a) or _is_np(b):
         return (np.float32(a) + np.float32(b)).astype(np.float32)
-    result = llvm.inline_asm(
-        T.f32(),
-        [Float32(a).ir_value(), Float32(b).ir_value()],
-        "add.rn.f32 $0, $1, $2;",
-        "=f,f,f",
-        has_side_effects=False,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
+    return _f32_ptx("add.rn.f32", a, b)
+
+
+def _f32_ptx(op: str, a, b) -> Float32:
+    """The fp32 PTX instruction `op` on a and b, exactly as written (LLVM cannot rewrite it)."""
+    result = inline_ptx(
+        T.f32(), [Float32(a).ir_value(), Float32(b).ir_value()], f"{op} $0, $1, $2;", "=f,f,f"
     )
     return Float32(result)
 

@@ -65,7 +65,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.memory import SmemAllocator
 
-from cute_kernels.numerics import bits_f32, f32_bits, silu, softplus
+from cute_kernels.numerics import bits_f32, f32_bits, inline_ptx, silu, softplus
 
 __all__ = [
     "ReplayOutputConfig", "ReplayOutput", "replay_output", "compile_replay_output",
@@ -90,21 +90,8 @@ _NVFP4_UNDO = 2.0**6
 
 
 # --------------------------------------------------------------------------------------------
-# PTX helpers (pure register operations are side-effect free so LLVM may schedule them)
-
-
-def _asm(res, args, code, constraints, side_effects=False, loc=None, ip=None):
-    return llvm.inline_asm(
-        res,
-        args,
-        code,
-        constraints,
-        has_side_effects=side_effects,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc,
-        ip=ip,
-    )
+# PTX helpers (inline_ptx: pure register operations are side-effect free so LLVM may
+# schedule them)
 
 
 def _ir(v, loc=None, ip=None):
@@ -125,12 +112,12 @@ def _ld_words(addr, n: int, state: bool = False, *, loc=None, ip=None) -> list:
     State reads use the read-only path and skip L1 (each byte is read once)."""
     hint = "global.nc.L1::no_allocate" if state else "global"
     if n == 1:
-        r = _asm(T.i32(), [_addr(addr, loc, ip)], f"ld.{hint}.u32 $0, [$1];", "=r,l",
-                 loc=loc, ip=ip)
+        r = inline_ptx(T.i32(), [_addr(addr, loc, ip)], f"ld.{hint}.u32 $0, [$1];", "=r,l",
+                       loc=loc, ip=ip)
         return [Uint32(r)]
     outs = ",".join(f"${i}" for i in range(n))
     st = llvm.StructType.get_literal([T.i32()] * n)
-    r = _asm(
+    r = inline_ptx(
         st,
         [_addr(addr, loc, ip)],
         f"ld.{hint}.v{n}.u32 {{{outs}}}, [${n}];",
@@ -154,9 +141,9 @@ def _ld_words_if(addr, n: int, pred, *, loc=None, ip=None) -> list:
     )
     args = [_addr(addr, loc, ip), Int32(pred).ir_value(loc=loc, ip=ip)]
     if n == 1:
-        return [Uint32(_asm(T.i32(), args, code, "=r,l,r", loc=loc, ip=ip))]
+        return [Uint32(inline_ptx(T.i32(), args, code, "=r,l,r", loc=loc, ip=ip))]
     st = llvm.StructType.get_literal([T.i32()] * n)
-    r = _asm(st, args, code, ",".join(["=r"] * n) + ",l,r", loc=loc, ip=ip)
+    r = inline_ptx(st, args, code, ",".join(["=r"] * n) + ",l,r", loc=loc, ip=ip)
     return _unpack_struct(r, n, T.i32(), Uint32, loc, ip)
 
 
@@ -172,7 +159,7 @@ def _load_words(addr, n: int, state: bool = False) -> list:
 
 @dsl_user_op
 def _ld_u16(addr, *, loc=None, ip=None) -> Uint32:
-    r = _asm(
+    r = inline_ptx(
         T.i32(),
         [_addr(addr, loc, ip)],
         "{.reg .b16 t; ld.global.nc.L1::no_allocate.u16 t, [$1]; cvt.u32.u16 $0, t;}",
@@ -186,19 +173,20 @@ def _ld_u16(addr, *, loc=None, ip=None) -> Uint32:
 @dsl_user_op
 def _cp_async_16(smem_addr, gmem_addr, *, loc=None, ip=None) -> None:
     """16 bytes global -> shared, asynchronously (L2 only: the state is read once)."""
-    _asm(None, [Int32(smem_addr).ir_value(loc=loc, ip=ip), _addr(gmem_addr, loc, ip)],
-         "cp.async.cg.shared.global [$0], [$1], 16;", "r,l", side_effects=True, loc=loc, ip=ip)
+    inline_ptx(None, [Int32(smem_addr).ir_value(loc=loc, ip=ip), _addr(gmem_addr, loc, ip)],
+               "cp.async.cg.shared.global [$0], [$1], 16;", "r,l", side_effects=True,
+               loc=loc, ip=ip)
 
 
 @dsl_user_op
 def _cp_async_commit(*, loc=None, ip=None) -> None:
-    _asm(None, [], "cp.async.commit_group;", "", side_effects=True, loc=loc, ip=ip)
+    inline_ptx(None, [], "cp.async.commit_group;", "", side_effects=True, loc=loc, ip=ip)
 
 
 @dsl_user_op
 def _cp_async_wait(pending: int, *, loc=None, ip=None) -> None:
     """Until at most ``pending`` of this thread's newest copy groups are still in flight."""
-    _asm(None, [], f"cp.async.wait_group {pending};", "", side_effects=True, loc=loc, ip=ip)
+    inline_ptx(None, [], f"cp.async.wait_group {pending};", "", side_effects=True, loc=loc, ip=ip)
 
 
 @dsl_user_op
@@ -206,9 +194,10 @@ def _prefetch_l2(gmem_addr, nbytes, *, loc=None, ip=None) -> None:
     """Bring ``nbytes`` (a multiple of 16; none if 0) at a 16-byte aligned global address into
     L2 with one bulk request (sm_90): no register waits for it, and the loads that follow hit
     L2."""
-    _asm(None, [_addr(gmem_addr, loc, ip), Int32(nbytes).ir_value(loc=loc, ip=ip)],
-         "{.reg .pred p; setp.ne.b32 p, $1, 0; @p cp.async.bulk.prefetch.L2.global [$0], $1;}",
-         "l,r", side_effects=True, loc=loc, ip=ip)
+    inline_ptx(None, [_addr(gmem_addr, loc, ip), Int32(nbytes).ir_value(loc=loc, ip=ip)],
+               "{.reg .pred p; setp.ne.b32 p, $1, 0; "
+               "@p cp.async.bulk.prefetch.L2.global [$0], $1;}",
+               "l,r", side_effects=True, loc=loc, ip=ip)
 
 
 @dsl_user_op
@@ -217,17 +206,17 @@ def _lds_v4(smem_addr, *, loc=None, ip=None) -> list:
     address repeats every other head with new contents, so these reads must neither merge
     nor move across the cp.async waits and warp barriers."""
     st = llvm.StructType.get_literal([T.i32()] * 4)
-    r = _asm(st, [Int32(smem_addr).ir_value(loc=loc, ip=ip)],
-             "ld.shared.v4.u32 {$0,$1,$2,$3}, [$4];", "=r,=r,=r,=r,r", side_effects=True,
-             loc=loc, ip=ip)
+    r = inline_ptx(st, [Int32(smem_addr).ir_value(loc=loc, ip=ip)],
+                   "ld.shared.v4.u32 {$0,$1,$2,$3}, [$4];", "=r,=r,=r,=r,r", side_effects=True,
+                   loc=loc, ip=ip)
     return _unpack_struct(r, 4, T.i32(), Uint32, loc, ip)
 
 
 @dsl_user_op
 def _lds_u16(smem_addr, *, loc=None, ip=None) -> Uint32:
-    r = _asm(T.i32(), [Int32(smem_addr).ir_value(loc=loc, ip=ip)],
-             "{.reg .b16 t; ld.shared.u16 t, [$1]; cvt.u32.u16 $0, t;}", "=r,r",
-             side_effects=True, loc=loc, ip=ip)  # volatile, as _lds_v4
+    r = inline_ptx(T.i32(), [Int32(smem_addr).ir_value(loc=loc, ip=ip)],
+                   "{.reg .b16 t; ld.shared.u16 t, [$1]; cvt.u32.u16 $0, t;}", "=r,r",
+                   side_effects=True, loc=loc, ip=ip)  # volatile, as _lds_v4
     return Uint32(r)
 
 
@@ -239,7 +228,7 @@ def _st_words(addr, words: list, *, loc=None, ip=None) -> None:
         code = "st.global.u32 [$0], $1;"
     else:
         code = f"st.global.v{n}.u32 [$0], {{{','.join(f'${i + 1}' for i in range(n))}}};"
-    _asm(None, args, code, "l," + ",".join(["r"] * n), side_effects=True, loc=loc, ip=ip)
+    inline_ptx(None, args, code, "l," + ",".join(["r"] * n), side_effects=True, loc=loc, ip=ip)
 
 
 def _store_words(addr, words: list) -> None:
@@ -254,7 +243,7 @@ def _mma_f16(a: list, b: list, c: list, *, loc=None, ip=None) -> list:
     """mma.sync m16n8k16, f16 A (4 regs) and B (2 regs), fp32 C/D (4 regs)."""
     st = llvm.StructType.get_literal([T.f32()] * 4)
     args = [_ir(v, loc, ip) for v in a + b] + [Float32(v).ir_value(loc=loc, ip=ip) for v in c]
-    r = _asm(
+    r = inline_ptx(
         st,
         args,
         "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
@@ -270,33 +259,35 @@ def _mma_f16(a: list, b: list, c: list, *, loc=None, ip=None) -> list:
 def _e4m3x2_to_f16x2(x, half: int = 0, *, loc=None, ip=None) -> Uint32:
     """Two E4M3 bytes of ``x`` to f16x2, exactly: bytes 0, 1 (``half`` 0) or 2, 3 (``half``
     1); the lower byte goes to the low half."""
-    r = _asm(T.i32(), [_ir(x, loc, ip)],
-             f"{{.reg .b16 l, h; mov.b32 {{l, h}}, $1; cvt.rn.f16x2.e4m3x2 $0, {'lh'[half]};}}",
-             "=r,r", loc=loc, ip=ip)
+    r = inline_ptx(T.i32(), [_ir(x, loc, ip)],
+                   "{.reg .b16 l, h; mov.b32 {l, h}, $1; "
+                   f"cvt.rn.f16x2.e4m3x2 $0, {'lh'[half]};}}",
+                   "=r,r", loc=loc, ip=ip)
     return Uint32(r)
 
 
 @dsl_user_op
-def _f32x2_to_f16x2(lo, hi, *, loc=None, ip=None) -> Uint32:
-    """RN to f16 of two fp32 values, packed (``lo`` -> bits 0-15)."""
-    r = _asm(T.i32(), [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)],
-             "cvt.rn.f16x2.f32 $0, $1, $2;", "=r,f,f", loc=loc, ip=ip)
+def _f32x2_to_16x2(lo, hi, kind: str = "f16", *, loc=None, ip=None) -> Uint32:
+    """RN to ``kind`` (f16 or bf16) of two fp32 values, packed (``lo`` -> bits 0-15)."""
+    args = [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)]
+    r = inline_ptx(T.i32(), args, f"cvt.rn.{kind}x2.f32 $0, $1, $2;", "=r,f,f", loc=loc, ip=ip)
     return Uint32(r)
 
 
-@dsl_user_op
-def _f32x2_to_bf16x2(lo, hi, *, loc=None, ip=None) -> Uint32:
-    r = _asm(T.i32(), [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)],
-             "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f", loc=loc, ip=ip)
-    return Uint32(r)
+def _f32x2_to_f16x2(lo, hi) -> Uint32:
+    return _f32x2_to_16x2(lo, hi, "f16")
+
+
+def _f32x2_to_bf16x2(lo, hi) -> Uint32:
+    return _f32x2_to_16x2(lo, hi, "bf16")
 
 
 @dsl_user_op
 def _f16x2_to_f32x2(x, *, loc=None, ip=None) -> list:
     st = llvm.StructType.get_literal([T.f32()] * 2)
-    r = _asm(st, [_ir(x, loc, ip)],
-             "{.reg .b16 l, h; mov.b32 {l, h}, $2; cvt.f32.f16 $0, l; cvt.f32.f16 $1, h;}",
-             "=f,=f,r", loc=loc, ip=ip)
+    r = inline_ptx(st, [_ir(x, loc, ip)],
+                   "{.reg .b16 l, h; mov.b32 {l, h}, $2; cvt.f32.f16 $0, l; cvt.f32.f16 $1, h;}",
+                   "=f,=f,r", loc=loc, ip=ip)
     return _unpack_struct(r, 2, T.f32(), Float32, loc, ip)
 
 
@@ -780,7 +771,8 @@ class ReplayOutput:
     # ---- loads of one head -----------------------------------------------------------------
 
     def _prefetch_head(self, ptrs, sh, cursor) -> None:
-        """One head's read copy and its ring records before ``cursor`` into L2 (lane 0)."""
+        """One head's read copy and its ring records before ``cursor`` into L2 (lane 0);
+        with ``l2_prefetch_small`` also its x, z, dt, ring dt row and nvfp4 global scale."""
         cfg = self.cfg
         lo0, lo1, _, ring_x = ptrs[:4]
         P, N, Lc = cfg.headdim, cfg.dstate, cfg.ring_capacity

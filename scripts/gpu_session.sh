@@ -94,6 +94,13 @@ for dist in ("nvidia-cutlass-dsl", "apache-tvm-ffi"):
         print(dist, "no distribution metadata")
 EOF
 
+gpu_tests() {  # every gpu-marked test, 8 workers, at most KB_TESTS_S (default $1) seconds
+  timeout "${KB_TESTS_S:-$1}" "$py" -m pytest -m gpu -q -n 8 -p no:cacheprovider \
+    > "$out/gpu-tests.log" 2>&1
+  echo "gpu tests: exit $? after $(( $(date +%s) - start )) s" | tee -a "$log"
+  tail -n 3 "$out/gpu-tests.log"
+}
+
 emulation_run() {  # issue 5: 128 heads x 64 x 128, 2 sequences, 131,072 steps, two arms
   timeout "$1" "$py" -m experiments.error_growth --backend emulation --device cuda \
     --dv 64 --dk 128 --heads 128 --seeds 2 --steps 131072 --log-grid 48 \
@@ -104,10 +111,7 @@ emulation_run() {  # issue 5: 128 heads x 64 x 128, 2 sequences, 131,072 steps, 
 }
 
 if [ "$part" = C ]; then
-  timeout "${KB_TESTS_S:-200}" "$py" -m pytest -m gpu -q -n 8 -p no:cacheprovider \
-    > "$out/gpu-tests.log" 2>&1
-  echo "gpu tests: exit $? after $(( $(date +%s) - start )) s" | tee -a "$log"
-  tail -n 3 "$out/gpu-tests.log"
+  gpu_tests 200
   timeout 120 "$py" -m cute_kernels.bench_write --batch 256 --out "$out/bench_write.csv" 2>&1 \
     | tee -a "$log"
   timeout 90 "$py" -m cute_kernels.bench_read --batch 256 --out "$out/bench_read.csv" 2>&1 \
@@ -119,10 +123,7 @@ if [ "$part" = C ]; then
       --out "$out/bench_write_small_$b.csv" 2>&1 | tee -a "$log"
   done
 elif [ "$part" = T ]; then
-  timeout "${KB_TESTS_S:-200}" "$py" -m pytest -m gpu -q -n 8 -p no:cacheprovider \
-    > "$out/gpu-tests.log" 2>&1
-  echo "gpu tests: exit $? after $(( $(date +%s) - start )) s" | tee -a "$log"
-  tail -n 3 "$out/gpu-tests.log"
+  gpu_tests 200
   timeout 150 "$py" -m cute_kernels.bench_read --knob-variants --batch 256 128 \
     --out "$out/bench_read_knobs.csv" 2>&1 | tee -a "$log"
   timeout "$(( $(remaining) - 10 ))" "$py" -m cute_kernels.bench_write --batch 256 \
@@ -134,10 +135,7 @@ elif [ "$part" = A ] || [ "$part" = D ]; then
   if [ "$part" = A ] && [ -n "${KB_SKIP_TESTS:-}" ]; then
     echo "gpu tests: skipped (KB_SKIP_TESTS; they ran in an earlier call)" | tee -a "$log"
   elif [ "$part" = A ]; then
-    timeout "${KB_TESTS_S:-150}" "$py" -m pytest -m gpu -q -n 8 -p no:cacheprovider \
-      > "$out/gpu-tests.log" 2>&1
-    echo "gpu tests: exit $? after $(( $(date +%s) - start )) s" | tee -a "$log"
-    tail -n 3 "$out/gpu-tests.log"
+    gpu_tests 150
   else
     emulation_run "${KB_E_S:-290}"
   fi
