@@ -4,6 +4,7 @@
     python -m cute_kernels.bench_read --batch 256 512 --out results/bench_read.csv
     python -m cute_kernels.bench_read --knob-variants --batch 256   # L2 prefetch, layouts
     python -m cute_kernels.bench_read --ablations --batch 256       # stages left out
+    python -m cute_kernels.bench_read --early-variants --batch 1 256  # prologue loads together
     python -m cute_kernels.bench_read --splits-sweep --shape mamba2-2.7b --splits 1 2 4 5 \
         --batch 32 128 512                                            # head splits
 
@@ -279,6 +280,17 @@ KNOB_VARIANTS = [
 ]
 
 
+# The prologue's loads issued together and the cursor atomic acted on after the heads
+# (`ReplayOutputConfig.early_loads`), alone and with the other ways of overlapping loads.
+EARLY_VARIANTS = [
+    ("nvfp4", dict(early_loads=True)), ("nvfp4", dict(early_loads=True, prefetch=True)),
+    ("nvfp4", dict(early_loads=True, stage="smem")),
+    ("nvfp4", dict(early_loads=True, head_splits=2)),
+    ("fp8_e4m3", dict(early_loads=True)), ("fp16", dict(early_loads=True)),
+    ("fp32", dict(early_loads=True)),
+]
+
+
 # Stages left out, timing only (`ReplayOutputConfig.ablate`; the outputs are wrong, so the
 # check is reported as nan): where the non-flush nvfp4 step's time goes.
 ABLATION_VARIANTS = [
@@ -298,7 +310,7 @@ SPLITS_SWEEP = [("nvfp4", 4, 1), ("nvfp4", 4, 2), ("nvfp4", 4, 4), ("nvfp4", 2, 
 
 
 def run(batches, h, window, sets, reps, out=None, variants=True, splits_sweep=False,
-        knob_variants=False, splits=None, ablations=False):
+        knob_variants=False, splits=None, ablations=False, early_variants=False):
     copy_gbs, read_gbs = ceilings()
     rows = []
     cases = [(fmt, None) for fmt in ro.LO_FORMATS]
@@ -316,6 +328,8 @@ def run(batches, h, window, sets, reps, out=None, variants=True, splits_sweep=Fa
         cases = [(fmt, None) for fmt in ro.LO_FORMATS] + list(KNOB_VARIANTS)
     if ablations:
         cases = [(fmt, None) for fmt in ro.LO_FORMATS] + list(ABLATION_VARIANTS)
+    if early_variants:
+        cases = [(fmt, None) for fmt in ro.LO_FORMATS] + list(EARLY_VARIANTS)
     if splits_sweep:
         cases = [(fmt, None) for fmt in ("nvfp4", "fp32")]
         grid = SPLITS_SWEEP if not splits else [("nvfp4", 4, k) for k in splits]
@@ -376,6 +390,8 @@ def main():
                    help="the defaults and KNOB_VARIANTS only (L2 prefetch, partial-sum layout)")
     p.add_argument("--ablations", action="store_true",
                    help="the defaults and ABLATION_VARIANTS only: stages left out, timing only")
+    p.add_argument("--early-variants", action="store_true",
+                   help="the defaults and EARLY_VARIANTS only (prologue loads issued together)")
     p.add_argument("--shape", choices=list(SHAPES), default="nemotron3-super")
     p.add_argument("--splits", type=int, nargs="+", default=None,
                    help="with --splits-sweep: nvfp4 at 4 warps and these head_splits only")
@@ -385,7 +401,7 @@ def main():
     SHAPE.clear()
     SHAPE.update(SHAPES[a.shape])
     run(a.batch, a.h, a.window, a.sets, a.reps, a.out, not a.no_variants, a.splits_sweep,
-        a.knob_variants, a.splits, a.ablations)
+        a.knob_variants, a.splits, a.ablations, a.early_variants)
 
 
 if __name__ == "__main__":

@@ -404,6 +404,10 @@ class ReplayOutputConfig:
     # nvfp4 scale loads), "ring" (no ring-record loads), "decode" (the read copy's words are
     # XOR-folded instead of decoded and multiplied); `bench_read --ablations`
     ablate: tuple = ()
+    # issue every prologue load (C, B, the ring's B rows, C's mma fragments) before any is
+    # used, and act on the cursor atomic's result after the heads: the prologue then costs
+    # one dependent round trip after the cursor read instead of one per ring row a warp
+    early_loads: bool = False
 
     @property
     def min_ctas(self) -> int:
@@ -656,23 +660,46 @@ class ReplayOutput:
             nb = N // 32  # consecutive elements of B and C per lane
             vb = nb * ab // 4
             c_vals = _words_to_f32(_load_words(C.toint() + (sg * N + lane * nb) * ab, vb), act)
-            for jj in cutlass.range_constexpr((L - 1 + W - 1) // W):
-                j = warp + W * jj
-                if j < cursor:
-                    addr = ring_B.toint() + ((sg * Lc + j) * N + lane * nb) * ab
-                    bc_smem[j] = _dot_warp(_words_to_f32(_load_words(addr, vb), act), c_vals)
+            n_jj = (L - 1 + W - 1) // W  # ring records per warp
+            if cutlass.const_expr(cfg.early_loads):
+                # every load of the prologue goes out before any is used: one round trip
+                # (the ring rows past the cursor are predicated off, no traffic)
+                rb_words = [self._ld_row_if(ring_B.toint() + ((sg * Lc + warp + W * jj) * N
+                                                              + lane * nb) * ab, vb,
+                                            warp + W * jj < cursor)
+                            for jj in range(n_jj)]
+                early = {"B": _load_words(B.toint() + (sg * N + lane * nb) * ab, vb)}
+                ck = self._checkpoint_setup(C.toint(), sg, lane)
+                for jj in cutlass.range_constexpr(n_jj):
+                    j = warp + W * jj
+                    if j < cursor:
+                        bc_smem[j] = _dot_warp(_words_to_f32(rb_words[jj], act), c_vals)
+            else:
+                for jj in cutlass.range_constexpr(n_jj):
+                    j = warp + W * jj
+                    if j < cursor:
+                        addr = ring_B.toint() + ((sg * Lc + j) * N + lane * nb) * ab
+                        bc_smem[j] = _dot_warp(_words_to_f32(_load_words(addr, vb), act),
+                                               c_vals)
             if warp == 0:
                 # this step's record: B . C, and B appended once per (slot, group)
-                b_words = _load_words(B.toint() + (sg * N + lane * nb) * ab, vb)
+                b_words = self._loaded(early if cfg.early_loads else {}, "B", lambda: _load_words(
+                    B.toint() + (sg * N + lane * nb) * ab, vb))
                 bc_smem[cursor] = _dot_warp(_words_to_f32(b_words, act), c_vals)
                 if part == 0:  # one CTA of the group appends B
                     _store_words(
                         ring_B.toint() + ((sg * Lc + cursor) * N + lane * nb) * ab, b_words
                     )
-            ck = self._checkpoint_setup(C.toint(), sg, lane)
+            if cutlass.const_expr(not cfg.early_loads):
+                ck = self._checkpoint_setup(C.toint(), sg, lane)
             cute.arch.sync_threads()
-            if tid == 0:
-                # every thread of this CTA has read the cursor; the last CTA of the slot stores h
+            # every thread of this CTA has read the cursor; the last CTA of the slot stores h
+            # (early_loads: after this CTA's heads, so that no warp waits for the atomic)
+            arrivals = Int32(0)
+            if cutlass.const_expr(cfg.early_loads):
+                if tid == 0:
+                    arrivals = cute.arch.atomic_add((cursors + s).llvm_ptr, Int32(1 << 16))
+            elif tid == 0:
                 old = cute.arch.atomic_add((cursors + s).llvm_ptr, Int32(1 << 16))
                 if (old >> 16) == G * SPL - 1:
                     cute.arch.store((cursors + s).llvm_ptr, h)
@@ -767,8 +794,28 @@ class ReplayOutput:
                 if lane == 0:
                     cute.arch.store((ring_dt + sh * Lc + cursor).llvm_ptr, dt_cur)
                 cute.arch.sync_warp()
+            if cutlass.const_expr(cfg.early_loads):
+                if tid == 0:
+                    if (arrivals >> 16) == G * SPL - 1:
+                        cute.arch.store((cursors + s).llvm_ptr, h)
 
     # ---- loads of one head -----------------------------------------------------------------
+
+    @staticmethod
+    def _loaded(early: dict, key: str, load):
+        """``early[key]`` if the words were loaded ahead, else ``load()`` now."""
+        return early[key] if key in early else load()
+
+    @staticmethod
+    def _ld_row_if(addr, n: int, pred) -> list:
+        """``n`` consecutive words at ``addr`` (aligned to 4n bytes) if ``pred``, else
+        zeros: pairs of predicated 8-byte loads (one 4-byte load for n = 1)."""
+        if n == 1:
+            return _ld_words_if(addr, 1, pred)
+        words = []
+        for i in range(0, n, 2):
+            words += _ld_words_if(addr + 4 * i, 2, pred)
+        return words
 
     def _prefetch_head(self, ptrs, sh, cursor) -> None:
         """One head's read copy and its ring records before ``cursor`` into L2 (lane 0);
@@ -1180,6 +1227,7 @@ def replay_output(
     ys_layout=None,
     ablate=(),
     l2_prefetch_small=None,
+    early_loads=None,
 ):
     """One non-flush decode step for every slot whose ``cursors[s] + 1 < window``; returns
     ``out`` [S, H, P] (x's dtype; rows of flush slots are not written).
@@ -1278,6 +1326,7 @@ def replay_output(
         l2_prefetch_small=bool(l2_prefetch_small),
         ys_layout=YS_LAYOUTS[0] if ys_layout is None else ys_layout,
         ablate=ablate,
+        early_loads=bool(early_loads),
     )
     k = cfg.l2_prefetch
     if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 4:

@@ -117,6 +117,30 @@ def test_default_head_splits_minimise_waves_times_heads_a_warp():
                 assert all(cost[s] > cost[k] for s in allowed if s < k)
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp32"])
+def test_early_loads_issue_the_prologue_before_its_first_dot_product(fmt):
+    """early_loads: the ring's B rows (predicated), B and C's fragments are loaded before the
+    first warp reduction of the prologue; without it a warp waits for each B row in turn.
+    The head loop is the same (same state loads)."""
+    base = dataclasses.replace(_config(fmt, "nemotron"), head_splits=1)
+    early = dataclasses.replace(base, early_loads=True)
+    ptx0 = ro.compile_replay_output(base, keep_ptx=True).__ptx__
+    ptx1 = ro.compile_replay_output(early, keep_ptx=True).__ptx__
+
+    def loads_before_first_reduction(ptx):
+        head = ptx[ptx.index(".entry"):ptx.index("shfl.sync.bfly")]
+        return head.count("@p ld.global.v2.u32"), head.count("ld.global.v4.u32")
+
+    window, warps = SHAPES["nemotron"][-1], base.warps
+    rows_per_warp = -(-(window - 1) // warps)
+    ring_rows, c_frag = loads_before_first_reduction(ptx1)
+    assert ring_rows == rows_per_warp  # 8 bytes of a bf16 row a lane, one load
+    assert c_frag > 0 or fmt == "fp32"
+    assert loads_before_first_reduction(ptx0)[0] == 0
+    load = "ld.global.nc.L1::no_allocate.v4.u32"
+    assert ptx1.count(load) == ptx0.count(load) > 0
+
+
 @pytest.mark.parametrize("lo_format, heads_ahead", [("nvfp4", 1), ("nvfp4", 2), ("fp16", 1)])
 def test_l2_prefetch_asks_for_each_later_head_once(lo_format, heads_ahead):
     """l2_prefetch = k: lane 0 asks L2 for every head of its warp but the first (they are
@@ -548,6 +572,27 @@ def test_l2_prefetch_and_partial_sum_layout_keep_the_results(fmt, shape, knobs):
         _call(lo_d, t_d, fmt, window, out, l2_prefetch=-1)
     with pytest.raises(ValueError, match="ys_layout"):
         _call(lo_d, t_d, fmt, window, out, ys_layout="cols")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt, shape, knobs", [
+    ("nvfp4", "nemotron", dict(head_splits=1)), ("nvfp4", "nemotron", dict(head_splits=4)),
+    ("nvfp4", "odd", dict(warps=1, head_splits=2)), ("fp8_e4m3", "odd", dict(warps=1)),
+    ("fp16", "nemotron", dict(head_splits=2)), ("fp32", "nemotron", dict(head_splits=1)),
+    ("nvfp4", "nemotron", dict(head_splits=1, prefetch=True)),
+    ("nvfp4", "odd", dict(warps=1, stage="smem")),
+])
+def test_early_prologue_loads_keep_the_results(fmt, shape, knobs):
+    """Issuing the prologue's loads together and storing the cursor after the heads changes
+    only the schedule: outputs, records and cursors (every CTA of a slot still arrives once,
+    the last stores h) as the reference says, with one CTA or several per group."""
+    window = SHAPES[shape][-1]
+    lo, lo64, t = _inputs(fmt, shape, "bf16", seed=37)
+    lo_d, t_d = _to_cuda(lo, t)
+    out = torch.full_like(t_d["x"], float("nan"))
+    _call(lo_d, t_d, fmt, window, out, early_loads=True, **knobs)
+    torch.cuda.synchronize()
+    _check_step(lo64, t, {k: v.cpu() for k, v in t_d.items()}, out.cpu(), window, "bf16")
 
 
 @pytest.mark.gpu
