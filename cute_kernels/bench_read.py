@@ -5,6 +5,7 @@
     python -m cute_kernels.bench_read --knob-variants --batch 256   # L2 prefetch, layouts
     python -m cute_kernels.bench_read --ablations --batch 256       # stages left out
     python -m cute_kernels.bench_read --early-variants --batch 1 256  # prologue loads together
+    python -m cute_kernels.bench_read --pass-variants --batch 256     # two heads a pass
     python -m cute_kernels.bench_read --splits-sweep --shape mamba2-2.7b --splits 1 2 4 5 \
         --batch 32 128 512                                            # head splits
 
@@ -291,6 +292,17 @@ EARLY_VARIANTS = [
 ]
 
 
+# A warp's heads two at a time (`ReplayOutputConfig.heads_per_pass`): at the 128-register
+# cap of 4 CTAs an SM (a few spills) and at 168 registers, 3 CTAs an SM (none).
+PASS_VARIANTS = [
+    ("nvfp4", dict(early_loads=True)), ("nvfp4", dict(early_loads=True, min_ctas_per_sm=3)),
+    ("nvfp4", dict(early_loads=True, heads_per_pass=2)),
+    ("nvfp4", dict(early_loads=True, heads_per_pass=2, min_ctas_per_sm=3)),
+    ("fp8_e4m3", dict(early_loads=True)),
+    ("fp8_e4m3", dict(early_loads=True, heads_per_pass=2, min_ctas_per_sm=3)),
+]
+
+
 # Stages left out, timing only (`ReplayOutputConfig.ablate`; the outputs are wrong, so the
 # check is reported as nan): where the non-flush nvfp4 step's time goes.
 ABLATION_VARIANTS = [
@@ -310,7 +322,8 @@ SPLITS_SWEEP = [("nvfp4", 4, 1), ("nvfp4", 4, 2), ("nvfp4", 4, 4), ("nvfp4", 2, 
 
 
 def run(batches, h, window, sets, reps, out=None, variants=True, splits_sweep=False,
-        knob_variants=False, splits=None, ablations=False, early_variants=False):
+        knob_variants=False, splits=None, ablations=False, early_variants=False,
+        pass_variants=False):
     copy_gbs, read_gbs = ceilings()
     rows = []
     cases = [(fmt, None) for fmt in ro.LO_FORMATS]
@@ -330,6 +343,8 @@ def run(batches, h, window, sets, reps, out=None, variants=True, splits_sweep=Fa
         cases = [(fmt, None) for fmt in ro.LO_FORMATS] + list(ABLATION_VARIANTS)
     if early_variants:
         cases = [(fmt, None) for fmt in ro.LO_FORMATS] + list(EARLY_VARIANTS)
+    if pass_variants:
+        cases = [(fmt, None) for fmt in ro.LO_FORMATS] + list(PASS_VARIANTS)
     if splits_sweep:
         cases = [(fmt, None) for fmt in ("nvfp4", "fp32")]
         grid = SPLITS_SWEEP if not splits else [("nvfp4", 4, k) for k in splits]
@@ -392,6 +407,8 @@ def main():
                    help="the defaults and ABLATION_VARIANTS only: stages left out, timing only")
     p.add_argument("--early-variants", action="store_true",
                    help="the defaults and EARLY_VARIANTS only (prologue loads issued together)")
+    p.add_argument("--pass-variants", action="store_true",
+                   help="the defaults and PASS_VARIANTS only (two heads a warp at once)")
     p.add_argument("--shape", choices=list(SHAPES), default="nemotron3-super")
     p.add_argument("--splits", type=int, nargs="+", default=None,
                    help="with --splits-sweep: nvfp4 at 4 warps and these head_splits only")
@@ -401,7 +418,7 @@ def main():
     SHAPE.clear()
     SHAPE.update(SHAPES[a.shape])
     run(a.batch, a.h, a.window, a.sets, a.reps, a.out, not a.no_variants, a.splits_sweep,
-        a.knob_variants, a.splits, a.ablations, a.early_variants)
+        a.knob_variants, a.splits, a.ablations, a.early_variants, a.pass_variants)
 
 
 if __name__ == "__main__":

@@ -408,6 +408,9 @@ class ReplayOutputConfig:
     # used, and act on the cursor atomic's result after the heads: the prologue then costs
     # one dependent round trip after the cursor read instead of one per ring row a warp
     early_loads: bool = False
+    # heads a warp works on at once (1 or 2): their loads go out together and their
+    # dependency chains (dt scan, exp, mma, ring sum) interleave; twice the registers a pass
+    heads_per_pass: int = 1
 
     @property
     def min_ctas(self) -> int:
@@ -625,8 +628,9 @@ class ReplayOutput:
         bc_smem = smem.allocate_tensor(Float32, cute.make_layout(32), byte_alignment=16)
         Q = self.quads  # partial sums per row (nvfp4: one per lane of a quad)
         quads_inner = cfg.ys_layout == "quads" and Q == 4
-        ys_layout = (cute.make_layout((P, W, Q), stride=(Q, P * Q, 1)) if quads_inner
-                     else cute.make_layout((P, W, Q)))
+        WC = W * cfg.heads_per_pass  # partial-sum columns: one per head of a warp's pass
+        ys_layout = (cute.make_layout((P, WC, Q), stride=(Q, P * Q, 1)) if quads_inner
+                     else cute.make_layout((P, WC, Q)))
         ys_smem = smem.allocate_tensor(Float32, ys_layout, byte_alignment=16)
         staged = cfg.stage == "smem"
         stage_base = Int32(0)
@@ -646,8 +650,10 @@ class ReplayOutput:
             # The first head's loads go out before the prologue's barrier, the next head's
             # before the current one is computed (cfg.prefetch): each warp keeps a head's
             # state in flight while it works, and no load waits on another load.
-            loads = [self._issue_head(ptrs, s64 * H + heads[0], heads[0], cursor, lane)]
             nh = HPS // W  # heads of this warp
+            HPP = cfg.heads_per_pass
+            loads = [self._issue_head(ptrs, s64 * H + heads[k], heads[k], cursor, lane)
+                     for k in range(min(HPP, nh))]
             if lane == 0:  # the next cfg.l2_prefetch heads' bytes, into L2
                 for k in cutlass.range_constexpr(1, min(cfg.l2_prefetch + 1, nh)):
                     self._prefetch_head(ptrs, s64 * H + heads[k], cursor)
@@ -704,95 +710,114 @@ class ReplayOutput:
                 if (old >> 16) == G * SPL - 1:
                     cute.arch.store((cursors + s).llvm_ptr, h)
 
-            for hh in cutlass.range_constexpr(HPS // W):
-                head = heads[hh]
-                sh = s64 * H + head  # (slot, head) row of every per-head tensor
-                ahead = cfg.prefetch or staged
-                if cutlass.const_expr(ahead and hh + 1 < nh):
-                    loads.append(
-                        self._issue_head(ptrs, s64 * H + heads[hh + 1], heads[hh + 1], cursor,
-                                         lane)
-                    )
-                if cutlass.const_expr(not ahead and hh > 0):
-                    loads.append(self._issue_head(ptrs, sh, head, cursor, lane))
-                ld = loads[hh]
-                if cutlass.const_expr(cfg.l2_prefetch and hh > 0 and hh + cfg.l2_prefetch < nh):
-                    if lane == 0:  # heads hh + 1 .. hh + l2_prefetch asked for (the prologue
-                        # asked for 1 .. l2_prefetch)
-                        self._prefetch_head(ptrs, s64 * H + heads[hh + cfg.l2_prefetch], cursor)
-                stage = stage_base + (hh % 2) * self.stage_bytes if staged else None
-                if cutlass.const_expr(staged):
-                    _cp_async_wait(1 if hh + 1 < nh else 0)  # this head's group has landed
-                    cute.arch.sync_warp()  # ... for every lane's copies
-                    ld["state"] = self._staged_state(stage, lane)
-                # ---- this step's dt and the decay weights, record j on lane j -------------
-                dt_cur = ld["dt_raw"]
-                if cutlass.const_expr(cfg.dt_softplus):
-                    dt_cur = softplus(dt_cur)
-                dt_j = _sel(lane < cursor, ld["dt_ring"], Float32(0.0))
-                dt_j = _sel(lane == cursor, dt_cur, dt_j)
-                incl = dt_j  # suffix sums: incl[j] = sum_{l >= j} dt_l
-                for off in (1, 2, 4, 8, 16):
-                    nxt = cute.arch.shuffle_sync_down(incl, off)
-                    incl = _sel(lane + off < 32, incl + nxt, incl)
-                excl = _sel(lane < 31, cute.arch.shuffle_sync_down(incl, 1), Float32(0.0))
-                total = _shfl(incl, 0)
-                a_h = ld["A"]
-                decay = cute.math.exp(cutlass.min(a_h * excl, Float32(0.0)))
-                coef = _sel(lane < h, decay * dt_j * bc_smem[lane], Float32(0.0))
-                ck_scale = cute.math.exp(a_h * total)
+            # A warp takes its heads cfg.heads_per_pass at a time: every load of the pass
+            # goes out first, then the decay weights and checkpoint terms of all of them, then
+            # their epilogues, so that one head's dependency chains fill the other's waits.
+            for p0 in cutlass.range_constexpr(0, nh, HPP):
+                pass_heads = list(range(p0, min(p0 + HPP, nh)))
+                ctx = []
+                for hh in pass_heads:
+                    head = heads[hh]
+                    sh = s64 * H + head  # (slot, head) row of every per-head tensor
+                    ahead = cfg.prefetch or staged
+                    if cutlass.const_expr(ahead and hh + 1 < nh):
+                        loads.append(
+                            self._issue_head(ptrs, s64 * H + heads[hh + 1], heads[hh + 1],
+                                             cursor, lane)
+                        )
+                    if cutlass.const_expr(not ahead and hh >= len(loads)):
+                        loads.append(self._issue_head(ptrs, sh, head, cursor, lane))
+                for hh in pass_heads:
+                    head = heads[hh]
+                    sh = s64 * H + head
+                    ld = loads[hh]
+                    if cutlass.const_expr(cfg.l2_prefetch and hh > 0
+                                          and hh + cfg.l2_prefetch < nh):
+                        if lane == 0:  # heads hh + 1 .. hh + l2_prefetch asked for (the
+                            # prologue asked for 1 .. l2_prefetch)
+                            self._prefetch_head(ptrs, s64 * H + heads[hh + cfg.l2_prefetch],
+                                                cursor)
+                    stage = stage_base + (hh % 2) * self.stage_bytes if staged else None
+                    if cutlass.const_expr(staged):
+                        _cp_async_wait(1 if hh + 1 < nh else 0)  # this head's group landed
+                        cute.arch.sync_warp()  # ... for every lane's copies
+                        ld["state"] = self._staged_state(stage, lane)
+                    # ---- this step's dt and the decay weights, record j on lane j ---------
+                    dt_cur = ld["dt_raw"]
+                    if cutlass.const_expr(cfg.dt_softplus):
+                        dt_cur = softplus(dt_cur)
+                    dt_j = _sel(lane < cursor, ld["dt_ring"], Float32(0.0))
+                    dt_j = _sel(lane == cursor, dt_cur, dt_j)
+                    incl = dt_j  # suffix sums: incl[j] = sum_{l >= j} dt_l
+                    for off in (1, 2, 4, 8, 16):
+                        nxt = cute.arch.shuffle_sync_down(incl, off)
+                        incl = _sel(lane + off < 32, incl + nxt, incl)
+                    excl = _sel(lane < 31, cute.arch.shuffle_sync_down(incl, 1), Float32(0.0))
+                    total = _shfl(incl, 0)
+                    a_h = ld["A"]
+                    decay = cute.math.exp(cutlass.min(a_h * excl, Float32(0.0)))
+                    coef = _sel(lane < h, decay * dt_j * bc_smem[lane], Float32(0.0))
+                    ck_scale = cute.math.exp(a_h * total)
+                    ctx.append([ld, sh, dt_cur, coef, ck_scale, stage])
 
-                # ---- checkpoint term S_lo C -> ys_smem[:, warp] ---------------------------
-                rows, writer = self._checkpoint_term(ck, ld["state"], lane)
-                if writer:
-                    for i in cutlass.range_constexpr(len(rows)):
-                        ys_smem[rows[i][0], warp, (lane % 4) % Q] = rows[i][1]
-                ck_scale = ck_scale * ld["factor"]
+                # ---- checkpoint terms S_lo C -> ys_smem[:, column of the warp's head] -----
+                for k in cutlass.range_constexpr(len(pass_heads)):
+                    ld = ctx[k][0]
+                    col = warp if k == 0 else warp + W * k
+                    rows, writer = self._checkpoint_term(ck, ld["state"], lane)
+                    if writer:
+                        for i in cutlass.range_constexpr(len(rows)):
+                            ys_smem[rows[i][0], col, (lane % 4) % Q] = rows[i][1]
+                    ctx[k][4] = ctx[k][4] * ld["factor"]
                 cute.arch.sync_warp()
+                hh = pass_heads[-1]
                 if cutlass.const_expr(staged and hh + 2 < nh):
                     # every lane has read this stage: the head after next goes into it
-                    self._stage_head(lo0.toint(), lo1.toint(), s64 * H + heads[hh + 2], stage,
-                                     lane)
+                    self._stage_head(lo0.toint(), lo1.toint(), s64 * H + heads[hh + 2],
+                                     ctx[-1][5], lane)
 
                 # ---- epilogue: rows v, v+1 on each lane -----------------------------------
-                coefs = [_shfl(coef, j) for j in range(L - 1)]
-                c_last = _shfl(coef, cursor)
-                for r in cutlass.range_constexpr((P + 63) // 64):
-                    v_raw = 64 * r + 2 * lane
-                    v = cutlass.min(v_raw, P - 2)  # clamped: every lane joins the shuffles
-                    xw = ld["x"][r]
-                    xv = _words_to_f32(xw, act)
-                    if cutlass.const_expr(quads_inner):
-                        # rows v, v + 1: eight consecutive words, two 16-byte reads
-                        base = ys_smem.iterator.toint() + 4 * Q * (v + P * warp)
-                        p0 = [bits_f32(w) for w in _lds_v4(base)]
-                        p1 = [bits_f32(w) for w in _lds_v4(base + 16)]
-                        ys0 = ((p0[0] + p0[1]) + p0[2]) + p0[3]
-                        ys1 = ((p1[0] + p1[1]) + p1[2]) + p1[3]
-                    else:
-                        ys0, ys1 = ys_smem[v, warp, 0], ys_smem[v + 1, warp, 0]
-                        for q in cutlass.range_constexpr(1, Q):
-                            ys0 = ys0 + ys_smem[v, warp, q]
-                            ys1 = ys1 + ys_smem[v + 1, warp, q]
-                    acc0 = ck_scale * ys0
-                    acc1 = ck_scale * ys1
-                    for j in cutlass.range_constexpr(L - 1):
-                        # records j >= cursor were not loaded (zeros) and have coef 0
-                        xr = _words_to_f32(ld["ring"][r][j], act)
-                        acc0 = acc0 + coefs[j] * xr[0]
-                        acc1 = acc1 + coefs[j] * xr[1]
-                    acc0 = acc0 + c_last * xv[0] + ld["D"] * xv[0]
-                    acc1 = acc1 + c_last * xv[1] + ld["D"] * xv[1]
-                    if cutlass.const_expr(cfg.has_z):
-                        zv = _words_to_f32(ld["z"][r], act)
-                        acc0 = acc0 * silu(zv[0])
-                        acc1 = acc1 * silu(zv[1])
-                    if v_raw < P:
-                        out_words = _f32_to_words([acc0, acc1], act)
-                        _store_words(out.toint() + (sh * P + v) * ab, out_words)
-                        _store_words(ring_x.toint() + ((sh * Lc + cursor) * P + v) * ab, xw)
-                if lane == 0:
-                    cute.arch.store((ring_dt + sh * Lc + cursor).llvm_ptr, dt_cur)
+                for k in cutlass.range_constexpr(len(pass_heads)):
+                    ld, sh, dt_cur, coef, ck_scale, _ = ctx[k]
+                    col = warp if k == 0 else warp + W * k
+                    coefs = [_shfl(coef, j) for j in range(L - 1)]
+                    c_last = _shfl(coef, cursor)
+                    for r in cutlass.range_constexpr((P + 63) // 64):
+                        v_raw = 64 * r + 2 * lane
+                        v = cutlass.min(v_raw, P - 2)  # clamped: every lane joins the shuffles
+                        xw = ld["x"][r]
+                        xv = _words_to_f32(xw, act)
+                        if cutlass.const_expr(quads_inner):
+                            # rows v, v + 1: eight consecutive words, two 16-byte reads
+                            base = ys_smem.iterator.toint() + 4 * Q * (v + P * col)
+                            q0 = [bits_f32(w) for w in _lds_v4(base)]
+                            q1 = [bits_f32(w) for w in _lds_v4(base + 16)]
+                            ys0 = ((q0[0] + q0[1]) + q0[2]) + q0[3]
+                            ys1 = ((q1[0] + q1[1]) + q1[2]) + q1[3]
+                        else:
+                            ys0, ys1 = ys_smem[v, col, 0], ys_smem[v + 1, col, 0]
+                            for q in cutlass.range_constexpr(1, Q):
+                                ys0 = ys0 + ys_smem[v, col, q]
+                                ys1 = ys1 + ys_smem[v + 1, col, q]
+                        acc0 = ck_scale * ys0
+                        acc1 = ck_scale * ys1
+                        for j in cutlass.range_constexpr(L - 1):
+                            # records j >= cursor were not loaded (zeros) and have coef 0
+                            xr = _words_to_f32(ld["ring"][r][j], act)
+                            acc0 = acc0 + coefs[j] * xr[0]
+                            acc1 = acc1 + coefs[j] * xr[1]
+                        acc0 = acc0 + c_last * xv[0] + ld["D"] * xv[0]
+                        acc1 = acc1 + c_last * xv[1] + ld["D"] * xv[1]
+                        if cutlass.const_expr(cfg.has_z):
+                            zv = _words_to_f32(ld["z"][r], act)
+                            acc0 = acc0 * silu(zv[0])
+                            acc1 = acc1 * silu(zv[1])
+                        if v_raw < P:
+                            out_words = _f32_to_words([acc0, acc1], act)
+                            _store_words(out.toint() + (sh * P + v) * ab, out_words)
+                            _store_words(ring_x.toint() + ((sh * Lc + cursor) * P + v) * ab, xw)
+                    if lane == 0:
+                        cute.arch.store((ring_dt + sh * Lc + cursor).llvm_ptr, dt_cur)
                 cute.arch.sync_warp()
             if cutlass.const_expr(cfg.early_loads):
                 if tid == 0:
@@ -1228,6 +1253,7 @@ def replay_output(
     ablate=(),
     l2_prefetch_small=None,
     early_loads=None,
+    heads_per_pass=None,
 ):
     """One non-flush decode step for every slot whose ``cursors[s] + 1 < window``; returns
     ``out`` [S, H, P] (x's dtype; rows of flush slots are not written).
@@ -1254,6 +1280,12 @@ def replay_output(
     ):
         _fail("ablate", f"a subset of {list(ABLATIONS)} (tensor-core formats, stage "
               "'registers'; timing only)", ablate)
+    hp = 1 if heads_per_pass is None else heads_per_pass
+    if isinstance(hp, bool) or hp not in (1, 2) or (
+        hp == 2 and (stage not in (None, "registers") or prefetch or l2_prefetch)
+    ):
+        _fail("heads_per_pass", "None, 1 or 2 (2: stage 'registers', no prefetch or "
+              "l2_prefetch)", heads_per_pass)
     if not isinstance(x, torch.Tensor) or x.dim() != 3:
         _fail("x", "a tensor [S, H, P]", list(x.shape) if isinstance(x, torch.Tensor) else x)
     if x.dtype not in ACT_DTYPES:
@@ -1327,6 +1359,7 @@ def replay_output(
         ys_layout=YS_LAYOUTS[0] if ys_layout is None else ys_layout,
         ablate=ablate,
         early_loads=bool(early_loads),
+        heads_per_pass=hp,
     )
     k = cfg.l2_prefetch
     if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 4:

@@ -117,6 +117,24 @@ def test_default_head_splits_minimise_waves_times_heads_a_warp():
                 assert all(cost[s] > cost[k] for s in allowed if s < k)
 
 
+def test_two_heads_a_pass_compile_and_bad_passes_are_refused():
+    """heads_per_pass = 2 reads every state byte once, still with 16-byte loads and one mma
+    per 16 x 16 tile; 3 heads a pass, or 2 with prefetch or the shared-memory stage, are
+    refused with a ValueError naming the argument."""
+    cfg = dataclasses.replace(_config("nvfp4", "nemotron"), head_splits=1, heads_per_pass=2,
+                              min_ctas_per_sm=3)
+    ptx = ro.compile_replay_output(cfg, keep_ptx=True).__ptx__
+    _, H, P, N, G, _, _ = SHAPES["nemotron"]
+    heads_per_warp = H // G // cfg.warps
+    assert ptx.count("ld.global.nc.L1::no_allocate.v4.u32") * 16 * 32 == P * N // 2 * heads_per_warp
+    assert ptx.count("mma.sync.aligned.m16n8k16") == P * N // 256 * heads_per_warp
+    lo, _, t = _inputs("nvfp4", "odd", "bf16", seed=3)
+    for bad in (dict(heads_per_pass=3), dict(heads_per_pass=2, prefetch=True),
+                dict(heads_per_pass=2, stage="smem"), dict(heads_per_pass=True)):
+        with pytest.raises(ValueError, match="heads_per_pass"):
+            _call(lo, t, "nvfp4", SHAPES["odd"][-1], None, **bad)
+
+
 @pytest.mark.parametrize("fmt", ["nvfp4", "fp32"])
 def test_early_loads_issue_the_prologue_before_its_first_dot_product(fmt):
     """early_loads: the ring's B rows (predicated), B and C's fragments are loaded before the
@@ -581,11 +599,15 @@ def test_l2_prefetch_and_partial_sum_layout_keep_the_results(fmt, shape, knobs):
     ("fp16", "nemotron", dict(head_splits=2)), ("fp32", "nemotron", dict(head_splits=1)),
     ("nvfp4", "nemotron", dict(head_splits=1, prefetch=True)),
     ("nvfp4", "odd", dict(warps=1, stage="smem")),
+    ("nvfp4", "nemotron", dict(head_splits=1, heads_per_pass=2)),
+    ("nvfp4", "odd", dict(warps=1, head_splits=1, heads_per_pass=2, min_ctas_per_sm=3)),
+    ("fp8_e4m3", "nemotron", dict(head_splits=1, heads_per_pass=2)),
 ])
 def test_early_prologue_loads_keep_the_results(fmt, shape, knobs):
-    """Issuing the prologue's loads together and storing the cursor after the heads changes
-    only the schedule: outputs, records and cursors (every CTA of a slot still arrives once,
-    the last stores h) as the reference says, with one CTA or several per group."""
+    """Issuing the prologue's loads together and storing the cursor after the heads, and a
+    warp taking two heads a pass, change only the schedule: outputs, records and cursors
+    (every CTA of a slot still arrives once, the last stores h) as the reference says, with
+    one CTA or several per group."""
     window = SHAPES[shape][-1]
     lo, lo64, t = _inputs(fmt, shape, "bf16", seed=37)
     lo_d, t_d = _to_cuda(lo, t)
