@@ -406,10 +406,20 @@ class ReplayOutputConfig:
     ablate: tuple = ()
     # issue every prologue load (C, B, the ring's B rows, C's mma fragments) before any is
     # used, and act on the cursor atomic's result after the heads: the prologue then costs
-    # one dependent round trip after the cursor read instead of one per ring row a warp
-    early_loads: bool = False
+    # one dependent round trip after the cursor read instead of one per ring row a warp.
+    # On the H200, nvfp4, h = 8, us (`bench_read --early-variants`, bench_read_early_7.csv;
+    # `--pass-variants`, bench_read_pass_7.csv):
+    #     batch      1     8     32    64    128   256   512
+    #     off       4.9   5.5   11.6  20.6  37.5  68.8  133.4
+    #     on        4.5   4.9   10.7  19.6  35.6  68.4  131.7
+    # fp8, fp16 and fp32 within 3% either way; so on by default
+    early_loads: bool = True
     # heads a warp works on at once (1 or 2): their loads go out together and their
-    # dependency chains (dt scan, exp, mma, ring sum) interleave; twice the registers a pass
+    # dependency chains (dt scan, exp, mma, ring sum) interleave. Slower on the H200: two
+    # heads' loads need 184 bytes of spills at 128 registers, or 168 registers and 3 CTAs an
+    # SM (12 warps): nvfp4 at batch 256 76.0 and 75.9 us against 68.8 (bench_read_pass_7.csv);
+    # one head a pass at 168 registers alone takes 76.2, so the step wants resident warps more
+    # than registers
     heads_per_pass: int = 1
 
     @property
@@ -1358,7 +1368,7 @@ def replay_output(
         l2_prefetch_small=bool(l2_prefetch_small),
         ys_layout=YS_LAYOUTS[0] if ys_layout is None else ys_layout,
         ablate=ablate,
-        early_loads=bool(early_loads),
+        early_loads=True if early_loads is None else bool(early_loads),
         heads_per_pass=hp,
     )
     k = cfg.l2_prefetch

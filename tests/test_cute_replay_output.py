@@ -140,7 +140,7 @@ def test_early_loads_issue_the_prologue_before_its_first_dot_product(fmt):
     """early_loads: the ring's B rows (predicated), B and C's fragments are loaded before the
     first warp reduction of the prologue; without it a warp waits for each B row in turn.
     The head loop is the same (same state loads)."""
-    base = dataclasses.replace(_config(fmt, "nemotron"), head_splits=1)
+    base = dataclasses.replace(_config(fmt, "nemotron"), head_splits=1, early_loads=False)
     early = dataclasses.replace(base, early_loads=True)
     ptx0 = ro.compile_replay_output(base, keep_ptx=True).__ptx__
     ptx1 = ro.compile_replay_output(early, keep_ptx=True).__ptx__
@@ -602,17 +602,20 @@ def test_l2_prefetch_and_partial_sum_layout_keep_the_results(fmt, shape, knobs):
     ("nvfp4", "nemotron", dict(head_splits=1, heads_per_pass=2)),
     ("nvfp4", "odd", dict(warps=1, head_splits=1, heads_per_pass=2, min_ctas_per_sm=3)),
     ("fp8_e4m3", "nemotron", dict(head_splits=1, heads_per_pass=2)),
+    ("nvfp4", "nemotron", dict(head_splits=1, early_loads=False)),
+    ("fp32", "odd", dict(warps=1, early_loads=False)),
 ])
 def test_early_prologue_loads_keep_the_results(fmt, shape, knobs):
-    """Issuing the prologue's loads together and storing the cursor after the heads, and a
-    warp taking two heads a pass, change only the schedule: outputs, records and cursors
+    """Issuing the prologue's loads together and storing the cursor after the heads (the
+    default) or one ring row at a time with the cursor stored before the heads, and a warp
+    taking two heads a pass, change only the schedule: outputs, records and cursors
     (every CTA of a slot still arrives once, the last stores h) as the reference says, with
     one CTA or several per group."""
     window = SHAPES[shape][-1]
     lo, lo64, t = _inputs(fmt, shape, "bf16", seed=37)
     lo_d, t_d = _to_cuda(lo, t)
     out = torch.full_like(t_d["x"], float("nan"))
-    _call(lo_d, t_d, fmt, window, out, early_loads=True, **knobs)
+    _call(lo_d, t_d, fmt, window, out, **knobs)  # early_loads is the default
     torch.cuda.synchronize()
     _check_step(lo64, t, {k: v.cpu() for k, v in t_d.items()}, out.cpu(), window, "bf16")
 
