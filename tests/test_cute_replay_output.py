@@ -187,8 +187,9 @@ def test_ablations_leave_out_exactly_their_stage(lo_format):
         cfg = dataclasses.replace(base, ablate=tuple(sorted(ablate)))
         return ro.compile_replay_output(cfg, keep_ptx=True).__ptx__
 
+    # ring records: x, one word a lane (bf16 pairs); the prologue's B rows are v2 loads
     state, scale, ring = ("ld.global.nc.L1::no_allocate.v4.u32",
-                          "ld.global.nc.L1::no_allocate.u16", "@p ld.global")
+                          "ld.global.nc.L1::no_allocate.u16", "@p ld.global.u32")
     full = ptx()
     assert full.count(state) > 0 and full.count(ring) > 0 and "mma.sync" in full
     assert (full.count(scale) > 0) == (lo_format == "nvfp4")
