@@ -66,6 +66,7 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.memory import SmemAllocator
 
 from cute_kernels.numerics import bits_f32, f32_bits, inline_ptx, silu, softplus
+from cute_kernels.tensor_core import mma_m16n8k16, pack_16x2
 
 __all__ = [
     "ReplayOutputConfig", "ReplayOutput", "replay_output", "compile_replay_output",
@@ -239,23 +240,6 @@ def _store_words(addr, words: list) -> None:
 
 
 @dsl_user_op
-def _mma_f16(a: list, b: list, c: list, *, loc=None, ip=None) -> list:
-    """mma.sync m16n8k16, f16 A (4 regs) and B (2 regs), fp32 C/D (4 regs)."""
-    st = llvm.StructType.get_literal([T.f32()] * 4)
-    args = [_ir(v, loc, ip) for v in a + b] + [Float32(v).ir_value(loc=loc, ip=ip) for v in c]
-    r = inline_ptx(
-        st,
-        args,
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-        "{$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, {$10,$11,$12,$13};",
-        "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f",
-        loc=loc,
-        ip=ip,
-    )
-    return _unpack_struct(r, 4, T.f32(), Float32, loc, ip)
-
-
-@dsl_user_op
 def _e4m3x2_to_f16x2(x, half: int = 0, *, loc=None, ip=None) -> Uint32:
     """Two E4M3 bytes of ``x`` to f16x2, exactly: bytes 0, 1 (``half`` 0) or 2, 3 (``half``
     1); the lower byte goes to the low half."""
@@ -266,20 +250,12 @@ def _e4m3x2_to_f16x2(x, half: int = 0, *, loc=None, ip=None) -> Uint32:
     return Uint32(r)
 
 
-@dsl_user_op
-def _f32x2_to_16x2(lo, hi, kind: str = "f16", *, loc=None, ip=None) -> Uint32:
-    """RN to ``kind`` (f16 or bf16) of two fp32 values, packed (``lo`` -> bits 0-15)."""
-    args = [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)]
-    r = inline_ptx(T.i32(), args, f"cvt.rn.{kind}x2.f32 $0, $1, $2;", "=r,f,f", loc=loc, ip=ip)
-    return Uint32(r)
-
-
 def _f32x2_to_f16x2(lo, hi) -> Uint32:
-    return _f32x2_to_16x2(lo, hi, "f16")
+    return pack_16x2(lo, hi, "f16")
 
 
 def _f32x2_to_bf16x2(lo, hi) -> Uint32:
-    return _f32x2_to_16x2(lo, hi, "bf16")
+    return pack_16x2(lo, hi, "bf16")
 
 
 @dsl_user_op
@@ -1114,11 +1090,11 @@ class ReplayOutput:
                             _e4m3x2_to_f16x2(a1[j], 1),
                             _e4m3x2_to_f16x2(a2[j], 1),
                         ]
-                        acc = _mma_f16(a, ck[c * 4 + j], acc)
+                        acc = mma_m16n8k16(a, ck[c * 4 + j], acc)
                 else:  # fp16: the loaded words are the A registers
                     for j in range(2):
                         a = [a1[2 * j], a2[2 * j], a1[2 * j + 1], a2[2 * j + 1]]
-                        acc = _mma_f16(a, ck[c * 2 + j], acc)
+                        acc = mma_m16n8k16(a, ck[c * 2 + j], acc)
             rows += [(r1, acc[0] + acc[1]), (r1 + 8, acc[2] + acc[3])]
         return rows, t == 0
 
@@ -1145,7 +1121,7 @@ class ReplayOutput:
                             _e4m3x2_to_f16x2(od1, half),
                             _e4m3x2_to_f16x2(od2, half),
                         ]
-                        acc[i // 2] = _mma_f16(a, ck[c * 8 + 2 * i + half], acc[i // 2])
+                        acc[i // 2] = mma_m16n8k16(a, ck[c * 8 + 2 * i + half], acc[i // 2])
                 for r, sv in enumerate(sc_raw):  # scales of blocks 2t, 2t + 1, rows g, g + 8
                     s_even, s_odd = _f16x2_to_f32x2(_e4m3x2_to_f16x2(sv))  # exact
                     part[r] = (part[r] + s_even * (acc[0][2 * r] + acc[0][2 * r + 1])
