@@ -23,6 +23,7 @@ read + written) timed in the same run. Prints one table last; writes a tidy CSV 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 from dataclasses import dataclass
@@ -209,12 +210,13 @@ def time_graph(launches, reps, replays):
 
 
 def flush_config(batch, window, hi_format, lo_format, hi_rounding=None, elements_per_thread=None,
-                 min_ctas_per_sm=0):
-    """The flush at the Nemotron layer; elements per thread as replay_flush's default."""
+                 min_ctas_per_sm=0, fold=None):
+    """The flush at the Nemotron layer; elements per thread and fold as replay_flush's
+    defaults."""
     if elements_per_thread is None:
         elements_per_thread = rf.default_elements_per_thread(NEMOTRON["headdim"],
                                                              NEMOTRON["dstate"], hi_format)
-    return rf.FlushConfig(
+    cfg = rf.FlushConfig(
         **NEMOTRON,
         window=window,
         ring_len=window,
@@ -231,16 +233,17 @@ def flush_config(batch, window, hi_format, lo_format, hi_rounding=None, elements
         elements_per_thread=elements_per_thread,
         min_ctas_per_sm=min_ctas_per_sm,
     )
+    return dataclasses.replace(cfg, fold=fold or rf.default_fold(cfg))
 
 
 def bench_flush(
     cfg: BenchConfig, hi_format, lo_format, flushing=True, hi_rounding=None,
-    elements_per_thread=None, min_ctas_per_sm=0,
+    elements_per_thread=None, min_ctas_per_sm=0, fold=None,
 ):
     gen = torch.Generator(device="cuda").manual_seed(3)
     B, L = cfg.batch, cfg.window
     fcfg = flush_config(B, L, hi_format, lo_format, hi_rounding, elements_per_thread,
-                        min_ctas_per_sm)
+                        min_ctas_per_sm, fold)
     launches = []
     for _ in range(cfg.sets):
         cache = make_cache(B, L, hi_format, "none", gen, torch.full((B,), L - 1 if flushing else 0))
@@ -371,6 +374,22 @@ def run(cfg: BenchConfig, only=None):
             "flush fp16-RN, no read copy (fold, output, stores)",
             lambda: True,
             lambda: bench_flush(cfg, "fp16", "none", hi_rounding="rn"),
+        ),
+        # the fold the tensor-core fold replaced (correctness: test_flush_with_either_fold)
+        (
+            "flush fp16-SR + nvfp4, FFMA fold",
+            lambda: True,
+            lambda: bench_flush(cfg, "fp16", "nvfp4", fold="fma"),
+        ),
+        (
+            "flush fp16-SR + nvfp4, FFMA fold, 64 elements per thread",
+            lambda: True,
+            lambda: bench_flush(cfg, "fp16", "nvfp4", elements_per_thread=64, fold="fma"),
+        ),
+        (
+            "flush fp32 single copy, FFMA fold",
+            lambda: True,
+            lambda: bench_flush(cfg, "fp32", "none", fold="fma"),
         ),
         # the tuning knob, the layout the default replaced (correctness: the gpu tests of
         # tests/test_cute_replay_flush.py run both)

@@ -52,6 +52,7 @@ snapshot taken before the non-flush kernel advanced the other slots.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import cutlass  # noqa: I001
@@ -62,6 +63,7 @@ from cutlass.memory import SmemAllocator
 
 from cute_kernels import _compile
 from cute_kernels import numerics as nm
+from cute_kernels import tensor_core as tc
 
 __all__ = [
     "FlushConfig",
@@ -71,6 +73,8 @@ __all__ = [
     "compile_flush",
     "traffic_bytes",
     "default_elements_per_thread",
+    "default_fold",
+    "mma_fold_problem",
 ]
 
 HI_FORMATS = ("fp16", "fp32")
@@ -151,6 +155,10 @@ class FlushConfig:
     elements_per_thread: int = ELEMENTS_PER_THREAD
     # resident CTAs per SM that ptxas must leave registers for (0: no cap); a tuning knob
     min_ctas_per_sm: int = 0
+    # how the ring is folded into the state: "fma" (each thread L FFMAs per element, B_j and
+    # x_j from fp32 shared memory) or "mma" (tensor cores, `_fold_mma`; bf16 activations and
+    # the shapes `mma_fold_problem` accepts)
+    fold: str = "fma"
 
     @property
     def threads(self) -> int:
@@ -171,6 +179,38 @@ class FlushConfig:
     @property
     def heads_per_group(self) -> int:
         return self.nheads // self.ngroups
+
+    @property
+    def rows_per_warp(self) -> int:
+        """State rows whose chunks one warp's threads hold (whole rows when a row's chunks
+        fit in a warp)."""
+        return 32 * self.headdim // self.threads
+
+    @property
+    def fold_k(self) -> int:
+        """The window padded to the mma's k (16)."""
+        return 16 * ((self.window + 15) // 16)
+
+
+FOLDS = ("fma", "mma")
+
+
+def mma_fold_problem(cfg: FlushConfig):
+    """None if the tensor-core fold applies to ``cfg``, else why not: bf16 activations (x_j
+    and B_j are then exact mma operands), a row's chunks within one warp (dstate a power of
+    two from 16 to 256), and 8 or 16 rows a warp (one mma m-tile)."""
+    if cfg.act != "bf16":
+        return "bf16 activations"
+    R = cfg.chunks_per_row
+    if cfg.dstate % 16 or 32 % R:
+        return "dstate 16, 32, 64, 128 or 256"
+    if cfg.rows_per_warp not in (8, 16):
+        return "8 or 16 state rows a warp (headdim * 32 / threads)"
+    return None
+
+
+def default_fold(cfg: FlushConfig) -> str:
+    return "mma" if mma_fold_problem(cfg) is None else "fma"
 
 
 class ReplayFlush:
@@ -303,7 +343,18 @@ class ReplayFlush:
         row0 = tidx // R  # its rows: row0 + rows*i
 
         smem = SmemAllocator()
-        sB = smem.allocate_tensor(Float32, cute.make_layout((L, N), stride=(N, 1)), 16)
+        mma = cfg.fold == "mma"
+        K = cfg.fold_k
+        if cutlass.const_expr(mma):
+            # bf16 B_j rows (k-major for ldmatrix.trans; rows L..K-1 zero), padded by 16 bytes
+            # a row so that the 8 rows of a tile fall in different banks; the warp-private
+            # fp32 fold result, padded likewise for the fragments' 8-byte stores
+            sB = smem.allocate_tensor(
+                cutlass.BFloat16, cute.make_layout((K, N + 8), stride=(N + 8, 1)), 16
+            )
+            sD = smem.allocate_tensor(Float32, cute.make_layout((P, N + 8), stride=(N + 8, 1)), 16)
+        else:
+            sB = smem.allocate_tensor(Float32, cute.make_layout((L, N), stride=(N, 1)), 16)
         sX = smem.allocate_tensor(Float32, cute.make_layout((L, P), stride=(P, 1)), 16)
         sW = smem.allocate_tensor(Float32, cute.make_layout(64), 16)  # w_j; [L]: g_{0:L-1}
         sRed = smem.allocate_tensor(Float32, cute.make_layout(32), 16)
@@ -337,37 +388,62 @@ class ReplayFlush:
                     x_staged.store(x_frag.load().to(Float32))
                     cute.autovec_copy(x_staged, cute.local_tile(sX[xj, None], (CHUNK,), (xc,)))
             B_cur = B[s, g, None]
-            for q in cutlass.range_constexpr((L * R + T - 1) // T):
+            b_rows = K if mma else L  # mma: rows L..K-1 zero-filled
+            for q in cutlass.range_constexpr((b_rows * R + T - 1) // T):
                 b_chunk = tidx + T * q
-                if b_chunk < L * R:
+                if b_chunk < b_rows * R:
                     bj = b_chunk // R
                     bc = b_chunk % R
                     b_frag = cute.make_rmem_tensor((CHUNK,), B.element_type)
-                    b_slot = cute.local_tile(ring_B[s, g, bj, None], (CHUNK,), (bc,))
+                    b_row = cutlass.min(bj, L - 1) if mma else bj
+                    b_slot = cute.local_tile(ring_B[s, g, b_row, None], (CHUNK,), (bc,))
                     if bj == L - 1:
                         cute.autovec_copy(cute.local_tile(B_cur, (CHUNK,), (bc,)), b_frag)
                         if h % cfg.heads_per_group == 0:
                             cute.autovec_copy(b_frag, b_slot)
+                    elif cutlass.const_expr(mma):
+                        if bj < L:
+                            cute.autovec_copy(b_slot, b_frag)
+                        else:
+                            b_frag.fill(0.0)
                     else:
                         cute.autovec_copy(b_slot, b_frag)
-                    b_staged = cute.make_rmem_tensor((CHUNK,), Float32)
-                    b_staged.store(b_frag.load().to(Float32))
-                    cute.autovec_copy(b_staged, cute.local_tile(sB[bj, None], (CHUNK,), (bc,)))
+                    if cutlass.const_expr(mma):
+                        cute.autovec_copy(b_frag, cute.local_tile(sB[bj, None], (CHUNK,), (bc,)))
+                    else:
+                        b_staged = cute.make_rmem_tensor((CHUNK,), Float32)
+                        b_staged.store(b_frag.load().to(Float32))
+                        cute.autovec_copy(b_staged,
+                                          cute.local_tile(sB[bj, None], (CHUNK,), (bc,)))
             if tidx < 32:
                 _stage_decay(cfg, tidx, s, h, ring_dt, dt, A, dt_bias, sW)
             cute.arch.sync_threads()
 
             # 3. S_new = g S_hi + sum_j (w_j x_j) B_j^T, fp32
             decay = sW[L]
-            for i in cutlass.range_constexpr(passes):
-                acc[i] = acc[i] * decay
-            for j in cutlass.range_constexpr(L):
-                sb_frag = cute.make_rmem_tensor((CHUNK,), Float32)
-                cute.autovec_copy(cute.local_tile(sB[j, None], (CHUNK,), (col,)), sb_frag)
-                b_vec = sb_frag.load()
-                w = sW[j]
+            if cutlass.const_expr(mma):
+                # the warp's rows of sum_j (w_j x_j) B_j^T on the tensor cores, through its
+                # own rows of sD into each thread's chunks: no CTA barrier
+                _fold_mma(cfg, tidx, sX, sW, sB, sD)
+                cute.arch.sync_warp()
+                warp_rows = (tidx // 32) * cfg.rows_per_warp + (tidx % 32) // R
                 for i in cutlass.range_constexpr(passes):
-                    acc[i] = acc[i] + (sX[j, row0 + rows * i] * w) * b_vec
+                    d_frag = cute.make_rmem_tensor((CHUNK,), Float32)
+                    cute.autovec_copy(
+                        cute.local_tile(sD[warp_rows + (32 // R) * i, None], (CHUNK,), (col,)),
+                        d_frag,
+                    )
+                    acc[i] = acc[i] * decay + d_frag.load()
+            else:
+                for i in cutlass.range_constexpr(passes):
+                    acc[i] = acc[i] * decay
+                for j in cutlass.range_constexpr(L):
+                    sb_frag = cute.make_rmem_tensor((CHUNK,), Float32)
+                    cute.autovec_copy(cute.local_tile(sB[j, None], (CHUNK,), (col,)), sb_frag)
+                    b_vec = sb_frag.load()
+                    w = sW[j]
+                    for i in cutlass.range_constexpr(passes):
+                        acc[i] = acc[i] + (sX[j, row0 + rows * i] * w) * b_vec
 
             # 4. y = S_new C + D x [* silu(z)]: a row's 16 lanes meet in a shuffle reduction
             c_frag = cute.make_rmem_tensor((CHUNK,), C.element_type)
@@ -415,6 +491,66 @@ class ReplayFlush:
 
 def _add(a, b):
     return a + b
+
+
+def _weighted(cfg, sX, sW, warp, m, j):
+    """A[m][j] of the mma fold: w_j x_j[state row of the warp's local row m], 0 past the
+    window (j is clamped for the read)."""
+    L, rpw = cfg.window, 32 // cfg.chunks_per_row  # rows a warp holds per pass
+    row = warp * rpw + m % rpw + cfg.rows_per_pass * (m // rpw)
+    jc = cutlass.min(j, L - 1)
+    return nm._sel(j < L, sX[jc, row] * sW[jc], Float32(0.0))
+
+
+@cute.jit
+def _fold_mma(cfg: cutlass.Constexpr, tidx, sX, sW, sB, sD):
+    """sD[rows of this warp] = sum_j (w_j x_j[row]) B_j^T, fp32, on the tensor cores.
+
+    The warp's 8 or 16 rows (those its threads hold, local row m = pass * 32/R + lane // R)
+    are the mma's m (rows 8-15 zero when there are 8), the window is k (padded to 16 with
+    zero rows of B and zero weights), the state's columns are n. A = w_j x_j (fp32) is split
+    into three bf16 parts whose sum is it exactly (`split_bf16x3`); B = B_j is bf16 already,
+    so every product is exact and only the tensor cores' sums round. The smallest parts go
+    first so that the accumulator is small while they are added. B fragments come from the
+    k-major bf16 rows with ldmatrix.trans, two n-tiles a load."""
+    N, K, RW = cfg.dstate, cfg.fold_k, cfg.rows_per_warp
+    warp = tidx // 32
+    lane = tidx % 32
+    g = lane // 4
+    t = lane % 4
+    a_parts = []  # per k-step: three A operands (hi, mid, lo), four registers each
+    for ks in cutlass.range_constexpr(K // 16):
+        regs = []  # a0..a3: (row g | g + 8) x (k 2t, 2t+1 | 2t+8, 2t+9)
+        for kh in cutlass.range_constexpr(2):
+            for mh in cutlass.range_constexpr(2):
+                j = 16 * ks + 8 * kh + 2 * t
+                if cutlass.const_expr(mh == 1 and RW == 8):
+                    regs.append([Uint32(0)] * 3)
+                else:
+                    m = g + 8 * mh
+                    regs.append(tc.split_bf16x3(_weighted(cfg, sX, sW, warp, m, j),
+                                                _weighted(cfg, sX, sW, warp, m, j + 1)))
+        a_parts.append([[regs[r][p] for r in range(4)] for p in range(3)])
+
+    # ldmatrix: lane l gives row l % 8 of tile l // 8; tiles (k 0-7 | 8-15) x (n-tile 0 | 1)
+    q = lane // 8
+    lane_row = (8 * (q % 2) + lane % 8) * (N + 8) + 8 * (q // 2)
+    b_base = sB.iterator.toint() + 2 * lane_row
+    d_base = sD.iterator.toint()
+    for npair in cutlass.range_constexpr(N // 16):
+        d = [[Float32(0.0)] * 4, [Float32(0.0)] * 4]
+        for ks in cutlass.range_constexpr(K // 16):
+            b = tc.ldmatrix_x4_trans(b_base + 2 * (16 * ks * (N + 8) + 16 * npair))
+            for u in cutlass.range_constexpr(2):
+                for part in (2, 1, 0):  # lo, mid, hi
+                    d[u] = tc.mma_m16n8k16(a_parts[ks][part], [b[2 * u], b[2 * u + 1]], d[u],
+                                           "bf16")
+        for u in cutlass.range_constexpr(2):
+            n = 16 * npair + 8 * u + 2 * t
+            tc.st_shared_v2_f32(d_base + 4 * ((warp * RW + g) * (N + 8) + n), d[u][0], d[u][1])
+            if cutlass.const_expr(RW == 16):
+                tc.st_shared_v2_f32(d_base + 4 * ((warp * RW + g + 8) * (N + 8) + n), d[u][2],
+                                    d[u][3])
 
 
 def _chunk(t2d, row, col, width=CHUNK):
@@ -895,6 +1031,7 @@ def replay_flush(
     seed=0,
     debug_state=None,
     elements_per_thread=None,
+    fold=None,
 ):
     """Flush every slot whose step is a flush (`cursors[s] + 1 == window`); see the module doc.
 
@@ -911,8 +1048,9 @@ def replay_flush(
     None) and debug_state (fp32, state-shaped, optional); then resets the cursors and advances
     `flushes` of the slots that flushed. Returns out. Runs on torch's current stream.
     `elements_per_thread` (64, or 32 for twice the threads and about 80 registers each;
-    default 32 for fp16 hi where the head shape allows it, `default_elements_per_thread`) is a
-    tuning knob (FlushConfig).
+    default 32 for fp16 hi where the head shape allows it, `default_elements_per_thread`) and
+    `fold` ("mma": the ring folded on the tensor cores, the default where `mma_fold_problem`
+    allows it; "fma") are tuning knobs (FlushConfig).
     """
     cfg, lo = _prepare_flush(
         hi,
@@ -939,6 +1077,7 @@ def replay_flush(
         seed,
         debug_state,
         elements_per_thread,
+        fold,
     )
     if out is None:
         out = torch.empty_like(x)
@@ -992,6 +1131,7 @@ def _prepare_flush(
     seed,
     debug_state,
     elements_per_thread=None,
+    fold=None,
 ):
     """Validate a flush call; returns (FlushConfig, lo as a dict)."""
     if elements_per_thread is None and isinstance(hi, torch.Tensor) and hi.dim() == 4:
@@ -1053,7 +1193,12 @@ def _prepare_flush(
         has_debug=debug_state is not None,
         elements_per_thread=elements_per_thread,
     )
-    return cfg, lo
+    if fold is None:
+        fold = default_fold(cfg)
+    check_choice("fold", fold, FOLDS)
+    if fold == "mma" and mma_fold_problem(cfg) is not None:
+        _compile.fail("fold", f"'fma' here ('mma' needs {mma_fold_problem(cfg)})", repr(fold))
+    return dataclasses.replace(cfg, fold=fold), lo
 
 
 def traffic_bytes(cfg: FlushConfig, flushing_slots: int, act_bytes: int = 2) -> int:

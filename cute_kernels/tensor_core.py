@@ -9,6 +9,7 @@
     pack_16x2           two fp32 values rounded to nearest f16 or bf16, packed (first in the
                         low half): one A or B register
     split_bf16x3        an fp32 pair as three bf16 pairs whose sum is the pair exactly
+                        (for |v| >= 2^-100; below, within 2^-133)
     st_shared_v2_f32    two fp32 values to a shared-memory byte address (8-byte aligned)
 
 Fragment layout of m16n8k16 (PTX ISA, "Matrix Fragments for mma.m16n8k16"), lane (g, t):
@@ -78,7 +79,8 @@ def split_bf16x3(v0, v1) -> list:
     """Three bf16x2 registers (hi, mid, lo) with hi + mid + lo = (v0, v1) exactly, elementwise:
     each part is the RN bf16 of what the previous parts left, and an fp32 significand (24
     bits) minus two RN bf16 roundings (8 bits each, the remainder exact in fp32) leaves at
-    most 8 significant bits, which bf16 holds (bf16 has fp32's exponent range)."""
+    most 8 significant bits, which bf16 holds (bf16 has fp32's exponent range; only where a
+    part falls below 2^-126, |v| < 2^-100, can bf16 subnormals lose bits, less than 2^-133)."""
     parts = []
     r0, r1 = v0, v1
     for _ in range(3):

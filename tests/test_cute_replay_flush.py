@@ -107,6 +107,57 @@ def test_32_elements_per_thread_compile_with_128_bit_state_accesses(variant):
     assert ".local" not in ptx
 
 
+@pytest.mark.parametrize("window, elements_per_thread", [(16, 32), (16, 64), (8, 32), (32, 64)])
+def test_mma_fold_compiles_to_three_mmas_per_tile_and_k_step(window, elements_per_thread):
+    """fold = 'mma' at the Nemotron head: each warp's 8 (32 elements a thread) or 16 rows
+    times the 16 n-tiles of 8 columns, three mmas (the bf16 parts of w_j x_j) per tile and
+    k-step of 16 ring records (window 32: two), one ldmatrix.x4.trans per two tiles and
+    k-step; no spills, and no FFMA fold left (its shared-memory B_j reads are gone)."""
+    cfg = dataclasses.replace(config(NEMOTRON, "fp16", "sr", "nvfp4", window=window, debug=False),
+                              elements_per_thread=elements_per_thread, fold="mma")
+    assert rf.mma_fold_problem(cfg) is None and cfg.rows_per_warp == 1024 // cfg.threads * 2
+    ptx = rf.compile_flush(cfg, keep_ptx=True).__ptx__
+    k_steps = -(-window // 16)
+    tiles = NEMOTRON["dstate"] // 8
+    assert ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 3 * tiles * k_steps
+    assert ptx.count("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16") == tiles // 2 * k_steps
+    assert ".local" not in ptx
+
+
+def test_default_fold_is_mma_where_the_operands_are_exact():
+    """The tensor-core fold is the default for bf16 activations at heads a warp covers in 8
+    or 16 whole rows; fp16 or fp32 activations, or 256 columns (a warp's 4 rows), fold with
+    FFMAs."""
+    nemotron = config(NEMOTRON, "fp16", "sr", "nvfp4")
+    assert rf.default_fold(dataclasses.replace(nemotron, elements_per_thread=32)) == "mma"
+    assert rf.default_fold(nemotron) == "mma"  # 64 elements a thread: 16 rows a warp
+    assert rf.default_fold(dataclasses.replace(nemotron, act="fp16")) == "fma"
+    assert rf.default_fold(dataclasses.replace(nemotron, act="fp32")) == "fma"
+    wide = config(dict(NEMOTRON, dstate=256), "fp16", "sr", "nvfp4")
+    assert "8 or 16" in rf.mma_fold_problem(dataclasses.replace(wide, elements_per_thread=32))
+
+
+def test_bf16_three_way_split_is_exact():
+    """The arithmetic of tensor_core.split_bf16x3 on the CPU: three round-to-nearest bf16
+    parts of an fp32 value, each of what the previous ones left, add up to it exactly (so the
+    mma fold's products are those of the fp32 weights), over random values of every
+    exponent and sign, for |v| >= 2^-100 (below, a part can be subnormal: error < 2^-133)."""
+    gen = torch.Generator().manual_seed(11)
+    v = (torch.randn(100_000, generator=gen) * torch.exp2(
+        torch.randint(-100, 100, (100_000,), generator=gen).float())).float()
+    parts, rest = [], v.clone()
+    for _ in range(3):
+        p = rest.to(torch.bfloat16).float()
+        parts.append(p)
+        rest = rest - p
+    normal = v.abs() >= 2.0**-100  # the parts stay normal (>= 2^-126) down to the last
+    assert normal.float().mean() > 0.9
+    assert torch.equal(rest[normal], torch.zeros_like(rest[normal]))
+    total = (parts[0].double() + parts[1].double() + parts[2].double()).float()
+    assert torch.equal(total[normal], v[normal])
+    assert (rest.abs() <= 2.0**-133).all()  # below that, bf16 subnormals: absolutely tiny
+
+
 def test_state_shapes_that_need_a_partial_warp_are_refused():
     """A 24 x 128 head would take 48 threads (64 elements each): one and a half warps, which
     the warp shuffles cannot serve; 24 x 64 takes one whole warp (32 threads, fewer elements
@@ -188,6 +239,9 @@ def test_bad_arguments_raise_value_errors_naming_them(name, bad, message):
         (dict(lo_format="mxfp4"), "lo_format: expected one of"),
         (dict(seed=-1), "seed: expected an int in"),
         (dict(window=33), "window: expected an int in"),
+        (dict(fold="wmma"), "fold: expected one of"),
+        # fp32 activations: not exact bf16 mma operands
+        (dict(fold="mma"), "fold: expected 'fma' here .'mma' needs bf16 activations"),
     ],
 )
 def test_bad_options_raise_value_errors(kwargs, message):
@@ -339,7 +393,7 @@ def state_bound(hi, ring_x, ring_dt, ring_B, A, window, heads_per_group):
 
 def check_flush(
     shape, slots, window, act, hi_format, hi_rounding, lo_format, seed=SEED, gen_seed=0,
-    elements_per_thread=None,
+    elements_per_thread=None, fold=None,
 ):
     gen = torch.Generator().manual_seed(gen_seed)
     flush_slots = list(range(0, slots, 2))
@@ -360,6 +414,7 @@ def check_flush(
         seed=seed,
         debug_state=debug,
         elements_per_thread=elements_per_thread,
+        fold=fold,
     )
     torch.cuda.synchronize()
     cpu = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in cache.items()}
@@ -500,6 +555,23 @@ def test_flush_with_either_thread_layout(variant, elements_per_thread):
     codes as lowprec."""
     check_flush(NEMOTRON, 3, 16, torch.bfloat16, *variant, gen_seed=2,
                 elements_per_thread=elements_per_thread)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "variant", [("fp16", "sr", "nvfp4"), ("fp32", "rn", "none"), ("fp16", "rn", "fp8_e4m3")],
+    ids=variant_id,
+)
+@pytest.mark.parametrize("fold, window, elements_per_thread", [
+    ("fma", 16, 32), ("fma", 16, 64), ("mma", 16, 64), ("mma", 8, 32), ("mma", 32, 64),
+    ("mma", 3, 32),
+])
+def test_flush_with_either_fold(variant, fold, window, elements_per_thread):
+    """The ring folded with FFMAs or on the tensor cores (bf16 activations; windows padded
+    to 16 or two k-steps, 8 or 16 rows a warp): S_new within the fp32 bound of the fp64
+    replay, and the stored codes lowprec's of it, bit for bit."""
+    check_flush(NEMOTRON, 3, window, torch.bfloat16, *variant, gen_seed=5 + window,
+                elements_per_thread=elements_per_thread, fold=fold)
 
 
 @pytest.mark.gpu
