@@ -23,7 +23,6 @@ read + written) timed in the same run. Prints one table last; writes a tidy CSV 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import time
 from dataclasses import dataclass
@@ -216,7 +215,7 @@ def flush_config(batch, window, hi_format, lo_format, hi_rounding=None, elements
     if elements_per_thread is None:
         elements_per_thread = rf.default_elements_per_thread(NEMOTRON["headdim"],
                                                              NEMOTRON["dstate"], hi_format)
-    cfg = rf.FlushConfig(
+    return rf.FlushConfig(
         **NEMOTRON,
         window=window,
         ring_len=window,
@@ -232,8 +231,8 @@ def flush_config(batch, window, hi_format, lo_format, hi_rounding=None, elements
         has_debug=False,
         elements_per_thread=elements_per_thread,
         min_ctas_per_sm=min_ctas_per_sm,
+        fold=fold,
     )
-    return dataclasses.replace(cfg, fold=fold or rf.default_fold(cfg))
 
 
 def bench_flush(
