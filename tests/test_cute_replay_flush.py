@@ -32,6 +32,7 @@ NEMOTRON = dict(nheads=128, headdim=64, dstate=128, ngroups=8)
 ODD = dict(nheads=6, headdim=24, dstate=64, ngroups=3)  # 2 heads per group, 32 threads
 # replay_output needs headdim % 16 == 0 and, for nvfp4, dstate % 128 == 0
 DECODE = dict(nheads=6, headdim=32, dstate=128, ngroups=3)
+WIDE = dict(nheads=4, headdim=64, dstate=256, ngroups=2)  # a row is a whole warp's chunks
 VARIANTS = [
     (hi, rnd, lo)
     for hi, rnd in (("fp16", "sr"), ("fp16", "rn"), ("fp32", "rn"))
@@ -126,17 +127,18 @@ def test_mma_fold_compiles_to_three_mmas_per_tile_and_k_step(window, elements_pe
 
 def test_default_fold_is_mma_where_the_operands_are_exact():
     """The tensor-core fold is the default for bf16 activations at heads a warp covers in 8
-    or 16 whole rows; fp16 or fp32 activations, or 256 columns (a warp's 4 rows), fold with
-    FFMAs."""
+    or 16 whole rows; fp16 or fp32 activations, or 256 columns at 32 elements a thread (4
+    rows a warp), fold with FFMAs."""
     nemotron = config(NEMOTRON, "fp16", "sr", "nvfp4")
     assert nemotron.fold == "mma"  # a config's fold defaults to default_fold
     assert dataclasses.replace(nemotron, elements_per_thread=32).fold == "mma"
     assert dataclasses.replace(nemotron, elements_per_thread=64).fold == "mma"  # 16 rows a warp
     assert dataclasses.replace(nemotron, act="fp16", fold=None).fold == "fma"
     assert dataclasses.replace(nemotron, act="fp32", fold=None).fold == "fma"
-    wide = config(dict(NEMOTRON, dstate=256), "fp16", "sr", "nvfp4")
-    assert wide.fold == "fma"
-    assert "8 or 16" in rf.mma_fold_problem(dataclasses.replace(wide, elements_per_thread=32))
+    wide = config(WIDE, "fp16", "sr", "nvfp4")  # 64 elements a thread: 8 rows a warp
+    assert wide.fold == "mma"
+    assert "8 or 16" in rf.mma_fold_problem(dataclasses.replace(wide, elements_per_thread=32,
+                                                                fold="fma"))
     with pytest.raises(ValueError, match="fold: 'mma' needs bf16"):
         dataclasses.replace(nemotron, act="fp32")  # an explicit 'mma' where it cannot apply
 
@@ -576,6 +578,13 @@ def test_flush_with_either_fold(variant, fold, window, elements_per_thread):
     replay, and the stored codes lowprec's of it, bit for bit."""
     check_flush(NEMOTRON, 3, window, torch.bfloat16, *variant, gen_seed=5 + window,
                 elements_per_thread=elements_per_thread, fold=fold)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fold", ["fma", "mma"])
+def test_flush_of_256_column_heads_with_either_fold(fold):
+    """dstate 256 at 64 elements a thread: a warp holds 8 rows, one a pass, 32 chunks each."""
+    check_flush(WIDE, 3, 16, torch.bfloat16, "fp16", "sr", "nvfp4", gen_seed=9, fold=fold)
 
 
 @pytest.mark.gpu
