@@ -19,23 +19,26 @@ Needs `ptxas` from CUDA 12.9 or newer (CuTe DSL 4.8 emits PTX 8.8) and `cuobjdum
 `CUDA_HOME` toolkit's, else the first on PATH, else (cuobjdump only) the one in Triton's wheel.
 
 Measured 2026-11-29, ptxas 13.0 (CUDA 13.0), Nemotron-3-Super head (64 x 128), window 16,
-bf16 activations, D and dt_bias, no z. "Before" is the kernel of commit 30c950c (one Philox
-word per counter, every E2M1 code by division); "now" the fast paths only, "as shipped" with
-the fallbacks compiled in (static code size, not what a thread runs):
+bf16 activations, D and dt_bias, no z, 64 elements per thread. "Before" is the kernel of
+commit 30c950c (one Philox word per counter, every E2M1 code by division); "fma" the fast
+paths only with the FFMA fold (commit c94f375), "mma" with the tensor-core fold (the
+default, `FlushConfig.fold`), "as shipped" the fma kernel with the fallbacks compiled in
+(static code size, not what a thread runs):
 
-    variant                     before    then   now    as shipped
-    fp32 hi, no read copy       33.8      33.5   33.5   33.5
-    fp16 RN hi, no read copy    34.5      34.1   34.1   34.1
-    fp16 SR hi, no read copy    96.4      48.9   48.9   77.2
-    fp16 RN hi + nvfp4          95.0      71.8   63.8   110.5
-    fp16 SR hi + nvfp4          156.9     86.8   79.2   153.7
+    variant                     before    then   fma    mma    as shipped
+    fp32 hi, no read copy       33.8      33.5   33.5   15.5   33.5
+    fp16 RN hi, no read copy    34.5      34.1   34.1   16.4   34.1
+    fp16 SR hi, no read copy    96.4      48.9   48.9   31.2   77.2
+    fp16 RN hi + nvfp4          95.0      71.8   63.8   46.5   110.5
+    fp16 SR hi + nvfp4          156.9     86.8   79.2   62.1   153.7
 
-"then" is commit 1b40283; "now" adds the hardware E4M3 conversions for the block scales and
+"then" is commit 1b40283; "fma" adds the hardware E4M3 conversions for the block scales and
 the E2M1 code read off the magic add's bits (numerics.py). On the H200 the fp16-SR + nvfp4
-flush went from 2,244 to 1,452 us at batch 256 (results/README.md, "Second timing"). It now
-defaults to 32 elements per thread (second table of the output): about 6 more instructions
-per element (92.9 then, 85.3 now), 66-79 registers instead of 118-128, and 1,094 us on the
-H200 (more warps resident), 1,035 us with the leaner encode (`bench_write`, 2026-11-29).
+flush went from 2,244 to 1,452 us at batch 256 (results/README.md, "Second timing"). It
+defaults to 32 elements per thread (second table of the output): about 6-8 more instructions
+per element (85.3 fma, 69.9 mma), 62-79 registers instead of 95-128, and 1,094 us on the
+H200 (more warps resident), 1,035 us with the leaner encode, 990 us with the tensor-core
+fold (`bench_write`, 2026-11-29).
 
 Non-flush nvfp4 at 4 warps: 4.52 instructions per element and lane with the f16 bit-trick
 decode and an f16 scale multiply (commit bcd48ec), 3.36 with the E4M3 re-pack and the block

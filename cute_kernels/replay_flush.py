@@ -37,10 +37,13 @@ block (16 elements) is the chunk pair (t, t ^ 1): block amax takes one shuffle, 
 writes its 4 code bytes (a 32-bit store, 128 B per warp) and the even thread the scale byte.
 The head's amax is a CTA reduction before any code is written: all 64 values stay in registers.
 
-Ring term: the CTA stages B_j (window x dstate), x_j (window x headdim) in fp32 shared memory
-and the decay weights w_j = exp(A (cum_{L-1} - cum_j)) dt_j (a warp scan over the window's dt);
-each thread then does window x 64 FMAs. y: each row's partial dot products meet in a
-shuffle reduction over its 16 lanes.
+Ring term: the CTA stages x_j (window x headdim, fp32) and the decay weights w_j = exp(A
+(cum_{L-1} - cum_j)) dt_j (a warp scan over the window's dt) in shared memory, and B_j
+(window x dstate): as bf16 rows for the tensor cores (`fold="mma"`, the default for bf16
+activations: each warp computes its own rows of sum_j (w_j x_j) B_j^T with mma.sync, w_j x_j
+split into three bf16 parts whose sum is exact, and reads them back through its own rows of
+shared memory; `_fold_mma`), or as fp32 rows for `fold="fma"` (each thread window x 32 or 64
+FFMAs). y: each row's partial dot products meet in a shuffle reduction over its 16 lanes.
 
 Counters. Every CTA of a slot reads `cursors[s]` (is this a flush?) and `flushes[s]` (its
 Philox words), so no CTA may change them while siblings may still read them. The flush kernel

@@ -584,7 +584,8 @@ def test_flush_with_either_fold(variant, fold, window, elements_per_thread):
 @pytest.mark.parametrize("fold", ["fma", "mma"])
 def test_flush_of_256_column_heads_with_either_fold(fold):
     """dstate 256 at 64 elements a thread: a warp holds 8 rows, one a pass, 32 chunks each."""
-    check_flush(WIDE, 3, 16, torch.bfloat16, "fp16", "sr", "nvfp4", gen_seed=9, fold=fold)
+    check_flush(WIDE, 3, 16, torch.bfloat16, "fp16", "sr", "nvfp4", gen_seed=9,
+                elements_per_thread=64, fold=fold)
 
 
 @pytest.mark.gpu
