@@ -6,6 +6,7 @@
     python -m cute_kernels.bench_read --ablations --batch 256       # stages left out
     python -m cute_kernels.bench_read --early-variants --batch 1 256  # prologue loads together
     python -m cute_kernels.bench_read --pass-variants --batch 256     # two heads a pass
+    python -m cute_kernels.bench_read --eager-variants --batch 1 8    # loads with the cursor's
     python -m cute_kernels.bench_read --splits-sweep --shape mamba2-2.7b --splits 1 2 4 5 \
         --batch 32 128 512                                            # head splits
 
@@ -303,6 +304,15 @@ PASS_VARIANTS = [
 ]
 
 
+# The first loads issued with the cursor's (`ReplayOutputConfig.eager_loads`; by default
+# where the grid is one wave, `default_eager_loads`), forced on and off.
+EAGER_VARIANTS = [
+    ("nvfp4", dict(eager_loads=False)), ("nvfp4", dict(eager_loads=True)),
+    ("fp32", dict(eager_loads=False)), ("fp32", dict(eager_loads=True)),
+    ("fp8_e4m3", dict(eager_loads=False)), ("fp16", dict(eager_loads=False)),
+]
+
+
 # Stages left out, timing only (`ReplayOutputConfig.ablate`; the outputs are wrong, so the
 # check is reported as nan): where the non-flush nvfp4 step's time goes.
 ABLATION_VARIANTS = [
@@ -323,7 +333,7 @@ SPLITS_SWEEP = [("nvfp4", 4, 1), ("nvfp4", 4, 2), ("nvfp4", 4, 4), ("nvfp4", 2, 
 
 def run(batches, h, window, sets, reps, out=None, variants=True, splits_sweep=False,
         knob_variants=False, splits=None, ablations=False, early_variants=False,
-        pass_variants=False):
+        pass_variants=False, eager_variants=False):
     copy_gbs, read_gbs = ceilings()
     rows = []
     cases = [(fmt, None) for fmt in ro.LO_FORMATS]
@@ -345,6 +355,8 @@ def run(batches, h, window, sets, reps, out=None, variants=True, splits_sweep=Fa
         cases = [(fmt, None) for fmt in ro.LO_FORMATS] + list(EARLY_VARIANTS)
     if pass_variants:
         cases = [(fmt, None) for fmt in ro.LO_FORMATS] + list(PASS_VARIANTS)
+    if eager_variants:
+        cases = [(fmt, None) for fmt in ro.LO_FORMATS] + list(EAGER_VARIANTS)
     if splits_sweep:
         cases = [(fmt, None) for fmt in ("nvfp4", "fp32")]
         grid = SPLITS_SWEEP if not splits else [("nvfp4", 4, k) for k in splits]
@@ -409,6 +421,8 @@ def main():
                    help="the defaults and EARLY_VARIANTS only (prologue loads issued together)")
     p.add_argument("--pass-variants", action="store_true",
                    help="the defaults and PASS_VARIANTS only (two heads a warp at once)")
+    p.add_argument("--eager-variants", action="store_true",
+                   help="the defaults and EAGER_VARIANTS only (first loads with the cursor's)")
     p.add_argument("--shape", choices=list(SHAPES), default="nemotron3-super")
     p.add_argument("--splits", type=int, nargs="+", default=None,
                    help="with --splits-sweep: nvfp4 at 4 warps and these head_splits only")
@@ -418,7 +432,8 @@ def main():
     SHAPE.clear()
     SHAPE.update(SHAPES[a.shape])
     run(a.batch, a.h, a.window, a.sets, a.reps, a.out, not a.no_variants, a.splits_sweep,
-        a.knob_variants, a.splits, a.ablations, a.early_variants, a.pass_variants)
+        a.knob_variants, a.splits, a.ablations, a.early_variants, a.pass_variants,
+        a.eager_variants)
 
 
 if __name__ == "__main__":

@@ -51,6 +51,7 @@ products (a few hundred FMAs) and the first appends B.
 
 from __future__ import annotations  # noqa: I001  (_compile must precede cutlass)
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -70,7 +71,7 @@ from cute_kernels.tensor_core import mma_m16n8k16, pack_16x2
 
 __all__ = [
     "ReplayOutputConfig", "ReplayOutput", "replay_output", "compile_replay_output",
-    "default_warps", "default_head_splits",
+    "default_warps", "default_head_splits", "default_eager_loads",
 ]
 
 LO_FORMATS = ("nvfp4", "fp8_e4m3", "fp16", "fp32")
@@ -397,6 +398,10 @@ class ReplayOutputConfig:
     # one head a pass at 168 registers alone takes 76.2, so the step wants resident warps more
     # than registers
     heads_per_pass: int = 1
+    # issue the prologue's and the first pass's loads before the cursor arrives (every ring
+    # record, none predicated on the cursor; `_eager_loads`): needs early_loads, registers
+    # stage, no l2_prefetch
+    eager_loads: bool = False
 
     @property
     def min_ctas(self) -> int:
@@ -514,6 +519,15 @@ def default_head_splits(batch: int, ngroups: int, heads_per_group: int, warps: i
     return best
 
 
+def default_eager_loads(batch: int, ngroups: int, head_splits: int, warps: int,
+                        sm_count: int, allowed: bool = True) -> bool:
+    """Whether a call issues its first loads with the cursor's (`ReplayOutputConfig.
+    eager_loads`): where the grid fits in one wave of resident CTAs (``sm_count * 16 /
+    warps`` at 128 registers), whose time is the latency of each CTA's chain of round trips,
+    not bytes; past that the unneeded ring records would cost bandwidth."""
+    return allowed and batch * ngroups * head_splits <= sm_count * max(1, 16 // warps)
+
+
 _SM_COUNT: dict = {}
 
 
@@ -626,7 +640,12 @@ class ReplayOutput:
             )
             stage_base = st_smem.iterator.toint() + warp * (2 * self.stage_bytes)
 
-        cursor = Int32(cute.arch.load((cursors + s).llvm_ptr, Int32)) & 0xFFFF
+        raw_cursor = cute.arch.load((cursors + s).llvm_ptr, Int32)
+        # eager_loads: the prologue's and the first heads' loads go out with the cursor's
+        eager = self._eager_loads(ptrs=(lo0, lo1, lo2, ring_x, ring_dt, x, dt, A, D, z, dt_bias),
+                                  ring_B=ring_B, B=B, C=C, s=s, grp=grp, part=part, warp=warp,
+                                  lane=lane) if cfg.eager_loads else {}
+        cursor = Int32(raw_cursor) & 0xFFFF
         h = cursor + 1
         if h < L:
             s64 = Int64(s)
@@ -638,8 +657,9 @@ class ReplayOutput:
             # state in flight while it works, and no load waits on another load.
             nh = HPS // W  # heads of this warp
             HPP = cfg.heads_per_pass
-            loads = [self._issue_head(ptrs, s64 * H + heads[k], heads[k], cursor, lane)
-                     for k in range(min(HPP, nh))]
+            loads = self._loaded(eager, "heads", lambda: [
+                self._issue_head(ptrs, s64 * H + heads[k], heads[k], cursor, lane)
+                for k in range(min(HPP, nh))])
             if lane == 0:  # the next cfg.l2_prefetch heads' bytes, into L2
                 for k in cutlass.range_constexpr(1, min(cfg.l2_prefetch + 1, nh)):
                     self._prefetch_head(ptrs, s64 * H + heads[k], cursor)
@@ -651,17 +671,20 @@ class ReplayOutput:
             # ---- the group's dot products B_j . C, j < h (j = h-1: this step's B) ----------
             nb = N // 32  # consecutive elements of B and C per lane
             vb = nb * ab // 4
-            c_vals = _words_to_f32(_load_words(C.toint() + (sg * N + lane * nb) * ab, vb), act)
+            c_vals = _words_to_f32(self._loaded(eager, "C", lambda: _load_words(
+                C.toint() + (sg * N + lane * nb) * ab, vb)), act)
             n_jj = (L - 1 + W - 1) // W  # ring records per warp
             if cutlass.const_expr(cfg.early_loads):
                 # every load of the prologue goes out before any is used: one round trip
                 # (the ring rows past the cursor are predicated off, no traffic)
-                rb_words = [self._ld_row_if(ring_B.toint() + ((sg * Lc + warp + W * jj) * N
-                                                              + lane * nb) * ab, vb,
-                                            warp + W * jj < cursor)
-                            for jj in range(n_jj)]
-                early = {"B": _load_words(B.toint() + (sg * N + lane * nb) * ab, vb)}
-                ck = self._checkpoint_setup(C.toint(), sg, lane)
+                rb_words = self._loaded(eager, "ring_B", lambda: [
+                    self._ld_row_if(ring_B.toint() + ((sg * Lc + warp + W * jj) * N
+                                                      + lane * nb) * ab, vb,
+                                    warp + W * jj < cursor)
+                    for jj in range(n_jj)])
+                early = {"B": self._loaded(eager, "B", lambda: _load_words(
+                    B.toint() + (sg * N + lane * nb) * ab, vb))}
+                ck = self._loaded(eager, "ck", lambda: self._checkpoint_setup(C.toint(), sg, lane))
                 for jj in cutlass.range_constexpr(n_jj):
                     j = warp + W * jj
                     if j < cursor:
@@ -788,8 +811,12 @@ class ReplayOutput:
                         acc0 = ck_scale * ys0
                         acc1 = ck_scale * ys1
                         for j in cutlass.range_constexpr(L - 1):
-                            # records j >= cursor were not loaded (zeros) and have coef 0
-                            xr = _words_to_f32(ld["ring"][r][j], act)
+                            # records j >= cursor were not loaded (zeros; eager_loads: loaded
+                            # and zeroed here) and have coef 0
+                            words = ld["ring"][r][j]
+                            if cutlass.const_expr(cfg.eager_loads):
+                                words = [_sel(j < cursor, w, Uint32(0)) for w in words]
+                            xr = _words_to_f32(words, act)
                             acc0 = acc0 + coefs[j] * xr[0]
                             acc1 = acc1 + coefs[j] * xr[1]
                         acc0 = acc0 + c_last * xv[0] + ld["D"] * xv[0]
@@ -811,6 +838,36 @@ class ReplayOutput:
                         cute.arch.store((cursors + s).llvm_ptr, h)
 
     # ---- loads of one head -----------------------------------------------------------------
+
+    def _eager_loads(self, ptrs, ring_B, B, C, s, grp, part, warp, lane) -> dict:
+        """eager_loads: the loads that the prologue and a warp's first pass need, issued
+        while the cursor is still on its way: every ring record and ring B row (whatever the
+        cursor, so none is predicated on it; those past it are zeroed or skipped where used),
+        this step's B, and C in both layouts. One dependent round trip instead of two; the
+        unneeded records cost bytes, which pays only when the grid is latency-bound (at most a
+        wave of CTAs)."""
+        cfg = self.cfg
+        H, N, G, Lc, L, W = (cfg.nheads, cfg.dstate, cfg.ngroups, cfg.ring_capacity,
+                             cfg.window, cfg.warps)
+        HPG, HPS, act = cfg.heads_per_group, cfg.heads_per_group // cfg.head_splits, cfg.act
+        ab = _ACT_BYTES[act]
+        s64 = Int64(s)
+        sg = s64 * G + grp
+        heads = [grp * HPG + part * HPS + warp + W * hh for hh in range(HPS // W)]
+        nh = HPS // W
+        nb = N // 32
+        vb = nb * ab // 4
+        n_jj = (L - 1 + W - 1) // W
+        return {
+            "heads": [self._issue_head(ptrs, s64 * H + heads[k], heads[k], None, lane)
+                      for k in range(min(cfg.heads_per_pass, nh))],
+            "ring_B": [_load_words(ring_B.toint() + ((sg * Lc + warp + W * jj) * N
+                                                     + lane * nb) * ab, vb)
+                       for jj in range(n_jj)],
+            "B": _load_words(B.toint() + (sg * N + lane * nb) * ab, vb),
+            "C": _load_words(C.toint() + (sg * N + lane * nb) * ab, vb),
+            "ck": self._checkpoint_setup(C.toint(), sg, lane),
+        }
 
     @staticmethod
     def _loaded(early: dict, key: str, load):
@@ -896,6 +953,10 @@ class ReplayOutput:
                 ld["z"].append(_load_words(z.toint() + (sh * P + v) * ab, ab // 2))
             if "ring" in cfg.ablate:  # timing only: the records' words without their loads
                 ld["ring"].append([[Uint32(lane + j)] * (ab // 2) for j in range(L - 1)])
+                continue
+            if cursor is None:  # eager_loads: every record, zeroed past the cursor when used
+                ld["ring"].append([_load_words(ring_x.toint() + ((sh * Lc + j) * P + v) * ab,
+                                               ab // 2) for j in range(L - 1)])
                 continue
             ld["ring"].append([
                 _ld_words_if(ring_x.toint() + ((sh * Lc + j) * P + v) * ab, ab // 2, j < cursor)
@@ -1240,6 +1301,7 @@ def replay_output(
     l2_prefetch_small=None,
     early_loads=None,
     heads_per_pass=None,
+    eager_loads=None,
 ):
     """One non-flush decode step for every slot whose ``cursors[s] + 1 < window``; returns
     ``out`` [S, H, P] (x's dtype; rows of flush slots are not written).
@@ -1266,6 +1328,11 @@ def replay_output(
     ):
         _fail("ablate", f"a subset of {list(ABLATIONS)} (tensor-core formats, stage "
               "'registers'; timing only)", ablate)
+    if eager_loads is not None and not isinstance(eager_loads, bool) or eager_loads and (
+        early_loads is False or stage not in (None, "registers") or l2_prefetch
+    ):
+        _fail("eager_loads", "None or a bool (True: with early_loads, stage 'registers', no "
+              "l2_prefetch)", eager_loads)
     hp = 1 if heads_per_pass is None else heads_per_pass
     if isinstance(hp, bool) or hp not in (1, 2) or (
         hp == 2 and (stage not in (None, "registers") or prefetch or l2_prefetch)
@@ -1347,6 +1414,11 @@ def replay_output(
         early_loads=True if early_loads is None else bool(early_loads),
         heads_per_pass=hp,
     )
+    if eager_loads is None:
+        eager_loads = default_eager_loads(S, G, head_splits, cfg.warps, _sm_count(device),
+                                          cfg.early_loads and cfg.stage == "registers"
+                                          and not cfg.l2_prefetch)
+    cfg = dataclasses.replace(cfg, eager_loads=eager_loads)
     k = cfg.l2_prefetch
     if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 4:
         _fail("l2_prefetch", "None or an integer in [0, 4] (heads ahead)", l2_prefetch)

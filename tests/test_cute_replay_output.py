@@ -117,6 +117,41 @@ def test_default_head_splits_minimise_waves_times_heads_a_warp():
                 assert all(cost[s] > cost[k] for s in allowed if s < k)
 
 
+def test_eager_loads_go_out_before_the_cursor_is_known():
+    """eager_loads: the first head's read copy is loaded before the kernel's first branch
+    (the cursor test), and no ring load is predicated on the cursor; without it the state
+    loads wait for the cursor."""
+    base = dataclasses.replace(_config("nvfp4", "nemotron"), head_splits=4)
+    state = "ld.global.nc.L1::no_allocate.v4.u32"
+
+    def before_first_branch(ptx):
+        body = ptx[ptx.index(".entry"):]
+        return body[:body.index(" bra")]
+
+    eager = ro.compile_replay_output(dataclasses.replace(base, eager_loads=True),
+                                     keep_ptx=True).__ptx__
+    lazy = ro.compile_replay_output(base, keep_ptx=True).__ptx__
+    assert before_first_branch(eager).count(state) == eager.count(state) > 0
+    assert before_first_branch(lazy).count(state) == 0
+    assert "@p ld.global" not in eager and "@p ld.global" in lazy
+
+
+def test_default_eager_loads_where_the_grid_is_one_wave():
+    """Eager loads by default where every CTA is resident at once (the Nemotron layer on 132
+    SMs at 4 warps: up to 528 CTAs, so batches 1 to 64 at their default head splits), and
+    never where a knob rules them out."""
+    sms = 132
+    for batch, want in {1: True, 8: True, 32: True, 64: True, 128: False, 256: False}.items():
+        splits = ro.default_head_splits(batch, 8, 16, 4, sms)
+        assert ro.default_eager_loads(batch, 8, splits, 4, sms) is want, batch
+    assert ro.default_eager_loads(1, 8, 4, 4, sms, allowed=False) is False
+    lo, _, t = _inputs("nvfp4", "odd", "bf16", seed=3)
+    for bad in (dict(eager_loads=1), dict(eager_loads=True, early_loads=False),
+                dict(eager_loads=True, stage="smem"), dict(eager_loads=True, l2_prefetch=1)):
+        with pytest.raises(ValueError, match="eager_loads"):
+            _call(lo, t, "nvfp4", SHAPES["odd"][-1], None, **bad)
+
+
 def test_two_heads_a_pass_compile_and_bad_passes_are_refused():
     """heads_per_pass = 2 reads every state byte once, still with 16-byte loads and one mma
     per 16 x 16 tile; 3 heads a pass, or 2 with prefetch or the shared-memory stage, are
@@ -605,6 +640,13 @@ def test_l2_prefetch_and_partial_sum_layout_keep_the_results(fmt, shape, knobs):
     ("fp8_e4m3", "nemotron", dict(head_splits=1, heads_per_pass=2)),
     ("nvfp4", "nemotron", dict(head_splits=1, early_loads=False)),
     ("fp32", "odd", dict(warps=1, early_loads=False)),
+    # eager: every ring record loaded before the cursor is known; those past it hold NaN
+    # here, so a record that is not zeroed shows
+    ("nvfp4", "nemotron", dict(head_splits=4, eager_loads=True)),
+    ("nvfp4", "nemotron", dict(head_splits=1, eager_loads=True)),
+    ("nvfp4", "odd", dict(warps=1, eager_loads=True)),
+    ("fp8_e4m3", "odd", dict(warps=1, head_splits=1, eager_loads=True, heads_per_pass=2)),
+    ("fp32", "nemotron", dict(eager_loads=True)), ("fp16", "odd", dict(eager_loads=False)),
 ])
 def test_early_prologue_loads_keep_the_results(fmt, shape, knobs):
     """Issuing the prologue's loads together and storing the cursor after the heads (the
