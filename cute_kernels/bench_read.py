@@ -304,8 +304,8 @@ PASS_VARIANTS = [
 ]
 
 
-# The first loads issued with the cursor's (`ReplayOutputConfig.eager_loads`; by default
-# where the grid is one wave, `default_eager_loads`), forced on and off.
+# The first loads issued with the cursor's (`ReplayOutputConfig.eager_loads`, off by
+# default: measured slower), forced on and off.
 EAGER_VARIANTS = [
     ("nvfp4", dict(eager_loads=False)), ("nvfp4", dict(eager_loads=True)),
     ("fp32", dict(eager_loads=False)), ("fp32", dict(eager_loads=True)),

@@ -71,7 +71,7 @@ from cute_kernels.tensor_core import mma_m16n8k16, pack_16x2
 
 __all__ = [
     "ReplayOutputConfig", "ReplayOutput", "replay_output", "compile_replay_output",
-    "default_warps", "default_head_splits", "default_eager_loads",
+    "default_warps", "default_head_splits",
 ]
 
 LO_FORMATS = ("nvfp4", "fp8_e4m3", "fp16", "fp32")
@@ -400,7 +400,10 @@ class ReplayOutputConfig:
     heads_per_pass: int = 1
     # issue the prologue's and the first pass's loads before the cursor arrives (every ring
     # record, none predicated on the cursor; `_eager_loads`): needs early_loads, registers
-    # stage, no l2_prefetch
+    # stage, no l2_prefetch. Slower on the H200 at every batch, though it removes a round trip
+    # from each CTA's chain: nvfp4 batch 1 5.0 against 4.5 us, 8 6.5 / 5.6, 32 12.4 / 11.4,
+    # 64 22.3 / 19.4, 256 72.4 / 69.3 (`bench_read --eager-variants`, bench_read_eager_7.csv;
+    # the same kernel timed twice in that run differed by up to 5%). Off
     eager_loads: bool = False
 
     @property
@@ -517,15 +520,6 @@ def default_head_splits(batch: int, ngroups: int, heads_per_group: int, warps: i
         if best_cost is None or cost < best_cost:
             best, best_cost = splits, cost
     return best
-
-
-def default_eager_loads(batch: int, ngroups: int, head_splits: int, warps: int,
-                        sm_count: int, allowed: bool = True) -> bool:
-    """Whether a call issues its first loads with the cursor's (`ReplayOutputConfig.
-    eager_loads`): where the grid fits in one wave of resident CTAs (``sm_count * 16 /
-    warps`` at 128 registers), whose time is the latency of each CTA's chain of round trips,
-    not bytes; past that the unneeded ring records would cost bandwidth."""
-    return allowed and batch * ngroups * head_splits <= sm_count * max(1, 16 // warps)
 
 
 _SM_COUNT: dict = {}
@@ -1414,11 +1408,7 @@ def replay_output(
         early_loads=True if early_loads is None else bool(early_loads),
         heads_per_pass=hp,
     )
-    if eager_loads is None:
-        eager_loads = default_eager_loads(S, G, head_splits, cfg.warps, _sm_count(device),
-                                          cfg.early_loads and cfg.stage == "registers"
-                                          and not cfg.l2_prefetch)
-    cfg = dataclasses.replace(cfg, eager_loads=eager_loads)
+    cfg = dataclasses.replace(cfg, eager_loads=bool(eager_loads))
     k = cfg.l2_prefetch
     if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 4:
         _fail("l2_prefetch", "None or an integer in [0, 4] (heads ahead)", l2_prefetch)

@@ -136,15 +136,9 @@ def test_eager_loads_go_out_before_the_cursor_is_known():
     assert "@p ld.global" not in eager and "@p ld.global" in lazy
 
 
-def test_default_eager_loads_where_the_grid_is_one_wave():
-    """Eager loads by default where every CTA is resident at once (the Nemotron layer on 132
-    SMs at 4 warps: up to 528 CTAs, so batches 1 to 64 at their default head splits), and
-    never where a knob rules them out."""
-    sms = 132
-    for batch, want in {1: True, 8: True, 32: True, 64: True, 128: False, 256: False}.items():
-        splits = ro.default_head_splits(batch, 8, 16, 4, sms)
-        assert ro.default_eager_loads(batch, 8, splits, 4, sms) is want, batch
-    assert ro.default_eager_loads(1, 8, 4, 4, sms, allowed=False) is False
+def test_bad_eager_loads_are_refused():
+    """eager_loads must be a bool, and needs the early prologue loads, the registers stage and
+    no L2 prefetch: anything else is a ValueError naming it, before any tensor is used."""
     lo, _, t = _inputs("nvfp4", "odd", "bf16", seed=3)
     for bad in (dict(eager_loads=1), dict(eager_loads=True, early_loads=False),
                 dict(eager_loads=True, stage="smem"), dict(eager_loads=True, l2_prefetch=1)):
