@@ -209,7 +209,7 @@ def time_graph(launches, reps, replays):
 
 
 def flush_config(batch, window, hi_format, lo_format, hi_rounding=None, elements_per_thread=None,
-                 min_ctas_per_sm=0, fold=None):
+                 min_ctas_per_sm=0, fold=None, smem_carveout=-1):
     """The flush at the Nemotron layer; elements per thread and fold as replay_flush's
     defaults."""
     if elements_per_thread is None:
@@ -232,17 +232,18 @@ def flush_config(batch, window, hi_format, lo_format, hi_rounding=None, elements
         elements_per_thread=elements_per_thread,
         min_ctas_per_sm=min_ctas_per_sm,
         fold=fold,
+        smem_carveout=smem_carveout,
     )
 
 
 def bench_flush(
     cfg: BenchConfig, hi_format, lo_format, flushing=True, hi_rounding=None,
-    elements_per_thread=None, min_ctas_per_sm=0, fold=None,
+    elements_per_thread=None, min_ctas_per_sm=0, fold=None, smem_carveout=-1,
 ):
     gen = torch.Generator(device="cuda").manual_seed(3)
     B, L = cfg.batch, cfg.window
     fcfg = flush_config(B, L, hi_format, lo_format, hi_rounding, elements_per_thread,
-                        min_ctas_per_sm, fold)
+                        min_ctas_per_sm, fold, smem_carveout)
     launches = []
     for _ in range(cfg.sets):
         cache = make_cache(B, L, hi_format, "none", gen, torch.full((B,), L - 1 if flushing else 0))
@@ -401,6 +402,16 @@ def run(cfg: BenchConfig, only=None):
             "flush fp16-SR + nvfp4, registers capped for 4 CTAs per SM",
             lambda: True,
             lambda: bench_flush(cfg, "fp16", "nvfp4", min_ctas_per_sm=4),
+        ),
+        (  # shared memory for 4 CTAs an SM (about 44 KB each with the tensor-core fold)
+            "flush fp16-SR + nvfp4, all shared memory carved out",
+            lambda: True,
+            lambda: bench_flush(cfg, "fp16", "nvfp4", smem_carveout=100),
+        ),
+        (  # ... and registers for them: 32 warps an SM instead of 24
+            "flush fp16-SR + nvfp4, registers capped and shared memory for 4 CTAs per SM",
+            lambda: True,
+            lambda: bench_flush(cfg, "fp16", "nvfp4", min_ctas_per_sm=4, smem_carveout=100),
         ),
         (
             "flush fp32 single copy, 32 elements per thread (256 threads)",

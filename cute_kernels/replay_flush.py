@@ -158,6 +158,11 @@ class FlushConfig:
     elements_per_thread: int = ELEMENTS_PER_THREAD
     # resident CTAs per SM that ptxas must leave registers for (0: no cap); a tuning knob
     min_ctas_per_sm: int = 0
+    # the shared-memory carveout asked of the driver, percent of the SM's unified L1/shared
+    # storage (-1: the driver's choice); a tuning knob: with the tensor-core fold a CTA holds
+    # about 44 KB of shared memory, and ncu found 3 CTAs an SM the limit of both registers
+    # (73) and shared memory (results/ncu/ncu_stalls_cute_flush_fp16sr_nvfp4.txt)
+    smem_carveout: int = -1
     # how the ring is folded into the state: "fma" (each thread L FFMAs per element, B_j and
     # x_j from fp32 shared memory) or "mma" (tensor cores, `_fold_mma`; bf16 activations and
     # the shapes `mma_fold_problem` accepts); None: `default_fold`. H200, Nemotron layer,
@@ -319,7 +324,8 @@ class ReplayFlush:
             block=[cfg.threads, 1, 1],
             stream=stream,
             min_blocks_per_mp=cfg.min_ctas_per_sm,
-            preferred_smem_carveout=-1,  # the driver's default, named: compiles without a GPU
+            # -1: the driver's default, named so that compiling needs no GPU
+            preferred_smem_carveout=cfg.smem_carveout,
         )
 
     @cute.kernel
