@@ -398,7 +398,8 @@ def run(cfg: BenchConfig, only=None):
             lambda: True,
             lambda: bench_flush(cfg, "fp16", "nvfp4", elements_per_thread=64),
         ),
-        (  # 64 registers instead of 79: 32 warps resident per SM instead of 24, 3 spills
+        (  # 64 registers instead of 73 (tensor-core fold): 32 warps resident per SM instead
+            # of 24, 5 spill loads
             "flush fp16-SR + nvfp4, registers capped for 4 CTAs per SM",
             lambda: True,
             lambda: bench_flush(cfg, "fp16", "nvfp4", min_ctas_per_sm=4),

@@ -68,6 +68,8 @@ from cutlass.memory import SmemAllocator
 
 from cute_kernels.numerics import bits_f32, f32_bits, inline_ptx, silu, softplus
 from cute_kernels.tensor_core import mma_m16n8k16, pack_16x2
+from cute_kernels.tensor_core import reg as _ir
+from cute_kernels.tensor_core import unpack_struct as _unpack_struct
 
 __all__ = [
     "ReplayOutputConfig", "ReplayOutput", "replay_output", "compile_replay_output",
@@ -96,16 +98,8 @@ _NVFP4_UNDO = 2.0**6
 # schedule them)
 
 
-def _ir(v, loc=None, ip=None):
-    return Uint32(v).ir_value(loc=loc, ip=ip) if not isinstance(v, Float32) else v.ir_value()
-
-
 def _addr(addr, loc=None, ip=None):
     return Int64(addr).ir_value(loc=loc, ip=ip)
-
-
-def _unpack_struct(res, n, ty, wrap, loc=None, ip=None):
-    return [wrap(llvm.extractvalue(ty, res, [i], loc=loc, ip=ip)) for i in range(n)]
 
 
 @dsl_user_op
@@ -865,7 +859,9 @@ class ReplayOutput:
 
     @staticmethod
     def _loaded(early: dict, key: str, load):
-        """``early[key]`` if the words were loaded ahead, else ``load()`` now."""
+        """``early[key]`` if the words were loaded ahead, else ``load()`` now. (A dict, not a
+        name bound on one branch only: the DSL refuses a variable whose type differs between
+        the paths of a dynamic ``if``.)"""
         return early[key] if key in early else load()
 
     @staticmethod
@@ -1309,8 +1305,10 @@ def replay_output(
     nheads / ngroups) spreads a group's heads over that many CTAs (default: by batch size,
     `default_head_splits`); ``min_ctas_per_sm`` caps registers and ``stage`` ("registers" or
     "smem", nvfp4) picks how the read copy is loaded, ``l2_prefetch`` (heads ahead, 0 off)
-    and ``ys_layout`` ("rows" or "quads") are the tuning knobs of `ReplayOutputConfig`;
-    ``ablate`` leaves stages out for timing (wrong outputs; `ReplayOutputConfig.ablate`).
+    and ``ys_layout`` ("rows" or "quads") are the tuning knobs of `ReplayOutputConfig`, as are
+    ``l2_prefetch_small``, ``early_loads`` (default on), ``heads_per_pass`` (1 or 2) and
+    ``eager_loads`` (default off), each measured there; ``ablate`` leaves stages out for
+    timing (wrong outputs; `ReplayOutputConfig.ablate`).
     """
     if lo_format not in LO_FORMATS:
         _fail("lo_format", f"one of {list(LO_FORMATS)}", repr(lo_format))

@@ -11,6 +11,8 @@
     split_bf16x3        an fp32 pair as three bf16 pairs whose sum is the pair exactly
                         (for |v| >= 2^-100; below, within 2^-133)
     st_shared_v2_f32    two fp32 values to a shared-memory byte address (8-byte aligned)
+    reg, unpack_struct  an inline-PTX operand and a multi-output statement's results (also
+                        replay_output's load and store helpers)
 
 Fragment layout of m16n8k16 (PTX ISA, "Matrix Fragments for mma.m16n8k16"), lane (g, t):
 A registers hold A[g][2t..2t+1], A[g+8][2t..2t+1], A[g][2t+8..2t+9], A[g+8][2t+8..2t+9];
@@ -27,14 +29,17 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 
 from cute_kernels.numerics import bits_f32, inline_ptx
 
-__all__ = ["mma_m16n8k16", "ldmatrix_x4_trans", "pack_16x2", "split_bf16x3", "st_shared_v2_f32"]
+__all__ = ["mma_m16n8k16", "ldmatrix_x4_trans", "pack_16x2", "split_bf16x3", "st_shared_v2_f32",
+           "reg", "unpack_struct"]
 
 
-def _ir(v, loc=None, ip=None):
+def reg(v, loc=None, ip=None):
+    """An inline-PTX operand: fp32 values as they are, anything else as a 32-bit word."""
     return Uint32(v).ir_value(loc=loc, ip=ip) if not isinstance(v, Float32) else v.ir_value()
 
 
-def _unpack(res, n, ty, wrap, loc=None, ip=None):
+def unpack_struct(res, n, ty, wrap, loc=None, ip=None):
+    """The ``n`` results of a multi-output inline-PTX statement, each wrapped in ``wrap``."""
     return [wrap(llvm.extractvalue(ty, res, [i], loc=loc, ip=ip)) for i in range(n)]
 
 
@@ -42,7 +47,7 @@ def _unpack(res, n, ty, wrap, loc=None, ip=None):
 def mma_m16n8k16(a: list, b: list, c: list, kind: str = "f16", *, loc=None, ip=None) -> list:
     """mma.sync m16n8k16, ``kind`` (f16 or bf16) A (4 regs) and B (2 regs), fp32 C/D (4)."""
     st = llvm.StructType.get_literal([T.f32()] * 4)
-    args = [_ir(v, loc, ip) for v in a + b] + [Float32(v).ir_value(loc=loc, ip=ip) for v in c]
+    args = [reg(v, loc, ip) for v in a + b] + [Float32(v).ir_value(loc=loc, ip=ip) for v in c]
     r = inline_ptx(
         st,
         args,
@@ -52,7 +57,7 @@ def mma_m16n8k16(a: list, b: list, c: list, kind: str = "f16", *, loc=None, ip=N
         loc=loc,
         ip=ip,
     )
-    return _unpack(r, 4, T.f32(), Float32, loc, ip)
+    return unpack_struct(r, 4, T.f32(), Float32, loc, ip)
 
 
 @dsl_user_op
@@ -64,7 +69,7 @@ def ldmatrix_x4_trans(smem_addr, *, loc=None, ip=None) -> list:
     r = inline_ptx(st, [Int32(smem_addr).ir_value(loc=loc, ip=ip)],
                    "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {$0,$1,$2,$3}, [$4];",
                    "=r,=r,=r,=r,r", side_effects=True, loc=loc, ip=ip)
-    return _unpack(r, 4, T.i32(), Uint32, loc, ip)
+    return unpack_struct(r, 4, T.i32(), Uint32, loc, ip)
 
 
 @dsl_user_op
