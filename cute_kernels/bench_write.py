@@ -98,7 +98,7 @@ def make_cache(batch, window, hi_format, lo_format, gen, cursors):
 # checks (a kernel whose check fails is not timed)
 
 
-def check_flush(hi_format, lo_format, window, seed, slots=4):
+def check_flush(hi_format, lo_format, window, seed, slots=4, **knobs):
     gen = torch.Generator(device="cuda").manual_seed(1)
     cache = make_cache(slots, window, hi_format, lo_format, gen, torch.full((slots,), window - 1))
     tok = make_token(slots, gen)
@@ -113,6 +113,7 @@ def check_flush(hi_format, lo_format, window, seed, slots=4):
         lo_format=lo_format,
         seed=seed,
         debug_state=debug,
+        **knobs,
     )
     state = debug.cpu()
     ring = {k: cache[k].cpu().double() for k in ("ring_x", "ring_dt", "ring_B")}
@@ -209,9 +210,9 @@ def time_graph(launches, reps, replays):
 
 
 def flush_config(batch, window, hi_format, lo_format, hi_rounding=None, elements_per_thread=None,
-                 min_ctas_per_sm=0, fold=None, smem_carveout=-1):
+                 **knobs):
     """The flush at the Nemotron layer; elements per thread and fold as replay_flush's
-    defaults."""
+    defaults; `knobs`: other FlushConfig fields (min_ctas_per_sm, fold, chunk, ...)."""
     if elements_per_thread is None:
         elements_per_thread = rf.default_elements_per_thread(NEMOTRON["headdim"],
                                                              NEMOTRON["dstate"], hi_format)
@@ -230,20 +231,17 @@ def flush_config(batch, window, hi_format, lo_format, hi_rounding=None, elements
         dt_softplus=True,
         has_debug=False,
         elements_per_thread=elements_per_thread,
-        min_ctas_per_sm=min_ctas_per_sm,
-        fold=fold,
-        smem_carveout=smem_carveout,
+        **knobs,
     )
 
 
 def bench_flush(
     cfg: BenchConfig, hi_format, lo_format, flushing=True, hi_rounding=None,
-    elements_per_thread=None, min_ctas_per_sm=0, fold=None, smem_carveout=-1,
+    elements_per_thread=None, **knobs,
 ):
     gen = torch.Generator(device="cuda").manual_seed(3)
     B, L = cfg.batch, cfg.window
-    fcfg = flush_config(B, L, hi_format, lo_format, hi_rounding, elements_per_thread,
-                        min_ctas_per_sm, fold, smem_carveout)
+    fcfg = flush_config(B, L, hi_format, lo_format, hi_rounding, elements_per_thread, **knobs)
     launches = []
     for _ in range(cfg.sets):
         cache = make_cache(B, L, hi_format, "none", gen, torch.full((B,), L - 1 if flushing else 0))
@@ -375,49 +373,43 @@ def run(cfg: BenchConfig, only=None):
             lambda: True,
             lambda: bench_flush(cfg, "fp16", "none", hi_rounding="rn"),
         ),
-        # the fold the tensor-core fold replaced (correctness: test_flush_with_either_fold)
+        # the layouts and folds the defaults replaced (correctness: the gpu tests of
+        # tests/test_cute_replay_flush.py run each)
+        (
+            "flush fp16-SR + nvfp4, mma fold, 8-element chunks, no register cap",
+            lambda: check_flush("fp16", "nvfp4", cfg.window, cfg.seed, fold="mma", chunk=8),
+            lambda: bench_flush(cfg, "fp16", "nvfp4", fold="mma", chunk=8, min_ctas_per_sm=0),
+        ),
+        (
+            "flush fp16-SR + nvfp4, mma fold, no register cap",
+            lambda: True,
+            lambda: bench_flush(cfg, "fp16", "nvfp4", fold="mma", min_ctas_per_sm=0),
+        ),
+        (
+            "flush fp16-SR + nvfp4, no register cap",
+            lambda: True,
+            lambda: bench_flush(cfg, "fp16", "nvfp4", min_ctas_per_sm=0),
+        ),
         (
             "flush fp16-SR + nvfp4, FFMA fold",
             lambda: True,
             lambda: bench_flush(cfg, "fp16", "nvfp4", fold="fma"),
         ),
         (
-            "flush fp16-SR + nvfp4, FFMA fold, 64 elements per thread",
+            "flush fp16-SR + nvfp4, 64 elements per thread (128 threads)",
             lambda: True,
-            lambda: bench_flush(cfg, "fp16", "nvfp4", elements_per_thread=64, fold="fma"),
+            lambda: bench_flush(cfg, "fp16", "nvfp4", elements_per_thread=64),
         ),
         (
             "flush fp32 single copy, FFMA fold",
             lambda: True,
             lambda: bench_flush(cfg, "fp32", "none", fold="fma"),
         ),
-        # the tuning knob, the layout the default replaced (correctness: the gpu tests of
-        # tests/test_cute_replay_flush.py run both)
-        (
-            "flush fp16-SR + nvfp4, 64 elements per thread (128 threads)",
+        (  # the fp32 copy keeps 64 elements a thread and the mma fold: this is slower
+            "flush fp32 single copy, direct fold (32 elements per thread)",
             lambda: True,
-            lambda: bench_flush(cfg, "fp16", "nvfp4", elements_per_thread=64),
-        ),
-        (  # 64 registers instead of 73 (tensor-core fold): 32 warps resident per SM instead
-            # of 24, 5 spill loads
-            "flush fp16-SR + nvfp4, registers capped for 4 CTAs per SM",
-            lambda: True,
-            lambda: bench_flush(cfg, "fp16", "nvfp4", min_ctas_per_sm=4),
-        ),
-        (  # shared memory for 4 CTAs an SM (about 44 KB each with the tensor-core fold)
-            "flush fp16-SR + nvfp4, all shared memory carved out",
-            lambda: True,
-            lambda: bench_flush(cfg, "fp16", "nvfp4", smem_carveout=100),
-        ),
-        (  # ... and registers for them: 32 warps an SM instead of 24
-            "flush fp16-SR + nvfp4, registers capped and shared memory for 4 CTAs per SM",
-            lambda: True,
-            lambda: bench_flush(cfg, "fp16", "nvfp4", min_ctas_per_sm=4, smem_carveout=100),
-        ),
-        (
-            "flush fp32 single copy, 32 elements per thread (256 threads)",
-            lambda: True,
-            lambda: bench_flush(cfg, "fp32", "none", elements_per_thread=32),
+            lambda: bench_flush(cfg, "fp32", "none", elements_per_thread=32, chunk=16,
+                                fold="direct"),
         ),
         (
             "flush, no slot flushing",

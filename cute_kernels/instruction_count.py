@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
 import os
 import re
 import shutil
@@ -126,12 +125,16 @@ def sass_histogram(ptx: str) -> tuple[collections.Counter, int]:
     return ops, int(registers[-1]) if registers else -1
 
 
-def flush_config(hi: str, rounding: str, lo: str) -> rf.FlushConfig:
-    """The benchmark's flush at the Nemotron-3-Super head, without debug output."""
+def flush_config(hi: str, rounding: str, lo: str,
+                 elements_per_thread: int = rf.ELEMENTS_PER_THREAD, **knobs) -> rf.FlushConfig:
+    """The benchmark's flush at the Nemotron-3-Super head, without debug output; chunk, fold
+    and the register cap FlushConfig's defaults for `elements_per_thread` unless `knobs`
+    name them."""
     return rf.FlushConfig(
         nheads=128, headdim=64, dstate=128, ngroups=8, window=16, ring_len=16, act="bf16",
         dt_dtype="fp32", hi_format=hi, hi_rounding=rounding, lo_format=lo, has_D=True,
         has_z=False, has_dt_bias=True, dt_softplus=True, has_debug=False,
+        elements_per_thread=elements_per_thread, **knobs,
     )  # fmt: skip
 
 
@@ -148,8 +151,7 @@ def count(
     try:
         rows = []
         for variant in variants:
-            cfg = flush_config(*variant)
-            cfg = dataclasses.replace(cfg, elements_per_thread=elements_per_thread)
+            cfg = flush_config(*variant, elements_per_thread)
             ops, registers = sass_histogram(rf.compile_flush(cfg, keep_ptx=True).__ptx__)
             per_element = sum(ops.values()) / elements_per_thread
             rows.append((variant, per_element, registers, ops.most_common(8)))

@@ -299,25 +299,27 @@ def sr_fp16_bits_fast(x, r):
 
 
 @cute.jit
-def sr_fp16_chunk(frag, values, counter_lo0, counter_hi, keys):
-    """fp16 SR bits of 8 consecutive state elements (the first a multiple of 4), two per
-    uint32 of `frag`: element 4j + k takes word k of the counter `(counter_lo0 + j,
-    counter_hi)`. The one-add form (sr_fp16_bits_fast) where all eight |values| are at least
-    2^-14; a thread holding an fp16 subnormal, zero or NaN redoes its eight the general way."""
+def sr_fp16_chunk(frag, values, counter_lo0, counter_hi, keys, first: int = 0):
+    """fp16 SR bits of the 8 consecutive state elements values[first .. first + 7] (the first
+    a multiple of 4), two per uint32 of `frag` (from frag[first // 2]): element first + 4j + k
+    takes word k of the counter `(counter_lo0 + first // 4 + j, counter_hi)`. The one-add form
+    (sr_fp16_bits_fast) where all eight |values| are at least 2^-14; a thread holding an fp16
+    subnormal, zero or NaN redoes its eight the general way."""
     words = []
     for j in cutlass.range_constexpr(2):
-        words.extend(philox_words(counter_lo0 + Uint32(j), counter_hi, keys))
+        words.extend(philox_words(counter_lo0 + Uint32(first // 4 + j), counter_hi, keys))
+    f2 = first // 2
     exact = cutlass.Boolean(True)
     for v2 in cutlass.range_constexpr(4):
-        low, exact_low = sr_fp16_bits_fast(values[2 * v2], words[2 * v2])
-        high, exact_high = sr_fp16_bits_fast(values[2 * v2 + 1], words[2 * v2 + 1])
-        frag[v2] = low | (high << Uint32(16))
+        low, exact_low = sr_fp16_bits_fast(values[first + 2 * v2], words[2 * v2])
+        high, exact_high = sr_fp16_bits_fast(values[first + 2 * v2 + 1], words[2 * v2 + 1])
+        frag[f2 + v2] = low | (high << Uint32(16))
         exact = exact & exact_low & exact_high
     if not exact:
         for v2 in cutlass.range_constexpr(4):
-            low = sr_fp16_bits(values[2 * v2], words[2 * v2])
-            high = sr_fp16_bits(values[2 * v2 + 1], words[2 * v2 + 1])
-            frag[v2] = low | (high << Uint32(16))
+            low = sr_fp16_bits(values[first + 2 * v2], words[2 * v2])
+            high = sr_fp16_bits(values[first + 2 * v2 + 1], words[2 * v2 + 1])
+            frag[f2 + v2] = low | (high << Uint32(16))
 
 
 def rn_code(x, fmt):
@@ -441,9 +443,6 @@ def _fmin(a, b):
     return cute.arch.fmin(a, Float32(b))
 
 
-_MARGIN = 2.0**-20  # relative distance to a decision point below which the division decides
-
-
 def _f(value, like):
     """The fp32 constant `value` in `like`'s backend."""
     return np.float32(value) if _is_np(like) else Float32(value)
@@ -459,22 +458,6 @@ def _fmax(a, b):
     return cute.arch.fmax(a, Float32(b))
 
 
-def _i(value, like):
-    return np.int32(value) if _is_np(like) else cutlass.Int32(value)
-
-
-def _as_i32(u):
-    if _is_np(u):
-        return np.asarray(u, np.uint32).view(np.int32)
-    return Uint32(u).bitcast(cutlass.Int32)
-
-
-def _as_u32(i):
-    if _is_np(i):
-        return np.asarray(i, np.int32).view(np.uint32)
-    return cutlass.Int32(i).bitcast(Uint32)
-
-
 def recip_usable(recip):
     """True where `recip` = RN(1/d) is normal and below 2^126, so that x * recip carries the
     relative error e2m1_quotient_fast assumes (False for NaN and inf)."""
@@ -488,44 +471,49 @@ def e2m1_quotient_fast(x, recip):
     Why it is exact when `exact`: v = RN(|x| recip) = |x/d| (1 + e) with |e| <= 2^-23 + 2^-48,
     and RN(x/d) is within 2^-24 |x/d| of x/d, so both lie within about 2^-22 v of v. RN_e2m1
     is constant between its decision points (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5), so when v
-    is farther than 2^-20 v from each of them the two quotients have one code. Near a
-    decision point (about one element in 2^18) and for NaN, `exact` is False and the caller
-    divides. The sign is x's, which RN(x/d) has for d > 0 (-0 included). A subnormal v (no
-    relative bound) is far below 0.25, where both codes are 0.
+    is farther than 2^-20 v from each of them the two quotients have one code. `exact` asks
+    for more than that (below), is False for NaN, and where it is False (about one element in
+    2^17) the caller divides. The sign is x's, which RN(x/d) has for d > 0 (-0 included). A
+    subnormal v (no relative bound) is far below 0.25, where both codes are 0.
 
     With it the fp16-RN + nvfp4 flush issues 71.8 instructions per element instead of 95.0
-    (`python -m cute_kernels.instruction_count`).
+    (`python -m cute_kernels.instruction_count`); the form below (magic constant from the
+    exponent field, exactness from one compare against a multiple of the grid step) took the
+    fp16-SR + nvfp4 flush at 16 elements a chunk from 64.1 to 59.6 per element.
     """
     if _is_np(x):
         x = np.asarray(x, np.float32)
         v = (np.abs(x) * np.float32(recip)).astype(np.float32)
     else:
         v = cute.math.absf(Float32(x)) * Float32(recip)
-    vc = _fmin(v, 6.0)  # past 6 saturates; NaN becomes 6 here and fails `exact` below
+    vc = _fmin_nan(v, 6.0)  # past 6 saturates; a NaN stays NaN and fails `exact` below
     # E2M1's grid step on vc's binade: s = 2^(j-1), j = 0 below 2, 1 on [2, 4), 2 from 4
-    # (vc <= 6), read off the exponent field; magic = 1.5 * 2^(22 + j) has ulp s, so one add
-    # rounds vc to a multiple k s (ties to even: E2M1's even code in every binade) and the
-    # sum's bits are magic's plus k. The code is k + 2j: 0..4 for 0, 0.5, .., 2, then 4 + (k -
-    # 2) and 6 + (k - 2). (Selecting magic by two compares and decoding the rounded value's
-    # bits took 5 more instructions per element.)
+    # (vc <= 6); magic = 1.5 * 2^(22 + j) has ulp s, so one add rounds vc to a multiple k s
+    # (ties to even: E2M1's even code in every binade) and the sum's bits are magic's plus k.
+    # magic's exponent field is vc's, clamped below at 1.0's (j = 0), plus 22. The code is
+    # k + 2j (0..4 for 0, 0.5, .., 2, then 4 + (k - 2) and 6 + (k - 2)), and magic's bits
+    # shifted right by 22 are 299 + 2j.
     vbits = f32_bits(vc)
-    j = _as_u32(_imax(_as_i32(vbits >> _u(23, vbits)) - _i(127, vbits), _i(0, vbits)))
-    magic_bits = _u(0x4AC00000, vbits) + (j << _u(23, vbits))  # 1.5 * 2^(22 + j)
+    exponent = _umax(vbits & _u(0x7F800000, vbits), _u(0x3F800000, vbits))
+    magic_bits = exponent + _u(0x4AC00000 - 0x3F800000, vbits)  # 1.5 * 2^(22 + j)
     magic = bits_f32(magic_bits)
     total = _add_rn(vc, magic)  # kept as one add (never reassociated or fused)
-    code = f32_bits(total) - magic_bits + (j << _u(1, vbits))
+    code = f32_bits(total) - magic_bits + (magic_bits >> _u(22, vbits)) - _u(299, vbits)
     rounded = _add_rn(total, -magic)  # k s, exactly
-    half_step = bits_f32(magic_bits - _u(0x4AC00000 - 0x3E800000, vbits))  # s / 2 = 2^(j-2)
-    gap = half_step - _fabs(vc - rounded)  # distance to the nearer decision point
-    exact = gap > v * _f(_MARGIN, vc)  # False for NaN
+    # exact when |vc - rounded| < s (1/2 - 2^-18): every decision point near vc is rounded
+    # +- s/2, so the nearest is then more than s 2^-18 > vc 2^-20 away (vc < 4 s). The bound,
+    # 2^(j-2) (1 - 2^-17), is magic's bits less a constant.
+    bound = bits_f32(magic_bits - _u(0x4AC00000 - (0x3E800000 - 0x80), vbits))
+    exact = _fabs(vc - rounded) < bound  # False for NaN
     sign = (f32_bits(x) >> _u(28, vbits)) & _u(8, vbits)
     return code | sign, exact
 
 
-def _imax(a, b):
+def _fmin_nan(a, b):
+    """min(a, b) that returns NaN when either is NaN (PTX min.NaN.f32, sm_80 and later)."""
     if _is_np(a):
-        return np.maximum(a, b).astype(np.int32)
-    return cutlass.max(a, b)
+        return np.minimum(a, np.float32(b)).astype(np.float32)
+    return _f32_ptx("min.NaN.f32", a, b)
 
 
 def saturate_f32(x):

@@ -78,6 +78,7 @@ __all__ = [
     "default_elements_per_thread",
     "default_fold",
     "mma_fold_problem",
+    "direct_fold_problem",
 ]
 
 HI_FORMATS = ("fp16", "fp32")
@@ -87,6 +88,8 @@ ACT_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp3
 CUTE_DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp32": Float32}
 
 CHUNK = 8  # state elements per thread access: 16 B of fp16, 32 B of fp32, 4 B of nvfp4 codes
+# (FlushConfig.chunk: 16 gives a thread a whole NVFP4 block); the ring is staged in chunks of 8
+CHUNKS = (8, 16)
 ELEMENTS_PER_THREAD = 64  # registers held per thread for the head's amax (nvfp4); the layout
 # that fits every accepted shape. replay_flush defaults to 32 for an fp16 recurrence copy where
 # the shape allows it: measured on the H200 (2026-11-29, `python -m cute_kernels.bench_write`,
@@ -111,13 +114,13 @@ def default_elements_per_thread(headdim: int, dstate: int, hi_format: str = "fp1
     return 32 if fits else ELEMENTS_PER_THREAD
 
 
-def _layout_problem(headdim: int, dstate: int, elements_per_thread: int):
+def _layout_problem(headdim: int, dstate: int, elements_per_thread: int, chunk: int = CHUNK):
     """None if the head splits over `thread_count` threads as the kernel assumes, else
     (which dimensions, what they must be): every thread a whole number of chunks, whole
     warps (the shuffles assume them)."""
     threads = thread_count(headdim, dstate, elements_per_thread)
-    if headdim % 8 or (headdim * (dstate // CHUNK)) % threads:
-        return "headdim", f"a multiple of 8 and of {threads * CHUNK // dstate}"
+    if headdim % 8 or (headdim * (dstate // chunk)) % threads:
+        return "headdim", f"a multiple of 8 and of {threads * chunk // dstate}"
     if threads % 32:
         return "headdim x dstate", (
             f"headdim * dstate / {elements_per_thread} threads, a multiple of 32 (or 32 at "
@@ -156,8 +159,10 @@ class FlushConfig:
     # per SM to hide the load-compute-store phases; replay_flush's default where it fits
     # (default_elements_per_thread; timings at ELEMENTS_PER_THREAD).
     elements_per_thread: int = ELEMENTS_PER_THREAD
-    # resident CTAs per SM that ptxas must leave registers for (0: no cap); a tuning knob
-    min_ctas_per_sm: int = 0
+    # resident CTAs per SM that ptxas must leave registers for (0: no cap; None: 4 with the
+    # direct fold, which at 256 threads caps it at 64 registers, else 0). Measured
+    # (bench_write_8.csv, batch 256, fp16-SR + nvfp4): direct fold 812.5 -> 794.1 us
+    min_ctas_per_sm: int | None = None
     # the shared-memory carveout asked of the driver, percent of the SM's unified L1/shared
     # storage (-1: the driver's choice); a tuning knob: with the tensor-core fold a CTA holds
     # about 44 KB of shared memory, and ncu found 3 CTAs an SM the limit of both registers
@@ -168,20 +173,44 @@ class FlushConfig:
     # the default (it would need the benchmark rerun)
     smem_carveout: int = -1
     # how the ring is folded into the state: "fma" (each thread L FFMAs per element, B_j and
-    # x_j from fp32 shared memory) or "mma" (tensor cores, `_fold_mma`; bf16 activations and
-    # the shapes `mma_fold_problem` accepts); None: `default_fold`. H200, Nemotron layer,
-    # batch 256, L = 16 (`python -m cute_kernels.bench_write`, bench_write_7.csv): fp16-SR +
-    # nvfp4 flush 1,041.9 -> 990.1 us (85.3 -> 69.9 SASS instructions per element), fp32
-    # single copy 849.8 -> 800.5 us; batch 8: 40.6 -> 38.3 and 41.3 -> 38.9 us
+    # x_j from fp32 shared memory), "mma" (tensor cores, `_fold_mma`, the result through
+    # shared memory into each thread's chunks; bf16 activations and the shapes
+    # `mma_fold_problem` accepts) or "direct" (tensor cores, transposed so that the
+    # accumulators are the thread's own elements, `_fold_direct`; `direct_fold_problem`);
+    # None: `default_fold`. H200, Nemotron layer, batch 256, L = 16 (`python -m
+    # cute_kernels.bench_write`): fp16-SR + nvfp4 flush FFMA fold 1,041.9 -> mma 990.1 us
+    # (bench_write_7.csv); mma 905.7 -> direct 812.5 us at 16-element chunks
+    # (bench_write_8.csv); fp32 single copy FFMA 849.8 -> mma 800.5 us (bench_write_7.csv),
+    # direct 849.7 at 32 elements a thread against mma 796.6 at 64 (bench_write_8.csv)
     fold: str | None = None
+    # state elements a thread loads, folds and stores as one piece: 8 (16 B of fp16; an NVFP4
+    # block is a lane pair's, its amax one shuffle) or 16 (a whole block a thread: the block's
+    # scale, reciprocal and code word once per 16 elements); None: 16 for an fp16 recurrence
+    # copy where the head splits into 16s, else 8. fp16-SR + nvfp4, mma fold: 955.4 -> 905.7
+    # us (bench_write_8.csv; 66.4 -> 60.9 SASS instructions per element)
+    chunk: int | None = None
 
     def __post_init__(self):
+        if self.chunk is None:
+            wide = self.hi_format == "fp16" and _layout_problem(
+                self.headdim, self.dstate, self.elements_per_thread, 16) is None
+            object.__setattr__(self, "chunk", 16 if wide else CHUNK)
+        if self.chunk not in CHUNKS:
+            raise ValueError(f"chunk: expected one of {CHUNKS}, got {self.chunk!r}")
+        if _layout_problem(self.headdim, self.dstate, self.elements_per_thread, self.chunk):
+            raise ValueError(f"chunk {self.chunk}: the head does not split into whole chunks a "
+                             f"thread ({self.headdim} x {self.dstate}, "
+                             f"{self.elements_per_thread} elements a thread)")
         if self.fold is None:
             object.__setattr__(self, "fold", default_fold(self))
         elif self.fold not in FOLDS:
             raise ValueError(f"fold: expected one of {FOLDS}, got {self.fold!r}")
         elif self.fold == "mma" and mma_fold_problem(self) is not None:
             raise ValueError(f"fold: 'mma' needs {mma_fold_problem(self)}")
+        elif self.fold == "direct" and direct_fold_problem(self) is not None:
+            raise ValueError(f"fold: 'direct' needs {direct_fold_problem(self)}")
+        if self.min_ctas_per_sm is None:
+            object.__setattr__(self, "min_ctas_per_sm", 4 if self.fold == "direct" else 0)
 
     @property
     def threads(self) -> int:
@@ -189,7 +218,7 @@ class FlushConfig:
 
     @property
     def chunks_per_row(self) -> int:
-        return self.dstate // CHUNK
+        return self.dstate // self.chunk
 
     @property
     def rows_per_pass(self) -> int:
@@ -210,12 +239,17 @@ class FlushConfig:
         return 32 * self.headdim // self.threads
 
     @property
+    def pieces(self) -> int:
+        """Chunks a thread holds: one a pass, or two rows' (fold="direct")."""
+        return 2 if self.fold == "direct" else self.passes
+
+    @property
     def fold_k(self) -> int:
         """The window padded to the mma's k (16)."""
         return 16 * ((self.window + 15) // 16)
 
 
-FOLDS = ("fma", "mma")
+FOLDS = ("fma", "mma", "direct")
 
 
 def mma_fold_problem(cfg: FlushConfig):
@@ -232,7 +266,26 @@ def mma_fold_problem(cfg: FlushConfig):
     return None
 
 
+def direct_fold_problem(cfg: FlushConfig):
+    """None if the transposed tensor-core fold applies (``fold="direct"``), else why not: bf16
+    activations, dstate 128 (eight 16-column tiles, one a lane group), 16-element chunks and
+    32 elements a thread (each warp 8 state rows, so headdim a multiple of 8, at most 256)."""
+    if cfg.act != "bf16":
+        return "bf16 activations"
+    if cfg.dstate != 128:
+        return "dstate 128"
+    if cfg.chunk != 16 or cfg.elements_per_thread != 32:
+        return "chunk=16 and elements_per_thread=32"
+    if cfg.headdim % 8 or cfg.headdim > 256:
+        return "headdim a multiple of 8, at most 256"
+    return None
+
+
 def default_fold(cfg: FlushConfig) -> str:
+    """"direct" for an fp16 recurrence copy where it applies (the fp32 copy measured faster
+    with "mma" at 64 elements a thread), else "mma" where it applies, else "fma"."""
+    if cfg.hi_format == "fp16" and direct_fold_problem(cfg) is None:
+        return "direct"
     return "mma" if mma_fold_problem(cfg) is None else "fma"
 
 
@@ -360,16 +413,33 @@ class ReplayFlush:
         cfg = self.cfg
         P, N, L = cfg.headdim, cfg.dstate, cfg.window
         R, rows, passes, T = cfg.chunks_per_row, cfg.rows_per_pass, cfg.passes, cfg.threads
+        W = cfg.chunk  # state elements a chunk
+        RB = N // CHUNK  # 8-element chunks of a ring B row (the ring is staged in 8s)
         tidx, _, _ = cute.arch.thread_idx()
         h, s, _ = cute.arch.block_idx()
         g = h // cfg.heads_per_group
-        col = tidx % R  # this thread's chunk: state columns col*8 .. col*8+7
-        row0 = tidx // R  # its rows: row0 + rows*i
+        direct = cfg.fold == "direct"
+        pieces = cfg.pieces
+        if cutlass.const_expr(direct):
+            # lane (q, t) of warp w: rows 8w + 2t + i (i = 0, 1), columns 16q .. 16q + 15,
+            # which is where the transposed fold's accumulators land (_fold_direct)
+            col = (tidx % 32) // 4
+            row0 = 8 * (tidx // 32) + 2 * (tidx % 4)
+            rows = 1
+        else:
+            col = tidx % R  # this thread's chunk: state columns col*W .. col*W+W-1
+            row0 = tidx // R  # its rows: row0 + rows*i
 
         smem = SmemAllocator()
         mma = cfg.fold == "mma"
         K = cfg.fold_k
-        if cutlass.const_expr(mma):
+        if cutlass.const_expr(direct):
+            # bf16 B_j rows, k-major, columns in the order of the transposed fold's m index
+            # (_direct_column); padded as below
+            sB = smem.allocate_tensor(
+                cutlass.BFloat16, cute.make_layout((K, N + 8), stride=(N + 8, 1)), 16
+            )
+        elif cutlass.const_expr(mma):
             # bf16 B_j rows (k-major for ldmatrix.trans; rows L..K-1 zero), padded by 16 bytes
             # a row so that the 8 rows of a tile fall in different banks; the warp-private
             # fp32 fold result, padded likewise for the fragments' 8-byte stores
@@ -389,10 +459,17 @@ class ReplayFlush:
 
             # 1. the recurrence copy, all loads in flight before the ring is staged
             acc = []
-            for i in cutlass.range_constexpr(passes):
-                hi_frag = cute.make_rmem_tensor((CHUNK,), hi.element_type)
-                cute.autovec_copy(_chunk(hi_h, row0 + rows * i, col), hi_frag)
-                acc.append(hi_frag.load().to(Float32))
+            hi_frags = []
+            for i in cutlass.range_constexpr(pieces):
+                hi_frag = cute.make_rmem_tensor((W,), hi.element_type)
+                cute.autovec_copy(_chunk(hi_h, row0 + rows * i, col, W), hi_frag)
+                hi_frags.append(hi_frag)
+                if cutlass.const_expr(not direct):
+                    acc.append(hi_frag.load().to(Float32))
+            # C for the output, in flight with the state (it would wait out a round trip
+            # after the barrier)
+            c_frag = cute.make_rmem_tensor((W,), C.element_type)
+            cute.autovec_copy(cute.local_tile(C[s, g, None], (W,), (col,)), c_frag)
 
             # 2. stage the ring in fp32 shared memory and append the current record
             x_cur = x[s, h, None]
@@ -412,27 +489,32 @@ class ReplayFlush:
                     x_staged.store(x_frag.load().to(Float32))
                     cute.autovec_copy(x_staged, cute.local_tile(sX[xj, None], (CHUNK,), (xc,)))
             B_cur = B[s, g, None]
-            b_rows = K if mma else L  # mma: rows L..K-1 zero-filled
-            for q in cutlass.range_constexpr((b_rows * R + T - 1) // T):
+            tc_fold = mma or direct
+            b_rows = K if tc_fold else L  # tensor cores: rows L..K-1 zero-filled
+            for q in cutlass.range_constexpr((b_rows * RB + T - 1) // T):
                 b_chunk = tidx + T * q
-                if b_chunk < b_rows * R:
-                    bj = b_chunk // R
-                    bc = b_chunk % R
+                if b_chunk < b_rows * RB:
+                    bj = b_chunk // RB
+                    bc = b_chunk % RB
                     b_frag = cute.make_rmem_tensor((CHUNK,), B.element_type)
-                    b_row = cutlass.min(bj, L - 1) if mma else bj
+                    b_row = cutlass.min(bj, L - 1) if tc_fold else bj
                     b_slot = cute.local_tile(ring_B[s, g, b_row, None], (CHUNK,), (bc,))
                     if bj == L - 1:
                         cute.autovec_copy(cute.local_tile(B_cur, (CHUNK,), (bc,)), b_frag)
                         if h % cfg.heads_per_group == 0:
                             cute.autovec_copy(b_frag, b_slot)
-                    elif cutlass.const_expr(mma):
+                    elif cutlass.const_expr(tc_fold):
                         if bj < L:
                             cute.autovec_copy(b_slot, b_frag)
                         else:
                             b_frag.fill(0.0)
                     else:
                         cute.autovec_copy(b_slot, b_frag)
-                    if cutlass.const_expr(mma):
+                    if cutlass.const_expr(direct):
+                        base = _direct_position(bc * CHUNK)
+                        for v in cutlass.range_constexpr(CHUNK):
+                            sB[bj, base + _direct_position(v)] = b_frag[v]
+                    elif cutlass.const_expr(mma):
                         cute.autovec_copy(b_frag, cute.local_tile(sB[bj, None], (CHUNK,), (bc,)))
                     else:
                         b_staged = cute.make_rmem_tensor((CHUNK,), Float32)
@@ -445,16 +527,22 @@ class ReplayFlush:
 
             # 3. S_new = g S_hi + sum_j (w_j x_j) B_j^T, fp32
             decay = sW[L]
-            if cutlass.const_expr(mma):
+            if cutlass.const_expr(direct):
+                # the accumulators of the transposed fold are this thread's elements: no
+                # shared-memory round trip
+                acc_frags = [cute.make_rmem_tensor((W,), Float32) for _ in range(pieces)]
+                _fold_direct(cfg, tidx, sX, sW, sB, hi_frags, decay, acc_frags)
+                acc = [frag.load() for frag in acc_frags]
+            elif cutlass.const_expr(mma):
                 # the warp's rows of sum_j (w_j x_j) B_j^T on the tensor cores, through its
                 # own rows of sD into each thread's chunks: no CTA barrier
                 _fold_mma(cfg, tidx, sX, sW, sB, sD)
                 cute.arch.sync_warp()
                 warp_rows = (tidx // 32) * cfg.rows_per_warp + (tidx % 32) // R
                 for i in cutlass.range_constexpr(passes):
-                    d_frag = cute.make_rmem_tensor((CHUNK,), Float32)
+                    d_frag = cute.make_rmem_tensor((W,), Float32)
                     cute.autovec_copy(
-                        cute.local_tile(sD[warp_rows + (32 // R) * i, None], (CHUNK,), (col,)),
+                        cute.local_tile(sD[warp_rows + (32 // R) * i, None], (W,), (col,)),
                         d_frag,
                     )
                     acc[i] = acc[i] * decay + d_frag.load()
@@ -462,35 +550,37 @@ class ReplayFlush:
                 for i in cutlass.range_constexpr(passes):
                     acc[i] = acc[i] * decay
                 for j in cutlass.range_constexpr(L):
-                    sb_frag = cute.make_rmem_tensor((CHUNK,), Float32)
-                    cute.autovec_copy(cute.local_tile(sB[j, None], (CHUNK,), (col,)), sb_frag)
+                    sb_frag = cute.make_rmem_tensor((W,), Float32)
+                    cute.autovec_copy(cute.local_tile(sB[j, None], (W,), (col,)), sb_frag)
                     b_vec = sb_frag.load()
                     w = sW[j]
                     for i in cutlass.range_constexpr(passes):
                         acc[i] = acc[i] + (sX[j, row0 + rows * i] * w) * b_vec
 
-            # 4. y = S_new C + D x [* silu(z)]: a row's 16 lanes meet in a shuffle reduction
-            c_frag = cute.make_rmem_tensor((CHUNK,), C.element_type)
-            cute.autovec_copy(cute.local_tile(C[s, g, None], (CHUNK,), (col,)), c_frag)
+            # 4. y = S_new C + D x [* silu(z)]: a row's lanes meet in a shuffle reduction
             c_vec = c_frag.load().to(Float32)
-            for i in cutlass.range_constexpr(passes):
+            for i in cutlass.range_constexpr(pieces):
                 p = row0 + rows * i
                 part = (acc[i] * c_vec).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-                total = cute.arch.warp_reduction(part, _add, threads_in_group=R)
+                if cutlass.const_expr(direct):  # a row's 8 lanes: lane bits 2-4
+                    total = part
+                    for offset in (4, 8, 16):
+                        total = total + cute.arch.shuffle_sync_bfly(total, offset=offset)
+                else:
+                    total = cute.arch.warp_reduction(part, _add, threads_in_group=R)
                 if col == 0:
                     out[s, h, p] = _gate(cfg, total, sX[L - 1, p], s, h, p, D, z).to(
                         out.element_type
                     )
 
             # 5. stores, one chunk at a time so that each chunk's values die after its stores
-            # (all chunks at once spilled: SR words and codes for 64 values do not fit)
+            # (all chunks at once spilled: SR words and codes for 64 values do not fit); the
+            # recurrence copy first, then (after the barrier of the head's amax) nvfp4
             keys = nm.philox_keys(seed_lo, seed_hi)
             _, counter_hi = nm.state_counter(Uint32(s), flush, Uint32(0))
-            global_scale = Float32(0.0)
-            if cutlass.const_expr(cfg.lo_format == "nvfp4"):
-                global_scale = _head_global_scale(acc, tidx, T, sRed)
-                if tidx == 0:
-                    lo_global[s, h] = global_scale
+            nvfp4 = cfg.lo_format == "nvfp4"
+            if cutlass.const_expr(nvfp4):
+                _publish_warp_amax(acc, W, tidx, sRed)
             debug_h = debug[s, h, None, None]
             hi_bits = cute.make_tensor(
                 cute.recast_ptr(hi_h.iterator, dtype=Uint32),
@@ -498,19 +588,27 @@ class ReplayFlush:
             )
             lo_h = lo_codes[s, h, None, None]
             scales_h = lo_scales[s, h, None, None]
-            for i in cutlass.range_constexpr(passes):
+            for i in cutlass.range_constexpr(pieces):
                 p = row0 + rows * i
                 if cutlass.const_expr(cfg.has_debug):
-                    debug_frag = cute.make_rmem_tensor((CHUNK,), Float32)
+                    debug_frag = cute.make_rmem_tensor((W,), Float32)
                     debug_frag.store(acc[i])
-                    cute.autovec_copy(debug_frag, _chunk(debug_h, p, col))
-                element0 = Uint32((h * P + p) * N) + Uint32(col * CHUNK)  # a multiple of 8
+                    cute.autovec_copy(debug_frag, _chunk(debug_h, p, col, W))
+                element0 = Uint32((h * P + p) * N) + Uint32(col * W)  # a multiple of 8
                 counter_lo0, _ = nm.state_counter(Uint32(s), flush, element0 >> Uint32(2))
                 _store_hi_chunk(cfg, hi_h, hi_bits, acc[i], p, col, counter_lo0, counter_hi, keys)
-                if cutlass.const_expr(cfg.lo_format == "nvfp4"):
-                    _store_nvfp4_chunk(lo_h, scales_h, acc[i], p, col, global_scale)
-                elif cutlass.const_expr(cfg.lo_format != "none"):
+                if cutlass.const_expr(cfg.lo_format not in ("none", "nvfp4")):
                     _store_lo_chunk(cfg, lo_h, acc[i], p, col)
+            if cutlass.const_expr(nvfp4):
+                # the recurrence copy goes out before the barrier that the head's amax needs
+                # (bench_write_8.csv, direct fold: 812.5 -> 809.1 us, and 794.1 -> 788.1 with
+                # 4 CTAs an SM)
+                global_scale = _head_global_scale(T, sRed)
+                if tidx == 0:
+                    lo_global[s, h] = global_scale
+                for i in cutlass.range_constexpr(pieces):
+                    p = row0 + rows * i
+                    _store_nvfp4_chunk(W, lo_h, scales_h, acc[i], p, col, global_scale)
 
 
 def _add(a, b):
@@ -575,6 +673,61 @@ def _fold_mma(cfg: cutlass.Constexpr, tidx, sX, sW, sB, sD):
             if cutlass.const_expr(RW == 16):
                 tc.st_shared_v2_f32(d_base + 4 * ((warp * RW + g + 8) * (N + 8) + n), d[u][2],
                                     d[u][3])
+
+
+def _direct_position(c):
+    """Where state column c (dstate 128) sits in the direct fold's shared B rows: column
+    16 q + 2 mt + e is m = q + 8 e of m-tile mt, so that lane group q's accumulators over the
+    eight m-tiles are its columns 16 q .. 16 q + 15 in order. For c = 8 b + v (v < 8) it is
+    the position of 8 b plus that of v, so a chunk's eight cost one computed base."""
+    q = c // 16
+    rem = c % 16
+    return 16 * (rem // 2) + q + 8 * (rem % 2)
+
+
+@cute.jit
+def _fold_direct(cfg: cutlass.Constexpr, tidx, sX, sW, sB, hi_frags, decay, acc_frags):
+    """acc_frags[i][v] = decay hi_frags[i][v] + sum_j (w_j x_j[row]) B_j[col] for this thread's
+    elements (row 8w + 2t + i, column 16 q + v), the sum on the tensor cores, transposed: the
+    mma's m is the state
+    column (eight 16-column tiles, columns permuted by _direct_position), n the warp's 8 rows,
+    k the window (padded to 16 with zero rows of B and zero weights). A = B_j^T comes from
+    the k-major bf16 rows with ldmatrix.trans; B = w_j x_j, split into three bf16 parts whose
+    sum is it exactly (`split_bf16x3`), smallest first, so every product is exact and only the
+    tensor cores' sums round (as in `_fold_mma`). Each tile's four sums are added to the state
+    as soon as they are made, so that at most one tile's are held."""
+    N, K, L = cfg.dstate, cfg.fold_k, cfg.window
+    warp = tidx // 32
+    lane = tidx % 32
+    q = lane // 4
+    t = lane % 4
+    row = 8 * warp + q  # the mma's n = q selects this state row for the B operand
+    b_parts = []  # per k-step: three B operands (hi, mid, lo), two registers each
+    for ks in cutlass.range_constexpr(K // 16):
+        regs = []
+        for kh in cutlass.range_constexpr(2):
+            j = 16 * ks + 8 * kh + 2 * t
+            regs.append(tc.split_bf16x3(_wx(sX, sW, L, row, j), _wx(sX, sW, L, row, j + 1)))
+        b_parts.append([[regs[0][p], regs[1][p]] for p in range(3)])
+    # ldmatrix: lane l gives row l % 8 of tile l // 8: tiles (m 0-7 | 8-15) x (k 0-7 | 8-15)
+    tile = lane // 8
+    lane_row = (8 * (tile // 2) + lane % 8) * (N + 8) + 8 * (tile % 2)
+    b_base = sB.iterator.toint() + 2 * lane_row
+    for mt in cutlass.range_constexpr(N // 16):
+        d = [Float32(0.0)] * 4
+        for ks in cutlass.range_constexpr(K // 16):
+            a = tc.ldmatrix_x4_trans(b_base + 2 * (16 * ks * (N + 8) + 16 * mt))
+            for part in (2, 1, 0):  # lo, mid, hi
+                d = tc.mma_m16n8k16(a, b_parts[ks][part], d, "bf16")
+        # d0, d1: m = q (column 16 q + 2 mt), n = 2t, 2t + 1; d2, d3: m = q + 8 (column + 1)
+        for i, v, k in ((0, 2 * mt, 0), (1, 2 * mt, 1), (0, 2 * mt + 1, 2), (1, 2 * mt + 1, 3)):
+            acc_frags[i][v] = Float32(hi_frags[i][v]) * decay + d[k]
+
+
+def _wx(sX, sW, L, row, j):
+    """w_j x_j[row], 0 past the window (j is clamped for the read)."""
+    jc = cutlass.min(j, L - 1)
+    return nm._sel(j < L, sX[jc, row] * sW[jc], Float32(0.0))
 
 
 def _chunk(t2d, row, col, width=CHUNK):
@@ -648,31 +801,39 @@ def _store_hi_chunk(
     """The recurrence copy of one chunk: fp16 SR (elements 4j .. 4j + 3 of the chunk take the
     four words of counter counter_lo0 + j; the counter field is the low 22 bits, so adding j is
     or-ing it in), fp16 RN, or fp32."""
+    W = cfg.chunk
     if cutlass.const_expr(cfg.hi_format == "fp32"):
-        frag = cute.make_rmem_tensor((CHUNK,), Float32)
-        for v in cutlass.range_constexpr(CHUNK):
+        frag = cute.make_rmem_tensor((W,), Float32)
+        for v in cutlass.range_constexpr(W):
             frag[v] = nm.saturate_f32(values[v])
-        cute.autovec_copy(frag, _chunk(hi_h, p, col))
+        cute.autovec_copy(frag, _chunk(hi_h, p, col, W))
     else:
-        frag = cute.make_rmem_tensor((CHUNK // 2,), Uint32)
+        frag = cute.make_rmem_tensor((W // 2,), Uint32)
         if cutlass.const_expr(cfg.hi_rounding == "sr"):
-            nm.sr_fp16_chunk(frag, values, counter_lo0, counter_hi, keys)
+            for first in cutlass.range_constexpr(0, W, 8):
+                nm.sr_fp16_chunk(frag, values, counter_lo0, counter_hi, keys, first)
         else:
-            for v2 in cutlass.range_constexpr(CHUNK // 2):
+            for v2 in cutlass.range_constexpr(W // 2):
                 frag[v2] = nm.rn_fp16x2(values[2 * v2], values[2 * v2 + 1])
-        cute.autovec_copy(frag, _chunk(hi_bits, p, col, CHUNK // 2))
+        cute.autovec_copy(frag, _chunk(hi_bits, p, col, W // 2))
 
 
 @cute.jit
-def _head_global_scale(acc, tidx, T: cutlass.Constexpr, sRed):
-    """s_g = amax(|S|) / 2688 over the whole head: thread, warp, then CTA maximum."""
+def _publish_warp_amax(acc, W: cutlass.Constexpr, tidx, sRed):
+    """The warp's amax(|S|) (thread, then warp maximum) to sRed[warp]."""
     local = Float32(0.0)
     for i in cutlass.range_constexpr(len(acc)):
-        for v in cutlass.range_constexpr(CHUNK):
+        for v in cutlass.range_constexpr(W):
             local = cute.arch.fmax(local, cute.math.absf(acc[i][v]))
     local = cute.arch.warp_reduction(local, cute.arch.fmax)
     if tidx % 32 == 0:
         sRed[tidx // 32] = local
+
+
+@cute.jit
+def _head_global_scale(T: cutlass.Constexpr, sRed):
+    """s_g = amax(|S|) / 2688 over the whole head: the CTA maximum of the warps' (after
+    _publish_warp_amax)."""
     cute.arch.sync_threads()
     amax = sRed[0]
     for w in cutlass.range_constexpr(1, T // 32):
@@ -681,14 +842,17 @@ def _head_global_scale(acc, tidx, T: cutlass.Constexpr, sRed):
 
 
 @cute.jit
-def _store_nvfp4_chunk(lo_h, scales_h, values, p, col, global_scale):
-    """NVFP4 codes of one chunk (half a block; the partner chunk is lane ^ 1), in lowprec's
-    order: den = 6 s_g; s_b = RN_e4m3(amax_b / den) (0 for a zero block); divisor = s_b s_g;
-    code = RN_e2m1(x / divisor), all codes 0 where amax_b or divisor is 0."""
+def _store_nvfp4_chunk(W: cutlass.Constexpr, lo_h, scales_h, values, p, col, global_scale):
+    """NVFP4 codes of one chunk (W = 8: half a block, the partner chunk is lane ^ 1; W = 16: a
+    whole block), in lowprec's order: den = 6 s_g; s_b = RN_e4m3(amax_b / den) (0 for a zero
+    block); divisor = s_b s_g; code = RN_e2m1(x / divisor), all codes 0 where amax_b or
+    divisor is 0."""
     own = Float32(0.0)
-    for v in cutlass.range_constexpr(CHUNK):
+    for v in cutlass.range_constexpr(W):
         own = cute.arch.fmax(own, cute.math.absf(values[v]))
-    amax_b = cute.arch.fmax(own, cute.arch.shuffle_sync_bfly(own, offset=1))
+    amax_b = own
+    if cutlass.const_expr(W == 8):
+        amax_b = cute.arch.fmax(own, cute.arch.shuffle_sync_bfly(own, offset=1))
     den = Float32(E2M1_MAX) * global_scale
     is_zero = amax_b == Float32(0.0)
     ratio = nm._sel(is_zero, Float32(0.0), nm.div_rn(amax_b, den))
@@ -701,43 +865,55 @@ def _store_nvfp4_chunk(lo_h, scales_h, values, p, col, global_scale):
     # (`python -m cute_kernels.instruction_count`).
     recip = nm.div_rn(Float32(1.0), divisor)
     exact = nm.recip_usable(recip)
-    word = Uint32(0)
-    for v in cutlass.range_constexpr(CHUNK):
-        nibble, exact_v = nm.e2m1_quotient_fast(values[v], recip)
-        word = word | (nibble << Uint32(4 * v))
-        exact = exact & exact_v
-    if not exact:
+    words = cute.make_rmem_tensor((W // 8,), Uint32)
+    for w in cutlass.range_constexpr(W // 8):
         word = Uint32(0)
-        for v in cutlass.range_constexpr(CHUNK):
-            nibble = nm.rn_e2m1_nibble(nm.div_rn(values[v], divisor))
+        for v in cutlass.range_constexpr(8):
+            nibble, exact_v = nm.e2m1_quotient_fast(values[8 * w + v], recip)
             word = word | (nibble << Uint32(4 * v))
-    lo_h[p, col] = nm._sel(zero_block, Uint32(0), word)
-    if col % 2 == 0:
-        scales_h[p, col // 2] = scale_byte.to(Uint8)
+            exact = exact & exact_v
+        words[w] = word
+    if not exact:
+        for w in cutlass.range_constexpr(W // 8):
+            word = Uint32(0)
+            for v in cutlass.range_constexpr(8):
+                nibble = nm.rn_e2m1_nibble(nm.div_rn(values[8 * w + v], divisor))
+                word = word | (nibble << Uint32(4 * v))
+            words[w] = word
+    for w in cutlass.range_constexpr(W // 8):
+        words[w] = nm._sel(zero_block, Uint32(0), words[w])
+    if cutlass.const_expr(W == 8):
+        lo_h[p, col] = words[0]
+        if col % 2 == 0:
+            scales_h[p, col // 2] = scale_byte.to(Uint8)
+    else:
+        cute.autovec_copy(words, _chunk(lo_h, p, col, W // 8))
+        scales_h[p, col] = scale_byte.to(Uint8)
 
 
 @cute.jit
 def _store_lo_chunk(cfg: cutlass.Constexpr, lo_h, values, p, col):
     """Element-only read copies of one chunk: fp32, fp16 bits or fp8_e4m3 bytes (RN,
     saturating)."""
+    W = cfg.chunk
     if cutlass.const_expr(cfg.lo_format == "fp32"):
-        frag = cute.make_rmem_tensor((CHUNK,), Float32)
-        for v in cutlass.range_constexpr(CHUNK):
+        frag = cute.make_rmem_tensor((W,), Float32)
+        for v in cutlass.range_constexpr(W):
             frag[v] = nm.saturate_f32(values[v])
-        cute.autovec_copy(frag, _chunk(lo_h, p, col))
+        cute.autovec_copy(frag, _chunk(lo_h, p, col, W))
     elif cutlass.const_expr(cfg.lo_format == "fp16"):
-        frag = cute.make_rmem_tensor((CHUNK // 2,), Uint32)
-        for v2 in cutlass.range_constexpr(CHUNK // 2):
+        frag = cute.make_rmem_tensor((W // 2,), Uint32)
+        for v2 in cutlass.range_constexpr(W // 2):
             frag[v2] = nm.rn_fp16x2(values[2 * v2], values[2 * v2 + 1])
-        cute.autovec_copy(frag, _chunk(lo_h, p, col, CHUNK // 2))
+        cute.autovec_copy(frag, _chunk(lo_h, p, col, W // 2))
     else:
-        frag = cute.make_rmem_tensor((CHUNK // 4,), Uint32)
-        for v4 in cutlass.range_constexpr(CHUNK // 4):
+        frag = cute.make_rmem_tensor((W // 4,), Uint32)
+        for v4 in cutlass.range_constexpr(W // 4):
             word = Uint32(0)
             for b in cutlass.range_constexpr(4):
                 word = word | (nm.rn_e4m3_byte(values[4 * v4 + b]) << Uint32(8 * b))
             frag[v4] = word
-        cute.autovec_copy(frag, _chunk(lo_h, p, col, CHUNK // 4))
+        cute.autovec_copy(frag, _chunk(lo_h, p, col, W // 4))
 
 
 # --------------------------------------------------------------------------------------------
@@ -1056,6 +1232,7 @@ def replay_flush(
     debug_state=None,
     elements_per_thread=None,
     fold=None,
+    chunk=None,
 ):
     """Flush every slot whose step is a flush (`cursors[s] + 1 == window`); see the module doc.
 
@@ -1074,7 +1251,9 @@ def replay_flush(
     `elements_per_thread` (64, or 32 for twice the threads and about 80 registers each;
     default 32 for fp16 hi where the head shape allows it, `default_elements_per_thread`) and
     `fold` ("mma": the ring folded on the tensor cores, the default where `mma_fold_problem`
-    allows it; "fma") are tuning knobs (FlushConfig).
+    allows it; "direct": transposed, its accumulators the thread's own elements, where
+    `direct_fold_problem` allows it; "fma") and `chunk` (8 or 16 state elements a thread
+    handles as one piece) are tuning knobs (FlushConfig).
     """
     cfg, lo = _prepare_flush(
         hi,
@@ -1102,6 +1281,7 @@ def replay_flush(
         debug_state,
         elements_per_thread,
         fold,
+        chunk,
     )
     if out is None:
         out = torch.empty_like(x)
@@ -1156,6 +1336,7 @@ def _prepare_flush(
     debug_state,
     elements_per_thread=None,
     fold=None,
+    chunk=None,
 ):
     """Validate a flush call; returns (FlushConfig, lo as a dict)."""
     if elements_per_thread is None and isinstance(hi, torch.Tensor) and hi.dim() == 4:
@@ -1217,11 +1398,19 @@ def _prepare_flush(
         has_debug=debug_state is not None,
         elements_per_thread=elements_per_thread,
     )
+    if chunk is not None:
+        check_choice("chunk", chunk, CHUNKS)
+        if _layout_problem(headdim, dstate, elements_per_thread, chunk) is not None:
+            _compile.fail("chunk", f"8 here (the head does not split into {chunk}s a thread)",
+                          repr(chunk))
+        cfg = dataclasses.replace(cfg, chunk=chunk)
     if fold is None:
         return cfg, lo  # default_fold
     check_choice("fold", fold, FOLDS)
-    if fold == "mma" and mma_fold_problem(cfg) is not None:
-        _compile.fail("fold", f"'fma' here ('mma' needs {mma_fold_problem(cfg)})", repr(fold))
+    problem = {"mma": mma_fold_problem, "direct": direct_fold_problem, "fma": lambda c: None}
+    if problem[fold](cfg) is not None:
+        _compile.fail("fold", f"another fold here ({fold!r} needs {problem[fold](cfg)})",
+                      repr(fold))
     return dataclasses.replace(cfg, fold=fold), lo
 
 

@@ -177,6 +177,10 @@ def _flagged(value, flag, bit):
     return value.astype(np.uint32) | (flag.astype(np.uint32) << np.uint32(bit))
 
 
+def _exact_or_zero(nibble, exact):
+    return np.where(exact, nibble.astype(np.uint32) | np.uint32(16), np.uint32(0))
+
+
 def test_philox_words_equal_lowprec_randint4x():
     """All four words of the counter (offset lo, offset hi, 0, 0), in Triton's order."""
     offsets = torch.cat(
@@ -241,6 +245,11 @@ def test_e2m1_quotient_fast_equals_the_division_wherever_it_claims_to():
     far = np.min(np.abs(quotient[:, None] - points[None, :7]), axis=1) > 1e-5 * quotient
     assert exact[far].all()
     assert 0.3 < exact.mean() < 0.95  # both paths are exercised
+    special = np.array([np.nan, -np.nan, np.inf, -np.inf, 0.0, -0.0, 1e-45, 3e38], np.float32)
+    nibble, exact = nm.e2m1_quotient_fast(special, np.float32(0.75))
+    assert not exact[:2].any()  # NaN: the caller divides
+    assert exact[2:].all()
+    assert list(nibble[2:]) == [7, 15, 0, 8, 0, 7]  # +-6 saturated, +-0, tiny -> 0, large -> 6
     assert not nm.recip_usable(np.array([np.inf, np.nan, 2.0**127, 2.0**-127], np.float32)).any()
 
 
@@ -273,7 +282,7 @@ OUTPUTS = (
     "div_rn",
     "e4m3_value",
     "sr_fp16_fast",  # bits | exact << 16
-    "e2m1_fast",  # nibble | exact << 4, quotient x * RN(1 / y)
+    "e2m1_fast",  # nibble | 16 where exact, else 0; quotient x * RN(1 / y)
     "philox_w3",  # the last of the four words (the first is "philox")
 )
 
@@ -305,8 +314,10 @@ def _probe_kernel(
         out[i, 7] = nm.f32_bits(nm.e4m3_value(r & Uint32(0x7F)))
         fast, exact = nm.sr_fp16_bits_fast(v, r)
         out[i, 8] = fast | (nm._sel(exact, Uint32(1), Uint32(0)) << Uint32(16))
+        # the nibble means something only where exact (elsewhere the caller divides; for a
+        # NaN quotient it carries the NaN's payload, which the device canonicalises)
         nibble, exact = nm.e2m1_quotient_fast(v, nm.div_rn(Float32(1.0), y[i]))
-        out[i, 9] = nibble | (nm._sel(exact, Uint32(1), Uint32(0)) << Uint32(4))
+        out[i, 9] = nm._sel(exact, nibble | Uint32(16), Uint32(0))
         out[i, 10] = nm.philox_words(r, nm.f32_bits(y[i]), keys)[3]
 
 
@@ -399,7 +410,7 @@ def test_probe_kernel_equals_numpy_backend_and_lowprec():
             "div_rn": (x / y).astype(np.float32).view(np.uint32),  # IEEE, correctly rounded
             "e4m3_value": nm.e4m3_value(words & np.uint32(0x7F)).view(np.uint32),
             "sr_fp16_fast": _flagged(*nm.sr_fp16_bits_fast(x, words), 16),
-            "e2m1_fast": _flagged(*nm.e2m1_quotient_fast(x, (1 / y).astype(np.float32)), 4),
+            "e2m1_fast": _exact_or_zero(*nm.e2m1_quotient_fast(x, (1 / y).astype(np.float32))),
             "philox_w3": nm.philox_words(words, y.view(np.uint32), keys)[3],
         }
     positive = y.view(np.uint32) < (1 << 31)  # offsets below 2^63 (lowprec takes int64)
