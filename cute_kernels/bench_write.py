@@ -215,7 +215,7 @@ def flush_config(batch, window, hi_format, lo_format, hi_rounding=None, elements
     defaults; `knobs`: other FlushConfig fields (min_ctas_per_sm, fold, chunk, ...)."""
     if elements_per_thread is None:
         elements_per_thread = rf.default_elements_per_thread(NEMOTRON["headdim"],
-                                                             NEMOTRON["dstate"], hi_format)
+                                                             NEMOTRON["dstate"], hi_format, "bf16")
     return rf.FlushConfig(
         **NEMOTRON,
         window=window,
@@ -405,11 +405,10 @@ def run(cfg: BenchConfig, only=None):
             lambda: True,
             lambda: bench_flush(cfg, "fp32", "none", fold="fma"),
         ),
-        (  # the fp32 copy keeps 64 elements a thread and the mma fold: this is slower
-            "flush fp32 single copy, direct fold (32 elements per thread)",
+        (  # the fp32 copy's default before the direct fold
+            "flush fp32 single copy, mma fold, 64 elements per thread",
             lambda: True,
-            lambda: bench_flush(cfg, "fp32", "none", elements_per_thread=32, chunk=16,
-                                fold="direct"),
+            lambda: bench_flush(cfg, "fp32", "none", elements_per_thread=64, fold="mma"),
         ),
         (
             "flush, no slot flushing",

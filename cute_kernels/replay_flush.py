@@ -55,7 +55,6 @@ snapshot taken before the non-flush kernel advanced the other slots.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import cutlass  # noqa: I001
@@ -105,9 +104,16 @@ E2M1_E4M3_MAX = 2688.0  # 448 * 6
 E2M1_MAX = 6.0
 
 
-def default_elements_per_thread(headdim: int, dstate: int, hi_format: str = "fp16") -> int:
-    """32 for an fp16 recurrence copy where the head takes whole warps and at most 1024
-    threads that way, else 64 (and always 64 for fp32, which measured faster there)."""
+def default_elements_per_thread(
+    headdim: int, dstate: int, hi_format: str = "fp16", act: str | None = None
+) -> int:
+    """32 where the direct fold applies (bf16 activations, dstate 128, headdim a multiple of
+    8 up to 256), for either recurrence copy; else 32 for an fp16 recurrence copy where the
+    head takes whole warps and at most 1024 threads that way, else 64 (the fp32 copy with the
+    mma fold measured faster at 64: 796.6 against 878.9 us; with the direct fold at 32 it
+    took 787.9, bench_write_8b.csv)."""
+    if act == "bf16" and dstate == 128 and headdim % 8 == 0 and headdim <= 256:
+        return 32
     if hi_format == "fp32":
         return ELEMENTS_PER_THREAD
     fits = _layout_problem(headdim, dstate, 32) is None and headdim * dstate // 32 <= 1024
@@ -191,24 +197,25 @@ class FlushConfig:
     chunk: int | None = None
 
     def __post_init__(self):
-        if self.chunk is None:
-            wide = self.hi_format == "fp16" and _layout_problem(
-                self.headdim, self.dstate, self.elements_per_thread, 16) is None
-            object.__setattr__(self, "chunk", 16 if wide else CHUNK)
-        if self.chunk not in CHUNKS:
-            raise ValueError(f"chunk: expected one of {CHUNKS}, got {self.chunk!r}")
+        if self.fold is not None and self.fold not in FOLDS:
+            _compile.fail("fold", f"one of {FOLDS}", repr(self.fold))
+        if self.chunk is not None and self.chunk not in CHUNKS:
+            _compile.fail("chunk", f"one of {CHUNKS}", repr(self.chunk))
+        if self.chunk is None:  # 16 with the direct fold, or the mma fold and an fp16 copy
+            fits = _layout_problem(self.headdim, self.dstate, self.elements_per_thread, 16)
+            object.__setattr__(self, "chunk", 16 if fits is None else CHUNK)
+            fold = self.fold or default_fold(self)
+            if fold == "fma" or (fold == "mma" and self.hi_format != "fp16"):
+                object.__setattr__(self, "chunk", CHUNK)
         if _layout_problem(self.headdim, self.dstate, self.elements_per_thread, self.chunk):
-            raise ValueError(f"chunk {self.chunk}: the head does not split into whole chunks a "
-                             f"thread ({self.headdim} x {self.dstate}, "
-                             f"{self.elements_per_thread} elements a thread)")
+            _compile.fail("chunk", f"8 here (the {self.headdim} x {self.dstate} head does not "
+                          f"split into {self.chunk}s a thread)", repr(self.chunk))
         if self.fold is None:
             object.__setattr__(self, "fold", default_fold(self))
-        elif self.fold not in FOLDS:
-            raise ValueError(f"fold: expected one of {FOLDS}, got {self.fold!r}")
-        elif self.fold == "mma" and mma_fold_problem(self) is not None:
-            raise ValueError(f"fold: 'mma' needs {mma_fold_problem(self)}")
-        elif self.fold == "direct" and direct_fold_problem(self) is not None:
-            raise ValueError(f"fold: 'direct' needs {direct_fold_problem(self)}")
+        problem = {"mma": mma_fold_problem, "direct": direct_fold_problem}.get(self.fold)
+        if problem is not None and problem(self) is not None:
+            _compile.fail("fold", f"another fold here ({self.fold!r} needs {problem(self)})",
+                          repr(self.fold))
         if self.min_ctas_per_sm is None:
             object.__setattr__(self, "min_ctas_per_sm", 4 if self.fold == "direct" else 0)
 
@@ -282,9 +289,8 @@ def direct_fold_problem(cfg: FlushConfig):
 
 
 def default_fold(cfg: FlushConfig) -> str:
-    """"direct" for an fp16 recurrence copy where it applies (the fp32 copy measured faster
-    with "mma" at 64 elements a thread), else "mma" where it applies, else "fma"."""
-    if cfg.hi_format == "fp16" and direct_fold_problem(cfg) is None:
+    """"direct" where it applies, else "mma" where it applies, else "fma"."""
+    if direct_fold_problem(cfg) is None:
         return "direct"
     return "mma" if mma_fold_problem(cfg) is None else "fma"
 
@@ -1340,7 +1346,9 @@ def _prepare_flush(
 ):
     """Validate a flush call; returns (FlushConfig, lo as a dict)."""
     if elements_per_thread is None and isinstance(hi, torch.Tensor) and hi.dim() == 4:
-        elements_per_thread = default_elements_per_thread(hi.shape[2], hi.shape[3], hi_format)
+        act_name = ACT_DTYPES.get(x.dtype) if isinstance(x, torch.Tensor) else None
+        elements_per_thread = default_elements_per_thread(hi.shape[2], hi.shape[3], hi_format,
+                                                          act_name)
     elif elements_per_thread is None:
         elements_per_thread = ELEMENTS_PER_THREAD  # check_state_shape reports the bad hi
     if elements_per_thread not in (32, 64):
@@ -1397,21 +1405,10 @@ def _prepare_flush(
         dt_softplus=dt_softplus,
         has_debug=debug_state is not None,
         elements_per_thread=elements_per_thread,
+        chunk=chunk,
+        fold=fold,  # FlushConfig checks both and fills in the defaults
     )
-    if chunk is not None:
-        check_choice("chunk", chunk, CHUNKS)
-        if _layout_problem(headdim, dstate, elements_per_thread, chunk) is not None:
-            _compile.fail("chunk", f"8 here (the head does not split into {chunk}s a thread)",
-                          repr(chunk))
-        cfg = dataclasses.replace(cfg, chunk=chunk)
-    if fold is None:
-        return cfg, lo  # default_fold
-    check_choice("fold", fold, FOLDS)
-    problem = {"mma": mma_fold_problem, "direct": direct_fold_problem, "fma": lambda c: None}
-    if problem[fold](cfg) is not None:
-        _compile.fail("fold", f"another fold here ({fold!r} needs {problem[fold](cfg)})",
-                      repr(fold))
-    return dataclasses.replace(cfg, fold=fold), lo
+    return cfg, lo
 
 
 def traffic_bytes(cfg: FlushConfig, flushing_slots: int, act_bytes: int = 2) -> int:
