@@ -107,13 +107,12 @@ E2M1_MAX = 6.0
 def default_elements_per_thread(
     headdim: int, dstate: int, hi_format: str = "fp16", act: str | None = None
 ) -> int:
-    """32 where the direct fold applies (bf16 activations, dstate 128, headdim a multiple of
-    8 up to 256), for either recurrence copy; else 32 for an fp16 recurrence copy where the
-    head takes whole warps and at most 1024 threads that way, else 64 (the fp32 copy with the
-    mma fold measured faster at 64: 796.6 against 878.9 us; with the direct fold at 32 it
-    took 787.9, bench_write_8b.csv)."""
-    if act == "bf16" and dstate == 128 and headdim % 8 == 0 and headdim <= 256:
-        return 32
+    """For an fp16 recurrence copy 32 where the head takes whole warps and at most 1024
+    threads that way (the direct fold's layout where it applies), else 64. The fp32 copy
+    takes 64 (the mma fold): in the benchmark (batch 256) it took 687.9 us there and 769.5
+    with the direct fold at 32 (results/kernel_bench_runs, fifth and sixth sessions), though
+    bench_write had the direct fold ahead, 785.6 against 799.6 (bench_write_8c.csv). `act`
+    is accepted for callers that know it; the choice does not depend on it."""
     if hi_format == "fp32":
         return ELEMENTS_PER_THREAD
     fits = _layout_problem(headdim, dstate, 32) is None and headdim * dstate // 32 <= 1024

@@ -168,9 +168,9 @@ def test_default_knobs_are_the_measured_fastest_where_they_apply():
     """FlushConfig's defaults: an fp16 recurrence copy takes 16-element chunks where the head
     splits into them, and the direct fold where it applies (bf16, dstate 128, 32 elements a
     thread) with registers for 4 CTAs an SM; else the mma fold where its operands are exact
-    (8 or 16 whole rows a warp), else FFMAs. The fp32 copy takes the direct fold too (at 32
-    elements a thread, replay_flush's default where it applies); with the mma fold it keeps
-    8-element chunks, and the FFMA fold always does (16 measured 1,715 against 1,011 us)."""
+    (8 or 16 whole rows a warp), else FFMAs. The fp32 copy defaults to 64 elements a thread
+    and so to the mma fold, with 8-element chunks (the direct fold is its fold only at 32);
+    the FFMA fold always keeps 8-element chunks (16 measured 1,715 against 1,011 us)."""
     nemotron = config(NEMOTRON, "fp16", "sr", "nvfp4", elements_per_thread=32)
     assert (nemotron.chunk, nemotron.fold, nemotron.min_ctas_per_sm) == (16, "direct", 4)
     at64 = config(NEMOTRON, "fp16", "sr", "nvfp4")  # 64 elements a thread: 16 rows a warp
@@ -191,7 +191,7 @@ def test_default_knobs_are_the_measured_fastest_where_they_apply():
         config(dict(NARROW, headdim=40, dstate=32), "fp16", "sr", "nvfp4", chunk=16)
     fp32_direct = config(NEMOTRON, "fp32", "rn", "none", elements_per_thread=32)
     assert (fp32_direct.chunk, fp32_direct.fold, fp32_direct.min_ctas_per_sm) == (16, "direct", 4)
-    assert rf.default_elements_per_thread(64, 128, "fp32", "bf16") == 32
+    assert rf.default_elements_per_thread(64, 128, "fp32", "bf16") == 64  # the benchmark's pick
     with pytest.raises(ValueError, match="'mma' needs bf16"):
         config(NEMOTRON, "fp16", "sr", "nvfp4", act="fp32", fold="mma")
     with pytest.raises(ValueError, match="'direct' needs dstate 128"):
