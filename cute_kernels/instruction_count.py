@@ -40,6 +40,14 @@ per element (85.3 fma, 69.9 mma), 62-79 registers instead of 95-128, and 1,094 u
 H200 (more warps resident), 1,035 us with the leaner encode, 990 us with the tensor-core
 fold (`bench_write`, 2026-11-29).
 
+Sixth session (2026-11-30, same tools): 16-element chunks (a whole NVFP4 block a thread),
+the E2M1 exactness test against a multiple of the grid step, the recurrence copy stored
+before the amax barrier, and at 32 elements a thread the direct fold with registers capped
+at 64 (the defaults, `FlushConfig`). Per element at 64 a thread (mma fold): fp32 15.6, fp16
+RN 15.2, fp16 SR 30.0, fp16 RN + nvfp4 37.7, fp16 SR + nvfp4 52.5; at 32 (direct fold):
+20.8, 19.8, 36.0, 44.2, 60.8 (69.9 before). On the H200 the fp16-SR + nvfp4 flush took
+794.2 us at batch 256 in the benchmark (912.7 before).
+
 Non-flush nvfp4 at 4 warps: 4.52 instructions per element and lane with the f16 bit-trick
 decode and an f16 scale multiply (commit bcd48ec), 3.36 with the E4M3 re-pack and the block
 scales applied to per-block mma sums (78 -> 70-72 us at batch 256 on the H200).

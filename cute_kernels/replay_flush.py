@@ -20,8 +20,14 @@ once), per head `h` (one CTA owns one (slot, head) state, `headdim x dstate`):
 `debug_state` (fp32, state-shaped) receives the unrounded S_new, so tests can check the stored
 codes against `lowprec` applied to it, bit for bit.
 
-Thread ownership (one CTA per (slot, head); T threads, 64 state elements per thread; drawn for
-the Nemotron-3-Super head, headdim 64 x dstate 128, T = 128):
+Thread ownership with the direct fold (the default at dstate 128 with bf16 activations: 32
+elements a thread, 16-element chunks): warp w holds rows 8w .. 8w + 7, lane (q, t) = (lane //
+4, lane % 4) rows 8w + 2t + i (i = 0, 1), columns 16q .. 16q + 15 of each: a whole NVFP4
+block a row, which is where the transposed mma's accumulators land (`_fold_direct`).
+
+Thread ownership otherwise (one CTA per (slot, head); T threads, 64 state elements per
+thread, 8-element chunks; drawn for the Nemotron-3-Super head, headdim 64 x dstate 128, T =
+128; 16-element chunks put a whole block on a thread the same way):
 
     state row p, 16 chunks of 8 elements (16 B of fp16 hi, 4 B of nvfp4 codes)
              chunk  0    1    2   ...  15
@@ -35,15 +41,19 @@ A warp touches 2 rows = 512 contiguous bytes of fp16 hi per pass: every hi acces
 128-bit load or store, coalesced across the warp (fp32 hi: two, 1 KiB per warp). An NVFP4
 block (16 elements) is the chunk pair (t, t ^ 1): block amax takes one shuffle, each thread
 writes its 4 code bytes (a 32-bit store, 128 B per warp) and the even thread the scale byte.
-The head's amax is a CTA reduction before any code is written: all 64 values stay in registers.
+The head's amax is a CTA reduction before any code is written: all 64 values stay in
+registers, and the recurrence copy is stored before that reduction's barrier.
 
 Ring term: the CTA stages x_j (window x headdim, fp32) and the decay weights w_j = exp(A
 (cum_{L-1} - cum_j)) dt_j (a warp scan over the window's dt) in shared memory, and B_j
-(window x dstate): as bf16 rows for the tensor cores (`fold="mma"`, the default for bf16
-activations: each warp computes its own rows of sum_j (w_j x_j) B_j^T with mma.sync, w_j x_j
-split into three bf16 parts whose sum is exact, and reads them back through its own rows of
-shared memory; `_fold_mma`), or as fp32 rows for `fold="fma"` (each thread window x 32 or 64
-FFMAs). y: each row's partial dot products meet in a shuffle reduction over its 16 lanes.
+(window x dstate): as bf16 rows for the tensor cores (`fold="mma"`: each warp computes its
+own rows of sum_j (w_j x_j) B_j^T with mma.sync, w_j x_j split into three bf16 parts whose sum
+is exact, and reads them back through its own rows of shared memory; `_fold_mma`), as bf16
+rows with permuted columns for `fold="direct"` (the same products transposed, so that the
+accumulators are the thread's elements; `_fold_direct`), or as fp32 rows for `fold="fma"`
+(each thread window x 32 or 64 FFMAs). The defaults (`FlushConfig`): the direct fold where it
+applies, else the mma fold for bf16 activations, else FFMAs. y: each row's partial dot
+products meet in a shuffle reduction over its lanes.
 
 Counters. Every CTA of a slot reads `cursors[s]` (is this a flush?) and `flushes[s]` (its
 Philox words), so no CTA may change them while siblings may still read them. The flush kernel
