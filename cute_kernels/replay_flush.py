@@ -108,7 +108,8 @@ ELEMENTS_PER_THREAD = 64  # registers held per thread for the head's amax (nvfp4
 # Capping the 32 layout at 64 registers (FlushConfig.min_ctas_per_sm = 4, 3 spills) was
 # slower: 1,113.1 against 1,093.9 us (results/gpu_first_timing/bench_write_4.csv). With the
 # leaner NVFP4 encode (hardware E4M3 conversions) the default takes 1,035.0 us and the cap
-# 1,026.7 (bench_write_6.csv): within 1%, so the cap stays off.
+# 1,026.7 (bench_write_6.csv): within 1%, so the cap stayed off; with the direct fold it is on
+# (FlushConfig.min_ctas_per_sm).
 NVFP4_BLOCK = 16
 E2M1_E4M3_MAX = 2688.0  # 448 * 6
 E2M1_MAX = 6.0
@@ -184,8 +185,8 @@ class FlushConfig:
     # (73) and shared memory (results/ncu/ncu_stalls_cute_flush_fp16sr_nvfp4.txt). Measured
     # (bench_write_occupancy_7.csv, batch 256, fp16-SR + nvfp4): default 986.3 us, carveout
     # 100 983.5, min_ctas_per_sm=4 (64 registers, 5 spill loads) 965.5, both 965.2; the cap
-    # alone was 968.6 against 990.1 in an earlier call (bench_write_7.csv): about 2%, not yet
-    # the default (it would need the benchmark rerun)
+    # alone was 968.6 against 990.1 in an earlier call (bench_write_7.csv): about 2%; with the
+    # direct fold (9 KB of shared memory) the cap is the default (min_ctas_per_sm)
     smem_carveout: int = -1
     # how the ring is folded into the state: "fma" (each thread L FFMAs per element, B_j and
     # x_j from fp32 shared memory), "mma" (tensor cores, `_fold_mma`, the result through
@@ -200,9 +201,11 @@ class FlushConfig:
     fold: str | None = None
     # state elements a thread loads, folds and stores as one piece: 8 (16 B of fp16; an NVFP4
     # block is a lane pair's, its amax one shuffle) or 16 (a whole block a thread: the block's
-    # scale, reciprocal and code word once per 16 elements); None: 16 for an fp16 recurrence
-    # copy where the head splits into 16s, else 8. fp16-SR + nvfp4, mma fold: 955.4 -> 905.7
-    # us (bench_write_8.csv; 66.4 -> 60.9 SASS instructions per element)
+    # scale, reciprocal and code word once per 16 elements); None: 16 with the direct fold,
+    # and with the mma fold for an fp16 copy, where the head splits into 16s; else 8 (the
+    # FFMA fold at 16 took 1,715.3 against 1,011.3 us, bench_write_8b.csv). fp16-SR + nvfp4,
+    # mma fold: 955.4 -> 905.7 us (bench_write_8.csv; 66.4 -> 60.9 SASS instructions per
+    # element)
     chunk: int | None = None
 
     def __post_init__(self):
@@ -450,7 +453,7 @@ class ReplayFlush:
         K = cfg.fold_k
         if cutlass.const_expr(direct):
             # bf16 B_j rows, k-major, columns in the order of the transposed fold's m index
-            # (_direct_column); padded as below
+            # (_direct_position); padded as below
             sB = smem.allocate_tensor(
                 cutlass.BFloat16, cute.make_layout((K, N + 8), stride=(N + 8, 1)), 16
             )
@@ -704,9 +707,9 @@ def _direct_position(c):
 def _fold_direct(cfg: cutlass.Constexpr, tidx, sX, sW, sB, hi_frags, decay, acc_frags):
     """acc_frags[i][v] = decay hi_frags[i][v] + sum_j (w_j x_j[row]) B_j[col] for this thread's
     elements (row 8w + 2t + i, column 16 q + v), the sum on the tensor cores, transposed: the
-    mma's m is the state
-    column (eight 16-column tiles, columns permuted by _direct_position), n the warp's 8 rows,
-    k the window (padded to 16 with zero rows of B and zero weights). A = B_j^T comes from
+    mma's m is the state column (eight 16-column tiles, columns permuted by
+    _direct_position), n the warp's 8 rows, k the window (padded to 16 with zero rows of B and
+    zero weights). A = B_j^T comes from
     the k-major bf16 rows with ldmatrix.trans; B = w_j x_j, split into three bf16 parts whose
     sum is it exactly (`split_bf16x3`), smallest first, so every product is exact and only the
     tensor cores' sums round (as in `_fold_mma`). Each tile's four sums are added to the state
