@@ -175,9 +175,11 @@ class FlushConfig:
     # per SM to hide the load-compute-store phases; replay_flush's default where it fits
     # (default_elements_per_thread; timings at ELEMENTS_PER_THREAD).
     elements_per_thread: int = ELEMENTS_PER_THREAD
-    # resident CTAs per SM that ptxas must leave registers for (0: no cap; None: 4 with the
-    # direct fold, which at 256 threads caps it at 64 registers, else 0). Measured
-    # (bench_write_8.csv, batch 256, fp16-SR + nvfp4): direct fold 812.5 -> 794.1 us
+    # resident CTAs per SM that ptxas must leave registers for (0: no cap; None: with the
+    # direct fold 1024 // threads, which caps it at 64 registers (4 CTAs at 256 threads, 2 at
+    # 512: uncapped that one asks for 87 and so runs 1 CTA an SM; measured at 256 only), else
+    # 0). Measured (bench_write_8.csv, batch 256, fp16-SR + nvfp4): direct fold 812.5 -> 794.1
+    # us with 4
     min_ctas_per_sm: int | None = None
     # the shared-memory carveout asked of the driver, percent of the SM's unified L1/shared
     # storage (-1: the driver's choice); a tuning knob: with the tensor-core fold a CTA holds
@@ -229,7 +231,8 @@ class FlushConfig:
             _compile.fail("fold", f"another fold here ({self.fold!r} needs {problem(self)})",
                           repr(self.fold))
         if self.min_ctas_per_sm is None:
-            object.__setattr__(self, "min_ctas_per_sm", 4 if self.fold == "direct" else 0)
+            cap = max(1, 1024 // self.threads) if self.fold == "direct" else 0
+            object.__setattr__(self, "min_ctas_per_sm", cap)
 
     @property
     def threads(self) -> int:

@@ -191,6 +191,10 @@ def test_default_knobs_are_the_measured_fastest_where_they_apply():
         config(dict(NARROW, headdim=40, dstate=32), "fp16", "sr", "nvfp4", chunk=16)
     fp32_direct = config(NEMOTRON, "fp32", "rn", "none", elements_per_thread=32)
     assert (fp32_direct.chunk, fp32_direct.fold, fp32_direct.min_ctas_per_sm) == (16, "direct", 4)
+    for headdim, ctas in ((24, 10), (128, 2), (256, 1)):  # registers for 64 a thread
+        wide_rows = config(dict(NEMOTRON, headdim=headdim), "fp16", "sr", "nvfp4",
+                           elements_per_thread=32)
+        assert (wide_rows.fold, wide_rows.min_ctas_per_sm) == ("direct", ctas)
     assert rf.default_elements_per_thread(64, 128, "fp32", "bf16") == 64  # the benchmark's pick
     with pytest.raises(ValueError, match="'mma' needs bf16"):
         config(NEMOTRON, "fp16", "sr", "nvfp4", act="fp32", fold="mma")
@@ -656,10 +660,12 @@ def test_flush_with_16_element_chunks(variant, fold, window):
 
 
 @pytest.mark.gpu
-def test_direct_fold_at_a_narrow_head():
-    """headdim 24 (three warps of 8 rows) and 3 heads a group, direct fold."""
-    check_flush(NARROW, 5, 16, torch.bfloat16, "fp16", "sr", "nvfp4", gen_seed=13,
-                elements_per_thread=32, chunk=16, fold="direct")
+@pytest.mark.parametrize("shape", [NARROW, dict(nheads=4, headdim=128, dstate=128, ngroups=2)],
+                         ids=["headdim24", "headdim128"])
+def test_direct_fold_at_other_head_sizes(shape):
+    """headdim 24 (three warps of 8 rows, registers capped for 10 CTAs an SM) and 128 (16
+    warps, capped for 2), direct fold by default: codes lowprec's of the kernel's state."""
+    check_flush(shape, 5, 16, torch.bfloat16, "fp16", "sr", "nvfp4", gen_seed=13)
 
 
 @pytest.mark.gpu
