@@ -218,7 +218,7 @@ def flush_config(batch, window, hi_format, lo_format, hi_rounding=None, elements
     defaults; `knobs`: other FlushConfig fields (min_ctas_per_sm, fold, chunk, ...)."""
     if elements_per_thread is None:
         elements_per_thread = rf.default_elements_per_thread(NEMOTRON["headdim"],
-                                                             NEMOTRON["dstate"], hi_format, "bf16")
+                                                             NEMOTRON["dstate"], hi_format)
     return rf.FlushConfig(
         **NEMOTRON,
         window=window,

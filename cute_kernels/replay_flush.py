@@ -115,15 +115,12 @@ E2M1_E4M3_MAX = 2688.0  # 448 * 6
 E2M1_MAX = 6.0
 
 
-def default_elements_per_thread(
-    headdim: int, dstate: int, hi_format: str = "fp16", act: str | None = None
-) -> int:
+def default_elements_per_thread(headdim: int, dstate: int, hi_format: str = "fp16") -> int:
     """For an fp16 recurrence copy 32 where the head takes whole warps and at most 1024
     threads that way (the direct fold's layout where it applies), else 64. The fp32 copy
-    takes 64 (the mma fold): in the benchmark (batch 256) it took 687.9 us there and 769.5
-    with the direct fold at 32 (results/kernel_bench_runs, fifth and sixth sessions), though
-    bench_write had the direct fold ahead, 785.6 against 799.6 (bench_write_8c.csv). `act`
-    is accepted for callers that know it; the choice does not depend on it."""
+    takes 64 (the mma fold): in the benchmark (batch 256) it took 652.2 us there (run of
+    caae136) and 769.5 with the direct fold at 32 (run of da68876), though bench_write had
+    the direct fold ahead, 785.6 against 799.6 (bench_write_8c.csv)."""
     if hi_format == "fp32":
         return ELEMENTS_PER_THREAD
     fits = _layout_problem(headdim, dstate, 32) is None and headdim * dstate // 32 <= 1024
@@ -1361,9 +1358,7 @@ def _prepare_flush(
 ):
     """Validate a flush call; returns (FlushConfig, lo as a dict)."""
     if elements_per_thread is None and isinstance(hi, torch.Tensor) and hi.dim() == 4:
-        act_name = ACT_DTYPES.get(x.dtype) if isinstance(x, torch.Tensor) else None
-        elements_per_thread = default_elements_per_thread(hi.shape[2], hi.shape[3], hi_format,
-                                                          act_name)
+        elements_per_thread = default_elements_per_thread(hi.shape[2], hi.shape[3], hi_format)
     elif elements_per_thread is None:
         elements_per_thread = ELEMENTS_PER_THREAD  # check_state_shape reports the bad hi
     if elements_per_thread not in (32, 64):

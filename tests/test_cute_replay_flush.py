@@ -195,7 +195,6 @@ def test_default_knobs_are_the_measured_fastest_where_they_apply():
         wide_rows = config(dict(NEMOTRON, headdim=headdim), "fp16", "sr", "nvfp4",
                            elements_per_thread=32)
         assert (wide_rows.fold, wide_rows.min_ctas_per_sm) == ("direct", ctas)
-    assert rf.default_elements_per_thread(64, 128, "fp32", "bf16") == 64  # the benchmark's pick
     with pytest.raises(ValueError, match="'mma' needs bf16"):
         config(NEMOTRON, "fp16", "sr", "nvfp4", act="fp32", fold="mma")
     with pytest.raises(ValueError, match="'direct' needs dstate 128"):
