@@ -313,6 +313,15 @@ EAGER_VARIANTS = [
 ]
 
 
+# The read copy's loads pinned where the code issues them (`ReplayOutputConfig.pin_state_loads`),
+# alone and with the next head's loads issued before the current head's work (prefetch).
+PIN_VARIANTS = [
+    ("nvfp4", dict(pin_state_loads=True)), ("nvfp4", dict(prefetch=True, pin_state_loads=True)),
+    ("nvfp4", dict(prefetch=True)), ("fp8_e4m3", dict(pin_state_loads=True)),
+    ("fp16", dict(pin_state_loads=True)), ("fp32", dict(pin_state_loads=True)),
+]
+
+
 # Stages left out, timing only (`ReplayOutputConfig.ablate`; the outputs are wrong, so the
 # check is reported as nan): where the non-flush nvfp4 step's time goes.
 ABLATION_VARIANTS = [
@@ -333,7 +342,7 @@ SPLITS_SWEEP = [("nvfp4", 4, 1), ("nvfp4", 4, 2), ("nvfp4", 4, 4), ("nvfp4", 2, 
 
 def run(batches, h, window, sets, reps, out=None, variants=True, splits_sweep=False,
         knob_variants=False, splits=None, ablations=False, early_variants=False,
-        pass_variants=False, eager_variants=False):
+        pass_variants=False, eager_variants=False, pin_variants=False):
     copy_gbs, read_gbs = ceilings()
     rows = []
     cases = [(fmt, None) for fmt in ro.LO_FORMATS]
@@ -357,6 +366,8 @@ def run(batches, h, window, sets, reps, out=None, variants=True, splits_sweep=Fa
         cases = [(fmt, None) for fmt in ro.LO_FORMATS] + list(PASS_VARIANTS)
     if eager_variants:
         cases = [(fmt, None) for fmt in ro.LO_FORMATS] + list(EAGER_VARIANTS)
+    if pin_variants:
+        cases = [(fmt, None) for fmt in ro.LO_FORMATS] + list(PIN_VARIANTS)
     if splits_sweep:
         cases = [(fmt, None) for fmt in ("nvfp4", "fp32")]
         grid = SPLITS_SWEEP if not splits else [("nvfp4", 4, k) for k in splits]
@@ -423,6 +434,8 @@ def main():
                    help="the defaults and PASS_VARIANTS only (two heads a warp at once)")
     p.add_argument("--eager-variants", action="store_true",
                    help="the defaults and EAGER_VARIANTS only (first loads with the cursor's)")
+    p.add_argument("--pin-variants", action="store_true",
+                   help="the defaults and PIN_VARIANTS only (state loads kept where issued)")
     p.add_argument("--shape", choices=list(SHAPES), default="nemotron3-super")
     p.add_argument("--splits", type=int, nargs="+", default=None,
                    help="with --splits-sweep: nvfp4 at 4 warps and these head_splits only")
@@ -433,7 +446,7 @@ def main():
     SHAPE.update(SHAPES[a.shape])
     run(a.batch, a.h, a.window, a.sets, a.reps, a.out, not a.no_variants, a.splits_sweep,
         a.knob_variants, a.splits, a.ablations, a.early_variants, a.pass_variants,
-        a.eager_variants)
+        a.eager_variants, a.pin_variants)
 
 
 if __name__ == "__main__":

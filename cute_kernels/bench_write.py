@@ -394,6 +394,16 @@ def run(cfg: BenchConfig, only=None):
             lambda: bench_flush(cfg, "fp16", "nvfp4", min_ctas_per_sm=0),
         ),
         (
+            "flush fp16-SR + nvfp4, ring loads in turn (x, then B, then the dt chain)",
+            lambda: True,
+            lambda: bench_flush(cfg, "fp16", "nvfp4", ring_loads_first=False),
+        ),
+        (
+            "flush fp32 single copy, ring loads in turn",
+            lambda: True,
+            lambda: bench_flush(cfg, "fp32", "none", ring_loads_first=False),
+        ),
+        (
             "flush fp16-SR + nvfp4, FFMA fold",
             lambda: True,
             lambda: bench_flush(cfg, "fp16", "nvfp4", fold="fma"),

@@ -206,6 +206,11 @@ class FlushConfig:
     # mma fold: 955.4 -> 905.7 us (bench_write_8.csv; 66.4 -> 60.9 SASS instructions per
     # element)
     chunk: int | None = None
+    # issue every load that the ring staging needs (this thread's x and B chunks, warp 0's
+    # dt values) before any shared-memory store, so that a CTA waits out one round trip
+    # before its barrier; False: the earlier order (x chunks loaded and stored, then B's,
+    # then warp 0's dt loads), two to four round trips in turn
+    ring_loads_first: bool = True
 
     def __post_init__(self):
         if self.fold is not None and self.fold not in FOLDS:
@@ -432,7 +437,6 @@ class ReplayFlush:
         P, N, L = cfg.headdim, cfg.dstate, cfg.window
         R, rows, passes, T = cfg.chunks_per_row, cfg.rows_per_pass, cfg.passes, cfg.threads
         W = cfg.chunk  # state elements a chunk
-        RB = N // CHUNK  # 8-element chunks of a ring B row (the ring is staged in 8s)
         tidx, _, _ = cute.arch.thread_idx()
         h, s, _ = cute.arch.block_idx()
         g = h // cfg.heads_per_group
@@ -484,63 +488,29 @@ class ReplayFlush:
                 hi_frags.append(hi_frag)
                 if cutlass.const_expr(not direct):
                     acc.append(hi_frag.load().to(Float32))
-            # C for the output, in flight with the state (it would wait out a round trip
-            # after the barrier)
+            # C, D and z for the output, in flight with the state (each would wait out a
+            # round trip after the barrier)
+            d_h, z_rows = _gate_inputs(cfg, s, h, [row0 + rows * i for i in range(pieces)], D, z)
             c_frag = cute.make_rmem_tensor((W,), C.element_type)
             cute.autovec_copy(cute.local_tile(C[s, g, None], (W,), (col,)), c_frag)
 
             # 2. stage the ring in fp32 shared memory and append the current record
-            x_cur = x[s, h, None]
-            for q in cutlass.range_constexpr((L * P // CHUNK + T - 1) // T):
-                x_chunk = tidx + T * q
-                if x_chunk < L * P // CHUNK:
-                    xj = x_chunk // (P // CHUNK)
-                    xc = x_chunk % (P // CHUNK)
-                    x_frag = cute.make_rmem_tensor((CHUNK,), x.element_type)
-                    x_slot = cute.local_tile(ring_x[s, h, xj, None], (CHUNK,), (xc,))
-                    if xj == L - 1:
-                        cute.autovec_copy(cute.local_tile(x_cur, (CHUNK,), (xc,)), x_frag)
-                        cute.autovec_copy(x_frag, x_slot)
-                    else:
-                        cute.autovec_copy(x_slot, x_frag)
-                    x_staged = cute.make_rmem_tensor((CHUNK,), Float32)
-                    x_staged.store(x_frag.load().to(Float32))
-                    cute.autovec_copy(x_staged, cute.local_tile(sX[xj, None], (CHUNK,), (xc,)))
-            B_cur = B[s, g, None]
-            tc_fold = mma or direct
-            b_rows = K if tc_fold else L  # tensor cores: rows L..K-1 zero-filled
-            for q in cutlass.range_constexpr((b_rows * RB + T - 1) // T):
-                b_chunk = tidx + T * q
-                if b_chunk < b_rows * RB:
-                    bj = b_chunk // RB
-                    bc = b_chunk % RB
-                    b_frag = cute.make_rmem_tensor((CHUNK,), B.element_type)
-                    b_row = cutlass.min(bj, L - 1) if tc_fold else bj
-                    b_slot = cute.local_tile(ring_B[s, g, b_row, None], (CHUNK,), (bc,))
-                    if bj == L - 1:
-                        cute.autovec_copy(cute.local_tile(B_cur, (CHUNK,), (bc,)), b_frag)
-                        if h % cfg.heads_per_group == 0:
-                            cute.autovec_copy(b_frag, b_slot)
-                    elif cutlass.const_expr(tc_fold):
-                        if bj < L:
-                            cute.autovec_copy(b_slot, b_frag)
-                        else:
-                            b_frag.fill(0.0)
-                    else:
-                        cute.autovec_copy(b_slot, b_frag)
-                    if cutlass.const_expr(direct):
-                        base = _direct_position(bc * CHUNK)
-                        for v in cutlass.range_constexpr(CHUNK):
-                            sB[bj, base + _direct_position(v)] = b_frag[v]
-                    elif cutlass.const_expr(mma):
-                        cute.autovec_copy(b_frag, cute.local_tile(sB[bj, None], (CHUNK,), (bc,)))
-                    else:
-                        b_staged = cute.make_rmem_tensor((CHUNK,), Float32)
-                        b_staged.store(b_frag.load().to(Float32))
-                        cute.autovec_copy(b_staged,
-                                          cute.local_tile(sB[bj, None], (CHUNK,), (bc,)))
-            if tidx < 32:
-                _stage_decay(cfg, tidx, s, h, ring_dt, dt, A, dt_bias, sW)
+            if cutlass.const_expr(cfg.ring_loads_first):
+                # every load first (the ring's x and B chunks, warp 0's dt values), in flight
+                # with the state's; then the shared-memory stores and warp 0's decay weights:
+                # one round trip before the barrier instead of one for x, one for B and one
+                # or two for warp 0's dt chain
+                x_frags, b_frags = _load_ring(cfg, tidx, s, h, g, x, ring_x, B, ring_B)
+                dt_in = _load_decay_inputs(cfg, tidx % 32, s, h, ring_dt, dt, A, dt_bias)
+                _store_ring(cfg, tidx, s, h, g, x_frags, b_frags, ring_x, ring_B, sX, sB)
+                if tidx < 32:
+                    _decay_weights(cfg, tidx, s, h, ring_dt, dt_in, sW)
+            else:
+                _stage_ring_in_turn(cfg, tidx, s, h, g, x, ring_x, B, ring_B, sX, sB)
+                if tidx < 32:
+                    _decay_weights(cfg, tidx, s, h, ring_dt,
+                                   _load_decay_inputs(cfg, tidx, s, h, ring_dt, dt, A, dt_bias),
+                                   sW)
             cute.arch.sync_threads()
 
             # 3. S_new = g S_hi + sum_j (w_j x_j) B_j^T, fp32
@@ -587,7 +557,7 @@ class ReplayFlush:
                 else:
                     total = cute.arch.warp_reduction(part, _add, threads_in_group=R)
                 if col == 0:
-                    out[s, h, p] = _gate(cfg, total, sX[L - 1, p], s, h, p, D, z).to(
+                    out[s, h, p] = _gate(cfg, total, sX[L - 1, p], d_h, z_rows[i]).to(
                         out.element_type
                     )
 
@@ -765,26 +735,166 @@ def _lo_codes_tensor(cfg: FlushConfig, ptr, batch):
     )
 
 
-def _processed_dt(cfg: FlushConfig, raw, h, dt_bias):
-    value = raw.to(Float32)
-    if cutlass.const_expr(cfg.has_dt_bias):
-        value = value + dt_bias[h]
-    if cutlass.const_expr(cfg.dt_softplus):
-        value = nm.softplus(value)
-    return value
+@cute.jit
+def _load_ring(cfg: cutlass.Constexpr, tidx, s, h, g, x, ring_x, B, ring_B):
+    """This thread's chunks of the window's x rows (the ring's records, this step's x last)
+    and of its B rows (the group's ring, this step's B last; with a tensor-core fold rows
+    L..K-1 are zeros), in registers: the loads only, none waited on here."""
+    L, P, T = cfg.window, cfg.headdim, cfg.threads
+    RB = cfg.dstate // CHUNK
+    x_frags = []
+    for q in cutlass.range_constexpr((L * P // CHUNK + T - 1) // T):
+        x_chunk = tidx + T * q
+        xj = x_chunk // (P // CHUNK)
+        xc = x_chunk % (P // CHUNK)
+        x_frag = cute.make_rmem_tensor((CHUNK,), x.element_type)
+        if x_chunk < L * P // CHUNK:
+            if xj == L - 1:
+                cute.autovec_copy(cute.local_tile(x[s, h, None], (CHUNK,), (xc,)), x_frag)
+            else:
+                cute.autovec_copy(cute.local_tile(ring_x[s, h, xj, None], (CHUNK,), (xc,)),
+                                  x_frag)
+        x_frags.append(x_frag)
+    b_rows = cfg.fold_k if cfg.fold != "fma" else L
+    b_frags = []
+    for q in cutlass.range_constexpr((b_rows * RB + T - 1) // T):
+        b_chunk = tidx + T * q
+        bj = b_chunk // RB
+        bc = b_chunk % RB
+        b_frag = cute.make_rmem_tensor((CHUNK,), B.element_type)
+        if b_chunk < b_rows * RB:
+            if bj == L - 1:
+                cute.autovec_copy(cute.local_tile(B[s, g, None], (CHUNK,), (bc,)), b_frag)
+            else:
+                if bj < L:
+                    cute.autovec_copy(cute.local_tile(ring_B[s, g, bj, None], (CHUNK,), (bc,)),
+                                      b_frag)
+                else:
+                    b_frag.fill(0.0)
+        b_frags.append(b_frag)
+    return x_frags, b_frags
 
 
 @cute.jit
-def _stage_decay(cfg: cutlass.Constexpr, lane, s, h, ring_dt, dt, A, dt_bias, sW):
+def _store_ring(cfg: cutlass.Constexpr, tidx, s, h, g, x_frags, b_frags, ring_x, ring_B, sX, sB):
+    """The loaded chunks into shared memory (x as fp32; B as bf16 in the tensor-core fold's
+    order, or as fp32 for the FFMA fold), and this step's x and B appended to the ring (B by
+    the group's first head)."""
+    L, P, T = cfg.window, cfg.headdim, cfg.threads
+    RB = cfg.dstate // CHUNK
+    for q in cutlass.range_constexpr(len(x_frags)):
+        x_chunk = tidx + T * q
+        xj = x_chunk // (P // CHUNK)
+        xc = x_chunk % (P // CHUNK)
+        if x_chunk < L * P // CHUNK:
+            if xj == L - 1:
+                cute.autovec_copy(x_frags[q],
+                                  cute.local_tile(ring_x[s, h, xj, None], (CHUNK,), (xc,)))
+            x_staged = cute.make_rmem_tensor((CHUNK,), Float32)
+            x_staged.store(x_frags[q].load().to(Float32))
+            cute.autovec_copy(x_staged, cute.local_tile(sX[xj, None], (CHUNK,), (xc,)))
+    b_rows = cfg.fold_k if cfg.fold != "fma" else L
+    for q in cutlass.range_constexpr(len(b_frags)):
+        b_chunk = tidx + T * q
+        bj = b_chunk // RB
+        bc = b_chunk % RB
+        b_frag = b_frags[q]
+        if b_chunk < b_rows * RB:
+            if bj == L - 1:
+                if h % cfg.heads_per_group == 0:
+                    cute.autovec_copy(b_frag,
+                                      cute.local_tile(ring_B[s, g, bj, None], (CHUNK,), (bc,)))
+            _stage_b_chunk(cfg, b_frag, bj, bc, sB)
+
+
+@cute.jit
+def _stage_b_chunk(cfg: cutlass.Constexpr, b_frag, bj, bc, sB):
+    """One 8-element chunk of B_j into the fold's shared-memory layout."""
+    if cutlass.const_expr(cfg.fold == "direct"):
+        base = _direct_position(bc * CHUNK)
+        for v in cutlass.range_constexpr(CHUNK):
+            sB[bj, base + _direct_position(v)] = b_frag[v]
+    elif cutlass.const_expr(cfg.fold == "mma"):
+        cute.autovec_copy(b_frag, cute.local_tile(sB[bj, None], (CHUNK,), (bc,)))
+    else:
+        b_staged = cute.make_rmem_tensor((CHUNK,), Float32)
+        b_staged.store(b_frag.load().to(Float32))
+        cute.autovec_copy(b_staged, cute.local_tile(sB[bj, None], (CHUNK,), (bc,)))
+
+
+@cute.jit
+def _stage_ring_in_turn(cfg: cutlass.Constexpr, tidx, s, h, g, x, ring_x, B, ring_B, sX, sB):
+    """The earlier staging order (``ring_loads_first=False``): each x chunk loaded and
+    stored, then each B chunk, so that a thread waits out one round trip for x and another
+    for B."""
+    L, P, T = cfg.window, cfg.headdim, cfg.threads
+    RB = cfg.dstate // CHUNK
+    for q in cutlass.range_constexpr((L * P // CHUNK + T - 1) // T):
+        x_chunk = tidx + T * q
+        if x_chunk < L * P // CHUNK:
+            xj = x_chunk // (P // CHUNK)
+            xc = x_chunk % (P // CHUNK)
+            x_frag = cute.make_rmem_tensor((CHUNK,), x.element_type)
+            x_slot = cute.local_tile(ring_x[s, h, xj, None], (CHUNK,), (xc,))
+            if xj == L - 1:
+                cute.autovec_copy(cute.local_tile(x[s, h, None], (CHUNK,), (xc,)), x_frag)
+                cute.autovec_copy(x_frag, x_slot)
+            else:
+                cute.autovec_copy(x_slot, x_frag)
+            x_staged = cute.make_rmem_tensor((CHUNK,), Float32)
+            x_staged.store(x_frag.load().to(Float32))
+            cute.autovec_copy(x_staged, cute.local_tile(sX[xj, None], (CHUNK,), (xc,)))
+    tc_fold = cfg.fold != "fma"
+    b_rows = cfg.fold_k if tc_fold else L  # tensor cores: rows L..K-1 zero-filled
+    for q in cutlass.range_constexpr((b_rows * RB + T - 1) // T):
+        b_chunk = tidx + T * q
+        if b_chunk < b_rows * RB:
+            bj = b_chunk // RB
+            bc = b_chunk % RB
+            b_frag = cute.make_rmem_tensor((CHUNK,), B.element_type)
+            b_row = cutlass.min(bj, L - 1) if tc_fold else bj
+            b_slot = cute.local_tile(ring_B[s, g, b_row, None], (CHUNK,), (bc,))
+            if bj == L - 1:
+                cute.autovec_copy(cute.local_tile(B[s, g, None], (CHUNK,), (bc,)), b_frag)
+                if h % cfg.heads_per_group == 0:
+                    cute.autovec_copy(b_frag, b_slot)
+            elif cutlass.const_expr(tc_fold):
+                if bj < L:
+                    cute.autovec_copy(b_slot, b_frag)
+                else:
+                    b_frag.fill(0.0)
+            else:
+                cute.autovec_copy(b_slot, b_frag)
+            _stage_b_chunk(cfg, b_frag, bj, bc, sB)
+
+
+@cute.jit
+def _load_decay_inputs(cfg: cutlass.Constexpr, lane, s, h, ring_dt, dt, A, dt_bias):
+    """The decay weights' inputs, unconditionally (so that they can go out with the other
+    loads): record ``lane``'s processed dt (index clamped; the record L-1 is this step's),
+    this step's raw dt plus its bias, and A."""
+    ring = ring_dt[s, h, cutlass.min(lane, max(cfg.window - 2, 0))]
+    raw = dt[s, h].to(Float32)
+    if cutlass.const_expr(cfg.has_dt_bias):
+        raw = raw + dt_bias[h]
+    return ring, raw, A[h]
+
+
+@cute.jit
+def _decay_weights(cfg: cutlass.Constexpr, lane, s, h, ring_dt, inputs, sW):
     """Warp 0: sW[j] = exp(A (cum_{L-1} - cum_j)) dt_j for j < L and sW[L] = exp(A cum_{L-1}),
     with cum the inclusive prefix sum of the window's dt (the current dt, processed, last);
     the processed dt is appended to the ring."""
     L = cfg.window
+    ring, raw, a = inputs
+    current = raw
+    if cutlass.const_expr(cfg.dt_softplus):
+        current = nm.softplus(current)
     dt_j = Float32(0.0)
     if lane < L - 1:
-        dt_j = ring_dt[s, h, lane]
+        dt_j = ring
     if lane == L - 1:
-        dt_j = _processed_dt(cfg, dt[s, h], h, dt_bias)
+        dt_j = current
         ring_dt[s, h, L - 1] = dt_j
     cum = dt_j
     offset = 1
@@ -794,7 +904,6 @@ def _stage_decay(cfg: cutlass.Constexpr, lane, s, h, ring_dt, dt, A, dt_bias, sW
             cum = cum + other
         offset *= 2
     total = cute.arch.shuffle_sync(cum, offset=L - 1)
-    a = A[h]
     exponent = a * (total - cum)
     exponent = nm._sel(exponent > Float32(0.0), Float32(0.0), exponent)
     if lane < L:
@@ -804,11 +913,24 @@ def _stage_decay(cfg: cutlass.Constexpr, lane, s, h, ring_dt, dt, A, dt_bias, sW
 
 
 @cute.jit
-def _gate(cfg: cutlass.Constexpr, y, x_p, s, h, p, D, z):
+def _gate_inputs(cfg: cutlass.Constexpr, s, h, rows, D, z):
+    """D[h] and z at this thread's output rows, loaded with the state (after the fold they
+    would cost the output a round trip)."""
+    d_h = Float32(0.0)
     if cutlass.const_expr(cfg.has_D):
-        y = y + D[h] * x_p
+        d_h = D[h]
+    z_rows = [Float32(0.0) for _ in rows]
     if cutlass.const_expr(cfg.has_z):
-        y = y * nm.silu(z[s, h, p].to(Float32))
+        z_rows = [z[s, h, p].to(Float32) for p in rows]
+    return d_h, z_rows
+
+
+@cute.jit
+def _gate(cfg: cutlass.Constexpr, y, x_p, d_h, z_p):
+    if cutlass.const_expr(cfg.has_D):
+        y = y + d_h * x_p
+    if cutlass.const_expr(cfg.has_z):
+        y = y * nm.silu(z_p)
     return y
 
 

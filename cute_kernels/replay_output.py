@@ -103,13 +103,18 @@ def _addr(addr, loc=None, ip=None):
 
 
 @dsl_user_op
-def _ld_words(addr, n: int, state: bool = False, *, loc=None, ip=None) -> list:
+def _ld_words(addr, n: int, state: bool = False, pinned: bool = False, *, loc=None,
+              ip=None) -> list:
     """``n`` 32-bit words (n = 1, 2 or 4) from a global byte address aligned to 4n bytes.
-    State reads use the read-only path and skip L1 (each byte is read once)."""
+    State reads use the read-only path and skip L1 (each byte is read once). ``pinned``:
+    volatile, so that the compiler issues the load where the code does (a side-effect-free
+    load is otherwise free to sink to its first use, past barriers and other work)."""
     hint = "global.nc.L1::no_allocate" if state else "global"
+    if pinned:  # ptxas moves read-only (.nc) loads past a barrier too, coherent ones not
+        hint = "global.L1::no_allocate" if state else "global"
     if n == 1:
         r = inline_ptx(T.i32(), [_addr(addr, loc, ip)], f"ld.{hint}.u32 $0, [$1];", "=r,l",
-                       loc=loc, ip=ip)
+                       side_effects=pinned, loc=loc, ip=ip)
         return [Uint32(r)]
     outs = ",".join(f"${i}" for i in range(n))
     st = llvm.StructType.get_literal([T.i32()] * n)
@@ -118,6 +123,7 @@ def _ld_words(addr, n: int, state: bool = False, *, loc=None, ip=None) -> list:
         [_addr(addr, loc, ip)],
         f"ld.{hint}.v{n}.u32 {{{outs}}}, [${n}];",
         ",".join(["=r"] * n) + ",l",
+        side_effects=pinned,
         loc=loc,
         ip=ip,
     )
@@ -143,23 +149,25 @@ def _ld_words_if(addr, n: int, pred, *, loc=None, ip=None) -> list:
     return _unpack_struct(r, n, T.i32(), Uint32, loc, ip)
 
 
-def _load_words(addr, n: int, state: bool = False) -> list:
+def _load_words(addr, n: int, state: bool = False, pinned: bool = False) -> list:
     """``n`` consecutive words at byte address ``addr`` with the widest accesses the count
     allows (``addr`` aligned to 16 bytes when n is a multiple of 4, to 8 when even)."""
     width = 4 if n % 4 == 0 else (2 if n % 2 == 0 else 1)
     words = []
     for i in range(0, n, width):
-        words += _ld_words(addr + 4 * i, width, state)
+        words += _ld_words(addr + 4 * i, width, state, pinned)
     return words
 
 
 @dsl_user_op
-def _ld_u16(addr, *, loc=None, ip=None) -> Uint32:
+def _ld_u16(addr, pinned: bool = False, *, loc=None, ip=None) -> Uint32:
     r = inline_ptx(
         T.i32(),
         [_addr(addr, loc, ip)],
-        "{.reg .b16 t; ld.global.nc.L1::no_allocate.u16 t, [$1]; cvt.u32.u16 $0, t;}",
+        "{.reg .b16 t; ld.global%s.L1::no_allocate.u16 t, [$1]; cvt.u32.u16 $0, t;}"
+        % ("" if pinned else ".nc"),
         "=r,l",
+        side_effects=pinned,
         loc=loc,
         ip=ip,
     )
@@ -399,6 +407,12 @@ class ReplayOutputConfig:
     # 64 22.3 / 19.4, 256 72.4 / 69.3 (`bench_read --eager-variants`, bench_read_eager_7.csv;
     # the same kernel timed twice in that run differed by up to 5%). Off
     eager_loads: bool = False
+    # the read copy's loads coherent (no .nc) and volatile, so that they go out where the code
+    # issues them: ptxas sinks read-only loads towards their first use, past the prologue's
+    # barrier, which put the first head's state loads after the B . C products whatever
+    # the code's order (SASS at 4 warps; with prefetch, the next head's after the current
+    # head's work); coherent loads stay on their side of a barrier
+    pin_state_loads: bool = False
 
     @property
     def min_ctas(self) -> int:
@@ -1056,12 +1070,14 @@ class ReplayOutput:
         cfg, E = self.cfg, self.E
         P, N = cfg.headdim, cfg.dstate
         fmt = cfg.lo_format
+        pin = cfg.pin_state_loads
         if cfg.decode == "simt":
             # octet o = lane // 8 owns row 4p + o of pass p; lane l8 = lane % 8 the k in
             # [32m + 4 l8, 32m + 4 l8 + 4): each access is 16 bytes, each octet 128
             o, l8 = lane // 8, lane % 8
             return [
-                [_load_words(lo0 + ((sh * P + 4 * p + o) * N + 32 * m + 4 * l8) * 4, 4, True)
+                [_load_words(lo0 + ((sh * P + 4 * p + o) * N + 32 * m + 4 * l8) * 4, 4, True,
+                             pin)
                  for m in range(N // 32)]
                 for p in range(P // 4)
             ]
@@ -1082,15 +1098,17 @@ class ReplayOutput:
                     sc = (word[8] & Uint32(0x3F3F), word[9] & Uint32(0x3F3F))
                     chunks.append((a1, a2, sc if fmt == "nvfp4" else None))
                     continue
-                a1 = _load_words(lo0 + (sh * P + r1) * row_bytes + 64 * c + 16 * t, 4, True)
-                a2 = _load_words(lo0 + (sh * P + r1 + 8) * row_bytes + 64 * c + 16 * t, 4, True)
+                a1 = _load_words(lo0 + (sh * P + r1) * row_bytes + 64 * c + 16 * t, 4, True,
+                                 pin)
+                a2 = _load_words(lo0 + (sh * P + r1 + 8) * row_bytes + 64 * c + 16 * t, 4,
+                                 True, pin)
                 sc = None
                 if fmt == "nvfp4" and "scales" in cfg.ablate:  # timing only
                     sc = (a1[0] & Uint32(0x3F3F), a2[0] & Uint32(0x3F3F))
                 elif fmt == "nvfp4":
                     sc_row = N // 16
-                    sc = (_ld_u16(lo1 + (sh * P + r1) * sc_row + 8 * c + 2 * t),
-                          _ld_u16(lo1 + (sh * P + r1 + 8) * sc_row + 8 * c + 2 * t))
+                    sc = (_ld_u16(lo1 + (sh * P + r1) * sc_row + 8 * c + 2 * t, pin),
+                          _ld_u16(lo1 + (sh * P + r1 + 8) * sc_row + 8 * c + 2 * t, pin))
                 chunks.append((a1, a2, sc))
             stripes.append(chunks)
         return stripes
@@ -1292,6 +1310,7 @@ def replay_output(
     early_loads=None,
     heads_per_pass=None,
     eager_loads=None,
+    pin_state_loads=None,
 ):
     """One non-flush decode step for every slot whose ``cursors[s] + 1 < window``; returns
     ``out`` [S, H, P] (x's dtype; rows of flush slots are not written).
@@ -1306,9 +1325,9 @@ def replay_output(
     `default_head_splits`); ``min_ctas_per_sm`` caps registers and ``stage`` ("registers" or
     "smem", nvfp4) picks how the read copy is loaded, ``l2_prefetch`` (heads ahead, 0 off)
     and ``ys_layout`` ("rows" or "quads") are the tuning knobs of `ReplayOutputConfig`, as are
-    ``l2_prefetch_small``, ``early_loads`` (default on), ``heads_per_pass`` (1 or 2) and
-    ``eager_loads`` (default off), each measured there; ``ablate`` leaves stages out for
-    timing (wrong outputs; `ReplayOutputConfig.ablate`).
+    ``l2_prefetch_small``, ``early_loads`` (default on), ``heads_per_pass`` (1 or 2),
+    ``eager_loads`` and ``pin_state_loads``, each measured there; ``ablate``
+    leaves stages out for timing (wrong outputs; `ReplayOutputConfig.ablate`).
     """
     if lo_format not in LO_FORMATS:
         _fail("lo_format", f"one of {list(LO_FORMATS)}", repr(lo_format))
@@ -1325,6 +1344,8 @@ def replay_output(
     ):
         _fail("eager_loads", "None or a bool (True: with early_loads, stage 'registers', no "
               "l2_prefetch)", eager_loads)
+    if pin_state_loads is not None and not isinstance(pin_state_loads, bool):
+        _fail("pin_state_loads", "None or a bool", pin_state_loads)
     hp = 1 if heads_per_pass is None else heads_per_pass
     if isinstance(hp, bool) or hp not in (1, 2) or (
         hp == 2 and (stage not in (None, "registers") or prefetch or l2_prefetch)
@@ -1406,7 +1427,8 @@ def replay_output(
         early_loads=True if early_loads is None else bool(early_loads),
         heads_per_pass=hp,
     )
-    cfg = dataclasses.replace(cfg, eager_loads=bool(eager_loads))
+    cfg = dataclasses.replace(cfg, eager_loads=bool(eager_loads),
+                              pin_state_loads=bool(pin_state_loads))
     k = cfg.l2_prefetch
     if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 4:
         _fail("l2_prefetch", "None or an integer in [0, 4] (heads ahead)", l2_prefetch)

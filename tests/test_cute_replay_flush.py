@@ -149,6 +149,31 @@ def test_direct_fold_compiles_to_three_mmas_per_column_tile_and_no_shared_round_
     assert ".local" not in ptx
 
 
+@pytest.mark.parametrize("fold, elements_per_thread", [("direct", 32), ("mma", 64),
+                                                      ("fma", 64)])
+def test_every_load_before_the_staging_barrier_goes_out_before_any_shared_store(
+    fold, elements_per_thread
+):
+    """ring_loads_first (the default): before the CTA's barrier, every global load (the
+    state, C, D, z, the ring's x and B chunks, warp 0's dt values) comes before the first
+    shared-memory store, so that a CTA waits out one round trip; the earlier order has loads
+    after stores (x, then B, then the dt chain)."""
+    base = dataclasses.replace(config(NEMOTRON, "fp16", "sr", "nvfp4", window=16, debug=False),
+                               elements_per_thread=elements_per_thread, fold=fold)
+
+    def loads_after_first_store(cfg):
+        ptx = rf.compile_flush(cfg, keep_ptx=True).__ptx__
+        body = ptx[ptx.index(".entry"):]
+        staging = body[:body.index("bar.sync")]
+        after = staging[staging.index("st.shared"):]
+        return staging.count("ld.global"), after.count("ld.global")
+
+    loads, late = loads_after_first_store(base)
+    assert loads >= 10 and late == 0
+    _, late_in_turn = loads_after_first_store(dataclasses.replace(base, ring_loads_first=False))
+    assert late_in_turn >= 3
+
+
 def test_direct_fold_column_order_puts_each_lane_group_on_16_whole_columns():
     """_direct_position is a permutation of the 128 columns, and lane group q's accumulator
     of m-tile mt (m = q + 8 e) is state column 16 q + 2 mt + e; per chunk of 8 it is a base

@@ -136,6 +136,44 @@ def test_eager_loads_go_out_before_the_cursor_is_known():
     assert "@p ld.global" not in eager and "@p ld.global" in lazy
 
 
+def test_pinned_state_loads_are_coherent_and_issued_before_the_prologue_barrier():
+    """pin_state_loads: every read-copy load is a coherent (no .nc), volatile load, and the
+    first head's are in the PTX before the prologue's barrier (ptxas keeps coherent loads on
+    their side of it); without it they are read-only (.nc) loads."""
+    base = dataclasses.replace(_config("nvfp4", "nemotron"), head_splits=1)
+    pinned = ro.compile_replay_output(dataclasses.replace(base, pin_state_loads=True),
+                                      keep_ptx=True).__ptx__
+    free = ro.compile_replay_output(base, keep_ptx=True).__ptx__
+    state_nc = "ld.global.nc.L1::no_allocate.v4.u32"
+    state_pinned = "ld.global.L1::no_allocate.v4.u32"
+    body = pinned[pinned.index(".entry"):]
+    per_head = 64 * 128 // 2 // 16 // 32  # 16-byte loads a lane, one nvfp4 head
+    assert state_nc not in pinned and pinned.count(state_pinned) == 4 * per_head
+    assert body[:body.index("bar.sync")].count(state_pinned) == per_head
+    assert free.count(state_nc) == 4 * per_head and state_pinned not in free
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt, shape, knobs", [
+    ("nvfp4", "nemotron", dict(head_splits=1)), ("nvfp4", "odd", dict(warps=1)),
+    ("nvfp4", "nemotron", dict(head_splits=1, prefetch=True)),
+    ("fp8_e4m3", "odd", dict(warps=1)), ("fp16", "nemotron", dict(head_splits=2)),
+    ("fp32", "nemotron", dict(head_splits=1)),
+])
+def test_pinned_state_loads_keep_the_results(fmt, shape, knobs):
+    """Coherent, pinned read-copy loads change only the schedule: outputs, records and
+    cursors as the reference says."""
+    window = SHAPES[shape][-1]
+    lo, lo64, t = _inputs(fmt, shape, "bf16", seed=41)
+    lo_d, t_d = _to_cuda(lo, t)
+    out = torch.full_like(t_d["x"], float("nan"))
+    _call(lo_d, t_d, fmt, window, out, pin_state_loads=True, **knobs)
+    torch.cuda.synchronize()
+    _check_step(lo64, t, {k: v.cpu() for k, v in t_d.items()}, out.cpu(), window, "bf16")
+    with pytest.raises(ValueError, match="pin_state_loads"):
+        _call(lo_d, t_d, fmt, window, out, pin_state_loads=1)
+
+
 def test_bad_eager_loads_are_refused():
     """eager_loads must be a bool, and needs the early prologue loads, the registers stage and
     no L2 prefetch: anything else is a ValueError naming it, before any tensor is used."""
