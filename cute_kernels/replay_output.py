@@ -411,7 +411,11 @@ class ReplayOutputConfig:
     # issues them: ptxas sinks read-only loads towards their first use, past the prologue's
     # barrier, which put the first head's state loads after the B . C products whatever
     # the code's order (SASS at 4 warps; with prefetch, the next head's after the current
-    # head's work); coherent loads stay on their side of a barrier
+    # head's work); coherent loads stay on their side of a barrier. Slower on the H200
+    # (bench_read_pin_9.csv, h = 8): nvfp4 batch 256 66.0 -> 69.0 us, 128 36.9 -> 37.0, 8
+    # 6.3 -> 6.2; fp8 86.3 -> 88.5, fp32 282.7 -> 285.1 at 256; with prefetch 70.7 (70.0
+    # unpinned). The head's state held in registers through the prologue costs more than
+    # its round trip saves: off
     pin_state_loads: bool = False
 
     @property
