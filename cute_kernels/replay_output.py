@@ -638,6 +638,15 @@ class ReplayOutput:
         ys_layout = (cute.make_layout((P, WC, Q), stride=(Q, P * Q, 1)) if quads_inner
                      else cute.make_layout((P, WC, Q)))
         ys_smem = smem.allocate_tensor(Float32, ys_layout, byte_alignment=16)
+        # per warp and head: its ring coefficients g_{j+1:h} dt_j (B_j . C), one row of
+        # self.coef_row floats (16-byte aligned for the epilogue's vector reads), and its
+        # checkpoint factor g_{0:h}
+        NH = (HPG // SPL) // W  # heads of a warp
+        coef_smem = smem.allocate_tensor(
+            Float32, cute.make_layout((W, NH, self.coef_row),
+                                      stride=(NH * self.coef_row, self.coef_row, 1)),
+            byte_alignment=16)
+        ck_smem = smem.allocate_tensor(Float32, cute.make_layout((W, NH)), byte_alignment=16)
         staged = cfg.stage == "smem"
         stage_base = Int32(0)
         if cutlass.const_expr(staged):
@@ -663,6 +672,10 @@ class ReplayOutput:
             # state in flight while it works, and no load waits on another load.
             nh = HPS // W  # heads of this warp
             HPP = cfg.heads_per_pass
+            # the decay weights of all of this warp's heads at once, a segment of lanes per
+            # head: the loads here, in flight with the prologue's; the weights before the
+            # prologue's barrier, their products with B . C after it
+            decay_inputs = _warp_decay_loads(cfg, self.segment, ptrs, heads[0], nh, s64, lane)
             loads = self._loaded(eager, "heads", lambda: [
                 self._issue_head(ptrs, s64 * H + heads[k], heads[k], cursor, lane)
                 for k in range(min(HPP, nh))])
@@ -713,7 +726,10 @@ class ReplayOutput:
                     )
             if cutlass.const_expr(not cfg.early_loads):
                 ck = self._checkpoint_setup(C.toint(), sg, lane)
+            weights = _warp_decay_weights(cfg, self.segment, ptrs, decay_inputs, cursor, lane)
             cute.arch.sync_threads()
+            self._store_coefs(weights, nh, warp, lane, cursor, bc_smem, coef_smem, ck_smem)
+            cute.arch.sync_warp()
             # every thread of this CTA has read the cursor; the last CTA of the slot stores h
             # (early_loads: after this CTA's heads, so that no warp waits for the atomic)
             arrivals = Int32(0)
@@ -757,23 +773,13 @@ class ReplayOutput:
                         _cp_async_wait(1 if hh + 1 < nh else 0)  # this head's group landed
                         cute.arch.sync_warp()  # ... for every lane's copies
                         ld["state"] = self._staged_state(stage, lane)
-                    # ---- this step's dt and the decay weights, record j on lane j ---------
-                    dt_cur = ld["dt_raw"]
-                    if cutlass.const_expr(cfg.dt_softplus):
-                        dt_cur = softplus(dt_cur)
-                    dt_j = _sel(lane < cursor, ld["dt_ring"], Float32(0.0))
-                    dt_j = _sel(lane == cursor, dt_cur, dt_j)
-                    incl = dt_j  # suffix sums: incl[j] = sum_{l >= j} dt_l
-                    for off in (1, 2, 4, 8, 16):
-                        nxt = cute.arch.shuffle_sync_down(incl, off)
-                        incl = _sel(lane + off < 32, incl + nxt, incl)
-                    excl = _sel(lane < 31, cute.arch.shuffle_sync_down(incl, 1), Float32(0.0))
-                    total = _shfl(incl, 0)
-                    a_h = ld["A"]
-                    decay = cute.math.exp(cutlass.min(a_h * excl, Float32(0.0)))
-                    coef = _sel(lane < h, decay * dt_j * bc_smem[lane], Float32(0.0))
-                    ck_scale = cute.math.exp(a_h * total)
-                    ctx.append([ld, sh, dt_cur, coef, ck_scale, stage])
+                    # ---- this head's ring coefficients and checkpoint factor ---------------
+                    row = coef_smem.iterator.toint() + 4 * self.coef_row * (warp * nh + hh)
+                    coefs = []
+                    for i in cutlass.range_constexpr((L - 2 + 3) // 4):
+                        coefs += [bits_f32(w) for w in _lds_v4(row + 16 * i)]
+                    c_last = coef_smem[warp, hh, cursor]  # this step's own record
+                    ctx.append([ld, sh, coefs, c_last, ck_smem[warp, hh], stage])
 
                 # ---- checkpoint terms S_lo C -> ys_smem[:, column of the warp's head] -----
                 for k in cutlass.range_constexpr(len(pass_heads)):
@@ -793,10 +799,8 @@ class ReplayOutput:
 
                 # ---- epilogue: rows v, v+1 on each lane -----------------------------------
                 for k in cutlass.range_constexpr(len(pass_heads)):
-                    ld, sh, dt_cur, coef, ck_scale, _ = ctx[k]
+                    ld, sh, coefs, c_last, ck_scale, _ = ctx[k]
                     col = warp if k == 0 else warp + W * k
-                    coefs = [_shfl(coef, j) for j in range(L - 1)]
-                    c_last = _shfl(coef, cursor)
                     for r in cutlass.range_constexpr((P + 63) // 64):
                         v_raw = 64 * r + 2 * lane
                         v = cutlass.min(v_raw, P - 2)  # clamped: every lane joins the shuffles
@@ -816,9 +820,10 @@ class ReplayOutput:
                                 ys1 = ys1 + ys_smem[v + 1, col, q]
                         acc0 = ck_scale * ys0
                         acc1 = ck_scale * ys1
-                        for j in cutlass.range_constexpr(L - 1):
+                        for j in cutlass.range_constexpr(L - 2):
                             # records j >= cursor were not loaded (zeros; eager_loads: loaded
-                            # and zeroed here) and have coef 0
+                            # and zeroed here) and have coef 0; record L - 2 is never before
+                            # the cursor (cursor <= L - 2 on a non-flush step)
                             words = ld["ring"][r][j]
                             if cutlass.const_expr(cfg.eager_loads):
                                 words = [_sel(j < cursor, w, Uint32(0)) for w in words]
@@ -835,8 +840,6 @@ class ReplayOutput:
                             out_words = _f32_to_words([acc0, acc1], act)
                             _store_words(out.toint() + (sh * P + v) * ab, out_words)
                             _store_words(ring_x.toint() + ((sh * Lc + cursor) * P + v) * ab, xw)
-                    if lane == 0:
-                        cute.arch.store((ring_dt + sh * Lc + cursor).llvm_ptr, dt_cur)
                 cute.arch.sync_warp()
             if cutlass.const_expr(cfg.early_loads):
                 if tid == 0:
@@ -919,10 +922,25 @@ class ReplayOutput:
             if cutlass.const_expr(cfg.lo_format == "nvfp4"):
                 _prefetch_l2((lo2.toint() + sh * 4) & Int64(~15), 16)
 
+    @property
+    def segment(self) -> int:
+        """Lanes that hold one head's window in `_decay_weights`: the window rounded up to a
+        power of two (records j < window - 1 of the ring and this step's)."""
+        return 1 << (self.cfg.window - 1).bit_length()
+
+    @property
+    def coef_row(self) -> int:
+        """Floats of one head's row of ring coefficients in shared memory (16-byte rows)."""
+        return 4 * ((self.segment + 3) // 4)
+
+    def _store_coefs(self, weights, nh, warp, lane, cursor, bc_smem, coef_smem, ck_smem):
+        _store_warp_coefs(self.segment, weights, nh, warp, lane, cursor, bc_smem, coef_smem,
+                          ck_smem)
+
     def _issue_head(self, ptrs, sh, head, cursor, lane) -> dict:
         """Every global load one head needs, issued together (none depends on another):
         the read copy (per format), the ring records before the cursor (predicated: records
-        past it cost no traffic), dt, A, D, x, z."""
+        past it cost no traffic), D, x, z (dt and A: `_decay_weights`)."""
         cfg = self.cfg
         lo0, lo1, lo2, ring_x, ring_dt, x, dt, A, D, z, dt_bias = ptrs
         P, Lc, L, act = cfg.headdim, cfg.ring_capacity, cfg.window, cfg.act
@@ -934,22 +952,6 @@ class ReplayOutput:
         if cfg.lo_format == "nvfp4":
             s_g = Float32(cute.arch.load((lo2 + sh).llvm_ptr, Float32))
             ld["factor"] = s_g * Float32(_NVFP4_UNDO)
-        if cfg.dt_dtype == "bf16":
-            # nvvm's scalar load has no 16-bit float form; bf16 is the top half of an fp32,
-            # so load the 16 bits and shift them into place (exact).
-            bits = Uint32(cute.arch.load((dt + sh).llvm_ptr, cutlass.Uint16))
-            dt_raw = bits_f32(bits << Uint32(16))
-        elif cfg.dt_dtype == "fp16":
-            bits = cute.arch.load((dt + sh).llvm_ptr, cutlass.Uint16)
-            dt_raw = Float32(bits.bitcast(cutlass.Float16))
-        else:
-            dt_raw = Float32(cute.arch.load((dt + sh).llvm_ptr, _ACT_CUTE[cfg.dt_dtype]))
-        if cfg.has_dt_bias:
-            dt_raw = dt_raw + Float32(cute.arch.load((dt_bias + head).llvm_ptr, Float32))
-        ld["dt_raw"] = dt_raw
-        lane_c = cutlass.min(lane, Lc - 1)
-        ld["dt_ring"] = Float32(cute.arch.load((ring_dt + sh * Lc + lane_c).llvm_ptr, Float32))
-        ld["A"] = Float32(cute.arch.load((A + head).llvm_ptr, Float32))
         ld["D"] = Float32(0.0)
         if cfg.has_D:
             ld["D"] = Float32(cute.arch.load((D + head).llvm_ptr, Float32))
@@ -960,15 +962,15 @@ class ReplayOutput:
             if cfg.has_z:
                 ld["z"].append(_load_words(z.toint() + (sh * P + v) * ab, ab // 2))
             if "ring" in cfg.ablate:  # timing only: the records' words without their loads
-                ld["ring"].append([[Uint32(lane + j)] * (ab // 2) for j in range(L - 1)])
+                ld["ring"].append([[Uint32(lane + j)] * (ab // 2) for j in range(L - 2)])
                 continue
             if cursor is None:  # eager_loads: every record, zeroed past the cursor when used
                 ld["ring"].append([_load_words(ring_x.toint() + ((sh * Lc + j) * P + v) * ab,
-                                               ab // 2) for j in range(L - 1)])
+                                               ab // 2) for j in range(L - 2)])
                 continue
             ld["ring"].append([
                 _ld_words_if(ring_x.toint() + ((sh * Lc + j) * P + v) * ab, ab // 2, j < cursor)
-                for j in range(L - 1)
+                for j in range(L - 2)
             ])
         return ld
 
@@ -1483,3 +1485,97 @@ def traffic_bytes(
     per_head = state + (h - 1) * (row + 4) + row * (3 + has_z) + 4 + 4
     per_group = (h - 1) * dstate * act_bytes + 3 * dstate * act_bytes
     return int(batch * (nheads * per_head + ngroups * per_group + 8))
+
+
+@cute.jit
+def _warp_decay_loads(cfg: cutlass.Constexpr, S: cutlass.Constexpr, ptrs, first_head,
+                      nh: cutlass.Constexpr, s64, lane):
+    """The loads of `_warp_decay_weights`, per pass of a warp's heads: (lane's head is real,
+    its (slot, head) row, ring dt of record j = lane % S (index clamped), this step's raw dt
+    plus bias, A)."""
+    _, _, _, _, ring_dt, _, dt, A, _, _, dt_bias = ptrs
+    H, Lc, W = cfg.nheads, cfg.ring_capacity, cfg.warps
+    per = 32 // S
+    j = lane % S
+    passes = []
+    for q in cutlass.range_constexpr((nh + per - 1) // per):
+        k_raw = q * per + lane // S
+        k = cutlass.min(k_raw, nh - 1)
+        head = first_head + W * k
+        sh = s64 * H + head
+        ring = Float32(cute.arch.load((ring_dt + sh * Lc + cutlass.min(j, Lc - 1)).llvm_ptr,
+                                      Float32))
+        if cutlass.const_expr(cfg.dt_dtype == "bf16"):
+            # nvvm's scalar load has no 16-bit float form; bf16 is the top half of an fp32,
+            # so load the 16 bits and shift them into place (exact).
+            bits = Uint32(cute.arch.load((dt + sh).llvm_ptr, cutlass.Uint16))
+            raw = bits_f32(bits << Uint32(16))
+        elif cutlass.const_expr(cfg.dt_dtype == "fp16"):
+            bits16 = cute.arch.load((dt + sh).llvm_ptr, cutlass.Uint16)
+            raw = Float32(bits16.bitcast(cutlass.Float16))
+        else:
+            raw = Float32(cute.arch.load((dt + sh).llvm_ptr, _ACT_CUTE[cfg.dt_dtype]))
+        if cutlass.const_expr(cfg.has_dt_bias):
+            raw = raw + Float32(cute.arch.load((dt_bias + head).llvm_ptr, Float32))
+        a_h = Float32(cute.arch.load((A + head).llvm_ptr, Float32))
+        passes.append((k_raw < nh, sh, ring, raw, a_h))
+    return passes
+
+
+@cute.jit
+def _warp_decay_weights(cfg: cutlass.Constexpr, S: cutlass.Constexpr, ptrs, passes, cursor,
+                        lane):
+    """The decay weights of all of a warp's heads (heads ``first_head + warps k``), ``32 //
+    S`` heads a pass, record j of the pass's head k on lane ``k S + j`` (S: the window
+    rounded up to a power of two), from `_warp_decay_loads`: per pass ``(valid, w, ck)`` with
+    ``w = g_{j+1:h} dt_j`` for j < h (0 after) and ``ck = g_{0:h}``; this step's processed dt
+    is appended to the ring here (lane j = cursor).
+
+    One head a warp at a time, these chains (the dt loads, softplus, the suffix-sum
+    shuffles, two exps) took about 100 of a head's 745 SASS instructions a lane; a pass now
+    does 2 heads (window 16) or 4 (window 8). The suffix sums run over the segment, whose
+    lanes past the cursor hold zeros as the whole warp's did, so every value is the
+    one-head-a-warp form's, bit for bit."""
+    ring_dt = ptrs[4]
+    Lc = cfg.ring_capacity
+    j = lane % S
+    h = cursor + 1
+    out = []
+    for q in cutlass.range_constexpr(len(passes)):
+        valid, sh, ring, raw, a_h = passes[q]
+        dt_cur = raw
+        if cutlass.const_expr(cfg.dt_softplus):
+            dt_cur = softplus(dt_cur)
+        dt_j = _sel(j < cursor, ring, Float32(0.0))
+        dt_j = _sel(j == cursor, dt_cur, dt_j)
+        if valid:
+            if j == cursor:  # this step's dt, appended
+                cute.arch.store((ring_dt + sh * Lc + cursor).llvm_ptr, dt_cur)
+        incl = dt_j  # suffix sums over the segment: incl[j] = sum_{l >= j} dt_l
+        for i in cutlass.range_constexpr(S.bit_length() - 1):
+            nxt = cute.arch.shuffle_sync_down(incl, 1 << i)
+            incl = _sel(j + (1 << i) < S, incl + nxt, incl)
+        excl = _sel(j < S - 1, cute.arch.shuffle_sync_down(incl, 1), Float32(0.0))
+        total = _shfl(incl, lane - j)
+        decay = cute.math.exp(cutlass.min(a_h * excl, Float32(0.0)))
+        w = _sel(j < h, decay * dt_j, Float32(0.0))
+        out.append((valid, w, cute.math.exp(a_h * total)))
+    return out
+
+
+@cute.jit
+def _store_warp_coefs(S: cutlass.Constexpr, weights, nh: cutlass.Constexpr, warp, lane, cursor,
+                      bc_smem, coef_smem, ck_smem):
+    """After the prologue's barrier (B . C in ``bc_smem`` for records j <= cursor; the
+    entries past it were never written): each of a warp's heads' ring coefficients ``w_j
+    (B_j . C)`` (0 past the cursor) and its checkpoint factor into the warp's rows (row-major:
+    a head's coefficients contiguous)."""
+    per = 32 // S
+    j = lane % S
+    for q in cutlass.range_constexpr(len(weights)):
+        valid, w, ck = weights[q]
+        k = cutlass.min(q * per + lane // S, nh - 1)
+        if valid:
+            coef_smem[warp, k, j] = _sel(j <= cursor, w * bc_smem[j], Float32(0.0))
+            if j == 0:
+                ck_smem[warp, k] = ck

@@ -294,8 +294,25 @@ def test_quad_major_partial_sums_are_read_sixteen_bytes_at_a_time():
         dataclasses.replace(base, ys_layout="quads"), keep_ptx=True
     ).__ptx__
     heads_per_warp = 16 // 4
-    assert quads.count("ld.shared.v4.u32") == 2 * heads_per_warp
-    assert rows.count("ld.shared.v4.u32") == 0
+    coef_reads = heads_per_warp * -(-(16 - 2) // 4)  # each head's 14 ring coefficients
+    assert quads.count("ld.shared.v4.u32") == 2 * heads_per_warp + coef_reads
+    assert rows.count("ld.shared.v4.u32") == coef_reads
+
+
+def test_decay_weights_are_computed_for_a_warps_heads_at_once():
+    """A warp's heads' decay weights come from one pass per 32 // segment heads (window 16:
+    two heads a pass, a four-step suffix sum each; window 8: four heads, three steps), not
+    one five-step scan per head; the epilogue reads each head's coefficients from shared
+    memory (four 16-byte reads for 14 ring records), with no shuffle per record."""
+    for window, steps, heads_a_pass in ((16, 4, 2), (8, 3, 4)):
+        cfg = dataclasses.replace(_config("nvfp4", "nemotron"), warps=4, head_splits=1,
+                                  window=window, ring_capacity=16)
+        assert ro.ReplayOutput(cfg).segment == 32 // heads_a_pass
+        ptx = ro.compile_replay_output(cfg, keep_ptx=True).__ptx__
+        passes = -(-4 // heads_a_pass)  # 4 heads a warp
+        assert ptx.count("shfl.sync.down.b32") == passes * (steps + 1)
+        # each segment's total, and the DSL's broadcast of the shared-memory base
+        assert ptx.count("shfl.sync.idx.b32") == passes + 1
 
 
 @pytest.mark.parametrize("shape, warps", [("nemotron", 4), ("odd", 2)])
@@ -691,6 +708,27 @@ def test_early_prologue_loads_keep_the_results(fmt, shape, knobs):
     lo_d, t_d = _to_cuda(lo, t)
     out = torch.full_like(t_d["x"], float("nan"))
     _call(lo_d, t_d, fmt, window, out, **knobs)  # early_loads is the default
+    torch.cuda.synchronize()
+    _check_step(lo64, t, {k: v.cpu() for k, v in t_d.items()}, out.cpu(), window, "bf16")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp32"])
+@pytest.mark.parametrize("shape", [
+    (4, 16, 32, 128, 2, 32, 32),  # window 32: a head a pass, 2 passes a warp
+    (5, 24, 32, 128, 2, 5, 3),  # window 3: 8 heads a pass, 3 of them real
+    (3, 40, 16, 128, 1, 12, 11),  # window 11: 2 heads a pass, 10 (nvfp4) or 5 heads a warp
+], ids=["window32", "window3", "window11"])
+def test_decay_weights_of_a_warps_heads_at_other_windows(fmt, shape, monkeypatch):
+    """The decay weights worked out for a warp's heads together (segments of 32, 4 and 16
+    lanes; passes with lanes past the warp's last head) give the reference's step: outputs,
+    records (this step's dt appended once) and cursors."""
+    monkeypatch.setitem(SHAPES, "extra", shape)
+    window = shape[-1]
+    lo, lo64, t = _inputs(fmt, "extra", "bf16", seed=43)
+    lo_d, t_d = _to_cuda(lo, t)
+    out = torch.full_like(t_d["x"], float("nan"))
+    _call(lo_d, t_d, fmt, window, out, head_splits=1)
     torch.cuda.synchronize()
     _check_step(lo64, t, {k: v.cpu() for k, v in t_d.items()}, out.cpu(), window, "bf16")
 
