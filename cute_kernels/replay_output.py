@@ -673,8 +673,8 @@ class ReplayOutput:
             nh = HPS // W  # heads of this warp
             HPP = cfg.heads_per_pass
             # the decay weights of all of this warp's heads at once, a segment of lanes per
-            # head: the loads here, in flight with the prologue's; the weights before the
-            # prologue's barrier, their products with B . C after it
+            # head: the loads here, in flight with the prologue's; the weights and their
+            # products with B . C after the prologue's barrier
             decay_inputs = _warp_decay_loads(cfg, self.segment, ptrs, heads[0], nh, s64, lane)
             loads = self._loaded(eager, "heads", lambda: [
                 self._issue_head(ptrs, s64 * H + heads[k], heads[k], cursor, lane)
@@ -726,8 +726,12 @@ class ReplayOutput:
                     )
             if cutlass.const_expr(not cfg.early_loads):
                 ck = self._checkpoint_setup(C.toint(), sg, lane)
-            weights = _warp_decay_weights(cfg, self.segment, ptrs, decay_inputs, cursor, lane)
             cute.arch.sync_threads()
+            # after the barrier: ptxas sinks the first head's read-copy loads to just past it
+            # (pin_state_loads), and there these chains overlap their round trip; before it
+            # they lengthened a small batch's critical path (batch 8: 6.3 -> 7.0 us,
+            # bench_read_10.csv)
+            weights = _warp_decay_weights(cfg, self.segment, ptrs, decay_inputs, cursor, lane)
             self._store_coefs(weights, nh, warp, lane, cursor, bc_smem, coef_smem, ck_smem)
             cute.arch.sync_warp()
             # every thread of this CTA has read the cursor; the last CTA of the slot stores h
