@@ -26,8 +26,10 @@ Read-copy formats (``lo`` dicts, cache layout of DESIGN.md):
 Work decomposition (drawn in README.md, "Read path"): one CTA per (group, slot), ``warps``
 warps, each warp owns ``heads_per_group / warps`` heads, one at a time. The CTA computes the
 group's ``h`` dot products ``B_j . C`` once (shared memory) and appends ``B``; each warp
-forms ``S_lo C`` for its head into shared memory, then every lane finishes two output rows
-(ring term, D, gate).
+works out the decay weights of all its heads at once (a segment of lanes per head,
+`_warp_decay_weights`) and stores their ring coefficients in shared memory; then per head it
+forms ``S_lo C`` into shared memory, and every lane finishes two output rows (ring term, D,
+gate).
 
 Checkpoint term, fp8/fp16/nvfp4 (``decode='mma'``): the state is the A operand of
 ``mma.sync.m16n8k16`` (f16 in, fp32 accumulate); C (fp32) is split into f16 ``hi + lo`` placed
@@ -727,10 +729,11 @@ class ReplayOutput:
             if cutlass.const_expr(not cfg.early_loads):
                 ck = self._checkpoint_setup(C.toint(), sg, lane)
             cute.arch.sync_threads()
-            # after the barrier: ptxas sinks the first head's read-copy loads to just past it
-            # (pin_state_loads), and there these chains overlap their round trip; before it
-            # they lengthened a small batch's critical path (batch 8: 6.3 -> 7.0 us,
-            # bench_read_10.csv)
+            # after the barrier (before it in c852ff3, whose small grids read slower than the
+            # one-head-a-warp form's: batch 8 6.3 -> 7.0 us, bench_read_10.csv). Here too the
+            # benchmark reads 4.3 -> 4.8 us at batch 1 (head_splits 4, one head a warp, the
+            # same SASS count): this chain and the coefficients' warp barrier now come before
+            # the decode instead of interleaving with it. Not fixed yet
             weights = _warp_decay_weights(cfg, self.segment, ptrs, decay_inputs, cursor, lane)
             self._store_coefs(weights, nh, warp, lane, cursor, bc_smem, coef_smem, ck_smem)
             cute.arch.sync_warp()
@@ -1529,11 +1532,11 @@ def _warp_decay_loads(cfg: cutlass.Constexpr, S: cutlass.Constexpr, ptrs, first_
 @cute.jit
 def _warp_decay_weights(cfg: cutlass.Constexpr, S: cutlass.Constexpr, ptrs, passes, cursor,
                         lane):
-    """The decay weights of all of a warp's heads (heads ``first_head + warps k``), ``32 //
-    S`` heads a pass, record j of the pass's head k on lane ``k S + j`` (S: the window
-    rounded up to a power of two), from `_warp_decay_loads`: per pass ``(valid, w, ck)`` with
-    ``w = g_{j+1:h} dt_j`` for j < h (0 after) and ``ck = g_{0:h}``; this step's processed dt
-    is appended to the ring here (lane j = cursor).
+    """The decay weights of all of a warp's heads from `_warp_decay_loads` (heads
+    ``first_head + warps k``), ``32 // S`` heads a pass, record j of the pass's head k on
+    lane ``k S + j`` (S: the window rounded up to a power of two): per pass ``(valid, w,
+    ck)`` with ``w = g_{j+1:h} dt_j`` for j < h (0 after) and ``ck = g_{0:h}``; this step's
+    processed dt is appended to the ring here (lane j = cursor).
 
     One head a warp at a time, these chains (the dt loads, softplus, the suffix-sum
     shuffles, two exps) took about 100 of a head's 745 SASS instructions a lane; a pass now
