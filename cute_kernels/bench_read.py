@@ -356,18 +356,12 @@ def run(batches, h, window, sets, reps, out=None, variants=True, splits_sweep=Fa
                              min_ctas_per_sm=m, stage="smem"))
                   for fmt, w, m in STAGE_VARIANTS]
         cases += list(KNOB_VARIANTS)
-    if knob_variants:
-        cases = [(fmt, None) for fmt in ro.LO_FORMATS] + list(KNOB_VARIANTS)
-    if ablations:
-        cases = [(fmt, None) for fmt in ro.LO_FORMATS] + list(ABLATION_VARIANTS)
-    if early_variants:
-        cases = [(fmt, None) for fmt in ro.LO_FORMATS] + list(EARLY_VARIANTS)
-    if pass_variants:
-        cases = [(fmt, None) for fmt in ro.LO_FORMATS] + list(PASS_VARIANTS)
-    if eager_variants:
-        cases = [(fmt, None) for fmt in ro.LO_FORMATS] + list(EAGER_VARIANTS)
-    if pin_variants:
-        cases = [(fmt, None) for fmt in ro.LO_FORMATS] + list(PIN_VARIANTS)
+    # each of these flags times the defaults and its list only (the last one given wins)
+    for flag, extra in ((knob_variants, KNOB_VARIANTS), (ablations, ABLATION_VARIANTS),
+                        (early_variants, EARLY_VARIANTS), (pass_variants, PASS_VARIANTS),
+                        (eager_variants, EAGER_VARIANTS), (pin_variants, PIN_VARIANTS)):
+        if flag:
+            cases = [(fmt, None) for fmt in ro.LO_FORMATS] + list(extra)
     if splits_sweep:
         cases = [(fmt, None) for fmt in ("nvfp4", "fp32")]
         grid = SPLITS_SWEEP if not splits else [("nvfp4", 4, k) for k in splits]

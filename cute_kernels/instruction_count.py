@@ -51,7 +51,7 @@ RN 15.2, fp16 SR 30.0, fp16 RN + nvfp4 37.7, fp16 SR + nvfp4 52.5; at 32 (direct
 Non-flush nvfp4 at 4 warps: 4.52 instructions per element and lane with the f16 bit-trick
 decode and an f16 scale multiply (commit bcd48ec), 3.36 with the E4M3 re-pack and the block
 scales applied to per-block mma sums (78 -> 70-72 us at batch 256 on the H200), 3.38 with
-the fifth session's prologue, 3.15 with a warp's heads' decay weights worked out together and
+the fifth session's prologue, 3.13 with a warp's heads' decay weights worked out together and
 the ring coefficients read from shared memory (seventh session: 69.5 -> 64.1 us in the
 benchmark at batch 256); fp8 2.31 -> 2.05, fp32 3.28 -> 3.04.
 """

@@ -643,12 +643,12 @@ class ReplayOutput:
         # per warp and head: its ring coefficients g_{j+1:h} dt_j (B_j . C), one row of
         # self.coef_row floats (16-byte aligned for the epilogue's vector reads), and its
         # checkpoint factor g_{0:h}
-        NH = (HPG // SPL) // W  # heads of a warp
+        nh = HPS // W  # heads of a warp
         coef_smem = smem.allocate_tensor(
-            Float32, cute.make_layout((W, NH, self.coef_row),
-                                      stride=(NH * self.coef_row, self.coef_row, 1)),
+            Float32, cute.make_layout((W, nh, self.coef_row),
+                                      stride=(nh * self.coef_row, self.coef_row, 1)),
             byte_alignment=16)
-        ck_smem = smem.allocate_tensor(Float32, cute.make_layout((W, NH)), byte_alignment=16)
+        ck_smem = smem.allocate_tensor(Float32, cute.make_layout((W, nh)), byte_alignment=16)
         staged = cfg.stage == "smem"
         stage_base = Int32(0)
         if cutlass.const_expr(staged):
@@ -669,10 +669,9 @@ class ReplayOutput:
             sg = s64 * G + grp  # (slot, group) row of B, C, ring_B
             heads = [grp * HPG + part * HPS + warp + W * hh for hh in range(HPS // W)]
             ptrs = (lo0, lo1, lo2, ring_x, ring_dt, x, dt, A, D, z, dt_bias)
-            # The first head's loads go out before the prologue's barrier, the next head's
-            # before the current one is computed (cfg.prefetch): each warp keeps a head's
-            # state in flight while it works, and no load waits on another load.
-            nh = HPS // W  # heads of this warp
+            # The first head's loads are issued before the prologue's barrier (ptxas moves
+            # the read copy's past it: see pin_state_loads), the next head's before the
+            # current one is computed (cfg.prefetch); no load waits on another load.
             HPP = cfg.heads_per_pass
             # the decay weights of all of this warp's heads at once, a segment of lanes per
             # head: the loads here, in flight with the prologue's; the weights and their
@@ -735,7 +734,8 @@ class ReplayOutput:
             # same SASS count): this chain and the coefficients' warp barrier now come before
             # the decode instead of interleaving with it. Not fixed yet
             weights = _warp_decay_weights(cfg, self.segment, ptrs, decay_inputs, cursor, lane)
-            self._store_coefs(weights, nh, warp, lane, cursor, bc_smem, coef_smem, ck_smem)
+            _store_warp_coefs(self.segment, weights, nh, warp, lane, cursor, bc_smem, coef_smem,
+                              ck_smem)
             cute.arch.sync_warp()
             # every thread of this CTA has read the cursor; the last CTA of the slot stores h
             # (early_loads: after this CTA's heads, so that no warp waits for the atomic)
@@ -931,7 +931,7 @@ class ReplayOutput:
 
     @property
     def segment(self) -> int:
-        """Lanes that hold one head's window in `_decay_weights`: the window rounded up to a
+        """Lanes that hold one head's window in `_warp_decay_weights`: the window rounded up to a
         power of two (records j < window - 1 of the ring and this step's)."""
         return 1 << (self.cfg.window - 1).bit_length()
 
@@ -940,16 +940,12 @@ class ReplayOutput:
         """Floats of one head's row of ring coefficients in shared memory (16-byte rows)."""
         return 4 * ((self.segment + 3) // 4)
 
-    def _store_coefs(self, weights, nh, warp, lane, cursor, bc_smem, coef_smem, ck_smem):
-        _store_warp_coefs(self.segment, weights, nh, warp, lane, cursor, bc_smem, coef_smem,
-                          ck_smem)
-
     def _issue_head(self, ptrs, sh, head, cursor, lane) -> dict:
         """Every global load one head needs, issued together (none depends on another):
         the read copy (per format), the ring records before the cursor (predicated: records
-        past it cost no traffic), D, x, z (dt and A: `_decay_weights`)."""
+        past it cost no traffic), D, x, z (dt and A: `_warp_decay_loads`)."""
         cfg = self.cfg
-        lo0, lo1, lo2, ring_x, ring_dt, x, dt, A, D, z, dt_bias = ptrs
+        lo0, lo1, lo2, ring_x, _, x, _, _, D, z, _ = ptrs
         P, Lc, L, act = cfg.headdim, cfg.ring_capacity, cfg.window, cfg.act
         ab = _ACT_BYTES[act]
         ld = {"state": None}
