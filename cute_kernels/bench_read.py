@@ -322,6 +322,14 @@ PIN_VARIANTS = [
 ]
 
 
+# Where a warp works out its heads' decay weights (`ReplayOutputConfig.weights_at`): the
+# seventh session's form, before the decode, against the defaults (beside the first pass's
+# checkpoint term).
+WEIGHTS_VARIANTS = [
+    (fmt, dict(weights_at="before_decode")) for fmt in ("nvfp4", "fp8_e4m3", "fp16", "fp32")
+]
+
+
 # Stages left out, timing only (`ReplayOutputConfig.ablate`; the outputs are wrong, so the
 # check is reported as nan): where the non-flush nvfp4 step's time goes.
 ABLATION_VARIANTS = [
@@ -342,7 +350,7 @@ SPLITS_SWEEP = [("nvfp4", 4, 1), ("nvfp4", 4, 2), ("nvfp4", 4, 4), ("nvfp4", 2, 
 
 def run(batches, h, window, sets, reps, out=None, variants=True, splits_sweep=False,
         knob_variants=False, splits=None, ablations=False, early_variants=False,
-        pass_variants=False, eager_variants=False, pin_variants=False):
+        pass_variants=False, eager_variants=False, pin_variants=False, weights_variants=False):
     copy_gbs, read_gbs = ceilings()
     rows = []
     cases = [(fmt, None) for fmt in ro.LO_FORMATS]
@@ -359,7 +367,8 @@ def run(batches, h, window, sets, reps, out=None, variants=True, splits_sweep=Fa
     # each of these flags times the defaults and its list only (the last one given wins)
     for flag, extra in ((knob_variants, KNOB_VARIANTS), (ablations, ABLATION_VARIANTS),
                         (early_variants, EARLY_VARIANTS), (pass_variants, PASS_VARIANTS),
-                        (eager_variants, EAGER_VARIANTS), (pin_variants, PIN_VARIANTS)):
+                        (eager_variants, EAGER_VARIANTS), (pin_variants, PIN_VARIANTS),
+                        (weights_variants, WEIGHTS_VARIANTS)):
         if flag:
             cases = [(fmt, None) for fmt in ro.LO_FORMATS] + list(extra)
     if splits_sweep:
@@ -430,6 +439,8 @@ def main():
                    help="the defaults and EAGER_VARIANTS only (first loads with the cursor's)")
     p.add_argument("--pin-variants", action="store_true",
                    help="the defaults and PIN_VARIANTS only (state loads kept where issued)")
+    p.add_argument("--weights-variants", action="store_true",
+                   help="the defaults and WEIGHTS_VARIANTS only (decay weights before the decode)")
     p.add_argument("--shape", choices=list(SHAPES), default="nemotron3-super")
     p.add_argument("--splits", type=int, nargs="+", default=None,
                    help="with --splits-sweep: nvfp4 at 4 warps and these head_splits only")
@@ -440,7 +451,7 @@ def main():
     SHAPE.update(SHAPES[a.shape])
     run(a.batch, a.h, a.window, a.sets, a.reps, a.out, not a.no_variants, a.splits_sweep,
         a.knob_variants, a.splits, a.ablations, a.early_variants, a.pass_variants,
-        a.eager_variants, a.pin_variants)
+        a.eager_variants, a.pin_variants, a.weights_variants)
 
 
 if __name__ == "__main__":

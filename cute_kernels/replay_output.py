@@ -419,6 +419,14 @@ class ReplayOutputConfig:
     # unpinned). The head's state held in registers through the prologue costs more than
     # its round trip saves: off
     pin_state_loads: bool = False
+    # where a warp works out its heads' decay weights and ring coefficients (after the
+    # prologue's barrier either way): "with_decode" (in the first pass, beside its checkpoint
+    # term, so that ptxas interleaves the weights' shuffle-and-exp chain with the decode and
+    # one warp barrier serves both the partial sums and the coefficients) or "before_decode"
+    # (the seventh session's form, 103005f: weights, coefficients and a warp barrier first,
+    # which put the chain's latency in front of the decode; batch 1 went 4.3 -> 4.8 us and
+    # batch 8 5.6 -> 6.4 in the benchmark against the one-head-a-warp form)
+    weights_at: str = "with_decode"
 
     @property
     def min_ctas(self) -> int:
@@ -476,6 +484,7 @@ def default_warps(heads_per_group: int, lo_format: str = "nvfp4") -> int:
 # slots busy at 16 warps per SM, with no eligible warp in 52% of cycles.
 STAGES = ("registers", "smem")
 YS_LAYOUTS = ("rows", "quads")
+WEIGHTS_AT = ("with_decode", "before_decode")
 ABLATIONS = ("state", "scales", "ring", "decode")
 
 
@@ -728,15 +737,16 @@ class ReplayOutput:
             if cutlass.const_expr(not cfg.early_loads):
                 ck = self._checkpoint_setup(C.toint(), sg, lane)
             cute.arch.sync_threads()
-            # after the barrier (before it in c852ff3, whose small grids read slower than the
-            # one-head-a-warp form's: batch 8 6.3 -> 7.0 us, bench_read_10.csv). Here too the
-            # benchmark reads 4.3 -> 4.8 us at batch 1 (head_splits 4, one head a warp, the
-            # same SASS count): this chain and the coefficients' warp barrier now come before
-            # the decode instead of interleaving with it. Not fixed yet
-            weights = _warp_decay_weights(cfg, self.segment, ptrs, decay_inputs, cursor, lane)
-            _store_warp_coefs(self.segment, weights, nh, warp, lane, cursor, bc_smem, coef_smem,
-                              ck_smem)
-            cute.arch.sync_warp()
+            # the weights after the barrier (before it in c852ff3, whose small grids read
+            # slower: batch 8 6.3 -> 7.0 us, bench_read_10.csv), and by default beside the first
+            # pass's checkpoint term (weights_at)
+            with_decode = cfg.weights_at == "with_decode"
+            if cutlass.const_expr(not with_decode):
+                weights = _warp_decay_weights(cfg, self.segment, ptrs, decay_inputs, cursor,
+                                              lane)
+                _store_warp_coefs(self.segment, weights, nh, warp, lane, cursor, bc_smem,
+                                  coef_smem, ck_smem)
+                cute.arch.sync_warp()
             # every thread of this CTA has read the cursor; the last CTA of the slot stores h
             # (early_loads: after this CTA's heads, so that no warp waits for the atomic)
             arrivals = Int32(0)
@@ -780,13 +790,7 @@ class ReplayOutput:
                         _cp_async_wait(1 if hh + 1 < nh else 0)  # this head's group landed
                         cute.arch.sync_warp()  # ... for every lane's copies
                         ld["state"] = self._staged_state(stage, lane)
-                    # ---- this head's ring coefficients and checkpoint factor ---------------
-                    row = coef_smem.iterator.toint() + 4 * self.coef_row * (warp * nh + hh)
-                    coefs = []
-                    for i in cutlass.range_constexpr((L - 2 + 3) // 4):
-                        coefs += [bits_f32(w) for w in _lds_v4(row + 16 * i)]
-                    c_last = coef_smem[warp, hh, cursor]  # this step's own record
-                    ctx.append([ld, sh, coefs, c_last, ck_smem[warp, hh], stage])
+                    ctx.append([ld, sh, stage])
 
                 # ---- checkpoint terms S_lo C -> ys_smem[:, column of the warp's head] -----
                 for k in cutlass.range_constexpr(len(pass_heads)):
@@ -796,18 +800,31 @@ class ReplayOutput:
                     if writer:
                         for i in cutlass.range_constexpr(len(rows)):
                             ys_smem[rows[i][0], col, (lane % 4) % Q] = rows[i][1]
-                    ctx[k][4] = ctx[k][4] * ld["factor"]
+                if cutlass.const_expr(with_decode and p0 == 0):
+                    # every head's coefficients, read after the warp barrier below
+                    weights = _warp_decay_weights(cfg, self.segment, ptrs, decay_inputs,
+                                                  cursor, lane)
+                    _store_warp_coefs(self.segment, weights, nh, warp, lane, cursor, bc_smem,
+                                      coef_smem, ck_smem)
                 cute.arch.sync_warp()
                 hh = pass_heads[-1]
                 if cutlass.const_expr(staged and hh + 2 < nh):
                     # every lane has read this stage: the head after next goes into it
                     self._stage_head(lo0.toint(), lo1.toint(), s64 * H + heads[hh + 2],
-                                     ctx[-1][5], lane)
+                                     ctx[-1][2], lane)
 
                 # ---- epilogue: rows v, v+1 on each lane -----------------------------------
                 for k in cutlass.range_constexpr(len(pass_heads)):
-                    ld, sh, coefs, c_last, ck_scale, _ = ctx[k]
+                    ld, sh, _ = ctx[k]
+                    hh = pass_heads[k]
                     col = warp if k == 0 else warp + W * k
+                    # this head's ring coefficients and checkpoint factor
+                    row = coef_smem.iterator.toint() + 4 * self.coef_row * (warp * nh + hh)
+                    coefs = []
+                    for i in cutlass.range_constexpr((L - 2 + 3) // 4):
+                        coefs += [bits_f32(w) for w in _lds_v4(row + 16 * i)]
+                    c_last = coef_smem[warp, hh, cursor]  # this step's own record
+                    ck_scale = ck_smem[warp, hh] * ld["factor"]
                     for r in cutlass.range_constexpr((P + 63) // 64):
                         v_raw = 64 * r + 2 * lane
                         v = cutlass.min(v_raw, P - 2)  # clamped: every lane joins the shuffles
@@ -1320,6 +1337,7 @@ def replay_output(
     heads_per_pass=None,
     eager_loads=None,
     pin_state_loads=None,
+    weights_at=None,
 ):
     """One non-flush decode step for every slot whose ``cursors[s] + 1 < window``; returns
     ``out`` [S, H, P] (x's dtype; rows of flush slots are not written).
@@ -1335,7 +1353,7 @@ def replay_output(
     "smem", nvfp4) picks how the read copy is loaded, ``l2_prefetch`` (heads ahead, 0 off)
     and ``ys_layout`` ("rows" or "quads") are the tuning knobs of `ReplayOutputConfig`, as are
     ``l2_prefetch_small``, ``early_loads`` (default on), ``heads_per_pass`` (1 or 2),
-    ``eager_loads`` and ``pin_state_loads``, each measured there; ``ablate``
+    ``eager_loads``, ``pin_state_loads`` and ``weights_at``, each measured there; ``ablate``
     leaves stages out for timing (wrong outputs; `ReplayOutputConfig.ablate`).
     """
     if lo_format not in LO_FORMATS:
@@ -1355,6 +1373,8 @@ def replay_output(
               "l2_prefetch)", eager_loads)
     if pin_state_loads is not None and not isinstance(pin_state_loads, bool):
         _fail("pin_state_loads", "None or a bool", pin_state_loads)
+    if weights_at is not None and weights_at not in WEIGHTS_AT:
+        _fail("weights_at", f"None or one of {list(WEIGHTS_AT)}", repr(weights_at))
     hp = 1 if heads_per_pass is None else heads_per_pass
     if isinstance(hp, bool) or hp not in (1, 2) or (
         hp == 2 and (stage not in (None, "registers") or prefetch or l2_prefetch)
@@ -1437,7 +1457,8 @@ def replay_output(
         heads_per_pass=hp,
     )
     cfg = dataclasses.replace(cfg, eager_loads=bool(eager_loads),
-                              pin_state_loads=bool(pin_state_loads))
+                              pin_state_loads=bool(pin_state_loads),
+                              weights_at=weights_at or WEIGHTS_AT[0])
     k = cfg.l2_prefetch
     if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 4:
         _fail("l2_prefetch", "None or an integer in [0, 4] (heads ahead)", l2_prefetch)

@@ -175,6 +175,25 @@ def test_pinned_state_loads_keep_the_results(fmt, shape, knobs):
         _call(lo_d, t_d, fmt, window, out, pin_state_loads=1)
 
 
+@pytest.mark.parametrize("head_splits", [1, 4])
+def test_decay_weights_beside_the_decode_share_its_warp_barrier(head_splits):
+    """weights_at="with_decode" (the default) works out a warp's decay weights between the
+    first pass's checkpoint term and its warp barrier, so one barrier fewer than the form
+    that stores the coefficients before the decode; the weights' exps come after the
+    first head's tensor-core products in the PTX (before them in the other form)."""
+    base = dataclasses.replace(_config("nvfp4", "nemotron"), head_splits=head_splits)
+    ptx = {w: ro.compile_replay_output(dataclasses.replace(base, weights_at=w),
+                                       keep_ptx=True).__ptx__ for w in ro.WEIGHTS_AT}
+    barriers = {w: p.count("bar.warp.sync") for w, p in ptx.items()}
+    assert barriers["with_decode"] == barriers["before_decode"] - 1
+    for w, p in ptx.items():
+        first_mma, first_exp = p.index("mma.sync"), p.index("ex2.approx")
+        assert (first_exp > first_mma) == (w == "with_decode"), w
+    lo, _, t = _inputs("nvfp4", "odd", "bf16", seed=47)
+    with pytest.raises(ValueError, match="weights_at"):
+        _call(lo, t, "nvfp4", SHAPES["odd"][-1], None, weights_at="after")
+
+
 def test_bad_eager_loads_are_refused():
     """eager_loads must be a bool, and needs the early prologue loads, the registers stage and
     no L2 prefetch: anything else is a ValueError naming it, before any tensor is used."""
@@ -732,6 +751,33 @@ def test_decay_weights_of_a_warps_heads_at_other_windows(fmt, shape, monkeypatch
     _call(lo_d, t_d, fmt, window, out, head_splits=1)
     torch.cuda.synchronize()
     _check_step(lo64, t, {k: v.cpu() for k, v in t_d.items()}, out.cpu(), window, "bf16")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8_e4m3", "fp32"])
+@pytest.mark.parametrize("shape, knobs", [
+    ("nemotron", dict(head_splits=4)),  # one head a warp
+    ("nemotron", dict(head_splits=1)),  # four heads a warp, two passes of weights
+    ("odd", dict(warps=1)),
+])
+def test_decay_weights_placement_keeps_every_bit(fmt, shape, knobs):
+    """The decay weights beside the decode (default) or before it change only the schedule:
+    the two forms' outputs, records and cursors are bit for bit equal, and the reference's."""
+    window = SHAPES[shape][-1]
+    lo, lo64, t = _inputs(fmt, shape, "bf16", seed=47)
+    results = {}
+    for where in ro.WEIGHTS_AT:
+        lo_d, t_d = _to_cuda(lo, t)
+        out = torch.full_like(t_d["x"], float("nan"))
+        _call(lo_d, t_d, fmt, window, out, weights_at=where, **knobs)
+        torch.cuda.synchronize()
+        results[where] = ({k: v.cpu() for k, v in t_d.items()}, out.cpu())
+    (t_new, out_new), (t_old, out_old) = results["with_decode"], results["before_decode"]
+    _check_step(lo64, t, t_new, out_new, window, "bf16")
+    assert torch.equal(out_new.view(torch.int16), out_old.view(torch.int16))
+    for k in ("ring_x", "ring_dt", "ring_B", "cursors"):  # bits: unread entries hold NaN
+        as_int = {2: torch.int16, 4: torch.int32}[t_new[k].element_size()]
+        assert torch.equal(t_new[k].view(as_int), t_old[k].view(as_int)), k
 
 
 @pytest.mark.gpu
