@@ -322,11 +322,11 @@ PIN_VARIANTS = [
 ]
 
 
-# Where a warp works out its heads' decay weights (`ReplayOutputConfig.weights_at`): the
-# seventh session's form, before the decode, against the defaults (beside the first pass's
-# checkpoint term).
-WEIGHTS_VARIANTS = [
-    (fmt, dict(weights_at="before_decode")) for fmt in ("nvfp4", "fp8_e4m3", "fp16", "fp32")
+# Where a warp works out its heads' decay weights (`ReplayOutputConfig.weights_at`): each
+# format with the placement that is not its default (nvfp4: before the decode, the seventh
+# session's form; the others: beside the first pass's checkpoint term).
+WEIGHTS_VARIANTS = [("nvfp4", dict(weights_at="before_decode"))] + [
+    (fmt, dict(weights_at="with_decode")) for fmt in ("fp8_e4m3", "fp16", "fp32")
 ]
 
 
@@ -440,7 +440,7 @@ def main():
     p.add_argument("--pin-variants", action="store_true",
                    help="the defaults and PIN_VARIANTS only (state loads kept where issued)")
     p.add_argument("--weights-variants", action="store_true",
-                   help="the defaults and WEIGHTS_VARIANTS only (decay weights before the decode)")
+                   help="the defaults and WEIGHTS_VARIANTS only (the other decay-weights place)")
     p.add_argument("--shape", choices=list(SHAPES), default="nemotron3-super")
     p.add_argument("--splits", type=int, nargs="+", default=None,
                    help="with --splits-sweep: nvfp4 at 4 warps and these head_splits only")

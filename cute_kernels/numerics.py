@@ -458,9 +458,10 @@ def recip_usable(recip):
     return (recip >= _f(2.0**-125, recip)) & (recip < _f(2.0**126, recip))
 
 
-def e2m1_quotient_fast(x, recip):
-    """(nibble, exact): the E2M1 nibble `s e1 e0 m` of RN_e2m1(x * recip), and whether it is
-    provably lowprec's nibble RN_e2m1(RN(x / d)) for recip = RN(1 / d), recip_usable(recip).
+def e2m1_quotient_fast(x, recip, slot: int = 0):
+    """(nibble << 4 slot, exact): the E2M1 nibble `s e1 e0 m` of RN_e2m1(x * recip), placed
+    at nibble `slot` (0..7) of a word, and whether it is provably lowprec's nibble
+    RN_e2m1(RN(x / d)) for recip = RN(1 / d), recip_usable(recip).
 
     Why it is exact when `exact`: v = RN(|x| recip) = |x/d| (1 + e) with |e| <= 2^-23 + 2^-48,
     and RN(x/d) is within 2^-24 |x/d| of x/d, so both lie within about 2^-22 v of v. RN_e2m1
@@ -474,7 +475,8 @@ def e2m1_quotient_fast(x, recip):
     (`python -m cute_kernels.instruction_count`); the form below (magic constant from the
     exponent field, exactness from one compare against a multiple of the grid step) took the
     fp16-SR + nvfp4 flush (mma fold) from 64.1 to 60.9 per element at 16 elements a chunk
-    and from 69.9 to 66.4 at 8.
+    and from 69.9 to 66.4 at 8; reading the code off the rounded value scaled into fp32's
+    subnormals, shifted straight to its slot, took the direct fold's from 60.9 to SEE_BELOW.
     """
     if _is_np(x):
         x = np.asarray(x, np.float32)
@@ -484,24 +486,40 @@ def e2m1_quotient_fast(x, recip):
     vc = _fmin_nan(v, 6.0)  # past 6 saturates; a NaN stays NaN and fails `exact` below
     # E2M1's grid step on vc's binade: s = 2^(j-1), j = 0 below 2, 1 on [2, 4), 2 from 4
     # (vc <= 6); magic = 1.5 * 2^(22 + j) has ulp s, so one add rounds vc to a multiple k s
-    # (ties to even: E2M1's even code in every binade) and the sum's bits are magic's plus k.
-    # magic's exponent field is vc's, clamped below at 1.0's (j = 0), plus 22. The code is
-    # k + 2j (0..4 for 0, 0.5, .., 2, then 4 + (k - 2) and 6 + (k - 2)), and magic's bits
-    # shifted right by 22 are 299 + 2j.
+    # (ties to even: E2M1's even code in every binade). magic's exponent field is vc's,
+    # clamped below at 1.0's (j = 0), plus 22.
     vbits = f32_bits(vc)
     exponent = _umax(vbits & _u(0x7F800000, vbits), _u(0x3F800000, vbits))
     magic_bits = exponent + _u(0x4AC00000 - 0x3F800000, vbits)  # 1.5 * 2^(22 + j)
     magic = bits_f32(magic_bits)
     total = _add_rn(vc, magic)  # kept as one add (never reassociated or fused)
-    code = f32_bits(total) - magic_bits + (magic_bits >> _u(22, vbits)) - _u(299, vbits)
-    rounded = _add_rn(total, -magic)  # k s, exactly
-    # exact when |vc - rounded| < s (1/2 - 2^-18): every decision point near vc is rounded
-    # +- s/2, so the nearest is then more than s 2^-18 > vc 2^-20 away (vc < 4 s). The bound,
-    # 2^(j-2) (1 - 2^-17), is magic's bits less a constant.
+    rounded = _add_rn(total, -magic)  # k s, exactly: 0, 0.5, 1, 1.5, 2, 3, 4 or 6
+    # rounded 2^-126 is exact in fp32 (0.5 and 1 land on 2^-127, a subnormal, and 2^-126, the
+    # smallest normal), and its bits are the E2M1 code << 22: fp32 from 2^-127 up has E2M1's
+    # layout (subnormal step, then exponent and leading mantissa bit) shifted left 22
+    code = f32_bits(_mul_rn(rounded, 2.0**-126))
+    # exact when |vc - rounded| < s (1/2 - 2^-17): every decision point near vc is rounded
+    # +- s/2, so the nearest is then more than s 2^-17 > vc 2^-20 away (vc < 4 s). The bound,
+    # 2^(j-2) (1 - 2^-16), is magic's bits less a constant.
     bound = bits_f32(magic_bits - _u(0x4AC00000 - (0x3E800000 - 0x80), vbits))
     exact = _fabs(vc - rounded) < bound  # False for NaN
-    sign = (f32_bits(x) >> _u(28, vbits)) & _u(8, vbits)
-    return code | sign, exact
+    # code and x's sign bit shifted straight to the slot (one shift each)
+    sign = _shift_to(f32_bits(x), 31, 4 * slot + 3) & _u(8 << (4 * slot), vbits)
+    return _shift_to(code, 22, 4 * slot) | sign, exact
+
+
+def _shift_to(u, bit: int, to: int):
+    """u shifted so that its bit `bit` lands on bit `to` (right or left; logical)."""
+    if bit >= to:
+        return u >> _u(bit - to, u)
+    return u << _u(to - bit, u)
+
+
+def _mul_rn(a, b):
+    """a * b rounded to nearest even, subnormals kept (no flush to zero), never fused."""
+    if _is_np(a) or _is_np(b):
+        return (np.float32(a) * np.float32(b)).astype(np.float32)
+    return _f32_ptx("mul.rn.f32", a, b)
 
 
 def _fmin_nan(a, b):

@@ -569,8 +569,10 @@ class ReplayFlush:
             keys = nm.philox_keys(seed_lo, seed_hi)
             _, counter_hi = nm.state_counter(Uint32(s), flush, Uint32(0))
             nvfp4 = cfg.lo_format == "nvfp4"
+            block_amax = []  # per chunk max |S|: the head's amax and each block's scale
             if cutlass.const_expr(nvfp4):
-                _publish_warp_amax(acc, W, tidx, sRed)
+                block_amax = [_chunk_amax(acc[i], W) for i in range(pieces)]
+                _publish_warp_amax(block_amax, tidx, sRed)
             debug_h = debug[s, h, None, None]
             hi_bits = cute.make_tensor(
                 cute.recast_ptr(hi_h.iterator, dtype=Uint32),
@@ -598,7 +600,8 @@ class ReplayFlush:
                     lo_global[s, h] = global_scale
                 for i in cutlass.range_constexpr(pieces):
                     p = row0 + rows * i
-                    _store_nvfp4_chunk(W, lo_h, scales_h, acc[i], p, col, global_scale)
+                    _store_nvfp4_chunk(W, lo_h, scales_h, acc[i], block_amax[i], p, col,
+                                       global_scale)
 
 
 def _add(a, b):
@@ -961,12 +964,23 @@ def _store_hi_chunk(
 
 
 @cute.jit
-def _publish_warp_amax(acc, W: cutlass.Constexpr, tidx, sRed):
-    """The warp's amax(|S|) (thread, then warp maximum) to sRed[warp]."""
+def _chunk_amax(values, W: cutlass.Constexpr):
+    """max |S| over one chunk's W values (0 for none; fmax ignores NaN)."""
+    own = Float32(0.0)
+    for v in cutlass.range_constexpr(W):
+        own = cute.arch.fmax(own, cute.math.absf(values[v]))
+    return own
+
+
+@cute.jit
+def _publish_warp_amax(block_amax, tidx, sRed):
+    """The warp's amax(|S|) (thread, from its chunks' maxima, then warp maximum) to
+    sRed[warp]. The chunks' maxima serve the block scales as well (_store_nvfp4_chunk): one
+    max an element instead of two (fp16-SR + nvfp4 flush, 32 elements a thread: SASS per
+    element SEE_BELOW)."""
     local = Float32(0.0)
-    for i in cutlass.range_constexpr(len(acc)):
-        for v in cutlass.range_constexpr(W):
-            local = cute.arch.fmax(local, cute.math.absf(acc[i][v]))
+    for i in cutlass.range_constexpr(len(block_amax)):
+        local = cute.arch.fmax(local, block_amax[i])
     local = cute.arch.warp_reduction(local, cute.arch.fmax)
     if tidx % 32 == 0:
         sRed[tidx // 32] = local
@@ -984,14 +998,12 @@ def _head_global_scale(T: cutlass.Constexpr, sRed):
 
 
 @cute.jit
-def _store_nvfp4_chunk(W: cutlass.Constexpr, lo_h, scales_h, values, p, col, global_scale):
+def _store_nvfp4_chunk(W: cutlass.Constexpr, lo_h, scales_h, values, own, p, col,
+                       global_scale):
     """NVFP4 codes of one chunk (W = 8: half a block, the partner chunk is lane ^ 1; W = 16: a
-    whole block), in lowprec's order: den = 6 s_g; s_b = RN_e4m3(amax_b / den) (0 for a zero
-    block); divisor = s_b s_g; code = RN_e2m1(x / divisor), all codes 0 where amax_b or
-    divisor is 0."""
-    own = Float32(0.0)
-    for v in cutlass.range_constexpr(W):
-        own = cute.arch.fmax(own, cute.math.absf(values[v]))
+    whole block; `own`: the chunk's max |S|, _chunk_amax), in lowprec's order: den = 6 s_g;
+    s_b = RN_e4m3(amax_b / den) (0 for a zero block); divisor = s_b s_g; code =
+    RN_e2m1(x / divisor), all codes 0 where amax_b or divisor is 0."""
     amax_b = own
     if cutlass.const_expr(W == 8):
         amax_b = cute.arch.fmax(own, cute.arch.shuffle_sync_bfly(own, offset=1))
@@ -1011,8 +1023,8 @@ def _store_nvfp4_chunk(W: cutlass.Constexpr, lo_h, scales_h, values, p, col, glo
     for w in cutlass.range_constexpr(W // 8):
         word = Uint32(0)
         for v in cutlass.range_constexpr(8):
-            nibble, exact_v = nm.e2m1_quotient_fast(values[8 * w + v], recip)
-            word = word | (nibble << Uint32(4 * v))
+            nibble, exact_v = nm.e2m1_quotient_fast(values[8 * w + v], recip, v)
+            word = word | nibble
             exact = exact & exact_v
         words[w] = word
     if not exact:

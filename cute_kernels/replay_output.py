@@ -423,10 +423,21 @@ class ReplayOutputConfig:
     # prologue's barrier either way): "with_decode" (in the first pass, beside its checkpoint
     # term, so that ptxas interleaves the weights' shuffle-and-exp chain with the decode and
     # one warp barrier serves both the partial sums and the coefficients) or "before_decode"
-    # (the seventh session's form, 103005f: weights, coefficients and a warp barrier first,
-    # which put the chain's latency in front of the decode; batch 1 went 4.3 -> 4.8 us and
-    # batch 8 5.6 -> 6.4 in the benchmark against the one-head-a-warp form)
-    weights_at: str = "with_decode"
+    # (the seventh session's form, 103005f: weights, coefficients and a warp barrier first).
+    # None: with_decode for nvfp4, before_decode for the others. Measured on the H200, h = 8
+    # (bench_read --weights-variants, bench_read_weights_11.csv), us with / before:
+    #     batch        256          128          8          1
+    #     nvfp4    61.3 / 63.6  34.8 / 33.6  5.4 / 5.4  4.5 / 4.6
+    #     fp8      86.6 / 86.3  45.7 / 46.0  6.1 / 5.4  5.1 / 4.2
+    #     fp16    170.8 / 166.0 90.4 / 88.0  8.7 / 8.7  5.2 / 5.1
+    #     fp32    303.4 / 283.1 156.3 / 147.5 15.4 / 15.5 7.2 / 6.9
+    weights_at: str | None = None
+
+    @property
+    def weights_placement(self) -> str:
+        if self.weights_at is not None:
+            return self.weights_at
+        return "with_decode" if self.lo_format == "nvfp4" else "before_decode"
 
     @property
     def min_ctas(self) -> int:
@@ -740,7 +751,7 @@ class ReplayOutput:
             # the weights after the barrier (before it in c852ff3, whose small grids read
             # slower: batch 8 6.3 -> 7.0 us, bench_read_10.csv), and by default beside the first
             # pass's checkpoint term (weights_at)
-            with_decode = cfg.weights_at == "with_decode"
+            with_decode = cfg.weights_placement == "with_decode"
             if cutlass.const_expr(not with_decode):
                 weights = _warp_decay_weights(cfg, self.segment, ptrs, decay_inputs, cursor,
                                               lane)
@@ -1458,7 +1469,7 @@ def replay_output(
     )
     cfg = dataclasses.replace(cfg, eager_loads=bool(eager_loads),
                               pin_state_loads=bool(pin_state_loads),
-                              weights_at=weights_at or WEIGHTS_AT[0])
+                              weights_at=weights_at)
     k = cfg.l2_prefetch
     if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 4:
         _fail("l2_prefetch", "None or an integer in [0, 4] (heads ahead)", l2_prefetch)

@@ -241,6 +241,10 @@ def test_e2m1_quotient_fast_equals_the_division_wherever_it_claims_to():
     nibble, exact = nm.e2m1_quotient_fast(x, recip)
     want = nm.rn_e2m1_nibble((x / d).astype(np.float32))
     assert np.array_equal(nibble[exact], want[exact])
+    for slot in range(1, 8):  # placed at nibble `slot` of a word, nothing spilling over
+        placed, exact_slot = nm.e2m1_quotient_fast(x, recip, slot)
+        assert np.array_equal(exact_slot, exact)
+        assert np.array_equal(placed[exact], want[exact] << np.uint32(4 * slot))
     quotient = np.abs(x / d)
     far = np.min(np.abs(quotient[:, None] - points[None, :7]), axis=1) > 1e-5 * quotient
     assert exact[far].all()

@@ -756,7 +756,7 @@ def test_decay_weights_of_a_warps_heads_at_other_windows(fmt, shape, monkeypatch
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["nvfp4", "fp8_e4m3", "fp32"])
 @pytest.mark.parametrize("shape, knobs", [
-    ("nemotron", dict(head_splits=4)),  # one head a warp
+    ("nemotron", dict(warps=4, head_splits=4)),  # one head a warp
     ("nemotron", dict(head_splits=1)),  # four heads a warp, two passes of weights
     ("odd", dict(warps=1)),
 ])
