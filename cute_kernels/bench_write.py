@@ -448,7 +448,8 @@ def run(cfg: BenchConfig, only=None):
         ("window/token fp32 single copy", lambda: True, lambda: bench_window(cfg, "fp32", "none")),
     ]
     if only:
-        cases = [c for c in cases if any(o in c[0] for o in only)]
+        cases = [c for c in cases
+                 if any(c[0] == o[1:] if o.startswith("=") else o in c[0] for o in only)]
     for name, check, bench in cases:
         row = dict(
             kernel=name,
@@ -516,13 +517,14 @@ def main():
     parser.add_argument("--out", default=None, help="CSV path")
     parser.add_argument(
         "--only", nargs="+", default=None, metavar="TEXT",
-        help="time only the cases whose name contains one of these strings (e.g. 'flush fp16-SR')",
+        help="time only the cases whose name contains one of these strings (e.g. 'flush "
+        "fp16-SR'), or, with a leading '=', is it ('=flush fp16-SR + nvfp4': the default only)",
     )
     args = parser.parse_args()
     cfg = BenchConfig(batch=args.batch, window=args.window, reps=args.reps, replays=args.replays)
     rows = run(cfg, args.only)
     if not rows:
-        raise SystemExit(f"bench_write: no case name contains any of {args.only}")
+        raise SystemExit(f"bench_write: no case name matches any of {args.only}")
     if args.out:
         import pandas as pd
 
