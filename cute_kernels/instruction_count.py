@@ -48,6 +48,12 @@ RN 15.2, fp16 SR 30.0, fp16 RN + nvfp4 37.7, fp16 SR + nvfp4 52.5; at 32 (direct
 20.8, 19.8, 36.0, 44.2, 60.8 (69.9 before). On the H200 the fp16-SR + nvfp4 flush took
 794.2 us at batch 256 in the benchmark (912.7 before).
 
+Eighth session (same tools): the E2M1 code read off the rounded quotient scaled into fp32's
+subnormals and shifted straight to its nibble, and one max |S| an element serving both the
+head's amax and the block scales: fp16 SR + nvfp4 at 32 a thread 60.9 -> 58.9 (64 a thread
+52.5 -> 50.7), fp16 RN + nvfp4 44.6 -> 43.0; on the H200 773.5 -> 757.7 us at batch 256
+(`bench_write`, results/gpu_first_timing/bench_write_11_{old,new}.csv).
+
 Non-flush nvfp4 at 4 warps: 4.52 instructions per element and lane with the f16 bit-trick
 decode and an f16 scale multiply (commit bcd48ec), 3.36 with the E4M3 re-pack and the block
 scales applied to per-block mma sums (78 -> 70-72 us at batch 256 on the H200), 3.38 with

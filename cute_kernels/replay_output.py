@@ -424,13 +424,14 @@ class ReplayOutputConfig:
     # term, so that ptxas interleaves the weights' shuffle-and-exp chain with the decode and
     # one warp barrier serves both the partial sums and the coefficients) or "before_decode"
     # (the seventh session's form, 103005f: weights, coefficients and a warp barrier first).
-    # None: with_decode for nvfp4, before_decode for the others. Measured on the H200, h = 8
-    # (bench_read --weights-variants, bench_read_weights_11.csv), us with / before:
-    #     batch        256          128          8          1
-    #     nvfp4    61.3 / 63.6  34.8 / 33.6  5.4 / 5.4  4.5 / 4.6
-    #     fp8      86.6 / 86.3  45.7 / 46.0  6.1 / 5.4  5.1 / 4.2
-    #     fp16    170.8 / 166.0 90.4 / 88.0  8.7 / 8.7  5.2 / 5.1
-    #     fp32    303.4 / 283.1 156.3 / 147.5 15.4 / 15.5 7.2 / 6.9
+    # None: with_decode for nvfp4, before_decode for the others. Measured on the H200, h = 8,
+    # us with / before, two calls (`bench_read --weights-variants`, results/gpu_first_timing/
+    # bench_read_weights_11.csv and _11b.csv):
+    #     batch     256                       128                     8          1
+    #     nvfp4     61.3 / 63.6, 60.9 / 63.6  34.8 / 33.6, 34.9 / 33.9  5.4 / 5.4  4.5 / 4.6
+    #     fp8       86.6 / 86.3, 86.2 / 87.1  45.7 / 46.0, 45.9 / 46.1  6.1 / 5.4  5.1 / 4.2
+    #     fp32     303.4 / 283.1, 303.5 / 283.3  156.3 / 147.5           15.4 / 15.5 7.2 / 6.9
+    # (batch 8 and 1 moved by up to 1 us between the calls, either form)
     weights_at: str | None = None
 
     @property
