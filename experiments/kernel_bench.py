@@ -76,6 +76,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import inspect
 import math
 import os
 import shlex
@@ -325,6 +326,9 @@ class BenchConfig:
     seed: int = 0
     device: str = "cuda"
     act: str = "bf16"
+    # tuning knobs of the CuTe non-flush kernel (cute_kernels.replay_output's keyword
+    # arguments, e.g. weights_at), for an A/B comparison in the benchmark's own conditions
+    nonflush_knobs: dict = field(default_factory=dict)
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -349,6 +353,11 @@ class BenchConfig:
             raise ValueError(f"budget_s: expected > 0, got {self.budget_s}")
         if self.act not in ACT_DTYPES:
             raise ValueError(f"act: expected one of {list(ACT_DTYPES)}, got {self.act!r}")
+        allowed = set(inspect.signature(_cute("replay_output").replay_output).parameters) - set(
+            NONFLUSH_FIXED) if self.nonflush_knobs else set()
+        for key in self.nonflush_knobs:
+            if key not in allowed:
+                raise ValueError(f"nonflush knob: expected one of {sorted(allowed)}, got {key!r}")
 
     def all_kernels(self) -> tuple[str, ...]:
         """The kernels asked for, plus each peer's default kernels."""
@@ -411,6 +420,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="merge these CSVs into --out (no GPU needed), recompute the token rows")
     p.add_argument("--plot-only", metavar="CSV", help="only plot and summarise this CSV")
     p.add_argument("--list-kernels", action="store_true", help="print the kernel names and exit")
+    p.add_argument("--nonflush-knob", action="append", default=[], metavar="KEY=VALUE",
+                   help="a tuning knob of the CuTe non-flush kernel (replay_output's keyword "
+                   "arguments; repeatable), e.g. weights_at=before_decode: an A/B comparison "
+                   "in the benchmark's conditions (give it its own --run-label and --out)")
     p.add_argument("--profile", metavar="KERNEL",
                    help="for ncu --profile-from-start off: launch KERNEL once per set at the "
                    "first shape, batch and window given, between cudaProfilerStart/Stop")
@@ -440,9 +453,31 @@ def config_from_args(args: argparse.Namespace, argv: list[str]) -> BenchConfig:
         peers_kernels = tuple(name for name in KERNELS if KERNELS[name].impl in peers)
         kernels = kernels + peers_kernels
     plot_dir = None if args.plot_dir == "none" else args.plot_dir
+    knobs = {}
+    for item in args.nonflush_knob:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"nonflush knob: expected KEY=VALUE, got {item!r}")
+        knobs[key.strip()] = _knob_value(text.strip())
     return BenchConfig(kernels=tuple(kernels), peers=tuple(peers), out=args.out,
                        plot_dir=plot_dir, budget_s=args.budget_s, peers_dir=args.peers_dir,
-                       run_label=args.run_label, quick=args.quick, **values)
+                       run_label=args.run_label, quick=args.quick, nonflush_knobs=knobs,
+                       **values)
+
+
+# replay_output's arguments that the benchmark itself sets (not knobs)
+NONFLUSH_FIXED = ("lo", "ring_x", "ring_dt", "ring_B", "cursors", "x", "dt", "A", "B", "C",
+                  "D", "z", "dt_bias", "dt_softplus", "out", "window", "lo_format")
+
+
+def _knob_value(text: str):
+    """A knob's value from the command line: an int, True/False/None, or the string."""
+    if text in ("True", "False", "None"):
+        return {"True": True, "False": False, "None": None}[text]
+    try:
+        return int(text)
+    except ValueError:
+        return text
 
 
 # --------------------------------------------------------------------------------------------
@@ -620,7 +655,7 @@ def _cute(module: str):
         raise Unavailable(f"cute_kernels.{module}: {type(error).__name__}: {error}") from error
 
 
-def _build_cute(spec, shape, batch, window, cursor, b: Buffers, params) -> Case:
+def _build_cute(spec, shape, batch, window, cursor, b: Buffers, params, knobs=None) -> Case:
     S = batch
     _token_buffers(b, shape, batch, dt_dtype=KIT_DT)
     if spec.step == "update":
@@ -650,7 +685,7 @@ def _build_cute(spec, shape, batch, window, cursor, b: Buffers, params) -> Case:
             ro.replay_output(_lo_dict(t), t["ring_x"], t["ring_dt"], t["ring_B"], t["cursors"],
                              t["x"], t["dt"], params["A"], t["B"], t["C"], params["D"], None,
                              params["dt_bias"], True, t["out"], window=window,
-                             lo_format=lo_format)
+                             lo_format=lo_format, **(knobs or {}))
     else:
         rf = _cute("replay_flush")
         hi, lo_format = ("fp32", "none") if spec.variant == "fp32" else ("fp16", spec.writes[1])
@@ -899,16 +934,16 @@ def _flashinfer_prebuild_failure(spec: KernelSpec, shape: BenchShape, window: in
 
 def build_case(spec: KernelSpec, shape: BenchShape, batch: int, window: int, cursor,
                sets: int, device, seed: int = 0, peers_dir: Path = Path(".peers"),
-               act: torch.dtype = ACT) -> Case:
+               act: torch.dtype = ACT, knobs: dict | None = None) -> Case:
     """The buffers of `sets` independent inputs for one kernel (activations `x, B, C, y` and the
-    rings in `act`), and its launcher."""
+    rings in `act`), and its launcher; `knobs`: the CuTe non-flush kernel's tuning knobs."""
     if window > spec.max_window:
         raise Unavailable(f"{spec.name} supports windows up to {spec.max_window}, got {window}")
     gen = torch.Generator(device=device).manual_seed(seed)
     bufs = Buffers(sets, device, gen, act)
     params = _params(shape, device, gen)
     if spec.impl == "cute":
-        return _build_cute(spec, shape, batch, window, cursor, bufs, params)
+        return _build_cute(spec, shape, batch, window, cursor, bufs, params, knobs)
     if spec.impl == "emulation":
         return _build_emulation(spec, shape, batch, window, cursor, bufs, params)
     if spec.impl == "vllm":
@@ -966,7 +1001,8 @@ def _lo_ratio(lo: dict, fmt: str, ref: torch.Tensor) -> float:
 
 
 def check_kernel(spec: KernelSpec | str, shape: BenchShape, window: int, device,
-                 peers_dir: Path = Path(".peers"), seed: int = 7, act: torch.dtype = ACT) -> float:
+                 peers_dir: Path = Path(".peers"), seed: int = 7, act: torch.dtype = ACT,
+                 knobs: dict | None = None) -> float:
     """Run `spec` once on 3 slots at different cursors and return the largest error over its
     bound (module docstring, **Correctness first**); raises `Unavailable` if it cannot run."""
     from lowprec.mamba2 import (
@@ -982,7 +1018,7 @@ def check_kernel(spec: KernelSpec | str, shape: BenchShape, window: int, device,
         cursors = [lo_c, (lo_c + hi_c) // 2, hi_c]
     else:
         cursors = [spec.cursors(window)[0]] * 3
-    case = build_case(spec, shape, 3, window, cursors, 1, device, seed, peers_dir, act)
+    case = build_case(spec, shape, 3, window, cursors, 1, device, seed, peers_dir, act, knobs)
     t = case.bufs.at(0)
     before = {k: v.clone() for k, v in t.items()}
     t["out"].fill_(float("nan"))
@@ -1212,7 +1248,7 @@ def run(config: BenchConfig, log=print) -> pd.DataFrame:
         if key not in checks:
             try:
                 ratio = check_kernel(spec, shape, window, device, peers_dir, seed=config.seed,
-                                     act=ACT_DTYPES[config.act])
+                                     act=ACT_DTYPES[config.act], knobs=config.nonflush_knobs)
                 checks[key] = (ratio, "ok" if ratio <= 1.0 else "check failed: not timed")
             except Unavailable as error:
                 checks[key] = (math.nan, f"unavailable: {_reason(error, False)}")
@@ -1227,7 +1263,7 @@ def run(config: BenchConfig, log=print) -> pd.DataFrame:
         try:
             sets = sets_for(kernel_bytes(spec, shape, batch, cursor), l2, config.l2_multiple)
             case = build_case(spec, shape, batch, window, cursor, sets, device, config.seed,
-                              peers_dir, ACT_DTYPES[config.act])
+                              peers_dir, ACT_DTYPES[config.act], config.nonflush_knobs)
             times, method = time_case(case, config.reps)
             del case
         except Exception as error:  # out of memory, a launch failure: record and go on

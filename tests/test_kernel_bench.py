@@ -40,6 +40,8 @@ def test_help_runs_on_a_cpu_only_machine():
         (["--windows", "64"], "windows"),
         (["--kernels", "cute:nonflush:fp64"], "kernels"),
         (["--peers", "sglang"], "peers"),
+        (["--nonflush-knob", "weights_at"], "nonflush knob"),
+        (["--nonflush-knob", "window=8"], "nonflush knob"),  # set by the benchmark itself
     ],
 )
 def test_bad_argument_is_one_line_error(argv, word, capsys):
@@ -49,6 +51,18 @@ def test_bad_argument_is_one_line_error(argv, word, capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and word in err
+
+
+def test_nonflush_knobs_reach_the_configuration():
+    """--nonflush-knob KEY=VALUE (repeatable) becomes the configuration's knobs for the CuTe
+    non-flush kernel, values typed (int, bool, None or string), and the meta file records them
+    through the configuration."""
+    argv = ["--quick", "--nonflush-knob", "weights_at=before_decode", "--nonflush-knob",
+            "l2_prefetch=1", "--nonflush-knob", "pin_state_loads=True"]
+    config = kb.config_from_args(kb.build_parser().parse_args(argv), argv)
+    assert config.nonflush_knobs == {"weights_at": "before_decode", "l2_prefetch": 1,
+                                     "pin_state_loads": True}
+    assert kb.BenchConfig().nonflush_knobs == {}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without CUDA")
