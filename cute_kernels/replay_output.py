@@ -27,9 +27,9 @@ Work decomposition (drawn in README.md, "Read path"): one CTA per (group, slot),
 warps, each warp owns ``heads_per_group / warps`` heads, one at a time. The CTA computes the
 group's ``h`` dot products ``B_j . C`` once (shared memory) and appends ``B``; each warp
 works out the decay weights of all its heads at once (a segment of lanes per head,
-`_warp_decay_weights`) and stores their ring coefficients in shared memory; then per head it
-forms ``S_lo C`` into shared memory, and every lane finishes two output rows (ring term, D,
-gate).
+`_warp_decay_weights`) and stores their ring coefficients in shared memory (nvfp4: beside its
+first head's ``S_lo C``, `ReplayOutputConfig.weights_at`); per head it forms ``S_lo C`` into
+shared memory, and every lane finishes two output rows (ring term, D, gate).
 
 Checkpoint term, fp8/fp16/nvfp4 (``decode='mma'``): the state is the A operand of
 ``mma.sync.m16n8k16`` (f16 in, fp32 accumulate); C (fp32) is split into f16 ``hi + lo`` placed
