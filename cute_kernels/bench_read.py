@@ -330,6 +330,13 @@ WEIGHTS_VARIANTS = [("nvfp4", dict(weights_at="before_decode"))] + [
 ]
 
 
+# Where a head's ring records wait (`ReplayOutputConfig.ring_stage`): each format with the
+# placement that is not its default (nvfp4: registers; the others: shared memory).
+RING_VARIANTS = [("nvfp4", dict(ring_stage="registers"))] + [
+    (fmt, dict(ring_stage="smem")) for fmt in ("fp8_e4m3", "fp16", "fp32")
+]
+
+
 # Stages left out, timing only (`ReplayOutputConfig.ablate`; the outputs are wrong, so the
 # check is reported as nan): where the non-flush nvfp4 step's time goes.
 ABLATION_VARIANTS = [
@@ -350,7 +357,8 @@ SPLITS_SWEEP = [("nvfp4", 4, 1), ("nvfp4", 4, 2), ("nvfp4", 4, 4), ("nvfp4", 2, 
 
 def run(batches, h, window, sets, reps, out=None, variants=True, splits_sweep=False,
         knob_variants=False, splits=None, ablations=False, early_variants=False,
-        pass_variants=False, eager_variants=False, pin_variants=False, weights_variants=False):
+        pass_variants=False, eager_variants=False, pin_variants=False, weights_variants=False,
+        ring_variants=False):
     copy_gbs, read_gbs = ceilings()
     rows = []
     cases = [(fmt, None) for fmt in ro.LO_FORMATS]
@@ -368,7 +376,7 @@ def run(batches, h, window, sets, reps, out=None, variants=True, splits_sweep=Fa
     for flag, extra in ((knob_variants, KNOB_VARIANTS), (ablations, ABLATION_VARIANTS),
                         (early_variants, EARLY_VARIANTS), (pass_variants, PASS_VARIANTS),
                         (eager_variants, EAGER_VARIANTS), (pin_variants, PIN_VARIANTS),
-                        (weights_variants, WEIGHTS_VARIANTS)):
+                        (weights_variants, WEIGHTS_VARIANTS), (ring_variants, RING_VARIANTS)):
         if flag:
             cases = [(fmt, None) for fmt in ro.LO_FORMATS] + list(extra)
     if splits_sweep:
@@ -441,6 +449,8 @@ def main():
                    help="the defaults and PIN_VARIANTS only (state loads kept where issued)")
     p.add_argument("--weights-variants", action="store_true",
                    help="the defaults and WEIGHTS_VARIANTS only (the other decay-weights place)")
+    p.add_argument("--ring-variants", action="store_true",
+                   help="the defaults and RING_VARIANTS only (the other ring-record place)")
     p.add_argument("--shape", choices=list(SHAPES), default="nemotron3-super")
     p.add_argument("--splits", type=int, nargs="+", default=None,
                    help="with --splits-sweep: nvfp4 at 4 warps and these head_splits only")
@@ -451,7 +461,7 @@ def main():
     SHAPE.update(SHAPES[a.shape])
     run(a.batch, a.h, a.window, a.sets, a.reps, a.out, not a.no_variants, a.splits_sweep,
         a.knob_variants, a.splits, a.ablations, a.early_variants, a.pass_variants,
-        a.eager_variants, a.pin_variants, a.weights_variants)
+        a.eager_variants, a.pin_variants, a.weights_variants, a.ring_variants)
 
 
 if __name__ == "__main__":

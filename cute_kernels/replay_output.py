@@ -185,6 +185,16 @@ def _cp_async_16(smem_addr, gmem_addr, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
+def _cp_async_16_zfill(smem_addr, gmem_addr, src_bytes, *, loc=None, ip=None) -> None:
+    """As _cp_async_16, but only the first ``src_bytes`` (0 or 16) are read from global
+    memory; the rest of the 16 bytes are zero-filled (no traffic when 0)."""
+    inline_ptx(None, [Int32(smem_addr).ir_value(loc=loc, ip=ip), _addr(gmem_addr, loc, ip),
+                      Int32(src_bytes).ir_value(loc=loc, ip=ip)],
+               "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r", side_effects=True,
+               loc=loc, ip=ip)
+
+
+@dsl_user_op
 def _cp_async_commit(*, loc=None, ip=None) -> None:
     inline_ptx(None, [], "cp.async.commit_group;", "", side_effects=True, loc=loc, ip=ip)
 
@@ -216,6 +226,21 @@ def _lds_v4(smem_addr, *, loc=None, ip=None) -> list:
                    "ld.shared.v4.u32 {$0,$1,$2,$3}, [$4];", "=r,=r,=r,=r,r", side_effects=True,
                    loc=loc, ip=ip)
     return _unpack_struct(r, 4, T.i32(), Uint32, loc, ip)
+
+
+@dsl_user_op
+def _lds_words(smem_addr, n: int, *, loc=None, ip=None) -> list:
+    """1 or 2 32-bit words at a shared-memory byte address (aligned to their size); volatile,
+    as _lds_v4 (a ring stage is refilled every other head)."""
+    if n == 1:
+        r = inline_ptx(T.i32(), [Int32(smem_addr).ir_value(loc=loc, ip=ip)],
+                       "ld.shared.u32 $0, [$1];", "=r,r", side_effects=True, loc=loc, ip=ip)
+        return [Uint32(r)]
+    st = llvm.StructType.get_literal([T.i32()] * 2)
+    r = inline_ptx(st, [Int32(smem_addr).ir_value(loc=loc, ip=ip)],
+                   "ld.shared.v2.u32 {$0,$1}, [$2];", "=r,=r,r", side_effects=True,
+                   loc=loc, ip=ip)
+    return _unpack_struct(r, 2, T.i32(), Uint32, loc, ip)
 
 
 @dsl_user_op
@@ -433,6 +458,28 @@ class ReplayOutputConfig:
     #     fp32     303.4 / 283.1, 303.5 / 283.3  156.3 / 147.5           15.4 / 15.5 7.2 / 6.9
     # (batch 8 and 1 moved by up to 1 us between the calls, either form)
     weights_at: str | None = None
+    # where a head's ring records (x_j, j < cursor) wait for the epilogue: "registers" (each
+    # lane's 4-byte loads, issued with the head's read copy) or "smem" (cp.async, 16 bytes a
+    # lane, into one of two shared-memory stages a warp, the next head's in flight while
+    # this one is computed; records past the cursor zero-filled without traffic). Needs the
+    # registers stage for the read copy, no eager_loads, one head a pass, window >= 3.
+    # None: smem for nvfp4 where it can, else registers
+    ring_stage: str | None = None
+
+    @property
+    def ring_placement(self) -> str:
+        if self.ring_stage is not None:
+            return self.ring_stage
+        fits = (self.window >= 3 and self.stage == "registers" and not self.eager_loads
+                and self.heads_per_pass == 1 and "ring" not in self.ablate
+                and self.warps * 2 * self.ring_stage_bytes <= RING_STAGE_LIMIT)
+        return "smem" if self.lo_format == "nvfp4" and fits else "registers"
+
+    @property
+    def ring_stage_bytes(self) -> int:
+        """One head's ring records j <= window - 3 (the ones a non-flush step can read) in
+        shared memory: a multiple of 16 bytes."""
+        return (self.window - 2) * self.headdim * _ACT_BYTES[self.act]
 
     @property
     def weights_placement(self) -> str:
@@ -497,6 +544,7 @@ def default_warps(heads_per_group: int, lo_format: str = "nvfp4") -> int:
 STAGES = ("registers", "smem")
 YS_LAYOUTS = ("rows", "quads")
 WEIGHTS_AT = ("with_decode", "before_decode")
+RING_STAGE_LIMIT = 32 * 1024  # bytes of shared memory for a CTA's ring stages
 ABLATIONS = ("state", "scales", "ring", "decode")
 
 
@@ -677,6 +725,13 @@ class ReplayOutput:
                 Uint32, cute.make_layout(W * 2 * self.stage_bytes // 4), byte_alignment=16
             )
             stage_base = st_smem.iterator.toint() + warp * (2 * self.stage_bytes)
+        ring_staged = cfg.ring_placement == "smem"
+        ring_base = Int32(0)
+        RB = cfg.ring_stage_bytes
+        if cutlass.const_expr(ring_staged):
+            rs_smem = smem.allocate_tensor(Uint32, cute.make_layout(W * 2 * RB // 4),
+                                           byte_alignment=16)
+            ring_base = rs_smem.iterator.toint() + warp * (2 * RB)
 
         raw_cursor = cute.arch.load((cursors + s).llvm_ptr, Int32)
         # eager_loads: the prologue's and the first heads' loads go out with the cursor's
@@ -708,6 +763,10 @@ class ReplayOutput:
                 for k in cutlass.range_constexpr(min(2, nh)):
                     self._stage_head(lo0.toint(), lo1.toint(), s64 * H + heads[k],
                                      stage_base + k * self.stage_bytes, lane)
+            if cutlass.const_expr(ring_staged):  # the first two heads' ring records
+                for k in cutlass.range_constexpr(min(2, nh)):
+                    self._stage_ring(ring_x.toint(), s64 * H + heads[k], ring_base + k * RB,
+                                     cursor, lane)
 
             # ---- the group's dot products B_j . C, j < h (j = h-1: this step's B) ----------
             nb = N // 32  # consecutive elements of B and C per lane
@@ -818,6 +877,8 @@ class ReplayOutput:
                                                   cursor, lane)
                     _store_warp_coefs(self.segment, weights, nh, warp, lane, cursor, bc_smem,
                                       coef_smem, ck_smem)
+                if cutlass.const_expr(ring_staged):  # this head's ring records landed
+                    _cp_async_wait(1 if pass_heads[-1] + 1 < nh else 0)
                 cute.arch.sync_warp()
                 hh = pass_heads[-1]
                 if cutlass.const_expr(staged and hh + 2 < nh):
@@ -860,7 +921,11 @@ class ReplayOutput:
                             # records j >= cursor were not loaded (zeros; eager_loads: loaded
                             # and zeroed here) and have coef 0; record L - 2 is never before
                             # the cursor (cursor <= L - 2 on a non-flush step)
-                            words = ld["ring"][r][j]
+                            if cutlass.const_expr(ring_staged):
+                                words = _lds_words(ring_base + (hh % 2) * RB
+                                                   + (j * P + v) * ab, ab // 2)
+                            else:
+                                words = ld["ring"][r][j]
                             if cutlass.const_expr(cfg.eager_loads):
                                 words = [_sel(j < cursor, w, Uint32(0)) for w in words]
                             xr = _words_to_f32(words, act)
@@ -877,6 +942,11 @@ class ReplayOutput:
                             _store_words(out.toint() + (sh * P + v) * ab, out_words)
                             _store_words(ring_x.toint() + ((sh * Lc + cursor) * P + v) * ab, xw)
                 cute.arch.sync_warp()
+                if cutlass.const_expr(ring_staged and pass_heads[-1] + 2 < nh):
+                    # every lane has read this head's stage: the head after next goes into it
+                    hn = pass_heads[-1] + 2
+                    self._stage_ring(ring_x.toint(), s64 * H + heads[hn],
+                                     ring_base + (hn % 2) * RB, cursor, lane)
             if cutlass.const_expr(cfg.early_loads):
                 if tid == 0:
                     if (arrivals >> 16) == G * SPL - 1:
@@ -993,6 +1063,8 @@ class ReplayOutput:
             ld["x"].append(_load_words(x.toint() + (sh * P + v) * ab, ab // 2))
             if cfg.has_z:
                 ld["z"].append(_load_words(z.toint() + (sh * P + v) * ab, ab // 2))
+            if cfg.ring_placement == "smem":  # read from the warp's ring stage in the epilogue
+                continue
             if "ring" in cfg.ablate:  # timing only: the records' words without their loads
                 ld["ring"].append([[Uint32(lane + j)] * (ab // 2) for j in range(L - 2)])
                 continue
@@ -1081,6 +1153,22 @@ class ReplayOutput:
                 piece = cutlass.min(piece, scales16 - 1)
             _cp_async_16(stage + codes16 * 16 + piece * 16,
                          lo1 + (sh * (P * N // 16) + piece * 16))
+        _cp_async_commit()
+
+    def _stage_ring(self, ring_x, sh, stage, cursor, lane) -> None:
+        """cp.async one head's ring records j <= window - 3 (contiguous in global memory)
+        into a warp's ring stage at shared address ``stage``, 16 bytes per lane and copy,
+        records past the cursor zero-filled (no traffic); one group."""
+        cfg = self.cfg
+        P, Lc, ab = cfg.headdim, cfg.ring_capacity, _ACT_BYTES[cfg.act]
+        pieces, per_record = cfg.ring_stage_bytes // 16, P * ab // 16
+        for i in range((pieces + 31) // 32):
+            piece = lane + 32 * i
+            if (i + 1) * 32 > pieces:  # lanes past the end copy the last piece again (the
+                piece = cutlass.min(piece, pieces - 1)  # same bytes: a harmless race)
+            j = piece // per_record
+            _cp_async_16_zfill(stage + piece * 16, ring_x + (sh * Lc * P * ab + piece * 16),
+                               _sel(j < cursor, Int32(16), Int32(0)))
         _cp_async_commit()
 
     def _staged_state(self, stage, lane):
@@ -1350,6 +1438,7 @@ def replay_output(
     eager_loads=None,
     pin_state_loads=None,
     weights_at=None,
+    ring_stage=None,
 ):
     """One non-flush decode step for every slot whose ``cursors[s] + 1 < window``; returns
     ``out`` [S, H, P] (x's dtype; rows of flush slots are not written).
@@ -1365,7 +1454,8 @@ def replay_output(
     "smem", nvfp4) picks how the read copy is loaded, ``l2_prefetch`` (heads ahead, 0 off)
     and ``ys_layout`` ("rows" or "quads") are the tuning knobs of `ReplayOutputConfig`, as are
     ``l2_prefetch_small``, ``early_loads`` (default on), ``heads_per_pass`` (1 or 2),
-    ``eager_loads``, ``pin_state_loads`` and ``weights_at``, each measured there; ``ablate``
+    ``eager_loads``, ``pin_state_loads``, ``weights_at`` and ``ring_stage``, each measured
+    there; ``ablate``
     leaves stages out for timing (wrong outputs; `ReplayOutputConfig.ablate`).
     """
     if lo_format not in LO_FORMATS:
@@ -1387,6 +1477,11 @@ def replay_output(
         _fail("pin_state_loads", "None or a bool", pin_state_loads)
     if weights_at is not None and weights_at not in WEIGHTS_AT:
         _fail("weights_at", f"None or one of {list(WEIGHTS_AT)}", repr(weights_at))
+    if ring_stage is not None and (ring_stage not in STAGES or ring_stage == "smem" and (
+            stage not in (None, "registers") or eager_loads or heads_per_pass not in (None, 1)
+            or "ring" in ablate or not isinstance(window, int) or window < 3)):
+        _fail("ring_stage", f"None or one of {list(STAGES)} ('smem': with the registers stage, "
+              "no eager_loads, one head a pass, no ring ablation, window >= 3)", repr(ring_stage))
     hp = 1 if heads_per_pass is None else heads_per_pass
     if isinstance(hp, bool) or hp not in (1, 2) or (
         hp == 2 and (stage not in (None, "registers") or prefetch or l2_prefetch)
@@ -1470,7 +1565,7 @@ def replay_output(
     )
     cfg = dataclasses.replace(cfg, eager_loads=bool(eager_loads),
                               pin_state_loads=bool(pin_state_loads),
-                              weights_at=weights_at)
+                              weights_at=weights_at, ring_stage=ring_stage)
     k = cfg.l2_prefetch
     if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 4:
         _fail("l2_prefetch", "None or an integer in [0, 4] (heads ahead)", l2_prefetch)
@@ -1479,6 +1574,9 @@ def replay_output(
     if cfg.stage == "smem" and cfg.warps * 2 * ReplayOutput(cfg).stage_bytes > 40 * 1024:
         _fail("stage", f"'registers' for this shape and warps ({cfg.warps}): two shared-memory "
               "stages per warp would pass 40 KiB", repr(stage))
+    if cfg.ring_placement == "smem" and cfg.warps * 2 * cfg.ring_stage_bytes > RING_STAGE_LIMIT:
+        _fail("ring_stage", f"'registers' for this shape, window and warps ({cfg.warps}): two "
+              "ring stages per warp would pass 32 KiB", repr(ring_stage))
     m = cfg.min_ctas_per_sm
     if m is not None and (isinstance(m, bool) or not isinstance(m, int) or not 0 <= m <= 32):
         _fail("min_ctas_per_sm", "None or an integer in [0, 32]", m)

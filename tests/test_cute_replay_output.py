@@ -194,6 +194,42 @@ def test_decay_weights_beside_the_decode_share_its_warp_barrier(head_splits):
         _call(lo, t, "nvfp4", SHAPES["odd"][-1], None, weights_at="after")
 
 
+@pytest.mark.parametrize("shape, head_splits", [("nemotron", 1), ("nemotron", 4), ("odd", 1)])
+def test_ring_records_go_through_shared_memory_by_default_for_nvfp4(shape, head_splits):
+    """nvfp4's default stages each head's ring records with zero-filling cp.async, 16 bytes a
+    lane (ceil(pieces / 32) copies a head), and loads none of them into registers; with
+    ring_stage="registers" it is the other way round."""
+    S, H, P, N, G, Lc, L = SHAPES[shape]
+    base = dataclasses.replace(_config("nvfp4", shape), head_splits=head_splits)
+    assert base.ring_placement == "smem"
+    staged = ro.compile_replay_output(base, keep_ptx=True).__ptx__
+    loaded = ro.compile_replay_output(dataclasses.replace(base, ring_stage="registers"),
+                                      keep_ptx=True).__ptx__
+    zfill, ring_load = "cp.async.cg.shared.global [%r", "@p ld.global.u32"
+    heads_a_warp = H // G // head_splits // base.warps
+    pieces = (L - 2) * P * 2 // 16
+    assert staged.count(zfill) == heads_a_warp * -(-pieces // 32)
+    assert loaded.count(zfill) == 0
+    # the prologue's ring B rows are predicated v2 loads; the records are one word a lane
+    assert staged.count(ring_load) == 0 < loaded.count(ring_load)
+
+
+@pytest.mark.parametrize("knobs", [
+    dict(ring_stage="smem", stage="smem"), dict(ring_stage="smem", eager_loads=True),
+    dict(ring_stage="smem", heads_per_pass=2), dict(ring_stage="smem", ablate=("ring",)),
+    dict(ring_stage="shared"), dict(ring_stage="smem", window=2),
+])
+def test_bad_ring_stage_is_refused(knobs):
+    """ring_stage must be 'registers' or 'smem', and 'smem' needs the registers stage, no
+    eager_loads, one head a pass, no ring ablation and a window of 3 or more: anything else
+    is a ValueError naming it."""
+    lo, _, t = _inputs("nvfp4", "odd", "bf16", seed=53)
+    knobs = dict(knobs)
+    window = knobs.pop("window", SHAPES["odd"][-1])
+    with pytest.raises(ValueError, match="ring_stage"):
+        _call(lo, t, "nvfp4", window, None, **knobs)
+
+
 def test_bad_eager_loads_are_refused():
     """eager_loads must be a bool, and needs the early prologue loads, the registers stage and
     no L2 prefetch: anything else is a ValueError naming it, before any tensor is used."""
@@ -267,8 +303,9 @@ def test_l2_prefetch_asks_for_each_later_head_once(lo_format, heads_ahead):
 @pytest.mark.parametrize("lo_format", ["nvfp4", "fp8_e4m3"])
 def test_ablations_leave_out_exactly_their_stage(lo_format):
     """Timing-only ablations: 'state' issues no read-copy (or scale) load, 'scales' no scale
-    load, 'ring' no ring-record load, 'decode' no mma; each keeps the other stages' loads."""
-    base = dataclasses.replace(_config(lo_format, "nemotron"), warps=4)
+    load, 'ring' no ring-record load, 'decode' no mma; each keeps the other stages' loads (the
+    ring records loaded into registers, the form the ring ablation replaces)."""
+    base = dataclasses.replace(_config(lo_format, "nemotron"), warps=4, ring_stage="registers")
 
     def ptx(*ablate):
         cfg = dataclasses.replace(base, ablate=tuple(sorted(ablate)))
@@ -778,6 +815,54 @@ def test_decay_weights_placement_keeps_every_bit(fmt, shape, knobs):
     for k in ("ring_x", "ring_dt", "ring_B", "cursors"):  # bits: unread entries hold NaN
         as_int = {2: torch.int16, 4: torch.int32}[t_new[k].element_size()]
         assert torch.equal(t_new[k].view(as_int), t_old[k].view(as_int)), k
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt, shape, act, knobs", [
+    ("nvfp4", "nemotron", "bf16", dict(head_splits=1)),  # 4 heads a warp: stages refilled
+    ("nvfp4", "nemotron", "bf16", dict(head_splits=4)),  # one head a warp
+    ("nvfp4", "odd", "bf16", dict(warps=1)),  # 4 heads a warp, 48-wide rows
+    ("nvfp4", "odd", "fp32", dict(warps=1)),  # fp32 records: two words a lane and record
+    ("fp8_e4m3", "odd", "bf16", dict(warps=1)), ("fp32", "nemotron", "bf16", dict(head_splits=1)),
+])
+def test_ring_stage_keeps_every_bit(fmt, shape, act, knobs):
+    """The ring records staged through shared memory (nvfp4's default) or loaded into
+    registers give the same step bit for bit, and the reference's: outputs, records,
+    cursors."""
+    window = SHAPES[shape][-1]
+    lo, lo64, t = _inputs(fmt, shape, act, seed=59)
+    results = {}
+    for where in ro.STAGES:
+        lo_d, t_d = _to_cuda(lo, t)
+        out = torch.full_like(t_d["x"], float("nan"))
+        _call(lo_d, t_d, fmt, window, out, ring_stage=where, **knobs)
+        torch.cuda.synchronize()
+        results[where] = ({k: v.cpu() for k, v in t_d.items()}, out.cpu())
+    (t_new, out_new), (t_old, out_old) = results["smem"], results["registers"]
+    _check_step(lo64, t, t_new, out_new, window, act)
+    as_int = {2: torch.int16, 4: torch.int32}
+    assert torch.equal(out_new.view(as_int[out_new.element_size()]),
+                       out_old.view(as_int[out_old.element_size()]))
+    for k in ("ring_x", "ring_dt", "ring_B", "cursors"):  # bits: unread entries hold NaN
+        kind = as_int[t_new[k].element_size()]
+        assert torch.equal(t_new[k].view(kind), t_old[k].view(kind)), k
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [
+    (4, 16, 32, 128, 2, 32, 32),  # window 32: 30 records a head, 30 KB of stages a CTA
+    (5, 24, 32, 128, 2, 5, 3),  # window 3: one record a head
+], ids=["window32", "window3"])
+def test_ring_stage_at_other_windows(shape, monkeypatch):
+    """Staged ring records at the longest and shortest windows give the reference's step."""
+    monkeypatch.setitem(SHAPES, "extra", shape)
+    window = shape[-1]
+    lo, lo64, t = _inputs("nvfp4", "extra", "bf16", seed=61)
+    lo_d, t_d = _to_cuda(lo, t)
+    out = torch.full_like(t_d["x"], float("nan"))
+    _call(lo_d, t_d, "nvfp4", window, out, ring_stage="smem", head_splits=1)
+    torch.cuda.synchronize()
+    _check_step(lo64, t, {k: v.cpu() for k, v in t_d.items()}, out.cpu(), window, "bf16")
 
 
 @pytest.mark.gpu
