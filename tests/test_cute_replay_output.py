@@ -802,19 +802,35 @@ def test_decay_weights_placement_keeps_every_bit(fmt, shape, knobs):
     the two forms' outputs, records and cursors are bit for bit equal, and the reference's."""
     window = SHAPES[shape][-1]
     lo, lo64, t = _inputs(fmt, shape, "bf16", seed=47)
-    results = {}
-    for where in ro.WEIGHTS_AT:
-        lo_d, t_d = _to_cuda(lo, t)
-        out = torch.full_like(t_d["x"], float("nan"))
-        _call(lo_d, t_d, fmt, window, out, weights_at=where, **knobs)
-        torch.cuda.synchronize()
-        results[where] = ({k: v.cpu() for k, v in t_d.items()}, out.cpu())
+    results = _step_per_knob_value(lo, t, fmt, window, "weights_at", ro.WEIGHTS_AT, knobs)
     (t_new, out_new), (t_old, out_old) = results["with_decode"], results["before_decode"]
     _check_step(lo64, t, t_new, out_new, window, "bf16")
-    assert torch.equal(out_new.view(torch.int16), out_old.view(torch.int16))
-    for k in ("ring_x", "ring_dt", "ring_B", "cursors"):  # bits: unread entries hold NaN
-        as_int = {2: torch.int16, 4: torch.int32}[t_new[k].element_size()]
-        assert torch.equal(t_new[k].view(as_int), t_old[k].view(as_int)), k
+    assert torch.equal(_bits(out_new), _bits(out_old))
+    _assert_same_records(t_new, t_old)
+
+
+def _step_per_knob_value(lo, t, fmt, window, knob, values, knobs) -> dict:
+    """value -> (tensors after, out) of one step from the same inputs with `knob` = value."""
+    results = {}
+    for value in values:
+        lo_d, t_d = _to_cuda(lo, t)
+        out = torch.full_like(t_d["x"], float("nan"))
+        _call(lo_d, t_d, fmt, window, out, **{knob: value}, **knobs)
+        torch.cuda.synchronize()
+        results[value] = ({k: v.cpu() for k, v in t_d.items()}, out.cpu())
+    return results
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    """x's bits as integers of its width (NaN compares equal to itself)."""
+    return x.view({2: torch.int16, 4: torch.int32}[x.element_size()])
+
+
+def _assert_same_records(a: dict, b: dict) -> None:
+    """The ring records and cursors two steps stored are bit for bit the same (unread
+    entries hold NaN)."""
+    for k in ("ring_x", "ring_dt", "ring_B", "cursors"):
+        assert torch.equal(_bits(a[k]), _bits(b[k])), k
 
 
 @pytest.mark.gpu
@@ -832,20 +848,11 @@ def test_ring_stage_keeps_the_results(fmt, shape, act, knobs):
     builds their fp32 sums came out in another order, up to 5e-6 relative apart, 2026-11-30.)"""
     window = SHAPES[shape][-1]
     lo, lo64, t = _inputs(fmt, shape, act, seed=59)
-    results = {}
-    for where in ro.STAGES:
-        lo_d, t_d = _to_cuda(lo, t)
-        out = torch.full_like(t_d["x"], float("nan"))
-        _call(lo_d, t_d, fmt, window, out, ring_stage=where, **knobs)
-        torch.cuda.synchronize()
-        results[where] = ({k: v.cpu() for k, v in t_d.items()}, out.cpu())
+    results = _step_per_knob_value(lo, t, fmt, window, "ring_stage", ro.STAGES, knobs)
     (t_new, out_new), (t_old, out_old) = results["smem"], results["registers"]
     _check_step(lo64, t, t_new, out_new, window, act)
     _check_step(lo64, t, t_old, out_old, window, act)
-    as_int = {2: torch.int16, 4: torch.int32}
-    for k in ("ring_x", "ring_dt", "ring_B", "cursors"):  # bits: unread entries hold NaN
-        kind = as_int[t_new[k].element_size()]
-        assert torch.equal(t_new[k].view(kind), t_old[k].view(kind)), k
+    _assert_same_records(t_new, t_old)
 
 
 @pytest.mark.gpu
