@@ -353,10 +353,25 @@ SPLITS_SWEEP = [("nvfp4", 4, 1), ("nvfp4", 4, 2), ("nvfp4", 4, 4), ("nvfp4", 2, 
                 ("fp32", 8, 2), ("fp32", 4, 2), ("fp32", 4, 4), ("fp32", 2, 8)]
 
 
+# The flags that time the defaults and one of the lists above only: flag -> (list's name,
+# what it varies). The last one given wins.
+VARIANT_LISTS = {
+    "knob-variants": ("KNOB_VARIANTS", "L2 prefetch, partial-sum layout"),
+    "ablations": ("ABLATION_VARIANTS", "stages left out, timing only"),
+    "early-variants": ("EARLY_VARIANTS", "prologue loads issued together"),
+    "pass-variants": ("PASS_VARIANTS", "two heads a warp at once"),
+    "eager-variants": ("EAGER_VARIANTS", "first loads with the cursor's"),
+    "pin-variants": ("PIN_VARIANTS", "state loads kept where issued"),
+    "weights-variants": ("WEIGHTS_VARIANTS", "the other decay-weights place"),
+    "ring-variants": ("RING_VARIANTS", "ring records through shared memory"),
+}
+
+
 def run(batches, h, window, sets, reps, out=None, variants=True, splits_sweep=False,
-        knob_variants=False, splits=None, ablations=False, early_variants=False,
-        pass_variants=False, eager_variants=False, pin_variants=False, weights_variants=False,
-        ring_variants=False):
+        splits=None, only=None):
+    """Times the defaults of every format and (variants) the tuning lists, or with `only`
+    (a list's name, VARIANT_LISTS) the defaults and that list, or (splits_sweep) the
+    small-batch grid."""
     copy_gbs, read_gbs = ceilings()
     rows = []
     cases = [(fmt, None) for fmt in ro.LO_FORMATS]
@@ -370,13 +385,8 @@ def run(batches, h, window, sets, reps, out=None, variants=True, splits_sweep=Fa
                              min_ctas_per_sm=m, stage="smem"))
                   for fmt, w, m in STAGE_VARIANTS]
         cases += list(KNOB_VARIANTS)
-    # each of these flags times the defaults and its list only (the last one given wins)
-    for flag, extra in ((knob_variants, KNOB_VARIANTS), (ablations, ABLATION_VARIANTS),
-                        (early_variants, EARLY_VARIANTS), (pass_variants, PASS_VARIANTS),
-                        (eager_variants, EAGER_VARIANTS), (pin_variants, PIN_VARIANTS),
-                        (weights_variants, WEIGHTS_VARIANTS), (ring_variants, RING_VARIANTS)):
-        if flag:
-            cases = [(fmt, None) for fmt in ro.LO_FORMATS] + list(extra)
+    if only:
+        cases = [(fmt, None) for fmt in ro.LO_FORMATS] + list(globals()[only])
     if splits_sweep:
         cases = [(fmt, None) for fmt in ("nvfp4", "fp32")]
         grid = SPLITS_SWEEP if not splits else [("nvfp4", 4, k) for k in splits]
@@ -433,22 +443,9 @@ def main():
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--out", default=None)
     p.add_argument("--no-variants", action="store_true", help="time the defaults only")
-    p.add_argument("--knob-variants", action="store_true",
-                   help="the defaults and KNOB_VARIANTS only (L2 prefetch, partial-sum layout)")
-    p.add_argument("--ablations", action="store_true",
-                   help="the defaults and ABLATION_VARIANTS only: stages left out, timing only")
-    p.add_argument("--early-variants", action="store_true",
-                   help="the defaults and EARLY_VARIANTS only (prologue loads issued together)")
-    p.add_argument("--pass-variants", action="store_true",
-                   help="the defaults and PASS_VARIANTS only (two heads a warp at once)")
-    p.add_argument("--eager-variants", action="store_true",
-                   help="the defaults and EAGER_VARIANTS only (first loads with the cursor's)")
-    p.add_argument("--pin-variants", action="store_true",
-                   help="the defaults and PIN_VARIANTS only (state loads kept where issued)")
-    p.add_argument("--weights-variants", action="store_true",
-                   help="the defaults and WEIGHTS_VARIANTS only (the other decay-weights place)")
-    p.add_argument("--ring-variants", action="store_true",
-                   help="the defaults and RING_VARIANTS only (ring records through shared memory)")
+    for flag, (name, what) in VARIANT_LISTS.items():
+        p.add_argument(f"--{flag}", action="store_true",
+                       help=f"the defaults and {name} only ({what})")
     p.add_argument("--shape", choices=list(SHAPES), default="nemotron3-super")
     p.add_argument("--splits", type=int, nargs="+", default=None,
                    help="with --splits-sweep: nvfp4 at 4 warps and these head_splits only")
@@ -457,9 +454,10 @@ def main():
     a = p.parse_args()
     SHAPE.clear()
     SHAPE.update(SHAPES[a.shape])
+    given = [name for flag, (name, _) in VARIANT_LISTS.items()
+             if getattr(a, flag.replace("-", "_"))]
     run(a.batch, a.h, a.window, a.sets, a.reps, a.out, not a.no_variants, a.splits_sweep,
-        a.knob_variants, a.splits, a.ablations, a.early_variants, a.pass_variants,
-        a.eager_variants, a.pin_variants, a.weights_variants, a.ring_variants)
+        a.splits, given[-1] if given else None)
 
 
 if __name__ == "__main__":
