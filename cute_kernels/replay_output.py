@@ -470,9 +470,9 @@ class ReplayOutputConfig:
     #     cursor 14  5.57 / 5.32  7.23 / 7.07  38.12 / 38.36  68.98 / 70.41
     # 2-3% faster where a warp walks several heads, 2-5% slower on small grids. Not the
     # default yet: the benchmark and the full GPU suite ran on the registers form (results/
-    # README.md, "Eighth session"). Outputs agree with the registers form to rounding (fp32
-    # sums evaluated in another order in 2 of 6 tested builds: up to 5e-6 relative), the
-    # appended records and cursors bit for bit
+    # README.md, "Eighth session"). Outputs agree with the registers form to rounding (in 2
+    # of 6 tested builds up to 5e-6 relative apart; the cause is not pinned down: both SASS
+    # have the same FFMA, FMUL and FADD counts), the appended records and cursors bit for bit
     ring_stage: str = "registers"
 
     @property
@@ -1576,7 +1576,7 @@ def replay_output(
               "stages per warp would pass 40 KiB", repr(stage))
     if cfg.ring_stage == "smem" and cfg.warps * 2 * cfg.ring_stage_bytes > RING_STAGE_LIMIT:
         _fail("ring_stage", f"'registers' for this shape, window and warps ({cfg.warps}): two "
-              "ring stages per warp would pass 32 KiB", repr(ring_stage))
+              f"ring stages per warp would pass {RING_STAGE_LIMIT // 1024} KiB", repr(ring_stage))
     m = cfg.min_ctas_per_sm
     if m is not None and (isinstance(m, bool) or not isinstance(m, int) or not 0 <= m <= 32):
         _fail("min_ctas_per_sm", "None or an integer in [0, 32]", m)

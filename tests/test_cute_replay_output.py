@@ -845,7 +845,7 @@ def test_ring_stage_keeps_the_results(fmt, shape, act, knobs):
     """The ring records staged through shared memory or loaded into registers: both steps'
     outputs, records and cursors are the reference's, and the records and cursors they store
     are bit for bit the same. (The outputs are not compared bit for bit: in 2 of these 6
-    builds their fp32 sums came out in another order, up to 5e-6 relative apart, 2026-11-30.)"""
+    builds they came out up to 5e-6 relative apart, 2026-11-30, cause not pinned down.)"""
     window = SHAPES[shape][-1]
     lo, lo64, t = _inputs(fmt, shape, act, seed=59)
     results = _step_per_knob_value(lo, t, fmt, window, "ring_stage", ro.STAGES, knobs)
