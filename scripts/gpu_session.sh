@@ -38,6 +38,14 @@
 #       non-flush kernels and the two-precision flush at the headline point (batch 256, L = 16):
 #       ncu_<kernel>.txt (details page) and kernel_bench_P.log
 #
+#   bash scripts/gpu_session.sh K   carry [".device"]
+#       the non-flush kernel's knobs A/B in the benchmark's own conditions (kernel_bench
+#       --nonflush-knob): KB_AB="name:key=value,key=value name2:..." (an empty list after the
+#       colon is the default), each variant run in turn KB_AB_REPS times (default 2) at batches
+#       KB_AB_BATCHES (default 1,8,128,256), L = 16; first, with KB_TEST_K set, the gpu-marked
+#       tests that `pytest -k "$KB_TEST_K"` selects: ab.tar (ab_<name>_<rep>.{csv,log}),
+#       gpu-tests.log, kernel_bench_K.log (a summary table at its end)
+#
 # KB_SKIP_TESTS=1 leaves A's tests out (for a call after C tested the same kernels).
 # Start each as `LOWPREC_COMMIT=<git rev-parse --short HEAD, here> bash scripts/gpu_session.sh X`:
 # the device's copy of the tree carries a .git that is not this checkout's, so the meta files
@@ -54,7 +62,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 part=${1:-}
-case "$part" in A|B|C|D|E|P|T) ;; *) echo "usage: bash scripts/gpu_session.sh A|B|C|D|E|P|T" >&2; exit 2 ;; esac
+case "$part" in A|B|C|D|E|K|P|T) ;; *) echo "usage: bash scripts/gpu_session.sh A|B|C|D|E|K|P|T" >&2; exit 2 ;; esac
 out=${OUT:-/tmp/kernel-bench-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -145,6 +153,40 @@ elif [ "$part" = A ] || [ "$part" = D ]; then
     --run-label A --budget-s "$budget" --out "$out/kernel_bench_A.csv" \
     --plot-dir "$([ "$part" = D ] && echo none || echo "$out")" 2>&1 \
     | tee -a "$log"
+elif [ "$part" = K ]; then
+  if [ -n "${KB_TEST_K:-}" ]; then
+    timeout 200 "$py" -m pytest -m gpu -q -n 8 -p no:cacheprovider -k "$KB_TEST_K" tests \
+      > "$out/gpu-tests.log" 2>&1
+    echo "gpu tests (-k $KB_TEST_K): exit $? after $(( $(date +%s) - start )) s" | tee -a "$log"
+    tail -n 3 "$out/gpu-tests.log" | tee -a "$log"
+  fi
+  for rep in $(seq 1 "${KB_AB_REPS:-2}"); do
+    for variant in ${KB_AB:-default:}; do
+      name=${variant%%:*}
+      knobs=()
+      IFS=, read -ra pairs <<< "${variant#*:}"
+      for pair in "${pairs[@]}"; do knobs+=(--nonflush-knob "$pair"); done
+      if [ "$(remaining)" -lt 50 ]; then echo "skipped $name $rep: time" | tee -a "$log"; continue; fi
+      timeout "$(( $(remaining) - 10 ))" "$py" -m experiments.kernel_bench --shapes nemotron3-super \
+        --windows 16 --batches "${KB_AB_BATCHES:-1,8,128,256}" --kernels cute:nonflush:nvfp4 \
+        --peers none --plot-dir none "${knobs[@]}" --run-label "${name}_$rep" \
+        --out "$out/ab_${name}_$rep.csv" > "$out/ab_${name}_$rep.log" 2>&1
+      echo "$name rep $rep (${variant#*:}): exit $? after $(( $(date +%s) - start )) s" | tee -a "$log"
+    done
+  done
+  "$py" - "$out" >> "$log" 2>&1 <<'EOF'
+import csv, glob, os, sys
+rows = {}
+for path in sorted(glob.glob(os.path.join(sys.argv[1], "ab_*.csv"))):
+    for r in csv.DictReader(open(path)):
+        if r["status"] == "ok":
+            rows.setdefault((r["batch"], r["cursor"]), {})[r["run"]] = float(r["time_us"])
+runs = sorted({run for v in rows.values() for run in v})
+print("batch cursor " + " ".join(f"{run:>16s}" for run in runs))
+for (b, c), v in sorted(rows.items(), key=lambda kv: (int(kv[0][0]), int(kv[0][1]))):
+    print(f"{b:>5s} {c:>6s} " + " ".join(f"{v.get(run, float('nan')):16.2f}" for run in runs))
+EOF
+  (cd "$out" && tar -cf ab.tar ab_* && rm -f ab_*)
 elif [ "$part" = P ]; then
   for kernel in cute:nonflush:nvfp4 cute:nonflush:fp32 cute:flush:fp16sr+nvfp4; do
     name=$(echo "$kernel" | tr ':+' '__')
