@@ -75,7 +75,7 @@ from cute_kernels.tensor_core import unpack_struct as _unpack_struct
 
 __all__ = [
     "ReplayOutputConfig", "ReplayOutput", "replay_output", "compile_replay_output",
-    "default_warps", "default_head_splits",
+    "default_warps", "default_head_splits", "default_ring_stage",
 ]
 
 LO_FORMATS = ("nvfp4", "fp8_e4m3", "fp16", "fp32")
@@ -468,11 +468,15 @@ class ReplayOutputConfig:
     #     batch          1            8            128            256
     #     cursor 8   4.80 / 4.66  6.24 / 6.11  34.66 / 35.41  62.61 / 64.44
     #     cursor 14  5.57 / 5.32  7.23 / 7.07  38.12 / 38.36  68.98 / 70.41
-    # 2-3% faster where a warp walks several heads, 2-5% slower on small grids. Not the
-    # default yet: the benchmark and the full GPU suite ran on the registers form (results/
-    # README.md, "Eighth session"). Outputs agree with the registers form to rounding (in 2
-    # of 6 tested builds up to 5e-6 relative apart; the cause is not pinned down: both SASS
-    # have the same FFMA, FMUL and FADD counts), the appended records and cursors bit for bit
+    # 2-3% faster where a warp walks several heads, 2-5% slower on small grids (one head a
+    # warp), and so replay_output's default for nvfp4 where a warp walks two heads or more
+    # (`default_ring_stage`); measured again in the ninth session, two runs each, us
+    # (results/kernel_bench_runs/knobs_ab_13/, `scripts/gpu_session.sh K`):
+    #     batch          1            8            128            256
+    #     cursor 8   4.90 / 4.74  6.32 / 6.18  34.62 / 35.54  63.05 / 64.68
+    # Outputs agree with the registers form to rounding (in 2 of 6 tested builds up to 5e-6
+    # relative apart; the cause is not pinned down: both SASS have the same FFMA, FMUL and
+    # FADD counts), the appended records and cursors bit for bit
     ring_stage: str = "registers"
 
     @property
@@ -552,6 +556,19 @@ ABLATIONS = ("state", "scales", "ring", "decode")
 # (Mamba-2 2.7B, one group of 80 heads, batch 512, one CTA per group) took 129.0 us where 10
 # took 81.2 (table below): past ten or so the code outgrows the instruction cache.
 MAX_HEADS_PER_WARP = 10
+
+
+def default_ring_stage(cfg: ReplayOutputConfig) -> str:
+    """Where a head's ring records wait when none is asked for: "smem" for nvfp4 where each
+    warp walks two heads or more (the next head's records then load while this one is
+    computed) and the staging is allowed (registers stage, no eager_loads, one head a pass,
+    no ring ablation, window >= 3, two stages a warp within RING_STAGE_LIMIT); otherwise
+    "registers". Measured at ReplayOutputConfig.ring_stage."""
+    heads_per_warp = cfg.heads_per_group // (cfg.warps * cfg.head_splits)
+    allowed = (cfg.stage == "registers" and not cfg.eager_loads and cfg.heads_per_pass == 1
+               and "ring" not in cfg.ablate and cfg.window >= 3
+               and cfg.warps * 2 * cfg.ring_stage_bytes <= RING_STAGE_LIMIT)
+    return "smem" if cfg.lo_format == "nvfp4" and heads_per_warp >= 2 and allowed else "registers"
 
 
 def default_head_splits(batch: int, ngroups: int, heads_per_group: int, warps: int,
@@ -1584,6 +1601,8 @@ def replay_output(
     if isinstance(hs, bool) or not isinstance(hs, int) or hs < 1 or (H // G) % (hs * cfg.warps):
         _fail("head_splits", f"a positive integer with head_splits * warps ({cfg.warps}) dividing "
               f"nheads / ngroups = {H // G}", head_splits)
+    if ring_stage is None:
+        cfg = dataclasses.replace(cfg, ring_stage=default_ring_stage(cfg))
     if S == 0:
         return out
     kernel = compile_replay_output(cfg)

@@ -43,7 +43,7 @@
 #       --nonflush-knob): KB_AB="name:key=value,key=value name2:..." (an empty list after the
 #       colon is the default), each variant run in turn KB_AB_REPS times (default 2) at batches
 #       KB_AB_BATCHES (default 1,8,128,256), L = 16; first, with KB_TEST_K set, the gpu-marked
-#       tests that `pytest -k "$KB_TEST_K"` selects: ab.tar (ab_<name>_<rep>.{csv,log}),
+#       tests that `pytest -k "$KB_TEST_K"` selects (KB_TEST_K=all: every one, -n 8): ab.tar (ab_<name>_<rep>.{csv,log}),
 #       gpu-tests.log, kernel_bench_K.log (a summary table at its end)
 #
 # KB_SKIP_TESTS=1 leaves A's tests out (for a call after C tested the same kernels).
@@ -154,7 +154,9 @@ elif [ "$part" = A ] || [ "$part" = D ]; then
     --plot-dir "$([ "$part" = D ] && echo none || echo "$out")" 2>&1 \
     | tee -a "$log"
 elif [ "$part" = K ]; then
-  if [ -n "${KB_TEST_K:-}" ]; then
+  if [ "${KB_TEST_K:-}" = all ]; then
+    gpu_tests 330
+  elif [ -n "${KB_TEST_K:-}" ]; then
     timeout 200 "$py" -m pytest -m gpu -q -n 8 -p no:cacheprovider -k "$KB_TEST_K" tests \
       > "$out/gpu-tests.log" 2>&1
     echo "gpu tests (-k $KB_TEST_K): exit $? after $(( $(date +%s) - start )) s" | tee -a "$log"

@@ -214,6 +214,25 @@ def test_ring_stage_smem_copies_the_records_instead_of_loading_them(shape, head_
     assert staged.count(ring_load) == 0 < loaded.count(ring_load)
 
 
+@pytest.mark.parametrize("knobs, expected", [
+    (dict(), "smem"),  # 16 heads a group, 4 warps: 4 heads a warp
+    (dict(head_splits=2), "smem"), (dict(head_splits=4), "registers"),  # 2, then 1 a warp
+    (dict(warps=2, head_splits=4), "smem"), (dict(lo_format="fp8_e4m3"), "registers"),
+    (dict(lo_format="fp32", warps=8), "registers"), (dict(window=2), "registers"),
+    (dict(eager_loads=True), "registers"), (dict(heads_per_pass=2), "registers"),
+    (dict(stage="smem"), "registers"), (dict(ablate=("ring",)), "registers"),
+    (dict(window=32, warps=8), "registers"),  # 2 heads a warp, but 8 x 2 x 3,840 B > 32 KiB
+])
+def test_ring_stage_default_is_smem_where_a_warp_walks_several_nvfp4_heads(knobs, expected):
+    """default_ring_stage stages the ring records through shared memory only for nvfp4, where
+    a warp walks two heads or more (measured faster there, slower at one head a warp), and
+    only where the staging is allowed; the choice is a pure function of the configuration."""
+    knobs = dict(knobs)
+    cfg = _config(knobs.pop("lo_format", "nvfp4"), "nemotron")
+    cfg = dataclasses.replace(cfg, **knobs)
+    assert ro.default_ring_stage(cfg) == expected
+
+
 @pytest.mark.parametrize("knobs", [
     dict(ring_stage="smem", stage="smem"), dict(ring_stage="smem", eager_loads=True),
     dict(ring_stage="smem", heads_per_pass=2), dict(ring_stage="smem", ablate=("ring",)),
