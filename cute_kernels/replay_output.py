@@ -75,7 +75,7 @@ from cute_kernels.tensor_core import unpack_struct as _unpack_struct
 
 __all__ = [
     "ReplayOutputConfig", "ReplayOutput", "replay_output", "compile_replay_output",
-    "default_warps", "default_head_splits", "default_ring_stage",
+    "default_warps", "default_head_splits", "default_ring_stage", "default_prefetch",
 ]
 
 LO_FORMATS = ("nvfp4", "fp8_e4m3", "fp16", "fp32")
@@ -374,7 +374,17 @@ class ReplayOutputConfig:
     has_dt_bias: bool
     dt_softplus: bool
     warps: int
-    prefetch: bool = False  # issue the next head's loads before computing the current one
+    # issue the next head's loads before computing the current one. Slower while the ring
+    # records came through registers (nvfp4 batch 256: 71.2 against 70.5 us, bench_read_3.csv;
+    # 90.0 against 77.0 in the first timing); with them staged through shared memory it fits
+    # in 128 registers without spills and gains 1-2% where a warp walks several heads, so
+    # replay_output turns it on with the ring stage (`default_prefetch`). Ninth session, two
+    # runs each, us, on / off (results/kernel_bench_runs/knobs_ab_13b/):
+    #     batch          1                        8                        128
+    #     cursor 8   4.71, 4.68 / 4.65, 4.66  6.19, 6.11 / 6.09, 6.10  34.36, 33.72 / 34.52, 34.73
+    #     batch        256
+    #     cursor 8   62.02, 60.81 / 62.37, 62.74;  cursor 14  67.73, 67.28 / 68.84, 68.87
+    prefetch: bool = False
     # nvfp4: where a head's read copy waits for the warp: "registers" (16-byte loads, the
     # whole head before its mmas) or "smem" (cp.async into two shared-memory stages per warp,
     # the next head's copy in flight while this one is computed; the small per-head loads
@@ -569,6 +579,13 @@ def default_ring_stage(cfg: ReplayOutputConfig) -> str:
                and "ring" not in cfg.ablate and cfg.window >= 3
                and cfg.warps * 2 * cfg.ring_stage_bytes <= RING_STAGE_LIMIT)
     return "smem" if cfg.lo_format == "nvfp4" and heads_per_warp >= 2 and allowed else "registers"
+
+
+def default_prefetch(cfg: ReplayOutputConfig) -> bool:
+    """Whether the next head's read copy is loaded while this one is computed, when not asked
+    for: with the ring records staged through shared memory (`default_ring_stage`), where it
+    fits in the registers and measured faster (ReplayOutputConfig.prefetch)."""
+    return cfg.ring_stage == "smem" and cfg.stage == "registers"
 
 
 def default_head_splits(batch: int, ngroups: int, heads_per_group: int, warps: int,
@@ -1472,7 +1489,8 @@ def replay_output(
     and ``ys_layout`` ("rows" or "quads") are the tuning knobs of `ReplayOutputConfig`, as are
     ``l2_prefetch_small``, ``early_loads`` (default on), ``heads_per_pass`` (1 or 2),
     ``eager_loads``, ``pin_state_loads``, ``weights_at`` and ``ring_stage``, each measured
-    there; ``ablate``
+    there (None: ``ring_stage`` by `default_ring_stage`, then ``prefetch`` by
+    `default_prefetch`); ``ablate``
     leaves stages out for timing (wrong outputs; `ReplayOutputConfig.ablate`).
     """
     if lo_format not in LO_FORMATS:
@@ -1603,6 +1621,8 @@ def replay_output(
               f"nheads / ngroups = {H // G}", head_splits)
     if ring_stage is None:
         cfg = dataclasses.replace(cfg, ring_stage=default_ring_stage(cfg))
+    if prefetch is None:
+        cfg = dataclasses.replace(cfg, prefetch=default_prefetch(cfg))
     if S == 0:
         return out
     kernel = compile_replay_output(cfg)

@@ -226,11 +226,15 @@ def test_ring_stage_smem_copies_the_records_instead_of_loading_them(shape, head_
 def test_ring_stage_default_is_smem_where_a_warp_walks_several_nvfp4_heads(knobs, expected):
     """default_ring_stage stages the ring records through shared memory only for nvfp4, where
     a warp walks two heads or more (measured faster there, slower at one head a warp), and
-    only where the staging is allowed; the choice is a pure function of the configuration."""
+    only where the staging is allowed; default_prefetch follows it. Both are pure functions
+    of the configuration."""
     knobs = dict(knobs)
     cfg = _config(knobs.pop("lo_format", "nvfp4"), "nemotron")
     cfg = dataclasses.replace(cfg, **knobs)
     assert ro.default_ring_stage(cfg) == expected
+    # the next head's read copy is prefetched exactly where the ring records are staged
+    staged = dataclasses.replace(cfg, ring_stage=ro.default_ring_stage(cfg))
+    assert ro.default_prefetch(staged) == (expected == "smem")
 
 
 @pytest.mark.parametrize("knobs", [
