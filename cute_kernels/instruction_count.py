@@ -60,9 +60,8 @@ scales applied to per-block mma sums (78 -> 70-72 us at batch 256 on the H200), 
 the fifth session's prologue, 3.13 with a warp's heads' decay weights worked out together and
 the ring coefficients read from shared memory (seventh session: 69.5 -> 64.1 us in the
 benchmark at batch 256); fp8 2.31 -> 2.05, fp32 3.28 -> 3.04. Ninth session: nvfp4 counted
-with its default ring stage and prefetch (`replay_output.default_ring_stage`: the records
-through shared memory at 4 heads a warp, and the next head's read copy loaded early),
-3.12 -> 3.07.
+with its default ring stage (`replay_output.default_ring_stage`: the records through shared
+memory at 4 heads a warp), 3.12 -> 3.05.
 """
 
 from __future__ import annotations
@@ -199,7 +198,6 @@ def count_nonflush(variants=NONFLUSH_VARIANTS) -> list[tuple[tuple[str, int], fl
             has_dt_bias=True, dt_softplus=True, warps=warps,
         )  # fmt: skip
         cfg = dataclasses.replace(cfg, ring_stage=ro.default_ring_stage(cfg))  # as shipped
-        cfg = dataclasses.replace(cfg, prefetch=ro.default_prefetch(cfg))
         ops, registers = sass_histogram(ro.compile_replay_output(cfg, keep_ptx=True).__ptx__)
         per_lane = cfg.heads_per_group // warps * cfg.headdim * cfg.dstate // 32
         rows.append(((lo_format, warps), sum(ops.values()) / per_lane, registers))

@@ -75,7 +75,7 @@ from cute_kernels.tensor_core import unpack_struct as _unpack_struct
 
 __all__ = [
     "ReplayOutputConfig", "ReplayOutput", "replay_output", "compile_replay_output",
-    "default_warps", "default_head_splits", "default_ring_stage", "default_prefetch",
+    "default_warps", "default_head_splits", "default_ring_stage",
 ]
 
 LO_FORMATS = ("nvfp4", "fp8_e4m3", "fp16", "fp32")
@@ -374,16 +374,19 @@ class ReplayOutputConfig:
     has_dt_bias: bool
     dt_softplus: bool
     warps: int
-    # issue the next head's loads before computing the current one. Slower while the ring
-    # records came through registers (nvfp4 batch 256: 71.2 against 70.5 us, bench_read_3.csv;
-    # 90.0 against 77.0 in the first timing); with them staged through shared memory it fits
-    # in 128 registers without spills and gains 1-2% where a warp walks several heads, so
-    # replay_output turns it on with the ring stage (`default_prefetch`). Ninth session, two
-    # runs each, us, on / off (results/kernel_bench_runs/knobs_ab_13b/):
-    #     batch          1                        8                        128
-    #     cursor 8   4.71, 4.68 / 4.65, 4.66  6.19, 6.11 / 6.09, 6.10  34.36, 33.72 / 34.52, 34.73
-    #     batch        256
-    #     cursor 8   62.02, 60.81 / 62.37, 62.74;  cursor 14  67.73, 67.28 / 68.84, 68.87
+    # issue the next head's loads before computing the current one. Off: slower while the
+    # ring records came through registers (nvfp4 batch 256: 71.2 against 70.5 us,
+    # bench_read_3.csv); with them staged through shared memory it fits in 128 registers
+    # without spills at 4 heads a warp, but pays only on the Nemotron layer at L = 16
+    # (batch 256, cursor 8: 60.5 against 62.5 us) and costs 1-5% at L = 8 and 32 and on
+    # Mamba-2 2.7B (spills there at 10 heads a warp); ninth session, two runs each, us,
+    # registers ring / staged ring / staged ring + prefetch (results/kernel_bench_runs/
+    # windows_ab_14/x_*.csv):
+    #     shape, batch (cursor L/2)    L = 8                 L = 16                L = 32
+    #     Nemotron 256     56.6 / 56.2 / 57.6    64.7 / 62.5 / 60.5    74.1 / 73.3 / 77.1
+    #     Nemotron 512    106.1 / 106.0 / 107.7 123.6 / 119.1 / 116.1 140.9 / 141.0 / 148.0
+    #     Mamba-2 2.7B 256 36.2 / 36.9 / 37.3    40.5 / 40.5 / 40.4    79.5 / 62.7 / 69.7
+    #     Mamba-2 2.7B 512 67.1 / 68.4 / 69.6    76.3 / 75.5 / 76.0   178.3 / 139.0 / 156.2
     prefetch: bool = False
     # nvfp4: where a head's read copy waits for the warp: "registers" (16-byte loads, the
     # whole head before its mmas) or "smem" (cp.async into two shared-memory stages per warp,
@@ -479,11 +482,12 @@ class ReplayOutputConfig:
     #     cursor 8   4.80 / 4.66  6.24 / 6.11  34.66 / 35.41  62.61 / 64.44
     #     cursor 14  5.57 / 5.32  7.23 / 7.07  38.12 / 38.36  68.98 / 70.41
     # 2-3% faster where a warp walks several heads, 2-5% slower on small grids (one head a
-    # warp), and so replay_output's default for nvfp4 where a warp walks two heads or more
-    # (`default_ring_stage`); measured again in the ninth session, two runs each, us
-    # (results/kernel_bench_runs/knobs_ab_13/, `scripts/gpu_session.sh K`):
-    #     batch          1            8            128            256
-    #     cursor 8   4.90 / 4.74  6.32 / 6.18  34.62 / 35.54  63.05 / 64.68
+    # warp). Ninth session (table at `prefetch` above; knobs_ab_13/ for the small batches):
+    # from 0.8% slower to 3.6% faster at L = 16 (14 records a head), up to 32% faster at
+    # L = 32 (the registers form spills there; 2.3% slower at one of 18 points), up to 2.3%
+    # slower at L = 8 (6 records a head). So replay_output's
+    # default for nvfp4 where a warp walks two heads or more and the window is 16 or more
+    # (`default_ring_stage`).
     # Outputs agree with the registers form to rounding (in 2 of 6 tested builds up to 5e-6
     # relative apart; the cause is not pinned down: both SASS have the same FFMA, FMUL and
     # FADD counts), the appended records and cursors bit for bit
@@ -568,24 +572,22 @@ ABLATIONS = ("state", "scales", "ring", "decode")
 MAX_HEADS_PER_WARP = 10
 
 
+# The smallest window at which the ring records are staged by default: at L = 8 (6 records
+# a head) the staging's copies and waits cost more than its loads save (ring_stage).
+RING_STAGE_MIN_WINDOW = 16
+
+
 def default_ring_stage(cfg: ReplayOutputConfig) -> str:
     """Where a head's ring records wait when none is asked for: "smem" for nvfp4 where each
     warp walks two heads or more (the next head's records then load while this one is
-    computed) and the staging is allowed (registers stage, no eager_loads, one head a pass,
-    no ring ablation, window >= 3, two stages a warp within RING_STAGE_LIMIT); otherwise
-    "registers". Measured at ReplayOutputConfig.ring_stage."""
+    computed), the window is RING_STAGE_MIN_WINDOW or more, and the staging is allowed
+    (registers stage, no eager_loads, one head a pass, no ring ablation, two stages a warp
+    within RING_STAGE_LIMIT); otherwise "registers". Measured at ReplayOutputConfig.ring_stage."""
     heads_per_warp = cfg.heads_per_group // (cfg.warps * cfg.head_splits)
     allowed = (cfg.stage == "registers" and not cfg.eager_loads and cfg.heads_per_pass == 1
-               and "ring" not in cfg.ablate and cfg.window >= 3
+               and "ring" not in cfg.ablate and cfg.window >= RING_STAGE_MIN_WINDOW
                and cfg.warps * 2 * cfg.ring_stage_bytes <= RING_STAGE_LIMIT)
     return "smem" if cfg.lo_format == "nvfp4" and heads_per_warp >= 2 and allowed else "registers"
-
-
-def default_prefetch(cfg: ReplayOutputConfig) -> bool:
-    """Whether the next head's read copy is loaded while this one is computed, when not asked
-    for: with the ring records staged through shared memory (`default_ring_stage`), where it
-    fits in the registers and measured faster (ReplayOutputConfig.prefetch)."""
-    return cfg.ring_stage == "smem" and cfg.stage == "registers"
 
 
 def default_head_splits(batch: int, ngroups: int, heads_per_group: int, warps: int,
@@ -1489,8 +1491,7 @@ def replay_output(
     and ``ys_layout`` ("rows" or "quads") are the tuning knobs of `ReplayOutputConfig`, as are
     ``l2_prefetch_small``, ``early_loads`` (default on), ``heads_per_pass`` (1 or 2),
     ``eager_loads``, ``pin_state_loads``, ``weights_at`` and ``ring_stage``, each measured
-    there (None: ``ring_stage`` by `default_ring_stage`, then ``prefetch`` by
-    `default_prefetch`); ``ablate``
+    there (None: ``ring_stage`` by `default_ring_stage`); ``ablate``
     leaves stages out for timing (wrong outputs; `ReplayOutputConfig.ablate`).
     """
     if lo_format not in LO_FORMATS:
@@ -1621,8 +1622,6 @@ def replay_output(
               f"nheads / ngroups = {H // G}", head_splits)
     if ring_stage is None:
         cfg = dataclasses.replace(cfg, ring_stage=default_ring_stage(cfg))
-    if prefetch is None:
-        cfg = dataclasses.replace(cfg, prefetch=default_prefetch(cfg))
     if S == 0:
         return out
     kernel = compile_replay_output(cfg)
