@@ -1,0 +1,95 @@
+"""scripts/gpu_session.sh, the GPU calls' driver, run on the CPU with a stand-in for the
+benchmark: a call's arguments must reach kernel_bench as written, since a device call that
+times the wrong variant costs minutes of a 30-minute budget."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import stat
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Stands in for `python`: `-m experiments.kernel_bench` records its arguments and writes a
+# one-row CSV whose time encodes the variant; anything else runs the real interpreter.
+FAKE_PYTHON = """#!/bin/bash
+if [ "$1" = "-m" ] && [ "$2" = "experiments.kernel_bench" ]; then
+  out=""; label=""; args=("$@")
+  for ((i = 0; i < ${#args[@]}; i++)); do
+    [ "${args[$i]}" = "--out" ] && out=${args[$((i + 1))]}
+    [ "${args[$i]}" = "--run-label" ] && label=${args[$((i + 1))]}
+  done
+  echo "$*" >> "$CALLS"
+  knobs=$(echo "$*" | grep -o -- "--nonflush-knob [^ ]*" | wc -l)
+  printf 'run,batch,cursor,time_us,status\\n%s,256,8,%s.5,ok\\n%s,1,8,4.25,skipped\\n' \\
+    "$label" "$knobs" "$label" > "$out"
+  exit 0
+fi
+exec "$REAL_PYTHON" "$@"
+"""
+
+
+def _session(tmp_path: Path, part: str, **env) -> subprocess.CompletedProcess:
+    """Runs a copy of the script in a bare tree (no .device, no .peers) with the stand-in."""
+    tree = tmp_path / "tree"
+    (tree / "scripts").mkdir(parents=True)
+    shutil.copy(ROOT / "scripts" / "gpu_session.sh", tree / "scripts" / "gpu_session.sh")
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    out = tmp_path / "out"
+    full_env = {**os.environ, "PYTHON": str(fake), "REAL_PYTHON": sys.executable,
+                "OUT": str(out), "CALLS": str(tmp_path / "calls.txt"), **env}
+    return subprocess.run(["bash", str(tree / "scripts" / "gpu_session.sh"), part],
+                          env=full_env, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("tar") is None,
+                    reason="needs bash and tar")
+def test_knob_comparison_runs_each_variant_in_turn_with_its_knobs(tmp_path):
+    """Part K runs every variant of KB_AB once per repetition, in turn, with one
+    --nonflush-knob per key=value of the variant (none for an empty list), labels each run
+    name_rep, tabulates the runs' ok rows in its log, and packs the CSVs into ab.tar."""
+    done = _session(tmp_path, "K", KB_AB="base: st:ring_stage=smem two:warps=2,prefetch=True",
+                    KB_AB_REPS="3", KB_AB_BATCHES="7,256")
+    assert done.returncode == 0, done.stderr
+    calls = (tmp_path / "calls.txt").read_text().splitlines()
+    labels = [c.split("--run-label ")[1].split()[0] for c in calls]
+    assert labels == [f"{name}_{rep}" for rep in (1, 2, 3) for name in ("base", "st", "two")]
+    for call in calls:
+        assert "--batches 7,256" in call and "--kernels cute:nonflush:nvfp4" in call
+        knobs = [part.split()[0] for part in call.split("--nonflush-knob ")[1:]]
+        name = call.split("--run-label ")[1].split("_")[0]
+        assert knobs == {"base": [], "st": ["ring_stage=smem"],
+                         "two": ["warps=2", "prefetch=True"]}[name]
+    out = tmp_path / "out"
+    with tarfile.open(out / "ab.tar") as tar:
+        names = sorted(tar.getnames())
+    assert names == sorted(f"ab_{n}_{r}.{ext}" for n in ("base", "st", "two")
+                           for r in (1, 2, 3) for ext in ("csv", "log"))
+    assert not list(out.glob("ab_*.csv"))  # packed, not left beside the tar
+    log = (out / "kernel_bench_K.log").read_text().splitlines()
+    header = next(i for i, line in enumerate(log) if line.startswith("batch cursor"))
+    assert log[header].split()[2:] == sorted(labels)
+    rows = [line.split() for line in log[header + 1:] if re.match(r"\s*\d+\s+\d+\s", line)]
+    assert [row[:2] for row in rows] == [["256", "8"]]  # the ok row only
+    times = dict(zip(log[header].split()[2:], map(float, rows[0][2:]), strict=True))
+    assert times == {label: {"base": 0.5, "st": 1.5, "two": 2.5}[label.split("_")[0]]
+                     for label in labels}
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_unknown_part_is_refused_with_its_usage(tmp_path):
+    """A part other than A, B, C, D, E, K, P or T stops at once with the usage line."""
+    done = _session(tmp_path, "Z")
+    assert done.returncode == 2
+    assert "usage: bash scripts/gpu_session.sh A|B|C|D|E|K|P|T" in done.stderr
+    assert not (tmp_path / "calls.txt").exists()
+
