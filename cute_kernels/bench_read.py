@@ -330,9 +330,14 @@ WEIGHTS_VARIANTS = [("nvfp4", dict(weights_at="before_decode"))] + [
 ]
 
 
-# A head's ring records staged through shared memory (`ReplayOutputConfig.ring_stage`, off by
-# default: registers), every format.
-RING_VARIANTS = [(fmt, dict(ring_stage="smem")) for fmt in ("nvfp4", "fp8_e4m3", "fp16", "fp32")]
+# Where a head's ring records wait (`ReplayOutputConfig.ring_stage`): each format in the form
+# that is not its default at L >= 16 (nvfp4: registers; the others: staged through shared
+# memory), and nvfp4 staged with the next head prefetched (faster on the Nemotron layer at
+# L = 16 only, `ReplayOutputConfig.prefetch`).
+RING_VARIANTS = [("nvfp4", dict(ring_stage="registers")),
+                 ("nvfp4", dict(ring_stage="smem", prefetch=True))] + [
+    (fmt, dict(ring_stage="smem")) for fmt in ("fp8_e4m3", "fp16", "fp32")
+]
 
 
 # Stages left out, timing only (`ReplayOutputConfig.ablate`; the outputs are wrong, so the
@@ -363,7 +368,7 @@ VARIANT_LISTS = {
     "eager-variants": ("EAGER_VARIANTS", "first loads with the cursor's"),
     "pin-variants": ("PIN_VARIANTS", "state loads kept where issued"),
     "weights-variants": ("WEIGHTS_VARIANTS", "the other decay-weights place"),
-    "ring-variants": ("RING_VARIANTS", "ring records through shared memory"),
+    "ring-variants": ("RING_VARIANTS", "ring records in registers or staged, and prefetch"),
 }
 
 
