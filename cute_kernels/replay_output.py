@@ -29,7 +29,10 @@ group's ``h`` dot products ``B_j . C`` once (shared memory) and appends ``B``; e
 works out the decay weights of all its heads at once (a segment of lanes per head,
 `_warp_decay_weights`) and stores their ring coefficients in shared memory (nvfp4: beside its
 first head's ``S_lo C``, `ReplayOutputConfig.weights_at`); per head it forms ``S_lo C`` into
-shared memory, and every lane finishes two output rows (ring term, D, gate).
+shared memory, and every lane finishes two output rows (ring term, D, gate). The ring records
+``x_j`` a head reads come with its read copy, or (nvfp4, two heads a warp or more, window 16
+or more: `default_ring_stage`) from a shared-memory stage that ``cp.async`` filled while the
+warp's previous head was computed.
 
 Checkpoint term, fp8/fp16/nvfp4 (``decode='mma'``): the state is the A operand of
 ``mma.sync.m16n8k16`` (f16 in, fp32 accumulate); C (fp32) is split into f16 ``hi + lo`` placed
