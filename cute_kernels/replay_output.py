@@ -488,9 +488,8 @@ class ReplayOutputConfig:
     # warp). Ninth session (table at `prefetch` above; knobs_ab_13/ for the small batches):
     # from 0.8% slower to 3.6% faster at L = 16 (14 records a head), up to 32% faster at
     # L = 32 (the registers form spills there; 2.3% slower at one of 18 points), up to 2.3%
-    # slower at L = 8 (6 records a head). So replay_output's
-    # default for nvfp4 where a warp walks two heads or more and the window is 16 or more
-    # (`default_ring_stage`).
+    # slower at L = 8 (6 records a head). So replay_output's default for nvfp4 where a warp
+    # walks two heads or more and the window is 16 or more (`default_ring_stage`).
     # Outputs agree with the registers form to rounding (in 2 of 6 tested builds up to 5e-6
     # relative apart; the cause is not pinned down: both SASS have the same FFMA, FMUL and
     # FADD counts), the appended records and cursors bit for bit
@@ -501,6 +500,20 @@ class ReplayOutputConfig:
         """One head's ring records j <= window - 3 (the ones a non-flush step can read) in
         shared memory: a multiple of 16 bytes."""
         return (self.window - 2) * self.headdim * _ACT_BYTES[self.act]
+
+    @property
+    def ring_stage_allowed(self) -> bool:
+        """Whether ring_stage="smem" can be built here: the registers stage for the read copy,
+        no eager_loads, one head a pass, no ring ablation, a window of 3 or more (replay_output
+        refuses anything else on its arguments; default_ring_stage chooses within it); the
+        shared-memory size is `ring_stage_fits`."""
+        return (self.stage == "registers" and not self.eager_loads and self.heads_per_pass == 1
+                and "ring" not in self.ablate and self.window >= 3)
+
+    @property
+    def ring_stage_fits(self) -> bool:
+        """Whether two ring stages a warp stay within RING_STAGE_LIMIT."""
+        return self.warps * 2 * self.ring_stage_bytes <= RING_STAGE_LIMIT
 
     @property
     def weights_placement(self) -> str:
@@ -587,10 +600,8 @@ def default_ring_stage(cfg: ReplayOutputConfig) -> str:
     (registers stage, no eager_loads, one head a pass, no ring ablation, two stages a warp
     within RING_STAGE_LIMIT); otherwise "registers". Measured at ReplayOutputConfig.ring_stage."""
     heads_per_warp = cfg.heads_per_group // (cfg.warps * cfg.head_splits)
-    allowed = (cfg.stage == "registers" and not cfg.eager_loads and cfg.heads_per_pass == 1
-               and "ring" not in cfg.ablate and cfg.window >= RING_STAGE_MIN_WINDOW
-               and cfg.warps * 2 * cfg.ring_stage_bytes <= RING_STAGE_LIMIT)
-    return "smem" if cfg.lo_format == "nvfp4" and heads_per_warp >= 2 and allowed else "registers"
+    pays = cfg.lo_format == "nvfp4" and heads_per_warp >= 2 and cfg.window >= RING_STAGE_MIN_WINDOW
+    return "smem" if pays and cfg.ring_stage_allowed and cfg.ring_stage_fits else "registers"
 
 
 def default_head_splits(batch: int, ngroups: int, heads_per_group: int, warps: int,
@@ -1516,6 +1527,7 @@ def replay_output(
         _fail("pin_state_loads", "None or a bool", pin_state_loads)
     if weights_at is not None and weights_at not in WEIGHTS_AT:
         _fail("weights_at", f"None or one of {list(WEIGHTS_AT)}", repr(weights_at))
+    # ReplayOutputConfig.ring_stage_allowed on the arguments, before any tensor is used
     if ring_stage is not None and (ring_stage not in STAGES or ring_stage == "smem" and (
             stage not in (None, "registers") or eager_loads or heads_per_pass not in (None, 1)
             or "ring" in ablate or not isinstance(window, int) or window < 3)):
@@ -1613,7 +1625,7 @@ def replay_output(
     if cfg.stage == "smem" and cfg.warps * 2 * ReplayOutput(cfg).stage_bytes > 40 * 1024:
         _fail("stage", f"'registers' for this shape and warps ({cfg.warps}): two shared-memory "
               "stages per warp would pass 40 KiB", repr(stage))
-    if cfg.ring_stage == "smem" and cfg.warps * 2 * cfg.ring_stage_bytes > RING_STAGE_LIMIT:
+    if cfg.ring_stage == "smem" and not cfg.ring_stage_fits:
         _fail("ring_stage", f"'registers' for this shape, window and warps ({cfg.warps}): two "
               f"ring stages per warp would pass {RING_STAGE_LIMIT // 1024} KiB", repr(ring_stage))
     m = cfg.min_ctas_per_sm
