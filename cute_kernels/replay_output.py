@@ -219,6 +219,67 @@ def _prefetch_l2(gmem_addr, nbytes, *, loc=None, ip=None) -> None:
                "l,r", side_effects=True, loc=loc, ip=ip)
 
 
+# One bulk copy engine request per head (stage="bulk"): lane 0 arms the stage's mbarrier with
+# the bytes it expects and issues the copies; every lane waits on the barrier's phase. No
+# register holds the bytes in flight, and a head costs a handful of instructions instead of
+# nine 16-byte cp.async a lane.
+
+
+@dsl_user_op
+def _mbar_init(bar, *, loc=None, ip=None) -> None:
+    """An mbarrier at shared byte address ``bar`` that one arrival (with its bytes) completes."""
+    inline_ptx(None, [Int32(bar).ir_value(loc=loc, ip=ip)],
+               "mbarrier.init.shared::cta.b64 [$0], 1;", "r", side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def _mbar_init_fence(*, loc=None, ip=None) -> None:
+    """Makes the initialised barriers visible to the bulk copy engine (the async proxy)."""
+    inline_ptx(None, [], "fence.mbarrier_init.release.cluster;", "", side_effects=True,
+               loc=loc, ip=ip)
+
+
+@dsl_user_op
+def _mbar_expect(bar, nbytes, *, loc=None, ip=None) -> None:
+    """Arrive on ``bar`` and tell it ``nbytes`` more are on their way: its phase completes
+    when the copies that name it have written them."""
+    inline_ptx(None, [Int32(bar).ir_value(loc=loc, ip=ip), Int32(nbytes).ir_value(loc=loc, ip=ip)],
+               "mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;", "r,r",
+               side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def _bulk_copy(smem_addr, gmem_addr, nbytes, bar, *, loc=None, ip=None) -> None:
+    """``nbytes`` (a multiple of 16; nothing if 0) from a 16-byte aligned global address to
+    shared memory by the bulk copy engine, completing their bytes on ``bar``."""
+    inline_ptx(None, [Int32(smem_addr).ir_value(loc=loc, ip=ip), _addr(gmem_addr, loc, ip),
+                      Int32(nbytes).ir_value(loc=loc, ip=ip), Int32(bar).ir_value(loc=loc, ip=ip)],
+               "{.reg .pred p; setp.ne.b32 p, $2, 0; "
+               "@p cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
+               "[$0], [$1], $2, [$3];}",
+               "r,l,r,r", side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def _mbar_wait(bar, parity: int, *, loc=None, ip=None) -> None:
+    """Until the phase of ``bar`` with this parity has completed (acquire: the copied bytes
+    are then visible to this thread's shared-memory reads)."""
+    inline_ptx(None, [Int32(bar).ir_value(loc=loc, ip=ip)],
+               "{.reg .pred p; WAIT_PHASE: "
+               f"mbarrier.try_wait.parity.shared::cta.b64 p, [$0], {parity}; "
+               "@!p bra WAIT_PHASE;}",
+               "r", side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def _sts_zero16_if(smem_addr, flag, *, loc=None, ip=None) -> None:
+    """16 zero bytes at a 16-byte aligned shared address where ``flag`` (an Int32) is not 0."""
+    inline_ptx(None, [Int32(smem_addr).ir_value(loc=loc, ip=ip),
+                      Int32(flag).ir_value(loc=loc, ip=ip)],
+               "{.reg .pred p; setp.ne.b32 p, $1, 0; @p st.shared.v4.u32 [$0], {0, 0, 0, 0};}",
+               "r,r", side_effects=True, loc=loc, ip=ip)
+
+
 @dsl_user_op
 def _lds_v4(smem_addr, *, loc=None, ip=None) -> list:
     """4 32-bit words at a 16-byte aligned shared-memory byte address. Volatile: a stage's
@@ -392,10 +453,15 @@ class ReplayOutputConfig:
     #     Mamba-2 2.7B 512 67.1 / 68.4 / 69.6    76.3 / 75.5 / 76.0   178.3 / 139.0 / 156.2
     prefetch: bool = False
     # nvfp4: where a head's read copy waits for the warp: "registers" (16-byte loads, the
-    # whole head before its mmas) or "smem" (cp.async into two shared-memory stages per warp,
+    # whole head before its mmas), "smem" (cp.async into two shared-memory stages per warp,
     # the next head's copy in flight while this one is computed; the small per-head loads
-    # then go out one head ahead)
+    # then go out one head ahead) or "bulk" (as "smem", but lane 0 hands each head to the
+    # bulk copy engine, cp.async.bulk, with one mbarrier a stage, `bulk_stages` stages a warp,
+    # and with ring_stage="smem" the head's ring records come in the same copy)
     stage: str = "registers"
+    # stage="bulk": shared-memory stages a warp, so heads in flight while one is computed is
+    # this minus one
+    bulk_stages: int = 2
     upfront: bool | None = None  # load a head's whole read copy first (None: format default)
     # CTAs per (group, slot), each taking heads_per_group / head_splits of the group's heads:
     # for small batches, where one CTA per (group, slot) leaves most SMs idle (8 CTAs at
@@ -503,17 +569,36 @@ class ReplayOutputConfig:
 
     @property
     def ring_stage_allowed(self) -> bool:
-        """Whether ring_stage="smem" can be built here: the registers stage for the read copy,
-        no eager_loads, one head a pass, no ring ablation, a window of 3 or more (replay_output
-        refuses anything else on its arguments; default_ring_stage chooses within it); the
-        shared-memory size is `ring_stage_fits`."""
-        return (self.stage == "registers" and not self.eager_loads and self.heads_per_pass == 1
-                and "ring" not in self.ablate and self.window >= 3)
+        """Whether ring_stage="smem" can be built here: the registers or bulk stage for the read
+        copy, no eager_loads, one head a pass, no ring ablation, a window of 3 or more
+        (replay_output refuses anything else on its arguments; default_ring_stage chooses
+        within it); the shared-memory size is `ring_stage_fits`."""
+        return (self.stage in ("registers", "bulk") and not self.eager_loads
+                and self.heads_per_pass == 1 and "ring" not in self.ablate and self.window >= 3)
 
     @property
     def ring_stage_fits(self) -> bool:
-        """Whether two ring stages a warp stay within RING_STAGE_LIMIT."""
+        """Whether two ring stages a warp stay within RING_STAGE_LIMIT (stage="bulk": whether
+        the bulk stages with the records in them stay within BULK_STAGE_LIMIT)."""
+        if self.stage == "bulk":
+            return self.warps * self.bulk_stages * self.bulk_stride(True) <= BULK_STAGE_LIMIT
         return self.warps * 2 * self.ring_stage_bytes <= RING_STAGE_LIMIT
+
+    @property
+    def read_copy_bytes(self) -> int:
+        """One head's nvfp4 read copy: the codes, then the block scales (as staged)."""
+        return self.headdim * self.dstate // 2 + self.headdim * self.dstate // 16
+
+    def bulk_stride(self, ring_in_stage: bool) -> int:
+        """Bytes of one bulk stage: the read copy, then (``ring_in_stage``) the ring records
+        j <= window - 3, rounded up to 128 bytes."""
+        size = self.read_copy_bytes + (self.ring_stage_bytes if ring_in_stage else 0)
+        return -(-size // 128) * 128
+
+    @property
+    def ring_in_stage(self) -> bool:
+        """Whether a head's ring records come in its bulk copy (stage="bulk", ring "smem")."""
+        return self.stage == "bulk" and self.ring_stage == "smem"
 
     @property
     def weights_placement(self) -> str:
@@ -575,10 +660,12 @@ def default_warps(heads_per_group: int, lo_format: str = "nvfp4") -> int:
 #
 # so the step is not waiting on the next head's loads: ncu (results/ncu/) shows 44% of issue
 # slots busy at 16 warps per SM, with no eligible warp in 52% of cycles.
-STAGES = ("registers", "smem")
+STAGES = ("registers", "smem", "bulk")
+RING_STAGES = ("registers", "smem")
 YS_LAYOUTS = ("rows", "quads")
 WEIGHTS_AT = ("with_decode", "before_decode")
 RING_STAGE_LIMIT = 32 * 1024  # bytes of shared memory for a CTA's ring stages (ring_stage)
+BULK_STAGE_LIMIT = 96 * 1024  # bytes of shared memory for a CTA's bulk stages (stage="bulk")
 ABLATIONS = ("state", "scales", "ring", "decode")
 
 
@@ -768,17 +855,25 @@ class ReplayOutput:
                                       stride=(nh * self.coef_row, self.coef_row, 1)),
             byte_alignment=16)
         ck_smem = smem.allocate_tensor(Float32, cute.make_layout((W, nh)), byte_alignment=16)
-        staged = cfg.stage == "smem"
+        staged = cfg.stage in ("smem", "bulk")
+        bulk = cfg.stage == "bulk"
+        NS = cfg.bulk_stages if bulk else 2  # stages a warp
+        stride = cfg.bulk_stride(cfg.ring_in_stage) if bulk else self.stage_bytes
         stage_base = Int32(0)
+        bar_base = Int32(0)
         if cutlass.const_expr(staged):
             st_smem = smem.allocate_tensor(
-                Uint32, cute.make_layout(W * 2 * self.stage_bytes // 4), byte_alignment=16
+                Uint32, cute.make_layout(W * NS * stride // 4), byte_alignment=128
             )
-            stage_base = st_smem.iterator.toint() + warp * (2 * self.stage_bytes)
+            stage_base = st_smem.iterator.toint() + warp * (NS * stride)
+        if cutlass.const_expr(bulk):
+            bar_smem = smem.allocate_tensor(Int64, cute.make_layout(W * NS), byte_alignment=8)
+            bar_base = bar_smem.iterator.toint() + warp * (NS * 8)
         ring_staged = cfg.ring_stage == "smem"
+        ring_cp = ring_staged and not cfg.ring_in_stage  # cp.async ring stages
         ring_base = Int32(0)
         RB = cfg.ring_stage_bytes
-        if cutlass.const_expr(ring_staged):
+        if cutlass.const_expr(ring_cp):
             rs_smem = smem.allocate_tensor(Uint32, cute.make_layout(W * 2 * RB // 4),
                                            byte_alignment=16)
             ring_base = rs_smem.iterator.toint() + warp * (2 * RB)
@@ -809,11 +904,24 @@ class ReplayOutput:
             if lane == 0:  # the next cfg.l2_prefetch heads' bytes, into L2
                 for k in cutlass.range_constexpr(1, min(cfg.l2_prefetch + 1, nh)):
                     self._prefetch_head(ptrs, s64 * H + heads[k], cursor)
-            if cutlass.const_expr(staged):
+            if cutlass.const_expr(staged and not bulk):
                 for k in cutlass.range_constexpr(min(2, nh)):
                     self._stage_head(lo0.toint(), lo1.toint(), s64 * H + heads[k],
                                      stage_base + k * self.stage_bytes, lane)
-            if cutlass.const_expr(ring_staged):  # the first two heads' ring records
+            if cutlass.const_expr(bulk):
+                if cutlass.const_expr(cfg.ring_in_stage):
+                    # the records past the cursor are never copied (the same cursor for every
+                    # head of the slot) but are read with coefficient 0: zeros, not stale bits
+                    self._zero_ring_tails(stage_base, stride, NS, cursor, lane)
+                if lane == 0:  # the first NS heads, one bulk request each
+                    for k in cutlass.range_constexpr(NS):
+                        _mbar_init(bar_base + 8 * k)
+                    _mbar_init_fence()
+                    for k in cutlass.range_constexpr(min(NS, nh)):
+                        self._bulk_head(ptrs, s64 * H + heads[k], stage_base + k * stride,
+                                        bar_base + 8 * k, cursor)
+                cute.arch.sync_warp()  # every lane waits on barriers lane 0 initialised
+            if cutlass.const_expr(ring_cp):  # the first two heads' ring records
                 for k in cutlass.range_constexpr(min(2, nh)):
                     self._stage_ring(ring_x.toint(), s64 * H + heads[k], ring_base + k * RB,
                                      cursor, lane)
@@ -906,8 +1014,11 @@ class ReplayOutput:
                             # prologue asked for 1 .. l2_prefetch)
                             self._prefetch_head(ptrs, s64 * H + heads[hh + cfg.l2_prefetch],
                                                 cursor)
-                    stage = stage_base + (hh % 2) * self.stage_bytes if staged else None
-                    if cutlass.const_expr(staged):
+                    stage = stage_base + (hh % NS) * stride if staged else None
+                    if cutlass.const_expr(bulk):  # this head's bytes landed (use hh // NS of
+                        _mbar_wait(bar_base + 8 * (hh % NS), (hh // NS) % 2)  # its stage)
+                        ld["state"] = self._staged_state(stage, lane)
+                    elif cutlass.const_expr(staged):
                         _cp_async_wait(1 if hh + 1 < nh else 0)  # this head's group landed
                         cute.arch.sync_warp()  # ... for every lane's copies
                         ld["state"] = self._staged_state(stage, lane)
@@ -927,11 +1038,15 @@ class ReplayOutput:
                                                   cursor, lane)
                     _store_warp_coefs(self.segment, weights, nh, warp, lane, cursor, bc_smem,
                                       coef_smem, ck_smem)
-                if cutlass.const_expr(ring_staged):  # this head's ring records landed
+                if cutlass.const_expr(ring_cp):  # this head's ring records landed
                     _cp_async_wait(1 if pass_heads[-1] + 1 < nh else 0)
                 cute.arch.sync_warp()
                 hh = pass_heads[-1]
-                if cutlass.const_expr(staged and hh + 2 < nh):
+                if cutlass.const_expr(bulk and not cfg.ring_in_stage and hh + NS < nh):
+                    if lane == 0:  # every lane has read this stage: head hh + NS goes in
+                        self._bulk_head(ptrs, s64 * H + heads[hh + NS], ctx[-1][2],
+                                        bar_base + 8 * (hh % NS), cursor)
+                if cutlass.const_expr(staged and not bulk and hh + 2 < nh):
                     # every lane has read this stage: the head after next goes into it
                     self._stage_head(lo0.toint(), lo1.toint(), s64 * H + heads[hh + 2],
                                      ctx[-1][2], lane)
@@ -971,7 +1086,10 @@ class ReplayOutput:
                             # records j >= cursor were not loaded (zeros; eager_loads: loaded
                             # and zeroed here) and have coef 0; record L - 2 is never before
                             # the cursor (cursor <= L - 2 on a non-flush step)
-                            if cutlass.const_expr(ring_staged):
+                            if cutlass.const_expr(cfg.ring_in_stage):
+                                words = _lds_words(ctx[k][2] + cfg.read_copy_bytes
+                                                   + (j * P + v) * ab, ab // 2)
+                            elif cutlass.const_expr(ring_staged):
                                 words = _lds_words(ring_base + (hh % 2) * RB
                                                    + (j * P + v) * ab, ab // 2)
                             else:
@@ -992,7 +1110,12 @@ class ReplayOutput:
                             _store_words(out.toint() + (sh * P + v) * ab, out_words)
                             _store_words(ring_x.toint() + ((sh * Lc + cursor) * P + v) * ab, xw)
                 cute.arch.sync_warp()
-                if cutlass.const_expr(ring_staged and pass_heads[-1] + 2 < nh):
+                hh = pass_heads[-1]
+                if cutlass.const_expr(cfg.ring_in_stage and hh + NS < nh):
+                    if lane == 0:  # every lane has read this stage: head hh + NS goes in
+                        self._bulk_head(ptrs, s64 * H + heads[hh + NS], ctx[-1][2],
+                                        bar_base + 8 * (hh % NS), cursor)
+                if cutlass.const_expr(ring_cp and pass_heads[-1] + 2 < nh):
                     # every lane has read this head's stage: the head after next goes into it
                     hn = pass_heads[-1] + 2
                     self._stage_ring(ring_x.toint(), s64 * H + heads[hn],
@@ -1098,7 +1221,7 @@ class ReplayOutput:
         P, Lc, L, act = cfg.headdim, cfg.ring_capacity, cfg.window, cfg.act
         ab = _ACT_BYTES[act]
         ld = {"state": None}
-        if cfg.stage != "smem":
+        if cfg.stage == "registers":
             ld["state"] = self._issue_state(lo0.toint(), lo1.toint(), sh, lane)
         ld["factor"] = Float32(1.0)
         if cfg.lo_format == "nvfp4":
@@ -1204,6 +1327,33 @@ class ReplayOutput:
             _cp_async_16(stage + codes16 * 16 + piece * 16,
                          lo1 + (sh * (P * N // 16) + piece * 16))
         _cp_async_commit()
+
+    def _bulk_head(self, ptrs, sh, stage, bar, cursor) -> None:
+        """stage="bulk", lane 0: one head's codes, block scales and (ring_in_stage) ring
+        records j < cursor (each contiguous in global memory) into the stage at shared address
+        ``stage``, completing on the stage's barrier ``bar``."""
+        cfg = self.cfg
+        lo0, lo1, _, ring_x = ptrs[:4]
+        P, N, Lc, ab = cfg.headdim, cfg.dstate, cfg.ring_capacity, _ACT_BYTES[cfg.act]
+        codes, scales = P * N // 2, P * N // 16
+        ring = cursor * (P * ab) if cfg.ring_in_stage else Int32(0)
+        _mbar_expect(bar, ring + (codes + scales))
+        _bulk_copy(stage, lo0.toint() + sh * codes, codes, bar)
+        _bulk_copy(stage + codes, lo1.toint() + sh * scales, scales, bar)
+        if cutlass.const_expr(cfg.ring_in_stage):
+            _bulk_copy(stage + (codes + scales), ring_x.toint() + sh * (Lc * P * ab), ring, bar)
+
+    def _zero_ring_tails(self, stage_base, stride, stages, cursor, lane) -> None:
+        """Zeros in every bulk stage's ring records j >= cursor (16 bytes a lane and store)."""
+        cfg = self.cfg
+        pieces, per_record = cfg.ring_stage_bytes // 16, cfg.headdim * _ACT_BYTES[cfg.act] // 16
+        for k in range(stages):
+            for i in range((pieces + 31) // 32):
+                piece = lane + 32 * i
+                tail = _sel(piece >= cursor * per_record, Int32(1), Int32(0))
+                if (i + 1) * 32 > pieces:  # lanes past the end store nothing
+                    tail = _sel(piece < pieces, tail, Int32(0))
+                _sts_zero16_if(stage_base + k * stride + cfg.read_copy_bytes + piece * 16, tail)
 
     def _stage_ring(self, ring_x, sh, stage, cursor, lane) -> None:
         """cp.async one head's ring records j <= window - 3 (contiguous in global memory)
@@ -1489,6 +1639,7 @@ def replay_output(
     pin_state_loads=None,
     weights_at=None,
     ring_stage=None,
+    bulk_stages=None,
 ):
     """One non-flush decode step for every slot whose ``cursors[s] + 1 < window``; returns
     ``out`` [S, H, P] (x's dtype; rows of flush slots are not written).
@@ -1504,14 +1655,19 @@ def replay_output(
     "smem", nvfp4) picks how the read copy is loaded, ``l2_prefetch`` (heads ahead, 0 off)
     and ``ys_layout`` ("rows" or "quads") are the tuning knobs of `ReplayOutputConfig`, as are
     ``l2_prefetch_small``, ``early_loads`` (default on), ``heads_per_pass`` (1 or 2),
-    ``eager_loads``, ``pin_state_loads``, ``weights_at`` and ``ring_stage``, each measured
-    there (None: ``ring_stage`` by `default_ring_stage`); ``ablate``
+    ``eager_loads``, ``pin_state_loads``, ``weights_at``, ``ring_stage`` and ``bulk_stages``,
+    each measured there (None: ``ring_stage`` by `default_ring_stage`); ``ablate``
     leaves stages out for timing (wrong outputs; `ReplayOutputConfig.ablate`).
     """
     if lo_format not in LO_FORMATS:
         _fail("lo_format", f"one of {list(LO_FORMATS)}", repr(lo_format))
-    if stage is not None and (stage not in STAGES or (stage == "smem" and lo_format != "nvfp4")):
-        _fail("stage", f"None or one of {list(STAGES)} ('smem' for nvfp4 only)", repr(stage))
+    if stage is not None and (stage not in STAGES or (stage != "registers"
+                                                      and lo_format != "nvfp4")):
+        _fail("stage", f"None or one of {list(STAGES)} ('smem' and 'bulk' for nvfp4 only)",
+              repr(stage))
+    if bulk_stages is not None and (isinstance(bulk_stages, bool) or bulk_stages not in (2, 3, 4)
+                                    or stage != "bulk"):
+        _fail("bulk_stages", "None, or 2, 3 or 4 with stage 'bulk'", bulk_stages)
     ablate = tuple(sorted(ablate)) if isinstance(ablate, (tuple, list, set)) else ablate
     if not isinstance(ablate, tuple) or not set(ablate) <= set(ABLATIONS) or (
         ablate and (lo_format == "fp32" or stage not in (None, "registers"))
@@ -1528,11 +1684,13 @@ def replay_output(
     if weights_at is not None and weights_at not in WEIGHTS_AT:
         _fail("weights_at", f"None or one of {list(WEIGHTS_AT)}", repr(weights_at))
     # ReplayOutputConfig.ring_stage_allowed on the arguments, before any tensor is used
-    if ring_stage is not None and (ring_stage not in STAGES or ring_stage == "smem" and (
-            stage not in (None, "registers") or eager_loads or heads_per_pass not in (None, 1)
-            or "ring" in ablate or not isinstance(window, int) or window < 3)):
-        _fail("ring_stage", f"None or one of {list(STAGES)} ('smem': with the registers stage, "
-              "no eager_loads, one head a pass, no ring ablation, window >= 3)", repr(ring_stage))
+    if ring_stage is not None and (ring_stage not in RING_STAGES or ring_stage == "smem" and (
+            stage not in (None, "registers", "bulk") or eager_loads
+            or heads_per_pass not in (None, 1) or "ring" in ablate
+            or not isinstance(window, int) or window < 3)):
+        _fail("ring_stage", f"None or one of {list(RING_STAGES)} ('smem': with the registers or "
+              "bulk stage, no eager_loads, one head a pass, no ring ablation, window >= 3)",
+              repr(ring_stage))
     hp = 1 if heads_per_pass is None else heads_per_pass
     if isinstance(hp, bool) or hp not in (1, 2) or (
         hp == 2 and (stage not in (None, "registers") or prefetch or l2_prefetch)
@@ -1616,7 +1774,8 @@ def replay_output(
     )
     cfg = dataclasses.replace(cfg, eager_loads=bool(eager_loads),
                               pin_state_loads=bool(pin_state_loads),
-                              weights_at=weights_at, ring_stage=ring_stage or STAGES[0])
+                              weights_at=weights_at, ring_stage=ring_stage or RING_STAGES[0],
+                              bulk_stages=bulk_stages or 2)
     k = cfg.l2_prefetch
     if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 4:
         _fail("l2_prefetch", "None or an integer in [0, 4] (heads ahead)", l2_prefetch)
@@ -1625,6 +1784,10 @@ def replay_output(
     if cfg.stage == "smem" and cfg.warps * 2 * ReplayOutput(cfg).stage_bytes > 40 * 1024:
         _fail("stage", f"'registers' for this shape and warps ({cfg.warps}): two shared-memory "
               "stages per warp would pass 40 KiB", repr(stage))
+    bulk_bytes = cfg.warps * cfg.bulk_stages * cfg.bulk_stride(False)
+    if cfg.stage == "bulk" and bulk_bytes > BULK_STAGE_LIMIT:
+        _fail("stage", f"'registers' for this shape and warps ({cfg.warps}): {cfg.bulk_stages} "
+              f"bulk stages per warp would pass {BULK_STAGE_LIMIT // 1024} KiB", repr(stage))
     if cfg.ring_stage == "smem" and not cfg.ring_stage_fits:
         _fail("ring_stage", f"'registers' for this shape, window and warps ({cfg.warps}): two "
               f"ring stages per warp would pass {RING_STAGE_LIMIT // 1024} KiB", repr(ring_stage))

@@ -9,6 +9,7 @@ consecutive steps.
 """
 
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -223,6 +224,9 @@ def test_ring_stage_smem_copies_the_records_instead_of_loading_them(shape, head_
     (dict(eager_loads=True), "registers"), (dict(heads_per_pass=2), "registers"),
     (dict(stage="smem"), "registers"), (dict(ablate=("ring",)), "registers"),
     (dict(window=32, warps=8), "registers"),  # 2 heads a warp, but 8 x 2 x 3,840 B > 32 KiB
+    (dict(stage="bulk"), "smem"), (dict(stage="bulk", head_splits=4), "registers"),
+    (dict(stage="bulk", window=32), "smem"),  # 4 warps x 2 stages x 8,448 B <= 96 KiB
+    (dict(stage="bulk", window=32, bulk_stages=3), "registers"),  # 4 x 3 x 8,448 B > 96 KiB
 ])
 def test_ring_stage_default_is_smem_where_a_warp_walks_several_nvfp4_heads(knobs, expected):
     """default_ring_stage stages the ring records through shared memory only for nvfp4, where
@@ -417,6 +421,54 @@ def test_smem_stage_is_refused_where_it_does_not_apply(fmt, stage):
     with pytest.raises(ValueError, match="stage"):
         ro.replay_output({}, None, None, None, None, None, None, None, None, None,
                          lo_format=fmt, stage=stage)
+
+
+@pytest.mark.parametrize("shape, warps, ring_stage, stages", [
+    ("nemotron", 4, "smem", 2), ("nemotron", 4, "registers", 2), ("nemotron", 2, "smem", 3),
+    ("odd", 2, "smem", 4), ("odd", 1, "registers", 3),
+])
+def test_bulk_stage_compiles_to_one_bulk_copy_per_piece_of_a_head(shape, warps, ring_stage,
+                                                                   stages):
+    """stage='bulk': a head's codes, scales and (ring_stage 'smem') ring records come in one
+    bulk copy each, on one mbarrier a stage (``stages`` of them a warp, each initialised
+    once); each head waits on its stage once, and nothing of the read copy or the records is
+    loaded from global memory by the lanes or with cp.async."""
+    _, H, P, N, G, _, _ = SHAPES[shape]
+    cfg = dataclasses.replace(_config("nvfp4", shape), warps=warps, stage="bulk",
+                              ring_stage=ring_stage, bulk_stages=stages)
+    ptx = ro.compile_replay_output(cfg, keep_ptx=True).__ptx__
+    heads_per_warp = H // G // warps
+    pieces = 3 if ring_stage == "smem" else 2
+    assert ptx.count("cp.async.bulk.shared::cluster.global") == heads_per_warp * pieces
+    assert ptx.count("mbarrier.arrive.expect_tx") == heads_per_warp
+    assert ptx.count("mbarrier.try_wait.parity") == heads_per_warp
+    assert ptx.count("mbarrier.init") == stages
+    # head k waits for the (k // stages)-th completion of its stage: parity k // stages % 2
+    parities = re.findall(r"mbarrier\.try_wait\.parity\.shared::cta\.b64 p, \[%r\d+\], (\d)", ptx)
+    assert parities == [str(k // stages % 2) for k in range(heads_per_warp)]
+    assert "ld.global.nc.L1::no_allocate.v4.u32" not in ptx
+    assert "cp.async.cg.shared.global" not in ptx
+    ring_load = "@p ld.global.u32"
+    assert (ring_load in ptx) == (ring_stage == "registers")
+
+
+@pytest.mark.parametrize("knobs, match", [
+    (dict(lo_format="fp8_e4m3", stage="bulk"), "stage"),
+    (dict(stage="bulk", bulk_stages=5), "bulk_stages"),
+    (dict(stage="bulk", bulk_stages=True), "bulk_stages"),
+    (dict(bulk_stages=3), "bulk_stages"),  # without the bulk stage
+    (dict(stage="bulk", ablate=("scales",)), "ablate"),
+    (dict(stage="bulk", eager_loads=True), "eager_loads"),
+    (dict(stage="bulk", heads_per_pass=2), "heads_per_pass"),
+])
+def test_bad_bulk_stage_is_refused(knobs, match):
+    """The bulk stage is for nvfp4, with 2 to 4 stages a warp, no ablation, eager loads or
+    two heads a pass: anything else is a ValueError naming the argument, before any tensor is
+    looked at."""
+    knobs = dict(knobs)
+    with pytest.raises(ValueError, match=match):
+        ro.replay_output({}, None, None, None, None, None, None, None, None, None,
+                         lo_format=knobs.pop("lo_format", "nvfp4"), **knobs)
 
 
 def test_fp32_activations_compile():
@@ -869,7 +921,7 @@ def test_ring_stage_keeps_the_results(fmt, shape, act, knobs):
     builds they came out up to 5e-6 relative apart, 2026-11-30, cause not pinned down.)"""
     window = SHAPES[shape][-1]
     lo, lo64, t = _inputs(fmt, shape, act, seed=59)
-    results = _step_per_knob_value(lo, t, fmt, window, "ring_stage", ro.STAGES, knobs)
+    results = _step_per_knob_value(lo, t, fmt, window, "ring_stage", ro.RING_STAGES, knobs)
     (t_new, out_new), (t_old, out_old) = results["smem"], results["registers"]
     _check_step(lo64, t, t_new, out_new, window, act)
     _check_step(lo64, t, t_old, out_old, window, act)
@@ -905,6 +957,52 @@ def test_smem_stage_keeps_the_results(shape, warps, head_splits):
     lo_d, t_d = _to_cuda(lo, t)
     out = torch.full_like(t_d["x"], float("nan"))
     _call(lo_d, t_d, "nvfp4", window, out, warps=warps, head_splits=head_splits, stage="smem")
+    torch.cuda.synchronize()
+    _check_step(lo64, t, {k: v.cpu() for k, v in t_d.items()}, out.cpu(), window, "bf16")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape, act, knobs", [
+    ("nemotron", "bf16", dict(head_splits=1)),  # 4 heads a warp: each stage refilled
+    ("nemotron", "bf16", dict(head_splits=1, bulk_stages=3)),  # head 3 reuses stage 0
+    ("nemotron", "bf16", dict(head_splits=1, ring_stage="registers")),
+    ("nemotron", "bf16", dict(warps=1, head_splits=4, bulk_stages=4)),  # 4 stages, 4 heads
+    ("nemotron", "bf16", dict(head_splits=4)),  # one head a warp
+    ("odd", "bf16", dict(warps=1)),  # 4 heads a warp, 48-wide rows, 7,424-byte stages
+    ("odd", "fp32", dict(warps=2, head_splits=1, ring_stage="smem")),  # fp32 records
+])
+def test_bulk_stage_keeps_the_results(shape, act, knobs):
+    """The read copy (and ring records) brought in by the bulk copy engine give the same
+    step as loading them into registers: both are the reference's, and the records and
+    cursors they store are bit for bit the same. The test's ring holds NaN past each slot's
+    cursor and its first slot has an empty ring, so a stage tail that is not zeroed, or a
+    stale stage read before its copy landed, shows."""
+    window = SHAPES[shape][-1]
+    lo, lo64, t = _inputs("nvfp4", shape, act, seed=67)
+    base = {k: v for k, v in knobs.items() if k != "bulk_stages"}
+    (t_new, out_new), = _step_per_knob_value(lo, t, "nvfp4", window, "stage", ("bulk",),
+                                             knobs).values()
+    (t_old, out_old), = _step_per_knob_value(lo, t, "nvfp4", window, "stage", ("registers",),
+                                             base).values()
+    _check_step(lo64, t, t_new, out_new, window, act)
+    _check_step(lo64, t, t_old, out_old, window, act)
+    _assert_same_records(t_new, t_old)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [
+    (4, 16, 32, 128, 2, 32, 32),  # window 32: 30 records a head, 8,448-byte stages
+    (5, 24, 32, 128, 2, 5, 3),  # window 3: one record a head
+], ids=["window32", "window3"])
+def test_bulk_stage_at_other_windows(shape, monkeypatch):
+    """Bulk-staged read copy and ring records at the longest and shortest windows give the
+    reference's step."""
+    monkeypatch.setitem(SHAPES, "extra", shape)
+    window = shape[-1]
+    lo, lo64, t = _inputs("nvfp4", "extra", "bf16", seed=71)
+    lo_d, t_d = _to_cuda(lo, t)
+    out = torch.full_like(t_d["x"], float("nan"))
+    _call(lo_d, t_d, "nvfp4", window, out, stage="bulk", ring_stage="smem", head_splits=1)
     torch.cuda.synchronize()
     _check_step(lo64, t, {k: v.cpu() for k, v in t_d.items()}, out.cpu(), window, "bf16")
 

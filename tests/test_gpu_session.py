@@ -28,8 +28,9 @@ if [ "$1" = "-m" ] && [ "$2" = "experiments.kernel_bench" ]; then
   done
   echo "$*" >> "$CALLS"
   knobs=$(echo "$*" | grep -o -- "--nonflush-knob [^ ]*" | wc -l)
-  printf 'run,batch,cursor,time_us,status\\n%s,256,8,%s.5,ok\\n%s,1,8,4.25,skipped\\n' \\
-    "$label" "$knobs" "$label" > "$out"
+  printf 'run,shape,window,batch,cursor,time_us,status\\n' > "$out"
+  printf '%s,m2,32,256,8,%s.5,ok\\n%s,m2,32,1,8,4.25,skipped\\n' "$label" "$knobs" "$label" \\
+    >> "$out"
   exit 0
 fi
 exec "$REAL_PYTHON" "$@"
@@ -56,15 +57,18 @@ def _session(tmp_path: Path, part: str, **env) -> subprocess.CompletedProcess:
 def test_knob_comparison_runs_each_variant_in_turn_with_its_knobs(tmp_path):
     """Part K runs every variant of KB_AB once per repetition, in turn, with one
     --nonflush-knob per key=value of the variant (none for an empty list), labels each run
-    name_rep, tabulates the runs' ok rows in its log, and packs the CSVs into ab.tar."""
+    name_rep, passes the batches, shapes and windows asked for, tabulates the runs' ok rows
+    in its log, and packs the CSVs into ab.tar."""
     done = _session(tmp_path, "K", KB_AB="base: st:ring_stage=smem two:warps=2,prefetch=True",
-                    KB_AB_REPS="3", KB_AB_BATCHES="7,256")
+                    KB_AB_REPS="3", KB_AB_BATCHES="7,256", KB_AB_SHAPES="m2,n3",
+                    KB_AB_WINDOWS="32,8")
     assert done.returncode == 0, done.stderr
     calls = (tmp_path / "calls.txt").read_text().splitlines()
     labels = [c.split("--run-label ")[1].split()[0] for c in calls]
     assert labels == [f"{name}_{rep}" for rep in (1, 2, 3) for name in ("base", "st", "two")]
     for call in calls:
         assert "--batches 7,256" in call and "--kernels cute:nonflush:nvfp4" in call
+        assert "--shapes m2,n3" in call and "--windows 32,8" in call
         knobs = [part.split()[0] for part in call.split("--nonflush-knob ")[1:]]
         name = call.split("--run-label ")[1].split("_")[0]
         assert knobs == {"base": [], "st": ["ring_stage=smem"],
@@ -76,11 +80,12 @@ def test_knob_comparison_runs_each_variant_in_turn_with_its_knobs(tmp_path):
                            for r in (1, 2, 3) for ext in ("csv", "log"))
     assert not list(out.glob("ab_*.csv"))  # packed, not left beside the tar
     log = (out / "kernel_bench_K.log").read_text().splitlines()
-    header = next(i for i, line in enumerate(log) if line.startswith("batch cursor"))
-    assert log[header].split()[2:] == sorted(labels)
-    rows = [line.split() for line in log[header + 1:] if re.match(r"\s*\d+\s+\d+\s", line)]
-    assert [row[:2] for row in rows] == [["256", "8"]]  # the ok row only
-    times = dict(zip(log[header].split()[2:], map(float, rows[0][2:]), strict=True))
+    header = next(i for i, line in enumerate(log) if line.startswith("shape"))
+    assert log[header].split()[:4] == ["shape", "window", "batch", "cursor"]
+    assert log[header].split()[4:] == sorted(labels)
+    rows = [line.split() for line in log[header + 1:] if re.match(r"m2\s+\d+\s", line)]
+    assert [row[:4] for row in rows] == [["m2", "32", "256", "8"]]  # the ok row only
+    times = dict(zip(log[header].split()[4:], map(float, rows[0][4:]), strict=True))
     assert times == {label: {"base": 0.5, "st": 1.5, "two": 2.5}[label.split("_")[0]]
                      for label in labels}
 
