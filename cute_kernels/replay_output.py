@@ -460,7 +460,22 @@ class ReplayOutputConfig:
     # and with ring_stage="smem" the head's ring records come in the same copy)
     stage: str = "registers"
     # stage="bulk": shared-memory stages a warp, so heads in flight while one is computed is
-    # this minus one
+    # this minus one. "bulk" is correct (tests) but not the default: measured on the H200 in
+    # the benchmark's conditions (tenth session, results/kernel_bench_runs/bulk_ab_15/, two
+    # runs a variant, time over the default's, mean of the three cursors):
+    #     shape, window     batch 1   128     256     512
+    #     Nemotron, L = 8    1.12    1.05    1.00    0.97
+    #     Nemotron, L = 16   1.05    1.04    0.98    0.96   (b256 cursor 8: 61.6 / 63.0 us)
+    #     Nemotron, L = 32   1.02    1.12    1.08    1.04
+    #     Mamba-2 2.7B, 8    1.09    1.08    1.07    1.05
+    #     Mamba-2 2.7B, 16   1.03    1.05    1.22    1.04
+    #     Mamba-2 2.7B, 32   1.00    1.19    1.92    1.95
+    # bulk_stages=3 was slower everywhere (1.04-2.55: 77 KB a CTA at L = 16, 3 CTAs an SM),
+    # the read copy alone by bulk copy (ring_stage="registers") too (0.98-1.08 at L = 16).
+    # At cursor 0, where a head has no ring records, bulk is 5-15% slower at batch 64-256:
+    # a bulk copy's data reach the lanes later than their own loads' would, and one head
+    # ahead does not hide it. So the idea of the eighth and ninth sessions' notes (loads that
+    # go out early and hold no registers) pays only on the Nemotron layer at large batches.
     bulk_stages: int = 2
     upfront: bool | None = None  # load a head's whole read copy first (None: format default)
     # CTAs per (group, slot), each taking heads_per_group / head_splits of the group's heads:
