@@ -32,7 +32,9 @@ first head's ``S_lo C``, `ReplayOutputConfig.weights_at`); per head it forms ``S
 shared memory, and every lane finishes two output rows (ring term, D, gate). The ring records
 ``x_j`` a head reads come with its read copy, or (nvfp4, two heads a warp or more, window 16
 or more: `default_ring_stage`) from a shared-memory stage that ``cp.async`` filled while the
-warp's previous head was computed.
+warp's previous head was computed. With ``stage="bulk"`` (a knob, measured and left off) lane 0
+hands each head's read copy and ring records to the bulk copy engine instead, one request a
+piece into an mbarrier-guarded stage (`_bulk_head`).
 
 Checkpoint term, fp8/fp16/nvfp4 (``decode='mma'``): the state is the A operand of
 ``mma.sync.m16n8k16`` (f16 in, fp32 accumulate); C (fp32) is split into f16 ``hi + lo`` placed
