@@ -479,6 +479,10 @@ class ReplayOutputConfig:
     # ahead does not hide it. So the idea of the eighth and ninth sessions' notes (loads that
     # go out early and hold no registers) pays only on the Nemotron layer at large batches.
     bulk_stages: int = 2
+    # the shared-memory carveout asked of the driver (percent of the unified L1 / shared
+    # memory; -1: the driver's choice, which ncu showed as 132 KiB for the default kernel's
+    # 20 KiB CTAs). The bulk stages need 57 KiB a CTA, so 4 CTAs an SM need the full 228 KiB
+    smem_carveout: int = -1
     upfront: bool | None = None  # load a head's whole read copy first (None: format default)
     # CTAs per (group, slot), each taking heads_per_group / head_splits of the group's heads:
     # for small batches, where one CTA per (group, slot) leaves most SMs idle (8 CTAs at
@@ -815,9 +819,9 @@ class ReplayOutput:
             # decode otherwise takes 134 and drops from 4 resident CTAs of 4 warps to 3. The
             # SIMT fp32 decode needs 79 and is left alone (a floor of 2 CTAs of 8 warps would
             # let it grow to 128). The carveout is the driver's default, named so that
-            # compiling needs no GPU.
+            # compiling needs no GPU (smem_carveout).
             min_blocks_per_mp=self.cfg.min_ctas,
-            preferred_smem_carveout=-1,
+            preferred_smem_carveout=self.cfg.smem_carveout,
         )
 
     @cute.kernel
@@ -1657,6 +1661,7 @@ def replay_output(
     weights_at=None,
     ring_stage=None,
     bulk_stages=None,
+    smem_carveout=None,
 ):
     """One non-flush decode step for every slot whose ``cursors[s] + 1 < window``; returns
     ``out`` [S, H, P] (x's dtype; rows of flush slots are not written).
@@ -1672,9 +1677,9 @@ def replay_output(
     "smem", nvfp4) picks how the read copy is loaded, ``l2_prefetch`` (heads ahead, 0 off)
     and ``ys_layout`` ("rows" or "quads") are the tuning knobs of `ReplayOutputConfig`, as are
     ``l2_prefetch_small``, ``early_loads`` (default on), ``heads_per_pass`` (1 or 2),
-    ``eager_loads``, ``pin_state_loads``, ``weights_at``, ``ring_stage`` and ``bulk_stages``,
-    each measured there (None: ``ring_stage`` by `default_ring_stage`); ``ablate``
-    leaves stages out for timing (wrong outputs; `ReplayOutputConfig.ablate`).
+    ``eager_loads``, ``pin_state_loads``, ``weights_at``, ``ring_stage``, ``bulk_stages`` and
+    ``smem_carveout``, each measured there (None: ``ring_stage`` by `default_ring_stage`);
+    ``ablate`` leaves stages out for timing (wrong outputs; `ReplayOutputConfig.ablate`).
     """
     if lo_format not in LO_FORMATS:
         _fail("lo_format", f"one of {list(LO_FORMATS)}", repr(lo_format))
@@ -1685,6 +1690,11 @@ def replay_output(
     if bulk_stages is not None and (isinstance(bulk_stages, bool) or bulk_stages not in (2, 3, 4)
                                     or stage != "bulk"):
         _fail("bulk_stages", "None, or 2, 3 or 4 with stage 'bulk'", bulk_stages)
+    if smem_carveout is not None and (isinstance(smem_carveout, bool)
+                                      or not isinstance(smem_carveout, int)
+                                      or not -1 <= smem_carveout <= 100):
+        _fail("smem_carveout", "None, -1 (the driver's choice) or a percent in [0, 100]",
+              smem_carveout)
     ablate = tuple(sorted(ablate)) if isinstance(ablate, (tuple, list, set)) else ablate
     if not isinstance(ablate, tuple) or not set(ablate) <= set(ABLATIONS) or (
         ablate and (lo_format == "fp32" or stage not in (None, "registers"))
@@ -1792,7 +1802,8 @@ def replay_output(
     cfg = dataclasses.replace(cfg, eager_loads=bool(eager_loads),
                               pin_state_loads=bool(pin_state_loads),
                               weights_at=weights_at, ring_stage=ring_stage or RING_STAGES[0],
-                              bulk_stages=bulk_stages or 2)
+                              bulk_stages=bulk_stages or 2,
+                              smem_carveout=-1 if smem_carveout is None else smem_carveout)
     k = cfg.l2_prefetch
     if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 4:
         _fail("l2_prefetch", "None or an integer in [0, 4] (heads ahead)", l2_prefetch)

@@ -1613,7 +1613,7 @@ def profile(config: BenchConfig, kernel: str) -> int:
     window = config.windows[0]
     case = build_case(spec, shape, config.batches[0], window, spec.cursors(window)[0], 4,
                       torch.device("cuda"), config.seed, Path(config.peers_dir),
-                      ACT_DTYPES[config.act])
+                      ACT_DTYPES[config.act], config.nonflush_knobs)
     launches = [_launcher(case, i) for i in range(case.bufs.sets)]
     reset = case.reset or (lambda: None)
     for _ in range(3):
@@ -1627,7 +1627,8 @@ def profile(config: BenchConfig, kernel: str) -> int:
         launch()
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStop()
-    print(f"profiled {kernel} at {shape.name}, batch {config.batches[0]}, L = {window}",
+    knobs = "".join(f", {k}={v}" for k, v in config.nonflush_knobs.items())
+    print(f"profiled {kernel} at {shape.name}, batch {config.batches[0]}, L = {window}{knobs}",
           file=sys.stderr)
     return 0
 

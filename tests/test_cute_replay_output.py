@@ -460,11 +460,13 @@ def test_bulk_stage_compiles_to_one_bulk_copy_per_piece_of_a_head(shape, warps, 
     (dict(stage="bulk", ablate=("scales",)), "ablate"),
     (dict(stage="bulk", eager_loads=True), "eager_loads"),
     (dict(stage="bulk", heads_per_pass=2), "heads_per_pass"),
+    (dict(smem_carveout=101), "smem_carveout"), (dict(smem_carveout=-2), "smem_carveout"),
+    (dict(smem_carveout=True), "smem_carveout"), (dict(smem_carveout=50.0), "smem_carveout"),
 ])
 def test_bad_bulk_stage_is_refused(knobs, match):
     """The bulk stage is for nvfp4, with 2 to 4 stages a warp, no ablation, eager loads or
-    two heads a pass: anything else is a ValueError naming the argument, before any tensor is
-    looked at."""
+    two heads a pass, and the carveout is -1 or a percent: anything else is a ValueError
+    naming the argument, before any tensor is looked at."""
     knobs = dict(knobs)
     with pytest.raises(ValueError, match=match):
         ro.replay_output({}, None, None, None, None, None, None, None, None, None,

@@ -65,6 +65,43 @@ def test_nonflush_knobs_reach_the_configuration():
     assert kb.BenchConfig().nonflush_knobs == {}
 
 
+def test_profile_builds_the_kernel_with_the_nonflush_knobs(monkeypatch, capsys):
+    """--profile launches the kernel built with the --nonflush-knob values (the ncu reading
+    of a knob's variant is of that variant), once per set inside the profiler's window."""
+    seen, events = {}, []
+
+    class FakeCase:
+        bufs = type("B", (), {"sets": 3})()
+        reset = None
+
+    def fake_build(spec, shape, batch, window, cursor, sets, device, seed, peers_dir, act,
+                   knobs=None):
+        seen.update(kernel=spec.name, batch=batch, window=window, knobs=knobs)
+        return FakeCase()
+
+    class FakeCudart:
+        def cudaProfilerStart(self):
+            events.append("start")
+
+        def cudaProfilerStop(self):
+            events.append("stop")
+
+    monkeypatch.setattr(kb, "build_case", fake_build)
+    monkeypatch.setattr(kb, "_launcher", lambda case, i: lambda: events.append(f"launch {i}"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart())
+    argv = ["--shapes", "nemotron3-super", "--batches", "256", "--windows", "16",
+            "--nonflush-knob", "stage=bulk", "--nonflush-knob", "smem_carveout=100"]
+    config = kb.config_from_args(kb.build_parser().parse_args(argv), argv)
+    assert kb.profile(config, "cute:nonflush:nvfp4") == 0
+    assert seen == {"kernel": "cute:nonflush:nvfp4", "batch": 256, "window": 16,
+                    "knobs": {"stage": "bulk", "smem_carveout": 100}}
+    window = events[events.index("start"):events.index("stop") + 1]
+    assert window == ["start", "launch 0", "launch 1", "launch 2", "stop"]
+    assert "stage=bulk, smem_carveout=100" in capsys.readouterr().err
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without CUDA")
 def test_measuring_without_cuda_fails_with_one_clear_line(tmp_path, capsys):
     code = kb.main(["--quick", "--out", str(tmp_path / "x.csv"), "--plot-dir", "none"])
