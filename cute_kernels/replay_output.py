@@ -474,14 +474,20 @@ class ReplayOutputConfig:
     #     Mamba-2 2.7B, 32   1.00    1.19    1.92    1.95
     # bulk_stages=3 was slower everywhere (1.04-2.55: 77 KB a CTA at L = 16, 3 CTAs an SM),
     # the read copy alone by bulk copy (ring_stage="registers") too (0.98-1.08 at L = 16).
-    # At cursor 0, where a head has no ring records, bulk is 5-15% slower at batch 64-256:
-    # a bulk copy's data reach the lanes later than their own loads' would, and one head
-    # ahead does not hide it. So the idea of the eighth and ninth sessions' notes (loads that
-    # go out early and hold no registers) pays only on the Nemotron layer at large batches.
+    # Where it loses most, ncu names occupancy (bulk_ab_15/ncu_stalls_*): with Mamba-2 2.7B's
+    # 10 heads a warp a CTA takes 58.3 KB of shared memory at L = 16 (67.6 at L = 32 on
+    # either shape), so 3 CTAs an SM fit instead of the default kernel's 4 (19.7 KB a CTA,
+    # limited by registers), and at batch 256 the grid needs a second wave. At cursor 0,
+    # where a head has no ring records, bulk is also 5-17% slower at batch 64-128, so the
+    # bulk copy's bytes reach the lanes later than their own loads' would. So the idea of the
+    # eighth and ninth sessions' notes (loads that go out early and hold no registers) pays
+    # only where 4 CTAs still fit and the batch is large (Nemotron, L = 16, batch 256-512).
     bulk_stages: int = 2
     # the shared-memory carveout asked of the driver (percent of the unified L1 / shared
-    # memory; -1: the driver's choice, which ncu showed as 132 KiB for the default kernel's
-    # 20 KiB CTAs). The bulk stages need 57 KiB a CTA, so 4 CTAs an SM need the full 228 KiB
+    # memory; -1: the driver's choice: 135 KB for the default kernel's 19.7 KB CTAs, 200.7 KB
+    # for the bulk stage's 58.3 KB ones, by ncu). Asking for all of it (100) changed nothing:
+    # the bulk stage within 0.8% at every point of bulk_ab_15/third/, still 3 CTAs an SM, as
+    # 4 x (58.3 + 1 reserved) KB pass the SM's 228 KiB
     smem_carveout: int = -1
     upfront: bool | None = None  # load a head's whole read copy first (None: format default)
     # CTAs per (group, slot), each taking heads_per_group / head_splits of the group's heads:
