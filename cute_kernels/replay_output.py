@@ -1679,13 +1679,14 @@ def replay_output(
     ``warps`` (dividing nheads / ngroups), ``prefetch`` and ``upfront`` override the tuning
     defaults (`ReplayOutputConfig`); ``head_splits`` (with ``head_splits * warps`` dividing
     nheads / ngroups) spreads a group's heads over that many CTAs (default: by batch size,
-    `default_head_splits`); ``min_ctas_per_sm`` caps registers and ``stage`` ("registers" or
-    "smem", nvfp4) picks how the read copy is loaded, ``l2_prefetch`` (heads ahead, 0 off)
-    and ``ys_layout`` ("rows" or "quads") are the tuning knobs of `ReplayOutputConfig`, as are
-    ``l2_prefetch_small``, ``early_loads`` (default on), ``heads_per_pass`` (1 or 2),
-    ``eager_loads``, ``pin_state_loads``, ``weights_at``, ``ring_stage``, ``bulk_stages`` and
-    ``smem_carveout``, each measured there (None: ``ring_stage`` by `default_ring_stage`);
-    ``ablate`` leaves stages out for timing (wrong outputs; `ReplayOutputConfig.ablate`).
+    `default_head_splits`); ``min_ctas_per_sm`` caps registers and ``stage`` ("registers",
+    or "smem" or "bulk" for nvfp4) picks how the read copy is loaded. ``l2_prefetch`` (heads
+    ahead, 0 off), ``ys_layout`` ("rows" or "quads"), ``l2_prefetch_small``, ``early_loads``
+    (default on), ``heads_per_pass`` (1 or 2), ``eager_loads``, ``pin_state_loads``,
+    ``weights_at``, ``ring_stage``, ``bulk_stages`` and ``smem_carveout`` are the tuning
+    knobs of `ReplayOutputConfig`, each measured there (None: ``ring_stage`` by
+    `default_ring_stage`); ``ablate`` leaves stages out for timing (wrong outputs;
+    `ReplayOutputConfig.ablate`).
     """
     if lo_format not in LO_FORMATS:
         _fail("lo_format", f"one of {list(LO_FORMATS)}", repr(lo_format))
