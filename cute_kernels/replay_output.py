@@ -472,7 +472,8 @@ class ReplayOutputConfig:
     #     Mamba-2 2.7B, 8    1.09    1.08    1.07    1.05
     #     Mamba-2 2.7B, 16   1.03    1.05    1.22    1.04
     #     Mamba-2 2.7B, 32   1.00    1.19    1.92    1.95
-    # bulk_stages=3 was slower everywhere (1.04-2.55: 77 KB a CTA at L = 16, 3 CTAs an SM),
+    # bulk_stages=3 was slower everywhere (1.04-2.55; its stages alone take 76.8 KB a CTA at
+    # L = 16, so by that count 2 CTAs an SM fit),
     # the read copy alone by bulk copy (ring_stage="registers") too (0.98-1.08 at L = 16).
     # Where it loses most, ncu names occupancy (bulk_ab_15/ncu_stalls_*): with Mamba-2 2.7B's
     # 10 heads a warp a CTA takes 58.3 KB of shared memory at L = 16 (67.6 at L = 32 on
@@ -486,8 +487,9 @@ class ReplayOutputConfig:
     # the shared-memory carveout asked of the driver (percent of the unified L1 / shared
     # memory; -1: the driver's choice: 135 KB for the default kernel's 19.7 KB CTAs, 200.7 KB
     # for the bulk stage's 58.3 KB ones, by ncu). Asking for all of it (100) changed nothing:
-    # the bulk stage within 0.8% at every point of bulk_ab_15/third/, still 3 CTAs an SM, as
-    # 4 x (58.3 + 1 reserved) KB pass the SM's 228 KiB
+    # at the 36 points of bulk_ab_15/third/ from 0.8% faster to 2.0% slower than the bulk
+    # stage without it (0.3% slower on average; bulk's own two runs differ by up to 2.2%),
+    # still 3 CTAs an SM, as 4 x (58.3 + 1 reserved) KB pass the SM's 228 KiB
     smem_carveout: int = -1
     upfront: bool | None = None  # load a head's whole read copy first (None: format default)
     # CTAs per (group, slot), each taking heads_per_group / head_splits of the group's heads:
@@ -711,8 +713,8 @@ def default_ring_stage(cfg: ReplayOutputConfig) -> str:
     """Where a head's ring records wait when none is asked for: "smem" for nvfp4 where each
     warp walks two heads or more (the next head's records then load while this one is
     computed), the window is RING_STAGE_MIN_WINDOW or more, and the staging is allowed
-    (registers stage, no eager_loads, one head a pass, no ring ablation, two stages a warp
-    within RING_STAGE_LIMIT); otherwise "registers". Measured at ReplayOutputConfig.ring_stage."""
+    (`ReplayOutputConfig.ring_stage_allowed`) and fits (`ring_stage_fits`); otherwise
+    "registers". Measured at ReplayOutputConfig.ring_stage."""
     heads_per_warp = cfg.heads_per_group // (cfg.warps * cfg.head_splits)
     pays = cfg.lo_format == "nvfp4" and heads_per_warp >= 2 and cfg.window >= RING_STAGE_MIN_WINDOW
     return "smem" if pays and cfg.ring_stage_allowed and cfg.ring_stage_fits else "registers"
@@ -885,7 +887,7 @@ class ReplayOutput:
         staged = cfg.stage in ("smem", "bulk")
         bulk = cfg.stage == "bulk"
         NS = cfg.bulk_stages if bulk else 2  # stages a warp
-        stride = cfg.bulk_stride(cfg.ring_in_stage) if bulk else self.stage_bytes
+        stride = cfg.bulk_stride(cfg.ring_in_stage) if bulk else cfg.read_copy_bytes
         stage_base = Int32(0)
         bar_base = Int32(0)
         if cutlass.const_expr(staged):
@@ -934,7 +936,7 @@ class ReplayOutput:
             if cutlass.const_expr(staged and not bulk):
                 for k in cutlass.range_constexpr(min(2, nh)):
                     self._stage_head(lo0.toint(), lo1.toint(), s64 * H + heads[k],
-                                     stage_base + k * self.stage_bytes, lane)
+                                     stage_base + k * stride, lane)
             if cutlass.const_expr(bulk):
                 if cutlass.const_expr(cfg.ring_in_stage):
                     # the records past the cursor are never copied (the same cursor for every
@@ -1142,9 +1144,9 @@ class ReplayOutput:
                     if lane == 0:  # every lane has read this stage: head hh + NS goes in
                         self._bulk_head(ptrs, s64 * H + heads[hh + NS], ctx[-1][2],
                                         bar_base + 8 * (hh % NS), cursor)
-                if cutlass.const_expr(ring_cp and pass_heads[-1] + 2 < nh):
+                if cutlass.const_expr(ring_cp and hh + 2 < nh):
                     # every lane has read this head's stage: the head after next goes into it
-                    hn = pass_heads[-1] + 2
+                    hn = hh + 2
                     self._stage_ring(ring_x.toint(), s64 * H + heads[hn],
                                      ring_base + (hn % 2) * RB, cursor, lane)
             if cutlass.const_expr(cfg.early_loads):
@@ -1333,12 +1335,6 @@ class ReplayOutput:
             return lambda: self._issue_state_now(lo0, lo1, sh, lane)
         return self._issue_state_now(lo0, lo1, sh, lane)
 
-    @property
-    def stage_bytes(self) -> int:
-        """One head's nvfp4 read copy in shared memory: the codes, then the block scales."""
-        P, N = self.cfg.headdim, self.cfg.dstate
-        return P * N // 2 + P * N // 16
-
     def _stage_head(self, lo0, lo1, sh, stage, lane) -> None:
         """cp.async one head's codes and scales (contiguous in global memory) into the
         warp's stage at shared address ``stage``, 16 bytes per lane and copy; one group."""
@@ -1364,11 +1360,12 @@ class ReplayOutput:
         P, N, Lc, ab = cfg.headdim, cfg.dstate, cfg.ring_capacity, _ACT_BYTES[cfg.act]
         codes, scales = P * N // 2, P * N // 16
         ring = cursor * (P * ab) if cfg.ring_in_stage else Int32(0)
-        _mbar_expect(bar, ring + (codes + scales))
+        _mbar_expect(bar, ring + cfg.read_copy_bytes)
         _bulk_copy(stage, lo0.toint() + sh * codes, codes, bar)
         _bulk_copy(stage + codes, lo1.toint() + sh * scales, scales, bar)
         if cutlass.const_expr(cfg.ring_in_stage):
-            _bulk_copy(stage + (codes + scales), ring_x.toint() + sh * (Lc * P * ab), ring, bar)
+            _bulk_copy(stage + cfg.read_copy_bytes, ring_x.toint() + sh * (Lc * P * ab), ring,
+                       bar)
 
     def _zero_ring_tails(self, stage_base, stride, stages, cursor, lane) -> None:
         """Zeros in every bulk stage's ring records j >= cursor (16 bytes a lane and store)."""
@@ -1816,7 +1813,7 @@ def replay_output(
         _fail("l2_prefetch", "None or an integer in [0, 4] (heads ahead)", l2_prefetch)
     if cfg.ys_layout not in YS_LAYOUTS:
         _fail("ys_layout", f"None or one of {list(YS_LAYOUTS)}", repr(ys_layout))
-    if cfg.stage == "smem" and cfg.warps * 2 * ReplayOutput(cfg).stage_bytes > 40 * 1024:
+    if cfg.stage == "smem" and cfg.warps * 2 * cfg.read_copy_bytes > 40 * 1024:
         _fail("stage", f"'registers' for this shape and warps ({cfg.warps}): two shared-memory "
               "stages per warp would pass 40 KiB", repr(stage))
     bulk_bytes = cfg.warps * cfg.bulk_stages * cfg.bulk_stride(False)
@@ -1824,8 +1821,10 @@ def replay_output(
         _fail("stage", f"'registers' for this shape and warps ({cfg.warps}): {cfg.bulk_stages} "
               f"bulk stages per warp would pass {BULK_STAGE_LIMIT // 1024} KiB", repr(stage))
     if cfg.ring_stage == "smem" and not cfg.ring_stage_fits:
-        _fail("ring_stage", f"'registers' for this shape, window and warps ({cfg.warps}): two "
-              f"ring stages per warp would pass {RING_STAGE_LIMIT // 1024} KiB", repr(ring_stage))
+        where, limit = (("the bulk stages", BULK_STAGE_LIMIT) if cfg.stage == "bulk"
+                        else ("two ring stages", RING_STAGE_LIMIT))
+        _fail("ring_stage", f"'registers' for this shape, window and warps ({cfg.warps}): "
+              f"{where} per warp would pass {limit // 1024} KiB", repr(ring_stage))
     m = cfg.min_ctas_per_sm
     if m is not None and (isinstance(m, bool) or not isinstance(m, int) or not 0 <= m <= 32):
         _fail("min_ctas_per_sm", "None or an integer in [0, 32]", m)

@@ -245,8 +245,8 @@ def test_ring_stage_default_is_smem_where_a_warp_walks_several_nvfp4_heads(knobs
     dict(ring_stage="shared"), dict(ring_stage="smem", window=2),
 ])
 def test_bad_ring_stage_is_refused(knobs):
-    """ring_stage must be 'registers' or 'smem', and 'smem' needs the registers stage, no
-    eager_loads, one head a pass, no ring ablation and a window of 3 or more: anything else
+    """ring_stage must be 'registers' or 'smem', and 'smem' needs the registers or bulk stage,
+    no eager_loads, one head a pass, no ring ablation and a window of 3 or more: anything else
     is a ValueError naming it."""
     lo, _, t = _inputs("nvfp4", "odd", "bf16", seed=53)
     knobs = dict(knobs)
