@@ -46,7 +46,11 @@ column is the largest error over its bound (pass: <= 1).
 CUDA-graph replay of one launch per buffer set, `sets` sets rotating so that one replay touches
 at least `l2_multiple` x the L2 (never fewer than 4 sets); counters the kernel advances are reset
 between replays, outside the timed region. `time_us` is the median per-launch time over `reps`
-replays after `WARM_REPLAYS` untimed ones (`p10`, `p90` beside it). A kernel that cannot be
+replays after `WARM_REPLAYS` untimed ones (`p10`, `p90` beside it). Each timed region (a
+replay, or a ceiling's copy or read) starts behind a GPU spin of `--lead-cycles` (default
+200,000 cycles, about 100 us), so that its start event fires when the work is already queued:
+the host's submission of the graph is not timed (before 2026-11-30 it was; `--lead-cycles 0`
+times that way). A kernel that cannot be
 captured is timed with events around eager launches (`timing = events`: host launch overhead
 included).
 
@@ -305,6 +309,13 @@ COLUMNS = [
 # --------------------------------------------------------------------------------------------
 
 
+# A spin of this many GPU cycles (about 100 us at the H200's 1.98 GHz) is queued before each
+# timed region's start event, so that the GPU is still busy with it while the host submits the
+# event and the work (a graph launch costs the host several microseconds): without it the
+# start event fires at once on an idle stream and the host's submission is timed as well.
+LEAD_CYCLES = 200_000
+
+
 @dataclass
 class BenchConfig:
     """What to measure (`main` builds it from the command line)."""
@@ -319,6 +330,7 @@ class BenchConfig:
     plot_dir: str | None = "results"
     reps: int = 20
     l2_multiple: float = 4.0
+    lead_cycles: int = LEAD_CYCLES  # GPU spin before each timed region (0: none)
     budget_s: float | None = None
     peers_dir: str = ".peers"
     run_label: str = "A"
@@ -347,6 +359,9 @@ class BenchConfig:
                 raise ValueError(f"{name}: expected positive integers, got {list(values)}")
         if any(w < 4 or w > 32 for w in self.windows):
             raise ValueError(f"windows: expected values in [4, 32], got {list(self.windows)}")
+        if isinstance(self.lead_cycles, bool) or not isinstance(self.lead_cycles, int) or (
+                self.lead_cycles < 0):
+            raise ValueError(f"lead_cycles: expected an integer >= 0, got {self.lead_cycles!r}")
         if self.reps < 1:
             raise ValueError(f"reps: expected >= 1, got {self.reps}")
         if self.budget_s is not None and self.budget_s <= 0:
@@ -414,6 +429,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget-s", type=float, default=None,
                    help="stop timing after this many seconds; the rest is recorded as skipped")
     p.add_argument("--reps", type=int, default=None, help="graph replays per point (default 20)")
+    p.add_argument("--lead-cycles", type=int, default=None,
+                   help=f"GPU cycles of spin queued before each timed region, so the host's "
+                   f"submission of the work is not timed (default {LEAD_CYCLES:,}; 0: none, "
+                   f"the method before 2026-11-30)")
     p.add_argument("--run-label", default=defaults.run_label,
                    help="label of this run in the CSV's run column (default: %(default)s)")
     p.add_argument("--merge", nargs="+", metavar="CSV",
@@ -442,6 +461,8 @@ def config_from_args(args: argparse.Namespace, argv: list[str]) -> BenchConfig:
             values[name] = getattr(args, name)
     if args.reps is not None:
         values["reps"] = args.reps
+    if args.lead_cycles is not None:
+        values["lead_cycles"] = args.lead_cycles
     if args.kernels == "default":
         kernels = BenchConfig.kernels
     elif args.kernels == "all":
@@ -1075,8 +1096,10 @@ def check_kernel(spec: KernelSpec | str, shape: BenchShape, window: int, device,
 # --------------------------------------------------------------------------------------------
 
 
-def _event_time_ms(fn) -> float:
+def _event_time_ms(fn, lead_cycles: int = LEAD_CYCLES) -> float:
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    if lead_cycles:
+        torch.cuda._sleep(lead_cycles)
     start.record()
     fn()
     end.record()
@@ -1084,9 +1107,10 @@ def _event_time_ms(fn) -> float:
     return start.elapsed_time(end)
 
 
-def measure_ceilings(nbytes: int = 2**30, warm_s: float = 1.0, reps: int = 20) -> dict:
+def measure_ceilings(nbytes: int = 2**30, warm_s: float = 1.0, reps: int = 20,
+                     lead_cycles: int = LEAD_CYCLES) -> dict:
     """Warm the card for `warm_s`, then (copy GB/s counting bytes read + written, streaming-read
-    GB/s) on `nbytes` buffers."""
+    GB/s) on `nbytes` buffers, each timed region behind a `lead_cycles` spin."""
     src = torch.rand(nbytes // 4, device="cuda")
     dst = torch.empty_like(src)
     deadline = time.perf_counter() + warm_s
@@ -1094,7 +1118,8 @@ def measure_ceilings(nbytes: int = 2**30, warm_s: float = 1.0, reps: int = 20) -
         for _ in range(10):
             dst.copy_(src)
         torch.cuda.synchronize()
-    copy_ms = statistics.median(_event_time_ms(lambda: dst.copy_(src)) for _ in range(reps))
+    copy_ms = statistics.median(_event_time_ms(lambda: dst.copy_(src), lead_cycles)
+                                for _ in range(reps))
     note = ""
     try:
         from experiments._stream_read import stream_read
@@ -1103,10 +1128,11 @@ def measure_ceilings(nbytes: int = 2**30, warm_s: float = 1.0, reps: int = 20) -
         partial = torch.empty(props.multi_processor_count * 8, device="cuda")
         stream_read(src, partial)
         read_ms = statistics.median(
-            _event_time_ms(lambda: stream_read(src, partial)) for _ in range(reps))
+            _event_time_ms(lambda: stream_read(src, partial), lead_cycles) for _ in range(reps))
     except Exception as error:  # Triton missing or failing: fall back to a torch reduction
         note = f"streaming read by torch.sum ({type(error).__name__})"
-        read_ms = statistics.median(_event_time_ms(lambda: src.sum()) for _ in range(reps))
+        read_ms = statistics.median(_event_time_ms(lambda: src.sum(), lead_cycles)
+                                    for _ in range(reps))
     return dict(copy_gbps=2 * nbytes / copy_ms / 1e6, read_gbps=nbytes / read_ms / 1e6,
                 note=note)
 
@@ -1114,8 +1140,9 @@ def measure_ceilings(nbytes: int = 2**30, warm_s: float = 1.0, reps: int = 20) -
 WARM_REPLAYS = 3  # replays not timed: the clocks ramp again after the host-side set-up gap
 
 
-def time_case(case: Case, reps: int) -> tuple[list[float], str]:
-    """Per-launch microseconds of `reps` replays of one launch per set, and the method."""
+def time_case(case: Case, reps: int, lead_cycles: int = LEAD_CYCLES) -> tuple[list[float], str]:
+    """Per-launch microseconds of `reps` replays of one launch per set (each replay behind a
+    `lead_cycles` spin), and the method."""
     launches = [_launcher(case, i) for i in range(case.bufs.sets)]
     reset = case.reset or (lambda: None)
 
@@ -1144,7 +1171,7 @@ def time_case(case: Case, reps: int) -> tuple[list[float], str]:
     times = []
     for rep in range(reps + WARM_REPLAYS):
         reset()
-        elapsed = _event_time_ms(run_once) * 1e3 / len(launches)
+        elapsed = _event_time_ms(run_once, lead_cycles) * 1e3 / len(launches)
         if rep >= WARM_REPLAYS:
             times.append(elapsed)
     return times, method
@@ -1225,7 +1252,7 @@ def run(config: BenchConfig, log=print) -> pd.DataFrame:
     start = time.perf_counter()
     out = Path(config.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    ceilings = measure_ceilings()
+    ceilings = measure_ceilings(lead_cycles=config.lead_cycles)
     log(f"copy {ceilings['copy_gbps']:,.0f} GB/s (read + write), streaming read "
         f"{ceilings['read_gbps']:,.0f} GB/s {ceilings['note']}")
     l2 = (torch.cuda.get_device_properties(device).L2_cache_size if device.type == "cuda"
@@ -1264,7 +1291,7 @@ def run(config: BenchConfig, log=print) -> pd.DataFrame:
             sets = sets_for(kernel_bytes(spec, shape, batch, cursor), l2, config.l2_multiple)
             case = build_case(spec, shape, batch, window, cursor, sets, device, config.seed,
                               peers_dir, ACT_DTYPES[config.act], config.nonflush_knobs)
-            times, method = time_case(case, config.reps)
+            times, method = time_case(case, config.reps, config.lead_cycles)
             del case
         except Exception as error:  # out of memory, a launch failure: record and go on
             rows.append(_row(*point, check=ratio, status=f"error: {_reason(error)}"))
@@ -1280,7 +1307,8 @@ def run(config: BenchConfig, log=print) -> pd.DataFrame:
     frame = pd.DataFrame(rows, columns=COLUMNS)
     config.extra["ceilings_start"] = ceilings
     try:  # the copy ceiling again, to see whether the card's state moved during the run
-        config.extra["ceilings_end"] = measure_ceilings(warm_s=0.0)
+        config.extra["ceilings_end"] = measure_ceilings(warm_s=0.0,
+                                                         lead_cycles=config.lead_cycles)
     except Exception as error:  # a sticky CUDA error from a kernel: keep what was measured
         config.extra["ceilings_end"] = {"error": _reason(error)}
     config.extra["seconds"] = round(time.perf_counter() - start, 1)

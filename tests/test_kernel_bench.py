@@ -102,6 +102,50 @@ def test_profile_builds_the_kernel_with_the_nonflush_knobs(monkeypatch, capsys):
     assert "stage=bulk, smem_carveout=100" in capsys.readouterr().err
 
 
+def test_lead_cycles_reach_the_configuration_and_bad_values_are_refused(capsys):
+    """--lead-cycles N sets the spin queued before each timed region (default LEAD_CYCLES, 0
+    turns it off); a negative count is one line on stderr and exit status 2."""
+    for argv, expected in (([], kb.LEAD_CYCLES), (["--lead-cycles", "0"], 0),
+                           (["--lead-cycles", "12345"], 12345)):
+        argv = ["--quick", *argv]
+        assert kb.config_from_args(kb.build_parser().parse_args(argv), argv).lead_cycles == expected
+    with pytest.raises(SystemExit) as exit_info:
+        kb.main(["--quick", "--lead-cycles", "-5", "--plot-dir", "none"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "lead_cycles" in err
+
+
+def test_the_spin_is_queued_before_the_start_event(monkeypatch):
+    """_event_time_ms queues the GPU spin, then the start event, the work and the end event,
+    in that order (so the start event waits behind the spin while the host submits the work);
+    with lead_cycles=0 there is no spin."""
+    calls, made = [], []
+
+    class FakeEvent:
+        def __init__(self, enable_timing):
+            assert enable_timing
+            self.name = ("start", "end")[len(made) % 2]  # created start first, then end
+            made.append(self)
+
+        def record(self):
+            calls.append(self.name)
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, other):
+            return 1.5
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: calls.append(f"spin {cycles}"))
+    assert kb._event_time_ms(lambda: calls.append("work"), 777) == 1.5
+    assert calls == ["spin 777", "start", "work", "end"]
+    calls.clear()
+    kb._event_time_ms(lambda: calls.append("work"), 0)
+    assert calls == ["start", "work", "end"]
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without CUDA")
 def test_measuring_without_cuda_fails_with_one_clear_line(tmp_path, capsys):
     code = kb.main(["--quick", "--out", str(tmp_path / "x.csv"), "--plot-dir", "none"])
@@ -332,7 +376,8 @@ def test_run_end_to_end_on_the_cpu_with_stand_in_timing(interpreted_vllm, monkey
                                                                  read_gbps=4200.0, note=""))
     launched = []
 
-    def stand_in(case, reps):
+    def stand_in(case, reps, lead_cycles):
+        assert lead_cycles == kb.LEAD_CYCLES  # the configuration's spin reaches the timing
         kb._launcher(case, case.bufs.sets - 1)()  # the last set's views are valid too
         launched.append(case.spec.name)
         return [10.0 + case.bufs.sets] * reps, "stand-in"
