@@ -589,6 +589,14 @@ class ReplayOutputConfig:
     # relative apart; the cause is not pinned down: both SASS have the same FFMA, FMUL and
     # FADD counts), the appended records and cursors bit for bit
     ring_stage: str = "registers"
+    # programmatic dependent launch: the step is launched so that its CTAs may start while the
+    # kernel before it on the stream finishes (that kernel's CTAs trigger, or exit, first);
+    # each CTA lets the next kernel start, issues its first head's read copy (and nvfp4 global
+    # scale), and only then waits for the previous grid (griddepcontrol.wait) before reading
+    # anything else. So the kernel just before it must not write the read copy of a slot
+    # that takes a non-flush step (flush slots' copies are read and dropped); in a model that
+    # kernel is the layer's input projection, and the read copy was written a flush ago
+    pdl: bool = False
 
     @property
     def ring_stage_bytes(self) -> int:
@@ -830,6 +838,7 @@ class ReplayOutput:
             # compiling needs no GPU (smem_carveout).
             min_blocks_per_mp=self.cfg.min_ctas,
             preferred_smem_carveout=self.cfg.smem_carveout,
+            use_pdl=self.cfg.pdl,
         )
 
     @cute.kernel
@@ -907,6 +916,15 @@ class ReplayOutput:
                                            byte_alignment=16)
             ring_base = rs_smem.iterator.toint() + warp * (2 * RB)
 
+        pre = {}  # pdl: the first head's read copy, loaded before the previous grid ends
+        if cutlass.const_expr(cfg.pdl):
+            cute.arch.griddepcontrol_launch_dependents()
+            sh0 = Int64(s) * H + (grp * HPG + part * HPS + warp)
+            # pinned (volatile) loads: otherwise ptxas may sink them past the wait
+            pre["state"] = self._issue_state_now(lo0.toint(), lo1.toint(), sh0, lane, pin=True)
+            if cutlass.const_expr(cfg.lo_format == "nvfp4"):
+                pre["s_g"] = Float32(cute.arch.load((lo2 + sh0).llvm_ptr, Float32))
+            cute.arch.griddepcontrol_wait()
         raw_cursor = cute.arch.load((cursors + s).llvm_ptr, Int32)
         # eager_loads: the prologue's and the first heads' loads go out with the cursor's
         eager = self._eager_loads(ptrs=(lo0, lo1, lo2, ring_x, ring_dt, x, dt, A, D, z, dt_bias),
@@ -928,7 +946,8 @@ class ReplayOutput:
             # products with B . C after the prologue's barrier
             decay_inputs = _warp_decay_loads(cfg, self.segment, ptrs, heads[0], nh, s64, lane)
             loads = self._loaded(eager, "heads", lambda: [
-                self._issue_head(ptrs, s64 * H + heads[k], heads[k], cursor, lane)
+                self._issue_head(ptrs, s64 * H + heads[k], heads[k], cursor, lane,
+                                 pre if k == 0 else None)
                 for k in range(min(HPP, nh))])
             if lane == 0:  # the next cfg.l2_prefetch heads' bytes, into L2
                 for k in cutlass.range_constexpr(1, min(cfg.l2_prefetch + 1, nh)):
@@ -1241,20 +1260,24 @@ class ReplayOutput:
         """Floats of one head's row of ring coefficients in shared memory (16-byte rows)."""
         return 4 * ((self.segment + 3) // 4)
 
-    def _issue_head(self, ptrs, sh, head, cursor, lane) -> dict:
+    def _issue_head(self, ptrs, sh, head, cursor, lane, pre=None) -> dict:
         """Every global load one head needs, issued together (none depends on another):
         the read copy (per format), the ring records before the cursor (predicated: records
-        past it cost no traffic), D, x, z (dt and A: `_warp_decay_loads`)."""
+        past it cost no traffic), D, x, z (dt and A: `_warp_decay_loads`); the read copy and
+        global scale from ``pre`` where they were loaded already (pdl)."""
         cfg = self.cfg
         lo0, lo1, lo2, ring_x, _, x, _, _, D, z, _ = ptrs
         P, Lc, L, act = cfg.headdim, cfg.ring_capacity, cfg.window, cfg.act
         ab = _ACT_BYTES[act]
         ld = {"state": None}
-        if cfg.stage == "registers":
+        if pre:
+            ld["state"] = pre["state"]
+        elif cfg.stage == "registers":
             ld["state"] = self._issue_state(lo0.toint(), lo1.toint(), sh, lane)
         ld["factor"] = Float32(1.0)
         if cfg.lo_format == "nvfp4":
-            s_g = Float32(cute.arch.load((lo2 + sh).llvm_ptr, Float32))
+            s_g = (pre["s_g"] if pre else
+                   Float32(cute.arch.load((lo2 + sh).llvm_ptr, Float32)))
             ld["factor"] = s_g * Float32(_NVFP4_UNDO)
         ld["D"] = Float32(0.0)
         if cfg.has_D:
@@ -1416,11 +1439,11 @@ class ReplayOutput:
 
         return Stripes()
 
-    def _issue_state_now(self, lo0, lo1, sh, lane) -> list:
+    def _issue_state_now(self, lo0, lo1, sh, lane, pin=None) -> list:
         cfg, E = self.cfg, self.E
         P, N = cfg.headdim, cfg.dstate
         fmt = cfg.lo_format
-        pin = cfg.pin_state_loads
+        pin = cfg.pin_state_loads if pin is None else pin
         if cfg.decode == "simt":
             # octet o = lane // 8 owns row 4p + o of pass p; lane l8 = lane % 8 the k in
             # [32m + 4 l8, 32m + 4 l8 + 4): each access is 16 bytes, each octet 128
@@ -1665,6 +1688,7 @@ def replay_output(
     ring_stage=None,
     bulk_stages=None,
     smem_carveout=None,
+    pdl=None,
 ):
     """One non-flush decode step for every slot whose ``cursors[s] + 1 < window``; returns
     ``out`` [S, H, P] (x's dtype; rows of flush slots are not written).
@@ -1680,8 +1704,8 @@ def replay_output(
     or "smem" or "bulk" for nvfp4) picks how the read copy is loaded. ``l2_prefetch`` (heads
     ahead, 0 off), ``ys_layout`` ("rows" or "quads"), ``l2_prefetch_small``, ``early_loads``
     (default on), ``heads_per_pass`` (1 or 2), ``eager_loads``, ``pin_state_loads``,
-    ``weights_at``, ``ring_stage``, ``bulk_stages`` and ``smem_carveout`` are the tuning
-    knobs of `ReplayOutputConfig`, each measured there (None: ``ring_stage`` by
+    ``weights_at``, ``ring_stage``, ``bulk_stages``, ``smem_carveout`` and ``pdl`` are the
+    tuning knobs of `ReplayOutputConfig`, each measured there (None: ``ring_stage`` by
     `default_ring_stage`); ``ablate`` leaves stages out for timing (wrong outputs;
     `ReplayOutputConfig.ablate`).
     """
@@ -1712,6 +1736,10 @@ def replay_output(
               "l2_prefetch)", eager_loads)
     if pin_state_loads is not None and not isinstance(pin_state_loads, bool):
         _fail("pin_state_loads", "None or a bool", pin_state_loads)
+    if pdl is not None and not isinstance(pdl, bool) or pdl and (
+            stage not in (None, "registers") or eager_loads or heads_per_pass not in (None, 1)):
+        _fail("pdl", "None or a bool (True: stage 'registers', no eager_loads, one head a "
+              "pass)", pdl)
     if weights_at is not None and weights_at not in WEIGHTS_AT:
         _fail("weights_at", f"None or one of {list(WEIGHTS_AT)}", repr(weights_at))
     # ReplayOutputConfig.ring_stage_allowed on the arguments, before any tensor is used
@@ -1807,7 +1835,8 @@ def replay_output(
                               pin_state_loads=bool(pin_state_loads),
                               weights_at=weights_at, ring_stage=ring_stage or RING_STAGES[0],
                               bulk_stages=bulk_stages or 2,
-                              smem_carveout=-1 if smem_carveout is None else smem_carveout)
+                              smem_carveout=-1 if smem_carveout is None else smem_carveout,
+                              pdl=bool(pdl))
     k = cfg.l2_prefetch
     if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 4:
         _fail("l2_prefetch", "None or an integer in [0, 4] (heads ahead)", l2_prefetch)

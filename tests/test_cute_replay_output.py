@@ -155,6 +155,74 @@ def test_pinned_state_loads_are_coherent_and_issued_before_the_prologue_barrier(
     assert free.count(state_nc) == 4 * per_head and state_pinned not in free
 
 
+@pytest.mark.parametrize("fmt, shape", [("nvfp4", "nemotron"), ("nvfp4", "odd"),
+                                        ("fp8_e4m3", "odd"), ("fp32", "nemotron")])
+def test_pdl_loads_only_the_first_heads_read_copy_before_waiting_for_the_previous_grid(fmt,
+                                                                                        shape):
+    """pdl: the kernel first lets the next grid launch (griddepcontrol.launch_dependents),
+    then loads its first head's read copy (pinned, so that ptxas keeps it there; nvfp4 also
+    its global scale), then waits for the previous grid (griddepcontrol.wait); every other
+    global access, the cursor first, comes after the wait. Without pdl neither instruction
+    is there."""
+    base = dataclasses.replace(_config(fmt, shape), head_splits=1)
+    ptx = ro.compile_replay_output(dataclasses.replace(base, pdl=True), keep_ptx=True).__ptx__
+    body = ptx[ptx.index(".entry"):]
+    trigger = body.index("griddepcontrol.launch_dependents")
+    wait = body.index("griddepcontrol.wait")
+    assert body.count("griddepcontrol.wait") == 1 and trigger < wait
+    early = re.findall(r"\b(ld\.global[\w.:]*)", body[:wait])
+    S, H, P, N, G, Lc, L = SHAPES[shape]
+    words = P * N * {"nvfp4": 0.5, "fp8_e4m3": 1, "fp32": 4}[fmt] / 4 / 32  # a lane's head
+    state = [op for op in early if ".nc" not in op and op.endswith(".v4.u32")]
+    assert len(state) == words / 4
+    scales = [op for op in early if op.endswith(".u16")]
+    assert len(scales) == (2 * (P // 16) * (N // 128) if fmt == "nvfp4" else 0)  # 2 a chunk
+    assert len(early) == len(state) + len(scales) + (fmt == "nvfp4")  # + the global scale
+    assert body.index("ld.global", wait) < body.index("bra", wait)  # the cursor, then a branch
+    assert "griddepcontrol" not in ro.compile_replay_output(base, keep_ptx=True).__ptx__
+
+
+def test_bad_pdl_is_refused():
+    """pdl must be a bool, and needs the registers stage, no eager_loads and one head a
+    pass: anything else is a ValueError naming it, before any tensor is used."""
+    lo, _, t = _inputs("nvfp4", "odd", "bf16", seed=5)
+    for bad in (dict(pdl=1), dict(pdl=True, stage="smem"), dict(pdl=True, stage="bulk"),
+                dict(pdl=True, eager_loads=True), dict(pdl=True, heads_per_pass=2)):
+        with pytest.raises(ValueError, match="pdl"):
+            _call(lo, t, "nvfp4", SHAPES["odd"][-1], None, **bad)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt, shape, knobs", [
+    ("nvfp4", "nemotron", dict(head_splits=1)), ("nvfp4", "nemotron", dict(head_splits=4)),
+    ("nvfp4", "odd", dict(warps=1)), ("nvfp4", "nemotron", dict(head_splits=1, prefetch=True)),
+    ("fp8_e4m3", "odd", dict(warps=1)), ("fp32", "nemotron", dict(head_splits=1)),
+])
+def test_pdl_steps_wait_for_the_kernel_before_them(fmt, shape, knobs):
+    """Two pdl steps on two sets of buffers, each launched right behind a kernel that writes
+    its inputs (x, C and the cursors are NaN / stale until a copy just before the step): both
+    steps' outputs, records and cursors are the reference's, so every input but the read
+    copy is read after the previous grid finished."""
+    window = SHAPES[shape][-1]
+    sets = []
+    for seed in (61, 62):
+        lo, lo64, t = _inputs(fmt, shape, "bf16", seed=seed)
+        lo_d, t_d = _to_cuda(lo, t)
+        fresh = {k: t_d[k].clone() for k in ("x", "C", "cursors")}
+        t_d["x"].fill_(float("nan"))
+        t_d["C"].fill_(float("nan"))
+        t_d["cursors"].fill_(window - 1)  # every slot a flush slot until the copy
+        sets.append((lo64, t, lo_d, t_d, fresh, torch.full_like(t_d["x"], float("nan"))))
+    torch.cuda.synchronize()
+    for _, _, lo_d, t_d, fresh, out in sets:
+        for k, v in fresh.items():
+            t_d[k].copy_(v)
+        _call(lo_d, t_d, fmt, window, out, pdl=True, **knobs)
+    torch.cuda.synchronize()
+    for lo64, t, _, t_d, _, out in sets:
+        _check_step(lo64, t, {k: v.cpu() for k, v in t_d.items()}, out.cpu(), window, "bf16")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt, shape, knobs", [
     ("nvfp4", "nemotron", dict(head_splits=1)), ("nvfp4", "odd", dict(warps=1)),
