@@ -590,12 +590,22 @@ class ReplayOutputConfig:
     # FADD counts), the appended records and cursors bit for bit
     ring_stage: str = "registers"
     # programmatic dependent launch: the step is launched so that its CTAs may start while the
-    # kernel before it on the stream finishes (that kernel's CTAs trigger, or exit, first);
-    # each CTA lets the next kernel start, issues its first head's read copy (and nvfp4 global
-    # scale), and only then waits for the previous grid (griddepcontrol.wait) before reading
+    # kernel before it on the stream finishes (once that kernel's CTAs trigger, or exit);
+    # each CTA issues its first head's read copy (and nvfp4 global scale), waits for the
+    # previous grid (griddepcontrol.wait), and only then lets the next kernel launch and reads
     # anything else. So the kernel just before it must not write the read copy of a slot
     # that takes a non-flush step (flush slots' copies are read and dropped); in a model that
-    # kernel is the layer's input projection, and the read copy was written a flush ago
+    # kernel is the layer's input projection, and the read copy was written a flush ago.
+    # Opt-in: faster only on small grids. On the H200 in the benchmark's conditions (graphs of
+    # back-to-back steps, Nemotron layer, L = 16, cursors 0 / 8 / 14, us, default -> pdl,
+    # trigger at the start, two runs each; results/kernel_bench_runs/pdl_ab_16/):
+    #     batch 1     3.64 / 4.64 / 5.33  ->  3.41 / 4.25 / 4.78
+    #     batch 8     4.94 / 6.03 / 6.99  ->  4.07 / 5.12 / 5.86
+    #     batch 128   29.2 / 34.1 / 36.8  ->  29.0 / 33.6 / 37.5
+    #     batch 256   55.7 / 62.1 / 68.3  ->  56.6 / 62.8 / 70.4
+    #     batch 512  106.4 / 118.8 / 129.9 -> 107.7 / 119.8 / 133.9
+    # so the step's time at large batches is not launch gaps; what it saves on small grids is
+    # the launch and the first loads' latency
     pdl: bool = False
 
     @property
@@ -918,13 +928,16 @@ class ReplayOutput:
 
         pre = {}  # pdl: the first head's read copy, loaded before the previous grid ends
         if cutlass.const_expr(cfg.pdl):
-            cute.arch.griddepcontrol_launch_dependents()
             sh0 = Int64(s) * H + (grp * HPG + part * HPS + warp)
             # pinned (volatile) loads: otherwise ptxas may sink them past the wait
             pre["state"] = self._issue_state_now(lo0.toint(), lo1.toint(), sh0, lane, pin=True)
             if cutlass.const_expr(cfg.lo_format == "nvfp4"):
                 pre["s_g"] = Float32(cute.arch.load((lo2 + sh0).llvm_ptr, Float32))
             cute.arch.griddepcontrol_wait()
+            # only now may the next grid launch: its early loads then come after every grid
+            # before this one has finished (a trigger before the wait would let a chain of
+            # pdl steps run ahead of a flush that writes their read copy)
+            cute.arch.griddepcontrol_launch_dependents()
         raw_cursor = cute.arch.load((cursors + s).llvm_ptr, Int32)
         # eager_loads: the prologue's and the first heads' loads go out with the cursor's
         eager = self._eager_loads(ptrs=(lo0, lo1, lo2, ring_x, ring_dt, x, dt, A, D, z, dt_bias),
@@ -1707,7 +1720,9 @@ def replay_output(
     ``weights_at``, ``ring_stage``, ``bulk_stages``, ``smem_carveout`` and ``pdl`` are the
     tuning knobs of `ReplayOutputConfig`, each measured there (None: ``ring_stage`` by
     `default_ring_stage`); ``ablate`` leaves stages out for timing (wrong outputs;
-    `ReplayOutputConfig.ablate`).
+    `ReplayOutputConfig.ablate`). With ``pdl=True`` the step may start before the kernel
+    launched just before it ends and reads the read copy early, so that kernel must not
+    write the read copy of a slot taking a non-flush step (`ReplayOutputConfig.pdl`).
     """
     if lo_format not in LO_FORMATS:
         _fail("lo_format", f"one of {list(LO_FORMATS)}", repr(lo_format))

@@ -159,17 +159,17 @@ def test_pinned_state_loads_are_coherent_and_issued_before_the_prologue_barrier(
                                         ("fp8_e4m3", "odd"), ("fp32", "nemotron")])
 def test_pdl_loads_only_the_first_heads_read_copy_before_waiting_for_the_previous_grid(fmt,
                                                                                         shape):
-    """pdl: the kernel first lets the next grid launch (griddepcontrol.launch_dependents),
-    then loads its first head's read copy (pinned, so that ptxas keeps it there; nvfp4 also
-    its global scale), then waits for the previous grid (griddepcontrol.wait); every other
-    global access, the cursor first, comes after the wait. Without pdl neither instruction
-    is there."""
+    """pdl: the kernel first loads its first head's read copy (pinned, so that ptxas keeps it
+    there; nvfp4 also its global scale), then waits for the previous grid
+    (griddepcontrol.wait), then lets the next grid launch (griddepcontrol.launch_dependents);
+    every other global access, the cursor first, comes after the wait. Without pdl neither
+    instruction is there."""
     base = dataclasses.replace(_config(fmt, shape), head_splits=1)
     ptx = ro.compile_replay_output(dataclasses.replace(base, pdl=True), keep_ptx=True).__ptx__
     body = ptx[ptx.index(".entry"):]
     trigger = body.index("griddepcontrol.launch_dependents")
     wait = body.index("griddepcontrol.wait")
-    assert body.count("griddepcontrol.wait") == 1 and trigger < wait
+    assert body.count("griddepcontrol.wait") == 1 and wait < trigger
     early = re.findall(r"\b(ld\.global[\w.:]*)", body[:wait])
     S, H, P, N, G, Lc, L = SHAPES[shape]
     words = P * N * {"nvfp4": 0.5, "fp8_e4m3": 1, "fp32": 4}[fmt] / 4 / 32  # a lane's head
