@@ -34,7 +34,7 @@ default, `FlushConfig.fold`), "as shipped" the fma kernel with the fallbacks com
 
 "then" is commit 1b40283; "fma" adds the hardware E4M3 conversions for the block scales and
 the E2M1 code read off the magic add's bits (numerics.py). On the H200 the fp16-SR + nvfp4
-flush went from 2,244 to 1,452 us at batch 256 (results/README.md, "Second timing"). It
+flush went from 2,244 to 1,452 us at batch 256 (results/gpu_sessions.md, "Second timing"). It
 defaults to 32 elements per thread (second table of the output): about 6-8 more instructions
 per element (85.3 fma, 69.9 mma), 62-79 registers instead of 95-128, and 1,094 us on the
 H200 (more warps resident), 1,035 us with the leaner encode, 990 us with the tensor-core
