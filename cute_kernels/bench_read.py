@@ -81,10 +81,18 @@ class StreamRead:
         ro._store_words(dst.toint() + Int64(bid * self.threads + tid) * 4, [acc])
 
 
+# GPU cycles of spin queued before each timed region (about 100 us on the H200), so that the
+# start event fires with the work already queued and the host's submission is not timed (as
+# experiments/kernel_bench.py does; the CSVs of gpu_first_timing/ before 2026-11-30 were timed
+# without it, which added the host's few microseconds a replay)
+LEAD_CYCLES = 200_000
+
+
 def _time_ms(fn, reps=30):
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(reps):
+        torch.cuda._sleep(LEAD_CYCLES)
         start.record()
         fn()
         end.record()
@@ -245,6 +253,7 @@ def time_format(fmt, batch, h, window, sets, reps, knobs=None):
     times = []
     for _ in range(reps):
         reset()
+        torch.cuda._sleep(LEAD_CYCLES)
         start.record()
         graph.replay()
         end.record()
