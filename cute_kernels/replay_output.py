@@ -597,15 +597,15 @@ class ReplayOutputConfig:
     # that takes a non-flush step (flush slots' copies are read and dropped); in a model that
     # kernel is the layer's input projection, and the read copy was written a flush ago.
     # Opt-in: faster only on small grids. On the H200 in the benchmark's conditions (graphs of
-    # back-to-back steps, Nemotron layer, L = 16, cursors 0 / 8 / 14, us, default -> pdl,
-    # trigger at the start, two runs each; results/kernel_bench_runs/pdl_ab_16/):
-    #     batch 1     3.64 / 4.64 / 5.33  ->  3.41 / 4.25 / 4.78
-    #     batch 8     4.94 / 6.03 / 6.99  ->  4.07 / 5.12 / 5.86
-    #     batch 128   29.2 / 34.1 / 36.8  ->  29.0 / 33.6 / 37.5
-    #     batch 256   55.7 / 62.1 / 68.3  ->  56.6 / 62.8 / 70.4
-    #     batch 512  106.4 / 118.8 / 129.9 -> 107.7 / 119.8 / 133.9
-    # so the step's time at large batches is not launch gaps; what it saves on small grids is
-    # the launch and the first loads' latency
+    # back-to-back steps, Nemotron layer, L = 16, cursors 0 / 8 / 14, us, default -> pdl, one
+    # run each; results/kernel_bench_runs/pdl_ab_16/after_wait/):
+    #     batch 1     3.68 / 4.71 / 5.42  ->  2.87 / 3.98 / 4.72
+    #     batch 8     4.98 / 6.08 / 7.05  ->  4.03 / 5.49 / 6.35
+    #     batch 128   29.2 / 34.0 / 37.2  ->  28.3 / 33.4 / 35.5
+    #     batch 256   55.9 / 62.0 / 67.9  ->  56.0 / 61.8 / 69.7
+    # (a first form that let the next grid launch before its wait: the same picture, batch 512
+    # 118.8 -> 119.8 at cursor 8; pdl_ab_16/). So the step's time at large batches is not
+    # launch gaps; what it saves on small grids is the launch and the first loads' latency
     pdl: bool = False
 
     @property
