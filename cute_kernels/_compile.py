@@ -5,7 +5,12 @@
   CPU-only machine, which is what CI checks.
 - `compile_cached(key, build)`: one compiled kernel per static configuration (dtypes, shapes,
   formats, flags); `build()` returns the `cute.compile` result. Runtime values (pointers, batch
-  size, seed, stream) are never part of a key.
+  size, seed, stream) are never part of a key. `build()` runs under `cute_argv()`.
+- `cute_argv()`: a context in which `sys.argv` holds only the program name and any
+  `-diagnostic` argument. CuTe DSL parses `sys.argv` on every compile (its `-diagnostic`
+  switch), and argparse reads an argument such as `--h` or `--he` as `--help`: the process
+  printed CuTe's usage and exited with status 0 (`python -m cute_kernels.bench_read --h 9`,
+  2026-11-30). Every compile of the kit goes through it.
 - `compile_options(keep_ptx)`: the `cute.compile` options string. With `keep_ptx` the PTX text
   is kept (`compiled.__ptx__`) and its file goes to a private temporary directory, so tests can
   grep it for the wide loads.
@@ -19,7 +24,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 import tempfile
 
 import torch
@@ -37,6 +44,7 @@ __all__ = [
     "TORCH_TO_CUTE",
     "compile_cached",
     "compile_options",
+    "cute_argv",
     "gmem_ptr",
     "fake_ptr",
     "current_stream",
@@ -77,11 +85,32 @@ def compile_options(keep_ptx: bool = False) -> str:
     return " ".join(options)
 
 
+@contextlib.contextmanager
+def cute_argv():
+    """`sys.argv` reduced to the program name and CuTe DSL's own `-diagnostic [LEVEL]` for the
+    duration (restored after): the caller's command-line arguments never reach CuTe's parser."""
+    saved = sys.argv
+    kept = saved[:1]
+    for i, arg in enumerate(saved[1:], start=1):
+        if arg == "-diagnostic" or arg.startswith("-diagnostic="):
+            kept.append(arg)
+            following = saved[i + 1] if i + 1 < len(saved) else ""
+            if arg == "-diagnostic" and following and not following.startswith("-"):
+                kept.append(following)
+    sys.argv = kept
+    try:
+        yield
+    finally:
+        sys.argv = saved
+
+
 def compile_cached(key, build):
-    """The compiled kernel for the static configuration `key`, built once by `build()`."""
+    """The compiled kernel for the static configuration `key`, built once by `build()` (under
+    `cute_argv()`)."""
     compiled = _CACHE.get(key)
     if compiled is None:
-        compiled = build()
+        with cute_argv():
+            compiled = build()
         _CACHE[key] = compiled
     return compiled
 

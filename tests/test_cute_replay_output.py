@@ -10,6 +10,7 @@ consecutive steps.
 
 import dataclasses
 import re
+import sys
 
 import numpy as np
 import pytest
@@ -180,6 +181,27 @@ def test_pdl_loads_only_the_first_heads_read_copy_before_waiting_for_the_previou
     assert len(early) == len(state) + len(scales) + (fmt == "nvfp4")  # + the global scale
     assert body.index("ld.global", wait) < body.index("bra", wait)  # the cursor, then a branch
     assert "griddepcontrol" not in ro.compile_replay_output(base, keep_ptx=True).__ptx__
+
+
+@pytest.mark.parametrize("argv, seen", [
+    (["prog", "--h", "9"], ["prog"]),  # argparse would read --h as --help and exit
+    (["prog", "--he", "-diagnostic", "fail", "--x"], ["prog", "-diagnostic", "fail"]),
+    (["prog", "-diagnostic"], ["prog", "-diagnostic"]),
+])
+def test_the_callers_arguments_never_reach_cutes_parser(monkeypatch, argv, seen):
+    """CuTe DSL parses sys.argv on every compile: a compile under the caller's `--h 9` printed
+    CuTe's usage and exited. Through compile_cached the build sees only the program name and
+    CuTe's own -diagnostic, a real compile finishes, and sys.argv is the caller's again."""
+    from cute_kernels import _compile
+
+    monkeypatch.setattr("sys.argv", list(argv))
+    observed = []
+    _compile.compile_cached(("argv probe", tuple(argv)), lambda: observed.append(list(sys.argv)))
+    assert observed == [seen] and sys.argv == argv
+    if argv[1] == "--h":
+        cfg = dataclasses.replace(_config("fp32", "odd"), window=5)  # not compiled before
+        assert ro.compile_replay_output(cfg) is not None and sys.argv == argv
+    _compile._CACHE.pop(("argv probe", tuple(argv)), None)
 
 
 def test_bad_pdl_is_refused():
