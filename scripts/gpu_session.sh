@@ -52,9 +52,10 @@
 # the device's copy of the tree carries a .git that is not this checkout's, so the meta files
 # would otherwise name a stale commit (they did on 2026-11-29).
 #
-# Then, here: copy the files into results/ and merge the two runs:
-#   python -m experiments.kernel_bench --merge results/kernel_bench_A.csv \
-#       results/kernel_bench_B.csv --out results/kernel_bench.csv --plot-dir results
+# Then, here: merge the two runs' CSVs (the merged one holds every row of both; keep their logs
+# and .meta.json in results/kernel_bench_runs/, not the run CSVs):
+#   python -m experiments.kernel_bench --merge kernel_bench_A.csv kernel_bench_B.csv \
+#       --out results/kernel_bench.csv --plot-dir results
 #
 # The whole command stays under KB_TOTAL_S seconds (default 540, i.e. 9 minutes: the call limit
 # is 10): the tests get at most KB_TESTS_S (default 150), the benchmark the rest less a margin
