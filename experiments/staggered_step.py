@@ -1,0 +1,616 @@
+"""A server's steady state on the GPU: slots spread over the window, one decode step for all.
+
+    python -m experiments.staggered_step                        # on the GPU machine
+    python -m experiments.staggered_step --batches 256 --windows 16 --reps 20
+    python -m experiments.staggered_step --plot-only results/staggered_step.csv
+
+`kernel_bench` prices a token by the window formula, `((L - 1) * non-flush + flush) / L`, with
+every slot at the same cursor, so the non-flush steps and the flush run one after the other.
+A server's slots do not move in step: sequences start and end at different times, so at any
+decode step about `B / L` slots flush and the rest take non-flush steps at every cursor. The
+work of a step is then a window's work spread over the batch, and the two kernels can share
+the machine: the flush is ALU-bound (SR, Philox, the E2M1 encode), the non-flush step is bound
+by its loads' latency, so each can issue while the other waits. This script measures that
+step.
+
+**The batch.** `B` slots, a multiple of `L`; slot `s` holds `s * L // B` records, so each
+cursor `0 .. L-1` has `B / L` slots and the last `B / L` flush. Random inputs, never zeros.
+
+**Schemes.** `two-precision` (FP16-SR recurrence copy, NVFP4 read copy), `fp32-replay` (one
+FP32 checkpoint, the single-copy FP32 ReplaySSM), and `conventional-fp32` (the kit's FP32
+state update, the same kernel at every step: its row is the same as `kernel_bench`'s).
+
+**Modes** (one step each; the same kernels, launched three ways):
+
+    decode-step   `cute_kernels.replay_decode.replay_decode_step` over the whole batch: the
+                  non-flush kernel and the flush kernel each launched on every slot (a CTA of
+                  a slot the kernel does not serve exits at once), then the counter kernel
+    grouped       slots grouped by cursor: the non-flush kernel on the non-flush slots, then
+                  the flush kernel on the flush slots, one stream
+    overlapped    the same two launches on two streams (flush on a side stream, forked and
+                  joined inside the timed step), so that their CTAs can share SMs
+
+`grouped` and `overlapped` launch each kernel on a contiguous sub-batch, standing in for a
+launch through a slot index table (which the kernels do not take yet); the flush's random
+words are then keyed by the slot's place in the sub-batch, so its FP16-SR bits differ from
+`decode-step`'s. Before timing, each point runs every mode once on the same inputs and checks
+that `grouped` and `overlapped` agree bit for bit (outputs, both copies, rings, counters) and
+that `decode-step` agrees with them bit for bit except the SR'd recurrence copy of the flush
+slots, which must lie within one FP16 step (its neighbours). The kernels themselves are
+checked against the reference by the GPU tests and by `kernel_bench`'s gate.
+
+**Timing** as `kernel_bench`: card warmed, copy ceiling measured in the same run, CUDA-graph
+replay of one step per rotating buffer set (sets so that a replay touches at least 2x the L2),
+counters reset between replays outside the timed region, each replay behind a GPU spin, the
+median over `--reps` replays. **Bytes** per step are `kernel_bench.kernel_bytes` summed over
+the slots at their cursors; `time_us` is the step's time, which is also the time per committed
+token of the batch, the unit of `kernel_bench`'s token rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import shlex
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+
+from experiments import kernel_bench as kb
+from experiments._common import save_small_png
+
+__all__ = ["SCHEMES", "MODES", "cursor_layout", "step_bytes", "check_modes", "run", "plot",
+           "summarize", "main"]
+
+SCHEMES = {
+    # name: (hi format, hi rounding, lo format); None for the conventional update
+    "two-precision": ("fp16", "sr", "nvfp4"),
+    "fp32-replay": ("fp32", "rn", "none"),
+    "conventional-fp32": None,
+}
+MODES = ("decode-step", "grouped", "overlapped")
+COLUMNS = ["run", "scheme", "mode", "shape", "batch", "window", "flush_slots", "time_us",
+           "time_us_p10", "time_us_p90", "bytes", "gbps", "frac_copy", "copy_gbps", "sets",
+           "timing", "status", "note"]
+SEED = 12345
+DEFAULT_BATCHES = (32, 64, 128, 256, 512)
+DEFAULT_WINDOWS = (16,)
+
+
+def cursor_layout(batch: int, window: int) -> list[int]:
+    """Slot s holds `s * window // batch` records: every cursor on `batch / window` slots, the
+    flush slots (cursor `window - 1`) last."""
+    if window < 2 or batch < window or batch % window:
+        raise ValueError(f"the batch must be a positive multiple of the window (>= 2): got "
+                         f"batch {batch}, window {window}")
+    return [s * window // batch for s in range(batch)]
+
+
+def step_bytes(scheme: str, shape: kb.BenchShape, batch: int, window: int) -> int:
+    """Bytes one staggered step must move: each slot's kernel at its cursor (kernel_bench's
+    accounting), summed over the batch."""
+    if SCHEMES[scheme] is None:
+        return kb.kernel_bytes("cute:update:fp32", shape, batch, 0)
+    nonflush, flush = kb.SCHEMES[scheme]
+    total = 0
+    for cursor in cursor_layout(batch, window):
+        if cursor == window - 1:
+            total += kb.kernel_bytes(flush, shape, 1, cursor)
+        else:
+            total += kb.kernel_bytes(nonflush, shape, 1, cursor)
+    return total
+
+
+# --------------------------------------------------------------------------------------------
+# One staggered step's buffers and its three launchers
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Step:
+    scheme: str
+    shape: kb.BenchShape
+    batch: int
+    window: int
+    bufs: kb.Buffers
+    params: dict
+    start_cursors: torch.Tensor
+    start_flushes: torch.Tensor
+
+    @property
+    def flush_slots(self) -> int:
+        return self.batch // self.window
+
+    def reset(self) -> None:
+        self.bufs.bases["cursors"].copy_(self.start_cursors)
+        self.bufs.bases["flushes"].copy_(self.start_flushes)
+
+
+def build_step(scheme: str, shape: kb.BenchShape, batch: int, window: int, sets: int, device,
+               seed: int = 0) -> Step:
+    hi_fmt, _, lo_fmt = SCHEMES[scheme]
+    gen = torch.Generator(device=device).manual_seed(seed)
+    b = kb.Buffers(sets, device, gen, kb.ACT)
+    params = kb._params(shape, device, gen)
+    S, H, P, N = batch, shape.nheads, shape.headdim, shape.dstate
+    kb._token_buffers(b, shape, batch, dt_dtype=kb.KIT_DT)
+    kb._ring_buffers(b, shape, batch, window)
+    kb._counter(b, "cursors", batch, cursor_layout(batch, window))
+    kb._counter(b, "flushes", batch, 0)
+    b.add("hi", (S, H, P, N), kb._state_dtype(hi_fmt), "randn")
+    if lo_fmt != "none":
+        kb._lo_buffers(b, shape, batch, lo_fmt)
+    return Step(scheme, shape, batch, window, b, params, b.bases["cursors"].clone(),
+                b.bases["flushes"].clone())
+
+
+def _read_copy(step: Step, t: dict) -> tuple[dict, str]:
+    hi_fmt, _, lo_fmt = SCHEMES[step.scheme]
+    if lo_fmt == "none":
+        return {"values": t["hi"]}, hi_fmt
+    return kb._lo_dict(t), lo_fmt
+
+
+def _sub(value, rows: slice):
+    if isinstance(value, dict):
+        return {k: v[rows] for k, v in value.items()}
+    return value[rows]
+
+
+def launcher(step: Step, i: int, mode: str, side: torch.cuda.Stream | None = None):
+    """A function that runs one step of `mode` on buffer set `i` (capturable)."""
+    from cute_kernels.replay_decode import replay_decode_step
+    from cute_kernels.replay_flush import replay_flush
+    from cute_kernels.replay_output import replay_output
+
+    hi_fmt, hi_rounding, lo_fmt = SCHEMES[step.scheme]
+    t, p, L = step.bufs.at(i), step.params, step.window
+    lo = kb._lo_dict(t)
+    read_copy, read_fmt = _read_copy(step, t)
+    split = step.batch - step.flush_slots
+    nf, fl = slice(0, split), slice(split, step.batch)
+
+    if mode == "decode-step":
+        def run_step():
+            replay_decode_step(t["hi"], lo, t["ring_x"], t["ring_dt"], t["ring_B"],
+                               t["cursors"], t["flushes"], t["x"], t["dt"], p["A"], t["B"],
+                               t["C"], p["D"], None, p["dt_bias"], True, t["out"], window=L,
+                               hi_format=hi_fmt, hi_rounding=hi_rounding, lo_format=lo_fmt,
+                               seed=SEED)
+        return run_step
+
+    def nonflush():
+        replay_output(_sub(read_copy, nf), t["ring_x"][nf], t["ring_dt"][nf], t["ring_B"][nf],
+                      t["cursors"][nf], t["x"][nf], t["dt"][nf], p["A"], t["B"][nf],
+                      t["C"][nf], p["D"], None, p["dt_bias"], True, t["out"][nf], window=L,
+                      lo_format=read_fmt)
+
+    def flush():
+        replay_flush(t["hi"][fl], None if lo is None else _sub(lo, fl), t["ring_x"][fl],
+                     t["ring_dt"][fl], t["ring_B"][fl], t["cursors"][fl], t["flushes"][fl],
+                     t["x"][fl], t["dt"][fl], p["A"], t["B"][fl], t["C"][fl], p["D"], None,
+                     p["dt_bias"], True, t["out"][fl], window=L, hi_format=hi_fmt,
+                     hi_rounding=hi_rounding, lo_format=lo_fmt, seed=SEED)
+
+    if mode == "grouped":
+        def run_step():
+            nonflush()
+            flush()
+        return run_step
+    if mode == "overlapped":
+        if side is None:
+            raise ValueError("overlapped: needs a side stream")
+
+        def run_step():
+            main = torch.cuda.current_stream()
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                flush()
+            nonflush()
+            main.wait_stream(side)
+        return run_step
+    raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+
+
+# --------------------------------------------------------------------------------------------
+# The modes agree
+# --------------------------------------------------------------------------------------------
+
+
+def _snapshot(step: Step) -> dict[str, torch.Tensor]:
+    return {name: views[0].clone() for name, views in step.bufs.views.items()}
+
+
+def _restore(step: Step, saved: dict[str, torch.Tensor]) -> None:
+    for name, value in saved.items():
+        step.bufs.views[name][0].copy_(value)
+
+
+def _fp16_neighbours(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Every pair of fp16 values equal or adjacent (one SR decision apart)."""
+    def ordered(t):  # order-preserving integer map of fp16 bits: neighbours differ by 1
+        bits = t.view(torch.int16).to(torch.int32)
+        return torch.where(bits < 0, -(bits & 0x7FFF), bits)
+    return bool(((ordered(a) - ordered(b)).abs() <= 1).all())
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def check_modes(step: Step, modes=MODES) -> tuple[str, str]:
+    """Run each mode once on set 0 from the same state. Returns (problem, note): `problem`
+    (which stops the point from being timed) if `overlapped` and `grouped` differ in any bit,
+    an output row is left unwritten, or `decode-step` differs by more than summation order
+    allows; `note` says where `decode-step` differs within that (its kernels may split the
+    slots over CTAs differently, and the SR bits of the flush slots are keyed by slot)."""
+    saved = _snapshot(step)
+    side = torch.cuda.Stream()
+    results = {}
+    for mode in modes:
+        _restore(step, saved)
+        step.bufs.views["out"][0].fill_(float("nan"))  # poison: every row must be written
+        launcher(step, 0, mode, side)()
+        torch.cuda.synchronize()
+        results[mode] = _snapshot(step)
+    _restore(step, saved)
+    problems, notes = [], []
+    for mode, got in results.items():
+        if torch.isnan(got["out"].float()).any():
+            problems.append(f"{mode}: output rows left unwritten")
+    if "grouped" not in results:
+        return "; ".join(problems), ""
+    ref = results["grouped"]
+    if "overlapped" in results:
+        for name, value in results["overlapped"].items():
+            if not _same_bits(value, ref[name]):
+                problems.append(f"overlapped: {name} differs from grouped")
+    if "decode-step" in results:
+        got = results["decode-step"]
+        flush_rows = slice(step.batch - step.flush_slots, step.batch)
+        _, hi_rounding, _ = SCHEMES[step.scheme]
+        for name, value in got.items():
+            if _same_bits(value, ref[name]):
+                continue
+            if name == "hi" and hi_rounding == "sr":
+                if (_same_bits(value[: flush_rows.start], ref[name][: flush_rows.start])
+                        and _fp16_neighbours(value[flush_rows], ref[name][flush_rows])):
+                    notes.append("decode-step: flush slots' SR bits differ (keyed by slot)")
+                    continue
+            if name == "out":
+                a, r = value.double(), ref[name].double()
+                worst = float(((a - r).abs() / (r.abs().max() + 1e-30)).max())
+                if worst <= 2.0**-6:
+                    notes.append(f"decode-step: out within {worst:.1e} of grouped's (max-relative)")
+                    continue
+            problems.append(f"decode-step: {name} differs from grouped")
+    return "; ".join(problems), "; ".join(notes)
+
+
+# --------------------------------------------------------------------------------------------
+# Timing
+# --------------------------------------------------------------------------------------------
+
+
+def time_step(step: Step, mode: str, reps: int, lead_cycles: int) -> tuple[list[float], str]:
+    """Per-step microseconds over `reps` graph replays of one step per set."""
+    side = torch.cuda.Stream()
+    launches = [launcher(step, i, mode, side) for i in range(step.bufs.sets)]
+
+    def eager():
+        for launch in launches:
+            launch()
+
+    step.reset()
+    eager()
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    step.reset()
+    with torch.cuda.stream(stream):
+        eager()
+    torch.cuda.current_stream().wait_stream(stream)
+    step.reset()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        eager()
+    times = []
+    for rep in range(reps + kb.WARM_REPLAYS):
+        step.reset()
+        elapsed = kb._event_time_ms(graph.replay, lead_cycles) * 1e3 / len(launches)
+        if rep >= kb.WARM_REPLAYS:
+            times.append(elapsed)
+    return times, "graph"
+
+
+def _update_time(shape, batch, sets, device, reps, lead_cycles) -> tuple[list[float], str]:
+    spec = kb.KERNELS["cute:update:fp32"]
+    case = kb.build_case(spec, shape, batch, 16, 0, sets, device)
+    return kb.time_case(case, reps, lead_cycles)
+
+
+def run(shape_name: str, batches, windows, schemes, modes, reps: int, lead_cycles: int,
+        out: Path, log=print) -> pd.DataFrame:
+    if not torch.cuda.is_available():
+        raise RuntimeError("staggered_step: needs a CUDA GPU (torch.cuda.is_available() is "
+                           "False); on a CPU machine use --plot-only")
+    device = torch.device("cuda")
+    shape = kb.SHAPES[shape_name]
+    ceilings = kb.measure_ceilings(lead_cycles=lead_cycles)
+    copy = ceilings["copy_gbps"]
+    log(f"copy {copy:,.0f} GB/s (read + write)")
+    l2 = torch.cuda.get_device_properties(device).L2_cache_size
+    run_label = time.strftime("%Y%m%dT%H%M%S")
+    rows = []
+
+    def add(scheme, mode, batch, window, times=None, sets=0, timing="", status="ok", note=""):
+        nbytes = step_bytes(scheme, shape, batch, window)
+        row = dict(run=run_label, scheme=scheme, mode=mode, shape=shape_name, batch=batch,
+                   window=window, flush_slots=batch // window if SCHEMES[scheme] else 0,
+                   time_us=math.nan, time_us_p10=math.nan, time_us_p90=math.nan,
+                   bytes=nbytes, gbps=math.nan, frac_copy=math.nan, copy_gbps=copy, sets=sets,
+                   timing=timing, status=status, note=note)
+        if times:
+            q = np.quantile(times, [0.1, 0.5, 0.9])
+            row.update(time_us=float(q[1]), time_us_p10=float(q[0]), time_us_p90=float(q[2]))
+            row["gbps"] = nbytes / row["time_us"] / 1e3
+            row["frac_copy"] = row["gbps"] / copy
+        rows.append(row)
+        if times:
+            log(f"{scheme:18s} {mode:12s} L={window:<3d} b={batch:<4d} {row['time_us']:9.2f} us "
+                f"{row['gbps']:7.0f} GB/s {row['frac_copy']:6.1%}")
+        else:
+            log(f"{scheme:18s} {mode:12s} L={window:<3d} b={batch:<4d} {status}")
+        pd.DataFrame(rows, columns=COLUMNS).to_csv(out, index=False)
+
+    points = [(w, b) for w in windows for b in batches]
+    for window, batch in _progress(points):
+        for scheme in schemes:
+            nbytes = step_bytes(scheme, shape, batch, window)
+            sets = kb.sets_for(nbytes, l2, 2.0)
+            if SCHEMES[scheme] is None:
+                try:
+                    times, timing = _update_time(shape, batch, sets, device, reps, lead_cycles)
+                    add(scheme, "update", batch, window, times, sets, timing)
+                except Exception as error:  # record and go on
+                    add(scheme, "update", batch, window, status=f"error: {kb._reason(error)}")
+                continue
+            try:
+                step = build_step(scheme, shape, batch, window, sets, device)
+                problem, note = check_modes(step, modes)
+            except Exception as error:
+                for mode in modes:
+                    add(scheme, mode, batch, window, status=f"error: {kb._reason(error)}")
+                continue
+            for mode in modes:
+                if problem:
+                    add(scheme, mode, batch, window, status=f"check failed: {problem}")
+                    continue
+                try:
+                    times, timing = time_step(step, mode, reps, lead_cycles)
+                    add(scheme, mode, batch, window, times, sets, timing,
+                        note=note if mode == "decode-step" else "")
+                except Exception as error:
+                    add(scheme, mode, batch, window, status=f"error: {kb._reason(error)}")
+            del step
+            torch.cuda.empty_cache()
+    frame = pd.DataFrame(rows, columns=COLUMNS)
+    frame.to_csv(out, index=False)
+    return frame
+
+
+def _progress(items):
+    try:
+        from tqdm import tqdm
+
+        return tqdm(items, desc="points", file=sys.stderr)
+    except ImportError:  # tqdm is optional here
+        return items
+
+
+# --------------------------------------------------------------------------------------------
+# Summary and plot (from the CSV only)
+# --------------------------------------------------------------------------------------------
+
+
+def summarize(frame: pd.DataFrame) -> pd.DataFrame:
+    """Per (shape, batch, window): each scheme's best mode and the ratios the issue names
+    (FP32 ReplaySSM over two-precision, conventional FP32 over two-precision), mode by mode
+    and best against best."""
+    ok = frame[frame["status"] == "ok"]
+    rows = []
+    for (shape, batch, window), group in ok.groupby(["shape", "batch", "window"]):
+        times = {(r.scheme, r.mode): r.time_us for r in group.itertuples()}
+        row = dict(shape=shape, batch=batch, window=window)
+        for scheme in SCHEMES:
+            candidates = {m: t for (s, m), t in times.items() if s == scheme}
+            if candidates:
+                mode = min(candidates, key=candidates.get)
+                row[f"{scheme}_us"] = candidates[mode]
+                row[f"{scheme}_mode"] = mode
+        for mode in MODES:
+            two = times.get(("two-precision", mode))
+            fp32 = times.get(("fp32-replay", mode))
+            if two and fp32:
+                row[f"fp32-replay/two-precision ({mode})"] = fp32 / two
+        if "two-precision_us" in row:
+            for scheme in ("fp32-replay", "conventional-fp32"):
+                if f"{scheme}_us" in row:
+                    row[f"{scheme}/two-precision (best)"] = row[f"{scheme}_us"] / row[
+                        "two-precision_us"]
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def format_summary(frame: pd.DataFrame) -> str:
+    table = summarize(frame)
+    if table.empty:
+        return "no timed points"
+    lines = ["per step (= per committed token of the batch), us, and speedups of two-precision:"]
+    for row in table.to_dict("records"):
+        parts = [f"{row['shape']} b={row['batch']} L={row['window']}:"]
+        for scheme in SCHEMES:
+            if f"{scheme}_us" in row and not pd.isna(row.get(f"{scheme}_us")):
+                parts.append(f"{scheme} {row[scheme + '_us']:.1f} ({row[scheme + '_mode']})")
+        for key in ("fp32-replay/two-precision (best)", "conventional-fp32/two-precision (best)"):
+            if key in row and not pd.isna(row[key]):
+                parts.append(f"{key.split('/')[0]} / two-precision {row[key]:.2f}x")
+        lines.append("  " + "; ".join(parts))
+    return "\n".join(lines)
+
+
+def plot(csv: str | Path, outdir: str | Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    frame = pd.read_csv(csv)
+    frame = frame[frame["status"] == "ok"]
+    outdir = Path(outdir)
+    outdir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for (shape, window), group in frame.groupby(["shape", "window"]):
+        fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+        styles = {"decode-step": ":", "grouped": "--", "overlapped": "-", "update": "-."}
+        colours = {"two-precision": "C0", "fp32-replay": "C3", "conventional-fp32": "C7"}
+        for (scheme, mode), line in group.groupby(["scheme", "mode"]):
+            line = line.sort_values("batch")
+            left.plot(line["batch"], line["time_us"], styles.get(mode, "-"), marker="o", ms=3,
+                      color=colours.get(scheme), label=f"{scheme}, {mode}")
+        left.set(xscale="log", yscale="log", xlabel="batch (slots)",
+                 ylabel="µs per step (= per committed token)",
+                 title=f"{shape}, L = {window}: one staggered decode step")
+        left.legend(fontsize=7)
+        table = summarize(group.assign(window=window))
+        for key, colour in (("fp32-replay/two-precision (best)", "C3"),
+                            ("conventional-fp32/two-precision (best)", "C7")):
+            if key in table:
+                right.plot(table["batch"], table[key], marker="o", color=colour,
+                           label=key.replace(" (best)", ", best mode each"))
+        for key in [k for k in table.columns if k.startswith("fp32-replay/two-precision (")
+                    and "best" not in k]:
+            right.plot(table["batch"], table[key], ":", color="C3", alpha=0.5,
+                       label=key.replace("fp32-replay/two-precision ", "fp32-replay, "))
+        right.axhline(4.0, color="C3", lw=0.8, ls="--")
+        right.axhline(7.5, color="C7", lw=0.8, ls="--")
+        right.set(xscale="log", xlabel="batch (slots)", ylabel="speedup of two-precision",
+                  title="speedup (dashed: the issue's 4x and 7.5x)")
+        right.legend(fontsize=7)
+        fig.tight_layout()
+        path = outdir / f"staggered_step_{shape}_L{window}.png"
+        save_small_png(fig, path)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+# --------------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------------
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _names(allowed):
+    def parse(text: str) -> tuple[str, ...]:
+        names = tuple(v.strip() for v in text.split(",") if v.strip())
+        bad = [n for n in names if n not in allowed]
+        if bad or not names:
+            raise argparse.ArgumentTypeError(f"expected names from {', '.join(allowed)}; "
+                                             f"got {text!r}")
+        return names
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m experiments.staggered_step",
+        description="One decode step of a batch whose slots are spread over the window (a "
+                    "server's steady state): the two-precision scheme against single-copy "
+                    "FP32 ReplaySSM and the conventional FP32 update, with the flush and the "
+                    "non-flush kernels launched in turn or overlapped. Needs the GPU; "
+                    "--plot-only redraws from a CSV anywhere.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--shape", default="nemotron3-super", choices=sorted(kb.SHAPES))
+    p.add_argument("--batches", type=_ints, default=",".join(map(str, DEFAULT_BATCHES)),
+                   help="slots, comma-separated; each a multiple of every window")
+    p.add_argument("--windows", type=_ints, default=",".join(map(str, DEFAULT_WINDOWS)),
+                   help="window lengths L, comma-separated")
+    p.add_argument("--schemes", type=_names(tuple(SCHEMES)), default=",".join(SCHEMES),
+                   help="comma-separated, from: " + ", ".join(SCHEMES))
+    p.add_argument("--modes", type=_names(MODES), default=",".join(MODES),
+                   help="comma-separated, from: " + ", ".join(MODES) + " (module doc)")
+    p.add_argument("--reps", type=int, default=20, help="timed graph replays per point")
+    p.add_argument("--lead-cycles", type=int, default=kb.LEAD_CYCLES,
+                   help="GPU spin before each timed replay (kernel_bench's)")
+    p.add_argument("--out", default="results/staggered_step.csv", help="the tidy CSV")
+    p.add_argument("--plot-dir", default="results", help="where the PNGs go ('' for none)")
+    p.add_argument("--plot-only", metavar="CSV", help="redraw and summarise a CSV; no GPU")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.plot_only:
+        try:
+            frame = pd.read_csv(args.plot_only)
+        except (OSError, ValueError) as error:
+            parser.error(f"cannot read {args.plot_only}: {error}")
+        missing = [c for c in ("scheme", "mode", "batch", "window", "time_us", "status")
+                   if c not in frame.columns]
+        if missing:
+            parser.error(f"{args.plot_only}: not a staggered_step CSV (no {', '.join(missing)})")
+        if args.plot_dir:
+            for path in plot(args.plot_only, args.plot_dir):
+                print(f"wrote {path}", file=sys.stderr)
+        print(format_summary(frame))
+        return 0
+    for window in args.windows:
+        for batch in args.batches:
+            try:
+                cursor_layout(batch, window)
+            except ValueError as error:
+                parser.error(str(error))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    try:
+        frame = run(args.shape, args.batches, args.windows, args.schemes, args.modes, args.reps,
+                    args.lead_cycles, out, log=lambda text: print(text, file=sys.stderr,
+                                                                 flush=True))
+    except RuntimeError as error:
+        print(str(error), file=sys.stderr)
+        return 2
+    from experiments._common import write_meta
+
+    settings = {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items()}
+    settings["versions"] = kb._versions()
+    command = " ".join(["python -m experiments.staggered_step", *map(shlex.quote, argv)])
+    write_meta(out, command, round(time.perf_counter() - started, 1), settings, device="cuda")
+    print(f"wrote {out} ({len(frame)} rows)", file=sys.stderr)
+    if args.plot_dir:
+        for path in plot(out, args.plot_dir):
+            print(f"wrote {path}", file=sys.stderr)
+    print(format_summary(frame))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

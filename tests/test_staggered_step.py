@@ -1,0 +1,159 @@
+"""experiments.staggered_step: its batch layout and byte accounting and its CSV summary and
+plot on the CPU; on the GPU, that its three ways of launching one staggered step agree (the
+overlapped launch bit for bit with the grouped one: no race between the two streams)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from experiments import kernel_bench as kb
+from experiments import staggered_step as st
+from lowprec import traffic
+
+REPO = Path(__file__).resolve().parent.parent
+NEMOTRON = kb.SHAPES["nemotron3-super"]
+# replay_output needs headdim % 16 == 0 and dstate % 128 == 0 for nvfp4; odd head count
+DECODE = kb.BenchShape("decode", nheads=6, headdim=32, dstate=128, ngroups=3, source="test")
+
+
+@pytest.mark.parametrize("batch, window", [(16, 16), (48, 16), (40, 8), (96, 32)])
+def test_every_cursor_holds_the_same_number_of_slots_and_flush_slots_come_last(batch, window):
+    cursors = st.cursor_layout(batch, window)
+    assert len(cursors) == batch
+    assert cursors == sorted(cursors)
+    for cursor in range(window):
+        assert cursors.count(cursor) == batch // window
+    assert cursors[-(batch // window):] == [window - 1] * (batch // window)
+
+
+@pytest.mark.parametrize("batch, window", [(24, 16), (8, 16), (17, 1), (0, 4)])
+def test_a_batch_that_does_not_fill_every_cursor_is_refused(batch, window):
+    with pytest.raises(ValueError, match="multiple of the window"):
+        st.cursor_layout(batch, window)
+
+
+@pytest.mark.parametrize("shape", [NEMOTRON, DECODE], ids=lambda s: s.name)
+def test_step_bytes_are_a_window_of_each_slot_group(shape):
+    """A staggered step over B = k L slots moves what k slots move over a whole window: k
+    flushes (both copies read or written, one record, the token) and k non-flush steps at
+    each cursor 0..L-2 (the read copy, `cursor` records read, one appended, the token),
+    written out here from the traffic model's parts."""
+    window, k = 16, 3
+    ssm = shape.ssm
+    record = traffic.record_bytes(ssm, "kernel", "bf16")
+    token = kb.token_bytes(shape, 4)  # the kit's kernels take fp32 dt
+    cases = {
+        "two-precision": (traffic.state_bytes(ssm, "nvfp4"),
+                          2 * traffic.state_bytes(ssm, "fp16") + traffic.state_bytes(ssm,
+                                                                                     "nvfp4")),
+        "fp32-replay": (traffic.state_bytes(ssm, "fp32"), 2 * traffic.state_bytes(ssm, "fp32")),
+    }
+    for scheme, (read_copy, flush_state) in cases.items():
+        nonflush = sum(read_copy + (c + 1) * record + token for c in range(window - 1))
+        flush = flush_state + window * record + token
+        assert st.step_bytes(scheme, shape, k * window, window) == k * (nonflush + flush)
+    update = 2 * traffic.state_bytes(ssm, "fp32") + token
+    assert st.step_bytes("conventional-fp32", shape, k * window, window) == k * window * update
+
+
+def _synthetic_frame() -> pd.DataFrame:
+    rows = []
+    for batch, (two, fp32, upd) in {32: (20.0, 50.0, 70.0), 256: (80.0, 300.0, 540.0)}.items():
+        for scheme, base in (("two-precision", two), ("fp32-replay", fp32)):
+            for mode, factor in (("decode-step", 1.1), ("grouped", 1.0), ("overlapped", 0.8)):
+                rows.append(dict(scheme=scheme, mode=mode, shape="nemotron3-super",
+                                 batch=batch, window=16, time_us=base * factor, status="ok"))
+        rows.append(dict(scheme="conventional-fp32", mode="update", shape="nemotron3-super",
+                         batch=batch, window=16, time_us=upd, status="ok"))
+    rows.append(dict(scheme="two-precision", mode="overlapped", shape="nemotron3-super",
+                     batch=64, window=16, time_us=float("nan"), status="check failed: x"))
+    return pd.DataFrame(rows)
+
+
+def test_summary_takes_each_schemes_fastest_mode_and_same_mode_ratios():
+    table = st.summarize(_synthetic_frame()).set_index("batch")
+    assert list(table.index) == [32, 256]  # the failed point is not summarised
+    row = table.loc[256]
+    assert row["two-precision_mode"] == "overlapped"
+    assert row["two-precision_us"] == pytest.approx(64.0)
+    assert row["fp32-replay/two-precision (best)"] == pytest.approx(240.0 / 64.0)
+    assert row["conventional-fp32/two-precision (best)"] == pytest.approx(540.0 / 64.0)
+    assert row["fp32-replay/two-precision (grouped)"] == pytest.approx(300.0 / 80.0)
+
+
+def test_plot_only_redraws_from_the_csv_without_a_gpu(tmp_path):
+    csv = tmp_path / "staggered.csv"
+    _synthetic_frame().to_csv(csv, index=False)
+    result = subprocess.run(
+        [sys.executable, "-m", "experiments.staggered_step", "--plot-only", str(csv),
+         "--plot-dir", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    png = tmp_path / "staggered_step_nemotron3-super_L16.png"
+    assert png.exists() and png.stat().st_size > 10_000
+    assert "b=256" in result.stdout and "3.75x" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--batches", "24"], "multiple of the window"),
+        (["--batches", "32,x"], "comma-separated integers"),
+        (["--modes", "grouped,fast"], "decode-step"),
+        (["--schemes", "fp64"], "two-precision"),
+        (["--plot-only", "README.md"], "cannot read README.md"),
+        (["--plot-only", "results/traffic_window_nemotron3-super.csv"], "not a staggered_step CSV"),
+    ],
+)
+def test_bad_arguments_get_one_line_not_a_traceback(argv, words):
+    result = subprocess.run([sys.executable, "-m", "experiments.staggered_step", *argv],
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert words in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a CPU machine")
+def test_a_cpu_machine_is_told_the_run_needs_a_gpu(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "experiments.staggered_step", "--batches", "32",
+         "--out", str(tmp_path / "s.csv")], cwd=REPO, capture_output=True, text=True,
+        timeout=120)
+    assert result.returncode == 2
+    assert "needs a CUDA GPU" in result.stderr and "Traceback" not in result.stderr
+
+
+# --------------------------------------------------------------------------------------------
+# GPU
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", ["two-precision", "fp32-replay"])
+@pytest.mark.parametrize("shape, batch, window", [(DECODE, 48, 16), (DECODE, 40, 8),
+                                                  (NEMOTRON, 32, 16)],
+                         ids=["decode-48-16", "decode-40-8", "nemotron-32-16"])
+def test_the_three_launches_of_a_staggered_step_agree(scheme, shape, batch, window):
+    """grouped and overlapped: every bit of every buffer equal (outputs, both copies, rings,
+    counters); decode-step: equal but for summation order and the flush slots' SR bits; no
+    output row left unwritten (the check poisons them)."""
+    step = st.build_step(scheme, shape, batch, window, sets=2, device=torch.device("cuda"),
+                         seed=7)
+    before = {name: views[0].clone() for name, views in step.bufs.views.items()}
+    problem, note = st.check_modes(step)
+    assert problem == "", problem
+    # the check restores the state it ran from, so timing starts from the same buffers
+    for name, views in step.bufs.views.items():
+        assert torch.equal(views[0].view(torch.uint8), before[name].view(torch.uint8)), name
+    # one step really ran: a flush slot's read copy or checkpoint changed, cursors advanced
+    side = torch.cuda.Stream()
+    st.launcher(step, 0, "overlapped", side)()
+    torch.cuda.synchronize()
+    cursors = step.bufs.views["cursors"][0].tolist()
+    expected = [(c + 1) % window for c in st.cursor_layout(batch, window)]
+    assert cursors == expected
+    assert not torch.equal(step.bufs.views["hi"][0], before["hi"])
