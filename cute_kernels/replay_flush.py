@@ -178,6 +178,12 @@ class FlushConfig:
     # 0). Measured (bench_write_8.csv, batch 256, fp16-SR + nvfp4): direct fold 812.5 -> 794.1
     # us with 4
     min_ctas_per_sm: int | None = None
+    # a CTA loops over several slots (replay_decode_step's launch, `decode_slot_ctas`): at
+    # batch 256 in a staggered step, where 16 slots flush, 114 -> 140 us for the step with a
+    # CTA a slot and head, whose CTAs of the slots that do not flush each cost a launch and a
+    # load. Off for replay_flush (a CTA a slot), whose kernel the loop would cost 58.9 -> 63.6
+    # SASS instructions an element at 32 a thread (loop addressing, 27 more spill accesses).
+    slot_loop: bool = False
     # the shared-memory carveout asked of the driver, percent of the SM's unified L1/shared
     # storage (-1: the driver's choice); a tuning knob: with the tensor-core fold a CTA holds
     # about 44 KB of shared memory, and ncu found 3 CTAs an SM the limit of both registers
@@ -343,6 +349,7 @@ class ReplayFlush:
         p_out: cute.Pointer,
         p_debug: cute.Pointer,
         batch: Int32,
+        slot_ctas: Int32,
         seed_lo: Uint32,
         seed_hi: Uint32,
         stream,
@@ -399,10 +406,12 @@ class ReplayFlush:
             dt_bias,
             out,
             debug,
+            batch,
+            slot_ctas,
             seed_lo,
             seed_hi,
         ).launch(
-            grid=[H, batch, 1],
+            grid=[H, slot_ctas, 1],
             block=[cfg.threads, 1, 1],
             stream=stream,
             min_blocks_per_mp=cfg.min_ctas_per_sm,
@@ -432,6 +441,8 @@ class ReplayFlush:
         dt_bias: cute.Tensor,
         out: cute.Tensor,
         debug: cute.Tensor,
+        batch: Int32,
+        slot_ctas: Int32,
         seed_lo: Uint32,
         seed_hi: Uint32,
     ):
@@ -440,7 +451,7 @@ class ReplayFlush:
         R, rows, passes, T = cfg.chunks_per_row, cfg.rows_per_pass, cfg.passes, cfg.threads
         W = cfg.chunk  # state elements a chunk
         tidx, _, _ = cute.arch.thread_idx()
-        h, s, _ = cute.arch.block_idx()
+        h, first_slot, _ = cute.arch.block_idx()
         g = h // cfg.heads_per_group
         direct = cfg.fold == "direct"
         pieces = cfg.pieces
@@ -476,132 +487,150 @@ class ReplayFlush:
         sX = smem.allocate_tensor(Float32, cute.make_layout((L, P), stride=(P, 1)), 16)
         sW = smem.allocate_tensor(Float32, cute.make_layout(64), 16)  # w_j; [L]: g_{0:L-1}
         sRed = smem.allocate_tensor(Float32, cute.make_layout(32), 16)
-
-        if decision[s] == L - 1:
-            flush = Uint32(flushes[s])
-            hi_h = hi[s, h, None, None]  # (P, N):(N, 1)
-
-            # 1. the recurrence copy, all loads in flight before the ring is staged
-            acc = []
-            hi_frags = []
-            for i in cutlass.range_constexpr(pieces):
-                hi_frag = cute.make_rmem_tensor((W,), hi.element_type)
-                cute.autovec_copy(_chunk(hi_h, row0 + rows * i, col, W), hi_frag)
-                hi_frags.append(hi_frag)
-                if cutlass.const_expr(not direct):
-                    acc.append(hi_frag.load().to(Float32))
-            # C, D and z for the output, in flight with the state (each would wait out a
-            # round trip after the barrier)
-            d_h, z_rows = _gate_inputs(cfg, s, h, [row0 + rows * i for i in range(pieces)], D, z)
-            c_frag = cute.make_rmem_tensor((W,), C.element_type)
-            cute.autovec_copy(cute.local_tile(C[s, g, None], (W,), (col,)), c_frag)
-
-            # 2. stage the ring in fp32 shared memory and append the current record
-            if cutlass.const_expr(cfg.ring_loads_first):
-                # every load first (the ring's x and B chunks, warp 0's dt values), in flight
-                # with the state's; then the shared-memory stores and warp 0's decay weights:
-                # one round trip before the barrier instead of one for x, one for B and one
-                # or two for warp 0's dt chain
-                x_frags, b_frags = _load_ring(cfg, tidx, s, h, g, x, ring_x, B, ring_B)
-                dt_in = _load_decay_inputs(cfg, tidx % 32, s, h, ring_dt, dt, A, dt_bias)
-                _store_ring(cfg, tidx, s, h, g, x_frags, b_frags, ring_x, ring_B, sX, sB)
-                if tidx < 32:
-                    _decay_weights(cfg, tidx, s, h, ring_dt, dt_in, sW)
-            else:
-                _stage_ring_in_turn(cfg, tidx, s, h, g, x, ring_x, B, ring_B, sX, sB)
-                if tidx < 32:
-                    _decay_weights(cfg, tidx, s, h, ring_dt,
-                                   _load_decay_inputs(cfg, tidx, s, h, ring_dt, dt, A, dt_bias),
-                                   sW)
+        # The CTA's slots are first_slot, first_slot + slot_ctas, ... (one when slot_ctas is
+        # the batch, replay_flush's launch; several in replay_decode_step's, whose steps flush
+        # few slots or none: a CTA per slot and head cost ~26 us at batch 256 for the slots
+        # that do not flush). Their decisions come in with one load a thread, then a loop over
+        # them; the launch makes sure a CTA has at most `threads` slots.
+        sDecision = smem.allocate_tensor(Int32, cute.make_layout(T), 16)
+        slots_here = Int32(1)
+        if cutlass.const_expr(cfg.slot_loop):
+            slots_here = (batch - first_slot + slot_ctas - 1) // slot_ctas
+            if tidx < slots_here:
+                sDecision[tidx] = decision[first_slot + slot_ctas * tidx]
             cute.arch.sync_threads()
 
-            # 3. S_new = g S_hi + sum_j (w_j x_j) B_j^T, fp32
-            decay = sW[L]
-            if cutlass.const_expr(direct):
-                # the accumulators of the transposed fold are this thread's elements: no
-                # shared-memory round trip
-                acc_frags = [cute.make_rmem_tensor((W,), Float32) for _ in range(pieces)]
-                _fold_direct(cfg, tidx, sX, sW, sB, hi_frags, decay, acc_frags)
-                acc = [frag.load() for frag in acc_frags]
-            elif cutlass.const_expr(mma):
-                # the warp's rows of sum_j (w_j x_j) B_j^T on the tensor cores, through its
-                # own rows of sD into each thread's chunks: no CTA barrier
-                _fold_mma(cfg, tidx, sX, sW, sB, sD)
-                cute.arch.sync_warp()
-                warp_rows = (tidx // 32) * cfg.rows_per_warp + (tidx % 32) // R
-                for i in cutlass.range_constexpr(passes):
-                    d_frag = cute.make_rmem_tensor((W,), Float32)
-                    cute.autovec_copy(
-                        cute.local_tile(sD[warp_rows + (32 // R) * i, None], (W,), (col,)),
-                        d_frag,
-                    )
-                    acc[i] = acc[i] * decay + d_frag.load()
-            else:
-                for i in cutlass.range_constexpr(passes):
-                    acc[i] = acc[i] * decay
-                for j in cutlass.range_constexpr(L):
-                    sb_frag = cute.make_rmem_tensor((W,), Float32)
-                    cute.autovec_copy(cute.local_tile(sB[j, None], (W,), (col,)), sb_frag)
-                    b_vec = sb_frag.load()
-                    w = sW[j]
-                    for i in cutlass.range_constexpr(passes):
-                        acc[i] = acc[i] + (sX[j, row0 + rows * i] * w) * b_vec
+        for k in cutlass.range(slots_here, unroll=1):
+            s = first_slot + slot_ctas * k
+            if (sDecision[k] if cutlass.const_expr(cfg.slot_loop) else decision[s]) == L - 1:
+                flush = Uint32(flushes[s])
+                hi_h = hi[s, h, None, None]  # (P, N):(N, 1)
 
-            # 4. y = S_new C + D x [* silu(z)]: a row's lanes meet in a shuffle reduction
-            c_vec = c_frag.load().to(Float32)
-            for i in cutlass.range_constexpr(pieces):
-                p = row0 + rows * i
-                part = (acc[i] * c_vec).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-                if cutlass.const_expr(direct):  # a row's 8 lanes: lane bits 2-4
-                    total = part
-                    for offset in (4, 8, 16):
-                        total = total + cute.arch.shuffle_sync_bfly(total, offset=offset)
+                # 1. the recurrence copy, all loads in flight before the ring is staged
+                acc = []
+                hi_frags = []
+                for i in cutlass.range_constexpr(pieces):
+                    hi_frag = cute.make_rmem_tensor((W,), hi.element_type)
+                    cute.autovec_copy(_chunk(hi_h, row0 + rows * i, col, W), hi_frag)
+                    hi_frags.append(hi_frag)
+                    if cutlass.const_expr(not direct):
+                        acc.append(hi_frag.load().to(Float32))
+                # C, D and z for the output, in flight with the state (each would wait out a
+                # round trip after the barrier)
+                piece_rows = [row0 + rows * i for i in range(pieces)]
+                d_h, z_rows = _gate_inputs(cfg, s, h, piece_rows, D, z)
+                c_frag = cute.make_rmem_tensor((W,), C.element_type)
+                cute.autovec_copy(cute.local_tile(C[s, g, None], (W,), (col,)), c_frag)
+
+                # 2. stage the ring in fp32 shared memory and append the current record
+                if cutlass.const_expr(cfg.ring_loads_first):
+                    # every load first (the ring's x and B chunks, warp 0's dt values), in flight
+                    # with the state's; then the shared-memory stores and warp 0's decay weights:
+                    # one round trip before the barrier instead of one for x, one for B and one
+                    # or two for warp 0's dt chain
+                    x_frags, b_frags = _load_ring(cfg, tidx, s, h, g, x, ring_x, B, ring_B)
+                    dt_in = _load_decay_inputs(cfg, tidx % 32, s, h, ring_dt, dt, A, dt_bias)
+                    _store_ring(cfg, tidx, s, h, g, x_frags, b_frags, ring_x, ring_B, sX, sB)
+                    if tidx < 32:
+                        _decay_weights(cfg, tidx, s, h, ring_dt, dt_in, sW)
                 else:
-                    total = cute.arch.warp_reduction(part, _add, threads_in_group=R)
-                if col == 0:
-                    out[s, h, p] = _gate(cfg, total, sX[L - 1, p], d_h, z_rows[i]).to(
-                        out.element_type
-                    )
+                    _stage_ring_in_turn(cfg, tidx, s, h, g, x, ring_x, B, ring_B, sX, sB)
+                    if tidx < 32:
+                        _decay_weights(cfg, tidx, s, h, ring_dt,
+                                       _load_decay_inputs(cfg, tidx, s, h, ring_dt, dt, A, dt_bias),
+                                       sW)
+                cute.arch.sync_threads()
 
-            # 5. stores, one chunk at a time so that each chunk's values die after its stores
-            # (all chunks at once spilled: SR words and codes for 64 values do not fit); the
-            # recurrence copy first, then (after the barrier of the head's amax) nvfp4
-            keys = nm.philox_keys(seed_lo, seed_hi)
-            _, counter_hi = nm.state_counter(Uint32(s), flush, Uint32(0))
-            nvfp4 = cfg.lo_format == "nvfp4"
-            block_amax = []  # per chunk max |S|: the head's amax and each block's scale
-            if cutlass.const_expr(nvfp4):
-                block_amax = [_chunk_amax(acc[i], W) for i in range(pieces)]
-                _publish_warp_amax(block_amax, tidx, sRed)
-            debug_h = debug[s, h, None, None]
-            hi_bits = cute.make_tensor(
-                cute.recast_ptr(hi_h.iterator, dtype=Uint32),
-                cute.make_layout((P, N // 2), stride=(N // 2, 1)),
-            )
-            lo_h = lo_codes[s, h, None, None]
-            scales_h = lo_scales[s, h, None, None]
-            for i in cutlass.range_constexpr(pieces):
-                p = row0 + rows * i
-                if cutlass.const_expr(cfg.has_debug):
-                    debug_frag = cute.make_rmem_tensor((W,), Float32)
-                    debug_frag.store(acc[i])
-                    cute.autovec_copy(debug_frag, _chunk(debug_h, p, col, W))
-                element0 = Uint32((h * P + p) * N) + Uint32(col * W)  # a multiple of 8
-                counter_lo0, _ = nm.state_counter(Uint32(s), flush, element0 >> Uint32(2))
-                _store_hi_chunk(cfg, hi_h, hi_bits, acc[i], p, col, counter_lo0, counter_hi, keys)
-                if cutlass.const_expr(cfg.lo_format not in ("none", "nvfp4")):
-                    _store_lo_chunk(cfg, lo_h, acc[i], p, col)
-            if cutlass.const_expr(nvfp4):
-                # the recurrence copy goes out before the barrier that the head's amax needs
-                # (bench_write_8.csv, direct fold: 812.5 -> 809.1 us, and 794.1 -> 788.1 with
-                # 4 CTAs an SM)
-                global_scale = _head_global_scale(T, sRed)
-                if tidx == 0:
-                    lo_global[s, h] = global_scale
+                # 3. S_new = g S_hi + sum_j (w_j x_j) B_j^T, fp32
+                decay = sW[L]
+                if cutlass.const_expr(direct):
+                    # the accumulators of the transposed fold are this thread's elements: no
+                    # shared-memory round trip
+                    acc_frags = [cute.make_rmem_tensor((W,), Float32) for _ in range(pieces)]
+                    _fold_direct(cfg, tidx, sX, sW, sB, hi_frags, decay, acc_frags)
+                    acc = [frag.load() for frag in acc_frags]
+                elif cutlass.const_expr(mma):
+                    # the warp's rows of sum_j (w_j x_j) B_j^T on the tensor cores, through its
+                    # own rows of sD into each thread's chunks: no CTA barrier
+                    _fold_mma(cfg, tidx, sX, sW, sB, sD)
+                    cute.arch.sync_warp()
+                    warp_rows = (tidx // 32) * cfg.rows_per_warp + (tidx % 32) // R
+                    for i in cutlass.range_constexpr(passes):
+                        d_frag = cute.make_rmem_tensor((W,), Float32)
+                        cute.autovec_copy(
+                            cute.local_tile(sD[warp_rows + (32 // R) * i, None], (W,), (col,)),
+                            d_frag,
+                        )
+                        acc[i] = acc[i] * decay + d_frag.load()
+                else:
+                    for i in cutlass.range_constexpr(passes):
+                        acc[i] = acc[i] * decay
+                    for j in cutlass.range_constexpr(L):
+                        sb_frag = cute.make_rmem_tensor((W,), Float32)
+                        cute.autovec_copy(cute.local_tile(sB[j, None], (W,), (col,)), sb_frag)
+                        b_vec = sb_frag.load()
+                        w = sW[j]
+                        for i in cutlass.range_constexpr(passes):
+                            acc[i] = acc[i] + (sX[j, row0 + rows * i] * w) * b_vec
+
+                # 4. y = S_new C + D x [* silu(z)]: a row's lanes meet in a shuffle reduction
+                c_vec = c_frag.load().to(Float32)
                 for i in cutlass.range_constexpr(pieces):
                     p = row0 + rows * i
-                    _store_nvfp4_chunk(W, lo_h, scales_h, acc[i], block_amax[i], p, col,
-                                       global_scale)
+                    part = (acc[i] * c_vec).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                    if cutlass.const_expr(direct):  # a row's 8 lanes: lane bits 2-4
+                        total = part
+                        for offset in (4, 8, 16):
+                            total = total + cute.arch.shuffle_sync_bfly(total, offset=offset)
+                    else:
+                        total = cute.arch.warp_reduction(part, _add, threads_in_group=R)
+                    if col == 0:
+                        out[s, h, p] = _gate(cfg, total, sX[L - 1, p], d_h, z_rows[i]).to(
+                            out.element_type
+                        )
+
+                # 5. stores, one chunk at a time so that each chunk's values die after its stores
+                # (all chunks at once spilled: SR words and codes for 64 values do not fit); the
+                # recurrence copy first, then (after the barrier of the head's amax) nvfp4
+                keys = nm.philox_keys(seed_lo, seed_hi)
+                _, counter_hi = nm.state_counter(Uint32(s), flush, Uint32(0))
+                nvfp4 = cfg.lo_format == "nvfp4"
+                block_amax = []  # per chunk max |S|: the head's amax and each block's scale
+                if cutlass.const_expr(nvfp4):
+                    block_amax = [_chunk_amax(acc[i], W) for i in range(pieces)]
+                    _publish_warp_amax(block_amax, tidx, sRed)
+                debug_h = debug[s, h, None, None]
+                hi_bits = cute.make_tensor(
+                    cute.recast_ptr(hi_h.iterator, dtype=Uint32),
+                    cute.make_layout((P, N // 2), stride=(N // 2, 1)),
+                )
+                lo_h = lo_codes[s, h, None, None]
+                scales_h = lo_scales[s, h, None, None]
+                for i in cutlass.range_constexpr(pieces):
+                    p = row0 + rows * i
+                    if cutlass.const_expr(cfg.has_debug):
+                        debug_frag = cute.make_rmem_tensor((W,), Float32)
+                        debug_frag.store(acc[i])
+                        cute.autovec_copy(debug_frag, _chunk(debug_h, p, col, W))
+                    element0 = Uint32((h * P + p) * N) + Uint32(col * W)  # a multiple of 8
+                    counter_lo0, _ = nm.state_counter(Uint32(s), flush, element0 >> Uint32(2))
+                    _store_hi_chunk(cfg, hi_h, hi_bits, acc[i], p, col, counter_lo0, counter_hi,
+                                    keys)
+                    if cutlass.const_expr(cfg.lo_format not in ("none", "nvfp4")):
+                        _store_lo_chunk(cfg, lo_h, acc[i], p, col)
+                if cutlass.const_expr(nvfp4):
+                    # the recurrence copy goes out before the barrier that the head's amax needs
+                    # (bench_write_8.csv, direct fold: 812.5 -> 809.1 us, and 794.1 -> 788.1 with
+                    # 4 CTAs an SM)
+                    global_scale = _head_global_scale(T, sRed)
+                    if tidx == 0:
+                        lo_global[s, h] = global_scale
+                    for i in cutlass.range_constexpr(pieces):
+                        p = row0 + rows * i
+                        _store_nvfp4_chunk(W, lo_h, scales_h, acc[i], block_amax[i], p, col,
+                                           global_scale)
+                if k + 1 < slots_here:  # the next slot's staging reuses sX, sB, sW, sRed
+                    cute.arch.sync_threads()
 
 
 def _add(a, b):
@@ -1180,6 +1209,7 @@ def compile_flush(cfg: FlushConfig, keep_ptx: bool = False):
             f(act),
             f(Float32),
             Int32(1),
+            Int32(1),
             Uint32(0),
             Uint32(0),
             _compile.fake_stream(),
@@ -1209,10 +1239,21 @@ def launch_flush(
     out,
     debug_state,
     seed: int,
+    slot_ctas: int | None = None,
 ) -> None:
     """Launch the flush kernel on torch's current stream (arguments already validated; `lo`
-    normalised to a dict, absent optional tensors None). Counters are only read."""
+    normalised to a dict, absent optional tensors None). Counters are only read.
+
+    `slot_ctas`: CTAs along the slot axis, each taking every `slot_ctas`-th slot (default: one
+    CTA a slot and head; fewer needs `cfg.slot_loop`, see `decode_slot_ctas`)."""
     kernel = compile_flush(cfg)
+    batch = hi.shape[0]
+    slot_ctas = batch if slot_ctas is None else slot_ctas
+    if not cfg.slot_loop and slot_ctas != batch:
+        raise ValueError("slot_ctas: a kernel without slot_loop takes one CTA a slot")
+    if not 0 < slot_ctas <= batch or -(-batch // slot_ctas) > cfg.threads:
+        raise ValueError(f"slot_ctas: expected 1..{batch} with at most {cfg.threads} slots a "
+                         f"CTA, got {slot_ctas}")
     f32 = Float32
     none = _compile.fake_ptr
     lo_codes = lo.get("codes")
@@ -1238,11 +1279,29 @@ def launch_flush(
         _optional_ptr(dt_bias, f32),
         _compile.gmem_ptr(out),
         _optional_ptr(debug_state, f32),
-        Int32(hi.shape[0]),
+        Int32(batch),
+        Int32(slot_ctas),
         Uint32(seed & 0xFFFFFFFF),
         Uint32(seed >> 32),
         _compile.current_stream(),
     )
+
+
+def resident_ctas_per_sm(cfg: FlushConfig) -> int:
+    """CTAs an SM holds: the register cap where there is one, else what 64 registers a thread
+    would allow (an estimate: uncapped kernels ask for more)."""
+    return cfg.min_ctas_per_sm or max(1, 1024 // cfg.threads)
+
+
+def decode_slot_ctas(cfg: FlushConfig, batch: int, sm_count: int) -> int:
+    """CTAs along the slot axis for a decode step's flush launch, where any number of slots
+    (often none, in a staggered batch about one in `window`) flush: as many as fill one wave
+    with the heads (`sm_count * min_ctas_per_sm` resident CTAs), so that a slot that does not
+    flush costs a shared-memory read, not a CTA; never fewer than `threads` slots a CTA allows.
+    A step where every slot flushes then runs in one wave of CTAs that loop over their slots
+    (at batch 256 on the Nemotron layer 4 CTAs a head, 512 of 528 resident)."""
+    per_wave = max(1, sm_count * resident_ctas_per_sm(cfg) // cfg.nheads)
+    return max(min(batch, per_wave), -(-batch // cfg.threads))
 
 
 def _optional_ptr(tensor, dtype):

@@ -119,16 +119,15 @@ class Step:
     window: int
     bufs: kb.Buffers
     params: dict
-    start_cursors: torch.Tensor
-    start_flushes: torch.Tensor
+    start_counters: dict[str, torch.Tensor]
 
     @property
     def flush_slots(self) -> int:
         return self.batch // self.window
 
     def reset(self) -> None:
-        self.bufs.bases["cursors"].copy_(self.start_cursors)
-        self.bufs.bases["flushes"].copy_(self.start_flushes)
+        for name, value in self.start_counters.items():
+            self.bufs.bases[name].copy_(value)
 
 
 def build_step(scheme: str, shape: kb.BenchShape, batch: int, window: int, sets: int, device,
@@ -145,8 +144,18 @@ def build_step(scheme: str, shape: kb.BenchShape, batch: int, window: int, sets:
     b.add("hi", (S, H, P, N), kb._state_dtype(hi_fmt), "randn")
     if lo_fmt != "none":
         kb._lo_buffers(b, shape, batch, lo_fmt)
-    return Step(scheme, shape, batch, window, b, params, b.bases["cursors"].clone(),
-                b.bases["flushes"].clone())
+    # The grouped launches' own copies of the two groups (a sub-batch view of the full tensors
+    # would start mid-allocation, and the kernels want 16-byte-aligned tensors)
+    split = batch - batch // window
+    for name in list(b.views):
+        for prefix, rows in (("nf:", slice(0, split)), ("fl:", slice(split, batch))):
+            full = b.views[name]
+            views = b.add(prefix + name, full[0][rows].shape, full[0].dtype, "empty")
+            for view, source in zip(views, full, strict=True):
+                view.copy_(source[rows])
+    counters = [n for n in b.bases if n.split(":")[-1] in ("cursors", "flushes")]
+    return Step(scheme, shape, batch, window, b, params,
+                {n: b.bases[n].clone() for n in counters})
 
 
 def _read_copy(step: Step, t: dict) -> tuple[dict, str]:
@@ -156,12 +165,6 @@ def _read_copy(step: Step, t: dict) -> tuple[dict, str]:
     return kb._lo_dict(t), lo_fmt
 
 
-def _sub(value, rows: slice):
-    if isinstance(value, dict):
-        return {k: v[rows] for k, v in value.items()}
-    return value[rows]
-
-
 def launcher(step: Step, i: int, mode: str, side: torch.cuda.Stream | None = None):
     """A function that runs one step of `mode` on buffer set `i` (capturable)."""
     from cute_kernels.replay_decode import replay_decode_step
@@ -169,11 +172,13 @@ def launcher(step: Step, i: int, mode: str, side: torch.cuda.Stream | None = Non
     from cute_kernels.replay_output import replay_output
 
     hi_fmt, hi_rounding, lo_fmt = SCHEMES[step.scheme]
-    t, p, L = step.bufs.at(i), step.params, step.window
+    every, p, L = step.bufs.at(i), step.params, step.window
+    t = {k: v for k, v in every.items() if ":" not in k}
     lo = kb._lo_dict(t)
-    read_copy, read_fmt = _read_copy(step, t)
-    split = step.batch - step.flush_slots
-    nf, fl = slice(0, split), slice(split, step.batch)
+    nf = {k[3:]: v for k, v in every.items() if k.startswith("nf:")}
+    fl = {k[3:]: v for k, v in every.items() if k.startswith("fl:")}
+    nf_copy, read_fmt = _read_copy(step, nf)
+    fl_lo = kb._lo_dict(fl)
 
     if mode == "decode-step":
         def run_step():
@@ -185,16 +190,14 @@ def launcher(step: Step, i: int, mode: str, side: torch.cuda.Stream | None = Non
         return run_step
 
     def nonflush():
-        replay_output(_sub(read_copy, nf), t["ring_x"][nf], t["ring_dt"][nf], t["ring_B"][nf],
-                      t["cursors"][nf], t["x"][nf], t["dt"][nf], p["A"], t["B"][nf],
-                      t["C"][nf], p["D"], None, p["dt_bias"], True, t["out"][nf], window=L,
-                      lo_format=read_fmt)
+        replay_output(nf_copy, nf["ring_x"], nf["ring_dt"], nf["ring_B"], nf["cursors"],
+                      nf["x"], nf["dt"], p["A"], nf["B"], nf["C"], p["D"], None, p["dt_bias"],
+                      True, nf["out"], window=L, lo_format=read_fmt)
 
     def flush():
-        replay_flush(t["hi"][fl], None if lo is None else _sub(lo, fl), t["ring_x"][fl],
-                     t["ring_dt"][fl], t["ring_B"][fl], t["cursors"][fl], t["flushes"][fl],
-                     t["x"][fl], t["dt"][fl], p["A"], t["B"][fl], t["C"][fl], p["D"], None,
-                     p["dt_bias"], True, t["out"][fl], window=L, hi_format=hi_fmt,
+        replay_flush(fl["hi"], fl_lo, fl["ring_x"], fl["ring_dt"], fl["ring_B"], fl["cursors"],
+                     fl["flushes"], fl["x"], fl["dt"], p["A"], fl["B"], fl["C"], p["D"], None,
+                     p["dt_bias"], True, fl["out"], window=L, hi_format=hi_fmt,
                      hi_rounding=hi_rounding, lo_format=lo_fmt, seed=SEED)
 
     if mode == "grouped":
@@ -243,21 +246,31 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
+def _as_batch(step: Step, mode: str, snap: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The buffers a mode ran on, as whole-batch tensors (the grouped modes' two groups
+    joined back in slot order)."""
+    names = [n for n in snap if ":" not in n]
+    if mode == "decode-step":
+        return {n: snap[n] for n in names}
+    return {n: torch.cat([snap["nf:" + n], snap["fl:" + n]]) for n in names}
+
+
 def check_modes(step: Step, modes=MODES) -> tuple[str, str]:
     """Run each mode once on set 0 from the same state. Returns (problem, note): `problem`
     (which stops the point from being timed) if `overlapped` and `grouped` differ in any bit,
     an output row is left unwritten, or `decode-step` differs by more than summation order
-    allows; `note` says where `decode-step` differs within that (its kernels may split the
-    slots over CTAs differently, and the SR bits of the flush slots are keyed by slot)."""
+    allows; `note` says where `decode-step` differs within that (its flush slots' SR bits
+    are keyed by their place in the batch, which differs from the grouped launch's)."""
     saved = _snapshot(step)
     side = torch.cuda.Stream()
     results = {}
     for mode in modes:
         _restore(step, saved)
-        step.bufs.views["out"][0].fill_(float("nan"))  # poison: every row must be written
+        for name in ("out", "nf:out", "fl:out"):  # poison: every row must be written
+            step.bufs.views[name][0].fill_(float("nan"))
         launcher(step, 0, mode, side)()
         torch.cuda.synchronize()
-        results[mode] = _snapshot(step)
+        results[mode] = _as_batch(step, mode, _snapshot(step))
     _restore(step, saved)
     problems, notes = [], []
     for mode, got in results.items():
@@ -272,21 +285,22 @@ def check_modes(step: Step, modes=MODES) -> tuple[str, str]:
                 problems.append(f"overlapped: {name} differs from grouped")
     if "decode-step" in results:
         got = results["decode-step"]
-        flush_rows = slice(step.batch - step.flush_slots, step.batch)
+        split = step.batch - step.flush_slots
         _, hi_rounding, _ = SCHEMES[step.scheme]
         for name, value in got.items():
             if _same_bits(value, ref[name]):
                 continue
             if name == "hi" and hi_rounding == "sr":
-                if (_same_bits(value[: flush_rows.start], ref[name][: flush_rows.start])
-                        and _fp16_neighbours(value[flush_rows], ref[name][flush_rows])):
+                if (_same_bits(value[:split], ref[name][:split])
+                        and _fp16_neighbours(value[split:], ref[name][split:])):
                     notes.append("decode-step: flush slots' SR bits differ (keyed by slot)")
                     continue
             if name == "out":
                 a, r = value.double(), ref[name].double()
                 worst = float(((a - r).abs() / (r.abs().max() + 1e-30)).max())
                 if worst <= 2.0**-6:
-                    notes.append(f"decode-step: out within {worst:.1e} of grouped's (max-relative)")
+                    notes.append(f"decode-step: out within {worst:.1e} of grouped's "
+                                 "(max-relative)")
                     continue
             problems.append(f"decode-step: {name} differs from grouped")
     return "; ".join(problems), "; ".join(notes)

@@ -164,6 +164,7 @@ def test_every_load_before_the_staging_barrier_goes_out_before_any_shared_store(
     def loads_after_first_store(cfg):
         ptx = rf.compile_flush(cfg, keep_ptx=True).__ptx__
         body = ptx[ptx.index(".entry"):]
+        body = body[body.index("bar.sync") + 1:]  # past the barrier of the slots' decisions
         staging = body[:body.index("bar.sync")]
         after = staging[staging.index("st.shared"):]
         return staging.count("ld.global"), after.count("ld.global")
@@ -873,3 +874,42 @@ def test_emulation_comparison_accepts_lowprec_stores(lo_format):
     cpu["lo"][key].view(torch.uint8).view(-1)[fs[1] * 7 + 3] ^= 1
     with pytest.raises(AssertionError, match="emulation and CuTe lo"):
         _emulation_stores_the_same_codes(state[fs], cpu, fs, b, seed, "fp16", "sr", lo_format)
+
+
+# --------------------------------------------------------------------------------------------
+# The decode step's launch: CTAs that loop over slots (slot_loop)
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("batch, sms", [(256, 132), (1, 132), (3, 132), (512, 132), (5000, 7)])
+def test_decode_step_flush_fills_at_most_one_wave_and_never_overfills_a_cta(batch, sms):
+    """decode_slot_ctas: at most one wave of CTAs (heads x slot CTAs <= resident) unless a
+    CTA would then hold more slots than it has threads to load their decisions; never more
+    slot CTAs than slots."""
+    cfg = config(NEMOTRON, "fp16", "sr", "nvfp4", debug=False, elements_per_thread=32,
+                 slot_loop=True)  # the decode step's flush (direct fold, 4 CTAs an SM)
+    assert rf.resident_ctas_per_sm(cfg) == 4
+    slot_ctas = rf.decode_slot_ctas(cfg, batch, sms)
+    assert 1 <= slot_ctas <= batch
+    assert -(-batch // slot_ctas) <= cfg.threads
+    resident = sms * rf.resident_ctas_per_sm(cfg)
+    if resident >= cfg.nheads and -(-batch // (resident // cfg.nheads)) <= cfg.threads:
+        assert cfg.nheads * slot_ctas <= resident
+    if batch == 256 and sms == 132:
+        assert slot_ctas == 4  # 512 of 528 resident CTAs on the H200
+
+
+def test_slot_loop_compiles_and_leaves_the_one_slot_kernel_alone():
+    """The looping kernel compiles for sm_90a with the slots' decisions staged in shared
+    memory (one more barrier); the default kernel (one CTA a slot) reads its decision from
+    global memory as before and has no loop; a kernel without the loop refuses fewer slot
+    CTAs than slots."""
+    base = config(NEMOTRON, "fp16", "sr", "nvfp4", window=16, debug=False)
+    looped = rf.compile_flush(dataclasses.replace(base, slot_loop=True), keep_ptx=True).__ptx__
+    plain = rf.compile_flush(base, keep_ptx=True).__ptx__
+    assert looped.count("bar.sync") == plain.count("bar.sync") + 2  # decisions; between slots
+    assert looped.count("st.shared.u32") + looped.count("st.shared.b32") > plain.count(
+        "st.shared.u32") + plain.count("st.shared.b32")
+    hi = torch.empty(8, 128, 64, 128, dtype=torch.float16)
+    with pytest.raises(ValueError, match="one CTA a slot"):
+        rf.launch_flush(base, hi, {}, *([None] * 15), seed=0, slot_ctas=2)

@@ -149,11 +149,15 @@ def test_the_three_launches_of_a_staggered_step_agree(scheme, shape, batch, wind
     # the check restores the state it ran from, so timing starts from the same buffers
     for name, views in step.bufs.views.items():
         assert torch.equal(views[0].view(torch.uint8), before[name].view(torch.uint8)), name
-    # one step really ran: a flush slot's read copy or checkpoint changed, cursors advanced
+    # one step of each launch really ran: cursors advanced (flush slots back to 0), and the
+    # flush slots' checkpoints were written
     side = torch.cuda.Stream()
-    st.launcher(step, 0, "overlapped", side)()
-    torch.cuda.synchronize()
-    cursors = step.bufs.views["cursors"][0].tolist()
     expected = [(c + 1) % window for c in st.cursor_layout(batch, window)]
-    assert cursors == expected
-    assert not torch.equal(step.bufs.views["hi"][0], before["hi"])
+    views = step.bufs.views
+    st.launcher(step, 0, "overlapped", side)()
+    st.launcher(step, 0, "decode-step", side)()
+    torch.cuda.synchronize()
+    grouped = torch.cat([views["nf:cursors"][0], views["fl:cursors"][0]]).tolist()
+    assert grouped == expected and views["cursors"][0].tolist() == expected
+    assert not torch.equal(views["fl:hi"][0], before["fl:hi"])
+    assert not torch.equal(views["hi"][0], before["hi"])
