@@ -164,7 +164,6 @@ def test_every_load_before_the_staging_barrier_goes_out_before_any_shared_store(
     def loads_after_first_store(cfg):
         ptx = rf.compile_flush(cfg, keep_ptx=True).__ptx__
         body = ptx[ptx.index(".entry"):]
-        body = body[body.index("bar.sync") + 1:]  # past the barrier of the slots' decisions
         staging = body[:body.index("bar.sync")]
         after = staging[staging.index("st.shared"):]
         return staging.count("ld.global"), after.count("ld.global")
