@@ -178,11 +178,14 @@ class FlushConfig:
     # 0). Measured (bench_write_8.csv, batch 256, fp16-SR + nvfp4): direct fold 812.5 -> 794.1
     # us with 4
     min_ctas_per_sm: int | None = None
-    # a CTA loops over several slots (replay_decode_step's launch, `decode_slot_ctas`): at
-    # batch 256 in a staggered step, where 16 slots flush, 114 -> 140 us for the step with a
-    # CTA a slot and head, whose CTAs of the slots that do not flush each cost a launch and a
-    # load. Off for replay_flush (a CTA a slot), whose kernel the loop would cost 58.9 -> 63.6
-    # SASS instructions an element at 32 a thread (loop addressing, 27 more spill accesses).
+    # a CTA loops over several slots (`decode_slot_ctas`), so that in a decode step where few
+    # slots flush the others cost no CTA (a CTA a slot and head: the staggered step at batch
+    # 256, L = 16, took 140 us against 114 for the same kernels on the flushing slots alone).
+    # replay_decode_step uses it for fp32 hi only: measured on the H200 with every slot
+    # flushing (scripts/flush_slot_loop_probe.py, batch 256), fp32 618 -> 579 us with one slot
+    # a CTA, 637 at one wave; fp16-SR + nvfp4 740 -> 1,277 us even with one slot a CTA, its
+    # SASS 58.9 -> 63.6 instructions an element at 32 a thread and 27 more spill accesses at
+    # the 64-register cap (why it is that much slower is not known).
     slot_loop: bool = False
     # the shared-memory carveout asked of the driver, percent of the SM's unified L1/shared
     # storage (-1: the driver's choice); a tuning knob: with the tensor-core fold a CTA holds
