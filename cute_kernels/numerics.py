@@ -315,11 +315,7 @@ def sr_fp16_chunk(frag, values, counter_lo0, counter_hi, keys, first: int = 0):
         high, exact_high = sr_fp16_bits_fast(values[first + 2 * v2 + 1], words[2 * v2 + 1])
         frag[f2 + v2] = low | (high << Uint32(16))
         exact = exact & exact_low & exact_high
-    # The general path as a loop run 0 or 1 times (the same count for the warp): as a branch,
-    # ptxas if-converted it in the slot_loop flush, so that every thread issued its
-    # instructions for every chunk (740 -> 1,277 us at batch 256). A warp runs it when any of
-    # its threads needs it either way.
-    for _ in cutlass.range(cutlass.Int32(cute.arch.vote_any_sync(not exact)), unroll=1):
+    if not exact:
         for v2 in cutlass.range_constexpr(4):
             low = sr_fp16_bits(values[first + 2 * v2], words[2 * v2])
             high = sr_fp16_bits(values[first + 2 * v2 + 1], words[2 * v2 + 1])

@@ -11,9 +11,10 @@ stream (capturable in a CUDA graph):
                                        (its CTAs hand the cursor over among themselves);
                                        flush slots (cursor == window - 1) are left alone
     3. flush kernel(decision)          flush slots by the snapshot: reads, never writes, counters;
-                                       one wave of CTAs looping over the slots (`slot_loop`): a
-                                       CTA for every slot and head makes a step where few slots
-                                       flush pay for all (results/README.md, "Staggered batches")
+                                       a CTA a slot and head (fp16 hi), or for fp32 hi one wave
+                                       of CTAs looping over the slots (`slot_loop`): a CTA for
+                                       every slot makes a step where few slots flush pay for all
+                                       (results/README.md, "Staggered batches")
     4. counter kernel(decision)        flush slots: cursors[s] = 0, flushes[s] += 1
 
 Why the snapshot: step 2 moves a slot from window - 2 to window - 1, so a flush kernel that
@@ -105,10 +106,14 @@ def replay_decode_step(
         out = torch.empty_like(x)
     if hi.shape[0] == 0:
         return out
-    # CTAs that loop over slots (slot_loop): at batch 256, staggered, L = 16, the step took
-    # 138.6 us (two-precision) and 355.6 (fp32) with a CTA a slot and head
-    cfg = dataclasses.replace(cfg, slot_loop=True)
-    slot_ctas = decode_slot_ctas(cfg, hi.shape[0], _sm_count(hi.device))
+    slot_ctas = None
+    if cfg.hi_format == "fp32":
+        # fp32: CTAs that loop over slots (at batch 256 staggered, L = 16, 355.6 -> 320.8 us a
+        # step); the fp16-SR + nvfp4 kernel compiles to 1.7x slower code with the loop
+        # (scripts/flush_slot_loop_probe.py, 740 -> 1,277 us at batch 256 even with one slot a
+        # CTA; fp32 618 -> 579), so it keeps one CTA a slot and head
+        cfg = dataclasses.replace(cfg, slot_loop=True)
+        slot_ctas = decode_slot_ctas(cfg, hi.shape[0], _sm_count(hi.device))
     decision = cursors.clone()
     if lo_format == "none":
         read_copy, read_format = {"values": hi}, hi_format

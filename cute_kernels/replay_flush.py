@@ -1060,7 +1060,7 @@ def _store_nvfp4_chunk(W: cutlass.Constexpr, lo_h, scales_h, values, own, p, col
             word = word | nibble
             exact = exact & exact_v
         words[w] = word
-    if not cute.arch.vote_all_sync(exact):  # warp-uniform, as in nm.sr_fp16_chunk
+    if not exact:
         for w in cutlass.range_constexpr(W // 8):
             word = Uint32(0)
             for v in cutlass.range_constexpr(8):
