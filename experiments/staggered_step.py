@@ -474,7 +474,7 @@ def format_summary(frame: pd.DataFrame) -> str:
         for key in ("fp32-replay/two-precision (best)", "conventional-fp32/two-precision (best)"):
             if key in row and not pd.isna(row[key]):
                 parts.append(f"{key.split('/')[0]} / two-precision {row[key]:.2f}x")
-        lines.append("  " + "; ".join(parts))
+        lines.append("  " + parts[0] + " " + "; ".join(parts[1:]))
     return "\n".join(lines)
 
 
@@ -500,6 +500,7 @@ def plot(csv: str | Path, outdir: str | Path) -> list[Path]:
         left.set(xscale="log", yscale="log", xlabel="batch (slots)",
                  ylabel="µs per step (= per committed token)",
                  title=f"{shape}, L = {window}: one staggered decode step")
+        kb._batch_ticks(left, sorted(group["batch"].unique()))
         left.legend(fontsize=7)
         table = summarize(group.assign(window=window))
         for key, colour in (("fp32-replay/two-precision (best)", "C3"),
@@ -509,12 +510,14 @@ def plot(csv: str | Path, outdir: str | Path) -> list[Path]:
                            label=key.replace(" (best)", ", best mode each"))
         for key in [k for k in table.columns if k.startswith("fp32-replay/two-precision (")
                     and "best" not in k]:
-            right.plot(table["batch"], table[key], ":", color="C3", alpha=0.5,
-                       label=key.replace("fp32-replay/two-precision ", "fp32-replay, "))
+            mode = key[key.index("(") + 1:-1]
+            right.plot(table["batch"], table[key], styles.get(mode, ":"), color="C3",
+                       alpha=0.45, label=f"fp32-replay / two-precision, both {mode}")
         right.axhline(4.0, color="C3", lw=0.8, ls="--")
         right.axhline(7.5, color="C7", lw=0.8, ls="--")
         right.set(xscale="log", xlabel="batch (slots)", ylabel="speedup of two-precision",
-                  title="speedup (dashed: the issue's 4x and 7.5x)")
+                  title="speedup (thin dashed: the issue's 4x and 7.5x)", ylim=(0, 8))
+        kb._batch_ticks(right, sorted(group["batch"].unique()))
         right.legend(fontsize=7)
         fig.tight_layout()
         path = outdir / f"staggered_step_{shape}_L{window}.png"
