@@ -2,6 +2,7 @@
 
     python -m experiments.staggered_step                        # on the GPU machine
     python -m experiments.staggered_step --batches 256 --windows 16 --reps 20
+    python -m experiments.staggered_step --cursor 8 --out results/staggered_step_cursor8.csv
     python -m experiments.staggered_step --plot-only results/staggered_step.csv
 
 `kernel_bench` prices a token by the window formula, `((L - 1) * non-flush + flush) / L`, with
@@ -29,6 +30,10 @@ state update, the same kernel at every step: its row is the same as `kernel_benc
                   the flush kernel on the flush slots, one stream
     overlapped    the same two launches on two streams (flush on a side stream, forked and
                   joined inside the timed step), so that their CTAs can share SMs
+
+**A synchronized batch** (`--cursor C`): every slot at the same non-flush cursor, so no slot
+flushes; `decode-step` then says what the kit's decode step costs over the non-flush kernel
+alone (`grouped`), since it launches the flush kernel (and the counter kernel) on every step.
 
 `grouped` and `overlapped` launch each kernel on a contiguous sub-batch, standing in for a
 launch through a slot index table (which the kernels do not take yet); the flush's random
@@ -74,7 +79,7 @@ SCHEMES = {
     "conventional-fp32": None,
 }
 MODES = ("decode-step", "grouped", "overlapped")
-COLUMNS = ["run", "scheme", "mode", "shape", "batch", "window", "flush_slots", "time_us",
+COLUMNS = ["run", "layout", "scheme", "mode", "shape", "batch", "window", "flush_slots", "time_us",
            "time_us_p10", "time_us_p90", "bytes", "gbps", "frac_copy", "copy_gbps", "sets",
            "timing", "status", "note"]
 SEED = 12345
@@ -82,27 +87,34 @@ DEFAULT_BATCHES = (32, 64, 128, 256, 512)
 DEFAULT_WINDOWS = (16,)
 
 
-def cursor_layout(batch: int, window: int) -> list[int]:
+def cursor_layout(batch: int, window: int, cursor: int | None = None) -> list[int]:
     """Slot s holds `s * window // batch` records: every cursor on `batch / window` slots, the
-    flush slots (cursor `window - 1`) last."""
+    flush slots (cursor `window - 1`) last. With `cursor`, every slot holds that many records
+    (a synchronized batch at one non-flush step: 0 .. window - 2)."""
+    if cursor is not None:
+        if batch < 1 or not 0 <= cursor <= window - 2:
+            raise ValueError(f"--cursor: expected 0..{window - 2} (a non-flush step of window "
+                             f"{window}) and a batch >= 1, got cursor {cursor}, batch {batch}")
+        return [cursor] * batch
     if window < 2 or batch < window or batch % window:
         raise ValueError(f"the batch must be a positive multiple of the window (>= 2): got "
                          f"batch {batch}, window {window}")
     return [s * window // batch for s in range(batch)]
 
 
-def step_bytes(scheme: str, shape: kb.BenchShape, batch: int, window: int) -> int:
-    """Bytes one staggered step must move: each slot's kernel at its cursor (kernel_bench's
-    accounting), summed over the batch."""
+def step_bytes(scheme: str, shape: kb.BenchShape, batch: int, window: int,
+               cursor: int | None = None) -> int:
+    """Bytes one step must move: each slot's kernel at its cursor (kernel_bench's accounting),
+    summed over the batch (`cursor`: as cursor_layout)."""
     if SCHEMES[scheme] is None:
         return kb.kernel_bytes("cute:update:fp32", shape, batch, 0)
     nonflush, flush = kb.SCHEMES[scheme]
     total = 0
-    for cursor in cursor_layout(batch, window):
-        if cursor == window - 1:
-            total += kb.kernel_bytes(flush, shape, 1, cursor)
+    for held in cursor_layout(batch, window, cursor):
+        if held == window - 1:
+            total += kb.kernel_bytes(flush, shape, 1, held)
         else:
-            total += kb.kernel_bytes(nonflush, shape, 1, cursor)
+            total += kb.kernel_bytes(nonflush, shape, 1, held)
     return total
 
 
@@ -120,10 +132,11 @@ class Step:
     bufs: kb.Buffers
     params: dict
     start_counters: dict[str, torch.Tensor]
+    cursors: tuple[int, ...] = ()
 
     @property
     def flush_slots(self) -> int:
-        return self.batch // self.window
+        return self.cursors.count(self.window - 1)
 
     def reset(self) -> None:
         for name, value in self.start_counters.items():
@@ -131,7 +144,7 @@ class Step:
 
 
 def build_step(scheme: str, shape: kb.BenchShape, batch: int, window: int, sets: int, device,
-               seed: int = 0) -> Step:
+               seed: int = 0, cursor: int | None = None) -> Step:
     hi_fmt, _, lo_fmt = SCHEMES[scheme]
     gen = torch.Generator(device=device).manual_seed(seed)
     b = kb.Buffers(sets, device, gen, kb.ACT)
@@ -139,23 +152,27 @@ def build_step(scheme: str, shape: kb.BenchShape, batch: int, window: int, sets:
     S, H, P, N = batch, shape.nheads, shape.headdim, shape.dstate
     kb._token_buffers(b, shape, batch, dt_dtype=kb.KIT_DT)
     kb._ring_buffers(b, shape, batch, window)
-    kb._counter(b, "cursors", batch, cursor_layout(batch, window))
+    cursors = tuple(cursor_layout(batch, window, cursor))
+    kb._counter(b, "cursors", batch, list(cursors))
     kb._counter(b, "flushes", batch, 0)
     b.add("hi", (S, H, P, N), kb._state_dtype(hi_fmt), "randn")
     if lo_fmt != "none":
         kb._lo_buffers(b, shape, batch, lo_fmt)
     # The grouped launches' own copies of the two groups (a sub-batch view of the full tensors
     # would start mid-allocation, and the kernels want 16-byte-aligned tensors)
-    split = batch - batch // window
+    split = batch - cursors.count(window - 1)
+    groups = [(prefix, rows) for prefix, rows in (("nf:", slice(0, split)),
+                                                  ("fl:", slice(split, batch)))
+              if rows.stop > rows.start]
     for name in list(b.views):
-        for prefix, rows in (("nf:", slice(0, split)), ("fl:", slice(split, batch))):
+        for prefix, rows in groups:
             full = b.views[name]
             views = b.add(prefix + name, full[0][rows].shape, full[0].dtype, "empty")
             for view, source in zip(views, full, strict=True):
                 view.copy_(source[rows])
     counters = [n for n in b.bases if n.split(":")[-1] in ("cursors", "flushes")]
     return Step(scheme, shape, batch, window, b, params,
-                {n: b.bases[n].clone() for n in counters})
+                {n: b.bases[n].clone() for n in counters}, cursors)
 
 
 def _read_copy(step: Step, t: dict) -> tuple[dict, str]:
@@ -202,10 +219,14 @@ def launcher(step: Step, i: int, mode: str, side: torch.cuda.Stream | None = Non
 
     if mode == "grouped":
         def run_step():
-            nonflush()
-            flush()
+            if nf:
+                nonflush()
+            if fl:
+                flush()
         return run_step
     if mode == "overlapped":
+        if not (nf and fl):
+            raise ValueError("overlapped: needs flush and non-flush slots (a staggered batch)")
         if side is None:
             raise ValueError("overlapped: needs a side stream")
 
@@ -252,7 +273,7 @@ def _as_batch(step: Step, mode: str, snap: dict[str, torch.Tensor]) -> dict[str,
     names = [n for n in snap if ":" not in n]
     if mode == "decode-step":
         return {n: snap[n] for n in names}
-    return {n: torch.cat([snap["nf:" + n], snap["fl:" + n]]) for n in names}
+    return {n: torch.cat([snap[g + n] for g in ("nf:", "fl:") if g + n in snap]) for n in names}
 
 
 def check_modes(step: Step, modes=MODES) -> tuple[str, str]:
@@ -267,7 +288,8 @@ def check_modes(step: Step, modes=MODES) -> tuple[str, str]:
     for mode in modes:
         _restore(step, saved)
         for name in ("out", "nf:out", "fl:out"):  # poison: every row must be written
-            step.bufs.views[name][0].fill_(float("nan"))
+            if name in step.bufs.views:
+                step.bufs.views[name][0].fill_(float("nan"))
         launcher(step, 0, mode, side)()
         torch.cuda.synchronize()
         results[mode] = _as_batch(step, mode, _snapshot(step))
@@ -348,8 +370,15 @@ def _update_time(shape, batch, sets, device, reps, lead_cycles) -> tuple[list[fl
     return kb.time_case(case, reps, lead_cycles)
 
 
+def layout_name(cursor: int | None) -> str:
+    return "staggered" if cursor is None else f"cursor {cursor}"
+
+
 def run(shape_name: str, batches, windows, schemes, modes, reps: int, lead_cycles: int,
-        out: Path, log=print) -> pd.DataFrame:
+        out: Path, log=print, cursor: int | None = None) -> pd.DataFrame:
+    """Time every (window, batch, scheme, mode) point; `cursor`: a synchronized batch (every
+    slot at that non-flush cursor) instead of a staggered one, where `overlapped` has nothing
+    to overlap and is left out."""
     if not torch.cuda.is_available():
         raise RuntimeError("staggered_step: needs a CUDA GPU (torch.cuda.is_available() is "
                            "False); on a CPU machine use --plot-only")
@@ -361,11 +390,15 @@ def run(shape_name: str, batches, windows, schemes, modes, reps: int, lead_cycle
     l2 = torch.cuda.get_device_properties(device).L2_cache_size
     run_label = time.strftime("%Y%m%dT%H%M%S")
     rows = []
+    layout = layout_name(cursor)
+    if cursor is not None:
+        modes = tuple(m for m in modes if m != "overlapped")
 
     def add(scheme, mode, batch, window, times=None, sets=0, timing="", status="ok", note=""):
-        nbytes = step_bytes(scheme, shape, batch, window)
-        row = dict(run=run_label, scheme=scheme, mode=mode, shape=shape_name, batch=batch,
-                   window=window, flush_slots=batch // window if SCHEMES[scheme] else 0,
+        nbytes = step_bytes(scheme, shape, batch, window, cursor)
+        flushing = cursor_layout(batch, window, cursor).count(window - 1)
+        row = dict(run=run_label, layout=layout, scheme=scheme, mode=mode, shape=shape_name,
+                   batch=batch, window=window, flush_slots=flushing if SCHEMES[scheme] else 0,
                    time_us=math.nan, time_us_p10=math.nan, time_us_p90=math.nan,
                    bytes=nbytes, gbps=math.nan, frac_copy=math.nan, copy_gbps=copy, sets=sets,
                    timing=timing, status=status, note=note)
@@ -385,7 +418,7 @@ def run(shape_name: str, batches, windows, schemes, modes, reps: int, lead_cycle
     points = [(w, b) for w in windows for b in batches]
     for window, batch in _progress(points):
         for scheme in schemes:
-            nbytes = step_bytes(scheme, shape, batch, window)
+            nbytes = step_bytes(scheme, shape, batch, window, cursor)
             sets = kb.sets_for(nbytes, l2, 2.0)
             if SCHEMES[scheme] is None:
                 try:
@@ -395,7 +428,7 @@ def run(shape_name: str, batches, windows, schemes, modes, reps: int, lead_cycle
                     add(scheme, "update", batch, window, status=f"error: {kb._reason(error)}")
                 continue
             try:
-                step = build_step(scheme, shape, batch, window, sets, device)
+                step = build_step(scheme, shape, batch, window, sets, device, cursor=cursor)
                 problem, note = check_modes(step, modes)
             except Exception as error:
                 for mode in modes:
@@ -438,9 +471,12 @@ def summarize(frame: pd.DataFrame) -> pd.DataFrame:
     and best against best."""
     ok = frame[frame["status"] == "ok"]
     rows = []
-    for (shape, batch, window), group in ok.groupby(["shape", "batch", "window"]):
+    if "layout" not in ok.columns:
+        ok = ok.assign(layout="staggered")
+    for (layout, shape, batch, window), group in ok.groupby(["layout", "shape", "batch",
+                                                              "window"]):
         times = {(r.scheme, r.mode): r.time_us for r in group.itertuples()}
-        row = dict(shape=shape, batch=batch, window=window)
+        row = dict(layout=layout, shape=shape, batch=batch, window=window)
         for scheme in SCHEMES:
             candidates = {m: t for (s, m), t in times.items() if s == scheme}
             if candidates:
@@ -467,7 +503,7 @@ def format_summary(frame: pd.DataFrame) -> str:
         return "no timed points"
     lines = ["per step (= per committed token of the batch), us, and speedups of two-precision:"]
     for row in table.to_dict("records"):
-        parts = [f"{row['shape']} b={row['batch']} L={row['window']}:"]
+        parts = [f"{row['layout']}, {row['shape']} b={row['batch']} L={row['window']}:"]
         for scheme in SCHEMES:
             if f"{scheme}_us" in row and not pd.isna(row.get(f"{scheme}_us")):
                 parts.append(f"{scheme} {row[scheme + '_us']:.1f} ({row[scheme + '_mode']})")
@@ -486,10 +522,12 @@ def plot(csv: str | Path, outdir: str | Path) -> list[Path]:
 
     frame = pd.read_csv(csv)
     frame = frame[frame["status"] == "ok"]
+    if "layout" not in frame.columns:
+        frame = frame.assign(layout="staggered")
     outdir = Path(outdir)
     outdir.mkdir(parents=True, exist_ok=True)
     paths = []
-    for (shape, window), group in frame.groupby(["shape", "window"]):
+    for (layout, shape, window), group in frame.groupby(["layout", "shape", "window"]):
         fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
         styles = {"decode-step": ":", "grouped": "--", "overlapped": "-", "update": "-."}
         colours = {"two-precision": "C0", "fp32-replay": "C3", "conventional-fp32": "C7"}
@@ -499,7 +537,7 @@ def plot(csv: str | Path, outdir: str | Path) -> list[Path]:
                       color=colours.get(scheme), label=f"{scheme}, {mode}")
         left.set(xscale="log", yscale="log", xlabel="batch (slots)",
                  ylabel="µs per step (= per committed token)",
-                 title=f"{shape}, L = {window}: one staggered decode step")
+                 title=f"{shape}, L = {window}: one decode step, {layout} batch")
         kb._batch_ticks(left, sorted(group["batch"].unique()))
         left.legend(fontsize=7)
         table = summarize(group.assign(window=window))
@@ -520,7 +558,8 @@ def plot(csv: str | Path, outdir: str | Path) -> list[Path]:
         kb._batch_ticks(right, sorted(group["batch"].unique()))
         right.legend(fontsize=7)
         fig.tight_layout()
-        path = outdir / f"staggered_step_{shape}_L{window}.png"
+        suffix = "" if layout == "staggered" else "_" + layout.replace(" ", "")
+        path = outdir / f"staggered_step_{shape}_L{window}{suffix}.png"
         save_small_png(fig, path)
         plt.close(fig)
         paths.append(path)
@@ -572,6 +611,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated, from: " + ", ".join(SCHEMES))
     p.add_argument("--modes", type=_names(MODES), default=",".join(MODES),
                    help="comma-separated, from: " + ", ".join(MODES) + " (module doc)")
+    p.add_argument("--cursor", type=int, default=None,
+                   help="every slot at this non-flush cursor (a synchronized batch) instead of "
+                        "staggered: what replay_decode_step costs on a step where no slot "
+                        "flushes, against the non-flush kernel alone")
     p.add_argument("--reps", type=int, default=20, help="timed graph replays per point")
     p.add_argument("--lead-cycles", type=int, default=kb.LEAD_CYCLES,
                    help="GPU spin before each timed replay (kernel_bench's)")
@@ -602,7 +645,7 @@ def main(argv: list[str] | None = None) -> int:
     for window in args.windows:
         for batch in args.batches:
             try:
-                cursor_layout(batch, window)
+                cursor_layout(batch, window, args.cursor)
             except ValueError as error:
                 parser.error(str(error))
     out = Path(args.out)
@@ -611,7 +654,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         frame = run(args.shape, args.batches, args.windows, args.schemes, args.modes, args.reps,
                     args.lead_cycles, out, log=lambda text: print(text, file=sys.stderr,
-                                                                 flush=True))
+                                                                 flush=True),
+                    cursor=args.cursor)
     except RuntimeError as error:
         print(str(error), file=sys.stderr)
         return 2

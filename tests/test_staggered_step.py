@@ -32,6 +32,15 @@ def test_every_cursor_holds_the_same_number_of_slots_and_flush_slots_come_last(b
     assert cursors[-(batch // window):] == [window - 1] * (batch // window)
 
 
+def test_a_synchronized_batch_holds_one_non_flush_cursor_everywhere():
+    assert st.cursor_layout(5, 16, cursor=8) == [8] * 5
+    for cursor in (-1, 15, 16):
+        with pytest.raises(ValueError, match="--cursor"):
+            st.cursor_layout(32, 16, cursor=cursor)
+    per_slot = kb.kernel_bytes("cute:nonflush:nvfp4", NEMOTRON, 1, 8)
+    assert st.step_bytes("two-precision", NEMOTRON, 7, 16, cursor=8) == 7 * per_slot
+
+
 @pytest.mark.parametrize("batch, window", [(24, 16), (8, 16), (17, 1), (0, 4)])
 def test_a_batch_that_does_not_fill_every_cursor_is_refused(batch, window):
     with pytest.raises(ValueError, match="multiple of the window"):
@@ -106,6 +115,7 @@ def test_plot_only_redraws_from_the_csv_without_a_gpu(tmp_path):
         (["--batches", "32,x"], "comma-separated integers"),
         (["--modes", "grouped,fast"], "decode-step"),
         (["--schemes", "fp64"], "two-precision"),
+        (["--cursor", "15"], "--cursor: expected 0..14"),
         (["--plot-only", "README.md"], "cannot read README.md"),
         (["--plot-only", "results/traffic_window_nemotron3-super.csv"], "not a staggered_step CSV"),
     ],
@@ -161,3 +171,19 @@ def test_the_three_launches_of_a_staggered_step_agree(scheme, shape, batch, wind
     assert grouped == expected and views["cursors"][0].tolist() == expected
     assert not torch.equal(views["fl:hi"][0], before["fl:hi"])
     assert not torch.equal(views["hi"][0], before["hi"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", ["two-precision", "fp32-replay"])
+def test_a_synchronized_step_through_the_decode_step_equals_the_non_flush_kernel(scheme):
+    """Every slot at cursor 5 of 16: replay_decode_step (which launches the flush kernel too,
+    and whose CTAs then find no slot to flush) leaves every buffer as the non-flush kernel
+    alone does, outputs included, and advances every cursor by one."""
+    step = st.build_step(scheme, DECODE, 13, 16, sets=2, device=torch.device("cuda"), seed=3,
+                         cursor=5)
+    assert step.flush_slots == 0 and "fl:hi" not in step.bufs.views
+    problem, _ = st.check_modes(step, ("decode-step", "grouped"))
+    assert problem == "", problem
+    st.launcher(step, 0, "decode-step")()
+    torch.cuda.synchronize()
+    assert step.bufs.views["cursors"][0].tolist() == [6] * 13
