@@ -3,8 +3,9 @@
 `replay_decode_step` advances every slot by one token (the contract of
 `emulation/replay_decode.py` and `lowprec/mamba2.py`): a slot with `cursors[s] + 1 < window`
 appends its record and computes its output from the read copy (replay_output.py); a slot with
-`cursors[s] + 1 == window` flushes (replay_flush.py). Launch order, all on torch's current
-stream (capturable in a CUDA graph):
+`cursors[s] + 1 == window` flushes (replay_flush.py). Launch order, on torch's current stream
+and (step 3, by default) a side stream forked from it after step 1 and joined before step 4,
+all capturable in a CUDA graph:
 
     1. decision = cursors.clone()      this step's cursor values, before anything changes them
     2. replay_output(cursors)          non-flush slots: output, record, cursors[s] += 1
@@ -14,7 +15,10 @@ stream (capturable in a CUDA graph):
                                        a CTA a slot and head (fp16 hi), or for fp32 hi one wave
                                        of CTAs looping over the slots (`slot_loop`): a CTA for
                                        every slot makes a step where few slots flush pay for all
-                                       (results/README.md, "Staggered batches")
+                                       (results/README.md, "Staggered batches"); on the
+                                       side stream it runs beside step 2 (they touch
+                                       disjoint slots' rows), so that its CTAs of slots that
+                                       do not flush fill the non-flush kernel's gaps
     4. counter kernel(decision)        flush slots: cursors[s] = 0, flushes[s] += 1
 
 Why the snapshot: step 2 moves a slot from window - 2 to window - 1, so a flush kernel that
@@ -70,12 +74,15 @@ def replay_decode_step(
     lo_format="nvfp4",
     seed=0,
     debug_state=None,
+    overlap_flush=True,
 ):
     """Advance every slot by one token; returns out `[slots, nheads, headdim]` (x's dtype).
 
     Arguments as `replay_flush` (cute_kernels/replay_flush.py); `debug_state` receives the
-    unrounded new state of the slots that flushed. Cursor values are not checked (that would
-    synchronise): they must lie in [0, window - 1].
+    unrounded new state of the slots that flushed. `overlap_flush` (default): the flush kernel
+    runs on a side stream beside the non-flush kernel (results/README.md, "Staggered
+    batches"); False launches the two in turn on the current stream. Cursor values are not
+    checked (that would synchronise): they must lie in [0, window - 1].
     """
     cfg, lo = _prepare_flush(
         hi,
@@ -115,6 +122,16 @@ def replay_decode_step(
         cfg = dataclasses.replace(cfg, slot_loop=True)
         slot_ctas = decode_slot_ctas(cfg, hi.shape[0], _sm_count(hi.device))
     decision = cursors.clone()
+    main = torch.cuda.current_stream(hi.device)
+    if overlap_flush:
+        # the flush kernel on a side stream, forked after the snapshot and joined before the
+        # counters: it touches only the flushing slots' rows, replay_output only the others'
+        side = _side_stream(hi.device)
+        side.wait_stream(main)
+        decision.record_stream(side)
+        with torch.cuda.stream(side):
+            _flush(cfg, hi, lo, ring_x, ring_dt, ring_B, decision, flushes, x, dt, A, B, C, D,
+                   z, dt_bias, out, debug_state, seed, slot_ctas)
     if lo_format == "none":
         read_copy, read_format = {"values": hi}, hi_format
     else:
@@ -138,27 +155,28 @@ def replay_decode_step(
         window=window,
         lo_format=read_format,
     )
-    launch_flush(
-        cfg,
-        hi,
-        lo,
-        ring_x,
-        ring_dt,
-        ring_B,
-        decision,
-        flushes,
-        x,
-        dt,
-        A,
-        B,
-        C,
-        D,
-        z,
-        dt_bias,
-        out,
-        debug_state,
-        seed,
-        slot_ctas=slot_ctas,
-    )
+    if overlap_flush:
+        main.wait_stream(side)
+    else:
+        _flush(cfg, hi, lo, ring_x, ring_dt, ring_B, decision, flushes, x, dt, A, B, C, D, z,
+               dt_bias, out, debug_state, seed, slot_ctas)
     launch_advance_counters(decision, cursors, flushes, window, advance_others=False)
     return out
+
+
+def _flush(cfg, hi, lo, ring_x, ring_dt, ring_B, decision, flushes, x, dt, A, B, C, D, z,
+           dt_bias, out, debug_state, seed, slot_ctas):
+    launch_flush(cfg, hi, lo, ring_x, ring_dt, ring_B, decision, flushes, x, dt, A, B, C, D, z,
+                 dt_bias, out, debug_state, seed, slot_ctas=slot_ctas)
+
+
+_SIDE_STREAMS: dict = {}
+
+
+def _side_stream(device) -> torch.cuda.Stream:
+    """One side stream per device for the flush kernel (created once: a stream per step would
+    leak into CUDA graphs' capture as new resources)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SIDE_STREAMS:
+        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return _SIDE_STREAMS[index]

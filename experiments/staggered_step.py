@@ -25,7 +25,9 @@ state update, the same kernel at every step: its row is the same as `kernel_benc
 
     decode-step   `cute_kernels.replay_decode.replay_decode_step` over the whole batch: the
                   non-flush kernel and the flush kernel each launched on every slot (a CTA of
-                  a slot the kernel does not serve exits at once), then the counter kernel
+                  a slot the kernel does not serve exits at once; the fp32 flush's CTAs loop
+                  over slots instead), the flush on a side stream, then the counter kernel
+    decode-step-serial  the same with `overlap_flush=False`: the two kernels in turn
     grouped       slots grouped by cursor: the non-flush kernel on the non-flush slots, then
                   the flush kernel on the flush slots, one stream
     overlapped    the same two launches on two streams (flush on a side stream, forked and
@@ -78,7 +80,7 @@ SCHEMES = {
     "fp32-replay": ("fp32", "rn", "none"),
     "conventional-fp32": None,
 }
-MODES = ("decode-step", "grouped", "overlapped")
+MODES = ("decode-step", "decode-step-serial", "grouped", "overlapped")
 COLUMNS = ["run", "layout", "scheme", "mode", "shape", "batch", "window", "flush_slots", "time_us",
            "time_us_p10", "time_us_p90", "bytes", "gbps", "frac_copy", "copy_gbps", "sets",
            "timing", "status", "note"]
@@ -197,13 +199,13 @@ def launcher(step: Step, i: int, mode: str, side: torch.cuda.Stream | None = Non
     nf_copy, read_fmt = _read_copy(step, nf)
     fl_lo = kb._lo_dict(fl)
 
-    if mode == "decode-step":
+    if mode in ("decode-step", "decode-step-serial"):
         def run_step():
             replay_decode_step(t["hi"], lo, t["ring_x"], t["ring_dt"], t["ring_B"],
                                t["cursors"], t["flushes"], t["x"], t["dt"], p["A"], t["B"],
                                t["C"], p["D"], None, p["dt_bias"], True, t["out"], window=L,
                                hi_format=hi_fmt, hi_rounding=hi_rounding, lo_format=lo_fmt,
-                               seed=SEED)
+                               seed=SEED, overlap_flush=mode == "decode-step")
         return run_step
 
     def nonflush():
@@ -271,7 +273,7 @@ def _as_batch(step: Step, mode: str, snap: dict[str, torch.Tensor]) -> dict[str,
     """The buffers a mode ran on, as whole-batch tensors (the grouped modes' two groups
     joined back in slot order)."""
     names = [n for n in snap if ":" not in n]
-    if mode == "decode-step":
+    if mode.startswith("decode-step"):
         return {n: snap[n] for n in names}
     return {n: torch.cat([snap[g + n] for g in ("nf:", "fl:") if g + n in snap]) for n in names}
 
@@ -305,8 +307,8 @@ def check_modes(step: Step, modes=MODES) -> tuple[str, str]:
         for name, value in results["overlapped"].items():
             if not _same_bits(value, ref[name]):
                 problems.append(f"overlapped: {name} differs from grouped")
-    if "decode-step" in results:
-        got = results["decode-step"]
+    for mode in [m for m in results if m.startswith("decode-step")]:
+        got = results[mode]
         split = step.batch - step.flush_slots
         _, hi_rounding, _ = SCHEMES[step.scheme]
         for name, value in got.items():
@@ -315,17 +317,22 @@ def check_modes(step: Step, modes=MODES) -> tuple[str, str]:
             if name == "hi" and hi_rounding == "sr":
                 if (_same_bits(value[:split], ref[name][:split])
                         and _fp16_neighbours(value[split:], ref[name][split:])):
-                    notes.append("decode-step: flush slots' SR bits differ (keyed by slot)")
+                    notes.append(f"{mode}: flush slots' SR bits differ (keyed by slot)")
                     continue
             if name == "out":
                 a, r = value.double(), ref[name].double()
                 worst = float(((a - r).abs() / (r.abs().max() + 1e-30)).max())
                 if worst <= 2.0**-6:
-                    notes.append(f"decode-step: out within {worst:.1e} of grouped's "
+                    notes.append(f"{mode}: out within {worst:.1e} of grouped's "
                                  "(max-relative)")
                     continue
-            problems.append(f"decode-step: {name} differs from grouped")
-    return "; ".join(problems), "; ".join(notes)
+            problems.append(f"{mode}: {name} differs from grouped")
+    if "decode-step" in results and "decode-step-serial" in results:
+        # the decode step's two launches overlapped or in turn: every bit the same
+        for name, value in results["decode-step"].items():
+            if not _same_bits(value, results["decode-step-serial"][name]):
+                problems.append(f"decode-step: {name} differs from decode-step-serial")
+    return "; ".join(problems), "; ".join(dict.fromkeys(notes))
 
 
 # --------------------------------------------------------------------------------------------
@@ -441,7 +448,7 @@ def run(shape_name: str, batches, windows, schemes, modes, reps: int, lead_cycle
                 try:
                     times, timing = time_step(step, mode, reps, lead_cycles)
                     add(scheme, mode, batch, window, times, sets, timing,
-                        note=note if mode == "decode-step" else "")
+                        note=note if mode.startswith("decode-step") else "")
                 except Exception as error:
                     add(scheme, mode, batch, window, status=f"error: {kb._reason(error)}")
             del step

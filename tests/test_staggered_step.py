@@ -113,7 +113,7 @@ def test_plot_only_redraws_from_the_csv_without_a_gpu(tmp_path):
     [
         (["--batches", "24"], "multiple of the window"),
         (["--batches", "32,x"], "comma-separated integers"),
-        (["--modes", "grouped,fast"], "decode-step"),
+        (["--modes", "grouped,fast"], "decode-step-serial"),
         (["--schemes", "fp64"], "two-precision"),
         (["--cursor", "15"], "--cursor: expected 0..14"),
         (["--plot-only", "README.md"], "cannot read README.md"),
@@ -182,7 +182,7 @@ def test_a_synchronized_step_through_the_decode_step_equals_the_non_flush_kernel
     step = st.build_step(scheme, DECODE, 13, 16, sets=2, device=torch.device("cuda"), seed=3,
                          cursor=5)
     assert step.flush_slots == 0 and "fl:hi" not in step.bufs.views
-    problem, _ = st.check_modes(step, ("decode-step", "grouped"))
+    problem, _ = st.check_modes(step, ("decode-step", "decode-step-serial", "grouped"))
     assert problem == "", problem
     st.launcher(step, 0, "decode-step")()
     torch.cuda.synchronize()
