@@ -75,6 +75,8 @@ def replay_decode_step(
     seed=0,
     debug_state=None,
     overlap_flush=True,
+    flush_slots=None,
+    check_flush_slots=False,
 ):
     """Advance every slot by one token; returns out `[slots, nheads, headdim]` (x's dtype).
 
@@ -83,6 +85,15 @@ def replay_decode_step(
     runs on a side stream beside the non-flush kernel (results/README.md, "Staggered
     batches"); False launches the two in turn on the current stream. Cursor values are not
     checked (that would synchronise): they must lie in [0, window - 1].
+
+    `flush_slots`: optional int32 tensor (on the cursors' device) of exactly the slots whose
+    cursor is `window - 1` this step, in any order, as a server that counts its sequences'
+    tokens knows them. The flush kernel is then launched on those slots only (a CTA per entry
+    and head; none for an empty table) instead of on every slot, whose CTAs of slots that do
+    not flush cost about 27 us a step at batch 256 on the H200. A listed slot that does not
+    flush is skipped; a flushing slot left out would not be flushed while its cursor is reset,
+    so `check_flush_slots=True` (which synchronises: for tests and debugging) compares the
+    table with the cursors first and raises ValueError on a difference.
     """
     cfg, lo = _prepare_flush(
         hi,
@@ -114,7 +125,10 @@ def replay_decode_step(
     if hi.shape[0] == 0:
         return out
     slot_ctas = None
-    if cfg.hi_format == "fp32":
+    if flush_slots is not None:
+        flush_slots = _checked_table(flush_slots, cursors, window, check_flush_slots)
+        cfg = dataclasses.replace(cfg, slot_table=True)
+    elif cfg.hi_format == "fp32":
         # fp32: CTAs that loop over slots (at batch 256 staggered, L = 16, 355.6 -> 320.8 us a
         # step); the fp16-SR + nvfp4 kernel compiles to 1.7x slower code with the loop
         # (scripts/flush_slot_loop_probe.py, 740 -> 1,277 us at batch 256 even with one slot a
@@ -123,15 +137,19 @@ def replay_decode_step(
         slot_ctas = decode_slot_ctas(cfg, hi.shape[0], _sm_count(hi.device))
     decision = cursors.clone()
     main = torch.cuda.current_stream(hi.device)
+    if flush_slots is not None and flush_slots.numel() == 0:
+        overlap_flush = False  # nothing to flush, nothing launched
     if overlap_flush:
         # the flush kernel on a side stream, forked after the snapshot and joined before the
         # counters: it touches only the flushing slots' rows, replay_output only the others'
         side = _side_stream(hi.device)
         side.wait_stream(main)
         decision.record_stream(side)
+        if flush_slots is not None:
+            flush_slots.record_stream(side)
         with torch.cuda.stream(side):
             _flush(cfg, hi, lo, ring_x, ring_dt, ring_B, decision, flushes, x, dt, A, B, C, D,
-                   z, dt_bias, out, debug_state, seed, slot_ctas)
+                   z, dt_bias, out, debug_state, seed, slot_ctas, flush_slots)
     if lo_format == "none":
         read_copy, read_format = {"values": hi}, hi_format
     else:
@@ -159,15 +177,35 @@ def replay_decode_step(
         main.wait_stream(side)
     else:
         _flush(cfg, hi, lo, ring_x, ring_dt, ring_B, decision, flushes, x, dt, A, B, C, D, z,
-               dt_bias, out, debug_state, seed, slot_ctas)
+               dt_bias, out, debug_state, seed, slot_ctas, flush_slots)
     launch_advance_counters(decision, cursors, flushes, window, advance_others=False)
     return out
 
 
 def _flush(cfg, hi, lo, ring_x, ring_dt, ring_B, decision, flushes, x, dt, A, B, C, D, z,
-           dt_bias, out, debug_state, seed, slot_ctas):
+           dt_bias, out, debug_state, seed, slot_ctas, slot_table=None):
     launch_flush(cfg, hi, lo, ring_x, ring_dt, ring_B, decision, flushes, x, dt, A, B, C, D, z,
-                 dt_bias, out, debug_state, seed, slot_ctas=slot_ctas)
+                 dt_bias, out, debug_state, seed, slot_ctas=slot_ctas, slot_table=slot_table)
+
+
+def _checked_table(flush_slots, cursors, window: int, check: bool):
+    """The flush slots' table, validated: int32, one dimension, the cursors' device, at most
+    one entry a slot; with `check`, equal as a set to the slots at `window - 1`."""
+    if not isinstance(flush_slots, torch.Tensor) or flush_slots.dim() != 1:
+        raise ValueError("flush_slots: expected a 1-D int32 tensor of slot indices")
+    if flush_slots.dtype != torch.int32 or flush_slots.device != cursors.device:
+        raise ValueError(f"flush_slots: expected int32 on {cursors.device}, got "
+                         f"{flush_slots.dtype} on {flush_slots.device}")
+    if flush_slots.numel() > cursors.numel():
+        raise ValueError(f"flush_slots: expected at most {cursors.numel()} entries (the "
+                         f"slots), got {flush_slots.numel()}")
+    if check:
+        listed = sorted(flush_slots.tolist())
+        due = torch.nonzero(cursors == window - 1).flatten().tolist()
+        if listed != due:
+            raise ValueError(f"flush_slots: the slots at cursor {window - 1} are {due}, the "
+                             f"table lists {listed}")
+    return flush_slots.contiguous()
 
 
 _SIDE_STREAMS: dict = {}

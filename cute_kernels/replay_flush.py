@@ -187,6 +187,10 @@ class FlushConfig:
     # SASS 58.9 -> 63.6 instructions an element at 32 a thread and 27 more spill accesses at
     # the 64-register cap (why it is that much slower is not known).
     slot_loop: bool = False
+    # a CTA's slot comes from a table of the flushing slots that the caller fills (grid: heads
+    # x table length), so that a decode step launches CTAs for those slots only
+    # (replay_decode_step's `flush_slots`); a slot in the table that does not flush is skipped
+    slot_table: bool = False
     # the shared-memory carveout asked of the driver, percent of the SM's unified L1/shared
     # storage (-1: the driver's choice); a tuning knob: with the tensor-core fold a CTA holds
     # about 44 KB of shared memory, and ncu found 3 CTAs an SM the limit of both registers
@@ -246,6 +250,9 @@ class FlushConfig:
         if self.min_ctas_per_sm is None:
             cap = max(1, 1024 // self.threads) if self.fold == "direct" else 0
             object.__setattr__(self, "min_ctas_per_sm", cap)
+        if self.slot_loop and self.slot_table:
+            _compile.fail("slot_table", "False with slot_loop (a CTA takes one table entry)",
+                          "True")
 
     @property
     def threads(self) -> int:
@@ -351,6 +358,7 @@ class ReplayFlush:
         p_dt_bias: cute.Pointer,
         p_out: cute.Pointer,
         p_debug: cute.Pointer,
+        p_slot_table: cute.Pointer,
         batch: Int32,
         slot_ctas: Int32,
         seed_lo: Uint32,
@@ -389,6 +397,7 @@ class ReplayFlush:
         dt_bias = cute.make_tensor(p_dt_bias, cute.make_layout(H))
         out = cute.make_tensor(p_out, cute.make_layout((batch, H, P), stride=(H * P, P, 1)))
         debug = cute.make_tensor(p_debug, cute.make_layout(state, stride=(H * P * N, P * N, N, 1)))
+        slot_table = cute.make_tensor(p_slot_table, cute.make_layout(slot_ctas))
         self.kernel(
             hi,
             lo_codes,
@@ -409,6 +418,7 @@ class ReplayFlush:
             dt_bias,
             out,
             debug,
+            slot_table,
             batch,
             slot_ctas,
             seed_lo,
@@ -444,6 +454,7 @@ class ReplayFlush:
         dt_bias: cute.Tensor,
         out: cute.Tensor,
         debug: cute.Tensor,
+        slot_table: cute.Tensor,
         batch: Int32,
         slot_ctas: Int32,
         seed_lo: Uint32,
@@ -503,8 +514,11 @@ class ReplayFlush:
                 sDecision[tidx] = decision[first_slot + slot_ctas * tidx]
             cute.arch.sync_threads()
 
+        slot0 = first_slot
+        if cutlass.const_expr(cfg.slot_table):
+            slot0 = slot_table[first_slot]
         for k in cutlass.range(slots_here, unroll=1):
-            s = first_slot + slot_ctas * k
+            s = slot0 + slot_ctas * k
             if (sDecision[k] if cutlass.const_expr(cfg.slot_loop) else decision[s]) == L - 1:
                 flush = Uint32(flushes[s])
                 hi_h = hi[s, h, None, None]  # (P, N):(N, 1)
@@ -1211,6 +1225,7 @@ def compile_flush(cfg: FlushConfig, keep_ptx: bool = False):
             f(Float32),
             f(act),
             f(Float32),
+            f(Int32),
             Int32(1),
             Int32(1),
             Uint32(0),
@@ -1243,18 +1258,29 @@ def launch_flush(
     debug_state,
     seed: int,
     slot_ctas: int | None = None,
+    slot_table=None,
 ) -> None:
     """Launch the flush kernel on torch's current stream (arguments already validated; `lo`
     normalised to a dict, absent optional tensors None). Counters are only read.
 
     `slot_ctas`: CTAs along the slot axis, each taking every `slot_ctas`-th slot (default: one
-    CTA a slot and head; fewer needs `cfg.slot_loop`, see `decode_slot_ctas`)."""
-    kernel = compile_flush(cfg)
+    CTA a slot and head; fewer needs `cfg.slot_loop`, see `decode_slot_ctas`). `slot_table`:
+    with `cfg.slot_table`, an int32 tensor of the slots to flush, a CTA per entry and head
+    (none launched for an empty table)."""
     batch = hi.shape[0]
+    if cfg.slot_table:
+        if slot_table is None or slot_ctas is not None:
+            raise ValueError("slot_table: a kernel with slot_table takes the table, not slot_ctas")
+        if slot_table.numel() == 0:
+            return
+        slot_ctas = slot_table.numel()
+    elif slot_table is not None:
+        raise ValueError("slot_table: needs FlushConfig.slot_table")
+    kernel = compile_flush(cfg)
     slot_ctas = batch if slot_ctas is None else slot_ctas
-    if not cfg.slot_loop and slot_ctas != batch:
+    if not (cfg.slot_loop or cfg.slot_table) and slot_ctas != batch:
         raise ValueError("slot_ctas: a kernel without slot_loop takes one CTA a slot")
-    if not 0 < slot_ctas <= batch or -(-batch // slot_ctas) > cfg.threads:
+    if cfg.slot_loop and (not 0 < slot_ctas <= batch or -(-batch // slot_ctas) > cfg.threads):
         raise ValueError(f"slot_ctas: expected 1..{batch} with at most {cfg.threads} slots a "
                          f"CTA, got {slot_ctas}")
     f32 = Float32
@@ -1282,6 +1308,7 @@ def launch_flush(
         _optional_ptr(dt_bias, f32),
         _compile.gmem_ptr(out),
         _optional_ptr(debug_state, f32),
+        _optional_ptr(slot_table, Int32),
         Int32(batch),
         Int32(slot_ctas),
         Uint32(seed & 0xFFFFFFFF),

@@ -28,6 +28,8 @@ state update, the same kernel at every step: its row is the same as `kernel_benc
                   a slot the kernel does not serve exits at once; the fp32 flush's CTAs loop
                   over slots instead), the flush on a side stream, then the counter kernel
     decode-step-serial  the same with `overlap_flush=False`: the two kernels in turn
+    decode-step-indexed  the decode step given the flushing slots (`flush_slots`): the flush
+                  kernel launched on those slots only
     grouped       slots grouped by cursor: the non-flush kernel on the non-flush slots, then
                   the flush kernel on the flush slots, one stream
     overlapped    the same two launches on two streams (flush on a side stream, forked and
@@ -80,7 +82,7 @@ SCHEMES = {
     "fp32-replay": ("fp32", "rn", "none"),
     "conventional-fp32": None,
 }
-MODES = ("decode-step", "decode-step-serial", "grouped", "overlapped")
+MODES = ("decode-step", "decode-step-serial", "decode-step-indexed", "grouped", "overlapped")
 COLUMNS = ["run", "layout", "scheme", "mode", "shape", "batch", "window", "flush_slots", "time_us",
            "time_us_p10", "time_us_p90", "bytes", "gbps", "frac_copy", "copy_gbps", "sets",
            "timing", "status", "note"]
@@ -199,13 +201,18 @@ def launcher(step: Step, i: int, mode: str, side: torch.cuda.Stream | None = Non
     nf_copy, read_fmt = _read_copy(step, nf)
     fl_lo = kb._lo_dict(fl)
 
-    if mode in ("decode-step", "decode-step-serial"):
+    if mode.startswith("decode-step"):
+        table = (torch.tensor([s for s, c in enumerate(step.cursors) if c == L - 1],
+                              dtype=torch.int32, device=t["cursors"].device)
+                 if mode == "decode-step-indexed" else None)
+
         def run_step():
             replay_decode_step(t["hi"], lo, t["ring_x"], t["ring_dt"], t["ring_B"],
                                t["cursors"], t["flushes"], t["x"], t["dt"], p["A"], t["B"],
                                t["C"], p["D"], None, p["dt_bias"], True, t["out"], window=L,
                                hi_format=hi_fmt, hi_rounding=hi_rounding, lo_format=lo_fmt,
-                               seed=SEED, overlap_flush=mode == "decode-step")
+                               seed=SEED, overlap_flush=mode != "decode-step-serial",
+                               flush_slots=table)
         return run_step
 
     def nonflush():
@@ -327,11 +334,13 @@ def check_modes(step: Step, modes=MODES) -> tuple[str, str]:
                                  "(max-relative)")
                     continue
             problems.append(f"{mode}: {name} differs from grouped")
-    if "decode-step" in results and "decode-step-serial" in results:
-        # the decode step's two launches overlapped or in turn: every bit the same
-        for name, value in results["decode-step"].items():
-            if not _same_bits(value, results["decode-step-serial"][name]):
-                problems.append(f"decode-step: {name} differs from decode-step-serial")
+    for other in ("decode-step-serial", "decode-step-indexed"):
+        # the decode step's launches overlapped or in turn, on every slot or on the table's:
+        # every bit the same
+        if "decode-step" in results and other in results:
+            for name, value in results["decode-step"].items():
+                if not _same_bits(value, results[other][name]):
+                    problems.append(f"decode-step: {name} differs from {other}")
     return "; ".join(problems), "; ".join(dict.fromkeys(notes))
 
 
@@ -537,7 +546,8 @@ def plot(csv: str | Path, outdir: str | Path) -> list[Path]:
     for (layout, shape, window), group in frame.groupby(["layout", "shape", "window"]):
         fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.4))
         styles = {"decode-step": ":", "decode-step-serial": (0, (1, 1, 4, 1)),
-                  "grouped": "--", "overlapped": "-", "update": "-."}
+                  "decode-step-indexed": (0, (6, 2)), "grouped": "--", "overlapped": "-",
+                  "update": "-."}
         colours = {"two-precision": "C0", "fp32-replay": "C3", "conventional-fp32": "C7"}
         for (scheme, mode), line in group.groupby(["scheme", "mode"]):
             line = line.sort_values("batch")

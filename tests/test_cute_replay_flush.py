@@ -912,3 +912,26 @@ def test_slot_loop_compiles_and_leaves_the_one_slot_kernel_alone():
     hi = torch.empty(8, 128, 64, 128, dtype=torch.float16)
     with pytest.raises(ValueError, match="one CTA a slot"):
         rf.launch_flush(base, hi, {}, *([None] * 15), seed=0, slot_ctas=2)
+
+
+def test_slot_table_kernel_compiles_like_the_one_slot_kernel_and_refuses_misuse():
+    """slot_table: the CTA's slot is read from the caller's table (one more global load before
+    the decision's), no loop and no extra barrier; it cannot be combined with slot_loop, and
+    launch_flush wants the table exactly when the kernel takes one."""
+    base = config(NEMOTRON, "fp16", "sr", "nvfp4", window=16, debug=False)
+    tabled = dataclasses.replace(base, slot_table=True)
+    plain_ptx = rf.compile_flush(base, keep_ptx=True).__ptx__
+    table_ptx = rf.compile_flush(tabled, keep_ptx=True).__ptx__
+    assert table_ptx.count("bar.sync") == plain_ptx.count("bar.sync")
+    assert table_ptx.count("ld.global") == plain_ptx.count("ld.global") + 1
+    with pytest.raises(ValueError, match="slot_table"):
+        dataclasses.replace(base, slot_table=True, slot_loop=True)
+    hi = torch.empty(8, 128, 64, 128, dtype=torch.float16)
+    with pytest.raises(ValueError, match="takes the table"):
+        rf.launch_flush(tabled, hi, {}, *([None] * 15), seed=0)
+    with pytest.raises(ValueError, match="needs FlushConfig.slot_table"):
+        rf.launch_flush(base, hi, {}, *([None] * 15), seed=0,
+                        slot_table=torch.zeros(2, dtype=torch.int32))
+    # an empty table launches nothing (and so needs no GPU)
+    rf.launch_flush(tabled, hi, {}, *([None] * 15), seed=0,
+                    slot_table=torch.zeros(0, dtype=torch.int32))

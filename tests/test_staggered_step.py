@@ -182,8 +182,38 @@ def test_a_synchronized_step_through_the_decode_step_equals_the_non_flush_kernel
     step = st.build_step(scheme, DECODE, 13, 16, sets=2, device=torch.device("cuda"), seed=3,
                          cursor=5)
     assert step.flush_slots == 0 and "fl:hi" not in step.bufs.views
-    problem, _ = st.check_modes(step, ("decode-step", "decode-step-serial", "grouped"))
+    problem, _ = st.check_modes(step, ("decode-step", "decode-step-serial",
+                                       "decode-step-indexed", "grouped"))
     assert problem == "", problem
     st.launcher(step, 0, "decode-step")()
     torch.cuda.synchronize()
     assert step.bufs.views["cursors"][0].tolist() == [6] * 13
+
+
+@pytest.mark.gpu
+def test_a_wrong_flush_slot_table_is_refused_when_checked():
+    """replay_decode_step(flush_slots=..., check_flush_slots=True) compares the table with the
+    cursors: a table that leaves a flushing slot out, or names one that does not flush, is a
+    ValueError naming both lists; a right one (any order) runs."""
+    from cute_kernels.replay_decode import replay_decode_step
+
+    step = st.build_step("two-precision", DECODE, 32, 16, sets=1, device=torch.device("cuda"),
+                         seed=5)
+    t, p = step.bufs.at(0), step.params
+    lo = kb._lo_dict(t)
+
+    def run(table):
+        replay_decode_step(t["hi"], lo, t["ring_x"], t["ring_dt"], t["ring_B"], t["cursors"],
+                           t["flushes"], t["x"], t["dt"], p["A"], t["B"], t["C"], p["D"], None,
+                           p["dt_bias"], True, t["out"], window=16,
+                           flush_slots=torch.tensor(table, dtype=torch.int32, device="cuda"),
+                           check_flush_slots=True)
+
+    for wrong in ([30], [29, 30, 31], [31, 31]):
+        with pytest.raises(ValueError, match="the slots at cursor 15 are"):
+            run(wrong)
+    with pytest.raises(ValueError, match="1-D int32"):
+        run([[30, 31]])
+    run([31, 30])
+    torch.cuda.synchronize()
+    assert t["cursors"][30:].tolist() == [0, 0]
