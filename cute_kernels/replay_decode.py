@@ -12,6 +12,7 @@ all capturable in a CUDA graph:
                                        (its CTAs hand the cursor over among themselves);
                                        flush slots (cursor == window - 1) are left alone
     3. flush kernel(decision)          flush slots by the snapshot: reads, never writes, counters;
+                                       given `flush_slots`, a CTA per listed slot and head; else
                                        a CTA a slot and head (fp16 hi), or for fp32 hi one wave
                                        of CTAs looping over the slots (`slot_loop`): a CTA for
                                        every slot makes a step where few slots flush pay for all
