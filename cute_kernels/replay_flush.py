@@ -181,7 +181,7 @@ class FlushConfig:
     # a CTA loops over several slots (`decode_slot_ctas`), so that in a decode step where few
     # slots flush the others cost no CTA (a CTA a slot and head: the staggered step at batch
     # 256, L = 16, took 140 us against 114 for the same kernels on the flushing slots alone).
-    # replay_decode_step uses it for fp32 hi only: measured on the H200 with every slot
+    # replay_decode_step uses it for fp32 hi without a table: measured on the H200 with every slot
     # flushing (scripts/flush_slot_loop_probe.py, batch 256), fp32 618 -> 579 us with one slot
     # a CTA, 637 at one wave; fp16-SR + nvfp4 740 -> 1,277 us even with one slot a CTA, its
     # SASS 58.9 -> 63.6 instructions an element at 32 a thread and 27 more spill accesses at
@@ -501,11 +501,13 @@ class ReplayFlush:
         sX = smem.allocate_tensor(Float32, cute.make_layout((L, P), stride=(P, 1)), 16)
         sW = smem.allocate_tensor(Float32, cute.make_layout(64), 16)  # w_j; [L]: g_{0:L-1}
         sRed = smem.allocate_tensor(Float32, cute.make_layout(32), 16)
-        # The CTA's slots are first_slot, first_slot + slot_ctas, ... (one when slot_ctas is
-        # the batch, replay_flush's launch; several in replay_decode_step's, whose steps flush
-        # few slots or none: a CTA per slot and head cost ~26 us at batch 256 for the slots
-        # that do not flush). Their decisions come in with one load a thread, then a loop over
-        # them; the launch makes sure a CTA has at most `threads` slots.
+        # The CTA's slots: first_slot alone (replay_flush's launch, a CTA a slot and head);
+        # the table's entry first_slot (slot_table: replay_decode_step given `flush_slots`);
+        # or first_slot, first_slot + slot_ctas, ... (slot_loop: replay_decode_step's fp32
+        # flush without a table), whose decisions come in with one load a thread before the
+        # loop (the launch makes sure a CTA has at most `threads` slots). A CTA for every slot
+        # and head cost a decode step ~27 us at batch 256 for the slots that do not flush
+        # (results/README.md, "Staggered batches"). sDecision is only used by slot_loop.
         sDecision = smem.allocate_tensor(Int32, cute.make_layout(T), 16)
         slots_here = Int32(1)
         if cutlass.const_expr(cfg.slot_loop):
