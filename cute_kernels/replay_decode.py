@@ -18,8 +18,7 @@ all capturable in a CUDA graph:
                                        every slot makes a step where few slots flush pay for all
                                        (results/README.md, "Staggered batches"); on the
                                        side stream it runs beside step 2 (they touch
-                                       disjoint slots' rows), so that its CTAs of slots that
-                                       do not flush fill the non-flush kernel's gaps
+                                       disjoint slots' rows): 3-4% faster on staggered batches
     4. counter kernel(decision)        flush slots: cursors[s] = 0, flushes[s] += 1
 
 Why the snapshot: step 2 moves a slot from window - 2 to window - 1, so a flush kernel that
@@ -90,11 +89,12 @@ def replay_decode_step(
     `flush_slots`: optional int32 tensor (on the cursors' device) of exactly the slots whose
     cursor is `window - 1` this step, in any order, as a server that counts its sequences'
     tokens knows them. The flush kernel is then launched on those slots only (a CTA per entry
-    and head; none for an empty table) instead of on every slot, whose CTAs of slots that do
-    not flush cost about 27 us a step at batch 256 on the H200. A listed slot that does not
-    flush is skipped; a flushing slot left out would not be flushed while its cursor is reset,
-    so `check_flush_slots=True` (which synchronises: for tests and debugging) compares the
-    table with the cursors first and raises ValueError on a difference.
+    and head; none for an empty table) instead of on every slot: the CTAs of slots that do
+    not flush made a step with no slot flushing take 85.1 us at batch 256 on the H200, 62.6
+    with the table. A listed slot that does not flush is skipped; a flushing slot left out
+    would not be flushed while its cursor is reset, so `check_flush_slots=True` (which
+    synchronises: for tests and debugging) compares the table with the cursors first and
+    raises ValueError on a difference.
     """
     cfg, lo = _prepare_flush(
         hi,
@@ -130,13 +130,19 @@ def replay_decode_step(
         flush_slots = _checked_table(flush_slots, cursors, window, check_flush_slots)
         cfg = dataclasses.replace(cfg, slot_table=True)
     elif cfg.hi_format == "fp32":
-        # fp32: CTAs that loop over slots (at batch 256 staggered, L = 16, 355.6 -> 320.8 us a
+        # fp32: CTAs that loop over slots (at batch 256 staggered, L = 16, 355.6 -> 321.7 us a
         # step); the fp16-SR + nvfp4 kernel compiles to 1.7x slower code with the loop
         # (scripts/flush_slot_loop_probe.py, 740 -> 1,277 us at batch 256 even with one slot a
         # CTA; fp32 618 -> 579), so it keeps one CTA a slot and head
         cfg = dataclasses.replace(cfg, slot_loop=True)
         slot_ctas = decode_slot_ctas(cfg, hi.shape[0], _sm_count(hi.device))
     decision = cursors.clone()
+
+    def flush():
+        launch_flush(cfg, hi, lo, ring_x, ring_dt, ring_B, decision, flushes, x, dt, A, B, C, D,
+                     z, dt_bias, out, debug_state, seed, slot_ctas=slot_ctas,
+                     slot_table=flush_slots)
+
     main = torch.cuda.current_stream(hi.device)
     if flush_slots is not None and flush_slots.numel() == 0:
         overlap_flush = False  # nothing to flush, nothing launched
@@ -149,8 +155,7 @@ def replay_decode_step(
         if flush_slots is not None:
             flush_slots.record_stream(side)
         with torch.cuda.stream(side):
-            _flush(cfg, hi, lo, ring_x, ring_dt, ring_B, decision, flushes, x, dt, A, B, C, D,
-                   z, dt_bias, out, debug_state, seed, slot_ctas, flush_slots)
+            flush()
     if lo_format == "none":
         read_copy, read_format = {"values": hi}, hi_format
     else:
@@ -177,16 +182,9 @@ def replay_decode_step(
     if overlap_flush:
         main.wait_stream(side)
     else:
-        _flush(cfg, hi, lo, ring_x, ring_dt, ring_B, decision, flushes, x, dt, A, B, C, D, z,
-               dt_bias, out, debug_state, seed, slot_ctas, flush_slots)
+        flush()
     launch_advance_counters(decision, cursors, flushes, window, advance_others=False)
     return out
-
-
-def _flush(cfg, hi, lo, ring_x, ring_dt, ring_B, decision, flushes, x, dt, A, B, C, D, z,
-           dt_bias, out, debug_state, seed, slot_ctas, slot_table=None):
-    launch_flush(cfg, hi, lo, ring_x, ring_dt, ring_B, decision, flushes, x, dt, A, B, C, D, z,
-                 dt_bias, out, debug_state, seed, slot_ctas=slot_ctas, slot_table=slot_table)
 
 
 def _checked_table(flush_slots, cursors, window: int, check: bool):

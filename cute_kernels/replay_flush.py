@@ -506,8 +506,9 @@ class ReplayFlush:
         # or first_slot, first_slot + slot_ctas, ... (slot_loop: replay_decode_step's fp32
         # flush without a table), whose decisions come in with one load a thread before the
         # loop (the launch makes sure a CTA has at most `threads` slots). A CTA for every slot
-        # and head cost a decode step ~27 us at batch 256 for the slots that do not flush
-        # (results/README.md, "Staggered batches"). sDecision is only used by slot_loop.
+        # and head made a decode step with no slot flushing take 85.1 us at batch 256 against
+        # 62.6 with the table (results/README.md, "Staggered batches"). sDecision is only used
+        # by slot_loop.
         sDecision = smem.allocate_tensor(Int32, cute.make_layout(T), 16)
         slots_here = Int32(1)
         if cutlass.const_expr(cfg.slot_loop):

@@ -69,6 +69,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import torch
+from tqdm import tqdm
 
 from experiments import kernel_bench as kb
 from experiments._common import save_small_png
@@ -350,34 +351,13 @@ def check_modes(step: Step, modes=MODES) -> tuple[str, str]:
 
 
 def time_step(step: Step, mode: str, reps: int, lead_cycles: int) -> tuple[list[float], str]:
-    """Per-step microseconds over `reps` graph replays of one step per set."""
+    """Per-step microseconds over `reps` graph replays of one step per set (kernel_bench's
+    timing: `time_case`)."""
     side = torch.cuda.Stream()
-    launches = [launcher(step, i, mode, side) for i in range(step.bufs.sets)]
-
-    def eager():
-        for launch in launches:
-            launch()
-
-    step.reset()
-    eager()
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    step.reset()
-    with torch.cuda.stream(stream):
-        eager()
-    torch.cuda.current_stream().wait_stream(stream)
-    step.reset()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        eager()
-    times = []
-    for rep in range(reps + kb.WARM_REPLAYS):
-        step.reset()
-        elapsed = kb._event_time_ms(graph.replay, lead_cycles) * 1e3 / len(launches)
-        if rep >= kb.WARM_REPLAYS:
-            times.append(elapsed)
-    return times, "graph"
+    runs = [launcher(step, i, mode, side) for i in range(step.bufs.sets)]
+    case = kb.Case(None, step.shape, step.batch, step.window, step.bufs, step.params,
+                   launch=lambda t: runs[t["set"]](), reset=step.reset)
+    return kb.time_case(case, reps, lead_cycles)
 
 
 def _update_time(shape, batch, sets, device, reps, lead_cycles) -> tuple[list[float], str]:
@@ -432,7 +412,7 @@ def run(shape_name: str, batches, windows, schemes, modes, reps: int, lead_cycle
         pd.DataFrame(rows, columns=COLUMNS).to_csv(out, index=False)
 
     points = [(w, b) for w in windows for b in batches]
-    for window, batch in _progress(points):
+    for window, batch in tqdm(points, desc="points", file=sys.stderr):
         for scheme in schemes:
             nbytes = step_bytes(scheme, shape, batch, window, cursor)
             sets = kb.sets_for(nbytes, l2, 2.0)
@@ -465,15 +445,6 @@ def run(shape_name: str, batches, windows, schemes, modes, reps: int, lead_cycle
     frame = pd.DataFrame(rows, columns=COLUMNS)
     frame.to_csv(out, index=False)
     return frame
-
-
-def _progress(items):
-    try:
-        from tqdm import tqdm
-
-        return tqdm(items, desc="points", file=sys.stderr)
-    except ImportError:  # tqdm is optional here
-        return items
 
 
 # --------------------------------------------------------------------------------------------

@@ -33,14 +33,12 @@ def main() -> None:
             t0["C"], case.params["D"], None, case.params["dt_bias"], True, t0["out"], 16,
             hi_fmt, "sr" if hi_fmt == "fp16" else "rn", lo_fmt, 12345, None)
         looped = dataclasses.replace(cfg, slot_loop=True)
-        per_wave = rf.decode_slot_ctas(looped, batch, 132)
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        per_wave = rf.decode_slot_ctas(looped, batch, sms)
         variants = [("one slot a CTA", cfg, batch),
                     ("loop, slot_ctas = batch", looped, batch),
                     ("loop, slot_ctas = batch / 4", looped, batch // 4),
                     (f"loop, slot_ctas = {per_wave} (decode)", looped, per_wave)]
-        for cap in (3, 2):  # the loop with more registers a thread (fewer CTAs an SM)
-            capped = dataclasses.replace(looped, min_ctas_per_sm=cap)
-            variants.append((f"loop, {cap} CTAs an SM, slot_ctas = batch", capped, batch))
         for name, c, slot_ctas in variants:
             def step(i, c=c, slot_ctas=slot_ctas, case=case):
                 t = case.bufs.at(i)
