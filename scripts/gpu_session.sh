@@ -194,7 +194,9 @@ for (sh, w, b, c), v in sorted(rows.items(), key=lambda kv: (kv[0][0], int(kv[0]
     print(f"{sh:16s} {w:>6s} {b:>5s} {c:>6s} "
           + " ".join(f"{v.get(run, float('nan')):16.2f}" for run in runs))
 EOF
-  (cd "$out" && tar -cf ab.tar ab_* && rm -f ab_*)
+  if compgen -G "$out/ab_*" > /dev/null; then  # nothing to pack when KB_AB_REPS=0 (tests only)
+    (cd "$out" && tar -cf ab.tar ab_* && rm -f ab_*)
+  fi
 elif [ "$part" = P ]; then
   for kernel in cute:nonflush:nvfp4 cute:nonflush:fp32 cute:flush:fp16sr+nvfp4; do
     name=$(echo "$kernel" | tr ':+' '__')
