@@ -3,6 +3,7 @@ kernel's variants and of the non-flush kernel, compiled for sm_90a on the CPU.
 
     python -m cute_kernels.instruction_count            # every variant, fast paths only
     python -m cute_kernels.instruction_count --with-fallbacks
+    python -m cute_kernels.instruction_count --pipes    # by Hopper pipe, floors, target budgets
 
 The flush kernel is unrolled (64 state elements per thread, no loops but the CTA's ring
 staging), so the number of SASS instructions in the compiled kernel divided by 64 is what
@@ -204,6 +205,159 @@ def count_nonflush(variants=NONFLUSH_VARIANTS) -> list[tuple[tuple[str, int], fl
     return rows
 
 
+# --------------------------------------------------------------------------------------------
+# Issue floors: which pipe bounds an instruction mix on the H200 (--pipes)
+#
+# Per SM sub-partition (4 a SM) on Hopper, from NVIDIA's descriptions of the GH100 pipes: one
+# warp instruction issues a cycle; the ALU pipe (logic, shifts, integer add/compare/min/max,
+# fp32 compare/min/max/select, fast fp32 -> fp16 packing) and each of the two FMA halves
+# (`heavy`: IMAD and fp32; `lite`: fp32 only) take 16 lanes a cycle, so a warp instruction
+# holds the pipe 2 cycles; fp32 arithmetic goes to whichever half is free, so heavy-only work
+# plus fp32 work share one warp instruction a cycle; MUFU (XU) takes 4. VIADD, new in sm_90, is
+# placed on the heavy half: with it there, the shipped flush's static counts give ALU 28.2 and
+# heavy 12.5 instructions an element (18.1 with half the 11.3 fp32 ones), against 27.3 and 19.5
+# implied by ncu's 63% ALU and 45% heavy pipe activity at 0.68 warp instructions issued a cycle
+# (results/kernel_bench_runs/ncu/ncu_stalls_cute_flush_fp16sr_nvfp4_10.txt); with VIADD on the
+# ALU the static ALU count would be 30.8. Static counts leave out the ring staging loop's
+# repeats and count each rare path once.
+PIPES = {
+    "alu": ("LOP3", "LOP", "IADD3", "IADD", "ISETP", "FSETP", "FMNMX", "IMNMX", "VIMNMX",
+            "VIADDMNMX", "SEL", "FSEL", "SHF", "SHL", "SHR", "PRMT", "LEA", "PLOP3", "MOV",
+            "F2FP", "I2FP", "P2R", "R2P", "BMSK", "SGXT", "ISCADD", "IABS", "FLO", "POPC",
+            "BREV", "VOTE"),
+    "heavy": ("IMAD", "IMUL", "IDP", "VIADD"),
+    "fp32": ("FFMA", "FMUL", "FADD", "HADD2", "HMUL2", "HFMA2", "FMNMX2"),
+    "xu": ("MUFU", "F2F", "F2I", "I2F", "FRND"),
+}
+_PIPE_OF = {op: pipe for pipe, ops in PIPES.items() for op in ops}
+H200_SMS, H200_CLOCK_GHZ = 132, 1.98  # SMs; the boost clock the kernels ran at (nvidia-smi)
+
+
+def pipe_counts(ops: collections.Counter, per: float) -> dict:
+    """Instructions per element (`per` elements a thread) by pipe (PIPES), with 'total' and
+    'other' (loads, stores, shuffles, tensor cores, uniform and control instructions)."""
+    out = {pipe: 0.0 for pipe in PIPES}
+    for op, n in ops.items():
+        pipe = _PIPE_OF.get(op, "other")
+        out[pipe] = out.get(pipe, 0.0) + n / per
+    out["total"] = sum(ops.values()) / per
+    return out
+
+
+def issue_floor_cycles(pipes: dict) -> tuple[float, str]:
+    """(cycles a sub-partition spends per warp instruction's worth of elements, the binding
+    limit) if every pipe ran flat out: the largest of total issue, 2 x ALU, 2 x heavy-only,
+    heavy-only + fp32 (the two FMA halves) and 4 x XU."""
+    limits = {
+        "issue": pipes["total"],
+        "ALU pipe": 2 * pipes["alu"],
+        "FMA heavy": 2 * pipes["heavy"],
+        "FMA halves": pipes["heavy"] + pipes["fp32"],
+        "XU": 4 * pipes["xu"],
+    }
+    name = max(limits, key=limits.get)
+    return limits[name], name
+
+
+def floor_us(cycles_per_element: float, elements: int, sms: int = H200_SMS,
+             clock_ghz: float = H200_CLOCK_GHZ) -> float:
+    """Microseconds for `elements` state elements at `cycles_per_element` a sub-partition per
+    32 elements (one a lane), every sub-partition busy."""
+    return elements / (sms * 4 * 32) * cycles_per_element / (clock_ghz * 1e3)
+
+
+def flush_budgets(csv_path: str, shape: str = "nemotron3-super", batch: int = 256,
+                  window: int = 16) -> list[dict]:
+    """From a kernel_bench CSV, per run and per-token target of the issue (4x FP32 ReplaySSM,
+    7.5x the conventional FP32 update), what the target asks of the two kernels.
+
+    A window is L - 1 non-flush steps and one flush, so with a token time T and a flush time F
+    the non-flush part takes L T - F, and a goal g against a reference token time R leaves
+    L R / g for the whole window. Returned per (run, target): the flush's measured time
+    (`flush_us`), the flush time that meets the goal with the run's own non-flush steps
+    (`budget_us`), the flush's bytes at the run's copy bandwidth (`flush_at_copy_us`), the
+    non-flush steps' fraction of copy now (`nonflush_frac`), and the fraction they would need
+    with the flush at its bytes' copy time (`nonflush_frac_needed_at_copy`)."""
+    import csv
+
+    rows = [r for r in csv.DictReader(open(csv_path))
+            if r["shape"] == shape and r["batch"] == str(batch) and r["window"] == str(window)
+            and r["status"] == "ok"]  # fmt: skip
+    out = []
+    for run in sorted({r["run"] for r in rows}):
+        mine = {(r["step"], r["scheme"] or r["kernel"]): r for r in rows if r["run"] == run}
+        token = mine.get(("token", "two-precision"))
+        flush = mine.get(("flush", "cute:flush:fp16sr+nvfp4"))
+        if token is None or flush is None:
+            continue
+        copy_bytes_per_us = float(flush["copy_gbps"]) * 1e3
+        flush_us = float(flush["time_us"])
+        nonflush_us = window * float(token["time_us"]) - flush_us
+        nonflush_bytes = window * float(token["bytes"]) - float(flush["bytes"])
+        at_copy = float(flush["bytes"]) / copy_bytes_per_us
+        for target, reference, goal in (("4x FP32 ReplaySSM", "fp32-replay", 4.0),
+                                        ("7.5x conventional FP32", "conventional-fp32", 7.5)):
+            if ("token", reference) not in mine:
+                continue
+            window_us = window * float(mine[("token", reference)]["time_us"]) / goal
+            out.append(dict(
+                run=run, target=target, goal=goal, window_budget_us=window_us,
+                flush_us=flush_us, budget_us=window_us - nonflush_us,
+                flush_at_copy_us=at_copy,
+                nonflush_bytes=nonflush_bytes, copy_bytes_per_us=copy_bytes_per_us,
+                nonflush_frac=nonflush_bytes / nonflush_us / copy_bytes_per_us,
+                nonflush_frac_needed_at_copy=nonflush_bytes / (window_us - at_copy)
+                / copy_bytes_per_us,
+            ))  # fmt: skip
+    return out
+
+
+def print_pipes(csv_path: str | None, batch: int = 256) -> None:
+    """The flush variants' instructions per element by pipe (32 elements a thread, fast paths,
+    as the benchmark runs them), the time each would take at `batch` if its binding pipe
+    never idled, and, with a kernel_bench CSV, what the per-token targets ask of the flush
+    and the non-flush steps."""
+    elements = batch * 128 * 64 * 128  # the Nemotron-3-Super layer
+    print(f"flush by pipe, 32 elements a thread, per element (floor: Nemotron layer, batch "
+          f"{batch}, {H200_SMS} SMs at {H200_CLOCK_GHZ} GHz, every pipe flat out):")
+    print(f"  {'variant':22s} {'total':>6s} {'ALU':>6s} {'heavy':>6s} {'fp32':>6s} {'XU':>5s} "
+          f"{'other':>6s}  floor")
+    general = (nm.sr_fp16_bits, nm.rn_e2m1_nibble)
+    _compile._CACHE.clear()
+    nm.sr_fp16_bits = lambda x, r: cutlass.Uint32(0)
+    nm.rn_e2m1_nibble = lambda x: cutlass.Uint32(0)
+    floors = {}
+    try:
+        for variant in VARIANTS:
+            cfg = flush_config(*variant, 32)
+            ops, _ = sass_histogram(rf.compile_flush(cfg, keep_ptx=True).__ptx__)
+            p = pipe_counts(ops, 32)
+            cycles, limit = issue_floor_cycles(p)
+            floors[variant] = floor_us(cycles, elements)
+            name = "{} {} hi + {}".format(*variant)
+            print(f"  {name:22s} {p['total']:6.1f} {p['alu']:6.1f} {p['heavy']:6.1f} "
+                  f"{p['fp32']:6.1f} {p['xu']:5.2f} {p['other']:6.1f}  "
+                  f"{floors[variant]:6.1f} us ({limit})")
+    finally:
+        nm.sr_fp16_bits, nm.rn_e2m1_nibble = general
+        _compile._CACHE.clear()
+    if not csv_path:
+        return
+    floor = floors[("fp16", "sr", "nvfp4")]
+    print(f"what the per-token targets ask ({csv_path}, batch {batch}, L = 16, each run's own "
+          "kernels):")
+    for b in flush_budgets(csv_path, batch=batch):
+        needed_at_floor = b["nonflush_bytes"] / (b["window_budget_us"] - floor) / b[
+            "copy_bytes_per_us"] if b["window_budget_us"] > floor else float("inf")
+        print(f"  run {b['run']}, {b['target']}:\n"
+              f"    with the run's non-flush steps the flush at <= {b['budget_us']:.1f} us "
+              f"(measured {b['flush_us']:.1f}; its bytes take {b['flush_at_copy_us']:.1f} at "
+              f"the run's copy bandwidth)\n"
+              f"    the non-flush steps (now {b['nonflush_frac']:.3f} of copy) at "
+              f"{b['nonflush_frac_needed_at_copy']:.3f} with the flush at copy speed, at "
+              f"{needed_at_floor:.3f} with the flush at its issue floor ({floor:.1f} us)")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m cute_kernels.instruction_count",
@@ -213,7 +367,20 @@ def main(argv=None) -> int:
         "are compiled out, so the count is what a thread issues.",
     )
     parser.add_argument("--with-fallbacks", action="store_true", help="count the kernel as shipped")
+    parser.add_argument(
+        "--pipes", action="store_true",
+        help="instead: the flush variants' instructions by Hopper pipe (ALU, FMA halves, XU) "
+        "and the time each takes at batch 256 if its busiest pipe never idled",
+    )
+    parser.add_argument(
+        "--csv", default="results/kernel_bench.csv",
+        help="with --pipes: a kernel_bench CSV from which to derive the flush time that each "
+        "per-token target allows (default %(default)s; skipped if absent)",
+    )
     args = parser.parse_args(argv)
+    if args.pipes:
+        print_pipes(args.csv if os.path.exists(args.csv) else None)
+        return 0
     for ept in (rf.ELEMENTS_PER_THREAD, 32):
         print(f"flush, {ept} elements per thread:")
         rows = count(args.with_fallbacks, VARIANTS, ept)

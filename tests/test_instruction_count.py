@@ -1,0 +1,84 @@
+"""The pipe model of `python -m cute_kernels.instruction_count --pipes`: counts by pipe add up,
+the floor is the busiest limit, and the per-token budgets follow the window formula."""
+
+import collections
+import csv
+
+import pytest
+
+from cute_kernels import instruction_count as ic
+
+
+def test_pipe_counts_partition_every_instruction():
+    """Every opcode lands in exactly one pipe (unknown ones in 'other'), per element."""
+    ops = collections.Counter(
+        {"LOP3": 70, "IMAD": 13, "FFMA": 9, "MUFU": 3, "LDG": 5, "HMMA": 2, "XYZW": 1}
+    )
+    p = ic.pipe_counts(ops, 7)
+    parts = sum(p[k] for k in ("alu", "heavy", "fp32", "xu", "other"))
+    assert p["total"] == pytest.approx(103 / 7)
+    assert parts == pytest.approx(p["total"])
+    assert p["alu"] == pytest.approx(10.0) and p["heavy"] == pytest.approx(13 / 7)
+    assert p["other"] == pytest.approx(8 / 7)  # LDG, HMMA and the unknown opcode
+
+
+@pytest.mark.parametrize(
+    "ops, limit, cycles",
+    [
+        ({"LOP3": 11, "FFMA": 3}, "ALU pipe", 22.0),  # half-rate ALU beats 14 issued
+        ({"IMAD": 9, "FFMA": 5, "LDG": 1}, "FMA heavy", 18.0),
+        ({"IMAD": 3, "FFMA": 13, "LOP3": 1}, "issue", 17.0),  # heavy + fp32 = 16 < 17 issued
+        ({"IMAD": 5, "FFMA": 13, "LOP3": 1}, "issue", 19.0),
+        ({"MUFU": 5, "LDG": 2}, "XU", 20.0),
+    ],
+)
+def test_issue_floor_is_the_busiest_limit(ops, limit, cycles):
+    got, name = ic.issue_floor_cycles(ic.pipe_counts(collections.Counter(ops), 1))
+    assert (name, got) == (limit, pytest.approx(cycles))
+
+
+def test_floor_us_is_cycles_over_clock():
+    """A sub-partition handles 32 elements per warp instruction: 132 SMs x 4 x 32 elements at
+    one cycle each take one cycle, 1/1.98 ns."""
+    assert ic.floor_us(1.0, 132 * 4 * 32) == pytest.approx(1 / 1980.0)
+    assert ic.floor_us(3.0, 5 * 132 * 4 * 32, clock_ghz=1.5) == pytest.approx(15 / 1500.0)
+
+
+def _row(run, kernel, step, scheme, time_us, nbytes, batch=256):
+    return dict(run=run, kernel=kernel, step=step, scheme=scheme, shape="nemotron3-super",
+                batch=batch, window=16, cursor=-1, time_us=time_us, bytes=nbytes,
+                copy_gbps=4000.0, status="ok")  # fmt: skip
+
+
+def test_flush_budgets_follow_the_window_formula(tmp_path):
+    """Budget = L R / g - (L T - F); the non-flush fraction needed spends what the flush at
+    copy speed leaves. Checked on odd made-up times, one run complete, one without its
+    reference (skipped), and rows of another batch ignored."""
+    T, F, R32, Rrep = 97.3, 701.9, 541.7, 301.3
+    flush_bytes, token_bytes = 1.3e9, 2.7e8
+    rows = [
+        _row("X", "cute:token:two-precision", "token", "two-precision", T, token_bytes),
+        _row("X", "cute:flush:fp16sr+nvfp4", "flush", "", F, flush_bytes),
+        _row("X", "cute:token:fp32-replay", "token", "fp32-replay", Rrep, 1e9),
+        _row("X", "cute:token:conventional-fp32", "token", "conventional-fp32", R32, 2e9),
+        _row("Y", "cute:token:two-precision", "token", "two-precision", 90.0, token_bytes),
+        _row("Y", "cute:flush:fp16sr+nvfp4", "flush", "", 650.0, flush_bytes),
+        _row("X", "cute:token:two-precision", "token", "two-precision", 3.0, 1.0, batch=8),
+    ]
+    path = tmp_path / "kb.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    got = {(b["run"], b["goal"]): b for b in ic.flush_budgets(str(path))}
+    assert set(got) == {("X", 4.0), ("X", 7.5)}
+    nonflush_us, nonflush_bytes = 16 * T - F, 16 * token_bytes - flush_bytes
+    at_copy = flush_bytes / 4.0e6
+    for goal, ref in ((4.0, Rrep), (7.5, R32)):
+        b = got[("X", goal)]
+        assert b["budget_us"] == pytest.approx(16 * ref / goal - nonflush_us)
+        assert b["flush_at_copy_us"] == pytest.approx(at_copy)
+        assert b["nonflush_frac"] == pytest.approx(nonflush_bytes / nonflush_us / 4.0e6)
+        assert b["nonflush_frac_needed_at_copy"] == pytest.approx(
+            nonflush_bytes / (16 * ref / goal - at_copy) / 4.0e6
+        )
