@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Dynamic instruction counts by pipe and by opcode of kernel_bench kernels at the headline
+# point (Nemotron-3-Super layer, batch 256, L = 16), for `python -m
+# cute_kernels.instruction_count --ncu FILE` to compare with the static pipe model. On the GPU
+# machine, from the repository root (carry .device):
+#
+#   source .device/activate.sh && bash scripts/ncu_pipes.sh $OUT cute:flush:fp16sr+nvfp4 ...
+#
+# ncu's InstructionStats (executed instructions per opcode) and ComputeWorkloadAnalysis (per
+# pipe) sections, raw page, clocks left alone; kernel_bench --profile launches the kernel once
+# on each of 4 buffer sets after a warm-up. Writes OUT/ncu_pipes_<kernel>.txt.
+set -uo pipefail
+out=$1
+shift
+py=${PYTHON:-python}
+for kernel in "$@"; do
+  name=$(echo "$kernel" | tr ':+' '__')
+  args=(--profile-from-start off --clock-control none --section ComputeWorkloadAnalysis
+        --section InstructionStats --page raw)
+  timeout 240 ncu "${args[@]}" --print-metric-instances values "$py" -m experiments.kernel_bench \
+    --profile "$kernel" --shapes nemotron3-super --batches 256 --windows 16 \
+    > "$out/ncu_pipes_$name.txt" 2>&1
+  status=$?
+  if [ $status -ne 0 ]; then  # an ncu without --print-metric-instances: totals only
+    timeout 240 ncu "${args[@]}" "$py" -m experiments.kernel_bench --profile "$kernel" \
+      --shapes nemotron3-super --batches 256 --windows 16 > "$out/ncu_pipes_$name.txt" 2>&1
+    status=$?
+  fi
+  echo "ncu $kernel: exit $status, $(wc -l < "$out/ncu_pipes_$name.txt") lines"
+done
