@@ -146,8 +146,9 @@ def sass_histogram(ptx: str) -> tuple[collections.Counter, int]:
     return ops, int(registers[-1]) if registers else -1
 
 
-def flush_config(hi: str, rounding: str, lo: str,
-                 elements_per_thread: int = rf.ELEMENTS_PER_THREAD, **knobs) -> rf.FlushConfig:
+def flush_config(
+    hi: str, rounding: str, lo: str, elements_per_thread: int = rf.ELEMENTS_PER_THREAD, **knobs
+) -> rf.FlushConfig:
     """The benchmark's flush at the Nemotron-3-Super head, without debug output; chunk, fold
     and the register cap FlushConfig's defaults for `elements_per_thread` unless `knobs`
     name them."""
@@ -221,10 +222,39 @@ def count_nonflush(variants=NONFLUSH_VARIANTS) -> list[tuple[tuple[str, int], fl
 # ALU the static ALU count would be 30.8. Static counts leave out the ring staging loop's
 # repeats and count each rare path once.
 PIPES = {
-    "alu": ("LOP3", "LOP", "IADD3", "IADD", "ISETP", "FSETP", "FMNMX", "IMNMX", "VIMNMX",
-            "VIADDMNMX", "SEL", "FSEL", "SHF", "SHL", "SHR", "PRMT", "LEA", "PLOP3", "MOV",
-            "F2FP", "I2FP", "P2R", "R2P", "BMSK", "SGXT", "ISCADD", "IABS", "FLO", "POPC",
-            "BREV", "VOTE"),
+    "alu": (
+        "LOP3",
+        "LOP",
+        "IADD3",
+        "IADD",
+        "ISETP",
+        "FSETP",
+        "FMNMX",
+        "IMNMX",
+        "VIMNMX",
+        "VIADDMNMX",
+        "SEL",
+        "FSEL",
+        "SHF",
+        "SHL",
+        "SHR",
+        "PRMT",
+        "LEA",
+        "PLOP3",
+        "MOV",
+        "F2FP",
+        "I2FP",
+        "P2R",
+        "R2P",
+        "BMSK",
+        "SGXT",
+        "ISCADD",
+        "IABS",
+        "FLO",
+        "POPC",
+        "BREV",
+        "VOTE",
+    ),
     "heavy": ("IMAD", "IMUL", "IDP", "VIADD"),
     "fp32": ("FFMA", "FMUL", "FADD", "HADD2", "HMUL2", "HFMA2", "FMNMX2"),
     "xu": ("MUFU", "F2F", "F2I", "I2F", "FRND"),
@@ -259,15 +289,17 @@ def issue_floor_cycles(pipes: dict) -> tuple[float, str]:
     return limits[name], name
 
 
-def floor_us(cycles_per_element: float, elements: int, sms: int = H200_SMS,
-             clock_ghz: float = H200_CLOCK_GHZ) -> float:
+def floor_us(
+    cycles_per_element: float, elements: int, sms: int = H200_SMS, clock_ghz: float = H200_CLOCK_GHZ
+) -> float:
     """Microseconds for `elements` state elements at `cycles_per_element` a sub-partition per
     32 elements (one a lane), every sub-partition busy."""
     return elements / (sms * 4 * 32) * cycles_per_element / (clock_ghz * 1e3)
 
 
-def flush_budgets(csv_path: str, shape: str = "nemotron3-super", batch: int = 256,
-                  window: int = 16) -> list[dict]:
+def flush_budgets(
+    csv_path: str, shape: str = "nemotron3-super", batch: int = 256, window: int = 16
+) -> list[dict]:
     """From a kernel_bench CSV, per run and per-token target of the issue (4x FP32 ReplaySSM,
     7.5x the conventional FP32 update), what the target asks of the two kernels.
 
@@ -295,8 +327,10 @@ def flush_budgets(csv_path: str, shape: str = "nemotron3-super", batch: int = 25
         nonflush_us = window * float(token["time_us"]) - flush_us
         nonflush_bytes = window * float(token["bytes"]) - float(flush["bytes"])
         at_copy = float(flush["bytes"]) / copy_bytes_per_us
-        for target, reference, goal in (("4x FP32 ReplaySSM", "fp32-replay", 4.0),
-                                        ("7.5x conventional FP32", "conventional-fp32", 7.5)):
+        for target, reference, goal in (
+            ("4x FP32 ReplaySSM", "fp32-replay", 4.0),
+            ("7.5x conventional FP32", "conventional-fp32", 7.5),
+        ):
             if ("token", reference) not in mine:
                 continue
             window_us = window * float(mine[("token", reference)]["time_us"]) / goal
@@ -312,16 +346,20 @@ def flush_budgets(csv_path: str, shape: str = "nemotron3-super", batch: int = 25
     return out
 
 
-def print_pipes(csv_path: str | None, batch: int = 256) -> None:
+def print_pipes(csv_path: str | None, batch: int = 256, ncu_floor_us: float | None = None) -> None:
     """The flush variants' instructions per element by pipe (32 elements a thread, fast paths,
     as the benchmark runs them), the time each would take at `batch` if its binding pipe
     never idled, and, with a kernel_bench CSV, what the per-token targets ask of the flush
-    and the non-flush steps."""
+    and the non-flush steps (with `ncu_floor_us`, also at the floor of the executed count)."""
     elements = batch * 128 * 64 * 128  # the Nemotron-3-Super layer
-    print(f"flush by pipe, 32 elements a thread, per element (floor: Nemotron layer, batch "
-          f"{batch}, {H200_SMS} SMs at {H200_CLOCK_GHZ} GHz, every pipe flat out):")
-    print(f"  {'variant':22s} {'total':>6s} {'ALU':>6s} {'heavy':>6s} {'fp32':>6s} {'XU':>5s} "
-          f"{'other':>6s}  floor")
+    print(
+        f"flush by pipe, 32 elements a thread, per element (floor: Nemotron layer, batch "
+        f"{batch}, {H200_SMS} SMs at {H200_CLOCK_GHZ} GHz, every pipe flat out):"
+    )
+    print(
+        f"  {'variant':22s} {'total':>6s} {'ALU':>6s} {'heavy':>6s} {'fp32':>6s} {'XU':>5s} "
+        f"{'other':>6s}  floor"
+    )
     general = (nm.sr_fp16_bits, nm.rn_e2m1_nibble)
     _compile._CACHE.clear()
     nm.sr_fp16_bits = lambda x, r: cutlass.Uint32(0)
@@ -335,27 +373,119 @@ def print_pipes(csv_path: str | None, batch: int = 256) -> None:
             cycles, limit = issue_floor_cycles(p)
             floors[variant] = floor_us(cycles, elements)
             name = "{} {} hi + {}".format(*variant)
-            print(f"  {name:22s} {p['total']:6.1f} {p['alu']:6.1f} {p['heavy']:6.1f} "
-                  f"{p['fp32']:6.1f} {p['xu']:5.2f} {p['other']:6.1f}  "
-                  f"{floors[variant]:6.1f} us ({limit})")
+            print(
+                f"  {name:22s} {p['total']:6.1f} {p['alu']:6.1f} {p['heavy']:6.1f} "
+                f"{p['fp32']:6.1f} {p['xu']:5.2f} {p['other']:6.1f}  "
+                f"{floors[variant]:6.1f} us ({limit})"
+            )
     finally:
         nm.sr_fp16_bits, nm.rn_e2m1_nibble = general
         _compile._CACHE.clear()
     if not csv_path:
         return
     floor = floors[("fp16", "sr", "nvfp4")]
-    print(f"what the per-token targets ask ({csv_path}, batch {batch}, L = 16, each run's own "
-          "kernels):")
+    print(
+        f"what the per-token targets ask ({csv_path}, batch {batch}, L = 16, each run's own "
+        "kernels):"
+    )
     for b in flush_budgets(csv_path, batch=batch):
-        needed_at_floor = b["nonflush_bytes"] / (b["window_budget_us"] - floor) / b[
-            "copy_bytes_per_us"] if b["window_budget_us"] > floor else float("inf")
-        print(f"  run {b['run']}, {b['target']}:\n"
-              f"    with the run's non-flush steps the flush at <= {b['budget_us']:.1f} us "
-              f"(measured {b['flush_us']:.1f}; its bytes take {b['flush_at_copy_us']:.1f} at "
-              f"the run's copy bandwidth)\n"
-              f"    the non-flush steps (now {b['nonflush_frac']:.3f} of copy) at "
-              f"{b['nonflush_frac_needed_at_copy']:.3f} with the flush at copy speed, at "
-              f"{needed_at_floor:.3f} with the flush at its issue floor ({floor:.1f} us)")
+        at_floor = f"at {nonflush_frac_needed(b, floor):.3f} with the flush at its issue floor "
+        at_floor += f"({floor:.1f} us)"
+        if ncu_floor_us is not None:
+            at_floor += (
+                f", at {nonflush_frac_needed(b, ncu_floor_us):.3f} with it at the executed "
+                f"count's ({ncu_floor_us:.1f} us)"
+            )
+        print(
+            f"  run {b['run']}, {b['target']}:\n"
+            f"    with the run's non-flush steps the flush at <= {b['budget_us']:.1f} us "
+            f"(measured {b['flush_us']:.1f}; its bytes take {b['flush_at_copy_us']:.1f} at "
+            f"the run's copy bandwidth)\n"
+            f"    the non-flush steps (now {b['nonflush_frac']:.3f} of copy) at "
+            f"{b['nonflush_frac_needed_at_copy']:.3f} with the flush at copy speed, {at_floor}"
+        )
+
+
+def nonflush_frac_needed(budget: dict, flush_us: float) -> float:
+    """The non-flush steps' fraction of copy that meets a flush_budgets() target when the
+    flush takes `flush_us` (inf when the flush alone spends the window's budget)."""
+    left = budget["window_budget_us"] - flush_us
+    if left <= 0:
+        return float("inf")
+    return budget["nonflush_bytes"] / left / budget["copy_bytes_per_us"]
+
+
+# Metrics that `--ncu` reads from ncu's raw page (scripts/ncu_pipes.sh keeps only these lines).
+NCU_METRICS = (
+    "gpu__time_duration.sum",
+    "smsp__inst_executed.sum",
+    "sm__inst_executed.avg.per_cycle_active",
+    "sm__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active",
+    "sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active",
+    "sm__inst_executed_pipe_lsu.avg.pct_of_peak_sustained_active",
+    "sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active",
+)
+
+
+def read_ncu_raw(path: str) -> list[dict]:
+    """Kernels of an `ncu --page raw` report: [{'kernel', 'grid', metric: value, ...}] in
+    launch order, single-valued metrics only (instanced values and units dropped)."""
+    kernels: list[dict] = []
+    header = re.compile(r"^  (\S+) \((\d+), (\d+), (\d+)\)x\((\d+), (\d+), (\d+)\), Context")
+    metric = re.compile(r"^  ([a-z][\w.]+)\s+(?:\S+\s+)?([-\d,.]+)\s*$")
+    with open(path, errors="replace") as f:
+        for line in f:
+            m = header.match(line)
+            if m:
+                kernels.append({"kernel": m[1], "grid": tuple(int(g) for g in m.groups()[1:4])})
+                continue
+            m = metric.match(line)
+            if m and kernels:
+                try:
+                    kernels[-1][m[1]] = float(m[2].replace(",", ""))
+                except ValueError:
+                    pass
+    return kernels
+
+
+def ncu_per_element(k: dict, elements: int) -> dict:
+    """One profiled launch's executed instructions per element and lane (`elements` state
+    elements, 32 a warp instruction), by pipe: ALU (a half-rate pipe, so its share of the
+    instructions is 0.5 x its % of peak over the warp instructions issued a cycle and
+    sub-partition), FMA (both halves: 1 a cycle), LSU and XU (the share at their % of peak
+    over the issue rate: 0.5 and 0.25 a cycle), and the issue rate itself."""
+    per = k["smsp__inst_executed.sum"] * 32 / elements
+    issue = k["sm__inst_executed.avg.per_cycle_active"] / 4  # a sub-partition
+    share = {"alu": 0.5, "fma": 1.0, "lsu": 0.5, "xu": 0.25}
+    out = {"total": per, "issue_per_cycle": issue, "time_us": k["gpu__time_duration.sum"]}
+    for pipe, rate in share.items():
+        pct = k.get(f"sm__inst_executed_pipe_{pipe}.avg.pct_of_peak_sustained_active")
+        out[pipe] = None if pct is None else per * pct / 100 * rate / issue
+    return out
+
+
+def print_ncu(path: str, batch: int = 256) -> float:
+    """Per profiled launch of a scripts/ncu_pipes.sh report (Nemotron layer at `batch`): the
+    executed instructions per element by pipe and the issue floor they set. Returns the
+    first launch's floor."""
+    elements = batch * 128 * 64 * 128
+    launches = [k for k in read_ncu_raw(path) if k.get("gpu__time_duration.sum", 0) > 10]
+    if not launches:
+        raise SystemExit(f"instruction_count: no profiled launch over 10 us in {path}")
+    print(
+        f"{path}: per element, executed (Nemotron layer, batch {batch}; floor at "
+        f"{H200_SMS} SMs, {H200_CLOCK_GHZ} GHz)"
+    )
+    floors = []
+    for k in launches:
+        d = ncu_per_element(k, elements)
+        floors.append(floor_us(max(d["total"], 2 * (d["alu"] or 0.0)), elements))
+        print(
+            f"  {k['kernel'][:48]:48s} {d['time_us']:7.1f} us  total {d['total']:5.2f}  "
+            f"ALU {d['alu']:5.2f}  FMA {d['fma']:5.2f}  LSU {d['lsu']:5.2f}  "
+            f"issued {d['issue_per_cycle']:.3f} a cycle  floor {floors[-1]:6.1f} us"
+        )
+    return floors[0]
 
 
 def main(argv=None) -> int:
@@ -368,18 +498,34 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--with-fallbacks", action="store_true", help="count the kernel as shipped")
     parser.add_argument(
-        "--pipes", action="store_true",
+        "--pipes",
+        action="store_true",
         help="instead: the flush variants' instructions by Hopper pipe (ALU, FMA halves, XU) "
         "and the time each takes at batch 256 if its busiest pipe never idled",
     )
     parser.add_argument(
-        "--csv", default="results/kernel_bench.csv",
+        "--csv",
+        default="results/kernel_bench.csv",
         help="with --pipes: a kernel_bench CSV from which to derive the flush time that each "
         "per-token target allows (default %(default)s; skipped if absent)",
     )
+    parser.add_argument(
+        "--ncu",
+        metavar="REPORT",
+        help="instead: executed instructions per element by pipe, from a report of "
+        "scripts/ncu_pipes.sh (ncu's raw page at batch 256), and the issue floor they set; "
+        "with --pipes and the two-precision flush's report, the targets at that floor too",
+    )
     args = parser.parse_args(argv)
+    ncu_floor = None
+    if args.ncu:
+        if not os.path.exists(args.ncu):
+            parser.error(f"--ncu: no such file: {args.ncu}")
+        ncu_floor = print_ncu(args.ncu)
+        if not args.pipes:
+            return 0
     if args.pipes:
-        print_pipes(args.csv if os.path.exists(args.csv) else None)
+        print_pipes(args.csv if os.path.exists(args.csv) else None, ncu_floor_us=ncu_floor)
         return 0
     for ept in (rf.ELEMENTS_PER_THREAD, 32):
         print(f"flush, {ept} elements per thread:")

@@ -8,11 +8,13 @@
 #
 # ncu's InstructionStats (executed instructions per opcode) and ComputeWorkloadAnalysis (per
 # pipe) sections, raw page, clocks left alone; kernel_bench --profile launches the kernel once
-# on each of 4 buffer sets after a warm-up. Writes OUT/ncu_pipes_<kernel>.txt.
+# on each of 4 buffer sets after a warm-up. Writes OUT/ncu_pipes_<kernel>.txt and, with only
+# the lines that --ncu reads, OUT/ncu_pipes_<kernel>.trim.txt.
 set -uo pipefail
 out=$1
 shift
 py=${PYTHON:-python}
+keep='==PROF==|\), Context |^  (gpu__time_duration\.sum|smsp__inst_executed\.sum|sm__inst_executed\.avg\.per_cycle_active|sm__inst_executed_pipe_(alu|fma|lsu|xu)\.avg\.pct_of_peak_sustained_active) '
 for kernel in "$@"; do
   name=$(echo "$kernel" | tr ':+' '__')
   args=(--profile-from-start off --clock-control none --section ComputeWorkloadAnalysis
@@ -27,4 +29,6 @@ for kernel in "$@"; do
     status=$?
   fi
   echo "ncu $kernel: exit $status, $(wc -l < "$out/ncu_pipes_$name.txt") lines"
+  # what `instruction_count --ncu` reads (NCU_METRICS there), small enough to keep in results/
+  grep -E "$keep" "$out/ncu_pipes_$name.txt" > "$out/ncu_pipes_$name.trim.txt"
 done

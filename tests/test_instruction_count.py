@@ -82,3 +82,54 @@ def test_flush_budgets_follow_the_window_formula(tmp_path):
         assert b["nonflush_frac_needed_at_copy"] == pytest.approx(
             nonflush_bytes / (16 * ref / goal - at_copy) / 4.0e6
         )
+
+
+_NCU_RAW = """==PROF== Disconnected from process 516
+  kernel_cutlass_flush_like (128, 256, 1)x(256, 1, 1), Context 1, Stream 7, Device 0, CC 9.0
+    Section: Command line profiler metrics
+  gpu__time_duration.sum                                         us               753.66
+  sm__inst_executed.avg.per_cycle_active                         inst/cycle         2.72
+  sm__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active    %                 63.00
+  sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active    %                 25.50
+  sm__inst_executed_pipe_lsu.avg.pct_of_peak_sustained_active    %                 17.00
+  sass__inst_executed_per_opcode                                                   474,053,271
+                                                                                 (101,423,009;
+  smsp__inst_executed.sum                                        inst        474,053,271
+  kernel_cutlass_counter_like (2, 1, 1)x(128, 1, 1), Context 1, Stream 7, Device 0, CC 9.0
+  gpu__time_duration.sum                                         us                 2.27
+  smsp__inst_executed.sum                                        inst                176
+"""
+
+
+def test_read_ncu_raw_keeps_each_launch_and_its_single_values(tmp_path):
+    path = tmp_path / "raw.txt"
+    path.write_text(_NCU_RAW)
+    first, second = ic.read_ncu_raw(str(path))
+    assert first["grid"] == (128, 256, 1) and second["grid"] == (2, 1, 1)
+    assert first["smsp__inst_executed.sum"] == 474053271
+    assert first["sass__inst_executed_per_opcode"] == 474053271  # the total, not an instance
+    assert second["gpu__time_duration.sum"] == pytest.approx(2.27)
+
+
+def test_ncu_per_element_shares_follow_pipe_rates(tmp_path):
+    """Instructions per element from the executed count; a pipe's share is its % of peak
+    times its rate (ALU and LSU half a warp instruction a cycle, FMA one) over the issue rate
+    of a sub-partition (2.72 / 4 = 0.68)."""
+    path = tmp_path / "raw.txt"
+    path.write_text(_NCU_RAW)
+    k = ic.read_ncu_raw(str(path))[0]
+    elements = 3 * 474053271  # any count: 32 / 3 instructions an element in all
+    d = ic.ncu_per_element(k, elements)
+    assert d["total"] == pytest.approx(32 / 3)
+    assert d["issue_per_cycle"] == pytest.approx(0.68)
+    assert d["alu"] == pytest.approx(32 / 3 * 0.63 * 0.5 / 0.68)
+    assert d["fma"] == pytest.approx(32 / 3 * 0.255 / 0.68)
+    assert d["lsu"] == pytest.approx(32 / 3 * 0.17 * 0.5 / 0.68)
+    assert d["xu"] is None  # not in the report
+
+
+def test_nonflush_fraction_needed_grows_with_the_flush_and_is_inf_past_the_budget():
+    b = {"window_budget_us": 1000.0, "nonflush_bytes": 3.1e9, "copy_bytes_per_us": 4.2e6}
+    fast, slow = ic.nonflush_frac_needed(b, 300.0), ic.nonflush_frac_needed(b, 450.0)
+    assert fast == pytest.approx(3.1e9 / 700.0 / 4.2e6) and slow > fast
+    assert ic.nonflush_frac_needed(b, 1000.0) == float("inf")
