@@ -14,6 +14,8 @@ call overhead), and states its equivalence to `lowprec`:
                                 counter = element // 4 (element e takes word e % 4)
     sr_fp16_bits                encode_bits(round_to(x, FP16, 'sr', r), FP16)
     sr_fp16_bits_fast           the same by one add where |x| >= 2^-14, with a flag elsewhere
+    sr_fp16x2_fast              two of them by two adds and one cvt.rz.satfinite.f16x2.f32
+                                where 2^-14 <= |x| < 2^127 (the kernels' fast path)
     rn_fp16_bits, rn_e4m3_byte, encode_bits(round_to(x, fmt, 'rn'), fmt): ties to even,
       rn_e2m1_nibble            saturating (plain hardware cvt.rn.f16 gives inf from 65520 on)
     rn_fp16x2                   two rn_fp16_bits with cvt.rn.satfinite.f16x2.f32 (fast path)
@@ -86,6 +88,7 @@ __all__ = [
     "bits_f32",
     "sr_fp16_bits",
     "sr_fp16_bits_fast",
+    "sr_fp16x2_fast",
     "sr_fp16_chunk",
     "rn_code",
     "rn_fp16_bits",
@@ -298,23 +301,57 @@ def sr_fp16_bits_fast(x, r):
     return code | ((u >> _u(16, u)) & _u(0x8000, u)), exact
 
 
+def sr_fp16x2_fast(a, b, ra, rb):
+    """(bits, exact): sr_fp16_bits(a, ra) in the low half and sr_fp16_bits(b, rb) in the high
+    half of one word, and whether both are: true where 2^-14 <= |a|, |b| < 2^127 (NaN, zero,
+    fp16 subnormals, infinities and the top binade are left to the caller).
+
+    Why: as in sr_fp16_bits_fast, adding ~r >> 19 (= 0x1FFF - (r >> 19)) to the low 13 bits
+    of the significand carries into bit 13 exactly when lowprec rounds up, and the add can
+    work on the signed bits: below 2^127 no carry reaches the exponent's top or the sign.
+    Truncating the sum to fp16 is then the rounded value, which the hardware does for two
+    values in one `cvt.rz.satfinite.f16x2.f32`: toward zero drops the 13 bits (every |sum| >=
+    2^-14 has an fp16 normal or overflow code), satfinite clamps past 65504 to 65504 as
+    lowprec's min does. Per element an add, a shift, half a conversion and two compares,
+    against sr_fp16_bits_fast's integer rebias, clamp, sign and packing.
+    """
+    ta = f32_bits(a) + (_u(0x1FFF, ra) - (ra >> _u(19, ra)))
+    tb = f32_bits(b) + (_u(0x1FFF, rb) - (rb >> _u(19, rb)))
+    exact = (_fabs(a) >= _f(2.0**-14, a)) & (_fabs(a) < _f(2.0**127, a))
+    exact = exact & (_fabs(b) >= _f(2.0**-14, b)) & (_fabs(b) < _f(2.0**127, b))
+    if _is_np(a):  # the conversion on its exact range: rebias, clamp at 65504, sign
+        def rz(t):
+            code = _umin(((t & _u(0x7FFFFFFF, t)) >> _u(13, t)) - _u(112 << 10, t), _u(0x7BFF, t))
+            return code | ((t >> _u(16, t)) & _u(0x8000, t))
+
+        with np.errstate(over="ignore"):
+            return rz(ta) | (rz(tb) << np.uint32(16)), exact
+    packed = inline_ptx(
+        T.i32(),
+        [bits_f32(tb).ir_value(), bits_f32(ta).ir_value()],
+        "cvt.rz.satfinite.f16x2.f32 $0, $1, $2;",
+        "=r,f,f",
+    )
+    return Uint32(packed), exact
+
+
 @cute.jit
 def sr_fp16_chunk(frag, values, counter_lo0, counter_hi, keys, first: int = 0):
     """fp16 SR bits of the 8 consecutive state elements values[first .. first + 7] (the first
     a multiple of 4), two per uint32 of `frag` (from frag[first // 2]): element first + 4j + k
     takes word k of the counter `(counter_lo0 + first // 4 + j, counter_hi)`. The one-add form
-    (sr_fp16_bits_fast) where all eight |values| are at least 2^-14; a thread holding an fp16
-    subnormal, zero or NaN redoes its eight the general way."""
+    (sr_fp16x2_fast, a pair a conversion) where all eight lie in 2^-14 <= |x| < 2^127; a
+    thread holding an fp16 subnormal, zero, NaN or infinity redoes its eight the general way."""
     words = []
     for j in cutlass.range_constexpr(2):
         words.extend(philox_words(counter_lo0 + Uint32(first // 4 + j), counter_hi, keys))
     f2 = first // 2
     exact = cutlass.Boolean(True)
     for v2 in cutlass.range_constexpr(4):
-        low, exact_low = sr_fp16_bits_fast(values[first + 2 * v2], words[2 * v2])
-        high, exact_high = sr_fp16_bits_fast(values[first + 2 * v2 + 1], words[2 * v2 + 1])
-        frag[f2 + v2] = low | (high << Uint32(16))
-        exact = exact & exact_low & exact_high
+        frag[f2 + v2], exact_pair = sr_fp16x2_fast(
+            values[first + 2 * v2], values[first + 2 * v2 + 1], words[2 * v2], words[2 * v2 + 1]
+        )
+        exact = exact & exact_pair
     if not exact:
         for v2 in cutlass.range_constexpr(4):
             low = sr_fp16_bits(values[first + 2 * v2], words[2 * v2])

@@ -221,6 +221,25 @@ def test_sr_fp16_fast_equals_the_general_form_wherever_it_claims_to():
     assert np.array_equal(fast[exact], nm.sr_fp16_bits(x, words)[exact])
 
 
+def test_sr_fp16x2_fast_equals_the_general_form_wherever_it_claims_to():
+    """The paired SR (two adds, one truncating conversion) is sr_fp16_bits for both halves
+    wherever both inputs lie in 2^-14 <= |x| < 2^127, and says so exactly there: zero, fp16
+    subnormals, NaN, infinities and the top binade (where the add could carry into the
+    exponent's all-ones) go to the general form."""
+    x, words = _fp16_neighbourhood_inputs(np.random.default_rng(5), 400_000)
+    y, more = _fp16_neighbourhood_inputs(np.random.default_rng(9), 400_000)
+    top = np.array([2.0**127, -(2.0**127), 3.4028235e38, 2.0**127 * 0.99999994], np.float32)
+    x[-top.size :], y[-top.size :] = top, np.float32(1.5)
+    pair, exact = nm.sr_fp16x2_fast(x, y, words, more)
+    with np.errstate(invalid="ignore"):
+        inside = [(np.abs(v) >= np.float32(2.0**-14)) & (np.abs(v) < np.float32(2.0**127))
+                  for v in (x, y)]  # fmt: skip
+    assert np.array_equal(exact, inside[0] & inside[1])
+    assert 0.3 < exact.mean() < 0.9 and not exact[-top.size : -1].any() and exact[-1]
+    general = nm.sr_fp16_bits(x, words) | (nm.sr_fp16_bits(y, more) << np.uint32(16))
+    assert np.array_equal(pair[exact], general[exact])
+
+
 def test_e2m1_quotient_fast_equals_the_division_wherever_it_claims_to():
     """x * RN(1/d) gives lowprec's E2M1 code of RN(x / d) wherever it says it is exact, for
     divisors over 2^-60 .. 2^60 and quotients placed on, and 1-3 ulps from, every decision
@@ -288,6 +307,8 @@ OUTPUTS = (
     "sr_fp16_fast",  # bits | exact << 16
     "e2m1_fast",  # nibble | 16 where exact, else 0; quotient x * RN(1 / y)
     "philox_w3",  # the last of the four words (the first is "philox")
+    "sr_fp16x2_fast",  # SR of (x, y) with words (w, w ^ 0x9E3779B9) where exact, else 0
+    "sr_fp16x2_exact",  # 1 where exact
 )
 
 
@@ -323,6 +344,9 @@ def _probe_kernel(
         nibble, exact = nm.e2m1_quotient_fast(v, nm.div_rn(Float32(1.0), y[i]))
         out[i, 9] = nm._sel(exact, nibble | Uint32(16), Uint32(0))
         out[i, 10] = nm.philox_words(r, nm.f32_bits(y[i]), keys)[3]
+        pair, exact = nm.sr_fp16x2_fast(v, y[i], r, r ^ Uint32(0x9E3779B9))
+        out[i, 11] = nm._sel(exact, pair, Uint32(0))
+        out[i, 12] = nm._sel(exact, Uint32(1), Uint32(0))
 
 
 @cute.jit
@@ -371,6 +395,7 @@ def test_probe_compiles_for_sm90a_with_the_contract_instructions():
     assert "div.rn.f32" in ptx
     assert "div.approx" not in ptx and "div.full" not in ptx and "rcp." not in ptx
     assert "cvt.rn.satfinite.f16x2.f32" in ptx
+    assert "cvt.rz.satfinite.f16x2.f32" in ptx  # the paired SR's truncation
     assert "mul.hi.u32" in ptx or "mul.wide.u32" in ptx
     assert ".local" not in ptx
 
@@ -417,6 +442,9 @@ def test_probe_kernel_equals_numpy_backend_and_lowprec():
             "e2m1_fast": _exact_or_zero(*nm.e2m1_quotient_fast(x, (1 / y).astype(np.float32))),
             "philox_w3": nm.philox_words(words, y.view(np.uint32), keys)[3],
         }
+        pair, exact = nm.sr_fp16x2_fast(x, y, words, words ^ np.uint32(0x9E3779B9))
+        want["sr_fp16x2_fast"] = np.where(exact, pair, np.uint32(0))
+        want["sr_fp16x2_exact"] = exact.astype(np.uint32)
     positive = y.view(np.uint32) < (1 << 31)  # offsets below 2^63 (lowprec takes int64)
     offsets = torch.from_numpy(
         (y[positive].view(np.uint32).astype(np.int64) << 32) | words[positive].astype(np.int64)

@@ -827,9 +827,10 @@ def _sass_tools() -> bool:
 
 @pytest.mark.skipif(not _sass_tools(), reason="needs ptxas (CUDA 12.9+) and cuobjdump")
 def test_flush_instruction_budget_per_element():
-    """The fp16-SR + NVFP4 flush issues at most 52.5 SASS instructions per state element on
-    its fast paths at 64 elements a thread and at most 60.5 at the default 32 (direct fold, 64
-    registers). Measured 2026-11-30: 50.7 and 58.9 with the E2M1 code placed in its nibble
+    """The fp16-SR + NVFP4 flush issues at most 48 SASS instructions per state element on
+    its fast paths at 64 elements a thread and at most 56.5 at the default 32 (direct fold, 64
+    registers). Measured 2026-11-30: 46.7 and 55.3 with the SR of two elements finished by one
+    truncating conversion (sr_fp16x2_fast); 50.7 and 58.9 with the E2M1 code placed in its nibble
     straight from the rounded value and one max |S| an element; 52.5 and 60.8 (16-element
     chunks, the E2M1 exactness
     test against a multiple of the grid step); 62.1 and 69.9 the session before (tensor-core
@@ -842,8 +843,8 @@ def test_flush_instruction_budget_per_element():
     ((_, fast, _, _),) = ic.count(False, variants)
     ((_, shipped, _, _),) = ic.count(True, variants)
     ((_, fast32, registers32, _),) = ic.count(False, variants, 32)
-    assert fast <= 52.5
-    assert fast32 <= 60.5 and registers32 <= 64
+    assert fast <= 48.0
+    assert fast32 <= 56.5 and registers32 <= 64
     assert shipped > fast
 
 
