@@ -55,6 +55,12 @@ head's amax and the block scales: fp16 SR + nvfp4 at 32 a thread 60.9 -> 58.9 (6
 52.5 -> 50.7), fp16 RN + nvfp4 44.6 -> 43.0; on the H200 773.5 -> 757.7 us at batch 256
 (`bench_write`, results/gpu_first_timing/bench_write_11_{old,new}.csv).
 
+Thirteenth session (same tools): the SR of two elements finished by one truncating
+conversion (numerics.sr_fp16x2_fast): fp16 SR + nvfp4 at 32 a thread 58.9 -> 55.3 (64 a
+thread 50.7 -> 46.7), fp16 SR without a read copy 36.6 -> 32.9; on the H200 743.0 -> 668.3 us
+at batch 256 in the benchmark (results/README.md, "Thirteenth session"). `--pipes` sorts these
+counts by pipe; `--ncu` reads what ncu counts executed.
+
 Non-flush nvfp4 at 4 warps: 4.52 instructions per element and lane with the f16 bit-trick
 decode and an f16 scale multiply (commit bcd48ec), 3.36 with the E4M3 re-pack and the block
 scales applied to per-block mma sums (78 -> 70-72 us at batch 256 on the H200), 3.38 with
@@ -214,13 +220,13 @@ def count_nonflush(variants=NONFLUSH_VARIANTS) -> list[tuple[tuple[str, int], fl
 # fp32 compare/min/max/select, fast fp32 -> fp16 packing) and each of the two FMA halves
 # (`heavy`: IMAD and fp32; `lite`: fp32 only) take 16 lanes a cycle, so a warp instruction
 # holds the pipe 2 cycles; fp32 arithmetic goes to whichever half is free, so heavy-only work
-# plus fp32 work share one warp instruction a cycle; MUFU (XU) takes 4. VIADD, new in sm_90, is
-# placed on the heavy half: with it there, the shipped flush's static counts give ALU 28.2 and
-# heavy 12.5 instructions an element (18.1 with half the 11.3 fp32 ones), against 27.3 and 19.5
-# implied by ncu's 63% ALU and 45% heavy pipe activity at 0.68 warp instructions issued a cycle
-# (results/kernel_bench_runs/ncu/ncu_stalls_cute_flush_fp16sr_nvfp4_10.txt); with VIADD on the
-# ALU the static ALU count would be 30.8. Static counts leave out the ring staging loop's
-# repeats and count each rare path once.
+# plus fp32 work share one warp instruction a cycle; MUFU (XU) takes 4. The half-rate ALU is
+# measured: ncu counts 1.50 ALU instructions an element executed by the non-flush step (`--ncu`
+# on results/kernel_bench_runs/ncu/ncu_pipes_cute_nonflush_nvfp4_13.trim.txt), its SASS 1.51.
+# VIADD, new in sm_90, is placed on the heavy half; ncu does not settle it. For the flush before
+# the paired SR the static model gave ALU 28.2 and FMA 23.8 an element (30.8 and 21.2 with
+# VIADD on the ALU) against 26.5 and 20.8 executed. Static counts leave out the ring staging
+# loop's repeats and count each rare path once.
 PIPES = {
     "alu": (
         "LOP3",
@@ -431,7 +437,8 @@ def read_ncu_raw(path: str) -> list[dict]:
     """Kernels of an `ncu --page raw` report: [{'kernel', 'grid', metric: value, ...}] in
     launch order, single-valued metrics only (instanced values and units dropped)."""
     kernels: list[dict] = []
-    header = re.compile(r"^  (\S+) \((\d+), (\d+), (\d+)\)x\((\d+), (\d+), (\d+)\), Context")
+    # names may hold spaces and template arguments (torch's "void at::...<4, ...>(...)")
+    header = re.compile(r"^  (.+?) \((\d+), (\d+), (\d+)\)x\((\d+), (\d+), (\d+)\), Context")
     metric = re.compile(r"^  ([a-z][\w.]+)\s+(?:\S+\s+)?([-\d,.]+)\s*$")
     with open(path, errors="replace") as f:
         for line in f:

@@ -98,14 +98,17 @@ _NCU_RAW = """==PROF== Disconnected from process 516
   kernel_cutlass_counter_like (2, 1, 1)x(128, 1, 1), Context 1, Stream 7, Device 0, CC 9.0
   gpu__time_duration.sum                                         us                 2.27
   smsp__inst_executed.sum                                        inst                176
+  void at::vectorized_elementwise_kernel<4, at::Add<int>>(int, T1) (1, 1, 1)x(128, 1, 1), Context 1
+  gpu__time_duration.sum                                         us                 1.50
 """
 
 
 def test_read_ncu_raw_keeps_each_launch_and_its_single_values(tmp_path):
     path = tmp_path / "raw.txt"
     path.write_text(_NCU_RAW)
-    first, second = ic.read_ncu_raw(str(path))
+    first, second, third = ic.read_ncu_raw(str(path))
     assert first["grid"] == (128, 256, 1) and second["grid"] == (2, 1, 1)
+    assert third["kernel"].startswith("void at::") and third["gpu__time_duration.sum"] == 1.5
     assert first["smsp__inst_executed.sum"] == 474053271
     assert first["sass__inst_executed_per_opcode"] == 474053271  # the total, not an instance
     assert second["gpu__time_duration.sum"] == pytest.approx(2.27)
