@@ -166,11 +166,11 @@ def flush_config(
     )  # fmt: skip
 
 
-def count(
+def histograms(
     with_fallbacks: bool, variants=VARIANTS, elements_per_thread: int = rf.ELEMENTS_PER_THREAD
-) -> list[tuple[tuple[str, str, str], float, int, list]]:
-    """Per flush variant: (variant, SASS instructions per state element, registers per
-    thread, the 8 commonest opcodes)."""
+) -> list[tuple[tuple[str, str, str], collections.Counter, int]]:
+    """Per flush variant: (variant, SASS opcode counts, registers per thread); without
+    fallbacks the rare general paths' bodies are compiled out (what a thread runs)."""
     general = (nm.sr_fp16_bits, nm.rn_e2m1_nibble)
     _compile._CACHE.clear()
     if not with_fallbacks:  # what a thread runs: the fallbacks' bodies become constants
@@ -180,13 +180,22 @@ def count(
         rows = []
         for variant in variants:
             cfg = flush_config(*variant, elements_per_thread)
-            ops, registers = sass_histogram(rf.compile_flush(cfg, keep_ptx=True).__ptx__)
-            per_element = sum(ops.values()) / elements_per_thread
-            rows.append((variant, per_element, registers, ops.most_common(8)))
+            rows.append((variant, *sass_histogram(rf.compile_flush(cfg, keep_ptx=True).__ptx__)))
         return rows
     finally:
         nm.sr_fp16_bits, nm.rn_e2m1_nibble = general
         _compile._CACHE.clear()
+
+
+def count(
+    with_fallbacks: bool, variants=VARIANTS, elements_per_thread: int = rf.ELEMENTS_PER_THREAD
+) -> list[tuple[tuple[str, str, str], float, int, list]]:
+    """Per flush variant: (variant, SASS instructions per state element, registers per
+    thread, the 8 commonest opcodes)."""
+    return [
+        (variant, sum(ops.values()) / elements_per_thread, registers, ops.most_common(8))
+        for variant, ops, registers in histograms(with_fallbacks, variants, elements_per_thread)
+    ]
 
 
 # The non-flush kernel is unrolled over the heads a warp owns, so its SASS count divided by
@@ -318,9 +327,10 @@ def flush_budgets(
     with the flush at its bytes' copy time (`nonflush_frac_needed_at_copy`)."""
     import csv
 
-    rows = [r for r in csv.DictReader(open(csv_path))
-            if r["shape"] == shape and r["batch"] == str(batch) and r["window"] == str(window)
-            and r["status"] == "ok"]  # fmt: skip
+    with open(csv_path, newline="") as f:
+        rows = [r for r in csv.DictReader(f)
+                if r["shape"] == shape and r["batch"] == str(batch)
+                and r["window"] == str(window) and r["status"] == "ok"]  # fmt: skip
     out = []
     for run in sorted({r["run"] for r in rows}):
         mine = {(r["step"], r["scheme"] or r["kernel"]): r for r in rows if r["run"] == run}
@@ -366,27 +376,17 @@ def print_pipes(csv_path: str | None, batch: int = 256, ncu_floor_us: float | No
         f"  {'variant':22s} {'total':>6s} {'ALU':>6s} {'heavy':>6s} {'fp32':>6s} {'XU':>5s} "
         f"{'other':>6s}  floor"
     )
-    general = (nm.sr_fp16_bits, nm.rn_e2m1_nibble)
-    _compile._CACHE.clear()
-    nm.sr_fp16_bits = lambda x, r: cutlass.Uint32(0)
-    nm.rn_e2m1_nibble = lambda x: cutlass.Uint32(0)
     floors = {}
-    try:
-        for variant in VARIANTS:
-            cfg = flush_config(*variant, 32)
-            ops, _ = sass_histogram(rf.compile_flush(cfg, keep_ptx=True).__ptx__)
-            p = pipe_counts(ops, 32)
-            cycles, limit = issue_floor_cycles(p)
-            floors[variant] = floor_us(cycles, elements)
-            name = "{} {} hi + {}".format(*variant)
-            print(
-                f"  {name:22s} {p['total']:6.1f} {p['alu']:6.1f} {p['heavy']:6.1f} "
-                f"{p['fp32']:6.1f} {p['xu']:5.2f} {p['other']:6.1f}  "
-                f"{floors[variant]:6.1f} us ({limit})"
-            )
-    finally:
-        nm.sr_fp16_bits, nm.rn_e2m1_nibble = general
-        _compile._CACHE.clear()
+    for variant, ops, _ in histograms(False, VARIANTS, 32):
+        p = pipe_counts(ops, 32)
+        cycles, limit = issue_floor_cycles(p)
+        floors[variant] = floor_us(cycles, elements)
+        name = "{} {} hi + {}".format(*variant)
+        print(
+            f"  {name:22s} {p['total']:6.1f} {p['alu']:6.1f} {p['heavy']:6.1f} "
+            f"{p['fp32']:6.1f} {p['xu']:5.2f} {p['other']:6.1f}  "
+            f"{floors[variant]:6.1f} us ({limit})"
+        )
     if not csv_path:
         return
     floor = floors[("fp16", "sr", "nvfp4")]
@@ -421,7 +421,8 @@ def nonflush_frac_needed(budget: dict, flush_us: float) -> float:
     return budget["nonflush_bytes"] / left / budget["copy_bytes_per_us"]
 
 
-# Metrics that `--ncu` reads from ncu's raw page (scripts/ncu_pipes.sh keeps only these lines).
+# Metrics that `--ncu` reads from ncu's raw page; scripts/ncu_pipes.sh keeps their lines (and
+# the kernel headers) in its .trim.txt files, which a test checks.
 NCU_METRICS = (
     "gpu__time_duration.sum",
     "smsp__inst_executed.sum",

@@ -136,3 +136,20 @@ def test_nonflush_fraction_needed_grows_with_the_flush_and_is_inf_past_the_budge
     fast, slow = ic.nonflush_frac_needed(b, 300.0), ic.nonflush_frac_needed(b, 450.0)
     assert fast == pytest.approx(3.1e9 / 700.0 / 4.2e6) and slow > fast
     assert ic.nonflush_frac_needed(b, 1000.0) == float("inf")
+
+
+def test_ncu_pipes_script_keeps_every_line_the_reader_needs():
+    """scripts/ncu_pipes.sh trims ncu's report to the kernel headers and NCU_METRICS: every
+    metric the reader uses survives its grep, and an instanced line of another metric does
+    not (the trimmed file is what results/ keeps)."""
+    import re
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "ncu_pipes.sh"
+    keep = re.search(r"^keep='(.*)'$", script.read_text(), re.M)[1]
+    pattern = re.compile(keep)  # grep -E's syntax, the same as Python's for this pattern
+    for name in ic.NCU_METRICS:
+        assert pattern.search(f"  {name}          %          63.63"), name
+    assert pattern.search("  kernel_x (128, 256, 1)x(256, 1, 1), Context 1, Stream 7")
+    assert not pattern.search("  sass__inst_executed_per_opcode          474,053,271")
+    assert not pattern.search("  sm__inst_executed_pipe_alu.max.pct_of_peak_sustained_active % 64")
