@@ -315,17 +315,14 @@ def sr_fp16x2_fast(a, b, ra, rb):
     lowprec's min does. Per element an add, a shift, half a conversion and two compares,
     against sr_fp16_bits_fast's integer rebias, clamp, sign and packing.
     """
-    ta = f32_bits(a) + (_u(0x1FFF, ra) - (ra >> _u(19, ra)))
-    tb = f32_bits(b) + (_u(0x1FFF, rb) - (rb >> _u(19, rb)))
     exact = (_fabs(a) >= _f(2.0**-14, a)) & (_fabs(a) < _f(2.0**127, a))
     exact = exact & (_fabs(b) >= _f(2.0**-14, b)) & (_fabs(b) < _f(2.0**127, b))
-    if _is_np(a):  # the conversion on its exact range: rebias, clamp at 65504, sign
-        def rz(t):
-            code = _umin(((t & _u(0x7FFFFFFF, t)) >> _u(13, t)) - _u(112 << 10, t), _u(0x7BFF, t))
-            return code | ((t >> _u(16, t)) & _u(0x8000, t))
-
-        with np.errstate(over="ignore"):
-            return rz(ta) | (rz(tb) << np.uint32(16)), exact
+    if _is_np(a):  # on the exact range the conversion gives sr_fp16_bits_fast's integer codes
+        low, _ = sr_fp16_bits_fast(a, ra)
+        high, _ = sr_fp16_bits_fast(b, rb)
+        return low | (high << np.uint32(16)), exact
+    ta = f32_bits(a) + (_u(0x1FFF, ra) - (ra >> _u(19, ra)))
+    tb = f32_bits(b) + (_u(0x1FFF, rb) - (rb >> _u(19, rb)))
     packed = inline_ptx(
         T.i32(),
         [bits_f32(tb).ir_value(), bits_f32(ta).ir_value()],

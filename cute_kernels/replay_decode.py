@@ -18,7 +18,8 @@ all capturable in a CUDA graph:
                                        every slot makes a step where few slots flush pay for all
                                        (results/README.md, "Staggered batches"); on the
                                        side stream it runs beside step 2 (they touch
-                                       disjoint slots' rows): 3-4% faster on staggered batches
+                                       disjoint slots' rows): 6% faster on a staggered batch
+                                       of 256 (130.4 -> 122.8 us, H200, 90bfcc1)
     4. counter kernel(decision)        flush slots: cursors[s] = 0, flushes[s] += 1
 
 Why the snapshot: step 2 moves a slot from window - 2 to window - 1, so a flush kernel that
@@ -90,11 +91,11 @@ def replay_decode_step(
     cursor is `window - 1` this step, in any order, as a server that counts its sequences'
     tokens knows them. The flush kernel is then launched on those slots only (a CTA per entry
     and head; none for an empty table) instead of on every slot: the CTAs of slots that do
-    not flush made a step with no slot flushing take 85.1 us at batch 256 on the H200, 62.6
-    with the table. A listed slot that does not flush is skipped; a flushing slot left out
-    would not be flushed while its cursor is reset, so `check_flush_slots=True` (which
-    synchronises: for tests and debugging) compares the table with the cursors first and
-    raises ValueError on a difference.
+    not flush made a step with no slot flushing take 85.1 us at batch 256 on the H200, 62.5
+    with the table (results/staggered_step_cursor8.csv). A listed slot that does not flush is
+    skipped; a flushing slot left out would not be flushed while its cursor is reset, so
+    `check_flush_slots=True` (which synchronises: for tests and debugging) compares the table
+    with the cursors first and raises ValueError on a difference.
     """
     cfg, lo = _prepare_flush(
         hi,

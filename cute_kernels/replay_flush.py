@@ -507,7 +507,7 @@ class ReplayFlush:
         # flush without a table), whose decisions come in with one load a thread before the
         # loop (the launch makes sure a CTA has at most `threads` slots). A CTA for every slot
         # and head made a decode step with no slot flushing take 85.1 us at batch 256 against
-        # 62.6 with the table (results/README.md, "Staggered batches"). sDecision is only used
+        # 62.5 with the table (results/README.md, "Staggered batches"). sDecision is only used
         # by slot_loop.
         sDecision = smem.allocate_tensor(Int32, cute.make_layout(T), 16)
         slots_here = Int32(1)
