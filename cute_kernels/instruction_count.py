@@ -126,9 +126,26 @@ def tools_available() -> bool:
     return bool(release) and (int(release[1]), int(release[2])) >= (12, 9)  # PTX 8.8
 
 
+def sass_text(ptx: str) -> str:
+    """The SASS listing (cuobjdump -sass) that ptxas makes of `ptx` for sm_90a."""
+    return _compile_sass(ptx)[0]
+
+
 def sass_histogram(ptx: str) -> tuple[collections.Counter, int]:
     """(opcode -> count, registers per thread) of the SASS that ptxas makes of `ptx` for
     sm_90a."""
+    sass, log = _compile_sass(ptx)
+    ops: collections.Counter = collections.Counter()
+    for line in sass.splitlines():
+        m = re.match(r"\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", line)
+        if m and m.group(1) not in ("NOP", "EXIT", "BRA"):
+            ops[m.group(1)] += 1
+    registers = re.findall(r"Used (\d+) registers", log)
+    return ops, int(registers[-1]) if registers else -1
+
+
+def _compile_sass(ptx: str) -> tuple[str, str]:
+    """(cuobjdump's SASS listing, ptxas's -v log) of `ptx` compiled for sm_90a."""
     with tempfile.TemporaryDirectory() as tmp:
         src, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
         with open(src, "w") as f:
@@ -143,13 +160,7 @@ def sass_histogram(ptx: str) -> tuple[collections.Counter, int]:
         sass = subprocess.run(
             [_tool("cuobjdump"), "-sass", cubin], capture_output=True, text=True, check=True
         ).stdout
-    ops: collections.Counter = collections.Counter()
-    for line in sass.splitlines():
-        m = re.match(r"\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", line)
-        if m and m.group(1) not in ("NOP", "EXIT", "BRA"):
-            ops[m.group(1)] += 1
-    registers = re.findall(r"Used (\d+) registers", done.stderr)
-    return ops, int(registers[-1]) if registers else -1
+    return sass, done.stderr
 
 
 def flush_config(

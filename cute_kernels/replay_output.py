@@ -80,7 +80,7 @@ from cute_kernels.tensor_core import unpack_struct as _unpack_struct
 
 __all__ = [
     "ReplayOutputConfig", "ReplayOutput", "replay_output", "compile_replay_output",
-    "default_warps", "default_head_splits", "default_ring_stage",
+    "default_warps", "default_head_splits", "default_ring_stage", "default_eager_loads",
 ]
 
 LO_FORMATS = ("nvfp4", "fp8_e4m3", "fp16", "fp32")
@@ -154,6 +154,23 @@ def _ld_words_if(addr, n: int, pred, *, loc=None, ip=None) -> list:
     st = llvm.StructType.get_literal([T.i32()] * n)
     r = inline_ptx(st, args, code, ",".join(["=r"] * n) + ",l,r", loc=loc, ip=ip)
     return _unpack_struct(r, n, T.i32(), Uint32, loc, ip)
+
+
+def _fold_words(obj) -> Uint32:
+    """Every 32-bit value in ``obj`` (nested lists, tuples and dicts of Uint32 and Float32;
+    anything else skipped) XORed together."""
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    if isinstance(obj, (list, tuple)):
+        acc = Uint32(0)
+        for item in obj:
+            acc = acc ^ _fold_words(item)
+        return acc
+    if isinstance(obj, Float32):
+        return f32_bits(obj)
+    if isinstance(obj, Uint32):
+        return obj
+    return Uint32(0)
 
 
 def _load_words(addr, n: int, state: bool = False, pinned: bool = False) -> list:
@@ -538,12 +555,31 @@ class ReplayOutputConfig:
     # one head a pass at 168 registers alone takes 76.2, so the step wants resident warps more
     # than registers
     heads_per_pass: int = 1
-    # issue the prologue's and the first pass's loads before the cursor arrives (every ring
-    # record, none predicated on the cursor; `_eager_loads`): needs early_loads, registers
-    # stage, no l2_prefetch. Slower on the H200 at every batch, though it removes a round trip
-    # from each CTA's chain: nvfp4 batch 1 5.0 against 4.5 us, 8 6.5 / 5.6, 32 12.4 / 11.4,
-    # 64 22.3 / 19.4, 256 72.4 / 69.3 (`bench_read --eager-variants`, bench_read_eager_7.csv;
-    # the same kernel timed twice in that run differed by up to 5%). Off
+    # issue the prologue's and the first pass's loads before the cursor arrives (`_eager_loads`:
+    # every ring B row, and with ring_stage "registers" every ring record, none predicated on
+    # the cursor): needs early_loads, registers stage, no l2_prefetch. The seventh session's
+    # form was slower at every batch (nvfp4 batch 1 5.0 against 4.5 us, 256 72.4 / 69.3;
+    # bench_read_eager_7.csv) because ptxas had sunk every one of those loads past the
+    # cursor's early exit, volatile ones too: they waited for the cursor after all and only
+    # added bytes. A flush slot's CTA now folds the eager words into a shared-memory word, a
+    # use on the exit's side, so the loads go out with the cursor's (SASS checked by
+    # tests/test_cute_replay_output.py). Measured in the benchmark's conditions (fourteenth
+    # session, kernel_bench --nonflush-knob eager_loads=True against the default, two runs
+    # each, results/kernel_bench_runs/eager_ab_14/; us at cursors 0 / L/2 / L-2):
+    #     nvfp4, Nemotron L = 16, batch 1:   3.68 / 4.72 / 5.44  ->  3.56 / 3.73 / 3.88
+    #                             batch 32:  9.55 / 11.55 / 12.85 -> 10.08 / 10.90 / 11.24
+    #                             batch 256: 55.8 / 61.9 / 68.0   ->  56.1 / 60.2 / 66.4
+    #                      L = 32, batch 256: 61.0 / 72.8 / 87.5  ->  65.1 / 73.1 / 86.4
+    #                      L = 8,  batch 512: 99.4 / 105.3 / 109.8 -> 102.6 / 106.8 / 109.5
+    #     Mamba-2 2.7B L = 16, batch 1:      3.48 / 4.55 / 5.08  ->  3.56 / 3.74 / 3.87
+    #                  L = 8,  batch 256:    32.8 / 35.7 / 37.1  ->  45.5 / 46.0 / 47.6 (spills)
+    #     fp32, Nemotron L = 16, batch 1:    10.7 / 10.9 / 11.0  ->   9.1 / 9.1 / 9.2
+    #     fp8, Nemotron L = 16, batch 8:     5.2 / 6.5 / 7.0     ->   6.3 / 6.5 / 6.7
+    # So it pays where the grid is latency-bound (one wave of CTAs: a round trip less on the
+    # one chain that sets the time), while on full grids the ring B rows past the cursor cost
+    # their bytes (up to 5% more at cursor 0) and the registers it holds spill at 10 heads a
+    # warp. replay_output's default (`default_eager_loads`): on for nvfp4 and fp32 where the
+    # grid fits in one wave, off elsewhere
     eager_loads: bool = False
     # the read copy's loads coherent (no .nc) and volatile, so that they go out where the code
     # issues them: ptxas sinks read-only loads towards their first use, past the prologue's
@@ -573,7 +609,7 @@ class ReplayOutputConfig:
     # lane's 4-byte loads, issued with the head's read copy) or "smem" (cp.async, 16 bytes a
     # lane, into one of two shared-memory stages a warp, the next head's in flight while
     # this one is computed; records past the cursor zero-filled without traffic). "smem"
-    # needs the registers stage for the read copy, no eager_loads, one head a pass, window
+    # needs the registers stage for the read copy, one head a pass, window
     # >= 3. Measured on the H200 in the benchmark's conditions (nvfp4, L = 16, us, smem /
     # registers; results/kernel_bench_runs/ring_ab_12/):
     #     batch          1            8            128            256
@@ -617,11 +653,11 @@ class ReplayOutputConfig:
     @property
     def ring_stage_allowed(self) -> bool:
         """Whether ring_stage="smem" can be built here: the registers or bulk stage for the read
-        copy, no eager_loads, one head a pass, no ring ablation, a window of 3 or more
-        (replay_output refuses anything else on its arguments; default_ring_stage chooses
-        within it); the shared-memory size is `ring_stage_fits`."""
-        return (self.stage in ("registers", "bulk") and not self.eager_loads
-                and self.heads_per_pass == 1 and "ring" not in self.ablate and self.window >= 3)
+        copy, one head a pass, no ring ablation, a window of 3 or more (replay_output refuses
+        anything else on its arguments; default_ring_stage chooses within it); the
+        shared-memory size is `ring_stage_fits`."""
+        return (self.stage in ("registers", "bulk") and self.heads_per_pass == 1
+                and "ring" not in self.ablate and self.window >= 3)
 
     @property
     def ring_stage_fits(self) -> bool:
@@ -736,6 +772,22 @@ def default_ring_stage(cfg: ReplayOutputConfig) -> str:
     heads_per_warp = cfg.heads_per_group // (cfg.warps * cfg.head_splits)
     pays = cfg.lo_format == "nvfp4" and heads_per_warp >= 2 and cfg.window >= RING_STAGE_MIN_WINDOW
     return "smem" if pays and cfg.ring_stage_allowed and cfg.ring_stage_fits else "registers"
+
+
+EAGER_FORMATS = ("nvfp4", "fp32")  # measured faster with eager_loads on one-wave grids
+
+
+def default_eager_loads(cfg: ReplayOutputConfig, batch: int, sm_count: int) -> bool:
+    """Whether the prologue's and the first head's loads go out before the cursor arrives
+    when ``eager_loads`` is not given: for the formats of EAGER_FORMATS, where the knobs allow
+    it (registers stage, early_loads, no l2_prefetch, pdl or ablation), and where the grid of
+    ``batch * ngroups * head_splits`` CTAs fits in one wave of resident CTAs (``sm_count * 16
+    / warps``, as `default_head_splits` counts them). Measured at
+    ReplayOutputConfig.eager_loads."""
+    allowed = (cfg.lo_format in EAGER_FORMATS and cfg.stage == "registers" and cfg.early_loads
+               and not cfg.l2_prefetch and not cfg.pdl and not cfg.ablate)
+    resident = sm_count * max(1, 16 // cfg.warps)
+    return allowed and batch * cfg.ngroups * cfg.head_splits <= resident
 
 
 def default_head_splits(batch: int, ngroups: int, heads_per_group: int, warps: int,
@@ -945,6 +997,13 @@ class ReplayOutput:
                                   lane=lane) if cfg.eager_loads else {}
         cursor = Int32(raw_cursor) & 0xFFFF
         h = cursor + 1
+        if cutlass.const_expr(cfg.eager_loads):
+            if h >= L:
+                # A flush slot's CTA folds every eager word into a shared-memory word it never
+                # reads: with a use on both sides of the cursor's test, ptxas keeps the loads
+                # ahead of it (it otherwise sinks them past the early exit, volatile ones too,
+                # and they wait for the cursor after all)
+                bc_smem[0] = bits_f32(_fold_words(eager))
         if h < L:
             s64 = Int64(s)
             sg = s64 * G + grp  # (slot, group) row of B, C, ring_B
@@ -957,7 +1016,8 @@ class ReplayOutput:
             # the decay weights of all of this warp's heads at once, a segment of lanes per
             # head: the loads here, in flight with the prologue's; the weights and their
             # products with B . C after the prologue's barrier
-            decay_inputs = _warp_decay_loads(cfg, self.segment, ptrs, heads[0], nh, s64, lane)
+            decay_inputs = self._loaded(eager, "decay", lambda: _warp_decay_loads(
+                cfg, self.segment, ptrs, heads[0], nh, s64, lane))
             loads = self._loaded(eager, "heads", lambda: [
                 self._issue_head(ptrs, s64 * H + heads[k], heads[k], cursor, lane,
                                  pre if k == 0 else None)
@@ -1155,7 +1215,7 @@ class ReplayOutput:
                                                    + (j * P + v) * ab, ab // 2)
                             else:
                                 words = ld["ring"][r][j]
-                            if cutlass.const_expr(cfg.eager_loads):
+                            if cutlass.const_expr(cfg.eager_loads and not ring_staged):
                                 words = [_sel(j < cursor, w, Uint32(0)) for w in words]
                             xr = _words_to_f32(words, act)
                             acc0 = acc0 + coefs[j] * xr[0]
@@ -1190,11 +1250,12 @@ class ReplayOutput:
 
     def _eager_loads(self, ptrs, ring_B, B, C, s, grp, part, warp, lane) -> dict:
         """eager_loads: the loads that the prologue and a warp's first pass need, issued
-        while the cursor is still on its way: every ring record and ring B row (whatever the
-        cursor, so none is predicated on it; those past it are zeroed or skipped where used),
-        this step's B, and C in both layouts. One dependent round trip instead of two; the
-        unneeded records cost bytes, which pays only when the grid is latency-bound (at most a
-        wave of CTAs)."""
+        while the cursor is still on its way: the first pass's heads (read copy, x, D; every
+        ring record too unless they are staged), every ring B row (whatever the cursor, so
+        none is predicated on it; those past it are zeroed or skipped where used), this step's
+        B, C in both layouts and the decay weights' inputs. One dependent round trip instead of
+        two; the unneeded rows cost bytes, which pays where the grid is latency-bound (at most
+        a wave of CTAs: `default_eager_loads`)."""
         cfg = self.cfg
         H, N, G, Lc, L, W = (cfg.nheads, cfg.dstate, cfg.ngroups, cfg.ring_capacity,
                              cfg.window, cfg.warps)
@@ -1216,6 +1277,7 @@ class ReplayOutput:
             "B": _load_words(B.toint() + (sg * N + lane * nb) * ab, vb),
             "C": _load_words(C.toint() + (sg * N + lane * nb) * ab, vb),
             "ck": self._checkpoint_setup(C.toint(), sg, lane),
+            "decay": _warp_decay_loads(cfg, self.segment, ptrs, heads[0], nh, s64, lane),
         }
 
     @staticmethod
@@ -1759,11 +1821,10 @@ def replay_output(
         _fail("weights_at", f"None or one of {list(WEIGHTS_AT)}", repr(weights_at))
     # ReplayOutputConfig.ring_stage_allowed on the arguments, before any tensor is used
     if ring_stage is not None and (ring_stage not in RING_STAGES or ring_stage == "smem" and (
-            stage not in (None, "registers", "bulk") or eager_loads
-            or heads_per_pass not in (None, 1) or "ring" in ablate
-            or not isinstance(window, int) or window < 3)):
+            stage not in (None, "registers", "bulk") or heads_per_pass not in (None, 1)
+            or "ring" in ablate or not isinstance(window, int) or window < 3)):
         _fail("ring_stage", f"None or one of {list(RING_STAGES)} ('smem': with the registers or "
-              "bulk stage, no eager_loads, one head a pass, no ring ablation, window >= 3)",
+              "bulk stage, one head a pass, no ring ablation, window >= 3)",
               repr(ring_stage))
     hp = 1 if heads_per_pass is None else heads_per_pass
     if isinstance(hp, bool) or hp not in (1, 2) or (
@@ -1876,6 +1937,8 @@ def replay_output(
     if isinstance(hs, bool) or not isinstance(hs, int) or hs < 1 or (H // G) % (hs * cfg.warps):
         _fail("head_splits", f"a positive integer with head_splits * warps ({cfg.warps}) dividing "
               f"nheads / ngroups = {H // G}", head_splits)
+    if eager_loads is None:
+        cfg = dataclasses.replace(cfg, eager_loads=default_eager_loads(cfg, S, _sm_count(device)))
     if ring_stage is None:
         cfg = dataclasses.replace(cfg, ring_stage=default_ring_stage(cfg))
     if S == 0:

@@ -43,7 +43,8 @@
 #       --nonflush-knob): KB_AB="name:key=value,key=value name2:..." (an empty list after the
 #       colon is the default), each variant run in turn KB_AB_REPS times (default 2) at batches
 #       KB_AB_BATCHES (default 1,8,128,256), shapes KB_AB_SHAPES (default nemotron3-super) and
-#       windows KB_AB_WINDOWS (default 16); first, with KB_TEST_K set, the gpu-marked
+#       windows KB_AB_WINDOWS (default 16), kernels KB_AB_KERNELS (default
+#       cute:nonflush:nvfp4); first, with KB_TEST_K set, the gpu-marked
 #       tests that `pytest -k "$KB_TEST_K"` selects (KB_TEST_K=all: every one, -n 8): ab.tar (ab_<name>_<rep>.{csv,log}),
 #       gpu-tests.log, kernel_bench_K.log (a summary table at its end)
 #
@@ -173,7 +174,7 @@ elif [ "$part" = K ]; then
       if [ "$(remaining)" -lt 50 ]; then echo "skipped $name $rep: time" | tee -a "$log"; continue; fi
       timeout "$(( $(remaining) - 10 ))" "$py" -m experiments.kernel_bench \
         --shapes "${KB_AB_SHAPES:-nemotron3-super}" --windows "${KB_AB_WINDOWS:-16}" \
-        --batches "${KB_AB_BATCHES:-1,8,128,256}" --kernels cute:nonflush:nvfp4 \
+        --batches "${KB_AB_BATCHES:-1,8,128,256}" --kernels "${KB_AB_KERNELS:-cute:nonflush:nvfp4}" \
         --peers none --plot-dir none "${knobs[@]}" --run-label "${name}_$rep" \
         --out "$out/ab_${name}_$rep.csv" > "$out/ab_${name}_$rep.log" 2>&1
       echo "$name rep $rep (${variant#*:}): exit $? after $(( $(date +%s) - start )) s" | tee -a "$log"
@@ -185,13 +186,14 @@ rows = {}
 for path in sorted(glob.glob(os.path.join(sys.argv[1], "ab_*.csv"))):
     for r in csv.DictReader(open(path)):
         if r["status"] == "ok":
-            key = (r["shape"], r["window"], r["batch"], r["cursor"])
+            fmt = r["kernel"].rsplit(":", 1)[-1]  # the read-copy format, beside the shape
+            key = (f"{r['shape']}/{fmt}", r["window"], r["batch"], r["cursor"])
             rows.setdefault(key, {})[r["run"]] = float(r["time_us"])
 runs = sorted({run for v in rows.values() for run in v})
-print(f"{'shape':16s} window batch cursor " + " ".join(f"{run:>16s}" for run in runs))
+print(f"{'shape/format':22s} window batch cursor " + " ".join(f"{run:>16s}" for run in runs))
 for (sh, w, b, c), v in sorted(rows.items(), key=lambda kv: (kv[0][0], int(kv[0][1]),
                                                             int(kv[0][2]), int(kv[0][3]))):
-    print(f"{sh:16s} {w:>6s} {b:>5s} {c:>6s} "
+    print(f"{sh:22s} {w:>6s} {b:>5s} {c:>6s} "
           + " ".join(f"{v.get(run, float('nan')):16.2f}" for run in runs))
 EOF
   if compgen -G "$out/ab_*" > /dev/null; then  # nothing to pack when KB_AB_REPS=0 (tests only)

@@ -311,7 +311,7 @@ def test_ring_stage_smem_copies_the_records_instead_of_loading_them(shape, head_
     (dict(warps=2, head_splits=4), "smem"), (dict(lo_format="fp8_e4m3"), "registers"),
     (dict(lo_format="fp32", warps=8), "registers"), (dict(window=2), "registers"),
     (dict(window=8), "registers"), (dict(window=15), "registers"), (dict(window=32), "smem"),
-    (dict(eager_loads=True), "registers"), (dict(heads_per_pass=2), "registers"),
+    (dict(eager_loads=True), "smem"), (dict(heads_per_pass=2), "registers"),
     (dict(stage="smem"), "registers"), (dict(ablate=("ring",)), "registers"),
     (dict(window=32, warps=8), "registers"),  # 2 heads a warp, but 8 x 2 x 3,840 B > 32 KiB
     (dict(stage="bulk"), "smem"), (dict(stage="bulk", head_splits=4), "registers"),
@@ -330,13 +330,13 @@ def test_ring_stage_default_is_smem_where_a_warp_walks_several_nvfp4_heads(knobs
 
 
 @pytest.mark.parametrize("knobs", [
-    dict(ring_stage="smem", stage="smem"), dict(ring_stage="smem", eager_loads=True),
-    dict(ring_stage="smem", heads_per_pass=2), dict(ring_stage="smem", ablate=("ring",)),
+    dict(ring_stage="smem", stage="smem"), dict(ring_stage="smem", heads_per_pass=2),
+    dict(ring_stage="smem", ablate=("ring",)),
     dict(ring_stage="shared"), dict(ring_stage="smem", window=2),
 ])
 def test_bad_ring_stage_is_refused(knobs):
     """ring_stage must be 'registers' or 'smem', and 'smem' needs the registers or bulk stage,
-    no eager_loads, one head a pass, no ring ablation and a window of 3 or more: anything else
+    one head a pass, no ring ablation and a window of 3 or more: anything else
     is a ValueError naming it."""
     lo, _, t = _inputs("nvfp4", "odd", "bf16", seed=53)
     knobs = dict(knobs)
@@ -912,9 +912,12 @@ def test_l2_prefetch_and_partial_sum_layout_keep_the_results(fmt, shape, knobs):
     ("nvfp4", "nemotron", dict(head_splits=1, early_loads=False)),
     ("fp32", "odd", dict(warps=1, early_loads=False)),
     # eager: every ring record loaded before the cursor is known; those past it hold NaN
-    # here, so a record that is not zeroed shows
+    # here, so a record that is not zeroed shows (with ring_stage "registers"; the default
+    # at 4 heads a warp stages them after the cursor, zero-filled past it)
     ("nvfp4", "nemotron", dict(head_splits=4, eager_loads=True)),
     ("nvfp4", "nemotron", dict(head_splits=1, eager_loads=True)),
+    ("nvfp4", "nemotron", dict(head_splits=1, eager_loads=True, ring_stage="registers")),
+    ("nvfp4", "nemotron", dict(head_splits=2, eager_loads=True, prefetch=True)),
     ("nvfp4", "odd", dict(warps=1, eager_loads=True)),
     ("fp8_e4m3", "odd", dict(warps=1, head_splits=1, eager_loads=True, heads_per_pass=2)),
     ("fp32", "nemotron", dict(eager_loads=True)), ("fp16", "odd", dict(eager_loads=False)),
@@ -1211,3 +1214,47 @@ def test_nonflush_instruction_budget_per_element():
             ic.count_nonflush((("nvfp4", 4), ("fp8_e4m3", 4)))}
     assert rows["nvfp4"][0] <= 3.25 and rows["nvfp4"][1] <= 128
     assert rows["fp8_e4m3"][0] <= 2.15 and rows["fp8_e4m3"][1] <= 128
+
+
+@pytest.mark.skipif(not ic.tools_available(), reason="needs ptxas (CUDA 12.9+) and cuobjdump")
+@pytest.mark.parametrize("knobs", [dict(), dict(ring_stage="registers")])
+def test_eager_loads_stay_ahead_of_the_cursors_exit_in_sass(knobs):
+    """With eager_loads, every load of the read copy (and every ring B row) is issued before
+    the first EXIT of the SASS, the cursor's test: ptxas sinks loads whose only use lies past
+    that exit, volatile ones too, so the kernel gives them a use on the exit's side. Without
+    eager_loads they come after it (the property the measured gain rests on)."""
+    base = dataclasses.replace(_config("nvfp4", "nemotron"), has_z=False, **knobs)
+    state = re.compile(r"LDG\.E\.NA(\.U16)?(\.128)?\.CONSTANT")
+
+    def loads_around_exit(cfg):
+        if "ring_stage" not in knobs:
+            cfg = dataclasses.replace(cfg, ring_stage=ro.default_ring_stage(cfg))
+        ptx = ro.compile_replay_output(cfg, keep_ptx=True).__ptx__
+        sass = ic.sass_text(ptx)
+        lines = [ln for ln in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]+\*/", ln)]
+        first_exit = next(i for i, ln in enumerate(lines) if re.search(r"\bEXIT\b", ln))
+        before = sum(bool(state.search(ln)) for ln in lines[:first_exit])
+        return before, sum(bool(state.search(ln)) for ln in lines)
+
+    before, total = loads_around_exit(dataclasses.replace(base, eager_loads=True))
+    # one head's read copy a lane: 8 code loads and 8 scale loads (2 heads: the prefetch off)
+    assert before == 16 and total > before
+    lazy_before, _ = loads_around_exit(base)
+    assert lazy_before == 0
+
+
+@pytest.mark.parametrize("batch, fmt, knobs, expected", [
+    (1, "nvfp4", {}, True), (32, "nvfp4", dict(head_splits=2), True),  # 512 CTAs: one wave
+    (33, "nvfp4", dict(head_splits=2), True),  # 528 CTAs: 132 SMs x 4, exactly one wave
+    (34, "nvfp4", dict(head_splits=2), False), (256, "nvfp4", {}, False),
+    (1, "fp32", {}, True), (64, "fp32", dict(head_splits=2), False),
+    (1, "fp8_e4m3", {}, False), (1, "fp16", {}, False),
+    (1, "nvfp4", dict(stage="bulk"), False), (1, "nvfp4", dict(pdl=True), False),
+    (1, "nvfp4", dict(l2_prefetch=1), False), (1, "nvfp4", dict(early_loads=False), False),
+])
+def test_eager_loads_default_on_one_wave_grids_of_nvfp4_and_fp32(batch, fmt, knobs, expected):
+    """default_eager_loads turns the eager loads on where they were measured faster: nvfp4 and
+    fp32 read copies on a grid of at most one wave of resident CTAs (132 SMs here, 16 warps an
+    SM), and only where the other knobs allow them."""
+    cfg = dataclasses.replace(_config(fmt, "nemotron"), **knobs)
+    assert ro.default_eager_loads(cfg, batch, 132) is expected

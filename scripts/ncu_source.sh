@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Where each kernel's warps wait, instruction by instruction: ncu's PC sampling
+# (SourceCounters) of kernel_bench kernels at the headline point (Nemotron-3-Super layer,
+# batch 256, L = 16), exported per SASS instruction with the Python source line it came from
+# (CuTe DSL compiles with line info under CUTE_DSL_LINEINFO=1; line info does not change the
+# code ptxas makes). Read by `python -m cute_kernels.stall_sites FILE`. On the GPU machine,
+# from the repository root (carry .device):
+#
+#   source .device/activate.sh && bash scripts/ncu_source.sh $OUT cute:nonflush:nvfp4 ...
+#
+# kernel_bench --profile launches the kernel once on each of 4 buffer sets after a warm-up;
+# the first of those launches is profiled, clocks left alone, sampling every 2^(5+1) cycles
+# of each SM sub-partition. Writes OUT/src_<kernel>.csv (one row per SASS instruction) and
+# OUT/src_<kernel>.log.
+set -uo pipefail
+out=$1
+shift
+py=${PYTHON:-python}
+for kernel in "$@"; do
+  name=$(echo "$kernel" | tr ':+' '__')
+  rep="$out/src_$name"
+  CUTE_DSL_LINEINFO=1 timeout 300 ncu --profile-from-start off --clock-control none \
+    --launch-count 1 --section SourceCounters --section WarpStateStats --import-source yes \
+    --warp-sampling-interval 1 -f -o "$rep" "$py" -m experiments.kernel_bench --profile "$kernel" \
+    --shapes nemotron3-super --batches 256 --windows 16 > "$rep.log" 2>&1
+  echo "ncu $kernel: exit $?" | tee -a "$rep.log"
+  # one row per SASS instruction, with its source file and line where ncu has them
+  ncu -i "$rep.ncu-rep" --page source --csv --print-source sass > "$rep.csv" 2>> "$rep.log"
+  echo "export $kernel: exit $?, $(wc -l < "$rep.csv") lines" | tee -a "$rep.log"
+  ncu -i "$rep.ncu-rep" --page source --csv --print-source cuda,sass > "$rep.cuda_sass.csv" \
+    2>> "$rep.log"
+  echo "export cuda,sass $kernel: exit $?, $(wc -l < "$rep.cuda_sass.csv") lines" | tee -a "$rep.log"
+  ncu -i "$rep.ncu-rep" --page details --section WarpStateStats --section SourceCounters \
+    >> "$rep.log" 2>&1
+  rm -f "$rep.ncu-rep"
+done
