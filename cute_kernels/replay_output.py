@@ -557,7 +557,7 @@ class ReplayOutputConfig:
     heads_per_pass: int = 1
     # issue the prologue's and the first pass's loads before the cursor arrives (`_eager_loads`:
     # every ring B row, and with ring_stage "registers" every ring record, none predicated on
-    # the cursor): needs early_loads, registers stage, no l2_prefetch. The seventh session's
+    # the cursor): needs early_loads, registers stage, no l2_prefetch. The fifth session's
     # form was slower at every batch (nvfp4 batch 1 5.0 against 4.5 us, 256 72.4 / 69.3;
     # bench_read_eager_7.csv) because ptxas had sunk every one of those loads past the
     # cursor's early exit, volatile ones too: they waited for the cursor after all and only

@@ -186,7 +186,7 @@ rows = {}
 for path in sorted(glob.glob(os.path.join(sys.argv[1], "ab_*.csv"))):
     for r in csv.DictReader(open(path)):
         if r["status"] == "ok":
-            fmt = r["kernel"].rsplit(":", 1)[-1]  # the read-copy format, beside the shape
+            fmt = r.get("kernel", "cute:nonflush:nvfp4").rsplit(":", 1)[-1]  # read-copy format
             key = (f"{r['shape']}/{fmt}", r["window"], r["batch"], r["cursor"])
             rows.setdefault(key, {})[r["run"]] = float(r["time_us"])
 runs = sorted({run for v in rows.values() for run in v})

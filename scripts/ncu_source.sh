@@ -3,15 +3,19 @@
 # (SourceCounters) of kernel_bench kernels at the headline point (Nemotron-3-Super layer,
 # batch 256, L = 16), exported per SASS instruction with the Python source line it came from
 # (CuTe DSL compiles with line info under CUTE_DSL_LINEINFO=1; line info does not change the
-# code ptxas makes). Read by `python -m cute_kernels.stall_sites FILE`. On the GPU machine,
-# from the repository root (carry .device):
+# code ptxas makes). On the GPU machine, from the repository root (carry .device):
 #
 #   source .device/activate.sh && bash scripts/ncu_source.sh $OUT cute:nonflush:nvfp4 ...
 #
 # kernel_bench --profile launches the kernel once on each of 4 buffer sets after a warm-up;
 # the first of those launches is profiled, clocks left alone, sampling every 2^(5+1) cycles
-# of each SM sub-partition. Writes OUT/src_<kernel>.csv (one row per SASS instruction) and
-# OUT/src_<kernel>.log.
+# of each SM sub-partition. Writes OUT/src_<kernel>.csv (one row per SASS instruction, every
+# stall reason's samples), OUT/src_<kernel>.cuda_sass.csv (the same instructions under their
+# Python source lines) and OUT/src_<kernel>.log (ncu's log and its WarpStateStats page). Then,
+# on any machine:
+#
+#   python -m cute_kernels.stall_sites OUT/src_<kernel>.csv --lines OUT/src_<kernel>.cuda_sass.csv
+#   python -m cute_kernels.stall_sites ... --trim results/kernel_bench_runs/ncu/stalls_<name>.csv.gz
 set -uo pipefail
 out=$1
 shift

@@ -81,13 +81,24 @@ def test_knob_comparison_runs_each_variant_in_turn_with_its_knobs(tmp_path):
     assert not list(out.glob("ab_*.csv"))  # packed, not left beside the tar
     log = (out / "kernel_bench_K.log").read_text().splitlines()
     header = next(i for i, line in enumerate(log) if line.startswith("shape"))
-    assert log[header].split()[:4] == ["shape", "window", "batch", "cursor"]
+    assert log[header].split()[:4] == ["shape/format", "window", "batch", "cursor"]
     assert log[header].split()[4:] == sorted(labels)
-    rows = [line.split() for line in log[header + 1:] if re.match(r"m2\s+\d+\s", line)]
-    assert [row[:4] for row in rows] == [["m2", "32", "256", "8"]]  # the ok row only
+    rows = [line.split() for line in log[header + 1:] if re.match(r"m2/\S+\s+\d+\s", line)]
+    assert [row[:4] for row in rows] == [["m2/nvfp4", "32", "256", "8"]]  # the ok row only
     times = dict(zip(log[header].split()[4:], map(float, rows[0][4:]), strict=True))
     assert times == {label: {"base": 0.5, "st": 1.5, "two": 2.5}[label.split("_")[0]]
                      for label in labels}
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_knob_comparison_passes_the_kernels_asked_for(tmp_path):
+    """KB_AB_KERNELS reaches kernel_bench's --kernels as written (default: the nvfp4 step)."""
+    done = _session(tmp_path, "K", KB_AB="base: eager:eager_loads=True", KB_AB_REPS="1",
+                    KB_AB_KERNELS="cute:nonflush:fp32,cute:nonflush:fp8_e4m3")
+    assert done.returncode == 0, done.stderr
+    calls = (tmp_path / "calls.txt").read_text().splitlines()
+    assert len(calls) == 2
+    assert all("--kernels cute:nonflush:fp32,cute:nonflush:fp8_e4m3" in c for c in calls)
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")

@@ -1,0 +1,135 @@
+"""cute_kernels.stall_sites: ncu's per-instruction warp samples joined with their source lines,
+summed by reason, by line and by the load a long-scoreboard wait is on (CPU only)."""
+
+import csv
+import random
+
+import pytest
+
+from cute_kernels import stall_sites as ss
+
+REASONS = ("barrier", "long_sb", "math", "not_selected", "selected", "wait")
+BASE = 0x7F00_0000_5700
+
+
+def _program(rng):
+    """An odd-length SASS listing: loads, their consumers and filler, with random samples."""
+    prog = [
+        ("LDG.E.128 R4, desc[UR4][R2.64]", "k.py", 10, "state = load()"),
+        ("LDG.E R9, desc[UR4][R30.64]", "k.py", 11, "bias = load()"),
+        ("IMAD.SHL.U32 R12, R6, 0x10, RZ", "k.py", 20, "decode(state)"),  # reads R6: R4..R7
+        ("FADD R13, R9, R1", "k.py", 21, "raw + bias"),  # reads R9
+        ("@!P0 LOP3.LUT R14, R12, 0xff, RZ, 0xc0, !PT", "k.py", 20, "decode(state)"),
+        ("STG.E desc[UR4][R20.64], R14", "k.py", 30, "store(out)"),
+        ("FFMA R15, R40, R41, R42", "k.py", 31, "acc = acc + c * x"),  # no load feeds it
+    ]
+    out = []
+    for sass, file, line, source in prog:
+        stalls = {r: rng.randrange(0, 50) for r in rng.sample(REASONS, 3)}
+        out.append((sass, file, line, source, stalls))
+    return out
+
+
+def _write_exports(tmp_path, prog):
+    """The two ncu exports of one kernel, in ncu's layout."""
+    reasons = [f"stall_{r}" for r in REASONS] + [f"stall_{r} (Not Issued)" for r in REASONS]
+    names = ["Address", "Source", ss.SAMPLES, "# Samples", *reasons]
+    sass_csv = tmp_path / "src_k.csv"
+    with open(sass_csv, "w", newline="") as f:
+        w = csv.writer(f, quoting=csv.QUOTE_ALL)
+        w.writerow(["Kernel Name", "kernel_0"])
+        w.writerow(names)
+        for i, (sass, _, _, _, stalls) in enumerate(prog):
+            total = sum(stalls.values())
+            w.writerow([hex(BASE + 16 * i), "      " + sass, total, total]
+                       + [stalls.get(r, 0) for r in REASONS] + ["-"] * len(REASONS))
+    lines_csv = tmp_path / "src_k.cuda_sass.csv"
+    with open(lines_csv, "w", newline="") as f:
+        w = csv.writer(f, quoting=csv.QUOTE_ALL)
+        w.writerow(["File Path", "/repo/k.py"])
+        w.writerow(["Function Name", "kernel_0"])
+        w.writerow(["Line No", "Source", "Address", "Source", ss.SAMPLES])
+        by_line = {}
+        for i, (sass, _, line, source, _) in enumerate(prog):
+            by_line.setdefault((line, source), []).append((i, sass))
+        for (line, source), rows in sorted(by_line.items()):
+            w.writerow([line, source, "-", "-", 0])
+            for i, sass in rows:
+                w.writerow(["", "", hex(BASE + 16 * i), sass, 0])
+    return sass_csv, lines_csv
+
+
+@pytest.fixture
+def exported(tmp_path):
+    prog = _program(random.Random(7))
+    return prog, *_write_exports(tmp_path, prog)
+
+
+def test_export_joins_every_instruction_with_its_source_line(exported):
+    prog, sass_csv, lines_csv = exported
+    ins = ss.read_export(sass_csv, lines_csv)
+    assert [i.offset for i in ins] == [16 * k for k in range(len(prog))]
+    assert [(i.file, i.line, i.source) for i in ins] == [(f, ln, s) for _, f, ln, s, _ in prog]
+    assert [i.samples for i in ins] == [sum(st.values()) for *_, st in prog]
+    assert [i.stalls for i in ins] == [{k: v for k, v in st.items() if v} for *_, st in prog]
+
+
+def test_sums_by_reason_and_line_account_for_every_sample(exported):
+    prog, sass_csv, lines_csv = exported
+    ins = ss.read_export(sass_csv, lines_csv)
+    reasons = ss.by_reason(ins)
+    assert sum(reasons.values()) == sum(i.samples for i in ins)
+    for r in REASONS:
+        assert reasons[r] == sum(st.get(r, 0) for *_, st in prog)
+    lines = ss.by_line(ins)
+    assert lines[("k.py", 20)]["samples"] == ins[2].samples + ins[4].samples
+    assert lines[("k.py", 20)]["instructions"] == 2
+    assert sum(e["samples"] for e in lines.values()) == sum(i.samples for i in ins)
+
+
+def test_long_scoreboard_waits_go_to_the_load_that_wrote_the_register(exported):
+    """IMAD reads R6, which the 16-byte load into R4..R7 writes; FADD reads R9 (the 4-byte
+    load); the predicated LOP3 reads R12, written by no load; FFMA reads nothing loaded."""
+    _, sass_csv, lines_csv = exported
+    ins = ss.read_export(sass_csv, lines_csv)
+    waits = ss.by_load(ins)
+    lsb = [i.stalls.get("long_sb", 0) for i in ins]
+    assert waits[("k.py", 10, "state = load()")] == lsb[2]
+    assert waits[("k.py", 11, "bias = load()")] == lsb[3]
+    assert waits[("?", 0, "")] == lsb[0] + lsb[1] + lsb[4] + lsb[5] + lsb[6]
+
+
+def test_registers_widen_vector_loads_and_stores_write_nothing():
+    assert ss.registers("LDG.E.128 R20, desc[UR14][R24.64+0x10] ;") == (
+        "LDG.E.128", {20, 21, 22, 23}, {24})
+    assert ss.registers("@!P1 LDG.E.64 R58, desc[UR14][R44.64+0x400] ;")[1] == {58, 59}
+    assert ss.registers("STG.E desc[UR4][R20.64], R14 ;") == ("STG.E", set(), {20, 14})
+    assert ss.registers("FFMA R95, R82, R2, R3 ;") == ("FFMA", {95}, {82, 2, 3})
+
+
+@pytest.mark.parametrize("name", ["t.csv", "t.csv.gz"])
+def test_trimmed_file_round_trips(exported, tmp_path, name):
+    _, sass_csv, lines_csv = exported
+    ins = ss.read_export(sass_csv, lines_csv)
+    ss.write_trimmed(ins, tmp_path / name)
+    assert ss.read_any(tmp_path / name) == ins
+    assert ss.report(ss.read_any(tmp_path / name)) == ss.report(ins)
+
+
+def test_report_names_the_largest_shares(exported, capsys):
+    _, sass_csv, lines_csv = exported
+    assert ss.main([str(sass_csv), "--lines", str(lines_csv), "--top", "3"]) == 0
+    text = capsys.readouterr().out
+    ins = ss.read_export(sass_csv, lines_csv)
+    total = sum(i.samples for i in ins)
+    top_reason, n = ss.by_reason(ins).most_common(1)[0]
+    assert f"{top_reason:18s} {n / total:6.3f}" in text
+    assert f"{len(ins)} SASS instructions, {total} warp samples" in text
+
+
+def test_a_file_that_is_not_an_export_is_a_clear_error(tmp_path, capsys):
+    bad = tmp_path / "bad.csv"
+    bad.write_text("a,b\n1,2\n")
+    assert ss.main([str(bad)]) == 2
+    assert "not an ncu source export" in capsys.readouterr().err
+    assert ss.main([str(tmp_path / "missing.csv")]) == 2
