@@ -16,17 +16,21 @@
 #
 #   python -m cute_kernels.stall_sites OUT/src_<kernel>.csv --lines OUT/src_<kernel>.cuda_sass.csv
 #   python -m cute_kernels.stall_sites ... --trim results/kernel_bench_runs/ncu/stalls_<name>.csv.gz
+#
+# KB_EXTRA adds kernel_bench arguments (say "--nonflush-knob stage=bulk") and SUFFIX a tag to
+# the file names, so that a knob's variant can be read beside the default.
 set -uo pipefail
 out=$1
 shift
 py=${PYTHON:-python}
+read -ra extra <<< "${KB_EXTRA:-}"
 for kernel in "$@"; do
-  name=$(echo "$kernel" | tr ':+' '__')
+  name=$(echo "$kernel" | tr ':+' '__')${SUFFIX:-}
   rep="$out/src_$name"
   CUTE_DSL_LINEINFO=1 timeout 300 ncu --profile-from-start off --clock-control none \
     --launch-count 1 --section SourceCounters --section WarpStateStats --import-source yes \
     --warp-sampling-interval 1 -f -o "$rep" "$py" -m experiments.kernel_bench --profile "$kernel" \
-    --shapes nemotron3-super --batches 256 --windows 16 > "$rep.log" 2>&1
+    --shapes nemotron3-super --batches 256 --windows 16 "${extra[@]}" > "$rep.log" 2>&1
   echo "ncu $kernel: exit $?" | tee -a "$rep.log"
   # one row per SASS instruction, with its source file and line where ncu has them
   ncu -i "$rep.ncu-rep" --page source --csv --print-source sass > "$rep.csv" 2>> "$rep.log"
