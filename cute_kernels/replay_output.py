@@ -1781,10 +1781,11 @@ def replay_output(
     (default on), ``heads_per_pass`` (1 or 2), ``eager_loads``, ``pin_state_loads``,
     ``weights_at``, ``ring_stage``, ``bulk_stages``, ``smem_carveout`` and ``pdl`` are the
     tuning knobs of `ReplayOutputConfig`, each measured there (None: ``ring_stage`` by
-    `default_ring_stage`); ``ablate`` leaves stages out for timing (wrong outputs;
-    `ReplayOutputConfig.ablate`). With ``pdl=True`` the step may start before the kernel
-    launched just before it ends and reads the read copy early, so that kernel must not
-    write the read copy of a slot taking a non-flush step (`ReplayOutputConfig.pdl`).
+    `default_ring_stage`, ``eager_loads`` by `default_eager_loads`); ``ablate`` leaves stages
+    out for timing (wrong outputs; `ReplayOutputConfig.ablate`). With ``pdl=True`` the step
+    may start before the kernel launched just before it ends and reads the read copy early,
+    so that kernel must not write the read copy of a slot taking a non-flush step
+    (`ReplayOutputConfig.pdl`).
     """
     if lo_format not in LO_FORMATS:
         _fail("lo_format", f"one of {list(LO_FORMATS)}", repr(lo_format))
