@@ -1002,7 +1002,9 @@ class ReplayOutput:
                 # A flush slot's CTA folds every eager word into a shared-memory word it never
                 # reads: with a use on both sides of the cursor's test, ptxas keeps the loads
                 # ahead of it (it otherwise sinks them past the early exit, volatile ones too,
-                # and they wait for the cursor after all)
+                # and they wait for the cursor after all). Such a CTA reads its slot's read
+                # copy while a flush kernel on another stream may be rewriting it; the words
+                # are dropped, so the race is harmless (as with pdl's early loads)
                 bc_smem[0] = bits_f32(_fold_words(eager))
         if h < L:
             s64 = Int64(s)
