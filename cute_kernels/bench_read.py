@@ -81,7 +81,8 @@ class StreamRead:
         ro._store_words(dst.toint() + Int64(bid * self.threads + tid) * 4, [acc])
 
 
-# GPU cycles of spin queued before each timed region (about 100 us on the H200), so that the
+# GPU cycles of spin queued before each timed region (about 100 us on the H200; kernel_bench's
+# LEAD_CYCLES, tests/test_kernel_bench.py keeps the two equal), so that the
 # start event fires with the work already queued and the host's submission is not timed (as
 # experiments/kernel_bench.py does; the CSVs of gpu_first_timing/ before 2026-11-30 were timed
 # without it, which added the host's few microseconds a replay)

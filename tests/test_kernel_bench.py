@@ -418,3 +418,12 @@ def test_emulation_adapter_matches_the_reference_under_the_interpreter():
         pytest.skip("the interpreter test is for CPU-only machines")
     os.environ.setdefault("TRITON_INTERPRET", "1")
     assert kb.check_kernel("emulation:nonflush:nvfp4", TINY, 8, "cpu") <= 1.0
+
+
+def test_the_cute_benchmarks_spin_as_long_as_kernel_bench():
+    """bench_read and bench_write (cute_kernels, which must not import experiments) keep their
+    own copy of the spin before each timed region; it must be kernel_bench's, or their
+    timings and the benchmark's would stop being comparable."""
+    from cute_kernels import bench_read
+
+    assert bench_read.LEAD_CYCLES == kb.LEAD_CYCLES > 0
