@@ -577,8 +577,8 @@ class ReplayOutputConfig:
     #     fp8, Nemotron L = 16, batch 8:     5.2 / 6.5 / 7.0     ->   6.3 / 6.5 / 6.7
     # So it pays where the grid is latency-bound (one wave of CTAs: a round trip less on the
     # one chain that sets the time), while on full grids the ring B rows past the cursor cost
-    # their bytes (up to 5% more at cursor 0) and the registers it holds spill at 10 heads a
-    # warp. replay_output's default (`default_eager_loads`): on for nvfp4 and fp32 where the
+    # their bytes (by count about 5% more at cursor 0) and the registers it holds spill at 10
+    # heads a warp. replay_output's default (`default_eager_loads`): on for nvfp4 and fp32 where the
     # grid fits in one wave, off elsewhere
     eager_loads: bool = False
     # the read copy's loads coherent (no .nc) and volatile, so that they go out where the code

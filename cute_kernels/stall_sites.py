@@ -8,7 +8,7 @@ the Python lines they came from (`--print-source cuda,sass`). This module joins 
 keeps the part worth keeping in the repository (`--trim`: one row per instruction, gzip),
 and prints where the samples fall:
 
-    python -m cute_kernels.stall_sites results/kernel_bench_runs/ncu/stalls_nonflush_14.csv.gz
+    python -m cute_kernels.stall_sites results/kernel_bench_runs/ncu/stalls_nonflush_nvfp4_14.csv.gz
 
 - by stall reason (ncu's names: long_sb is a wait on a global or local load, barrier a
   CTA barrier, math a busy pipe, not_selected / selected an eligible warp);
