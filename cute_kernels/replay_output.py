@@ -643,6 +643,10 @@ class ReplayOutputConfig:
     # 118.8 -> 119.8 at cursor 8; pdl_ab_16/). So the step's time at large batches is not
     # launch gaps; what it saves on small grids is the launch and the first loads' latency
     pdl: bool = False
+    # a CTA per SM share that outlives its (slot, group, warps heads) work items and brings the
+    # next item's bytes in by bulk copy while it computes the current one
+    # (cute_kernels/replay_output_persistent.py): nvfp4 only, one head a warp an item
+    persistent: bool = False
 
     @property
     def ring_stage_bytes(self) -> int:
@@ -1382,12 +1386,16 @@ class ReplayOutput:
 
     # ---- checkpoint term, per format -------------------------------------------------------
 
-    def _checkpoint_setup(self, c_addr, sg, lane):
+    def _checkpoint_setup(self, c_addr, sg, lane, load=None):
         """Per-warp registers that depend only on (slot, group): C in the B-fragment layout
-        (mma) or the lane's slice of C (simt)."""
-        cfg, E = self.cfg, self.E
+        (mma) or the lane's slice of C (simt). ``load(offset, n)``, if given, reads ``n`` words
+        at byte ``offset`` of C's row (the persistent step's shared-memory stage) instead of
+        global memory at ``c_addr``."""
+        cfg = self.cfg
         N, act = cfg.dstate, cfg.act
         ab = _ACT_BYTES[act]
+        if load is not None:
+            return self._c_fragments(load, lane)
         row = c_addr + sg * N * ab
         if cfg.decode == "simt":
             # lane l8 = lane % 8 owns k = 4*l8 + 32*m, m < N/32
@@ -1396,6 +1404,14 @@ class ReplayOutput:
             for m in range(N // 32):
                 vals += _words_to_f32(_load_words(row + (32 * m + 4 * l8) * ab, ab), act)
             return vals
+        return self._c_fragments(lambda off, n: _load_words(row + off, n), lane)
+
+    def _c_fragments(self, load, lane):
+        """C in the mma's B-fragment layout, its words read by ``load(byte offset in C's row,
+        words)``."""
+        cfg, E = self.cfg, self.E
+        N, act = cfg.dstate, cfg.act
+        ab = _ACT_BYTES[act]
         # mma: lane (g, t) holds column g of B; g = 0 -> f16(C), g = 1 -> f16(C - f16(C)).
         # nvfp4: columns 2t' and 2t'+1 hold C's hi and lo on lane t''s k only (zero on the
         # other lanes' k), so D[r, 2t] + D[r, 2t+1] is row r's sum over lane t's block alone.
@@ -1404,7 +1420,7 @@ class ReplayOutput:
         hi_col, lo_col = (2 * t, 2 * t + 1) if self.quads == 4 else (0, 1)
         frags = []
         for c in range(N // (4 * E)):
-            cv = _words_to_f32(_load_words(row + (4 * E * c + E * t) * ab, E * ab // 4), act)
+            cv = _words_to_f32(load((4 * E * c + E * t) * ab, E * ab // 4), act)
             for j in range(E // 4):
                 kap = self._kappa(j)
                 pair = []
@@ -1672,6 +1688,11 @@ def compile_replay_output(cfg: ReplayOutputConfig, keep_ptx: bool = False):
 
     def build():
         ptrs = [_compile.fake_ptr(t) for t in _pointer_types(cfg)]
+        if cfg.persistent:  # its launch also takes the grid (CTAs)
+            from cute_kernels.replay_output_persistent import PersistentReplayOutput
+            return cute.compile(PersistentReplayOutput(cfg), *ptrs, Int32(1), Int32(1),
+                                _compile.fake_stream(),
+                                options=_compile.compile_options(keep_ptx))
         return cute.compile(
             ReplayOutput(cfg),
             *ptrs,
@@ -1766,6 +1787,7 @@ def replay_output(
     bulk_stages=None,
     smem_carveout=None,
     pdl=None,
+    persistent=None,
 ):
     """One non-flush decode step for every slot whose ``cursors[s] + 1 < window``; returns
     ``out`` [S, H, P] (x's dtype; rows of flush slots are not written).
@@ -1787,7 +1809,9 @@ def replay_output(
     out for timing (wrong outputs; `ReplayOutputConfig.ablate`). With ``pdl=True`` the step
     may start before the kernel launched just before it ends and reads the read copy early,
     so that kernel must not write the read copy of a slot taking a non-flush step
-    (`ReplayOutputConfig.pdl`).
+    (`ReplayOutputConfig.pdl`). ``persistent=True`` (nvfp4) runs the persistent,
+    software-pipelined step (`cute_kernels.replay_output_persistent`) with ``warps`` heads an
+    item (default PERSISTENT_WARPS); it takes none of the other tuning knobs.
     """
     if lo_format not in LO_FORMATS:
         _fail("lo_format", f"one of {list(LO_FORMATS)}", repr(lo_format))
@@ -1835,6 +1859,15 @@ def replay_output(
     ):
         _fail("heads_per_pass", "None, 1 or 2 (2: stage 'registers', no prefetch or "
               "l2_prefetch)", heads_per_pass)
+    if persistent is not None and not isinstance(persistent, bool) or persistent and (
+            lo_format != "nvfp4" or stage not in (None, "bulk") or prefetch or upfront is not None
+            or head_splits not in (None, 1) or min_ctas_per_sm is not None or l2_prefetch
+            or ys_layout not in (None, "rows") or ablate or l2_prefetch_small or early_loads
+            is False or heads_per_pass not in (None, 1) or eager_loads or pin_state_loads
+            or weights_at is not None or ring_stage not in (None, "smem")
+            or bulk_stages not in (None, 2) or smem_carveout is not None or pdl):
+        _fail("persistent", "None or a bool (True: nvfp4, and none of the other tuning knobs "
+              "but warps)", persistent)
     if not isinstance(x, torch.Tensor) or x.dim() != 3:
         _fail("x", "a tensor [S, H, P]", list(x.shape) if isinstance(x, torch.Tensor) else x)
     if x.dtype not in ACT_DTYPES:
@@ -1875,12 +1908,20 @@ def replay_output(
         out = torch.empty_like(x)
     _check("out", out, act, (S, H, P), device)
     lo0, lo1, lo2 = _lo_tensors(lo, lo_format, S, H, P, N, device)
-    if not x.is_cuda:
-        _fail("x", "a CUDA tensor (every argument on one GPU)", x.device)
-
-    warps = default_warps(H // G, lo_format) if warps is None else warps
+    if warps is None:
+        warps = PERSISTENT_WARPS if persistent else default_warps(H // G, lo_format)
+        if persistent and (H // G) % warps:
+            warps = default_warps(H // G, lo_format)
     if isinstance(warps, bool) or not isinstance(warps, int) or warps < 1 or (H // G) % warps:
         _fail("warps", f"a divisor of nheads / ngroups = {H // G}", warps)
+    if persistent:
+        cfg = _persistent_config(x, dt, C, ring_x, D, z, dt_bias, dt_softplus, window, warps)
+    if not x.is_cuda:
+        _fail("x", "a CUDA tensor (every argument on one GPU)", x.device)
+    if persistent:
+        return _persistent_step(cfg, lo0, lo1, lo2, ring_x, ring_dt, ring_B, cursors, x, dt, A,
+                                B, C, D, z, dt_bias, out)
+
     if head_splits is None:
         head_splits = default_head_splits(S, G, H // G, warps, _sm_count(device), lo_format)
     cfg = ReplayOutputConfig(
@@ -1960,6 +2001,52 @@ def replay_output(
     ]
     ptrs = [_compile.gmem_ptr(t, ty) for t, ty in zip(tensors, types, strict=True)]
     kernel(*ptrs, Int32(S), _compile.current_stream())
+    return out
+
+
+PERSISTENT_WARPS = 4  # heads an item of the persistent step (one a warp)
+
+
+def _persistent_config(x, dt, C, ring_x, D, z, dt_bias, dt_softplus, window, warps):
+    """replay_output(persistent=True)'s config, or a ValueError saying why the shape cannot
+    run."""
+    from cute_kernels import replay_output_persistent as rp
+
+    S, H, P = x.shape
+    G, N = C.shape[1], C.shape[2]
+    cfg = ReplayOutputConfig(
+        lo_format="nvfp4", act=ACT_DTYPES[x.dtype], dt_dtype=ACT_DTYPES[dt.dtype], nheads=H,
+        headdim=P, dstate=N, ngroups=G, ring_capacity=ring_x.shape[2], window=window,
+        has_D=D is not None, has_z=z is not None, has_dt_bias=dt_bias is not None,
+        dt_softplus=bool(dt_softplus), warps=warps, stage="bulk", ring_stage="smem",
+        persistent=True,
+    )
+    why = rp.persistent_refusal(cfg)
+    if why is not None:
+        _fail("persistent", f"a shape it can run: it needs {why}", "this shape")
+    return cfg
+
+
+def _persistent_step(cfg, lo0, lo1, lo2, ring_x, ring_dt, ring_B, cursors, x, dt, A, B, C, D,
+                     z, dt_bias, out):
+    """replay_output(persistent=True) after its argument checks: the grid (SMs times
+    resident CTAs, at most an item a CTA) and the launch."""
+    from cute_kernels import replay_output_persistent as rp
+
+    S, H = x.shape[:2]
+    warps = cfg.warps
+    if S == 0:
+        return out
+    items = S * H // warps
+    ctas = min(items, _sm_count(x.device) * rp.ctas_per_sm(cfg))
+    if rp.MAX_CTAS is not None:  # tests: a small grid, so that each CTA walks many items
+        ctas = min(ctas, rp.MAX_CTAS)
+    kernel = compile_replay_output(cfg)
+    tensors = [lo0, lo1, lo2, ring_x, ring_dt, ring_B, cursors, x, dt, A, B, C,
+               D if D is not None else A, z if z is not None else x,
+               dt_bias if dt_bias is not None else A, out]
+    ptrs = [_compile.gmem_ptr(t, ty) for t, ty in zip(tensors, _pointer_types(cfg), strict=True)]
+    kernel(*ptrs, Int32(S), Int32(ctas), _compile.current_stream())
     return out
 
 

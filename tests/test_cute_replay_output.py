@@ -26,6 +26,11 @@ SHAPES = {
     "nemotron": (6, 128, 64, 128, 8, 16, 16),
     "odd": (5, 12, 48, 256, 3, 9, 7),
 }
+# shapes for the persistent step only: enough items that a CTA walks several
+PERSISTENT_SHAPES = {
+    "nemotron40": (40, 128, 64, 128, 8, 16, 16),
+    "odd_aligned": (7, 24, 48, 256, 3, 9, 7),
+}
 FORMATS = ro.LO_FORMATS
 E2M1_VALUES = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 
@@ -703,7 +708,7 @@ def _read_copy(fmt, st):
 
 
 def _inputs(fmt, shape, act, seed):
-    S, H, P, N, G, Lc, L = SHAPES[shape]
+    S, H, P, N, G, Lc, L = SHAPES[shape] if shape in SHAPES else PERSISTENT_SHAPES[shape]
     gen = torch.Generator().manual_seed(seed)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[act]
     lo, lo64 = _read_copy(fmt, _state(S, H, P, N, gen))
@@ -1258,3 +1263,138 @@ def test_eager_loads_default_on_one_wave_grids_of_nvfp4_and_fp32(batch, fmt, kno
     SM), and only where the other knobs allow them."""
     cfg = dataclasses.replace(_config(fmt, "nemotron"), **knobs)
     assert ro.default_eager_loads(cfg, batch, 132) is expected
+
+
+# --------------------------------------------------------------------------------------------
+# The persistent, software-pipelined step (replay_output(persistent=True))
+
+
+def _persistent_config(shape, warps, **changes):
+    S, H, P, N, G, Lc, L = PERSISTENT_SHAPES.get(shape) or SHAPES[shape]
+    cfg = ro.ReplayOutputConfig(
+        lo_format="nvfp4", act="bf16", dt_dtype="fp32", nheads=H, headdim=P, dstate=N,
+        ngroups=G, ring_capacity=Lc, window=L, has_D=True, has_z=True, has_dt_bias=True,
+        dt_softplus=True, warps=warps, stage="bulk", ring_stage="smem", persistent=True)
+    return dataclasses.replace(cfg, **changes)
+
+
+@pytest.mark.parametrize("shape, warps, changes", [
+    ("nemotron", 4, {}), ("nemotron", 2, {"dt_dtype": "bf16", "has_z": False}),
+    ("odd_aligned", 2, {"act": "fp32", "has_D": False, "has_dt_bias": False}),
+    ("nemotron", 8, {"window": 8, "ring_capacity": 11, "dt_dtype": "fp16"}),
+])
+def test_persistent_step_compiles_to_bulk_copies_without_spills(shape, warps, changes):
+    """The persistent step compiles for sm_90a; every byte an item reads comes by bulk copy
+    (two issue sites: the first item and the loop's next item, each a read copy's codes,
+    scales and ring records a head plus the item's shared pieces), its head's checkpoint
+    term is 8 mmas a 16-row stripe and chunk, and nothing spills at the registers its
+    resident CTAs leave."""
+    from cute_kernels import replay_output_persistent as rp
+
+    if not ic.tools_available():
+        pytest.skip("ptxas 12.9+ and cuobjdump are needed to read the SASS")
+    cfg = _persistent_config(shape, warps, **changes)
+    assert rp.persistent_refusal(cfg) is None
+    ptx = ro.compile_replay_output(cfg, keep_ptx=True).__ptx__
+    sass, log = ic._compile_sass(ptx)
+    ops, registers = ic.sass_histogram(ptx)
+    shared = 4 + cfg.has_z + 4 + cfg.has_D + cfg.has_dt_bias  # ring B, B, C, x, (z), windows
+    assert ops["UBLKCP"] == 2 * (3 * warps + shared)
+    assert ops["HMMA"] == (cfg.headdim // 16) * (cfg.dstate // 128) * 8
+    assert "0 bytes spill stores" in log
+    assert registers <= 65536 // (rp.ctas_per_sm(cfg) * 32 * warps)
+
+
+@pytest.mark.parametrize("shape, warps", [("nemotron", 1), ("nemotron", 4), ("nemotron", 8),
+                                          ("odd_aligned", 2)])
+def test_persistent_stage_pieces_are_aligned_and_the_ctas_fit_an_sm(shape, warps):
+    """Every piece of a stage starts at a 16-byte boundary after the heads and ends before the
+    next, a stage is a multiple of 128 bytes, and the CTAs counted resident fit the SM."""
+    from cute_kernels import replay_output_persistent as rp
+
+    cfg = _persistent_config(shape, warps)
+    head, lay, stage = rp.stage_layout(cfg)
+    assert head >= cfg.read_copy_bytes + cfg.ring_stage_bytes and head % 128 == 0
+    offsets = sorted(lay.values())
+    assert offsets[0] == warps * head and all(o % 16 == 0 for o in offsets)
+    assert lay["ring_B"] + (cfg.window - 2) * cfg.dstate * 2 <= lay["B"]
+    assert stage % 128 == 0 and stage > offsets[-1]
+    n = rp.ctas_per_sm(cfg)
+    assert n * (rp.smem_bytes(cfg) + rp.CTA_RESERVED) <= rp.SM_SMEM and n * warps <= 64
+
+
+@pytest.mark.parametrize("knobs, match", [
+    ({"lo_format": "fp8_e4m3"}, "persistent"),
+    ({"prefetch": True}, "persistent"),
+    ({"stage": "registers"}, "persistent"),
+    ({"head_splits": 2}, "persistent"),
+    ({"persistent": "yes"}, "persistent"),
+    ({"warps": 16}, "shared memory"),
+])
+def test_bad_persistent_arguments_are_refused(knobs, match):
+    """persistent=True takes the nvfp4 read copy and no other tuning knob but warps, and says
+    which shapes it cannot run (two stages of 16 heads pass the 227 KiB a CTA may have)."""
+    fmt = knobs.pop("lo_format", "nvfp4")
+    lo, _, t = _inputs(fmt, "nemotron", "bf16", seed=1)
+    knobs.setdefault("persistent", True)
+    with pytest.raises(ValueError, match=match):
+        _call(lo, t, fmt, SHAPES["nemotron"][-1], None, **knobs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape, warps, max_ctas", [
+    ("nemotron40", 4, None), ("nemotron40", 4, 7), ("nemotron40", 2, 5),
+    ("odd_aligned", 2, 3), ("nemotron", 8, None),
+])
+def test_persistent_step_matches_reference(shape, warps, max_ctas, monkeypatch):
+    """The persistent step against the fp64 reference, as the default step is checked (outputs
+    start as NaN, flush slots and every other ring entry untouched, records appended bit for
+    bit, cursors advanced), on full grids and on a few CTAs that each walk many items, so that
+    both stages, their parities and the cursor look-ahead are used with different cursors."""
+    from cute_kernels import replay_output_persistent as rp
+
+    monkeypatch.setattr(rp, "MAX_CTAS", max_ctas)
+    window = PERSISTENT_SHAPES.get(shape, SHAPES.get(shape))[-1]
+    lo, lo64, t = _inputs("nvfp4", shape, "bf16", seed=hash((shape, warps)) % 1000)
+    lo_d, t_d = _to_cuda(lo, t)
+    out = torch.full_like(t_d["x"], float("nan"))
+    _call(lo_d, t_d, "nvfp4", window, out, persistent=True, warps=warps)
+    torch.cuda.synchronize()
+    _check_step(lo64, t, {k: v.cpu() for k, v in t_d.items()}, out.cpu(), window, "bf16")
+
+
+@pytest.mark.gpu
+def test_persistent_steps_in_a_row_agree_with_the_default_step(monkeypatch):
+    """window + 1 consecutive persistent calls (6 CTAs) with fresh inputs: each matches the
+    reference on the ring the previous calls wrote, and the ring, cursors and outputs agree
+    with the default step's run from the same start (outputs to rounding: 2^-7 of the
+    largest, the bf16 output's own step; ring and cursors bit for bit)."""
+    from cute_kernels import replay_output_persistent as rp
+
+    monkeypatch.setattr(rp, "MAX_CTAS", 6)
+    shape = "nemotron40"
+    window = PERSISTENT_SHAPES[shape][-1]
+    lo, lo64, t = _inputs("nvfp4", shape, "bf16", seed=17)
+    lo_d, t_p = _to_cuda(lo, t)
+    t_r = {k: v.clone() for k, v in t_p.items()}
+    gen = torch.Generator().manual_seed(18)
+    for _ in range(window + 1):
+        fresh = {k: torch.randn(t_p[k].shape, generator=gen).to(t_p[k].dtype).cuda()
+                 for k in ("x", "B", "C", "z")}
+        fresh["dt"] = (torch.randn(t_p["dt"].shape, generator=gen) - 1.0).cuda()
+        t_p.update(fresh)
+        t_r.update({k: v.clone() for k, v in fresh.items()})
+        before = {k: v.cpu().clone() for k, v in t_p.items()}
+        out_p = torch.full_like(t_p["x"], float("nan"))
+        out_r = torch.full_like(t_r["x"], float("nan"))
+        _call(lo_d, t_p, "nvfp4", window, out_p, persistent=True)
+        _call(lo_d, t_r, "nvfp4", window, out_r)
+        torch.cuda.synchronize()
+        _check_step(lo64, before, {k: v.cpu() for k, v in t_p.items()}, out_p.cpu(), window,
+                    "bf16")
+        for k in ("ring_x", "ring_dt", "ring_B", "cursors"):
+            assert torch.equal(t_p[k].nan_to_num(7.0), t_r[k].nan_to_num(7.0)), k
+        live = ~out_r.isnan()
+        assert torch.equal(live, ~out_p.isnan())
+        diff = (out_p[live].float() - out_r[live].float()).abs().max()
+        assert float(diff) <= 2.0**-7 * float(out_r[live].float().abs().max())
