@@ -1396,5 +1396,6 @@ def test_persistent_steps_in_a_row_agree_with_the_default_step(monkeypatch):
             assert torch.equal(t_p[k].nan_to_num(7.0), t_r[k].nan_to_num(7.0)), k
         live = ~out_r.isnan()
         assert torch.equal(live, ~out_p.isnan())
-        diff = (out_p[live].float() - out_r[live].float()).abs().max()
-        assert float(diff) <= 2.0**-7 * float(out_r[live].float().abs().max())
+        if live.any():  # (the last call finds every slot at its flush)
+            diff = (out_p[live].float() - out_r[live].float()).abs().max()
+            assert float(diff) <= 2.0**-7 * float(out_r[live].float().abs().max())
