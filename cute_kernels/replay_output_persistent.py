@@ -50,7 +50,7 @@ from cute_kernels.numerics import bits_f32, inline_ptx, silu
 from cute_kernels.replay_output import (
     _ACT_BYTES, _NVFP4_UNDO, ReplayOutput, ReplayOutputConfig, _bulk_copy, _dot_warp,
     _f16x2_to_f32x2, _f32_to_words, _lds_u16, _lds_v4, _lds_words, _mbar_expect, _mbar_init,
-    _mbar_init_fence, _store_warp_coefs, _store_words, _warp_decay_weights, _words_to_f32,
+    _mbar_init_fence, _sel, _store_warp_coefs, _store_words, _warp_decay_weights, _words_to_f32,
 )
 
 __all__ = ["PersistentReplayOutput", "stage_layout", "smem_bytes", "ctas_per_sm",
@@ -101,7 +101,7 @@ def smem_bytes(cfg: ReplayOutputConfig) -> int:
     _, _, stage = stage_layout(cfg)
     P, W = cfg.headdim, cfg.warps
     coef_row = 4 * ((_segment(cfg) + 3) // 4)
-    return (2 * stage + 16 + 16 + 128 + _round(P * W * 4 * 4, 16) + _round(W * coef_row * 4, 16)
+    return (2 * stage + 32 + 16 + 128 + _round(P * W * 4 * 4, 16) + _round(W * coef_row * 4, 16)
             + _round(W * 4, 16) + 128)
 
 
@@ -111,7 +111,7 @@ def _segment(cfg: ReplayOutputConfig) -> int:
 
 def ctas_per_sm(cfg: ReplayOutputConfig) -> int:
     """Resident CTAs an SM: as many as shared memory holds, at most 64 warps' worth."""
-    return max(1, min(SM_SMEM // (smem_bytes(cfg) + CTA_RESERVED), 64 // cfg.warps))
+    return max(1, min(SM_SMEM // (smem_bytes(cfg) + CTA_RESERVED), 64 // (cfg.warps + 1)))
 
 
 def persistent_refusal(cfg: ReplayOutputConfig) -> str | None:
@@ -144,6 +144,14 @@ def _mbar_wait_parity(bar, parity, *, loc=None, ip=None) -> None:
                "mbarrier.try_wait.parity.shared::cta.b64 p, [$0], $1; "
                "@!p bra WAIT_PARITY;}",
                "r,r", side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def _mbar_arrive(bar, *, loc=None, ip=None) -> None:
+    """One arrival on ``bar`` (release: this CTA's shared-memory accesses before it are seen
+    by whoever waits on the phase)."""
+    inline_ptx(None, [Int32(bar).ir_value(loc=loc, ip=ip)],
+               "mbarrier.arrive.shared::cta.b64 _, [$0];", "r", side_effects=True, loc=loc, ip=ip)
 
 
 @dsl_user_op
@@ -201,7 +209,7 @@ class PersistentReplayOutput(ReplayOutput):
             batch,
         ).launch(
             grid=[ctas, 1, 1],
-            block=[32 * self.cfg.warps, 1, 1],
+            block=[32 * (self.cfg.warps + 1), 1, 1],  # + the producer warp
             stream=stream,
             # registers: as many as the resident CTAs (set by shared memory) leave
             min_blocks_per_mp=ctas_per_sm(self.cfg),
@@ -229,7 +237,9 @@ class PersistentReplayOutput(ReplayOutput):
         smem = SmemAllocator()
         st_smem = smem.allocate_tensor(Uint32, cute.make_layout(2 * stage_bytes // 4),
                                        byte_alignment=128)
-        bar_smem = smem.allocate_tensor(Int64, cute.make_layout(2), byte_alignment=16)
+        # full[0], full[1] (the producer's copies landed), empty[0], empty[1] (the consumers
+        # are done with the stage)
+        bar_smem = smem.allocate_tensor(Int64, cute.make_layout(4), byte_alignment=16)
         meta = smem.allocate_tensor(Int32, cute.make_layout(4), byte_alignment=16)
         bc_smem = smem.allocate_tensor(Float32, cute.make_layout(32), byte_alignment=128)
         ys_smem = smem.allocate_tensor(Float32, cute.make_layout((P, W, 4)), byte_alignment=16)
@@ -243,59 +253,57 @@ class PersistentReplayOutput(ReplayOutput):
 
         total = batch * per_slot
         mine = (total - bid + nctas - 1) // nctas  # this CTA's items (the grid <= total)
-
-        cur = Int32(0)  # thread 0: the cursor of item i (at the top of iteration i)
-        nxt = Int32(0)  # ... and of item i + 1
         if tid == 0:
-            _mbar_init(bar0)
-            _mbar_init(bar0 + 8)
+            for k in cutlass.range_constexpr(4):  # full[0], full[1], empty[0], empty[1]
+                _mbar_init(bar0 + 8 * k)
             _mbar_init_fence()
-            cur = self._cursor(cursors, bid)
-            self._issue_item(ptrs, meta, bid, cur, st0, bar0, Int32(0))
-            if mine > 1:
-                nxt = self._cursor(cursors, bid + nctas)
         cute.arch.sync_threads()
 
-        for i in cutlass.range(mine, unroll=1):
-            item = bid + i * nctas
-            st = i % 2
-            stage = st0 + st * stage_bytes
-            after = Int32(0)
-            arrivals = Int32(0)
-            if tid == 0:
-                if i + 1 < mine:  # item i + 1 into the other stage, freed by the last barrier
-                    _fence_proxy_async()
-                    self._issue_item(ptrs, meta, item + nctas, nxt, st0 + (1 - st) * stage_bytes,
-                                     bar0 + 8 * (1 - st), 1 - st)
-                if i + 2 < mine:
-                    after = self._cursor(cursors, item + 2 * nctas)
-                if cur + 1 < L:  # this item has read its slot's cursor: arrive
-                    s_now = item // per_slot
-                    arrivals = cute.arch.atomic_add((cursors + s_now).llvm_ptr, Int32(1 << 16))
-            _mbar_wait_parity(bar0 + 8 * st, (i // 2) % 2)
-            cursor = meta[st]
-            if cursor + 1 < L:
-                self._compute_item(ptrs, item, cursor, stage, bc_smem, ys_smem, coef_smem,
-                                   ck_smem, warp, lane)
+        if warp == W:
+            # the producer warp (lane 0): an item's cursor by the atomic that also counts the
+            # slot's arrivals, issued an item ahead; its bytes into a stage once the consumers
+            # have released the item two before
+            if lane == 0:
+                old = self._arrive(cursors, bid)
+                for i in cutlass.range(mine, unroll=1):
+                    item = bid + i * nctas
+                    st = i % 2
+                    old_next = Int32(0)
+                    if i + 1 < mine:
+                        old_next = self._arrive(cursors, item + nctas)
+                    if i >= 2:
+                        _mbar_wait_parity(bar0 + 16 + 8 * st, (i // 2 + 1) % 2)
+                    _fence_proxy_async()  # the consumers' zeroed ring tails, before the copies
+                    self._issue_item(ptrs, cursors, meta, item, old, st0 + st * stage_bytes,
+                                     bar0 + 8 * st, st)
+                    old = old_next
+        else:
+            for i in cutlass.range(mine, unroll=1):
+                st = i % 2
+                _mbar_wait_parity(bar0 + 8 * st, (i // 2) % 2)
+                cursor = meta[st]
+                if cursor + 1 < L:
+                    self._compute_item(ptrs, bid + i * nctas, cursor, st0 + st * stage_bytes,
+                                       bc_smem, ys_smem, coef_smem, ck_smem, warp, lane)
+                # every consumer is done with stage i % 2, B . C and the partial sums
+                cute.arch.barrier(barrier_id=1, number_of_threads=32 * W)
                 if tid == 0:
-                    if (arrivals >> 16) == per_slot - 1:  # every item of the slot has read it
-                        s_now = item // per_slot
-                        cute.arch.store((cursors + s_now).llvm_ptr, cursor + 1)
-            cute.arch.sync_threads()  # stage i % 2, B . C, partial sums free again
-            cur = nxt
-            nxt = after
+                    _mbar_arrive(bar0 + 16 + 8 * st)
 
     # ---- producer (thread 0) -----------------------------------------------------------------
 
-    def _cursor(self, cursors, item):
-        """The record count of ``item``'s slot (low 16 bits: other items may have arrived)."""
+    def _arrive(self, cursors, item):
+        """``item``'s arrival at its slot's cursor: the old word (low 16 bits the records held,
+        high 16 the slot's items that arrived before)."""
         per_slot = self.cfg.ngroups * (self.cfg.nheads // self.cfg.ngroups // self.cfg.warps)
-        return cute.arch.load((cursors + item // per_slot).llvm_ptr, Int32) & 0xFFFF
+        return cute.arch.atomic_add((cursors + item // per_slot).llvm_ptr, Int32(1 << 16))
 
     @cute.jit
-    def _issue_item(self, ptrs, meta, item, cursor, stage, bar, meta_index):
-        """Thread 0: ``item``'s cursor into ``meta``, then (non-flush slot) every byte it reads
-        into ``stage`` by bulk copies completing on ``bar``; a flush slot's arrival alone."""
+    def _issue_item(self, ptrs, cursors, meta, item, old, stage, bar, meta_index):
+        """The producer: ``item``'s cursor (from its arrival word ``old``) into ``meta``, then
+        for a non-flush slot every byte the item reads into ``stage`` by bulk copies completing
+        on ``bar`` (and, if the item arrived last, the slot's new cursor); for a flush slot its
+        arrival taken back and the stage's phase completed with no bytes."""
         cfg = self.cfg
         lo0, lo1, lo2, ring_x, ring_dt, ring_B, x, dt, A, B, C, D, z, dt_bias, out = ptrs
         H, P, N, G, Lc, L, W = (cfg.nheads, cfg.headdim, cfg.dstate, cfg.ngroups,
@@ -303,9 +311,12 @@ class PersistentReplayOutput(ReplayOutput):
         ab, dtb = _ACT_BYTES[cfg.act], _ACT_BYTES[cfg.dt_dtype]
         cpg = H // G // W
         head_bytes, lay, _ = stage_layout(cfg)
+        cursor = old & 0xFFFF
         meta[meta_index] = cursor
+        s = item // (G * cpg)
         if cursor + 1 < L:
-            s = item // (G * cpg)
+            if (old >> 16) == G * cpg - 1:  # every item of the slot has read the cursor
+                cute.arch.store((cursors + s).llvm_ptr, cursor + 1)
             grp = (item % (G * cpg)) // cpg
             head0 = grp * (H // G) + (item % cpg) * W
             s64 = Int64(s)
@@ -343,8 +354,9 @@ class PersistentReplayOutput(ReplayOutput):
                 _bulk_copy(stage + lay["z"], z.toint() + sh0 * (P * ab), W * P * ab, bar)
             for name, gaddr, size in windows:
                 _bulk_window(stage + lay[name], gaddr, size, bar, issue=True)
-        else:
-            _mbar_expect(bar, 0)  # a flush slot: nothing to copy, the phase completes
+        else:  # a flush slot: left alone; nothing to copy, the phase completes
+            cute.arch.atomic_add((cursors + s).llvm_ptr, Int32(-(1 << 16)))
+            _mbar_expect(bar, 0)
 
     # ---- consumers (every warp) --------------------------------------------------------------
 
@@ -381,15 +393,15 @@ class PersistentReplayOutput(ReplayOutput):
         vb = nb * ab // 4
         c_vals = _words_to_f32(_lds_n(stage + lay["C"] + lane * nb * ab, vb), act)
         for jj in cutlass.range_constexpr((L - 1 + W - 1) // W):
-            j = warp + W * jj
-            if j < cursor:
-                rb = _lds_n(stage + lay["ring_B"] + (j * N + lane * nb) * ab, vb)
-                bc_smem[j] = _dot_warp(_words_to_f32(rb, act), c_vals)
-        if warp == 0:
-            b_words = _lds_n(stage + lay["B"] + lane * nb * ab, vb)
-            bc_smem[cursor] = _dot_warp(_words_to_f32(b_words, act), c_vals)
-            if chunk == 0:  # one item of the group appends B
-                _store_words(ring_B.toint() + ((sg * Lc + cursor) * N + lane * nb) * ab, b_words)
+            j = warp + W * jj  # records j <= cursor, a warp each in turn (j = cursor: this B)
+            if j <= cursor:
+                row = _sel(j < cursor, stage + lay["ring_B"] + j * (N * ab), stage + lay["B"])
+                words = _lds_n(row + lane * nb * ab, vb)
+                bc_smem[j] = _dot_warp(_words_to_f32(words, act), c_vals)
+                if j == cursor:
+                    if chunk == 0:  # one item of the group appends B
+                        _store_words(ring_B.toint() + ((sg * Lc + cursor) * N + lane * nb) * ab,
+                                     words)
         ck = self._checkpoint_setup(None, None, lane,
                                     load=lambda off, n: _lds_n(stage + lay["C"] + off, n))
 
@@ -413,7 +425,7 @@ class PersistentReplayOutput(ReplayOutput):
         passes = [(lane < S, sh, ring_j, raw, a_h)]
         weights = _warp_decay_weights(cfg, S, (lo0, lo1, lo2, ring_x, ring_dt, x, dt, A, D, z,
                                                dt_bias), passes, cursor, lane)
-        cute.arch.sync_threads()  # B . C of every record
+        cute.arch.barrier(barrier_id=1, number_of_threads=32 * W)  # B . C of every record
         _store_warp_coefs(S, weights, 1, warp, lane, cursor, bc_smem, coef_smem, ck_smem)
 
         # ---- S_lo C: replay_output's nvfp4 mma path on the staged read copy ------------------
