@@ -110,8 +110,11 @@ def _segment(cfg: ReplayOutputConfig) -> int:
 
 
 def ctas_per_sm(cfg: ReplayOutputConfig) -> int:
-    """Resident CTAs an SM: as many as shared memory holds, at most 64 warps' worth."""
-    return max(1, min(SM_SMEM // (smem_bytes(cfg) + CTA_RESERVED), 64 // (cfg.warps + 1)))
+    """Resident CTAs an SM: as many as shared memory holds and 128 registers a thread allow
+    (the kernel is compiled for that many; asked for more, ptxas capped a 3-warp CTA at 96
+    registers and spilled)."""
+    threads = 32 * (cfg.warps + 1)  # + the producer warp
+    return max(1, min(SM_SMEM // (smem_bytes(cfg) + CTA_RESERVED), 65536 // (threads * 128)))
 
 
 def persistent_refusal(cfg: ReplayOutputConfig) -> str | None:
