@@ -1511,12 +1511,15 @@ class ReplayOutput:
                                _sel(j < cursor, Int32(16), Int32(0)))
         _cp_async_commit()
 
-    def _staged_state(self, stage, lane):
+    def _staged_state(self, stage, lane, scales_at=None):
         """The lane's share of a staged head, in `_issue_state_now`'s layout, read from
-        shared memory one 16-row stripe at a time (indexing issues the reads)."""
+        shared memory one 16-row stripe at a time (indexing issues the reads): its codes at
+        ``stage``, its block scales right after them or at ``scales_at``."""
         P, N, E = self.cfg.headdim, self.cfg.dstate, self.E
         g, t = lane // 4, lane % 4
-        row_bytes, sc_row, codes = N // 2, N // 16, P * N // 2
+        row_bytes, sc_row = N // 2, N // 16
+        if scales_at is None:
+            scales_at = stage + P * N // 2
 
         class Stripes:
             def __getitem__(self, q):
@@ -1525,8 +1528,8 @@ class ReplayOutput:
                 for c in range(N // (4 * E)):
                     a1 = _lds_v4(stage + r1 * row_bytes + 64 * c + 16 * t)
                     a2 = _lds_v4(stage + (r1 + 8) * row_bytes + 64 * c + 16 * t)
-                    sc = (_lds_u16(stage + codes + r1 * sc_row + 8 * c + 2 * t),
-                          _lds_u16(stage + codes + (r1 + 8) * sc_row + 8 * c + 2 * t))
+                    sc = (_lds_u16(scales_at + r1 * sc_row + 8 * c + 2 * t),
+                          _lds_u16(scales_at + (r1 + 8) * sc_row + 8 * c + 2 * t))
                     chunks.append((a1, a2, sc))
                 return chunks
 
@@ -1820,7 +1823,7 @@ def replay_output(
         _fail("stage", f"None or one of {list(STAGES)} ('smem' and 'bulk' for nvfp4 only)",
               repr(stage))
     if bulk_stages is not None and (isinstance(bulk_stages, bool) or bulk_stages not in (2, 3, 4)
-                                    or stage != "bulk"):
+                                    or (stage != "bulk" and not persistent)):
         _fail("bulk_stages", "None, or 2, 3 or 4 with stage 'bulk'", bulk_stages)
     if smem_carveout is not None and (isinstance(smem_carveout, bool)
                                       or not isinstance(smem_carveout, int)
@@ -1865,9 +1868,9 @@ def replay_output(
             or ys_layout not in (None, "rows") or ablate or l2_prefetch_small or early_loads
             is False or heads_per_pass not in (None, 1) or eager_loads or pin_state_loads
             or weights_at is not None or ring_stage not in (None, "smem")
-            or bulk_stages not in (None, 2) or smem_carveout is not None or pdl):
+            or bulk_stages not in (None, 2, 3) or smem_carveout is not None or pdl):
         _fail("persistent", "None or a bool (True: nvfp4, and none of the other tuning knobs "
-              "but warps)", persistent)
+              "but warps and bulk_stages 2 or 3)", persistent)
     if not isinstance(x, torch.Tensor) or x.dim() != 3:
         _fail("x", "a tensor [S, H, P]", list(x.shape) if isinstance(x, torch.Tensor) else x)
     if x.dtype not in ACT_DTYPES:
@@ -1915,7 +1918,8 @@ def replay_output(
     if isinstance(warps, bool) or not isinstance(warps, int) or warps < 1 or (H // G) % warps:
         _fail("warps", f"a divisor of nheads / ngroups = {H // G}", warps)
     if persistent:
-        cfg = _persistent_config(x, dt, C, ring_x, D, z, dt_bias, dt_softplus, window, warps)
+        cfg = _persistent_config(x, dt, C, ring_x, D, z, dt_bias, dt_softplus, window, warps,
+                                 bulk_stages or 2)
     if not x.is_cuda:
         _fail("x", "a CUDA tensor (every argument on one GPU)", x.device)
     if persistent:
@@ -2007,7 +2011,7 @@ def replay_output(
 PERSISTENT_WARPS = 4  # heads an item of the persistent step (one a warp)
 
 
-def _persistent_config(x, dt, C, ring_x, D, z, dt_bias, dt_softplus, window, warps):
+def _persistent_config(x, dt, C, ring_x, D, z, dt_bias, dt_softplus, window, warps, stages):
     """replay_output(persistent=True)'s config, or a ValueError saying why the shape cannot
     run."""
     from cute_kernels import replay_output_persistent as rp
@@ -2019,7 +2023,7 @@ def _persistent_config(x, dt, C, ring_x, D, z, dt_bias, dt_softplus, window, war
         headdim=P, dstate=N, ngroups=G, ring_capacity=ring_x.shape[2], window=window,
         has_D=D is not None, has_z=z is not None, has_dt_bias=dt_bias is not None,
         dt_softplus=bool(dt_softplus), warps=warps, stage="bulk", ring_stage="smem",
-        persistent=True,
+        bulk_stages=stages, persistent=True,
     )
     why = rp.persistent_refusal(cfg)
     if why is not None:

@@ -71,15 +71,18 @@ def _round(n: int, to: int) -> int:
     return -(-n // to) * to
 
 
-def stage_layout(cfg: ReplayOutputConfig) -> tuple[int, dict, int]:
-    """(bytes a head, {piece: byte offset in a stage}, bytes a stage) of the persistent step:
-    ``warps`` heads of ``bulk_stride(True)`` bytes, then the item's shared pieces, each at a
-    16-byte boundary; a stage is a multiple of 128 bytes."""
+def stage_layout(cfg: ReplayOutputConfig) -> tuple[dict, int]:
+    """({piece: byte offset in a stage}, bytes a stage) of the persistent step: the ``warps``
+    heads' codes, then their block scales (each one bulk copy: an item's heads are
+    consecutive in global memory), then each head's ring records j <= window - 3 ("ring",
+    "ring_stride" bytes a head), then the item's shared pieces; every piece at a 16-byte
+    boundary, a stage a multiple of 128 bytes."""
     P, N, L, Lc, W = cfg.headdim, cfg.dstate, cfg.window, cfg.ring_capacity, cfg.warps
     ab, dtb = _ACT_BYTES[cfg.act], _ACT_BYTES[cfg.dt_dtype]
-    head = cfg.bulk_stride(True)
-    off = W * head
-    lay = {}
+    ring_stride = _round(cfg.ring_stage_bytes, 16)
+    lay = {"codes": 0, "scales": W * P * N // 2, "ring_stride": ring_stride}
+    lay["ring"] = _round(lay["scales"] + W * P * N // 16, 16)
+    off = lay["ring"] + W * ring_stride
     pieces = [("ring_B", (L - 2) * N * ab), ("B", N * ab), ("C", N * ab), ("x", W * P * ab)]
     if cfg.has_z:
         pieces.append(("z", W * P * ab))
@@ -92,17 +95,17 @@ def stage_layout(cfg: ReplayOutputConfig) -> tuple[int, dict, int]:
     for name, size in pieces:
         lay[name] = off
         off += _round(size, 16)
-    return head, lay, _round(off, 128)
+    return lay, _round(off, 128)
 
 
 def smem_bytes(cfg: ReplayOutputConfig) -> int:
     """Shared memory of one CTA: two stages, the barriers and cursors, B . C, the partial
     sums and the coefficients (as the kernel allocates them, alignment included)."""
-    _, _, stage = stage_layout(cfg)
+    _, stage = stage_layout(cfg)
     P, W = cfg.headdim, cfg.warps
     coef_row = 4 * ((_segment(cfg) + 3) // 4)
-    return (2 * stage + 32 + 16 + 128 + _round(P * W * 4 * 4, 16) + _round(W * coef_row * 4, 16)
-            + _round(W * 4, 16) + 128)
+    return (cfg.bulk_stages * stage + 16 * cfg.bulk_stages + 16 + 128
+            + _round(P * W * 4 * 4, 16) + _round(W * coef_row * 4, 16) + _round(W * 4, 16) + 128)
 
 
 def _segment(cfg: ReplayOutputConfig) -> int:
@@ -236,13 +239,14 @@ class PersistentReplayOutput(ReplayOutput):
         lane = tid % 32
         ptrs = (lo0, lo1, lo2, ring_x, ring_dt, ring_B, x, dt, A, B, C, D, z, dt_bias, out)
 
-        head_bytes, lay, stage_bytes = stage_layout(cfg)
+        lay, stage_bytes = stage_layout(cfg)
         smem = SmemAllocator()
-        st_smem = smem.allocate_tensor(Uint32, cute.make_layout(2 * stage_bytes // 4),
+        NS = cfg.bulk_stages  # stages: items in flight while one is computed is this minus one
+        st_smem = smem.allocate_tensor(Uint32, cute.make_layout(NS * stage_bytes // 4),
                                        byte_alignment=128)
-        # full[0], full[1] (the producer's copies landed), empty[0], empty[1] (the consumers
-        # are done with the stage)
-        bar_smem = smem.allocate_tensor(Int64, cute.make_layout(4), byte_alignment=16)
+        # full[k] (the producer's copies into stage k landed), then empty[k] (the consumers are
+        # done with stage k)
+        bar_smem = smem.allocate_tensor(Int64, cute.make_layout(2 * NS), byte_alignment=16)
         meta = smem.allocate_tensor(Int32, cute.make_layout(4), byte_alignment=16)
         bc_smem = smem.allocate_tensor(Float32, cute.make_layout(32), byte_alignment=128)
         ys_smem = smem.allocate_tensor(Float32, cute.make_layout((P, W, 4)), byte_alignment=16)
@@ -257,7 +261,7 @@ class PersistentReplayOutput(ReplayOutput):
         total = batch * per_slot
         mine = (total - bid + nctas - 1) // nctas  # this CTA's items (the grid <= total)
         if tid == 0:
-            for k in cutlass.range_constexpr(4):  # full[0], full[1], empty[0], empty[1]
+            for k in cutlass.range_constexpr(2 * NS):  # full[0..NS), empty[0..NS)
                 _mbar_init(bar0 + 8 * k)
             _mbar_init_fence()
         cute.arch.sync_threads()
@@ -270,20 +274,20 @@ class PersistentReplayOutput(ReplayOutput):
                 old = self._arrive(cursors, bid)
                 for i in cutlass.range(mine, unroll=1):
                     item = bid + i * nctas
-                    st = i % 2
+                    st = i % NS
                     old_next = Int32(0)
                     if i + 1 < mine:
                         old_next = self._arrive(cursors, item + nctas)
-                    if i >= 2:
-                        _mbar_wait_parity(bar0 + 16 + 8 * st, (i // 2 + 1) % 2)
+                    if i >= NS:  # the consumers released this stage's previous item
+                        _mbar_wait_parity(bar0 + 8 * NS + 8 * st, (i // NS + 1) % 2)
                     _fence_proxy_async()  # the consumers' zeroed ring tails, before the copies
                     self._issue_item(ptrs, cursors, meta, item, old, st0 + st * stage_bytes,
                                      bar0 + 8 * st, st)
                     old = old_next
         else:
             for i in cutlass.range(mine, unroll=1):
-                st = i % 2
-                _mbar_wait_parity(bar0 + 8 * st, (i // 2) % 2)
+                st = i % NS
+                _mbar_wait_parity(bar0 + 8 * st, (i // NS) % 2)
                 cursor = meta[st]
                 if cursor + 1 < L:
                     self._compute_item(ptrs, bid + i * nctas, cursor, st0 + st * stage_bytes,
@@ -291,7 +295,7 @@ class PersistentReplayOutput(ReplayOutput):
                 # every consumer is done with stage i % 2, B . C and the partial sums
                 cute.arch.barrier(barrier_id=1, number_of_threads=32 * W)
                 if tid == 0:
-                    _mbar_arrive(bar0 + 16 + 8 * st)
+                    _mbar_arrive(bar0 + 8 * NS + 8 * st)
 
     # ---- producer (thread 0) -----------------------------------------------------------------
 
@@ -313,7 +317,7 @@ class PersistentReplayOutput(ReplayOutput):
                                 cfg.ring_capacity, cfg.window, cfg.warps)
         ab, dtb = _ACT_BYTES[cfg.act], _ACT_BYTES[cfg.dt_dtype]
         cpg = H // G // W
-        head_bytes, lay, _ = stage_layout(cfg)
+        lay, _ = stage_layout(cfg)
         cursor = old & 0xFFFF
         meta[meta_index] = cursor
         s = item // (G * cpg)
@@ -341,13 +345,11 @@ class PersistentReplayOutput(ReplayOutput):
             for _, gaddr, size in windows:
                 nbytes = nbytes + _bulk_window(0, gaddr, size, bar, issue=False)
             _mbar_expect(bar, nbytes)
+            _bulk_copy(stage + lay["codes"], lo0.toint() + sh0 * codes, W * codes, bar)
+            _bulk_copy(stage + lay["scales"], lo1.toint() + sh0 * scales, W * scales, bar)
             for k in cutlass.range_constexpr(W):
-                sh = sh0 + k
-                dst = stage + k * head_bytes
-                _bulk_copy(dst, lo0.toint() + sh * codes, codes, bar)
-                _bulk_copy(dst + codes, lo1.toint() + sh * scales, scales, bar)
-                _bulk_copy(dst + cfg.read_copy_bytes, ring_x.toint() + sh * (Lc * P * ab), ring,
-                           bar)
+                _bulk_copy(stage + lay["ring"] + k * lay["ring_stride"],
+                           ring_x.toint() + (sh0 + k) * (Lc * P * ab), ring, bar)
             _bulk_copy(stage + lay["ring_B"], ring_B.toint() + sg * (Lc * N * ab),
                        cursor * (N * ab), bar)
             _bulk_copy(stage + lay["B"], B.toint() + sg * (N * ab), N * ab, bar)
@@ -371,7 +373,7 @@ class PersistentReplayOutput(ReplayOutput):
                       warp, lane):
         """One item's outputs and appends from its stage (every warp, one head each)."""
         cfg = self.cfg
-        head_bytes, lay, _ = stage_layout(cfg)
+        lay, _ = stage_layout(cfg)
         lo0, lo1, lo2, ring_x, ring_dt, ring_B, x, dt, A, B, C, D, z, dt_bias, out = ptrs
         H, P, N, G, Lc, L, W = (cfg.nheads, cfg.headdim, cfg.dstate, cfg.ngroups,
                                 cfg.ring_capacity, cfg.window, cfg.warps)
@@ -385,11 +387,11 @@ class PersistentReplayOutput(ReplayOutput):
         sh0 = s64 * H + head0
         sg = s64 * G + grp
         sh = sh0 + warp
-        hstage = stage + warp * head_bytes
+        ring_base = stage + lay["ring"] + warp * lay["ring_stride"]  # this head's records
 
         # the records past the cursor were not copied (a stage is reused with other cursors)
         # and are read with coefficient 0: zeros, not stale bits
-        self._zero_ring_tails(hstage, head_bytes, 1, cursor, lane)
+        self._zero_ring_tails(ring_base - cfg.read_copy_bytes, 0, 1, cursor, lane)
 
         # ---- the group's dot products B_j . C (j = cursor: this step's B) ---------------------
         nb = N // 32
@@ -433,7 +435,10 @@ class PersistentReplayOutput(ReplayOutput):
 
         # ---- S_lo C: replay_output's nvfp4 mma path on the staged read copy ------------------
         g, t = lane // 4, lane % 4
-        rows = self._nvfp4_term(ck, self._staged_state(hstage, lane), g, t)
+        codes, scales = P * N // 2, P * N // 16
+        state = self._staged_state(stage + lay["codes"] + warp * codes, lane,
+                                   scales_at=stage + lay["scales"] + warp * scales)
+        rows = self._nvfp4_term(ck, state, g, t)
         for i in cutlass.range_constexpr(len(rows)):
             ys_smem[rows[i][0], warp, t] = rows[i][1]
         cute.arch.sync_warp()
@@ -461,7 +466,7 @@ class PersistentReplayOutput(ReplayOutput):
             acc0 = ck_scale * ys0
             acc1 = ck_scale * ys1
             for jr in cutlass.range_constexpr(L - 2):
-                words = _lds_words(hstage + cfg.read_copy_bytes + (jr * P + v) * ab, ab // 2)
+                words = _lds_words(ring_base + (jr * P + v) * ab, ab // 2)
                 xr = _words_to_f32(words, act)
                 acc0 = acc0 + coefs[jr] * xr[0]
                 acc1 = acc1 + coefs[jr] * xr[1]

@@ -1280,13 +1280,14 @@ def _persistent_config(shape, warps, **changes):
 
 @pytest.mark.parametrize("shape, warps, changes", [
     ("nemotron", 4, {}), ("nemotron", 2, {"dt_dtype": "bf16", "has_z": False}),
+    ("nemotron", 4, {"bulk_stages": 3}),
     ("odd_aligned", 2, {"act": "fp32", "has_D": False, "has_dt_bias": False}),
     ("nemotron", 8, {"window": 8, "ring_capacity": 11, "dt_dtype": "fp16"}),
 ])
 def test_persistent_step_compiles_to_bulk_copies_without_spills(shape, warps, changes):
     """The persistent step compiles for sm_90a; every byte an item reads comes by bulk copy
-    (one issue site, the producer warp's: a read copy's codes, scales and ring records a head,
-    plus the item's shared pieces), its head's checkpoint
+    (one issue site, the producer warp's: the item's codes, its block scales, a head's ring
+    records each, and the item's shared pieces), its head's checkpoint
     term is 8 mmas a 16-row stripe and chunk, and nothing spills at the registers its
     resident CTAs leave."""
     from cute_kernels import replay_output_persistent as rp
@@ -1299,25 +1300,30 @@ def test_persistent_step_compiles_to_bulk_copies_without_spills(shape, warps, ch
     sass, log = ic._compile_sass(ptx)
     ops, registers = ic.sass_histogram(ptx)
     shared = 4 + cfg.has_z + 4 + cfg.has_D + cfg.has_dt_bias  # ring B, B, C, x, (z), windows
-    assert ops["UBLKCP"] == 3 * warps + shared
+    assert ops["UBLKCP"] == 2 + warps + shared  # codes, scales, a head's ring records
     assert ops["HMMA"] == (cfg.headdim // 16) * (cfg.dstate // 128) * 8
     assert "0 bytes spill stores" in log
     assert registers <= 65536 // (rp.ctas_per_sm(cfg) * 32 * (warps + 1))
 
 
-@pytest.mark.parametrize("shape, warps", [("nemotron", 1), ("nemotron", 4), ("nemotron", 8),
-                                          ("odd_aligned", 2)])
-def test_persistent_stage_pieces_are_aligned_and_the_ctas_fit_an_sm(shape, warps):
+@pytest.mark.parametrize("shape, warps, stages", [
+    ("nemotron", 1, 2), ("nemotron", 4, 2), ("nemotron", 4, 3), ("nemotron", 8, 2),
+    ("odd_aligned", 2, 3)])
+def test_persistent_stage_pieces_are_aligned_and_the_ctas_fit_an_sm(shape, warps, stages):
     """Every piece of a stage starts at a 16-byte boundary after the heads and ends before the
     next, a stage is a multiple of 128 bytes, and the CTAs counted resident fit the SM."""
     from cute_kernels import replay_output_persistent as rp
 
-    cfg = _persistent_config(shape, warps)
-    head, lay, stage = rp.stage_layout(cfg)
-    assert head >= cfg.read_copy_bytes + cfg.ring_stage_bytes and head % 128 == 0
-    offsets = sorted(lay.values())
-    assert offsets[0] == warps * head and all(o % 16 == 0 for o in offsets)
-    assert lay["ring_B"] + (cfg.window - 2) * cfg.dstate * 2 <= lay["B"]
+    cfg = _persistent_config(shape, warps, bulk_stages=stages)
+    lay, stage = rp.stage_layout(cfg)
+    P, N = cfg.headdim, cfg.dstate
+    assert lay["codes"] == 0 and lay["scales"] == warps * P * N // 2
+    assert lay["ring"] >= lay["scales"] + warps * P * N // 16
+    assert lay["ring_stride"] >= cfg.ring_stage_bytes
+    offsets = sorted(v for k, v in lay.items() if k != "ring_stride")
+    assert all(o % 16 == 0 for o in offsets + [lay["ring_stride"]])
+    assert lay["ring_B"] == lay["ring"] + warps * lay["ring_stride"]
+    assert lay["ring_B"] + (cfg.window - 2) * N * 2 <= lay["B"]
     assert stage % 128 == 0 and stage > offsets[-1]
     n = rp.ctas_per_sm(cfg)
     assert n * (rp.smem_bytes(cfg) + rp.CTA_RESERVED) <= rp.SM_SMEM and n * (warps + 1) <= 64
@@ -1342,11 +1348,11 @@ def test_bad_persistent_arguments_are_refused(knobs, match):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape, warps, max_ctas", [
-    ("nemotron40", 4, None), ("nemotron40", 4, 7), ("nemotron40", 2, 5),
-    ("odd_aligned", 2, 3), ("nemotron", 8, None),
+@pytest.mark.parametrize("shape, warps, max_ctas, stages", [
+    ("nemotron40", 4, None, 2), ("nemotron40", 4, 7, 2), ("nemotron40", 2, 5, 2),
+    ("odd_aligned", 2, 3, 3), ("nemotron", 8, None, 2), ("nemotron40", 4, 5, 3),
 ])
-def test_persistent_step_matches_reference(shape, warps, max_ctas, monkeypatch):
+def test_persistent_step_matches_reference(shape, warps, max_ctas, stages, monkeypatch):
     """The persistent step against the fp64 reference, as the default step is checked (outputs
     start as NaN, flush slots and every other ring entry untouched, records appended bit for
     bit, cursors advanced), on full grids and on a few CTAs that each walk many items, so that
@@ -1358,7 +1364,7 @@ def test_persistent_step_matches_reference(shape, warps, max_ctas, monkeypatch):
     lo, lo64, t = _inputs("nvfp4", shape, "bf16", seed=hash((shape, warps)) % 1000)
     lo_d, t_d = _to_cuda(lo, t)
     out = torch.full_like(t_d["x"], float("nan"))
-    _call(lo_d, t_d, "nvfp4", window, out, persistent=True, warps=warps)
+    _call(lo_d, t_d, "nvfp4", window, out, persistent=True, warps=warps, bulk_stages=stages)
     torch.cuda.synchronize()
     _check_step(lo64, t, {k: v.cpu() for k, v in t_d.items()}, out.cpu(), window, "bf16")
 
