@@ -64,7 +64,8 @@ CTA_SMEM_MAX = 227 * 1024
 # At most this many CTAs (None: SMs times the resident CTAs). Tests lower it so that every
 # CTA walks many items and the pipeline's stage reuse, parities and cursor look-ahead run.
 MAX_CTAS: int | None = None
-WINDOW_SLACK = 32  # bytes a 16-byte aligned window may add to a small vector (15 each side)
+WINDOW_SLACK = 32
+PIECES = int(__import__("os").environ.get("LOWPREC_PERSISTENT_PIECES", "1"))  # noqa: E501  # bytes a 16-byte aligned window may add to a small vector (15 each side)
 
 
 def _round(n: int, to: int) -> int:
@@ -72,17 +73,14 @@ def _round(n: int, to: int) -> int:
 
 
 def stage_layout(cfg: ReplayOutputConfig) -> tuple[dict, int]:
-    """({piece: byte offset in a stage}, bytes a stage) of the persistent step: the ``warps``
-    heads' codes, then their block scales (each one bulk copy: an item's heads are
-    consecutive in global memory), then each head's ring records j <= window - 3 ("ring",
-    "ring_stride" bytes a head), then the item's shared pieces; every piece at a 16-byte
+    """({piece: byte offset in a stage}, bytes a stage) of the persistent step: ``warps``
+    heads of "head" bytes each (its codes, block scales, then ring records j <= window - 3,
+    the bulk stage's layout), then the item's shared pieces; every piece at a 16-byte
     boundary, a stage a multiple of 128 bytes."""
     P, N, L, Lc, W = cfg.headdim, cfg.dstate, cfg.window, cfg.ring_capacity, cfg.warps
     ab, dtb = _ACT_BYTES[cfg.act], _ACT_BYTES[cfg.dt_dtype]
-    ring_stride = _round(cfg.ring_stage_bytes, 16)
-    lay = {"codes": 0, "scales": W * P * N // 2, "ring_stride": ring_stride}
-    lay["ring"] = _round(lay["scales"] + W * P * N // 16, 16)
-    off = lay["ring"] + W * ring_stride
+    lay = {"head": cfg.bulk_stride(True)}
+    off = W * lay["head"]
     pieces = [("ring_B", (L - 2) * N * ab), ("B", N * ab), ("C", N * ab), ("x", W * P * ab)]
     if cfg.has_z:
         pieces.append(("z", W * P * ab))
@@ -345,11 +343,18 @@ class PersistentReplayOutput(ReplayOutput):
             for _, gaddr, size in windows:
                 nbytes = nbytes + _bulk_window(0, gaddr, size, bar, issue=False)
             _mbar_expect(bar, nbytes)
-            _bulk_copy(stage + lay["codes"], lo0.toint() + sh0 * codes, W * codes, bar)
-            _bulk_copy(stage + lay["scales"], lo1.toint() + sh0 * scales, W * scales, bar)
+            # a copy a head's codes, scales and ring records: one copy of the item's codes
+            # and one of its scales (its heads are consecutive) was slower, 62.9 / 64.8 / 68.7
+            # -> 63.5 / 68.1 / 71.6 us at batch 256, cursors 0 / 8 / 14 (gpu_sessions.md)
             for k in cutlass.range_constexpr(W):
-                _bulk_copy(stage + lay["ring"] + k * lay["ring_stride"],
-                           ring_x.toint() + (sh0 + k) * (Lc * P * ab), ring, bar)
+                sh = sh0 + k
+                dst = stage + k * lay["head"]
+                piece = codes // PIECES
+                for c in cutlass.range_constexpr(PIECES):
+                    _bulk_copy(dst + c * piece, lo0.toint() + sh * codes + c * piece, piece, bar)
+                _bulk_copy(dst + codes, lo1.toint() + sh * scales, scales, bar)
+                _bulk_copy(dst + cfg.read_copy_bytes, ring_x.toint() + sh * (Lc * P * ab), ring,
+                           bar)
             _bulk_copy(stage + lay["ring_B"], ring_B.toint() + sg * (Lc * N * ab),
                        cursor * (N * ab), bar)
             _bulk_copy(stage + lay["B"], B.toint() + sg * (N * ab), N * ab, bar)
@@ -387,7 +392,8 @@ class PersistentReplayOutput(ReplayOutput):
         sh0 = s64 * H + head0
         sg = s64 * G + grp
         sh = sh0 + warp
-        ring_base = stage + lay["ring"] + warp * lay["ring_stride"]  # this head's records
+        hstage = stage + warp * lay["head"]  # this head's codes, scales, ring records
+        ring_base = hstage + cfg.read_copy_bytes
 
         # the records past the cursor were not copied (a stage is reused with other cursors)
         # and are read with coefficient 0: zeros, not stale bits
@@ -435,10 +441,7 @@ class PersistentReplayOutput(ReplayOutput):
 
         # ---- S_lo C: replay_output's nvfp4 mma path on the staged read copy ------------------
         g, t = lane // 4, lane % 4
-        codes, scales = P * N // 2, P * N // 16
-        state = self._staged_state(stage + lay["codes"] + warp * codes, lane,
-                                   scales_at=stage + lay["scales"] + warp * scales)
-        rows = self._nvfp4_term(ck, state, g, t)
+        rows = self._nvfp4_term(ck, self._staged_state(hstage, lane), g, t)
         for i in cutlass.range_constexpr(len(rows)):
             ys_smem[rows[i][0], warp, t] = rows[i][1]
         cute.arch.sync_warp()
