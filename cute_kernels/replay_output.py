@@ -1511,15 +1511,12 @@ class ReplayOutput:
                                _sel(j < cursor, Int32(16), Int32(0)))
         _cp_async_commit()
 
-    def _staged_state(self, stage, lane, scales_at=None):
+    def _staged_state(self, stage, lane):
         """The lane's share of a staged head, in `_issue_state_now`'s layout, read from
-        shared memory one 16-row stripe at a time (indexing issues the reads): its codes at
-        ``stage``, its block scales right after them or at ``scales_at``."""
+        shared memory one 16-row stripe at a time (indexing issues the reads)."""
         P, N, E = self.cfg.headdim, self.cfg.dstate, self.E
         g, t = lane // 4, lane % 4
-        row_bytes, sc_row = N // 2, N // 16
-        if scales_at is None:
-            scales_at = stage + P * N // 2
+        row_bytes, sc_row, codes = N // 2, N // 16, P * N // 2
 
         class Stripes:
             def __getitem__(self, q):
@@ -1528,8 +1525,8 @@ class ReplayOutput:
                 for c in range(N // (4 * E)):
                     a1 = _lds_v4(stage + r1 * row_bytes + 64 * c + 16 * t)
                     a2 = _lds_v4(stage + (r1 + 8) * row_bytes + 64 * c + 16 * t)
-                    sc = (_lds_u16(scales_at + r1 * sc_row + 8 * c + 2 * t),
-                          _lds_u16(scales_at + (r1 + 8) * sc_row + 8 * c + 2 * t))
+                    sc = (_lds_u16(stage + codes + r1 * sc_row + 8 * c + 2 * t),
+                          _lds_u16(stage + codes + (r1 + 8) * sc_row + 8 * c + 2 * t))
                     chunks.append((a1, a2, sc))
                 return chunks
 

@@ -20,18 +20,20 @@ Work decomposition::
     CTA b  : items b, b + grid, b + 2 grid, ...   (grid = SMs x CTAs an SM, at most the items)
     stage  : [head 0: codes | scales | ring x_j, j < cursor] ... [head W-1: ...]
              [ring B_j, j < cursor | B | C | x | z | ring dt | dt | s_g | A | D | dt_bias]
+    warps  : ``warps`` consumers and one producer (lane 0 works)
 
-    thread 0, top of iteration i:   bulk copies of item i + 1 into stage (i + 1) % 2 (its
-                                    cursor was loaded an iteration ago); the load of item
-                                    i + 2's cursor; item i's cursor arrival (atomic)
-    every warp:                     wait for stage i % 2; the group's B_j . C (a record a
-                                    warp); its head's decay weights; barrier; its head's
-                                    S_lo C (mma, as replay_output's nvfp4 path) and epilogue
-    end of iteration:               barrier (stage i % 2 free again)
+    producer, item i:   the atomic arrival of item i + 1 at its slot's cursor (its old word
+                        says the cursor, and whether the item came last); wait until the
+                        consumers released stage i % stages; item i's bulk copies into it
+    consumers, item i:  wait for stage i % stages; the group's B_j . C (a record a warp); each
+                        warp its head's decay weights; named barrier; each warp its head's
+                        S_lo C (mma, replay_output's nvfp4 path) and epilogue; named barrier;
+                        release the stage
 
-The cursor protocol is replay_output's: every item of a slot adds ``1 << 16`` to the slot's
-cursor after reading it, and the item that sees all the others' arrivals stores ``h``. A
-flush slot's items copy nothing and leave everything alone. The small per-head vectors (ring
+The cursor protocol is replay_output's, with the read and the arrival one atomic: every item
+of a slot adds ``1 << 16`` to the slot's cursor, and the item that sees all the others'
+arrivals stores ``h``. A flush slot's items take their arrival back, copy nothing and leave
+everything else alone. The small per-head vectors (ring
 dt, dt, s_g, A, D, dt_bias) are copied as the 16-byte aligned windows that hold them (the
 bulk copy engine wants 16-byte addresses and sizes), and read at their offset in the window.
 """
@@ -64,8 +66,7 @@ CTA_SMEM_MAX = 227 * 1024
 # At most this many CTAs (None: SMs times the resident CTAs). Tests lower it so that every
 # CTA walks many items and the pipeline's stage reuse, parities and cursor look-ahead run.
 MAX_CTAS: int | None = None
-WINDOW_SLACK = 32
-PIECES = int(__import__("os").environ.get("LOWPREC_PERSISTENT_PIECES", "1"))  # noqa: E501  # bytes a 16-byte aligned window may add to a small vector (15 each side)
+WINDOW_SLACK = 32  # bytes a 16-byte aligned window may add to a small vector (15 each side)
 
 
 def _round(n: int, to: int) -> int:
@@ -343,15 +344,15 @@ class PersistentReplayOutput(ReplayOutput):
             for _, gaddr, size in windows:
                 nbytes = nbytes + _bulk_window(0, gaddr, size, bar, issue=False)
             _mbar_expect(bar, nbytes)
-            # a copy a head's codes, scales and ring records: one copy of the item's codes
-            # and one of its scales (its heads are consecutive) was slower, 62.9 / 64.8 / 68.7
-            # -> 63.5 / 68.1 / 71.6 us at batch 256, cursors 0 / 8 / 14 (gpu_sessions.md)
+            # a copy a head's codes, scales and ring records. One copy of the item's codes and
+            # one of its scales (its heads are consecutive) was slower at batch 256 (cursors
+            # 0 / 8 / 14: 62.9 / 64.8 / 68.7 -> 63.5 / 68.1 / 71.6 us), and so were a head's
+            # codes in 2 or 4 copies (63.3 / 65.5 / 69.5 -> 65.7 / 66.4 / 69.8 and 70.5 / 70.8
+            # / 72.5; results/kernel_bench_runs/persistent_ab_15/)
             for k in cutlass.range_constexpr(W):
                 sh = sh0 + k
                 dst = stage + k * lay["head"]
-                piece = codes // PIECES
-                for c in cutlass.range_constexpr(PIECES):
-                    _bulk_copy(dst + c * piece, lo0.toint() + sh * codes + c * piece, piece, bar)
+                _bulk_copy(dst, lo0.toint() + sh * codes, codes, bar)
                 _bulk_copy(dst + codes, lo1.toint() + sh * scales, scales, bar)
                 _bulk_copy(dst + cfg.read_copy_bytes, ring_x.toint() + sh * (Lc * P * ab), ring,
                            bar)
