@@ -779,6 +779,15 @@ def default_ring_stage(cfg: ReplayOutputConfig) -> str:
 
 
 EAGER_FORMATS = ("nvfp4", "fp32")  # measured faster with eager_loads on one-wave grids
+# With the ring records through registers, the eager loads only where a warp walks at most
+# this many heads. Measured (fourteenth session, eager_ab_14/, us, cursors 0 / 4 / 6): Mamba-2
+# 2.7B at L = 8, batch 256 (one wave of 512 CTAs, 10 heads a warp): 32.8 / 35.7 / 37.1 ->
+# 45.4 / 46.9 / 47.1 with them, which the fourteenth session's rule (one wave alone) shipped
+# (results/kernel_bench.csv: 44.8 / 46.6 / 47.5); ptxas reports no spills there (128
+# registers either way), so the cause is not pinned down. At 1 and 2 heads a warp (batch 1
+# and 32) they gained on both shapes; with the records staged (L >= 16) 10 heads a warp were
+# even (L = 16) or faster (L = 32). Fifteenth session's check of this rule: gpu_sessions.md.
+EAGER_MAX_HEADS_REGISTERS_RING = 2
 
 
 def default_eager_loads(cfg: ReplayOutputConfig, batch: int, sm_count: int) -> bool:
@@ -786,10 +795,14 @@ def default_eager_loads(cfg: ReplayOutputConfig, batch: int, sm_count: int) -> b
     when ``eager_loads`` is not given: for the formats of EAGER_FORMATS, where the knobs allow
     it (registers stage, early_loads, no l2_prefetch, pdl or ablation), and where the grid of
     ``batch * ngroups * head_splits`` CTAs fits in one wave of resident CTAs (``sm_count * 16
-    / warps``, as `default_head_splits` counts them). Measured at
-    ReplayOutputConfig.eager_loads."""
+    / warps``, as `default_head_splits` counts them), and, with the ring records through
+    registers, where a warp walks at most EAGER_MAX_HEADS_REGISTERS_RING heads (``cfg``'s
+    ring_stage as it will run). Measured at ReplayOutputConfig.eager_loads."""
     allowed = (cfg.lo_format in EAGER_FORMATS and cfg.stage == "registers" and cfg.early_loads
                and not cfg.l2_prefetch and not cfg.pdl and not cfg.ablate)
+    heads_per_warp = cfg.heads_per_group // (cfg.warps * cfg.head_splits)
+    if cfg.ring_stage == "registers" and heads_per_warp > EAGER_MAX_HEADS_REGISTERS_RING:
+        return False
     resident = sm_count * max(1, 16 // cfg.warps)
     return allowed and batch * cfg.ngroups * cfg.head_splits <= resident
 
@@ -1982,10 +1995,10 @@ def replay_output(
     if isinstance(hs, bool) or not isinstance(hs, int) or hs < 1 or (H // G) % (hs * cfg.warps):
         _fail("head_splits", f"a positive integer with head_splits * warps ({cfg.warps}) dividing "
               f"nheads / ngroups = {H // G}", head_splits)
+    if ring_stage is None:  # (before the eager loads' default, which depends on it)
+        cfg = dataclasses.replace(cfg, ring_stage=default_ring_stage(cfg))
     if eager_loads is None:
         cfg = dataclasses.replace(cfg, eager_loads=default_eager_loads(cfg, S, _sm_count(device)))
-    if ring_stage is None:
-        cfg = dataclasses.replace(cfg, ring_stage=default_ring_stage(cfg))
     if S == 0:
         return out
     kernel = compile_replay_output(cfg)
