@@ -643,9 +643,23 @@ class ReplayOutputConfig:
     # 118.8 -> 119.8 at cursor 8; pdl_ab_16/). So the step's time at large batches is not
     # launch gaps; what it saves on small grids is the launch and the first loads' latency
     pdl: bool = False
-    # a CTA per SM share that outlives its (slot, group, warps heads) work items and brings the
-    # next item's bytes in by bulk copy while it computes the current one
-    # (cute_kernels/replay_output_persistent.py): nvfp4 only, one head a warp an item
+    # the persistent, software-pipelined step (cute_kernels/replay_output_persistent.py): a
+    # few CTAs an SM that outlive their (slot, group, `warps` heads) items, a producer warp
+    # bringing every byte of the next item in by bulk copy while `warps` warps compute this
+    # one (nvfp4 only; bulk_stages items a CTA). Built to hide the prologue's round trips and
+    # the read copy together (the fourteenth session's stall readings); correct (tests) but
+    # slower, so opt-in. In the benchmark's conditions (fifteenth session, us at cursors
+    # 0 / 8 / 14, two runs each; results/kernel_bench_runs/persistent_ab_15/):
+    #     Nemotron L = 16   batch 1          128                 256
+    #     default         3.6 / 3.8 / 3.9  29.0 / 33.1 / 36.3  55.7 / 62.0 / 68.0
+    #     persistent      4.2 / 4.5 / 4.6  34.3 / 36.1 / 37.8  62.9 / 64.8 / 68.7
+    #     (batch 512: 106.4 / 118.4 / 129.0 against 118.5 / 122.0 / 128.7)
+    # and at L = 8 and 32 10-20% slower (Mamba-2 2.7B L = 32: even). Its warps wait on the
+    # bytes (13% of samples at the stage's barrier: one item ahead is what 3 CTAs of 67 KB
+    # can hold) and on their own chains: with one head a warp an item, each head pays the
+    # group's B . C products, C's fragments and its decay chain, which the default step
+    # shares over a warp's heads. Two items ahead (bulk_stages=3, 2 CTAs an SM) and other
+    # copy granularities were slower still.
     persistent: bool = False
 
     @property
