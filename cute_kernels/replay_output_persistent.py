@@ -22,20 +22,23 @@ Work decomposition::
              [ring B_j, j < cursor | B | C | x | z | ring dt | dt | s_g | A | D | dt_bias]
     warps  : ``warps`` consumers and one producer (lane 0 works)
 
-    producer, item i:   the atomic arrival of item i + 1 at its slot's cursor (its old word
-                        says the cursor, and whether the item came last); wait until the
-                        consumers released stage i % stages; item i's bulk copies into it
+    producer, item i:   load item i + 1's cursor; wait until the consumers released stage
+                        i % stages; item i's bulk copies into it; item i's arrival at its
+                        slot's cursor (the last to arrive stores the new count)
     consumers, item i:  wait for stage i % stages; the group's B_j . C (a record a warp); each
                         warp its head's decay weights; named barrier; each warp its head's
                         S_lo C (mma, replay_output's nvfp4 path) and epilogue; named barrier;
                         release the stage
 
-The cursor protocol is replay_output's, with the read and the arrival one atomic: every item
-of a slot adds ``1 << 16`` to the slot's cursor, and the item that sees all the others'
-arrivals stores ``h``. A flush slot's items take their arrival back, copy nothing and leave
-everything else alone. The small per-head vectors (ring
-dt, dt, s_g, A, D, dt_bias) are copied as the 16-byte aligned windows that hold them (the
-bulk copy engine wants 16-byte addresses and sizes), and read at their offset in the window.
+The cursor protocol is replay_output's: every item of a slot adds ``1 << 16`` to the slot's
+cursor after reading it, and the item that sees all the others' arrivals stores ``h``. A
+flush slot's items copy nothing and leave everything alone, its cursor included (the forms
+measured in calls 3-6 took the cursor by the arrival atomic and took a flush slot's arrival
+back, which a counter kernel resetting that cursor at the same time would have raced).
+
+The small per-head vectors (ring dt, dt, s_g, A, D, dt_bias) are copied as the 16-byte
+aligned windows that hold them (the bulk copy engine wants 16-byte addresses and sizes), and
+read at their offset in the window.
 """
 
 from __future__ import annotations  # noqa: I001  (_compile must precede cutlass)
@@ -98,8 +101,9 @@ def stage_layout(cfg: ReplayOutputConfig) -> tuple[dict, int]:
 
 
 def smem_bytes(cfg: ReplayOutputConfig) -> int:
-    """Shared memory of one CTA: two stages, the barriers and cursors, B . C, the partial
-    sums and the coefficients (as the kernel allocates them, alignment included)."""
+    """Shared memory of one CTA: ``bulk_stages`` stages, their barriers and cursors, B . C,
+    the partial sums and the coefficients (as the kernel allocates them, alignment
+    included)."""
     _, stage = stage_layout(cfg)
     P, W = cfg.headdim, cfg.warps
     coef_row = 4 * ((_segment(cfg) + 3) // 4)
@@ -132,8 +136,8 @@ def persistent_refusal(cfg: ReplayOutputConfig) -> str | None:
     if (cfg.nheads // cfg.ngroups) % cfg.warps:
         return f"warps dividing the heads of a group ({cfg.nheads // cfg.ngroups})"
     if smem_bytes(cfg) > CTA_SMEM_MAX:
-        return (f"two stages within {CTA_SMEM_MAX // 1024} KiB of shared memory "
-                f"({smem_bytes(cfg)} bytes at {cfg.warps} warps; fewer warps)")
+        return (f"{cfg.bulk_stages} stages within {CTA_SMEM_MAX // 1024} KiB of shared memory "
+                f"({smem_bytes(cfg)} bytes at {cfg.warps} warps; fewer warps or stages)")
     return None
 
 
@@ -266,23 +270,22 @@ class PersistentReplayOutput(ReplayOutput):
         cute.arch.sync_threads()
 
         if warp == W:
-            # the producer warp (lane 0): an item's cursor by the atomic that also counts the
-            # slot's arrivals, issued an item ahead; its bytes into a stage once the consumers
-            # have released the item two before
+            # the producer warp (lane 0): an item's cursor, loaded an item ahead; its bytes into
+            # a stage once the consumers have released the stage's previous item
             if lane == 0:
-                old = self._arrive(cursors, bid)
+                cur = self._cursor(cursors, bid)
                 for i in cutlass.range(mine, unroll=1):
                     item = bid + i * nctas
                     st = i % NS
-                    old_next = Int32(0)
+                    cur_next = Int32(0)
                     if i + 1 < mine:
-                        old_next = self._arrive(cursors, item + nctas)
+                        cur_next = self._cursor(cursors, item + nctas)
                     if i >= NS:  # the consumers released this stage's previous item
                         _mbar_wait_parity(bar0 + 8 * NS + 8 * st, (i // NS + 1) % 2)
                     _fence_proxy_async()  # the consumers' zeroed ring tails, before the copies
-                    self._issue_item(ptrs, cursors, meta, item, old, st0 + st * stage_bytes,
+                    self._issue_item(ptrs, cursors, meta, item, cur, st0 + st * stage_bytes,
                                      bar0 + 8 * st, st)
-                    old = old_next
+                    cur = cur_next
         else:
             for i in cutlass.range(mine, unroll=1):
                 st = i % NS
@@ -296,20 +299,20 @@ class PersistentReplayOutput(ReplayOutput):
                 if tid == 0:
                     _mbar_arrive(bar0 + 8 * NS + 8 * st)
 
-    # ---- producer (thread 0) -----------------------------------------------------------------
+    # ---- producer (lane 0 of the last warp) ---------------------------------------------------
 
-    def _arrive(self, cursors, item):
-        """``item``'s arrival at its slot's cursor: the old word (low 16 bits the records held,
-        high 16 the slot's items that arrived before)."""
+    def _cursor(self, cursors, item):
+        """The records ``item``'s slot holds (low 16 bits: other items may have arrived)."""
         per_slot = self.cfg.ngroups * (self.cfg.nheads // self.cfg.ngroups // self.cfg.warps)
-        return cute.arch.atomic_add((cursors + item // per_slot).llvm_ptr, Int32(1 << 16))
+        return cute.arch.load((cursors + item // per_slot).llvm_ptr, Int32) & 0xFFFF
 
     @cute.jit
-    def _issue_item(self, ptrs, cursors, meta, item, old, stage, bar, meta_index):
-        """The producer: ``item``'s cursor (from its arrival word ``old``) into ``meta``, then
-        for a non-flush slot every byte the item reads into ``stage`` by bulk copies completing
-        on ``bar`` (and, if the item arrived last, the slot's new cursor); for a flush slot its
-        arrival taken back and the stage's phase completed with no bytes."""
+    def _issue_item(self, ptrs, cursors, meta, item, cursor, stage, bar, meta_index):
+        """The producer: ``item``'s ``cursor`` into ``meta``; for a non-flush slot every byte
+        the item reads into ``stage`` by bulk copies completing on ``bar``, then its arrival at
+        the slot's cursor (the last item to arrive stores the new count); for a flush slot
+        only the stage's phase, completed with no bytes (its cursor is left alone: the
+        counter kernel of a decode step resets it)."""
         cfg = self.cfg
         lo0, lo1, lo2, ring_x, ring_dt, ring_B, x, dt, A, B, C, D, z, dt_bias, out = ptrs
         H, P, N, G, Lc, L, W = (cfg.nheads, cfg.headdim, cfg.dstate, cfg.ngroups,
@@ -317,12 +320,9 @@ class PersistentReplayOutput(ReplayOutput):
         ab, dtb = _ACT_BYTES[cfg.act], _ACT_BYTES[cfg.dt_dtype]
         cpg = H // G // W
         lay, _ = stage_layout(cfg)
-        cursor = old & 0xFFFF
         meta[meta_index] = cursor
         s = item // (G * cpg)
         if cursor + 1 < L:
-            if (old >> 16) == G * cpg - 1:  # every item of the slot has read the cursor
-                cute.arch.store((cursors + s).llvm_ptr, cursor + 1)
             grp = (item % (G * cpg)) // cpg
             head0 = grp * (H // G) + (item % cpg) * W
             s64 = Int64(s)
@@ -365,8 +365,11 @@ class PersistentReplayOutput(ReplayOutput):
                 _bulk_copy(stage + lay["z"], z.toint() + sh0 * (P * ab), W * P * ab, bar)
             for name, gaddr, size in windows:
                 _bulk_window(stage + lay[name], gaddr, size, bar, issue=True)
-        else:  # a flush slot: left alone; nothing to copy, the phase completes
-            cute.arch.atomic_add((cursors + s).llvm_ptr, Int32(-(1 << 16)))
+            # this item has read its slot's cursor; the last of the slot's items stores h
+            old = cute.arch.atomic_add((cursors + s).llvm_ptr, Int32(1 << 16))
+            if (old >> 16) == G * cpg - 1:
+                cute.arch.store((cursors + s).llvm_ptr, cursor + 1)
+        else:  # a flush slot: nothing to copy, the phase completes
             _mbar_expect(bar, 0)
 
     # ---- consumers (every warp) --------------------------------------------------------------
