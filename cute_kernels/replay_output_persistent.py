@@ -23,12 +23,11 @@ Work decomposition::
     warps  : ``warps`` consumers and one producer (lane 0 works)
 
     producer, item i:   load item i + 1's cursor; wait until the consumers released stage
-                        i % stages; item i's bulk copies into it
-    consumers, item i:  wait for stage i % stages; the item's arrival at its slot's cursor
-                        (an atomic, acted on at the end); the group's B_j . C (a record a
-                        warp); each warp its head's decay weights; named barrier; each warp
-                        its head's S_lo C (mma, replay_output's nvfp4 path) and epilogue;
-                        named barrier;
+                        i % stages; item i's bulk copies into it; item i's arrival at its
+                        slot's cursor (the last to arrive stores the new count)
+    consumers, item i:  wait for stage i % stages; the group's B_j . C (a record a warp); each
+                        warp its head's decay weights; named barrier; each warp its head's
+                        S_lo C (mma, replay_output's nvfp4 path) and epilogue; named barrier;
                         release the stage
 
 The cursor protocol is replay_output's: every item of a slot adds ``1 << 16`` to the slot's
@@ -284,28 +283,17 @@ class PersistentReplayOutput(ReplayOutput):
                     if i >= NS:  # the consumers released this stage's previous item
                         _mbar_wait_parity(bar0 + 8 * NS + 8 * st, (i // NS + 1) % 2)
                     _fence_proxy_async()  # the consumers' zeroed ring tails, before the copies
-                    self._issue_item(ptrs, meta, item, cur, st0 + st * stage_bytes,
+                    self._issue_item(ptrs, cursors, meta, item, cur, st0 + st * stage_bytes,
                                      bar0 + 8 * st, st)
                     cur = cur_next
         else:
             for i in cutlass.range(mine, unroll=1):
-                item = bid + i * nctas
                 st = i % NS
                 _mbar_wait_parity(bar0 + 8 * st, (i // NS) % 2)
                 cursor = meta[st]
                 if cursor + 1 < L:
-                    # the item's arrival at its slot's cursor (the producer read it), acted on
-                    # after the item's work: no warp waits for the atomic (the producer waiting
-                    # for it before its next item: 64.8 -> 70.3 us at batch 256, cursor 8)
-                    arrivals = Int32(0)
-                    if tid == 0:
-                        arrivals = cute.arch.atomic_add((cursors + item // per_slot).llvm_ptr,
-                                                        Int32(1 << 16))
-                    self._compute_item(ptrs, item, cursor, st0 + st * stage_bytes,
+                    self._compute_item(ptrs, bid + i * nctas, cursor, st0 + st * stage_bytes,
                                        bc_smem, ys_smem, coef_smem, ck_smem, warp, lane)
-                    if tid == 0:
-                        if (arrivals >> 16) == per_slot - 1:  # every item of the slot read it
-                            cute.arch.store((cursors + item // per_slot).llvm_ptr, cursor + 1)
                 # every consumer is done with stage i % 2, B . C and the partial sums
                 cute.arch.barrier(barrier_id=1, number_of_threads=32 * W)
                 if tid == 0:
@@ -319,10 +307,12 @@ class PersistentReplayOutput(ReplayOutput):
         return cute.arch.load((cursors + item // per_slot).llvm_ptr, Int32) & 0xFFFF
 
     @cute.jit
-    def _issue_item(self, ptrs, meta, item, cursor, stage, bar, meta_index):
+    def _issue_item(self, ptrs, cursors, meta, item, cursor, stage, bar, meta_index):
         """The producer: ``item``'s ``cursor`` into ``meta``; for a non-flush slot every byte
-        the item reads into ``stage`` by bulk copies completing on ``bar``; for a flush slot
-        only the stage's phase, completed with no bytes."""
+        the item reads into ``stage`` by bulk copies completing on ``bar``, then its arrival at
+        the slot's cursor (the last item to arrive stores the new count); for a flush slot
+        only the stage's phase, completed with no bytes (its cursor is left alone: the
+        counter kernel of a decode step resets it)."""
         cfg = self.cfg
         lo0, lo1, lo2, ring_x, ring_dt, ring_B, x, dt, A, B, C, D, z, dt_bias, out = ptrs
         H, P, N, G, Lc, L, W = (cfg.nheads, cfg.headdim, cfg.dstate, cfg.ngroups,
@@ -375,6 +365,10 @@ class PersistentReplayOutput(ReplayOutput):
                 _bulk_copy(stage + lay["z"], z.toint() + sh0 * (P * ab), W * P * ab, bar)
             for name, gaddr, size in windows:
                 _bulk_window(stage + lay[name], gaddr, size, bar, issue=True)
+            # this item has read its slot's cursor; the last of the slot's items stores h
+            old = cute.arch.atomic_add((cursors + s).llvm_ptr, Int32(1 << 16))
+            if (old >> 16) == G * cpg - 1:
+                cute.arch.store((cursors + s).llvm_ptr, cursor + 1)
         else:  # a flush slot: nothing to copy, the phase completes
             _mbar_expect(bar, 0)
 
