@@ -654,7 +654,10 @@ class ReplayOutputConfig:
     #     default         3.6 / 3.8 / 3.9  29.0 / 33.1 / 36.3  55.7 / 62.0 / 68.0
     #     persistent      4.2 / 4.5 / 4.6  34.3 / 36.1 / 37.8  62.9 / 64.8 / 68.7
     #     (batch 512: 106.4 / 118.4 / 129.0 against 118.5 / 122.0 / 128.7)
-    # and at L = 8 and 32 10-20% slower (Mamba-2 2.7B L = 32: even). Its warps wait on the
+    # in the form that read each cursor by the item's arrival atomic; the shipped form reads
+    # it by a plain load (a flush slot's cursor is never touched) and took 65.9 / 70.3 / 72.4
+    # at batch 256 (one run). At L = 8 and 32 10-20% slower (Mamba-2 2.7B L = 32: even). Its
+    # warps wait on the
     # bytes (13% of samples at the stage's barrier: one item ahead is what 3 CTAs of 67 KB
     # can hold) and on their own chains: with one head a warp an item, each head pays the
     # group's B . C products, C's fragments and its decay chain, which the default step
