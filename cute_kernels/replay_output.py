@@ -1841,7 +1841,9 @@ def replay_output(
     so that kernel must not write the read copy of a slot taking a non-flush step
     (`ReplayOutputConfig.pdl`). ``persistent=True`` (nvfp4) runs the persistent,
     software-pipelined step (`cute_kernels.replay_output_persistent`) with ``warps`` heads an
-    item (default PERSISTENT_WARPS); it takes none of the other tuning knobs.
+    item (default PERSISTENT_WARPS) and ``bulk_stages`` (2 or 3) items a CTA; it takes none of
+    the other tuning knobs (measured slower than the default step:
+    `ReplayOutputConfig.persistent`).
     """
     if lo_format not in LO_FORMATS:
         _fail("lo_format", f"one of {list(LO_FORMATS)}", repr(lo_format))
