@@ -294,7 +294,7 @@ class PersistentReplayOutput(ReplayOutput):
                 if cursor + 1 < L:
                     self._compute_item(ptrs, bid + i * nctas, cursor, st0 + st * stage_bytes,
                                        bc_smem, ys_smem, coef_smem, ck_smem, warp, lane)
-                # every consumer is done with stage i % 2, B . C and the partial sums
+                # every consumer is done with stage i % NS, B . C and the partial sums
                 cute.arch.barrier(barrier_id=1, number_of_threads=32 * W)
                 if tid == 0:
                     _mbar_arrive(bar0 + 8 * NS + 8 * st)
