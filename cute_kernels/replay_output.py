@@ -418,6 +418,26 @@ def _dot_warp(a: list, b: list) -> Float32:
     return part
 
 
+def _output_pair(act, records: int, ck_scale, ys, coefs, record, c_last, d_h, xv, z_words):
+    """Output rows v, v + 1 of one head, in fp32 and in this order: ``ck_scale`` times the
+    raw ``ys = S_lo C`` sums, plus ``coefs[j]`` times ring record j's two values (``record(j)``:
+    their words) for j < ``records``, plus this step's ``(c_last + D) x`` as two products, times
+    silu(z) where ``z_words`` are given. Both non-flush kernels finish a head with it."""
+    acc0 = ck_scale * ys[0]
+    acc1 = ck_scale * ys[1]
+    for j in range(records):
+        xr = _words_to_f32(record(j), act)
+        acc0 = acc0 + coefs[j] * xr[0]
+        acc1 = acc1 + coefs[j] * xr[1]
+    acc0 = acc0 + c_last * xv[0] + d_h * xv[0]
+    acc1 = acc1 + c_last * xv[1] + d_h * xv[1]
+    if z_words is not None:
+        zv = _words_to_f32(z_words, act)
+        acc0 = acc0 * silu(zv[0])
+        acc1 = acc1 * silu(zv[1])
+    return acc0, acc1
+
+
 def _nvfp4_as_e4m3(word):
     """The 8 E2M1 nibbles of ``word`` re-packed as E4M3 bytes of E2M1 * 2^-6, exactly:
     (even, odd), byte b of ``even`` from nibble 2b, of ``odd`` from nibble 2b + 1.
@@ -818,10 +838,9 @@ def default_eager_loads(cfg: ReplayOutputConfig, batch: int, sm_count: int) -> b
     allowed = (cfg.lo_format in EAGER_FORMATS and cfg.stage == "registers" and cfg.early_loads
                and not cfg.l2_prefetch and not cfg.pdl and not cfg.ablate)
     heads_per_warp = cfg.heads_per_group // (cfg.warps * cfg.head_splits)
-    if cfg.ring_stage == "registers" and heads_per_warp > EAGER_MAX_HEADS_REGISTERS_RING:
-        return False
+    few_heads = cfg.ring_stage == "smem" or heads_per_warp <= EAGER_MAX_HEADS_REGISTERS_RING
     resident = sm_count * max(1, 16 // cfg.warps)
-    return allowed and batch * cfg.ngroups * cfg.head_splits <= resident
+    return allowed and few_heads and batch * cfg.ngroups * cfg.head_splits <= resident
 
 
 def default_head_splits(batch: int, ngroups: int, heads_per_group: int, warps: int,
@@ -1237,14 +1256,12 @@ class ReplayOutput:
                             for q in cutlass.range_constexpr(1, Q):
                                 ys0 = ys0 + ys_smem[v, col, q]
                                 ys1 = ys1 + ys_smem[v + 1, col, q]
-                        acc0 = ck_scale * ys0
-                        acc1 = ck_scale * ys1
-                        for j in cutlass.range_constexpr(L - 2):
+                        def record(j, r=r, v=v, ld=ld, hh=hh, head_stage=ctx[k][2]):
                             # records j >= cursor were not loaded (zeros; eager_loads: loaded
                             # and zeroed here) and have coef 0; record L - 2 is never before
                             # the cursor (cursor <= L - 2 on a non-flush step)
                             if cutlass.const_expr(cfg.ring_in_stage):
-                                words = _lds_words(ctx[k][2] + cfg.read_copy_bytes
+                                words = _lds_words(head_stage + cfg.read_copy_bytes
                                                    + (j * P + v) * ab, ab // 2)
                             elif cutlass.const_expr(ring_staged):
                                 words = _lds_words(ring_base + (hh % 2) * RB
@@ -1253,15 +1270,11 @@ class ReplayOutput:
                                 words = ld["ring"][r][j]
                             if cutlass.const_expr(cfg.eager_loads and not ring_staged):
                                 words = [_sel(j < cursor, w, Uint32(0)) for w in words]
-                            xr = _words_to_f32(words, act)
-                            acc0 = acc0 + coefs[j] * xr[0]
-                            acc1 = acc1 + coefs[j] * xr[1]
-                        acc0 = acc0 + c_last * xv[0] + ld["D"] * xv[0]
-                        acc1 = acc1 + c_last * xv[1] + ld["D"] * xv[1]
-                        if cutlass.const_expr(cfg.has_z):
-                            zv = _words_to_f32(ld["z"][r], act)
-                            acc0 = acc0 * silu(zv[0])
-                            acc1 = acc1 * silu(zv[1])
+                            return words
+
+                        zw = ld["z"][r] if cfg.has_z else None
+                        acc0, acc1 = _output_pair(act, L - 2, ck_scale, (ys0, ys1), coefs,
+                                                  record, c_last, ld["D"], xv, zw)
                         if v_raw < P:
                             out_words = _f32_to_words([acc0, acc1], act)
                             _store_words(out.toint() + (sh * P + v) * ab, out_words)
@@ -1416,16 +1429,12 @@ class ReplayOutput:
 
     # ---- checkpoint term, per format -------------------------------------------------------
 
-    def _checkpoint_setup(self, c_addr, sg, lane, load=None):
+    def _checkpoint_setup(self, c_addr, sg, lane):
         """Per-warp registers that depend only on (slot, group): C in the B-fragment layout
-        (mma) or the lane's slice of C (simt). ``load(offset, n)``, if given, reads ``n`` words
-        at byte ``offset`` of C's row (the persistent step's shared-memory stage) instead of
-        global memory at ``c_addr``."""
+        (mma) or the lane's slice of C (simt)."""
         cfg = self.cfg
         N, act = cfg.dstate, cfg.act
         ab = _ACT_BYTES[act]
-        if load is not None:
-            return self._c_fragments(load, lane)
         row = c_addr + sg * N * ab
         if cfg.decode == "simt":
             # lane l8 = lane % 8 owns k = 4*l8 + 32*m, m < N/32
@@ -1438,7 +1447,7 @@ class ReplayOutput:
 
     def _c_fragments(self, load, lane):
         """C in the mma's B-fragment layout, its words read by ``load(byte offset in C's row,
-        words)``."""
+        words)`` (global memory here; the persistent step's shared-memory stage there)."""
         cfg, E = self.cfg, self.E
         N, act = cfg.dstate, cfg.act
         ab = _ACT_BYTES[act]
@@ -2021,7 +2030,16 @@ def replay_output(
     if S == 0:
         return out
     kernel = compile_replay_output(cfg)
-    types = _pointer_types(cfg)
+    ptrs = _kernel_pointers(cfg, lo0, lo1, lo2, ring_x, ring_dt, ring_B, cursors, x, dt, A, B,
+                            C, D, z, dt_bias, out)
+    kernel(*ptrs, Int32(S), _compile.current_stream())
+    return out
+
+
+def _kernel_pointers(cfg, lo0, lo1, lo2, ring_x, ring_dt, ring_B, cursors, x, dt, A, B, C, D,
+                     z, dt_bias, out) -> list:
+    """The kernels' pointer arguments in their order, a tensor standing in (never read) for
+    each optional one left out."""
     tensors = [
         lo0,
         lo1 if lo1 is not None else lo0,
@@ -2032,9 +2050,8 @@ def replay_output(
         dt_bias if dt_bias is not None else A,
         out,
     ]
-    ptrs = [_compile.gmem_ptr(t, ty) for t, ty in zip(tensors, types, strict=True)]
-    kernel(*ptrs, Int32(S), _compile.current_stream())
-    return out
+    return [_compile.gmem_ptr(t, ty)
+            for t, ty in zip(tensors, _pointer_types(cfg), strict=True)]
 
 
 PERSISTENT_WARPS = 4  # heads an item of the persistent step (one a warp)
@@ -2075,10 +2092,8 @@ def _persistent_step(cfg, lo0, lo1, lo2, ring_x, ring_dt, ring_B, cursors, x, dt
     if rp.MAX_CTAS is not None:  # tests: a small grid, so that each CTA walks many items
         ctas = min(ctas, rp.MAX_CTAS)
     kernel = compile_replay_output(cfg)
-    tensors = [lo0, lo1, lo2, ring_x, ring_dt, ring_B, cursors, x, dt, A, B, C,
-               D if D is not None else A, z if z is not None else x,
-               dt_bias if dt_bias is not None else A, out]
-    ptrs = [_compile.gmem_ptr(t, ty) for t, ty in zip(tensors, _pointer_types(cfg), strict=True)]
+    ptrs = _kernel_pointers(cfg, lo0, lo1, lo2, ring_x, ring_dt, ring_B, cursors, x, dt, A, B,
+                            C, D, z, dt_bias, out)
     kernel(*ptrs, Int32(S), Int32(ctas), _compile.current_stream())
     return out
 

@@ -51,11 +51,12 @@ from cutlass import Float32, Int32, Int64, Uint32
 from cutlass.cutlass_dsl import dsl_user_op
 from cutlass.memory import SmemAllocator
 
-from cute_kernels.numerics import bits_f32, inline_ptx, silu
+from cute_kernels.numerics import bits_f32, inline_ptx
 from cute_kernels.replay_output import (
     _ACT_BYTES, _NVFP4_UNDO, ReplayOutput, ReplayOutputConfig, _bulk_copy, _dot_warp,
     _f16x2_to_f32x2, _f32_to_words, _lds_u16, _lds_v4, _lds_words, _mbar_expect, _mbar_init,
-    _mbar_init_fence, _sel, _store_warp_coefs, _store_words, _warp_decay_weights, _words_to_f32,
+    _mbar_init_fence, _output_pair, _sel, _store_warp_coefs, _store_words, _warp_decay_weights,
+    _words_to_f32,
 )
 
 __all__ = ["PersistentReplayOutput", "stage_layout", "smem_bytes", "ctas_per_sm",
@@ -417,8 +418,7 @@ class PersistentReplayOutput(ReplayOutput):
                     if chunk == 0:  # one item of the group appends B
                         _store_words(ring_B.toint() + ((sg * Lc + cursor) * N + lane * nb) * ab,
                                      words)
-        ck = self._checkpoint_setup(None, None, lane,
-                                    load=lambda off, n: _lds_n(stage + lay["C"] + off, n))
+        ck = self._c_fragments(lambda off, n: _lds_n(stage + lay["C"] + off, n), lane)
 
         # ---- this warp's head: decay weights (replay_output's, its inputs from the stage) ----
         S = self.segment
@@ -470,20 +470,13 @@ class PersistentReplayOutput(ReplayOutput):
             for q in cutlass.range_constexpr(1, 4):
                 ys0 = ys0 + ys_smem[v, warp, q]
                 ys1 = ys1 + ys_smem[v + 1, warp, q]
-            acc0 = ck_scale * ys0
-            acc1 = ck_scale * ys1
-            for jr in cutlass.range_constexpr(L - 2):
-                words = _lds_words(ring_base + (jr * P + v) * ab, ab // 2)
-                xr = _words_to_f32(words, act)
-                acc0 = acc0 + coefs[jr] * xr[0]
-                acc1 = acc1 + coefs[jr] * xr[1]
-            acc0 = acc0 + c_last * xv[0] + d_h * xv[0]
-            acc1 = acc1 + c_last * xv[1] + d_h * xv[1]
+            zw = None
             if cutlass.const_expr(cfg.has_z):
-                zv = _words_to_f32(_lds_words(stage + lay["z"] + (warp * P + v) * ab, ab // 2),
-                                   act)
-                acc0 = acc0 * silu(zv[0])
-                acc1 = acc1 * silu(zv[1])
+                zw = _lds_words(stage + lay["z"] + (warp * P + v) * ab, ab // 2)
+            acc0, acc1 = _output_pair(
+                act, L - 2, ck_scale, (ys0, ys1), coefs,
+                lambda j, v=v: _lds_words(ring_base + (j * P + v) * ab, ab // 2),
+                c_last, d_h, xv, zw)
             if v_raw < P:
                 _store_words(out.toint() + (sh * P + v) * ab, _f32_to_words([acc0, acc1], act))
                 _store_words(ring_x.toint() + ((sh * Lc + cursor) * P + v) * ab, xw)
