@@ -361,15 +361,15 @@ def flush_budgets(
             if ("token", reference) not in mine:
                 continue
             window_us = window * float(mine[("token", reference)]["time_us"]) / goal
-            out.append(dict(
+            budget = dict(
                 run=run, target=target, goal=goal, window_budget_us=window_us,
                 flush_us=flush_us, budget_us=window_us - nonflush_us,
                 flush_at_copy_us=at_copy,
                 nonflush_bytes=nonflush_bytes, copy_bytes_per_us=copy_bytes_per_us,
                 nonflush_frac=nonflush_bytes / nonflush_us / copy_bytes_per_us,
-                nonflush_frac_needed_at_copy=nonflush_bytes / (window_us - at_copy)
-                / copy_bytes_per_us,
-            ))  # fmt: skip
+            )  # fmt: skip
+            budget["nonflush_frac_needed_at_copy"] = nonflush_frac_needed(budget, at_copy)
+            out.append(budget)
     return out
 
 
