@@ -821,9 +821,10 @@ EAGER_FORMATS = ("nvfp4", "fp32")  # measured faster with eager_loads on one-wav
 # 2.7B at L = 8, batch 256 (one wave of 512 CTAs, 10 heads a warp): 32.8 / 35.7 / 37.1 ->
 # 45.4 / 46.9 / 47.1 with them, which the fourteenth session's rule (one wave alone) shipped
 # (results/kernel_bench.csv: 44.8 / 46.6 / 47.5); ptxas reports no spills there (128
-# registers either way), so the cause is not pinned down. At 1 and 2 heads a warp (batch 1
-# and 32) they gained on both shapes; with the records staged (L >= 16) 10 heads a warp were
-# even (L = 16) or faster (L = 32). Fifteenth session's check of this rule: gpu_sessions.md.
+# registers either way; a CPU test checks it), so the cause is not pinned down. At 1 and 2
+# heads a warp (batch 1 and 32) they gained on both shapes; with the records staged (L >= 16)
+# 10 heads a warp were even (L = 16) or faster (L = 32). The fifteenth session's check of this
+# rule: results/kernel_bench_runs/persistent_ab_15/NOTES.md (call 7).
 EAGER_MAX_HEADS_REGISTERS_RING = 2
 
 

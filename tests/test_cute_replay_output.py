@@ -1270,6 +1270,23 @@ def test_eager_loads_default_on_one_wave_grids_of_nvfp4_and_fp32(batch, fmt, kno
     assert ro.default_eager_loads(cfg, batch, 132) is expected
 
 
+@pytest.mark.parametrize("eager", [False, True])
+def test_eager_loads_at_ten_heads_a_warp_compile_without_spills(eager):
+    """Mamba-2 2.7B at L = 8, batch 256 (80 heads, one group, 4 warps, 2 CTAs a group: 10 heads
+    a warp, ring records through registers), where the eager loads measured 35% slower: ptxas
+    spills nothing either way, so spills are not the cause (EAGER_MAX_HEADS_REGISTERS_RING)."""
+    if not ic.tools_available():
+        pytest.skip("ptxas 12.9+ and cuobjdump are needed to read the SASS")
+    cfg = ro.ReplayOutputConfig(
+        lo_format="nvfp4", act="bf16", dt_dtype="fp32", nheads=80, headdim=64, dstate=128,
+        ngroups=1, ring_capacity=8, window=8, has_D=True, has_z=True, has_dt_bias=True,
+        dt_softplus=True, warps=4, head_splits=2, eager_loads=eager)
+    assert ro.default_ring_stage(cfg) == "registers"
+    assert ro.default_eager_loads(cfg, 256, 132) is False
+    _, log = ic._compile_sass(ro.compile_replay_output(cfg, keep_ptx=True).__ptx__)
+    assert "0 bytes spill stores" in log
+
+
 # --------------------------------------------------------------------------------------------
 # The persistent, software-pipelined step (replay_output(persistent=True))
 
