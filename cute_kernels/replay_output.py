@@ -422,13 +422,24 @@ def _output_pair(act, records: int, ck_scale, ys, coefs, record, c_last, d_h, xv
     """Output rows v, v + 1 of one head, in fp32 and in this order: ``ck_scale`` times the
     raw ``ys = S_lo C`` sums, plus ``coefs[j]`` times ring record j's two values (``record(j)``:
     their words) for j < ``records``, plus this step's ``(c_last + D) x`` as two products, times
-    silu(z) where ``z_words`` are given. Both non-flush kernels finish a head with it."""
-    acc0 = ck_scale * ys[0]
-    acc1 = ck_scale * ys[1]
-    for j in range(records):
+    silu(z) where ``z_words`` are given. Both non-flush kernels finish a head with it (the
+    default step in its three parts, so that it can skip records past the cursor)."""
+    acc0, acc1 = _ring_records(act, range(records), coefs, record, ck_scale * ys[0],
+                               ck_scale * ys[1])
+    return _output_finish(act, acc0, acc1, c_last, d_h, xv, z_words)
+
+
+def _ring_records(act, js, coefs, record, acc0, acc1):
+    """``acc0, acc1`` plus ``coefs[j]`` times ring record j's two values, j in ``js`` in turn."""
+    for j in js:
         xr = _words_to_f32(record(j), act)
         acc0 = acc0 + coefs[j] * xr[0]
         acc1 = acc1 + coefs[j] * xr[1]
+    return acc0, acc1
+
+
+def _output_finish(act, acc0, acc1, c_last, d_h, xv, z_words):
+    """`_output_pair`'s last part: this step's ``(c_last + D) x``, then the gate."""
     acc0 = acc0 + c_last * xv[0] + d_h * xv[0]
     acc1 = acc1 + c_last * xv[1] + d_h * xv[1]
     if z_words is not None:
@@ -684,6 +695,12 @@ class ReplayOutputConfig:
     # shares over a warp's heads. Two items ahead (bulk_stages=3, 2 CTAs an SM) and other
     # copy granularities were slower still.
     persistent: bool = False
+    # the epilogue adds a head's ring records in groups of this many, and a group that lies
+    # wholly past the cursor is skipped by a branch (uniform: one cursor a CTA); 0: every
+    # record of the window, those past the cursor adding zeros (the form before the
+    # sixteenth session). Each record costs about 5.5 SASS instructions a lane a head (at
+    # L = 16, 780 a head with 14 records, 748 with 8, 702 with none)
+    record_group: int = 0
 
     @property
     def ring_stage_bytes(self) -> int:
@@ -1274,8 +1291,20 @@ class ReplayOutput:
                             return words
 
                         zw = ld["z"][r] if cfg.has_z else None
-                        acc0, acc1 = _output_pair(act, L - 2, ck_scale, (ys0, ys1), coefs,
-                                                  record, c_last, ld["D"], xv, zw)
+                        # _output_pair in its parts: the records in groups of record_group,
+                        # a group past the cursor skipped by a branch (uniform: one cursor a
+                        # CTA); records past the cursor inside a group add zeros
+                        acc0, acc1 = ck_scale * ys0, ck_scale * ys1
+                        RG = cfg.record_group if cfg.record_group else L - 2
+                        for g0 in cutlass.range_constexpr(0, L - 2, RG):
+                            js = range(g0, min(g0 + RG, L - 2))
+                            if cutlass.const_expr(cfg.record_group == 0):
+                                acc0, acc1 = _ring_records(act, js, coefs, record, acc0, acc1)
+                            if cutlass.const_expr(cfg.record_group > 0):
+                                if cursor > g0:
+                                    acc0, acc1 = _ring_records(act, js, coefs, record, acc0,
+                                                               acc1)
+                        acc0, acc1 = _output_finish(act, acc0, acc1, c_last, ld["D"], xv, zw)
                         if v_raw < P:
                             out_words = _f32_to_words([acc0, acc1], act)
                             _store_words(out.toint() + (sh * P + v) * ab, out_words)
@@ -1828,6 +1857,7 @@ def replay_output(
     smem_carveout=None,
     pdl=None,
     persistent=None,
+    record_group=None,
 ):
     """One non-flush decode step for every slot whose ``cursors[s] + 1 < window``; returns
     ``out`` [S, H, P] (x's dtype; rows of flush slots are not written).
@@ -1839,21 +1869,21 @@ def replay_output(
     ``warps`` (dividing nheads / ngroups), ``prefetch`` and ``upfront`` override the tuning
     defaults (`ReplayOutputConfig`); ``head_splits`` (with ``head_splits * warps`` dividing
     nheads / ngroups) spreads a group's heads over that many CTAs (default: by batch size,
-    `default_head_splits`); ``min_ctas_per_sm`` caps registers and ``stage`` ("registers",
-    or "smem" or "bulk" for nvfp4) picks how the read copy is loaded. ``l2_prefetch`` (heads
-    ahead, 0 off), ``ys_layout`` ("rows" or "quads"), ``l2_prefetch_small``, ``early_loads``
-    (default on), ``heads_per_pass`` (1 or 2), ``eager_loads``, ``pin_state_loads``,
-    ``weights_at``, ``ring_stage``, ``bulk_stages``, ``smem_carveout`` and ``pdl`` are the
+    `default_head_splits`); ``min_ctas_per_sm`` caps registers and ``stage`` ("registers", or
+    "smem" or "bulk" for nvfp4) picks how the read copy is loaded. ``l2_prefetch`` (heads ahead,
+    0 off), ``ys_layout`` ("rows" or "quads"), ``l2_prefetch_small``, ``early_loads`` (default
+    on), ``heads_per_pass`` (1 or 2), ``eager_loads``, ``pin_state_loads``, ``weights_at``,
+    ``ring_stage``, ``bulk_stages``, ``smem_carveout``, ``pdl`` and ``record_group`` are the
     tuning knobs of `ReplayOutputConfig`, each measured there (None: ``ring_stage`` by
-    `default_ring_stage`, ``eager_loads`` by `default_eager_loads`); ``ablate`` leaves stages
-    out for timing (wrong outputs; `ReplayOutputConfig.ablate`). With ``pdl=True`` the step
-    may start before the kernel launched just before it ends and reads the read copy early,
-    so that kernel must not write the read copy of a slot taking a non-flush step
-    (`ReplayOutputConfig.pdl`). ``persistent=True`` (nvfp4) runs the persistent,
-    software-pipelined step (`cute_kernels.replay_output_persistent`) with ``warps`` heads an
-    item (default PERSISTENT_WARPS) and ``bulk_stages`` (2 or 3) items a CTA; it takes none of
-    the other tuning knobs (measured slower than the default step:
-    `ReplayOutputConfig.persistent`).
+    `default_ring_stage`, ``eager_loads`` by `default_eager_loads`, ``record_group``
+    RECORD_GROUP); ``ablate`` leaves stages out for timing (wrong outputs;
+    `ReplayOutputConfig.ablate`). With ``pdl=True`` the step may start before the kernel
+    launched just before it ends and reads the read copy early, so that kernel must not write
+    the read copy of a slot taking a non-flush step (`ReplayOutputConfig.pdl`).
+    ``persistent=True`` (nvfp4) runs the persistent, software-pipelined step
+    (`cute_kernels.replay_output_persistent`) with ``warps`` heads an item (default
+    PERSISTENT_WARPS) and ``bulk_stages`` (2 or 3) items a CTA; it takes none of the other
+    tuning knobs (measured slower than the default step: `ReplayOutputConfig.persistent`).
     """
     if lo_format not in LO_FORMATS:
         _fail("lo_format", f"one of {list(LO_FORMATS)}", repr(lo_format))
@@ -1907,9 +1937,13 @@ def replay_output(
             or ys_layout not in (None, "rows") or ablate or l2_prefetch_small or early_loads
             is False or heads_per_pass not in (None, 1) or eager_loads or pin_state_loads
             or weights_at is not None or ring_stage not in (None, "smem")
-            or bulk_stages not in (None, 2, 3) or smem_carveout is not None or pdl):
+            or bulk_stages not in (None, 2, 3) or smem_carveout is not None or pdl
+            or record_group is not None):
         _fail("persistent", "None or a bool (True: nvfp4, and none of the other tuning knobs "
               "but warps and bulk_stages 2 or 3)", persistent)
+    if record_group is not None and (isinstance(record_group, bool)
+                                     or not isinstance(record_group, int) or record_group < 0):
+        _fail("record_group", "None or an integer >= 0 (0: every record)", record_group)
     if not isinstance(x, torch.Tensor) or x.dim() != 3:
         _fail("x", "a tensor [S, H, P]", list(x.shape) if isinstance(x, torch.Tensor) else x)
     if x.dtype not in ACT_DTYPES:
@@ -1999,7 +2033,9 @@ def replay_output(
                               weights_at=weights_at, ring_stage=ring_stage or RING_STAGES[0],
                               bulk_stages=bulk_stages or 2,
                               smem_carveout=-1 if smem_carveout is None else smem_carveout,
-                              pdl=bool(pdl))
+                              pdl=bool(pdl),
+                              record_group=(RECORD_GROUP if record_group is None
+                                            else record_group))
     k = cfg.l2_prefetch
     if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 4:
         _fail("l2_prefetch", "None or an integer in [0, 4] (heads ahead)", l2_prefetch)
@@ -2056,6 +2092,7 @@ def _kernel_pointers(cfg, lo0, lo1, lo2, ring_x, ring_dt, ring_B, cursors, x, dt
 
 
 PERSISTENT_WARPS = 4  # heads an item of the persistent step (one a warp)
+RECORD_GROUP = 0  # replay_output's default record_group (ReplayOutputConfig.record_group)
 
 
 def _persistent_config(x, dt, C, ring_x, D, z, dt_bias, dt_softplus, window, warps, stages):

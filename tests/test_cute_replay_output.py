@@ -360,6 +360,18 @@ def test_bad_eager_loads_are_refused():
             _call(lo, t, "nvfp4", SHAPES["odd"][-1], None, **bad)
 
 
+def test_bad_record_group_is_refused():
+    """record_group must be an integer >= 0 (not a bool), and the persistent step takes none:
+    anything else is a ValueError naming it, before any tensor is used."""
+    lo, _, t = _inputs("nvfp4", "odd", "bf16", seed=5)
+    for bad, name in ((dict(record_group=-1), "record_group"),
+                      (dict(record_group=True), "record_group"),
+                      (dict(record_group=2.0), "record_group"),
+                      (dict(record_group=4, persistent=True), "persistent")):
+        with pytest.raises(ValueError, match=name):
+            _call(lo, t, "nvfp4", SHAPES["odd"][-1], None, **bad)
+
+
 def test_two_heads_a_pass_compile_and_bad_passes_are_refused():
     """heads_per_pass = 2 reads every state byte once, still with 16-byte loads and one mma
     per 16 x 16 tile; 3 heads a pass, or 2 with prefetch or the shared-memory stage, are
@@ -1007,6 +1019,31 @@ def _assert_same_records(a: dict, b: dict) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fmt, shape, knobs", [
+    ("nvfp4", "nemotron40", dict(head_splits=1)),  # ring records staged, 4 heads a warp
+    ("nvfp4", "nemotron40", dict(head_splits=1, ring_stage="registers", eager_loads=True)),
+    ("nvfp4", "odd", dict(warps=1)),  # window 7: 5 records, groups of 3 end short
+    ("fp32", "nemotron40", dict(head_splits=1)),
+])
+def test_record_groups_skip_only_records_past_the_cursor(fmt, shape, knobs):
+    """Skipping the epilogue's record groups that lie past the cursor (record_group 1, 3, 4)
+    gives the reference's step at every cursor of the batch (40 slots: cursors 0 to 15), the
+    same outputs as adding every record (the skipped terms were exact zeros; compared as
+    values, so +0 and -0 agree) and bit for bit the same records and cursors."""
+    window = SHAPES[shape][-1]
+    lo, lo64, t = _inputs(fmt, shape, "bf16", seed=67)
+    results = _step_per_knob_value(lo, t, fmt, window, "record_group", (0, 1, 3, 4), knobs)
+    t_all, out_all = results[0]
+    _check_step(lo64, t, t_all, out_all, window, "bf16")
+    live = t["cursors"] + 1 < window
+    for g in (1, 3, 4):
+        t_g, out_g = results[g]
+        _check_step(lo64, t, t_g, out_g, window, "bf16")
+        assert torch.equal(out_g[live], out_all[live]), g
+        _assert_same_records(t_g, t_all)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("fmt, shape, act, knobs", [
     ("nvfp4", "nemotron", "bf16", dict(head_splits=1)),  # 4 heads a warp: stages refilled
     ("nvfp4", "nemotron", "bf16", dict(head_splits=4)),  # one head a warp
@@ -1285,6 +1322,36 @@ def test_eager_loads_at_ten_heads_a_warp_compile_without_spills(eager):
     assert ro.default_eager_loads(cfg, 256, 132) is False
     _, log = ic._compile_sass(ro.compile_replay_output(cfg, keep_ptx=True).__ptx__)
     assert "0 bytes spill stores" in log
+
+
+@pytest.mark.parametrize("lo_format, window, group, changes", [
+    ("nvfp4", 16, 4, {}), ("nvfp4", 16, 3, {"ring_stage": "registers"}),
+    ("nvfp4", 32, 4, {}), ("nvfp4", 8, 2, {"warps": 2}),
+    ("fp32", 16, 4, {"warps": 8}),
+])
+def test_record_groups_compile_to_one_branch_a_group_without_spills(lo_format, window, group,
+                                                                     changes):
+    """record_group > 0: the epilogue's ring records compile to one skippable block a group
+    (one more conditional branch a group and head than with every record added), and nothing
+    spills at the registers 4 CTAs an SM leave."""
+    if not ic.tools_available():
+        pytest.skip("ptxas 12.9+ and cuobjdump are needed to read the SASS")
+    cfg = ro.ReplayOutputConfig(
+        lo_format=lo_format, act="bf16", dt_dtype="fp32", nheads=128, headdim=64, dstate=128,
+        ngroups=8, ring_capacity=window, window=window, has_D=True, has_z=True,
+        has_dt_bias=True, dt_softplus=True, **{"warps": 4, **changes})
+    if "ring_stage" not in changes:  # as replay_output picks it
+        cfg = dataclasses.replace(cfg, ring_stage=ro.default_ring_stage(cfg))
+    counts = {}
+    for g in (0, group):
+        ptx = ro.compile_replay_output(dataclasses.replace(cfg, record_group=g),
+                                       keep_ptx=True).__ptx__
+        sass, log = ic._compile_sass(ptx)
+        assert "0 bytes spill stores" in log
+        counts[g] = sum(1 for line in sass.splitlines() if "@" in line and " BRA " in line)
+    heads = cfg.heads_per_group // cfg.warps
+    groups = -(-(window - 2) // group)
+    assert counts[group] - counts[0] >= heads * groups
 
 
 # --------------------------------------------------------------------------------------------
