@@ -697,9 +697,20 @@ class ReplayOutputConfig:
     persistent: bool = False
     # the epilogue adds a head's ring records in groups of this many, and a group that lies
     # wholly past the cursor is skipped by a branch (uniform: one cursor a CTA); 0: every
-    # record of the window, those past the cursor adding zeros (the form before the
-    # sixteenth session). Each record costs about 5.5 SASS instructions a lane a head (at
-    # L = 16, 780 a head with 14 records, 748 with 8, 702 with none)
+    # record of the window, those past the cursor adding zeros. Each record costs about 5.5
+    # SASS instructions a lane a head (at L = 16, 780 a head with 14 records, 748 with 8, 702
+    # with none), so at cursor 0 groups of 4 skip about 9% of a head's instructions. Slower on
+    # the H200 all the same, so off (sixteenth session, kernel_bench --nonflush-knob, two
+    # runs each, us at cursors 0 / L/2 / L-2; results/kernel_bench_runs/record_group_16/):
+    #     point                    0 (every record)      4                     2
+    #     Nemotron L16 b256        55.7 / 61.9 / 67.9    55.3 / 63.5 / 72.5    55.1 / 63.8 / 72.9
+    #     Nemotron L8  b256        52.6 / 55.8 / 58.3    52.6 / 56.8 / 59.3    52.6 / 56.5 / 59.0
+    #     Nemotron L32 b256        61.1 / 72.9 / 87.4    61.9 / 74.5 / 89.7    63.0 / 75.9 / 91.2
+    #     Mamba-2 2.7B L16 b256    36.2 / 40.1 / 43.8    37.8 / 41.6 / 45.1    39.2 / 42.8 / 46.4
+    #     Mamba-2 2.7B L32 b256    42.6 / 57.1 / 65.7    39.2 / 58.6 / 71.0    48.9 / 71.1 / 79.3
+    # (2.5% slower on average over 54 points, batches 1, 128, 256; 8% faster at one). The
+    # records past the cursor are off the step's critical path (cursor 0: about 9% fewer
+    # instructions, 0.7% less time), and the branches cost where records remain
     record_group: int = 0
 
     @property
