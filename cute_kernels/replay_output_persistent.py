@@ -166,8 +166,9 @@ def _mbar_arrive(bar, *, loc=None, ip=None) -> None:
 
 @dsl_user_op
 def _fence_proxy_async(*, loc=None, ip=None) -> None:
-    """Orders this CTA's earlier shared-memory writes (the zeroed ring tails) before the bulk
-    copies issued after it, which may write the same bytes."""
+    """Orders the executing thread's earlier shared-memory writes (the zeroed ring tails), and
+    those ordered before it, before the bulk copies issued after it, which may write the same
+    bytes."""
     inline_ptx(None, [], "fence.proxy.async.shared::cta;", "", side_effects=True, loc=loc, ip=ip)
 
 
@@ -295,6 +296,11 @@ class PersistentReplayOutput(ReplayOutput):
                 if cursor + 1 < L:
                     self._compute_item(ptrs, bid + i * nctas, cursor, st0 + st * stage_bytes,
                                        bc_smem, ys_smem, coef_smem, ck_smem, warp, lane)
+                # the zeroed ring tails (generic-proxy writes) ordered before the bulk
+                # copies that may rewrite those bytes, fenced by the writing threads before
+                # they synchronise, the usual idiom for shared memory that the async proxy
+                # touches next (the producer fences again after its wait)
+                _fence_proxy_async()
                 # every consumer is done with stage i % NS, B . C and the partial sums
                 cute.arch.barrier(barrier_id=1, number_of_threads=32 * W)
                 if tid == 0:
