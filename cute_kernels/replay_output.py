@@ -1306,7 +1306,7 @@ class ReplayOutput:
                         # a group past the cursor skipped by a branch (uniform: one cursor a
                         # CTA); records past the cursor inside a group add zeros
                         acc0, acc1 = ck_scale * ys0, ck_scale * ys1
-                        RG = cfg.record_group if cfg.record_group else L - 2
+                        RG = cfg.record_group or max(L - 2, 1)
                         for g0 in cutlass.range_constexpr(0, L - 2, RG):
                             js = range(g0, min(g0 + RG, L - 2))
                             if cutlass.const_expr(cfg.record_group == 0):

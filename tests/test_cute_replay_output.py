@@ -1359,6 +1359,18 @@ def test_record_groups_compile_to_one_branch_a_group_without_spills(lo_format, w
     assert counts[group] - counts[0] >= heads * groups
 
 
+@pytest.mark.parametrize("group", [0, 3])
+def test_window_two_compiles_with_and_without_record_groups(group):
+    """At the shortest window (2: no ring record is ever read) the epilogue's record loop is
+    empty, with or without groups, and the step still compiles for sm_90a (a zero group width
+    broke it in 1b34c9a)."""
+    cfg = ro.ReplayOutputConfig(
+        lo_format="nvfp4", act="bf16", dt_dtype="fp32", nheads=24, headdim=32, dstate=128,
+        ngroups=2, ring_capacity=5, window=2, has_D=True, has_z=True, has_dt_bias=True,
+        dt_softplus=True, warps=4, record_group=group)
+    assert ro.compile_replay_output(cfg) is not None
+
+
 # --------------------------------------------------------------------------------------------
 # The persistent, software-pipelined step (replay_output(persistent=True))
 
