@@ -1359,6 +1359,42 @@ def test_record_groups_compile_to_one_branch_a_group_without_spills(lo_format, w
     assert counts[group] - counts[0] >= heads * groups
 
 
+def _lds_bursts(sass: str) -> list[int]:
+    """Lengths of the runs of shared-memory loads (LDS) in a SASS listing, a run broken only
+    by global loads and stores, shared stores, mmas, FFMAs, shuffles, branches and barriers
+    (the partial-sum adds, moves and address arithmetic between loads do not break it)."""
+    runs, run = [], 0
+    for line in sass.splitlines():
+        m = re.match(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", line)
+        if not m:
+            continue
+        op = m.group(1)
+        if op == "LDS":
+            run += 1
+        elif op in ("HMMA", "LDG", "STG", "STS", "FFMA", "SHFL", "BRA", "BAR"):
+            if run:
+                runs.append(run)
+            run = 0
+    return runs + ([run] if run else [])
+
+
+def test_record_groups_split_the_epilogue_shared_loads():
+    """Why record_group is slower where records remain (results/README.md, "Sixteenth
+    session"): adding every record, each of a warp's 4 heads issues its epilogue's shared-
+    memory loads (coefficients, partial sums, ring records) in one burst of 14 or more; with
+    groups of 4, no burst passes 8, each group's loads waiting behind its branch."""
+    if not ic.tools_available():
+        pytest.skip("ptxas 12.9+ and cuobjdump are needed to read the SASS")
+    cfg = ro.ReplayOutputConfig(
+        lo_format="nvfp4", act="bf16", dt_dtype="fp32", nheads=128, headdim=64, dstate=128,
+        ngroups=8, ring_capacity=16, window=16, has_D=True, has_z=True, has_dt_bias=True,
+        dt_softplus=True, warps=4, ring_stage="smem")
+    bursts = {g: _lds_bursts(ic.sass_text(ro.compile_replay_output(
+        dataclasses.replace(cfg, record_group=g), keep_ptx=True).__ptx__)) for g in (0, 4)}
+    assert sum(b >= 14 for b in bursts[0]) >= 4
+    assert max(bursts[4]) <= 8
+
+
 @pytest.mark.parametrize("group", [0, 3])
 def test_window_two_compiles_with_and_without_record_groups(group):
     """At the shortest window (2: no ring record is ever read) the epilogue's record loop is
