@@ -687,10 +687,10 @@ class ReplayOutputConfig:
     #     (batch 512: 106.4 / 118.4 / 129.0 against 118.5 / 122.0 / 128.7)
     # in the form that read each cursor by the item's arrival atomic; the shipped form reads
     # it by a plain load (a flush slot's cursor is never touched) and took 65.9 / 70.3 / 72.4
-    # at batch 256 (one run). At L = 8 and 32 10-20% slower (Mamba-2 2.7B L = 32: even). Its
-    # warps wait on the
-    # bytes (13% of samples at the stage's barrier: one item ahead is what 3 CTAs of 67 KB
-    # can hold) and on their own chains: with one head a warp an item, each head pays the
+    # at batch 256 (one run; 66.0 / 70.5 / 72.3 in two runs of the sixteenth session). At
+    # L = 8 and 32 10-20% slower (Mamba-2 2.7B L = 32: even). Its warps wait on the bytes
+    # (13% of samples at the stage's barrier: one item ahead is what 3 CTAs of 67 KB can
+    # hold) and on their own chains: with one head a warp an item, each head pays the
     # group's B . C products, C's fragments and its decay chain, which the default step
     # shares over a warp's heads. Two items ahead (bulk_stages=3, 2 CTAs an SM) and other
     # copy granularities were slower still.
@@ -1311,10 +1311,8 @@ class ReplayOutput:
                             js = range(g0, min(g0 + RG, L - 2))
                             if cutlass.const_expr(cfg.record_group == 0):
                                 acc0, acc1 = _ring_records(act, js, coefs, record, acc0, acc1)
-                            if cutlass.const_expr(cfg.record_group > 0):
-                                if cursor > g0:
-                                    acc0, acc1 = _ring_records(act, js, coefs, record, acc0,
-                                                               acc1)
+                            elif cursor > g0:
+                                acc0, acc1 = _ring_records(act, js, coefs, record, acc0, acc1)
                         acc0, acc1 = _output_finish(act, acc0, acc1, c_last, ld["D"], xv, zw)
                         if v_raw < P:
                             out_words = _f32_to_words([acc0, acc1], act)
@@ -1887,7 +1885,7 @@ def replay_output(
     ``ring_stage``, ``bulk_stages``, ``smem_carveout``, ``pdl`` and ``record_group`` are the
     tuning knobs of `ReplayOutputConfig`, each measured there (None: ``ring_stage`` by
     `default_ring_stage`, ``eager_loads`` by `default_eager_loads`, ``record_group``
-    RECORD_GROUP); ``ablate`` leaves stages out for timing (wrong outputs;
+    0); ``ablate`` leaves stages out for timing (wrong outputs;
     `ReplayOutputConfig.ablate`). With ``pdl=True`` the step may start before the kernel
     launched just before it ends and reads the read copy early, so that kernel must not write
     the read copy of a slot taking a non-flush step (`ReplayOutputConfig.pdl`).
@@ -2045,8 +2043,7 @@ def replay_output(
                               bulk_stages=bulk_stages or 2,
                               smem_carveout=-1 if smem_carveout is None else smem_carveout,
                               pdl=bool(pdl),
-                              record_group=(RECORD_GROUP if record_group is None
-                                            else record_group))
+                              record_group=record_group or 0)
     k = cfg.l2_prefetch
     if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 4:
         _fail("l2_prefetch", "None or an integer in [0, 4] (heads ahead)", l2_prefetch)
@@ -2103,7 +2100,6 @@ def _kernel_pointers(cfg, lo0, lo1, lo2, ring_x, ring_dt, ring_B, cursors, x, dt
 
 
 PERSISTENT_WARPS = 4  # heads an item of the persistent step (one a warp)
-RECORD_GROUP = 0  # replay_output's default record_group (ReplayOutputConfig.record_group)
 
 
 def _persistent_config(x, dt, C, ring_x, D, z, dt_bias, dt_softplus, window, warps, stages):
