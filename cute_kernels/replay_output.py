@@ -1902,7 +1902,8 @@ def replay_output(
               repr(stage))
     if bulk_stages is not None and (isinstance(bulk_stages, bool) or bulk_stages not in (2, 3, 4)
                                     or (stage != "bulk" and not persistent)):
-        _fail("bulk_stages", "None, or 2, 3 or 4 with stage 'bulk' (2 or 3 with persistent)", bulk_stages)
+        _fail("bulk_stages", "None, or 2, 3 or 4 with stage 'bulk' (2 or 3 with persistent)",
+              bulk_stages)
     if smem_carveout is not None and (isinstance(smem_carveout, bool)
                                       or not isinstance(smem_carveout, int)
                                       or not -1 <= smem_carveout <= 100):
