@@ -358,6 +358,10 @@ ABLATION_VARIANTS = [
     ("nvfp4", dict(ablate=("decode", "ring"))), ("nvfp4", dict(ablate=("ring", "state"))),
     ("nvfp4", dict(ablate=("decode", "ring", "scales"))),
     ("fp8_e4m3", dict(ablate=("decode",))), ("fp8_e4m3", dict(ablate=("ring", "state"))),
+    # the prologue's loads, and with them the cursor's round trip (seventeenth session): what
+    # hiding the prologue behind the previous (slot, group)'s heads could buy at most
+    ("nvfp4", dict(ablate=("prologue",))), ("nvfp4", dict(ablate=("cursor", "prologue"))),
+    ("nvfp4", dict(ablate=("cursor", "prologue", "ring", "state"))),
 ]
 
 
@@ -409,6 +413,9 @@ def run(batches, h, window, sets, reps, out=None, variants=True, splits_sweep=Fa
                   for fmt, w, k in grid]
     for batch in batches:
         for fmt, knobs in cases:
+            if knobs and "cursor" in knobs.get("ablate", ()) and h != window // 2:
+                print(f"skipped {fmt} without the cursor: it stands for h = window / 2 only")
+                continue
             us, ratio = time_format(fmt, batch, h, window, sets, reps, knobs)
             nbytes = ro.traffic_bytes(fmt, batch, **SHAPE, h=h)
             name = fmt

@@ -567,7 +567,11 @@ class ReplayOutputConfig:
     # timing only (the outputs are then wrong): stages left out to see where the time goes,
     # any of "state" (no read-copy loads: lane-dependent constants instead), "scales" (no
     # nvfp4 scale loads), "ring" (no ring-record loads), "decode" (the read copy's words are
-    # XOR-folded instead of decoded and multiplied); `bench_read --ablations`
+    # XOR-folded instead of decoded and multiplied), "prologue" (no loads of the CTA's
+    # prologue: C, B, the ring's B rows, C's mma fragments and the decay weights' inputs are
+    # lane-dependent constants; with early_loads, the default), "cursor" (the cursor is not
+    # read and no arrival is counted: it is taken as window / 2 - 1, bench_read's h = 8 at
+    # L = 16, and the slot's cursor is never advanced); `bench_read --ablations`
     ablate: tuple = ()
     # issue every prologue load (C, B, the ring's B rows, C's mma fragments) before any is
     # used, and act on the cursor atomic's result after the heads: the prologue then costs
@@ -818,7 +822,7 @@ YS_LAYOUTS = ("rows", "quads")
 WEIGHTS_AT = ("with_decode", "before_decode")
 RING_STAGE_LIMIT = 32 * 1024  # bytes of shared memory for a CTA's ring stages (ring_stage)
 BULK_STAGE_LIMIT = 96 * 1024  # bytes of shared memory for a CTA's bulk stages (stage="bulk")
-ABLATIONS = ("state", "scales", "ring", "decode")
+ABLATIONS = ("state", "scales", "ring", "decode", "prologue", "cursor")
 
 
 # Heads one warp walks at most: the kernel is unrolled over a warp's heads, and 20 of them
@@ -1014,7 +1018,7 @@ class ReplayOutput:
         HPS = HPG // SPL  # heads of this CTA
         ab = _ACT_BYTES[act]
         tid, _, _ = cute.arch.thread_idx()
-        blk, s, _ = cute.arch.block_idx()
+        blk, s, bz = cute.arch.block_idx()
         grp = blk // SPL
         part = blk % SPL
         warp = tid // 32
@@ -1072,11 +1076,16 @@ class ReplayOutput:
             # before this one has finished (a trigger before the wait would let a chain of
             # pdl steps run ahead of a flush that writes their read copy)
             cute.arch.griddepcontrol_launch_dependents()
-        raw_cursor = cute.arch.load((cursors + s).llvm_ptr, Int32)
+        if cutlass.const_expr("cursor" in cfg.ablate):  # timing only: window / 2 - 1 (bz is 0
+            raw_cursor = Int32(bz) + (L // 2 - 1)  # at launch; a value ptxas cannot fold)
+        else:
+            raw_cursor = cute.arch.load((cursors + s).llvm_ptr, Int32)
         # eager_loads: the prologue's and the first heads' loads go out with the cursor's
         eager = self._eager_loads(ptrs=(lo0, lo1, lo2, ring_x, ring_dt, x, dt, A, D, z, dt_bias),
                                   ring_B=ring_B, B=B, C=C, s=s, grp=grp, part=part, warp=warp,
                                   lane=lane) if cfg.eager_loads else {}
+        if cutlass.const_expr("prologue" in cfg.ablate):  # timing only (eager is then off)
+            eager = self._prologue_constants(s, grp, part, warp, lane)
         cursor = Int32(raw_cursor) & 0xFFFF
         h = cursor + 1
         if cutlass.const_expr(cfg.eager_loads):
@@ -1184,7 +1193,9 @@ class ReplayOutput:
             # every thread of this CTA has read the cursor; the last CTA of the slot stores h
             # (early_loads: after this CTA's heads, so that no warp waits for the atomic)
             arrivals = Int32(0)
-            if cutlass.const_expr(cfg.early_loads):
+            if cutlass.const_expr("cursor" in cfg.ablate):
+                pass  # timing only: no arrival, the cursor stays where it was
+            elif cutlass.const_expr(cfg.early_loads):
                 if tid == 0:
                     arrivals = cute.arch.atomic_add((cursors + s).llvm_ptr, Int32(1 << 16))
             elif tid == 0:
@@ -1329,7 +1340,7 @@ class ReplayOutput:
                     hn = hh + 2
                     self._stage_ring(ring_x.toint(), s64 * H + heads[hn],
                                      ring_base + (hn % 2) * RB, cursor, lane)
-            if cutlass.const_expr(cfg.early_loads):
+            if cutlass.const_expr(cfg.early_loads and "cursor" not in cfg.ablate):
                 if tid == 0:
                     if (arrivals >> 16) == G * SPL - 1:
                         cute.arch.store((cursors + s).llvm_ptr, h)
@@ -1366,6 +1377,38 @@ class ReplayOutput:
             "C": _load_words(C.toint() + (sg * N + lane * nb) * ab, vb),
             "ck": self._checkpoint_setup(C.toint(), sg, lane),
             "decay": _warp_decay_loads(cfg, self.segment, ptrs, heads[0], nh, s64, lane),
+        }
+
+    def _prologue_constants(self, s, grp, part, warp, lane) -> dict:
+        """ablate "prologue" (timing only): the words the prologue would load, as
+        lane-dependent constants in `_eager_loads`' keys (C, B, the ring's B rows, C's mma
+        fragments, the decay weights' inputs), so that no prologue load is issued."""
+        cfg = self.cfg
+        H, N, L, W = cfg.nheads, cfg.dstate, cfg.window, cfg.warps
+        HPS = cfg.heads_per_group // cfg.head_splits
+        nh = HPS // W
+        vb = (N // 32) * _ACT_BYTES[cfg.act] // 4
+        n_jj = (L - 1 + W - 1) // W
+
+        def words(salt, n):
+            return [Uint32(lane) * Uint32(0x00010001) + Uint32(0x3C003C00 + salt + i)
+                    for i in range(n)]
+
+        S = self.segment
+        per = 32 // S
+        first_head = grp * cfg.heads_per_group + part * HPS + warp
+        decay = []
+        for q in range((nh + per - 1) // per):
+            k_raw = q * per + lane // S
+            head = first_head + W * cutlass.min(k_raw, nh - 1)
+            small = Float32(lane) * Float32(1.0 / 64)
+            decay.append((k_raw < nh, Int64(s) * H + head, small, small + Float32(0.25),
+                          Float32(-0.5) - small))
+        return {
+            "C": words(0, vb), "B": words(16, vb),
+            "ring_B": [words(32 + 8 * jj, vb) for jj in range(n_jj)],
+            "ck": self._c_fragments(lambda off, n: words(off, n), lane),
+            "decay": decay,
         }
 
     @staticmethod
@@ -1912,9 +1955,9 @@ def replay_output(
     ablate = tuple(sorted(ablate)) if isinstance(ablate, (tuple, list, set)) else ablate
     if not isinstance(ablate, tuple) or not set(ablate) <= set(ABLATIONS) or (
         ablate and (lo_format == "fp32" or stage not in (None, "registers"))
-    ):
+    ) or ("prologue" in ablate and early_loads is False):
         _fail("ablate", f"a subset of {list(ABLATIONS)} (tensor-core formats, stage "
-              "'registers'; timing only)", ablate)
+              "'registers', 'prologue' with early_loads; timing only)", ablate)
     if eager_loads is not None and not isinstance(eager_loads, bool) or eager_loads and (
         early_loads is False or stage not in (None, "registers") or l2_prefetch
     ):

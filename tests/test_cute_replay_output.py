@@ -8,6 +8,7 @@ dequantised read copy, ring records and cursors exactly, flush slots untouched, 
 consecutive steps.
 """
 
+import collections
 import dataclasses
 import re
 import sys
@@ -459,6 +460,33 @@ def test_ablations_leave_out_exactly_their_stage(lo_format):
     if lo_format == "nvfp4":
         no_scales = ptx("scales")
         assert no_scales.count(scale) == 0 and no_scales.count(state) == full.count(state)
+
+
+def test_prologue_and_cursor_ablations_drop_only_the_prologue_loads():
+    """Timing-only 'prologue' issues none of the prologue's loads (the ring's B rows, B and C
+    in both layouts, the decay weights' dt, dt_bias, A and ring dt words) and every head's
+    loads as before; 'cursor' also drops the cursor's load and its arrival atomic."""
+    base = dataclasses.replace(_config("nvfp4", "nemotron"), warps=4, ring_stage="registers")
+
+    def counts(*ablate):
+        cfg = dataclasses.replace(base, ablate=tuple(sorted(ablate)))
+        ptx = ro.compile_replay_output(cfg, keep_ptx=True).__ptx__
+        return collections.Counter(
+            re.findall(r"(?:@%?p\w* )?(?:ld|atom)\.global[\w:.]*(?= )", ptx))
+
+    full, no_prologue, neither = counts(), counts("prologue"), counts("cursor", "prologue")
+    heads = ("@p ld.global.u32", "ld.global.nc.L1::no_allocate.u16",
+             "ld.global.nc.L1::no_allocate.v4.u32", "ld.global.u32")
+    for key in heads:  # the ring records, the scales, the read copy, x and z
+        assert full[key] > 0 and no_prologue[key] == neither[key] == full[key], key
+    prologue = ("@p ld.global.v2.u32", "ld.global.v2.u32", "ld.global.v4.u32")
+    for key in prologue:  # the ring's B rows, B and C, C's mma fragments
+        assert full[key] > 0 and no_prologue[key] == neither[key] == 0, key
+    # scalar words: the cursor, D, the global scale and the decay inputs (8 a warp here)
+    assert full["ld.global.b32"] - no_prologue["ld.global.b32"] == 8
+    assert no_prologue["ld.global.b32"] - neither["ld.global.b32"] == 1
+    assert full["atom.global.add.u32"] == no_prologue["atom.global.add.u32"] == 1
+    assert neither["atom.global.add.u32"] == 0
 
 
 @pytest.mark.parametrize("fmt, ablate, stage", [
