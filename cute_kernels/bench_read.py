@@ -365,6 +365,19 @@ ABLATION_VARIANTS = [
 ]
 
 
+# The prologue left out (timing only) beside the forms that bring the read copy in ahead:
+# what the read copy's staging and the prologue's hiding could buy together (seventeenth
+# session).
+_NO_PROLOGUE = ("cursor", "prologue")
+PROLOGUE_VARIANTS = [
+    ("nvfp4", dict(ablate=_NO_PROLOGUE)),
+    ("nvfp4", dict(stage="bulk")), ("nvfp4", dict(stage="bulk", ablate=_NO_PROLOGUE)),
+    ("nvfp4", dict(stage="bulk", eager_loads=True)),
+    ("nvfp4", dict(prefetch=True)), ("nvfp4", dict(prefetch=True, ablate=_NO_PROLOGUE)),
+    ("nvfp4", dict(eager_loads=True, prefetch=True)),
+]
+
+
 # The small-batch grid (--splits-sweep): (format, warps, head_splits), each a CTA of
 # `warps` warps per 1/head_splits of a group's 16 heads, at the default prefetch and upfront.
 SPLITS_SWEEP = [("nvfp4", 4, 1), ("nvfp4", 4, 2), ("nvfp4", 4, 4), ("nvfp4", 2, 4),
@@ -383,6 +396,7 @@ VARIANT_LISTS = {
     "pin-variants": ("PIN_VARIANTS", "state loads kept where issued"),
     "weights-variants": ("WEIGHTS_VARIANTS", "the other decay-weights place"),
     "ring-variants": ("RING_VARIANTS", "ring records in registers or staged, and prefetch"),
+    "prologue-variants": ("PROLOGUE_VARIANTS", "the prologue left out, with staging"),
 }
 
 
@@ -420,7 +434,8 @@ def run(batches, h, window, sets, reps, out=None, variants=True, splits_sweep=Fa
             nbytes = ro.traffic_bytes(fmt, batch, **SHAPE, h=h)
             name = fmt
             if knobs is not None and "ablate" in knobs:
-                name += "/no-" + "-".join(knobs["ablate"])
+                others = [f"{k}={v}" for k, v in knobs.items() if k != "ablate"]
+                name += "/" + ",".join(others + ["no-" + "-".join(knobs["ablate"])])
             elif knobs is not None and "warps" not in knobs:  # a KNOB_VARIANTS entry
                 name += "/" + ",".join(f"{k}={v}" for k, v in knobs.items())
             elif knobs is not None:

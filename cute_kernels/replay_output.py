@@ -268,6 +268,15 @@ def _mbar_expect(bar, nbytes, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
+def _mbar_expect_only(bar, nbytes, *, loc=None, ip=None) -> None:
+    """Tell ``bar`` that ``nbytes`` more are on their way, without arriving (the phase then
+    also waits for an arrival: `_mbar_expect`)."""
+    inline_ptx(None, [Int32(bar).ir_value(loc=loc, ip=ip), Int32(nbytes).ir_value(loc=loc, ip=ip)],
+               "mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [$0], $1;", "r,r",
+               side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
 def _bulk_copy(smem_addr, gmem_addr, nbytes, bar, *, loc=None, ip=None) -> None:
     """``nbytes`` (a multiple of 16; nothing if 0) from a 16-byte aligned global address to
     shared memory by the bulk copy engine, completing their bytes on ``bar``."""
@@ -1076,6 +1085,20 @@ class ReplayOutput:
             # before this one has finished (a trigger before the wait would let a chain of
             # pdl steps run ahead of a flush that writes their read copy)
             cute.arch.griddepcontrol_launch_dependents()
+        early_bulk = bulk and cfg.eager_loads
+        if cutlass.const_expr(early_bulk):
+            # eager_loads with the bulk stage: the first NS heads' read copies go to the copy
+            # engine before the cursor is read (they do not depend on it); their barriers
+            # expect the bytes now and get their arrival, with the ring records' bytes, once
+            # the cursor is known
+            if lane == 0:
+                for k in cutlass.range_constexpr(NS):
+                    _mbar_init(bar_base + 8 * k)
+                _mbar_init_fence()
+                for k in cutlass.range_constexpr(min(NS, HPS // W)):
+                    sh_k = Int64(s) * H + (grp * HPG + part * HPS + warp + W * k)
+                    self._bulk_read_copy(lo0.toint(), lo1.toint(), sh_k,
+                                         stage_base + k * stride, bar_base + 8 * k)
         if cutlass.const_expr("cursor" in cfg.ablate):  # timing only: window / 2 - 1 (bz is 0
             raw_cursor = Int32(bz) + (L // 2 - 1)  # at launch; a value ptxas cannot fold)
         else:
@@ -1097,6 +1120,11 @@ class ReplayOutput:
                 # copy while a flush kernel on another stream may be rewriting it; the words
                 # are dropped, so the race is harmless (as with pdl's early loads)
                 bc_smem[0] = bits_f32(_fold_words(eager))
+                if cutlass.const_expr(early_bulk):
+                    if lane == 0:  # no copy may still be writing this CTA's shared memory
+                        for k in cutlass.range_constexpr(min(NS, HPS // W)):  # when it exits
+                            _mbar_expect(bar_base + 8 * k, 0)
+                            _mbar_wait(bar_base + 8 * k, 0)
         if h < L:
             s64 = Int64(s)
             sg = s64 * G + grp  # (slot, group) row of B, C, ring_B
@@ -1128,12 +1156,17 @@ class ReplayOutput:
                     # head of the slot) but are read with coefficient 0: zeros, not stale bits
                     self._zero_ring_tails(stage_base, stride, NS, cursor, lane)
                 if lane == 0:  # the first NS heads, one bulk request each
-                    for k in cutlass.range_constexpr(NS):
-                        _mbar_init(bar_base + 8 * k)
-                    _mbar_init_fence()
-                    for k in cutlass.range_constexpr(min(NS, nh)):
-                        self._bulk_head(ptrs, s64 * H + heads[k], stage_base + k * stride,
-                                        bar_base + 8 * k, cursor)
+                    if cutlass.const_expr(early_bulk):  # their read copies are on their way
+                        for k in cutlass.range_constexpr(min(NS, nh)):
+                            self._bulk_ring(ring_x.toint(), s64 * H + heads[k],
+                                            stage_base + k * stride, bar_base + 8 * k, cursor)
+                    else:
+                        for k in cutlass.range_constexpr(NS):
+                            _mbar_init(bar_base + 8 * k)
+                        _mbar_init_fence()
+                        for k in cutlass.range_constexpr(min(NS, nh)):
+                            self._bulk_head(ptrs, s64 * H + heads[k], stage_base + k * stride,
+                                            bar_base + 8 * k, cursor)
                 cute.arch.sync_warp()  # every lane waits on barriers lane 0 initialised
             if cutlass.const_expr(ring_cp):  # the first two heads' ring records
                 for k in cutlass.range_constexpr(min(2, nh)):
@@ -1604,6 +1637,26 @@ class ReplayOutput:
             _bulk_copy(stage + cfg.read_copy_bytes, ring_x.toint() + sh * (Lc * P * ab), ring,
                        bar)
 
+    def _bulk_read_copy(self, lo0, lo1, sh, stage, bar) -> None:
+        """eager_loads with stage="bulk", lane 0, before the cursor is known: one head's codes
+        and block scales into its stage; ``bar`` expects their bytes but has no arrival yet
+        (`_bulk_ring` gives it)."""
+        P, N = self.cfg.headdim, self.cfg.dstate
+        codes, scales = P * N // 2, P * N // 16
+        _mbar_expect_only(bar, self.cfg.read_copy_bytes)
+        _bulk_copy(stage, lo0 + sh * codes, codes, bar)
+        _bulk_copy(stage + codes, lo1 + sh * scales, scales, bar)
+
+    def _bulk_ring(self, ring_x, sh, stage, bar, cursor) -> None:
+        """The rest of `_bulk_read_copy`'s request once the cursor is known: the arrival, and
+        (ring_in_stage) the head's ring records j < cursor with their bytes."""
+        cfg = self.cfg
+        P, Lc, ab = cfg.headdim, cfg.ring_capacity, _ACT_BYTES[cfg.act]
+        ring = cursor * (P * ab) if cfg.ring_in_stage else Int32(0)
+        _mbar_expect(bar, ring)
+        if cutlass.const_expr(cfg.ring_in_stage):
+            _bulk_copy(stage + cfg.read_copy_bytes, ring_x + sh * (Lc * P * ab), ring, bar)
+
     def _zero_ring_tails(self, stage_base, stride, stages, cursor, lane) -> None:
         """Zeros in every bulk stage's ring records j >= cursor (16 bytes a lane and store)."""
         cfg = self.cfg
@@ -1954,15 +2007,17 @@ def replay_output(
               smem_carveout)
     ablate = tuple(sorted(ablate)) if isinstance(ablate, (tuple, list, set)) else ablate
     if not isinstance(ablate, tuple) or not set(ablate) <= set(ABLATIONS) or (
-        ablate and (lo_format == "fp32" or stage not in (None, "registers"))
+        ablate and lo_format == "fp32") or (
+        set(ablate) - {"prologue", "cursor"} and stage not in (None, "registers")
     ) or ("prologue" in ablate and early_loads is False):
-        _fail("ablate", f"a subset of {list(ABLATIONS)} (tensor-core formats, stage "
-              "'registers', 'prologue' with early_loads; timing only)", ablate)
+        _fail("ablate", f"a subset of {list(ABLATIONS)} (tensor-core formats; stage "
+              "'registers' but for 'prologue' and 'cursor'; 'prologue' with early_loads; "
+              "timing only)", ablate)
     if eager_loads is not None and not isinstance(eager_loads, bool) or eager_loads and (
-        early_loads is False or stage not in (None, "registers") or l2_prefetch
+        early_loads is False or stage not in (None, "registers", "bulk") or l2_prefetch
     ):
-        _fail("eager_loads", "None or a bool (True: with early_loads, stage 'registers', no "
-              "l2_prefetch)", eager_loads)
+        _fail("eager_loads", "None or a bool (True: with early_loads, stage 'registers' or "
+              "'bulk', no l2_prefetch)", eager_loads)
     if pin_state_loads is not None and not isinstance(pin_state_loads, bool):
         _fail("pin_state_loads", "None or a bool", pin_state_loads)
     if pdl is not None and not isinstance(pdl, bool) or pdl and (

@@ -587,21 +587,51 @@ def test_bulk_stage_compiles_to_one_bulk_copy_per_piece_of_a_head(shape, warps, 
     assert (ring_load in ptx) == (ring_stage == "registers")
 
 
+@pytest.mark.parametrize("shape, warps, stages", [("nemotron", 4, 2), ("odd", 2, 3)])
+def test_eager_bulk_stage_sends_the_first_read_copies_before_the_cursor(shape, warps, stages):
+    """stage='bulk' with eager_loads: lane 0 sends the first ``stages`` heads' codes and
+    scales to the copy engine before the cursor's test (their barriers armed with
+    mbarrier.expect_tx, no arrival), and the ring records after it with the arrival; a flush
+    slot's CTA arrives on those barriers and waits for them before it exits (no copy may land
+    in shared memory a later CTA owns). Without eager loads no copy precedes the test."""
+    _, H, P, N, G, _, _ = SHAPES[shape]
+    heads_per_warp = H // G // warps
+    first = min(stages, heads_per_warp)
+
+    def before_exit(eager):
+        cfg = dataclasses.replace(_config("nvfp4", shape), warps=warps, stage="bulk",
+                                  ring_stage="smem", bulk_stages=stages, eager_loads=eager)
+        ptx = ro.compile_replay_output(cfg, keep_ptx=True).__ptx__
+        lines = ic.sass_text(ptx).splitlines()
+        exit_at = next(i for i, line in enumerate(lines) if "EXIT" in line)
+        return ptx, "\n".join(lines[:exit_at]).count("UBLKCP")
+
+    ptx, early = before_exit(True)
+    assert early == 2 * first  # codes and scales of each first head
+    assert ptx.count("mbarrier.expect_tx.relaxed.cta") == first
+    assert ptx.count("cp.async.bulk.shared::cluster.global") == 3 * heads_per_warp
+    # one arrival a head, and the flush slot's arrival and wait on each first barrier
+    assert ptx.count("mbarrier.arrive.expect_tx") == heads_per_warp + first
+    assert ptx.count("mbarrier.try_wait.parity") == heads_per_warp + first
+    assert before_exit(False)[1] == 0
+
+
 @pytest.mark.parametrize("knobs, match", [
     (dict(lo_format="fp8_e4m3", stage="bulk"), "stage"),
     (dict(stage="bulk", bulk_stages=5), "bulk_stages"),
     (dict(stage="bulk", bulk_stages=True), "bulk_stages"),
     (dict(bulk_stages=3), "bulk_stages"),  # without the bulk stage
     (dict(stage="bulk", ablate=("scales",)), "ablate"),
-    (dict(stage="bulk", eager_loads=True), "eager_loads"),
+    (dict(stage="smem", eager_loads=True), "eager_loads"),
     (dict(stage="bulk", heads_per_pass=2), "heads_per_pass"),
     (dict(smem_carveout=101), "smem_carveout"), (dict(smem_carveout=-2), "smem_carveout"),
     (dict(smem_carveout=True), "smem_carveout"), (dict(smem_carveout=50.0), "smem_carveout"),
 ])
 def test_bad_bulk_stage_is_refused(knobs, match):
-    """The bulk stage is for nvfp4, with 2 to 4 stages a warp, no ablation, eager loads or
-    two heads a pass, and the carveout is -1 or a percent: anything else is a ValueError
-    naming the argument, before any tensor is looked at."""
+    """The bulk stage is for nvfp4, with 2 to 4 stages a warp, none of the ablations of the
+    read copy, ring or decode, and one head a pass (the eager loads: the registers or bulk
+    stage); the carveout is -1 or a percent: anything else is a ValueError naming the
+    argument, before any tensor is looked at."""
     knobs = dict(knobs)
     with pytest.raises(ValueError, match=match):
         ro.replay_output({}, None, None, None, None, None, None, None, None, None,
@@ -1140,6 +1170,11 @@ def test_smem_stage_keeps_the_results(shape, warps, head_splits):
     ("nemotron", "bf16", dict(head_splits=4)),  # one head a warp
     ("odd", "bf16", dict(warps=1)),  # 4 heads a warp, 48-wide rows, 7,424-byte stages
     ("odd", "fp32", dict(warps=2, head_splits=1, ring_stage="smem")),  # fp32 records
+    # eager loads: the first heads' read copies sent before the cursor is read
+    ("nemotron", "bf16", dict(head_splits=1, eager_loads=True)),
+    ("nemotron", "bf16", dict(head_splits=1, bulk_stages=3, eager_loads=True)),
+    ("nemotron", "bf16", dict(head_splits=1, ring_stage="registers", eager_loads=True)),
+    ("odd", "fp32", dict(warps=2, head_splits=1, ring_stage="smem", eager_loads=True)),
 ])
 def test_bulk_stage_keeps_the_results(shape, act, knobs):
     """The read copy (and ring records) brought in by the bulk copy engine give the same
