@@ -268,15 +268,6 @@ def _mbar_expect(bar, nbytes, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
-def _mbar_expect_only(bar, nbytes, *, loc=None, ip=None) -> None:
-    """Tell ``bar`` that ``nbytes`` more are on their way, without arriving (the phase then
-    also waits for an arrival: `_mbar_expect`)."""
-    inline_ptx(None, [Int32(bar).ir_value(loc=loc, ip=ip), Int32(nbytes).ir_value(loc=loc, ip=ip)],
-               "mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [$0], $1;", "r,r",
-               side_effects=True, loc=loc, ip=ip)
-
-
-@dsl_user_op
 def _bulk_copy(smem_addr, gmem_addr, nbytes, bar, *, loc=None, ip=None) -> None:
     """``nbytes`` (a multiple of 16; nothing if 0) from a 16-byte aligned global address to
     shared memory by the bulk copy engine, completing their bytes on ``bar``."""
@@ -1064,6 +1055,15 @@ class ReplayOutput:
         if cutlass.const_expr(bulk):
             bar_smem = smem.allocate_tensor(Int64, cute.make_layout(W * NS), byte_alignment=8)
             bar_base = bar_smem.iterator.toint() + warp * (NS * 8)
+        early_bulk = bulk and cfg.eager_loads
+        split_ring = early_bulk and cfg.ring_in_stage
+        ring_bar_base = Int32(0)
+        if cutlass.const_expr(split_ring):
+            # the first NS heads' ring records land on barriers of their own, so that a
+            # head's decode waits only for its read copy and its epilogue for its records
+            ring_bar_smem = smem.allocate_tensor(Int64, cute.make_layout(W * NS),
+                                                 byte_alignment=8)
+            ring_bar_base = ring_bar_smem.iterator.toint() + warp * (NS * 8)
         ring_staged = cfg.ring_stage == "smem"
         ring_cp = ring_staged and not cfg.ring_in_stage  # cp.async ring stages
         ring_base = Int32(0)
@@ -1085,15 +1085,15 @@ class ReplayOutput:
             # before this one has finished (a trigger before the wait would let a chain of
             # pdl steps run ahead of a flush that writes their read copy)
             cute.arch.griddepcontrol_launch_dependents()
-        early_bulk = bulk and cfg.eager_loads
         if cutlass.const_expr(early_bulk):
             # eager_loads with the bulk stage: the first NS heads' read copies go to the copy
-            # engine before the cursor is read (they do not depend on it); their barriers
-            # expect the bytes now and get their arrival, with the ring records' bytes, once
-            # the cursor is known
+            # engine before the cursor is read (they do not depend on it); the ring records
+            # follow once the cursor is known, on the stage's ring barrier
             if lane == 0:
                 for k in cutlass.range_constexpr(NS):
                     _mbar_init(bar_base + 8 * k)
+                    if cutlass.const_expr(split_ring):
+                        _mbar_init(ring_bar_base + 8 * k)
                 _mbar_init_fence()
                 for k in cutlass.range_constexpr(min(NS, HPS // W)):
                     sh_k = Int64(s) * H + (grp * HPG + part * HPS + warp + W * k)
@@ -1123,7 +1123,6 @@ class ReplayOutput:
                 if cutlass.const_expr(early_bulk):
                     if lane == 0:  # no copy may still be writing this CTA's shared memory
                         for k in cutlass.range_constexpr(min(NS, HPS // W)):  # when it exits
-                            _mbar_expect(bar_base + 8 * k, 0)
                             _mbar_wait(bar_base + 8 * k, 0)
         if h < L:
             s64 = Int64(s)
@@ -1156,10 +1155,13 @@ class ReplayOutput:
                     # head of the slot) but are read with coefficient 0: zeros, not stale bits
                     self._zero_ring_tails(stage_base, stride, NS, cursor, lane)
                 if lane == 0:  # the first NS heads, one bulk request each
-                    if cutlass.const_expr(early_bulk):  # their read copies are on their way
+                    if cutlass.const_expr(split_ring):  # their read copies are on their way
                         for k in cutlass.range_constexpr(min(NS, nh)):
                             self._bulk_ring(ring_x.toint(), s64 * H + heads[k],
-                                            stage_base + k * stride, bar_base + 8 * k, cursor)
+                                            stage_base + k * stride, ring_bar_base + 8 * k,
+                                            cursor)
+                    elif cutlass.const_expr(early_bulk):
+                        pass  # the read copies are on their way, no record comes by bulk copy
                     else:
                         for k in cutlass.range_constexpr(NS):
                             _mbar_init(bar_base + 8 * k)
@@ -1299,6 +1301,8 @@ class ReplayOutput:
                     # every lane has read this stage: the head after next goes into it
                     self._stage_head(lo0.toint(), lo1.toint(), s64 * H + heads[hh + 2],
                                      ctx[-1][2], lane)
+                if cutlass.const_expr(split_ring and pass_heads[-1] < NS):
+                    _mbar_wait(ring_bar_base + 8 * pass_heads[-1], 0)  # this head's records
 
                 # ---- epilogue: rows v, v+1 on each lane -----------------------------------
                 for k in cutlass.range_constexpr(len(pass_heads)):
@@ -1639,23 +1643,22 @@ class ReplayOutput:
 
     def _bulk_read_copy(self, lo0, lo1, sh, stage, bar) -> None:
         """eager_loads with stage="bulk", lane 0, before the cursor is known: one head's codes
-        and block scales into its stage; ``bar`` expects their bytes but has no arrival yet
-        (`_bulk_ring` gives it)."""
+        and block scales into its stage, completing on ``bar``."""
         P, N = self.cfg.headdim, self.cfg.dstate
         codes, scales = P * N // 2, P * N // 16
-        _mbar_expect_only(bar, self.cfg.read_copy_bytes)
+        _mbar_expect(bar, self.cfg.read_copy_bytes)
         _bulk_copy(stage, lo0 + sh * codes, codes, bar)
         _bulk_copy(stage + codes, lo1 + sh * scales, scales, bar)
 
     def _bulk_ring(self, ring_x, sh, stage, bar, cursor) -> None:
-        """The rest of `_bulk_read_copy`'s request once the cursor is known: the arrival, and
-        (ring_in_stage) the head's ring records j < cursor with their bytes."""
+        """The ring records j < cursor of a head whose read copy `_bulk_read_copy` sent, once
+        the cursor is known, into the stage behind it, completing on ``bar`` (the stage's ring
+        barrier)."""
         cfg = self.cfg
         P, Lc, ab = cfg.headdim, cfg.ring_capacity, _ACT_BYTES[cfg.act]
-        ring = cursor * (P * ab) if cfg.ring_in_stage else Int32(0)
+        ring = cursor * (P * ab)
         _mbar_expect(bar, ring)
-        if cutlass.const_expr(cfg.ring_in_stage):
-            _bulk_copy(stage + cfg.read_copy_bytes, ring_x + sh * (Lc * P * ab), ring, bar)
+        _bulk_copy(stage + cfg.read_copy_bytes, ring_x + sh * (Lc * P * ab), ring, bar)
 
     def _zero_ring_tails(self, stage_base, stride, stages, cursor, lane) -> None:
         """Zeros in every bulk stage's ring records j >= cursor (16 bytes a lane and store)."""

@@ -590,10 +590,10 @@ def test_bulk_stage_compiles_to_one_bulk_copy_per_piece_of_a_head(shape, warps, 
 @pytest.mark.parametrize("shape, warps, stages", [("nemotron", 4, 2), ("odd", 2, 3)])
 def test_eager_bulk_stage_sends_the_first_read_copies_before_the_cursor(shape, warps, stages):
     """stage='bulk' with eager_loads: lane 0 sends the first ``stages`` heads' codes and
-    scales to the copy engine before the cursor's test (their barriers armed with
-    mbarrier.expect_tx, no arrival), and the ring records after it with the arrival; a flush
-    slot's CTA arrives on those barriers and waits for them before it exits (no copy may land
-    in shared memory a later CTA owns). Without eager loads no copy precedes the test."""
+    scales to the copy engine before the cursor's test, and their ring records after it on
+    barriers of their own (a second set: the decode waits for the read copy, the epilogue for
+    the records); a flush slot's CTA waits for the read copies before it exits (no copy may
+    land in shared memory a later CTA owns). Without eager loads no copy precedes the test."""
     _, H, P, N, G, _, _ = SHAPES[shape]
     heads_per_warp = H // G // warps
     first = min(stages, heads_per_warp)
@@ -608,11 +608,12 @@ def test_eager_bulk_stage_sends_the_first_read_copies_before_the_cursor(shape, w
 
     ptx, early = before_exit(True)
     assert early == 2 * first  # codes and scales of each first head
-    assert ptx.count("mbarrier.expect_tx.relaxed.cta") == first
     assert ptx.count("cp.async.bulk.shared::cluster.global") == 3 * heads_per_warp
-    # one arrival a head, and the flush slot's arrival and wait on each first barrier
+    assert ptx.count("mbarrier.init") == 2 * stages
+    # an arrival a head and one a first head's records; a wait a head, one a first head's
+    # records, and the flush slot's on each first read copy
     assert ptx.count("mbarrier.arrive.expect_tx") == heads_per_warp + first
-    assert ptx.count("mbarrier.try_wait.parity") == heads_per_warp + first
+    assert ptx.count("mbarrier.try_wait.parity") == heads_per_warp + 2 * first
     assert before_exit(False)[1] == 0
 
 
