@@ -81,6 +81,7 @@ from cute_kernels.tensor_core import unpack_struct as _unpack_struct
 __all__ = [
     "ReplayOutputConfig", "ReplayOutput", "replay_output", "compile_replay_output",
     "default_warps", "default_head_splits", "default_ring_stage", "default_eager_loads",
+    "default_stage", "cta_shared_bytes",
 ]
 
 LO_FORMATS = ("nvfp4", "fp8_e4m3", "fp16", "fp32")
@@ -874,6 +875,83 @@ def default_eager_loads(cfg: ReplayOutputConfig, batch: int, sm_count: int) -> b
     few_heads = cfg.ring_stage == "smem" or heads_per_warp <= EAGER_MAX_HEADS_REGISTERS_RING
     resident = sm_count * max(1, 16 // cfg.warps)
     return allowed and few_heads and batch * cfg.ngroups * cfg.head_splits <= resident
+
+
+# The bulk stage with the eager loads (seventeenth session): a CTA's first heads' read copies
+# go to the copy engine before its cursor is read, the prologue's loads with the cursor's,
+# and every later head's bytes a stage ahead, so that the CTA's start waits out one round trip
+# instead of two (`bench_read --prologue-variants`: with the prologue's loads and the cursor
+# left out, timing only, the bulk stage took 52.5-53.1 us against the default's 58.6-59.0 at
+# batch 256, h = 8; results/gpu_first_timing/bench_read_prologue_17*.csv). Measured in the
+# benchmark's conditions (kernel_bench --nonflush-knob stage=bulk eager_loads=True, two runs
+# each, us at cursors 0 / L/2 / L-2; results/kernel_bench_runs/bulk_eager_17/):
+#     Nemotron  batch   L = 8                          L = 16
+#     default    128    27.0 / 29.7 / 31.2             29.0 / 33.5 / 36.2
+#     bulk+eager 128    30.0 / 30.6 / 31.0             30.9 / 33.2 / 35.2
+#     default    256    52.6 / 56.0 / 58.4             55.6 / 62.1 / 68.3
+#     bulk+eager 256    53.4 / 55.8 / 56.8             54.0 / 60.0 / 65.7
+#     default    512    99.3 / 105.7 / 110.1           106.3 / 118.7 / 129.7
+#     bulk+eager 512    97.6 / 103.2 / 105.8           99.1 / 113.0 / 124.4
+# (L = 32, where 3 CTAs of it fit an SM: 31.8 / 38.3 / 45.8 -> 35.8 / 39.2 / 44.3 at batch
+# 128, 60.9 / 73.2 / 88.4 -> 63.9 / 71.9 / 85.3 at 256, 118.2 / 140.6 / 168.7 -> 118.8 /
+# 136.0 / 163.0 at 512). So it is the default where it keeps BULK_MIN_CTAS CTAs an SM (its
+# stages take shared memory: the default kernel's registers cap an SM at 4) and the grid is
+# BULK_MIN_WAVES waves or more: on fewer, one wave's start sets the time, and there the
+# lanes' own loads bring the first bytes sooner than the copy engine (the fifteenth session's
+# reading of the bulk stage at cursor 0).
+SM_SHARED_BYTES = 228 * 1024  # an H100 / H200 SM's shared memory
+CTA_RESERVED_BYTES = 1024  # of it kept by the driver per resident CTA
+BULK_MIN_CTAS = 4
+BULK_MIN_WAVES = 3
+
+
+def cta_shared_bytes(cfg: ReplayOutputConfig) -> int:
+    """Shared memory of one CTA of ``cfg``'s kernel, allocation by allocation as the kernel
+    makes them (each at its alignment). Checked against ncu's readings: 19,648 bytes for the
+    default kernel at the Nemotron layer, L = 16 ("19.7 KB"), and 58,368 for the bulk stage
+    with Mamba-2 2.7B's 10 heads a warp ("58.3 KB"; kernel_bench_runs/bulk_ab_15/)."""
+    W, P, nh = cfg.warps, cfg.headdim, cfg.heads_per_group // (cfg.head_splits * cfg.warps)
+    segment = 1 << (cfg.window - 1).bit_length()
+    coef_row = 4 * ((segment + 3) // 4)
+    quads = 4 if cfg.lo_format == "nvfp4" else 1
+    pieces = [(4 * 32, 16), (4 * P * W * cfg.heads_per_pass * quads, 16),
+              (4 * W * nh * coef_row, 16), (4 * W * nh, 16)]
+    if cfg.stage in ("smem", "bulk"):
+        NS = cfg.bulk_stages if cfg.stage == "bulk" else 2
+        stride = cfg.bulk_stride(cfg.ring_in_stage) if cfg.stage == "bulk" else cfg.read_copy_bytes
+        pieces.append((W * NS * stride, 128))
+    if cfg.stage == "bulk":
+        pieces.append((8 * W * cfg.bulk_stages, 8))
+        if cfg.eager_loads and cfg.ring_in_stage:  # the first heads' ring barriers
+            pieces.append((8 * W * cfg.bulk_stages, 8))
+    if cfg.ring_stage == "smem" and not cfg.ring_in_stage:
+        pieces.append((W * 2 * cfg.ring_stage_bytes, 16))
+    offset = 0
+    for size, align in pieces:
+        offset = -(-offset // align) * align + size
+    return offset
+
+
+def default_stage(cfg: ReplayOutputConfig, batch: int, sm_count: int) -> str:
+    """Where the read copy waits when no ``stage`` is asked for: "bulk" (with the eager
+    loads and the ring records in the stage) for nvfp4 where BULK_MIN_CTAS CTAs of it fit an
+    SM's shared memory and the grid of ``batch * ngroups * head_splits`` CTAs is at least
+    BULK_MIN_WAVES waves of ``sm_count * 16 / warps`` resident ones; otherwise "registers".
+    ``cfg`` carries the other knobs as they will run; those that the bulk stage does not take
+    (two heads a pass, prefetch, pdl, l2_prefetch, ablations, no early loads, the ring
+    records through registers) keep "registers". Measured above."""
+    if (cfg.lo_format != "nvfp4" or cfg.heads_per_pass != 1 or cfg.prefetch or cfg.pdl
+            or cfg.l2_prefetch or cfg.ablate or not cfg.early_loads or cfg.persistent
+            or cfg.min_ctas_per_sm is not None or cfg.upfront is not None):
+        return "registers"
+    bulk = dataclasses.replace(cfg, stage="bulk", bulk_stages=2, eager_loads=True)
+    bulk = dataclasses.replace(bulk, ring_stage=default_ring_stage(bulk))
+    if bulk.ring_stage != "smem":
+        return "registers"
+    fits = BULK_MIN_CTAS * (cta_shared_bytes(bulk) + CTA_RESERVED_BYTES) <= SM_SHARED_BYTES
+    resident = sm_count * max(1, 16 // cfg.warps)
+    waves = batch * cfg.ngroups * cfg.head_splits / resident
+    return "bulk" if fits and waves >= BULK_MIN_WAVES else "registers"
 
 
 def default_head_splits(batch: int, ngroups: int, heads_per_group: int, warps: int,
@@ -2170,9 +2248,12 @@ def replay_output(
     if isinstance(hs, bool) or not isinstance(hs, int) or hs < 1 or (H // G) % (hs * cfg.warps):
         _fail("head_splits", f"a positive integer with head_splits * warps ({cfg.warps}) dividing "
               f"nheads / ngroups = {H // G}", head_splits)
-    if ring_stage is None:  # (before the eager loads' default, which depends on it)
-        cfg = dataclasses.replace(cfg, ring_stage=default_ring_stage(cfg))
-    if eager_loads is None:
+    if (stage is None and eager_loads is not False and ring_stage in (None, "smem")
+            and default_stage(cfg, S, _sm_count(device)) == "bulk"):
+        cfg = dataclasses.replace(cfg, stage="bulk", ring_stage="smem", eager_loads=True)
+    if ring_stage is None and cfg.ring_stage != "smem":  # (before the eager loads' default,
+        cfg = dataclasses.replace(cfg, ring_stage=default_ring_stage(cfg))  # which needs it)
+    if eager_loads is None and cfg.stage != "bulk":
         cfg = dataclasses.replace(cfg, eager_loads=default_eager_loads(cfg, S, _sm_count(device)))
     if S == 0:
         return out

@@ -587,6 +587,53 @@ def test_bulk_stage_compiles_to_one_bulk_copy_per_piece_of_a_head(shape, warps, 
     assert (ring_load in ptx) == (ring_stage == "registers")
 
 
+def _model_config(nheads, ngroups, window, batch, **knobs):
+    """The config replay_output builds at a model shape (64 x 128 heads, 4 warps) and batch
+    on 132 SMs, before its stage default."""
+    splits = ro.default_head_splits(batch, ngroups, nheads // ngroups, 4, 132)
+    cfg = ro.ReplayOutputConfig(
+        lo_format="nvfp4", act="bf16", dt_dtype="bf16", nheads=nheads, headdim=64, dstate=128,
+        ngroups=ngroups, ring_capacity=window, window=window, has_D=True, has_z=True,
+        has_dt_bias=True, dt_softplus=True, warps=4, head_splits=splits)
+    return dataclasses.replace(cfg, **knobs)
+
+
+def test_cta_shared_bytes_match_what_ncu_read():
+    """The shared-memory model adds the kernel's allocations at their alignments; ncu read
+    19.7 KB for the default kernel at the Nemotron layer (L = 16, the ring records staged)
+    and 58.3 KB for the bulk stage at Mamba-2 2.7B's 10 heads a warp; the bulk stage with the
+    eager loads at the Nemotron layer keeps 4 CTAs an SM, and at L = 32 does not."""
+    default = _model_config(128, 8, 16, 256, ring_stage="smem")
+    assert ro.cta_shared_bytes(default) == 19_648
+    mamba_bulk = _model_config(80, 1, 16, 256, stage="bulk", ring_stage="smem")
+    assert mamba_bulk.head_splits == 2 and round(ro.cta_shared_bytes(mamba_bulk), -2) == 58_300
+    per_sm = ro.SM_SHARED_BYTES // 4 - ro.CTA_RESERVED_BYTES
+    for window, fits in ((16, True), (32, False)):
+        bulk = _model_config(128, 8, window, 256, stage="bulk", ring_stage="smem",
+                             eager_loads=True)
+        assert (ro.cta_shared_bytes(bulk) <= per_sm) == fits
+
+
+@pytest.mark.parametrize("nheads, ngroups, window, batch, knobs, expected", [
+    (128, 8, 16, 256, {}, "bulk"), (128, 8, 16, 512, {}, "bulk"),  # 3.9 and 7.8 waves
+    (128, 8, 16, 128, {}, "registers"),  # 1.9 waves
+    (128, 8, 16, 1, {}, "registers"),
+    (128, 8, 32, 512, {}, "registers"),  # 3 CTAs an SM
+    (128, 8, 8, 512, {}, "registers"),  # ring records through registers at L = 8
+    (80, 1, 16, 512, {}, "registers"),  # 10 heads a warp: 58.3 KB, 3 CTAs an SM
+    (128, 8, 16, 256, dict(pdl=True), "registers"),
+    (128, 8, 16, 256, dict(prefetch=True), "registers"),
+    (128, 8, 16, 256, dict(ablate=("cursor",)), "registers"),
+])
+def test_default_stage_is_bulk_on_grids_of_three_waves_where_four_ctas_fit(
+        nheads, ngroups, window, batch, knobs, expected):
+    """default_stage: the bulk stage with the eager loads where it was measured faster (the
+    Nemotron layer at L = 16, batch 256 and 512), registers where it was not or is not
+    allowed."""
+    cfg = _model_config(nheads, ngroups, window, batch, **knobs)
+    assert ro.default_stage(cfg, batch, 132) == expected
+
+
 @pytest.mark.parametrize("shape, warps, stages", [("nemotron", 4, 2), ("odd", 2, 3)])
 def test_eager_bulk_stage_sends_the_first_read_copies_before_the_cursor(shape, warps, stages):
     """stage='bulk' with eager_loads: lane 0 sends the first ``stages`` heads' codes and
@@ -1192,6 +1239,27 @@ def test_bulk_stage_keeps_the_results(shape, act, knobs):
                                              base).values()
     _check_step(lo64, t, t_new, out_new, window, act)
     _check_step(lo64, t, t_old, out_old, window, act)
+    _assert_same_records(t_new, t_old)
+
+
+@pytest.mark.gpu
+def test_default_bulk_stage_on_a_many_wave_grid_keeps_the_results(monkeypatch):
+    """Where default_stage picks the bulk stage with the eager loads (here: the Nemotron layer
+    on a GPU taken to have 2 SMs, so that 40 slots make 320 CTAs, 40 waves), replay_output
+    runs it when no stage is asked for, and the step is the reference's, with the records and
+    cursors of the registers stage bit for bit."""
+    monkeypatch.setitem(ro._SM_COUNT, torch.cuda.current_device(), 2)
+    shape = "nemotron40"
+    S, H, _, _, G, _, window = PERSISTENT_SHAPES[shape]
+    monkeypatch.setitem(SHAPES, shape, PERSISTENT_SHAPES[shape])
+    assert ro.default_stage(_model_config(H, G, window, S), S, 2) == "bulk"
+    lo, lo64, t = _inputs("nvfp4", shape, "bf16", seed=73)
+    (t_new, out_new), = _step_per_knob_value(lo, t, "nvfp4", window, "stage", (None,),
+                                             {}).values()
+    (t_old, out_old), = _step_per_knob_value(lo, t, "nvfp4", window, "stage", ("registers",),
+                                             {}).values()
+    _check_step(lo64, t, t_new, out_new, window, "bf16")
+    _check_step(lo64, t, t_old, out_old, window, "bf16")
     _assert_same_records(t_new, t_old)
 
 
