@@ -882,7 +882,7 @@ def default_eager_loads(cfg: ReplayOutputConfig, batch: int, sm_count: int) -> b
 # and every later head's bytes a stage ahead, so that the CTA's start waits out one round trip
 # instead of two (`bench_read --prologue-variants`: with the prologue's loads and the cursor
 # left out, timing only, the bulk stage took 52.5-53.1 us against the default's 58.6-59.0 at
-# batch 256, h = 8; results/gpu_first_timing/bench_read_prologue_17*.csv). Measured in the
+# batch 256, h = 8; results/gpu_first_timing/bench_read_17.csv). Measured in the
 # benchmark's conditions (kernel_bench --nonflush-knob stage=bulk eager_loads=True, two runs
 # each, us at cursors 0 / L/2 / L-2; results/kernel_bench_runs/bulk_eager_17/):
 #     Nemotron  batch   L = 8                          L = 16
