@@ -496,7 +496,7 @@ class ReplayOutputConfig:
     # (batch 256, cursor 8: 60.5 against 62.5 us) and costs 1-5% at L = 8 and 32 and on
     # Mamba-2 2.7B (spills there at 10 heads a warp); ninth session, two runs each, us,
     # registers ring / staged ring / staged ring + prefetch (results/kernel_bench_runs/
-    # windows_ab_14/runs.csv, files x_*):
+    # windows_ab_14/runs.csv.gz, files x_*):
     #     shape, batch (cursor L/2)    L = 8                 L = 16                L = 32
     #     Nemotron 256     56.6 / 56.2 / 57.6    64.7 / 62.5 / 60.5    74.1 / 73.3 / 77.1
     #     Nemotron 512    106.1 / 106.0 / 107.7 123.6 / 119.1 / 116.1 140.9 / 141.0 / 148.0
