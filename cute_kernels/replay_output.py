@@ -32,9 +32,11 @@ first head's ``S_lo C``, `ReplayOutputConfig.weights_at`); per head it forms ``S
 shared memory, and every lane finishes two output rows (ring term, D, gate). The ring records
 ``x_j`` a head reads come with its read copy, or (nvfp4, two heads a warp or more, window 16
 or more: `default_ring_stage`) from a shared-memory stage that ``cp.async`` filled while the
-warp's previous head was computed. With ``stage="bulk"`` (a knob, measured and left off) lane 0
-hands each head's read copy and ring records to the bulk copy engine instead, one request a
-piece into an mbarrier-guarded stage (`_bulk_head`).
+warp's previous head was computed. With ``stage="bulk"`` lane 0 hands each head's read copy and
+ring records to the bulk copy engine instead, one request a piece into an mbarrier-guarded
+stage (`_bulk_head`); with the eager loads as well, the first heads' read copies go out before
+the cursor is read (`_bulk_read_copy`). That pair is the default (nvfp4) on grids of 3 waves
+or more where 4 CTAs of it fit an SM (`default_stage`), the registers stage elsewhere.
 
 Checkpoint term, fp8/fp16/nvfp4 (``decode='mma'``): the state is the A operand of
 ``mma.sync.m16n8k16`` (f16 in, fp32 accumulate); C (fp32) is split into f16 ``hi + lo`` placed
@@ -511,9 +513,10 @@ class ReplayOutputConfig:
     # and with ring_stage="smem" the head's ring records come in the same copy)
     stage: str = "registers"
     # stage="bulk": shared-memory stages a warp, so heads in flight while one is computed is
-    # this minus one. "bulk" is correct (tests) but not the default: measured on the H200 in
-    # the benchmark's conditions (tenth session, results/kernel_bench_runs/bulk_ab_15/, two
-    # runs a variant, time over the default's, mean of the three cursors):
+    # this minus one. "bulk" alone was not made the default: measured on the H200 in the
+    # benchmark's conditions (tenth session, results/kernel_bench_runs/bulk_ab_15/, two runs a
+    # variant, time over the default's, mean of the three cursors; with the eager loads it is
+    # the default where `default_stage` says, seventeenth session, table at SM_SHARED_BYTES):
     #     shape, window     batch 1   128     256     512
     #     Nemotron, L = 8    1.12    1.05    1.00    0.97
     #     Nemotron, L = 16   1.05    1.04    0.98    0.96   (b256 cursor 8: 61.6 / 63.0 us)
@@ -615,7 +618,8 @@ class ReplayOutputConfig:
     # one chain that sets the time), while on full grids the ring B rows past the cursor cost
     # their bytes (by count about 5% more at cursor 0) and the registers it holds spill at 10
     # heads a warp. replay_output's default (`default_eager_loads`): on for nvfp4 and fp32 where the
-    # grid fits in one wave, off elsewhere
+    # grid fits in one wave, off elsewhere; and on with the bulk stage where `default_stage`
+    # picks it (there lane 0 also sends the first heads' read copies before the cursor)
     eager_loads: bool = False
     # the read copy's loads coherent (no .nc) and volatile, so that they go out where the code
     # issues them: ptxas sinks read-only loads towards their first use, past the prologue's
@@ -2056,7 +2060,8 @@ def replay_output(
     defaults (`ReplayOutputConfig`); ``head_splits`` (with ``head_splits * warps`` dividing
     nheads / ngroups) spreads a group's heads over that many CTAs (default: by batch size,
     `default_head_splits`); ``min_ctas_per_sm`` caps registers and ``stage`` ("registers", or
-    "smem" or "bulk" for nvfp4) picks how the read copy is loaded. ``l2_prefetch`` (heads ahead,
+    "smem" or "bulk" for nvfp4; default by grid, `default_stage`: "bulk" with the eager loads
+    where measured faster) picks how the read copy is loaded. ``l2_prefetch`` (heads ahead,
     0 off), ``ys_layout`` ("rows" or "quads"), ``l2_prefetch_small``, ``early_loads`` (default
     on), ``heads_per_pass`` (1 or 2), ``eager_loads``, ``pin_state_loads``, ``weights_at``,
     ``ring_stage``, ``bulk_stages``, ``smem_carveout``, ``pdl`` and ``record_group`` are the
