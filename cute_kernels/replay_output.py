@@ -721,6 +721,12 @@ class ReplayOutputConfig:
     # records past the cursor are off the step's critical path (cursor 0: about 9% fewer
     # instructions, 0.7% less time), and the branches cost where records remain
     record_group: int = 0
+    # the group's B . C products and the CTA barrier that publishes them after the warps'
+    # first checkpoint terms instead of before (early_loads, with_decode weights): a warp's
+    # first decode then waits for its read copy and the cursor only, not for the ring B rows,
+    # the products' shuffles and the slowest warp. Measured: results/README.md, "Where the
+    # time goes" (seventeenth session)
+    late_dots: bool = False
 
     @property
     def ring_stage_bytes(self) -> int:
@@ -1274,10 +1280,11 @@ class ReplayOutput:
                 early = {"B": self._loaded(eager, "B", lambda: _load_words(
                     B.toint() + (sg * N + lane * nb) * ab, vb))}
                 ck = self._loaded(eager, "ck", lambda: self._checkpoint_setup(C.toint(), sg, lane))
-                for jj in cutlass.range_constexpr(n_jj):
-                    j = warp + W * jj
-                    if j < cursor:
-                        bc_smem[j] = _dot_warp(_words_to_f32(rb_words[jj], act), c_vals)
+                if cutlass.const_expr(not cfg.late_dots):
+                    for jj in cutlass.range_constexpr(n_jj):
+                        j = warp + W * jj
+                        if j < cursor:
+                            bc_smem[j] = _dot_warp(_words_to_f32(rb_words[jj], act), c_vals)
             else:
                 for jj in cutlass.range_constexpr(n_jj):
                     j = warp + W * jj
@@ -1285,18 +1292,21 @@ class ReplayOutput:
                         addr = ring_B.toint() + ((sg * Lc + j) * N + lane * nb) * ab
                         bc_smem[j] = _dot_warp(_words_to_f32(_load_words(addr, vb), act),
                                                c_vals)
-            if warp == 0:
-                # this step's record: B . C, and B appended once per (slot, group)
-                b_words = self._loaded(early if cfg.early_loads else {}, "B", lambda: _load_words(
-                    B.toint() + (sg * N + lane * nb) * ab, vb))
-                bc_smem[cursor] = _dot_warp(_words_to_f32(b_words, act), c_vals)
-                if part == 0:  # one CTA of the group appends B
-                    _store_words(
-                        ring_B.toint() + ((sg * Lc + cursor) * N + lane * nb) * ab, b_words
-                    )
+            if cutlass.const_expr(not cfg.late_dots):
+                if warp == 0:
+                    # this step's record: B . C, and B appended once per (slot, group)
+                    b_words = self._loaded(early if cfg.early_loads else {}, "B",
+                                           lambda: _load_words(B.toint() + (sg * N + lane * nb)
+                                                               * ab, vb))
+                    bc_smem[cursor] = _dot_warp(_words_to_f32(b_words, act), c_vals)
+                    if part == 0:  # one CTA of the group appends B
+                        _store_words(
+                            ring_B.toint() + ((sg * Lc + cursor) * N + lane * nb) * ab, b_words
+                        )
             if cutlass.const_expr(not cfg.early_loads):
                 ck = self._checkpoint_setup(C.toint(), sg, lane)
-            cute.arch.sync_threads()
+            if cutlass.const_expr(not cfg.late_dots):
+                cute.arch.sync_threads()
             # the weights after the barrier (before it in c852ff3, whose small grids read
             # slower: batch 8 6.3 -> 7.0 us, bench_read_10.csv), and by default beside the first
             # pass's checkpoint term (weights_at)
@@ -1365,6 +1375,14 @@ class ReplayOutput:
                     if writer:
                         for i in cutlass.range_constexpr(len(rows)):
                             ys_smem[rows[i][0], col, (lane % 4) % Q] = rows[i][1]
+                if cutlass.const_expr(cfg.late_dots and p0 == 0):
+                    # late_dots: the group's B . C products now, and the barrier that
+                    # publishes them before any warp reads them for its coefficients
+                    _ring_dots(cfg, rb_words, c_vals, cursor, warp, bc_smem)
+                    if warp == 0:
+                        _step_dot(cfg, early["B"], c_vals, cursor, part, lane, bc_smem,
+                                  ring_B.toint() + ((sg * Lc + cursor) * N + lane * nb) * ab)
+                    cute.arch.sync_threads()
                 if cutlass.const_expr(with_decode and p0 == 0):
                     # every head's coefficients, read after the warp barrier below
                     weights = _warp_decay_weights(cfg, self.segment, ptrs, decay_inputs,
@@ -2048,6 +2066,7 @@ def replay_output(
     pdl=None,
     persistent=None,
     record_group=None,
+    late_dots=None,
 ):
     """One non-flush decode step for every slot whose ``cursors[s] + 1 < window``; returns
     ``out`` [S, H, P] (x's dtype; rows of flush slots are not written).
@@ -2064,7 +2083,8 @@ def replay_output(
     where measured faster) picks how the read copy is loaded. ``l2_prefetch`` (heads ahead,
     0 off), ``ys_layout`` ("rows" or "quads"), ``l2_prefetch_small``, ``early_loads`` (default
     on), ``heads_per_pass`` (1 or 2), ``eager_loads``, ``pin_state_loads``, ``weights_at``,
-    ``ring_stage``, ``bulk_stages``, ``smem_carveout``, ``pdl`` and ``record_group`` are the
+    ``ring_stage``, ``bulk_stages``, ``smem_carveout``, ``pdl``, ``record_group`` and
+    ``late_dots`` are the
     tuning knobs of `ReplayOutputConfig`, each measured there (None: ``ring_stage`` by
     `default_ring_stage`, ``eager_loads`` by `default_eager_loads`, ``record_group``
     0); ``ablate`` leaves stages out for timing (wrong outputs;
@@ -2119,6 +2139,11 @@ def replay_output(
         _fail("ring_stage", f"None or one of {list(RING_STAGES)} ('smem': with the registers or "
               "bulk stage, one head a pass, no ring ablation, window >= 3)",
               repr(ring_stage))
+    if late_dots is not None and not isinstance(late_dots, bool) or late_dots and (
+            early_loads is False or weights_at == "before_decode"
+            or (lo_format != "nvfp4" and weights_at is None) or persistent):
+        _fail("late_dots", "None or a bool (True: with early_loads and the decay weights "
+              "beside the first decode, weights_at 'with_decode', nvfp4's default)", late_dots)
     hp = 1 if heads_per_pass is None else heads_per_pass
     if isinstance(hp, bool) or hp not in (1, 2) or (
         hp == 2 and (stage not in (None, "registers") or prefetch or l2_prefetch)
@@ -2132,7 +2157,7 @@ def replay_output(
             is False or heads_per_pass not in (None, 1) or eager_loads or pin_state_loads
             or weights_at is not None or ring_stage not in (None, "smem")
             or bulk_stages not in (None, 2, 3) or smem_carveout is not None or pdl
-            or record_group is not None):
+            or record_group is not None or late_dots):
         _fail("persistent", "None or a bool (True: nvfp4, and none of the other tuning knobs "
               "but warps and bulk_stages 2 or 3)", persistent)
     if record_group is not None and (isinstance(record_group, bool)
@@ -2228,7 +2253,8 @@ def replay_output(
                               bulk_stages=bulk_stages or 2,
                               smem_carveout=-1 if smem_carveout is None else smem_carveout,
                               pdl=bool(pdl),
-                              record_group=record_group or 0)
+                              record_group=record_group or 0,
+                              late_dots=bool(late_dots))
     k = cfg.l2_prefetch
     if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 4:
         _fail("l2_prefetch", "None or an integer in [0, 4] (heads ahead)", l2_prefetch)
@@ -2347,6 +2373,26 @@ def traffic_bytes(
     per_head = state + (h - 1) * (row + 4) + row * (3 + has_z) + 4 + 4
     per_group = (h - 1) * dstate * act_bytes + 3 * dstate * act_bytes
     return int(batch * (nheads * per_head + ngroups * per_group + 8))
+
+
+@cute.jit
+def _ring_dots(cfg: cutlass.Constexpr, rb_words, c_vals, cursor, warp, bc_smem):
+    """The prologue's B_j . C for the ring records j = warp + warps * jj < cursor (this
+    warp's share) into ``bc_smem``."""
+    W, L, act = cfg.warps, cfg.window, cfg.act
+    for jj in cutlass.range_constexpr((L - 1 + W - 1) // W):
+        j = warp + W * jj
+        if j < cursor:
+            bc_smem[j] = _dot_warp(_words_to_f32(rb_words[jj], act), c_vals)
+
+
+@cute.jit
+def _step_dot(cfg: cutlass.Constexpr, b_words, c_vals, cursor, part, lane, bc_smem, row):
+    """Warp 0: this step's record's B . C into ``bc_smem[cursor]``, and its B appended (the
+    lane's words at byte address ``row``) by one CTA of the group (``part`` 0)."""
+    bc_smem[cursor] = _dot_warp(_words_to_f32(b_words, cfg.act), c_vals)
+    if part == 0:
+        _store_words(row, b_words)
 
 
 @cute.jit

@@ -634,6 +634,38 @@ def test_default_stage_is_bulk_on_grids_of_three_waves_where_four_ctas_fit(
     assert ro.default_stage(cfg, batch, 132) == expected
 
 
+@pytest.mark.parametrize("knobs", [{}, dict(stage="bulk", ring_stage="smem", eager_loads=True)])
+def test_late_dots_put_the_cta_barrier_after_the_first_mmas(knobs):
+    """late_dots: the prologue's CTA barrier (publishing the group's B . C products) comes
+    after the warp's first checkpoint term's mmas in the SASS instead of before them, and the
+    kernel compiles without spills."""
+    base = dataclasses.replace(_config("nvfp4", "nemotron"), warps=4, **knobs)
+
+    def first(late):
+        cfg = dataclasses.replace(base, late_dots=late)
+        lines = ic.sass_text(ro.compile_replay_output(cfg, keep_ptx=True).__ptx__).splitlines()
+        assert not any("STL" in line for line in lines)
+        at = {op: next(i for i, line in enumerate(lines) if op in line)
+              for op in ("BAR.SYNC", "HMMA")}
+        return at["BAR.SYNC"] < at["HMMA"]
+
+    assert first(False) and not first(True)
+
+
+@pytest.mark.parametrize("knobs", [
+    dict(late_dots=1), dict(late_dots=True, early_loads=False),
+    dict(late_dots=True, weights_at="before_decode"),
+    dict(late_dots=True, lo_format="fp8_e4m3"), dict(late_dots=True, persistent=True),
+])
+def test_bad_late_dots_are_refused(knobs):
+    """late_dots needs the early loads and the decay weights beside the first decode (nvfp4's
+    default, or weights_at 'with_decode'), and not the persistent step."""
+    knobs = dict(knobs)
+    with pytest.raises(ValueError, match="late_dots|persistent"):
+        ro.replay_output({}, None, None, None, None, None, None, None, None, None,
+                         lo_format=knobs.pop("lo_format", "nvfp4"), **knobs)
+
+
 @pytest.mark.parametrize("shape, warps, stages", [("nemotron", 4, 2), ("odd", 2, 3)])
 def test_eager_bulk_stage_sends_the_first_read_copies_before_the_cursor(shape, warps, stages):
     """stage='bulk' with eager_loads: lane 0 sends the first ``stages`` heads' codes and
@@ -1223,6 +1255,8 @@ def test_smem_stage_keeps_the_results(shape, warps, head_splits):
     ("nemotron", "bf16", dict(head_splits=1, bulk_stages=3, eager_loads=True)),
     ("nemotron", "bf16", dict(head_splits=1, ring_stage="registers", eager_loads=True)),
     ("odd", "fp32", dict(warps=2, head_splits=1, ring_stage="smem", eager_loads=True)),
+    ("nemotron", "bf16", dict(head_splits=1, eager_loads=True, late_dots=True)),
+    ("odd", "bf16", dict(warps=1, eager_loads=True, late_dots=True)),
 ])
 def test_bulk_stage_keeps_the_results(shape, act, knobs):
     """The read copy (and ring records) brought in by the bulk copy engine give the same
