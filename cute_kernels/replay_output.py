@@ -724,8 +724,18 @@ class ReplayOutputConfig:
     # the group's B . C products and the CTA barrier that publishes them after the warps'
     # first checkpoint terms instead of before (early_loads, with_decode weights): a warp's
     # first decode then waits for its read copy and the cursor only, not for the ring B rows,
-    # the products' shuffles and the slowest warp. Measured: results/README.md, "Where the
-    # time goes" (seventeenth session)
+    # the products' shuffles and the slowest warp. 1-2% faster at batch 256-512, even at 128
+    # (seventeenth session, at the defaults of cb0b9b9: the bulk stage at L = 16 batch 256-512,
+    # registers elsewhere; two runs each, us at cursors 0 / L/2 / L-2;
+    # results/kernel_bench_runs/bulk_eager_17/, files call7_*):
+    #     Nemotron  batch   L = 8                          L = 16
+    #     default    128    26.9 / 29.2 / 31.1             28.7 / 32.9 / 35.8
+    #     late_dots  128    27.1 / 29.7 / 30.8             28.6 / 33.1 / 36.4
+    #     default    256    52.7 / 55.5 / 58.4             54.1 / 60.2 / 65.5
+    #     late_dots  256    52.0 / 55.6 / 57.3             53.4 / 59.3 / 65.3
+    #     default    512    99.5 / 105.8 / 110.3           99.1 / 113.1 / 124.5
+    #     late_dots  512    98.4 / 104.8 / 108.5           98.2 / 112.6 / 124.3
+    # Off until the benchmark runs on it (every table in results/README.md comes from one run)
     late_dots: bool = False
 
     @property
