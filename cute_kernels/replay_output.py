@@ -735,7 +735,11 @@ class ReplayOutputConfig:
     #     late_dots  256    52.0 / 55.6 / 57.3             53.4 / 59.3 / 65.3
     #     default    512    99.5 / 105.8 / 110.3           99.1 / 113.1 / 124.5
     #     late_dots  512    98.4 / 104.8 / 108.5           98.2 / 112.6 / 124.3
-    # Off until the benchmark runs on it (every table in results/README.md comes from one run)
+    # but slower elsewhere (call 8, files call8_*): at batch 1 3.5 / 3.7 / 3.9 -> 3.7 / 3.8 /
+    # 4.0 (L = 16, either shape), and at L = 32, batch 256, Nemotron 60.9 / 73.2 / 88.5 ->
+    # 63.0 / 75.5 / 90.6, Mamba-2 2.7B 42.9 / 57.3 / 65.8 -> 42.5 / 63.5 / 69.7 (at L = 16,
+    # batch 256 it gains on Mamba-2 2.7B too: 36.4 / 40.2 / 44.3 -> 35.8 / 40.0 / 43.3). So
+    # off: a default would be a rule by window and batch, to be set with a benchmark run
     late_dots: bool = False
 
     @property
