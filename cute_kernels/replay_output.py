@@ -724,8 +724,9 @@ class ReplayOutputConfig:
     # the group's B . C products and the CTA barrier that publishes them after the warps'
     # first checkpoint terms instead of before (early_loads, with_decode weights): a warp's
     # first decode then waits for its read copy and the cursor only, not for the ring B rows,
-    # the products' shuffles and the slowest warp. 1-2% faster at batch 256-512, even at 128
-    # (seventeenth session, at the defaults of cb0b9b9: the bulk stage at L = 16 batch 256-512,
+    # the products' shuffles and the slowest warp. On the Nemotron layer at L = 8 and 16 1-2%
+    # faster at batch 256-512, even at 128 (seventeenth session, at the defaults of cb0b9b9:
+    # the bulk stage at L = 16 batch 256-512,
     # registers elsewhere; two runs each, us at cursors 0 / L/2 / L-2;
     # results/kernel_bench_runs/bulk_eager_17/, files call7_*):
     #     Nemotron  batch   L = 8                          L = 16
