@@ -936,11 +936,9 @@ def cta_shared_bytes(cfg: ReplayOutputConfig) -> int:
     default kernel at the Nemotron layer, L = 16 ("19.7 KB"), and 58,368 for the bulk stage
     with Mamba-2 2.7B's 10 heads a warp ("58.3 KB"; kernel_bench_runs/bulk_ab_15/)."""
     W, P, nh = cfg.warps, cfg.headdim, cfg.heads_per_group // (cfg.head_splits * cfg.warps)
-    segment = 1 << (cfg.window - 1).bit_length()
-    coef_row = 4 * ((segment + 3) // 4)
-    quads = 4 if cfg.lo_format == "nvfp4" else 1
-    pieces = [(4 * 32, 16), (4 * P * W * cfg.heads_per_pass * quads, 16),
-              (4 * W * nh * coef_row, 16), (4 * W * nh, 16)]
+    body = ReplayOutput(cfg)
+    pieces = [(4 * 32, 16), (4 * P * W * cfg.heads_per_pass * body.quads, 16),
+              (4 * W * nh * body.coef_row, 16), (4 * W * nh, 16)]
     if cfg.stage in ("smem", "bulk"):
         NS = cfg.bulk_stages if cfg.stage == "bulk" else 2
         stride = cfg.bulk_stride(cfg.ring_in_stage) if cfg.stage == "bulk" else cfg.read_copy_bytes
@@ -1263,9 +1261,7 @@ class ReplayOutput:
                             self._bulk_ring(ring_x.toint(), s64 * H + heads[k],
                                             stage_base + k * stride, ring_bar_base + 8 * k,
                                             cursor)
-                    elif cutlass.const_expr(early_bulk):
-                        pass  # the read copies are on their way, no record comes by bulk copy
-                    else:
+                    elif cutlass.const_expr(not early_bulk):
                         for k in cutlass.range_constexpr(NS):
                             _mbar_init(bar_base + 8 * k)
                         _mbar_init_fence()
@@ -1296,10 +1292,7 @@ class ReplayOutput:
                     B.toint() + (sg * N + lane * nb) * ab, vb))}
                 ck = self._loaded(eager, "ck", lambda: self._checkpoint_setup(C.toint(), sg, lane))
                 if cutlass.const_expr(not cfg.late_dots):
-                    for jj in cutlass.range_constexpr(n_jj):
-                        j = warp + W * jj
-                        if j < cursor:
-                            bc_smem[j] = _dot_warp(_words_to_f32(rb_words[jj], act), c_vals)
+                    _ring_dots(cfg, rb_words, c_vals, cursor, warp, bc_smem)
             else:
                 for jj in cutlass.range_constexpr(n_jj):
                     j = warp + W * jj
@@ -1313,11 +1306,8 @@ class ReplayOutput:
                     b_words = self._loaded(early if cfg.early_loads else {}, "B",
                                            lambda: _load_words(B.toint() + (sg * N + lane * nb)
                                                                * ab, vb))
-                    bc_smem[cursor] = _dot_warp(_words_to_f32(b_words, act), c_vals)
-                    if part == 0:  # one CTA of the group appends B
-                        _store_words(
-                            ring_B.toint() + ((sg * Lc + cursor) * N + lane * nb) * ab, b_words
-                        )
+                    _step_dot(cfg, b_words, c_vals, cursor, part, bc_smem,
+                              ring_B.toint() + ((sg * Lc + cursor) * N + lane * nb) * ab)
             if cutlass.const_expr(not cfg.early_loads):
                 ck = self._checkpoint_setup(C.toint(), sg, lane)
             if cutlass.const_expr(not cfg.late_dots):
@@ -1395,7 +1385,7 @@ class ReplayOutput:
                     # publishes them before any warp reads them for its coefficients
                     _ring_dots(cfg, rb_words, c_vals, cursor, warp, bc_smem)
                     if warp == 0:
-                        _step_dot(cfg, early["B"], c_vals, cursor, part, lane, bc_smem,
+                        _step_dot(cfg, early["B"], c_vals, cursor, part, bc_smem,
                                   ring_B.toint() + ((sg * Lc + cursor) * N + lane * nb) * ab)
                     cute.arch.sync_threads()
                 if cutlass.const_expr(with_decode and p0 == 0):
@@ -1746,34 +1736,34 @@ class ReplayOutput:
         ``stage``, completing on the stage's barrier ``bar``."""
         cfg = self.cfg
         lo0, lo1, _, ring_x = ptrs[:4]
-        P, N, Lc, ab = cfg.headdim, cfg.dstate, cfg.ring_capacity, _ACT_BYTES[cfg.act]
-        codes, scales = P * N // 2, P * N // 16
-        ring = cursor * (P * ab) if cfg.ring_in_stage else Int32(0)
-        _mbar_expect(bar, ring + cfg.read_copy_bytes)
-        _bulk_copy(stage, lo0.toint() + sh * codes, codes, bar)
-        _bulk_copy(stage + codes, lo1.toint() + sh * scales, scales, bar)
+        ring = cursor * (cfg.headdim * _ACT_BYTES[cfg.act]) if cfg.ring_in_stage else Int32(0)
+        self._bulk_read_copy(lo0.toint(), lo1.toint(), sh, stage, bar, ring)
         if cutlass.const_expr(cfg.ring_in_stage):
-            _bulk_copy(stage + cfg.read_copy_bytes, ring_x.toint() + sh * (Lc * P * ab), ring,
-                       bar)
+            self._bulk_records(ring_x.toint(), sh, stage, bar, ring)
 
-    def _bulk_read_copy(self, lo0, lo1, sh, stage, bar) -> None:
-        """eager_loads with stage="bulk", lane 0, before the cursor is known: one head's codes
-        and block scales into its stage, completing on ``bar``."""
+    def _bulk_read_copy(self, lo0, lo1, sh, stage, bar, more=0) -> None:
+        """Lane 0: one head's codes and block scales into its stage, completing on ``bar``,
+        which expects ``more`` bytes besides (the ring records `_bulk_head` sends with them);
+        with eager_loads, before the cursor is known."""
         P, N = self.cfg.headdim, self.cfg.dstate
         codes, scales = P * N // 2, P * N // 16
-        _mbar_expect(bar, self.cfg.read_copy_bytes)
+        _mbar_expect(bar, more + self.cfg.read_copy_bytes)
         _bulk_copy(stage, lo0 + sh * codes, codes, bar)
         _bulk_copy(stage + codes, lo1 + sh * scales, scales, bar)
 
-    def _bulk_ring(self, ring_x, sh, stage, bar, cursor) -> None:
-        """The ring records j < cursor of a head whose read copy `_bulk_read_copy` sent, once
-        the cursor is known, into the stage behind it, completing on ``bar`` (the stage's ring
-        barrier)."""
+    def _bulk_records(self, ring_x, sh, stage, bar, nbytes) -> None:
+        """Lane 0: the first ``nbytes`` of a head's ring records into its stage, behind the
+        read copy, completing on ``bar``."""
         cfg = self.cfg
         P, Lc, ab = cfg.headdim, cfg.ring_capacity, _ACT_BYTES[cfg.act]
-        ring = cursor * (P * ab)
+        _bulk_copy(stage + cfg.read_copy_bytes, ring_x + sh * (Lc * P * ab), nbytes, bar)
+
+    def _bulk_ring(self, ring_x, sh, stage, bar, cursor) -> None:
+        """The ring records j < cursor of a head whose read copy `_bulk_read_copy` sent, once
+        the cursor is known, completing on ``bar`` (the stage's ring barrier)."""
+        ring = cursor * (self.cfg.headdim * _ACT_BYTES[self.cfg.act])
         _mbar_expect(bar, ring)
-        _bulk_copy(stage + cfg.read_copy_bytes, ring_x + sh * (Lc * P * ab), ring, bar)
+        self._bulk_records(ring_x, sh, stage, bar, ring)
 
     def _zero_ring_tails(self, stage_base, stride, stages, cursor, lane) -> None:
         """Zeros in every bulk stage's ring records j >= cursor (16 bytes a lane and store)."""
@@ -2297,9 +2287,9 @@ def replay_output(
     if (stage is None and eager_loads is not False and ring_stage in (None, "smem")
             and default_stage(cfg, S, _sm_count(device)) == "bulk"):
         cfg = dataclasses.replace(cfg, stage="bulk", ring_stage="smem", eager_loads=True)
-    if ring_stage is None and cfg.ring_stage != "smem":  # (before the eager loads' default,
-        cfg = dataclasses.replace(cfg, ring_stage=default_ring_stage(cfg))  # which needs it)
-    if eager_loads is None and cfg.stage != "bulk":
+    if ring_stage is None:  # (before the eager loads' default, which depends on it)
+        cfg = dataclasses.replace(cfg, ring_stage=default_ring_stage(cfg))
+    if eager_loads is None and cfg.stage != "bulk":  # (the default bulk stage set them on)
         cfg = dataclasses.replace(cfg, eager_loads=default_eager_loads(cfg, S, _sm_count(device)))
     if S == 0:
         return out
@@ -2402,7 +2392,7 @@ def _ring_dots(cfg: cutlass.Constexpr, rb_words, c_vals, cursor, warp, bc_smem):
 
 
 @cute.jit
-def _step_dot(cfg: cutlass.Constexpr, b_words, c_vals, cursor, part, lane, bc_smem, row):
+def _step_dot(cfg: cutlass.Constexpr, b_words, c_vals, cursor, part, bc_smem, row):
     """Warp 0: this step's record's B . C into ``bc_smem[cursor]``, and its B appended (the
     lane's words at byte address ``row``) by one CTA of the group (``part`` 0)."""
     bc_smem[cursor] = _dot_warp(_words_to_f32(b_words, cfg.act), c_vals)

@@ -53,7 +53,8 @@ from cutlass.memory import SmemAllocator
 
 from cute_kernels.numerics import bits_f32, inline_ptx
 from cute_kernels.replay_output import (
-    _ACT_BYTES, _NVFP4_UNDO, ReplayOutput, ReplayOutputConfig, _bulk_copy, _dot_warp,
+    _ACT_BYTES, _NVFP4_UNDO, CTA_RESERVED_BYTES, SM_SHARED_BYTES, ReplayOutput,
+    ReplayOutputConfig, _bulk_copy, _dot_warp,
     _f16x2_to_f32x2, _f32_to_words, _lds_u16, _lds_v4, _lds_words, _mbar_expect, _mbar_init,
     _mbar_init_fence, _output_pair, _sel, _store_warp_coefs, _store_words, _warp_decay_weights,
     _words_to_f32,
@@ -63,8 +64,8 @@ __all__ = ["PersistentReplayOutput", "stage_layout", "smem_bytes", "ctas_per_sm"
            "persistent_refusal"]
 
 # Shared memory of one SM on sm_90 (228 KiB), of which the driver keeps 1 KiB a CTA.
-SM_SMEM = 228 * 1024
-CTA_RESERVED = 1024
+SM_SMEM = SM_SHARED_BYTES
+CTA_RESERVED = CTA_RESERVED_BYTES
 # A CTA may have at most 227 KiB.
 CTA_SMEM_MAX = 227 * 1024
 # At most this many CTAs (None: SMs times the resident CTAs). Tests lower it so that every
@@ -107,13 +108,9 @@ def smem_bytes(cfg: ReplayOutputConfig) -> int:
     included)."""
     _, stage = stage_layout(cfg)
     P, W = cfg.headdim, cfg.warps
-    coef_row = 4 * ((_segment(cfg) + 3) // 4)
+    coef_row = ReplayOutput(cfg).coef_row
     return (cfg.bulk_stages * stage + 16 * cfg.bulk_stages + 16 + 128
             + _round(P * W * 4 * 4, 16) + _round(W * coef_row * 4, 16) + _round(W * 4, 16) + 128)
-
-
-def _segment(cfg: ReplayOutputConfig) -> int:
-    return 1 << (cfg.window - 1).bit_length()
 
 
 def ctas_per_sm(cfg: ReplayOutputConfig) -> int:

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from cute_kernels import _compile
 from cute_kernels import instruction_count as ic
 from cute_kernels import replay_output as ro
 from lowprec.mamba2 import mamba2_process_dt, mamba2_replay_output
@@ -198,8 +199,6 @@ def test_the_callers_arguments_never_reach_cutes_parser(monkeypatch, argv, seen)
     """CuTe DSL parses sys.argv on every compile: a compile under the caller's `--h 9` printed
     CuTe's usage and exited. Through compile_cached the build sees only the program name and
     CuTe's own -diagnostic, a real compile finishes, and sys.argv is the caller's again."""
-    from cute_kernels import _compile
-
     monkeypatch.setattr("sys.argv", list(argv))
     observed = []
     _compile.compile_cached(("argv probe", tuple(argv)), lambda: observed.append(list(sys.argv)))
@@ -1288,8 +1287,11 @@ def test_default_bulk_stage_on_a_many_wave_grid_keeps_the_results(monkeypatch):
     monkeypatch.setitem(SHAPES, shape, PERSISTENT_SHAPES[shape])
     assert ro.default_stage(_model_config(H, G, window, S), S, 2) == "bulk"
     lo, lo64, t = _inputs("nvfp4", shape, "bf16", seed=73)
+    monkeypatch.setattr(_compile, "_CACHE", {})  # to see which kernel the default call built
     (t_new, out_new), = _step_per_knob_value(lo, t, "nvfp4", window, "stage", (None,),
                                              {}).values()
+    built = [key[1] for key in _compile._CACHE if key[0] == "replay_output"]
+    assert [(c.stage, c.eager_loads, c.ring_stage) for c in built] == [("bulk", True, "smem")]
     (t_old, out_old), = _step_per_knob_value(lo, t, "nvfp4", window, "stage", ("registers",),
                                              {}).values()
     _check_step(lo64, t, t_new, out_new, window, "bf16")
