@@ -36,7 +36,8 @@ warp's previous head was computed. With ``stage="bulk"`` lane 0 hands each head'
 ring records to the bulk copy engine instead, one request a piece into an mbarrier-guarded
 stage (`_bulk_head`); with the eager loads as well, the first heads' read copies go out before
 the cursor is read (`_bulk_read_copy`). That pair is the default (nvfp4) on grids of 3 waves
-or more where 4 CTAs of it fit an SM (`default_stage`), the registers stage elsewhere.
+or more where 4 CTAs of it fit an SM (`default_stage`; with `ReplayOutputConfig.late_dots`
+there), the registers stage elsewhere.
 
 Checkpoint term, fp8/fp16/nvfp4 (``decode='mma'``): the state is the A operand of
 ``mma.sync.m16n8k16`` (f16 in, fp32 accumulate); C (fp32) is split into f16 ``hi + lo`` placed
@@ -740,7 +741,14 @@ class ReplayOutputConfig:
     # 4.0 (L = 16, either shape), and at L = 32, batch 256, Nemotron 60.9 / 73.2 / 88.5 ->
     # 63.0 / 75.5 / 90.6, Mamba-2 2.7B 42.9 / 57.3 / 65.8 -> 42.5 / 63.5 / 69.7 (at L = 16,
     # batch 256 it gains on Mamba-2 2.7B too: 36.4 / 40.2 / 44.3 -> 35.8 / 40.0 / 43.3). So
-    # off: a default would be a rule by window and batch, to be set with a benchmark run
+    # it is on only with the default bulk stage (replay_output: `default_stage`'s points,
+    # the Nemotron layer at L = 16, batch 256-512), measured again there in the benchmark's
+    # conditions (eighteenth session, 86ef4f7, two runs each, us at cursors 0 / 8 / 14;
+    # results/kernel_bench_runs/late_dots_18/):
+    #     batch 256   default 54.2 / 59.9 / 65.5   late_dots 53.4 / 59.2 / 65.1
+    #     batch 512   default 99.1 / 113.0 / 124.5  late_dots 98.4 / 112.4 / 124.2
+    # (batch 128, registers stage, even: 28.8 / 32.9 / 36.5 against 28.6 / 32.9 / 36.4);
+    # off elsewhere
     late_dots: bool = False
 
     @property
@@ -2089,13 +2097,13 @@ def replay_output(
     0 off), ``ys_layout`` ("rows" or "quads"), ``l2_prefetch_small``, ``early_loads`` (default
     on), ``heads_per_pass`` (1 or 2), ``eager_loads``, ``pin_state_loads``, ``weights_at``,
     ``ring_stage``, ``bulk_stages``, ``smem_carveout``, ``pdl``, ``record_group`` and
-    ``late_dots`` are the
-    tuning knobs of `ReplayOutputConfig`, each measured there (None: ``ring_stage`` by
-    `default_ring_stage`, ``eager_loads`` by `default_eager_loads`, ``record_group``
-    0); ``ablate`` leaves stages out for timing (wrong outputs;
-    `ReplayOutputConfig.ablate`). With ``pdl=True`` the step may start before the kernel
-    launched just before it ends and reads the read copy early, so that kernel must not write
-    the read copy of a slot taking a non-flush step (`ReplayOutputConfig.pdl`).
+    ``late_dots`` are the tuning knobs of `ReplayOutputConfig`, each measured there (None:
+    ``ring_stage`` by `default_ring_stage`, ``eager_loads`` by `default_eager_loads`,
+    ``record_group`` 0, ``late_dots`` on with the default bulk stage only); ``ablate`` leaves
+    stages out for timing (wrong outputs; `ReplayOutputConfig.ablate`). With ``pdl=True`` the
+    step may start before the kernel launched just before it ends and reads the read copy
+    early, so that kernel must not write the read copy of a slot taking a non-flush step
+    (`ReplayOutputConfig.pdl`).
     ``persistent=True`` (nvfp4) runs the persistent, software-pipelined step
     (`cute_kernels.replay_output_persistent`) with ``warps`` heads an item (default
     PERSISTENT_WARPS) and ``bulk_stages`` (2 or 3) items a CTA; it takes none of the other
@@ -2286,7 +2294,10 @@ def replay_output(
               f"nheads / ngroups = {H // G}", head_splits)
     if (stage is None and eager_loads is not False and ring_stage in (None, "smem")
             and default_stage(cfg, S, _sm_count(device)) == "bulk"):
-        cfg = dataclasses.replace(cfg, stage="bulk", ring_stage="smem", eager_loads=True)
+        # and late_dots, measured faster wherever this default applies (ReplayOutputConfig)
+        late = cfg.weights_placement == "with_decode" if late_dots is None else cfg.late_dots
+        cfg = dataclasses.replace(cfg, stage="bulk", ring_stage="smem", eager_loads=True,
+                                  late_dots=late)
     if ring_stage is None:  # (before the eager loads' default, which depends on it)
         cfg = dataclasses.replace(cfg, ring_stage=default_ring_stage(cfg))
     if eager_loads is None and cfg.stage != "bulk":  # (the default bulk stage set them on)

@@ -1277,10 +1277,10 @@ def test_bulk_stage_keeps_the_results(shape, act, knobs):
 
 @pytest.mark.gpu
 def test_default_bulk_stage_on_a_many_wave_grid_keeps_the_results(monkeypatch):
-    """Where default_stage picks the bulk stage with the eager loads (here: the Nemotron layer
-    on a GPU taken to have 2 SMs, so that 40 slots make 320 CTAs, 40 waves), replay_output
-    runs it when no stage is asked for, and the step is the reference's, with the records and
-    cursors of the registers stage bit for bit."""
+    """Where default_stage picks the bulk stage with the eager loads and late_dots (here: the
+    Nemotron layer on a GPU taken to have 2 SMs, so that 40 slots make 320 CTAs, 40 waves),
+    replay_output runs it when no stage is asked for, and the step is the reference's, with
+    the records and cursors of the registers stage bit for bit."""
     monkeypatch.setitem(ro._SM_COUNT, torch.cuda.current_device(), 2)
     shape = "nemotron40"
     S, H, _, _, G, _, window = PERSISTENT_SHAPES[shape]
@@ -1291,7 +1291,8 @@ def test_default_bulk_stage_on_a_many_wave_grid_keeps_the_results(monkeypatch):
     (t_new, out_new), = _step_per_knob_value(lo, t, "nvfp4", window, "stage", (None,),
                                              {}).values()
     built = [key[1] for key in _compile._CACHE if key[0] == "replay_output"]
-    assert [(c.stage, c.eager_loads, c.ring_stage) for c in built] == [("bulk", True, "smem")]
+    assert [(c.stage, c.eager_loads, c.ring_stage, c.late_dots) for c in built] == [
+        ("bulk", True, "smem", True)]
     (t_old, out_old), = _step_per_knob_value(lo, t, "nvfp4", window, "stage", ("registers",),
                                              {}).values()
     _check_step(lo64, t, t_new, out_new, window, "bf16")
