@@ -395,6 +395,11 @@ def run(cfg: BenchConfig, only=None):
             lambda: bench_flush(cfg, "fp16", "nvfp4", min_ctas_per_sm=0),
         ),
         (
+            "flush fp16-SR + nvfp4, E2M1 codes one at a time",
+            lambda: check_flush("fp16", "nvfp4", cfg.window, cfg.seed, e2m1_pairs=False),
+            lambda: bench_flush(cfg, "fp16", "nvfp4", e2m1_pairs=False),
+        ),
+        (
             "flush fp16-SR + nvfp4, ring loads in turn (x, then B, then the dt chain)",
             lambda: True,
             lambda: bench_flush(cfg, "fp16", "nvfp4", ring_loads_first=False),

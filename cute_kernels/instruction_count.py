@@ -61,6 +61,10 @@ thread 50.7 -> 46.7), fp16 SR without a read copy 36.6 -> 32.9; on the H200 743.
 at batch 256 in the benchmark (results/README.md, "Thirteenth session"). `--pipes` sorts these
 counts by pipe; `--ncu` reads what ncu counts executed.
 
+Eighteenth session (same tools): the E2M1 codes two at a time (numerics.e2m1_pair_fast: one
+truncating fp16 conversion and one packed min a pair, FlushConfig.e2m1_pairs): fp16 SR +
+nvfp4 at 32 a thread 55.3 -> 48.5 (64 a thread 46.7 -> 39.8), fp16 RN + nvfp4 43.0 -> 35.5.
+
 Non-flush nvfp4 at 4 warps: 4.52 instructions per element and lane with the f16 bit-trick
 decode and an f16 scale multiply (commit bcd48ec), 3.36 with the E4M3 re-pack and the block
 scales applied to per-block mma sums (78 -> 70-72 us at batch 256 on the H200), 3.38 with

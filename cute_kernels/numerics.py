@@ -23,6 +23,8 @@ call overhead), and states its equivalence to `lowprec`:
     div_rn                      one correctly rounded fp32 division (PTX div.rn.f32)
     e2m1_quotient_fast          rn_e2m1_nibble(div_rn(x, d)) from x * RN(1/d) when provably
                                 equal, else a flag asking for the division (derivation there)
+    e2m1_pair_fast              two of them, nibbles e and e + 4 of a word, by one fp16
+                                conversion and one packed min (the flush's fast path)
     saturate_f32                lowprec's fp32 "rounding" of fp32: identity, +-inf -> +-FLT_MAX
 
 Why integers are exact. For an fp32 input with significand `F` (the hidden bit included; 23
@@ -99,6 +101,11 @@ __all__ = [
     "div_rn",
     "e2m1_quotient_fast",
     "recip_usable",
+    "e2m1_pair_fast",
+    "e2m1_margin",
+    "recip14_usable",
+    "E2M1_PAIR_SCALE",
+    "E2M1_PAIR_MARGIN",
     "saturate_f32",
     "softplus",
     "silu",
@@ -547,6 +554,100 @@ def e2m1_quotient_fast(x, recip, slot: int = 0):
     # code and x's sign bit shifted straight to the slot (one shift each)
     sign = _shift_to(f32_bits(x), 31, 4 * slot + 3) & _u(8 << (4 * slot), vbits)
     return _shift_to(code, 22, 4 * slot) | sign, exact
+
+
+# e2m1_pair_fast's quotients are taken times 2^-14: E2M1's grid 0, 0.5, 1, ..., 6 is then
+# fp16's 0x0000, 0x0200 (a subnormal), 0x0400, ..., 0x0E00, its code the bits 9-11
+E2M1_PAIR_SCALE = 2.0**-14
+# Taken times 2^-126 instead, every E2M1 decision point (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5)
+# has an fp32 pattern that is an odd multiple of 2^21 (0.25 and 0.75 as subnormals, the
+# others in their binades) and every grid value an even one; quotients within this many
+# units of an odd multiple take the division (e2m1_margin below E2M1_PAIR_MARGIN)
+E2M1_PAIR_NEAR = 8
+E2M1_PAIR_MARGIN = 2 * E2M1_PAIR_NEAR
+
+
+def recip14_usable(recip):
+    """True where recip = RN(1/d) times E2M1_PAIR_SCALE is an fp32 normal below 2^126 (so
+    the scaling is exact and x * it carries the relative error e2m1_pair_fast assumes)."""
+    return (recip >= _f(2.0**-111, recip)) & (recip < _f(2.0**126, recip))
+
+
+def _cvt_rz_f16x2_min6(lo, hi):
+    """fp16 bits of RZ(lo) (low half) and RZ(hi) (high half), satfinite, then each magnitude
+    clamped at 0x0E00 (6 * 2^-14) with its sign kept: `cvt.rz.satfinite.f16x2.f32` and
+    `min.xorsign.abs.f16x2` (sm_86 and later). A NaN (outside the contract) converts to the
+    canonical NaN, which the min takes as absent: 0x0E00."""
+    if _is_np(lo):
+        def half(v):
+            v = np.asarray(v, np.float32)
+            with np.errstate(over="ignore", invalid="ignore"):
+                h = v.astype(np.float16)  # RN; RZ is RN or one step toward zero
+                over = np.abs(h.astype(np.float32)) > np.abs(v)
+            bits = h.view(np.uint16).astype(np.uint32) - over.astype(np.uint32)
+            bits = np.where(np.isnan(v), np.uint32(0x7FFF), bits)  # the canonical NaN
+            magnitude = np.minimum(bits & np.uint32(0x7FFF), np.uint32(0x0E00))
+            return (bits & np.uint32(0x8000)) | magnitude
+
+        return half(lo) | (half(hi) << np.uint32(16))
+    packed = inline_ptx(
+        T.i32(),
+        [Float32(hi).ir_value(), Float32(lo).ir_value(), Uint32(0x0E000E00).ir_value()],
+        "{.reg .b32 h; cvt.rz.satfinite.f16x2.f32 h, $1, $2; "
+        "min.xorsign.abs.f16x2 $0, h, $3;}",
+        "=r,f,f,r",
+    )
+    return Uint32(packed)
+
+
+def e2m1_pair_fast(a, b, recip14, slot: int):
+    """(word, margin): the E2M1 nibbles `s e1 e0 m` of RN_e2m1(a * recip) at nibble `slot`
+    (0..3) and of RN_e2m1(b * recip) at nibble slot + 4 of a word (nothing else set), for
+    recip14 = RN(1/d) * E2M1_PAIR_SCALE, recip14_usable(RN(1/d)); both are provably
+    lowprec's RN_e2m1(RN(x / d)) where margin >= E2M1_PAIR_MARGIN (where not, about one
+    pair in 2^16 at random, the caller divides).
+
+    Why it is exact when `exact`. u = RN(x recip14) is x/d 2^-14 to within 2^-23 relative
+    (the scaling is exact), and lowprec's RN(x/d) 2^-14 within 2^-24: both within a few
+    units of u's last place, so u 2^-112 and RN(x/d) 2^-126 (whose decision points are the
+    odd multiples of 2^21, E2M1_PAIR_NEAR) are within a unit or four of each other's
+    patterns. Where u 2^-112 is more than E2M1_PAIR_NEAR units from every odd multiple, both
+    lie on one side of every decision point. The truncation of u to fp16 keeps that side
+    (each decision point times 2^-14 is on fp16's grid, subnormal or normal) and saturates;
+    adding half of E2M1's last place (0x100 a half) and taking bits 9-11 rounds half up,
+    which equals lowprec's ties to even wherever no tie is possible. The sign is the signed
+    quotient's, kept by the conversion and the xorsign min (so -0 and negative quotients
+    rounding to 0 give 8, as lowprec). Infinities saturate (7, 15) as lowprec's do.
+
+    Per element: two multiplies, half a conversion, half a min, half an add, a shift and a
+    mask for the code and one each for the sign (two of each a pair), and the margin (an
+    add, a mask, a min); e2m1_quotient_fast spends about 15."""
+    ua = _mul_rn(a, recip14) if _is_np(a) else Float32(a) * Float32(recip14)
+    ub = _mul_rn(b, recip14) if _is_np(b) else Float32(b) * Float32(recip14)
+    c = _cvt_rz_f16x2_min6(ua, ub)
+    r = c + _u(0x01000100, c)  # half up at bit 9 of each half (magnitudes <= 0x0F00: no carry)
+    code_mask = (0x7 << (4 * slot)) | (0x7 << (4 * slot + 16))
+    sign_mask = (0x8 << (4 * slot)) | (0x8 << (4 * slot + 16))
+    word = (_shift_to(r, 9, 4 * slot) & _u(code_mask, r)) | (
+        _shift_to(r, 15, 4 * slot + 3) & _u(sign_mask, r))
+    return word, umin(e2m1_margin(ua), e2m1_margin(ub))
+
+
+def e2m1_margin(u14):
+    """How far u14 2^-112's fp32 pattern is from the odd multiples of 2^21 (the decision
+    points of RN_e2m1 times 2^-126; subnormal below 2^-126), offset so that a quotient is
+    provably on one side of every decision point where its margin is at least
+    E2M1_PAIR_MARGIN. Margins are combined by their minimum (one unsigned min an element;
+    the caller compares once a block)."""
+    bits = f32_bits(_mul_rn(u14, 2.0**-112))
+    return (bits + _u(E2M1_PAIR_NEAR + 0x200000, bits)) & _u(0x3FFFFF, bits)
+
+
+def umin(a, b):
+    """The unsigned minimum (one IMNMX.U32 on the device)."""
+    if _is_np(a) or _is_np(b):
+        return np.minimum(a, b).astype(np.uint32)
+    return Uint32(cutlass.min(Uint32(a), Uint32(b)))
 
 
 def _shift_to(u, bit: int, to: int):

@@ -226,6 +226,15 @@ class FlushConfig:
     # and z loaded with the state (bench_write_9.csv): fp16-SR + nvfp4 779.6 -> 768.0 us (the
     # flush is ALU-bound), fp32 single copy 669.9 -> 597.6 us (90% of copy)
     ring_loads_first: bool = True
+    # NVFP4 codes two at a time (numerics.e2m1_pair_fast: elements e and e + 4 of a code
+    # word converted to fp16 by one truncating cvt, clamped by one packed min, the code and
+    # sign read off the bits) instead of one at a time (numerics.e2m1_quotient_fast: a magic
+    # add, a multiply and a nearness test an element). Either way the stored codes are
+    # lowprec's; the rare elements near a decision point take the division. fp16-SR + nvfp4
+    # SASS instructions an element on the fast paths (`python -m
+    # cute_kernels.instruction_count`): 55.3 -> 48.5 at 32 elements a thread, 46.7 -> 39.8 at
+    # 64; the encode's share (fp16-RN + nvfp4 less fp16-RN alone) 23.8 -> 16.3 at 32
+    e2m1_pairs: bool = True
 
     def __post_init__(self):
         if self.fold is not None and self.fold not in FOLDS:
@@ -250,6 +259,8 @@ class FlushConfig:
         if self.min_ctas_per_sm is None:
             cap = max(1, 1024 // self.threads) if self.fold == "direct" else 0
             object.__setattr__(self, "min_ctas_per_sm", cap)
+        if not isinstance(self.e2m1_pairs, bool):
+            _compile.fail("e2m1_pairs", "a bool", repr(self.e2m1_pairs))
         if self.slot_loop and self.slot_table:
             _compile.fail("slot_table", "False with slot_loop (a CTA takes one table entry)",
                           "True")
@@ -648,7 +659,7 @@ class ReplayFlush:
                     for i in cutlass.range_constexpr(pieces):
                         p = row0 + rows * i
                         _store_nvfp4_chunk(W, lo_h, scales_h, acc[i], block_amax[i], p, col,
-                                           global_scale)
+                                           global_scale, cfg.e2m1_pairs)
                 if k + 1 < slots_here:  # the next slot's staging reuses sX, sB, sW, sRed
                     cute.arch.sync_threads()
 
@@ -1049,7 +1060,7 @@ def _head_global_scale(T: cutlass.Constexpr, sRed):
 
 @cute.jit
 def _store_nvfp4_chunk(W: cutlass.Constexpr, lo_h, scales_h, values, own, p, col,
-                       global_scale):
+                       global_scale, pairs: cutlass.Constexpr = True):
     """NVFP4 codes of one chunk (W = 8: half a block, the partner chunk is lane ^ 1; W = 16: a
     whole block; `own`: the chunk's max |S|, _chunk_amax), in lowprec's order: den = 6 s_g;
     s_b = RN_e4m3(amax_b / den) (0 for a zero block); divisor = s_b s_g; code =
@@ -1068,15 +1079,8 @@ def _store_nvfp4_chunk(W: cutlass.Constexpr, lo_h, scales_h, values, own, p, col
     # fp16-RN + nvfp4 flush went from 95.0 to 71.8 instructions per element with this
     # (`python -m cute_kernels.instruction_count`).
     recip = nm.div_rn(Float32(1.0), divisor)
-    exact = nm.recip_usable(recip)
     words = cute.make_rmem_tensor((W // 8,), Uint32)
-    for w in cutlass.range_constexpr(W // 8):
-        word = Uint32(0)
-        for v in cutlass.range_constexpr(8):
-            nibble, exact_v = nm.e2m1_quotient_fast(values[8 * w + v], recip, v)
-            word = word | nibble
-            exact = exact & exact_v
-        words[w] = word
+    exact = _e2m1_words(values, W, recip, pairs, words)
     if not exact:
         for w in cutlass.range_constexpr(W // 8):
             word = Uint32(0)
@@ -1093,6 +1097,35 @@ def _store_nvfp4_chunk(W: cutlass.Constexpr, lo_h, scales_h, values, own, p, col
     else:
         cute.autovec_copy(words, _chunk(lo_h, p, col, W // 8))
         scales_h[p, col] = scale_byte.to(Uint8)
+
+
+def _e2m1_words(values, W: int, recip, pairs: bool, words):
+    """The E2M1 codes of values[0 .. W-1] / divisor (recip = RN(1/divisor)) into
+    words[0 .. W/8 - 1], eight a word (low nibble first); returns whether every one is
+    provably lowprec's (else the caller divides). ``pairs``: nibbles e and e + 4 of a word
+    at once (numerics.e2m1_pair_fast), else one at a time (numerics.e2m1_quotient_fast).
+    Traced into the caller (a plain function: its loops unroll)."""
+    if pairs:
+        recip14 = recip * Float32(nm.E2M1_PAIR_SCALE)  # exact: a power of two, both normal
+        margin = Uint32(0xFFFFFFFF)
+        for w in range(W // 8):
+            word = Uint32(0)
+            for e in range(4):
+                pair, margin_e = nm.e2m1_pair_fast(values[8 * w + e], values[8 * w + e + 4],
+                                                   recip14, e)
+                word = word | pair
+                margin = nm.umin(margin, margin_e)
+            words[w] = word
+        return nm.recip14_usable(recip) & (margin >= Uint32(nm.E2M1_PAIR_MARGIN))
+    exact = nm.recip_usable(recip)
+    for w in range(W // 8):
+        word = Uint32(0)
+        for v in range(8):
+            nibble, exact_v = nm.e2m1_quotient_fast(values[8 * w + v], recip, v)
+            word = word | nibble
+            exact = exact & exact_v
+        words[w] = word
+    return exact
 
 
 @cute.jit
@@ -1480,6 +1513,7 @@ def replay_flush(
     elements_per_thread=None,
     fold=None,
     chunk=None,
+    e2m1_pairs=None,
 ):
     """Flush every slot whose step is a flush (`cursors[s] + 1 == window`); see the module doc.
 
@@ -1500,7 +1534,8 @@ def replay_flush(
     `fold` ("mma": the ring folded on the tensor cores, the default where `mma_fold_problem`
     allows it; "direct": transposed, its accumulators the thread's own elements, where
     `direct_fold_problem` allows it; "fma") and `chunk` (8 or 16 state elements a thread
-    handles as one piece) are tuning knobs (FlushConfig).
+    handles as one piece) and `e2m1_pairs` (NVFP4 codes two at a time; default True) are
+    tuning knobs (FlushConfig).
     """
     cfg, lo = _prepare_flush(
         hi,
@@ -1529,6 +1564,7 @@ def replay_flush(
         elements_per_thread,
         fold,
         chunk,
+        e2m1_pairs,
     )
     if out is None:
         out = torch.empty_like(x)
@@ -1584,6 +1620,7 @@ def _prepare_flush(
     elements_per_thread=None,
     fold=None,
     chunk=None,
+    e2m1_pairs=None,
 ):
     """Validate a flush call; returns (FlushConfig, lo as a dict)."""
     if elements_per_thread is None and isinstance(hi, torch.Tensor) and hi.dim() == 4:
@@ -1646,6 +1683,7 @@ def _prepare_flush(
         elements_per_thread=elements_per_thread,
         chunk=chunk,
         fold=fold,  # FlushConfig checks both and fills in the defaults
+        e2m1_pairs=True if e2m1_pairs is None else e2m1_pairs,
     )
     return cfg, lo
 

@@ -276,6 +276,64 @@ def test_e2m1_quotient_fast_equals_the_division_wherever_it_claims_to():
     assert not nm.recip_usable(np.array([np.inf, np.nan, 2.0**127, 2.0**-127], np.float32)).any()
 
 
+def test_e2m1_pair_fast_equals_the_division_wherever_it_claims_to():
+    """Two quotients x * RN(1/d) rounded at once give lowprec's E2M1 codes of RN(x / d) at
+    nibbles e and e + 4 wherever the pair says it is exact (divisors over 2^-60 .. 2^60,
+    quotients on and 1-3 ulps from every decision point, every code value, 0 and past
+    saturation); nothing else of the word is set; away from decision points (more than
+    2^-19 relative, up to 6.5) every quotient is exact, and at random about one pair in
+    2^16 is not."""
+    rng = np.random.default_rng(16)
+    n = 400_000
+    d = (rng.uniform(0.5, 2, n) * np.exp2(rng.integers(-60, 60, n))).astype(np.float32)
+    points = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5, 0, 0.5, 1, 1.5, 2, 3, 4, 6, 7, 9])
+
+    def near_points(seed):
+        g = np.random.default_rng(seed)
+        target = np.where(g.random(n) < 0.5, points[g.integers(0, points.size, n)],
+                          g.uniform(0, 8, n)) * np.where(g.random(n) < 0.5, -1, 1)
+        x = (target * d.astype(np.float64)).astype(np.float32)
+        for _ in range(3):
+            step = g.integers(-1, 2, n)
+            x = np.where(step > 0, np.nextafter(x, np.float32(np.inf)), x)
+            x = np.where(step < 0, np.nextafter(x, np.float32(-np.inf)), x)
+        return x
+
+    a, b = near_points(1), near_points(2)
+    recip = (np.float32(1) / d).astype(np.float32)
+    assert nm.recip14_usable(recip).all()
+    recip14 = (recip * np.float32(nm.E2M1_PAIR_SCALE)).astype(np.float32)
+    want_a = nm.rn_e2m1_nibble((a / d).astype(np.float32))
+    want_b = nm.rn_e2m1_nibble((b / d).astype(np.float32))
+    for slot in range(4):
+        word, margin = nm.e2m1_pair_fast(a, b, recip14, slot)
+        exact = margin >= nm.E2M1_PAIR_MARGIN
+        low = (word >> np.uint32(4 * slot)) & np.uint32(0xF)
+        high = (word >> np.uint32(4 * slot + 16)) & np.uint32(0xF)
+        assert not (word & ~np.uint32((0xF << 4 * slot) | (0xF << (4 * slot + 16)))).any()
+        assert np.array_equal(low[exact], want_a[exact])
+        assert np.array_equal(high[exact], want_b[exact])
+    quotients = np.abs(np.stack([a, b]) / d)
+    far = (np.min(np.abs(quotients[..., None] - points[:7]), axis=-1) > 2.0**-19 * quotients)
+    far &= quotients < 6.5  # above, patterns like 7's ask for the division (a block's
+    assert exact[far.all(axis=0)].all()  # quotients stay below 6 * 17 / 16)
+    assert 0.3 < exact.mean() < 0.95  # both paths are exercised
+    x, y = rng.standard_normal((2, n)).astype(np.float32)
+    _, margin = nm.e2m1_pair_fast(x, y, np.float32(np.float32(1 / 0.37) * 2.0**-14), 0)
+    assert 0 < (margin < nm.E2M1_PAIR_MARGIN).mean() < 2.0**-15  # pairs
+    grid = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float32)  # E2M1's values: never divided
+    _, margin = nm.e2m1_pair_fast(grid, -grid, np.float32(2.0**-14), 1)
+    assert (margin >= nm.E2M1_PAIR_MARGIN).all()
+    special = np.array([np.inf, -np.inf, 0.0, -0.0, 1e-45, 3e38, -1e-30], np.float32)
+    word, margin = nm.e2m1_pair_fast(special, np.float32(1.5), np.float32(0.75 * 2.0**-14), 0)
+    assert (margin >= nm.E2M1_PAIR_MARGIN).all()
+    # +-inf and large saturate to +-6, +-0 keep their sign, tiny quotients round to +-0
+    assert list(word & np.uint32(0xF)) == [7, 15, 0, 8, 0, 7, 8]
+    assert list(word >> np.uint32(16)) == [2] * 7  # 1.125: 1
+    assert list(nm.recip14_usable(np.array([2.0**-111, 2.0**-112, 2.0**125, 2.0**126, np.nan],
+                                           np.float32))) == [True, False, True, False, False]
+
+
 def test_e4m3_values_are_exact_for_every_scale_byte():
     """Every non-negative, non-NaN E4M3 byte decodes to lowprec's value (0x01 = 2^-9,
     0x7E = 448)."""
@@ -309,7 +367,10 @@ OUTPUTS = (
     "philox_w3",  # the last of the four words (the first is "philox")
     "sr_fp16x2_fast",  # SR of (x, y) with words (w, w ^ 0x9E3779B9) where exact, else 0
     "sr_fp16x2_exact",  # 1 where exact
+    "e2m1_pair",  # nibbles 3 and 7 of (x, y) * PROBE_RECIP14
+    "e2m1_pair_margin",  # exact where >= E2M1_PAIR_MARGIN
 )
+PROBE_RECIP14 = float(np.float32(np.float32(1 / 0.37) * np.float32(2.0**-14)))
 
 
 @cute.kernel
@@ -347,6 +408,9 @@ def _probe_kernel(
         pair, exact = nm.sr_fp16x2_fast(v, y[i], r, r ^ Uint32(0x9E3779B9))
         out[i, 11] = nm._sel(exact, pair, Uint32(0))
         out[i, 12] = nm._sel(exact, Uint32(1), Uint32(0))
+        word, margin = nm.e2m1_pair_fast(v, y[i], Float32(PROBE_RECIP14), 3)
+        out[i, 13] = word
+        out[i, 14] = margin
 
 
 @cute.jit
@@ -445,6 +509,8 @@ def test_probe_kernel_equals_numpy_backend_and_lowprec():
         pair, exact = nm.sr_fp16x2_fast(x, y, words, words ^ np.uint32(0x9E3779B9))
         want["sr_fp16x2_fast"] = np.where(exact, pair, np.uint32(0))
         want["sr_fp16x2_exact"] = exact.astype(np.uint32)
+        want["e2m1_pair"], want["e2m1_pair_margin"] = nm.e2m1_pair_fast(
+            x, y, np.float32(PROBE_RECIP14), 3)
     positive = y.view(np.uint32) < (1 << 31)  # offsets below 2^63 (lowprec takes int64)
     offsets = torch.from_numpy(
         (y[positive].view(np.uint32).astype(np.int64) << 32) | words[positive].astype(np.int64)
