@@ -63,7 +63,7 @@ counts by pipe; `--ncu` reads what ncu counts executed.
 
 Eighteenth session (same tools): the E2M1 codes two at a time (numerics.e2m1_pair_fast: one
 truncating fp16 conversion and one packed min a pair, FlushConfig.e2m1_pairs): fp16 SR +
-nvfp4 at 32 a thread 55.3 -> 48.5 (64 a thread 46.7 -> 39.8), fp16 RN + nvfp4 43.0 -> 35.5.
+nvfp4 at 32 a thread 55.3 -> 49.0 (64 a thread 46.7 -> 40.2), fp16 RN + nvfp4 43.0 -> 35.9.
 
 Non-flush nvfp4 at 4 warps: 4.52 instructions per element and lane with the f16 bit-trick
 decode and an f16 scale multiply (commit bcd48ec), 3.36 with the E4M3 re-pack and the block

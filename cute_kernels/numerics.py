@@ -646,10 +646,13 @@ def e2m1_margin(u14):
 
 
 def umin(a, b):
-    """The unsigned minimum (one IMNMX.U32 on the device)."""
+    """The unsigned minimum (one IMNMX.U32 on the device). PTX's min.u32 as written:
+    cutlass.min folded a constant 0xFFFFFFFF operand as a signed -1 (the first form of the
+    flush's margin lost its first pair's margins that way)."""
     if _is_np(a) or _is_np(b):
         return np.minimum(a, b).astype(np.uint32)
-    return Uint32(cutlass.min(Uint32(a), Uint32(b)))
+    return Uint32(inline_ptx(T.i32(), [Uint32(a).ir_value(), Uint32(b).ir_value()],
+                             "min.u32 $0, $1, $2;", "=r,r,r"))
 
 
 def _shift_to(u, bit: int, to: int):

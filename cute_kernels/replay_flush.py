@@ -232,8 +232,8 @@ class FlushConfig:
     # add, a multiply and a nearness test an element). Either way the stored codes are
     # lowprec's; the rare elements near a decision point take the division. fp16-SR + nvfp4
     # SASS instructions an element on the fast paths (`python -m
-    # cute_kernels.instruction_count`): 55.3 -> 48.5 at 32 elements a thread, 46.7 -> 39.8 at
-    # 64; the encode's share (fp16-RN + nvfp4 less fp16-RN alone) 23.8 -> 16.3 at 32
+    # cute_kernels.instruction_count`): 55.3 -> 49.0 at 32 elements a thread, 46.7 -> 40.2 at
+    # 64; the encode's share (fp16-RN + nvfp4 less fp16-RN alone) 23.8 -> 16.7 at 32
     e2m1_pairs: bool = True
 
     def __post_init__(self):
@@ -1107,14 +1107,14 @@ def _e2m1_words(values, W: int, recip, pairs: bool, words):
     Traced into the caller (a plain function: its loops unroll)."""
     if pairs:
         recip14 = recip * Float32(nm.E2M1_PAIR_SCALE)  # exact: a power of two, both normal
-        margin = Uint32(0xFFFFFFFF)
+        margin = None
         for w in range(W // 8):
             word = Uint32(0)
             for e in range(4):
                 pair, margin_e = nm.e2m1_pair_fast(values[8 * w + e], values[8 * w + e + 4],
                                                    recip14, e)
                 word = word | pair
-                margin = nm.umin(margin, margin_e)
+                margin = margin_e if margin is None else nm.umin(margin, margin_e)
             words[w] = word
         return nm.recip14_usable(recip) & (margin >= Uint32(nm.E2M1_PAIR_MARGIN))
     exact = nm.recip_usable(recip)

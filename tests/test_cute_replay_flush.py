@@ -226,6 +226,21 @@ def test_default_knobs_are_the_measured_fastest_where_they_apply():
         config(WIDE, "fp16", "sr", "nvfp4", elements_per_thread=32, chunk=16, fold="direct")
 
 
+@pytest.mark.parametrize("elements_per_thread", [32, 64])
+def test_every_element_enters_the_e2m1_pairs_margin_test(elements_per_thread):
+    """With the E2M1 codes two at a time, each state element a thread holds gets its own
+    margin against the decision points (one add of E2M1_PAIR_NEAR + 2^21 a value in the
+    PTX), and the margins meet in unsigned minima: a signed minimum, or one folded against a
+    constant, would drop some (an earlier form lost each block's first pair that way)."""
+    from cute_kernels import numerics as nm
+
+    cfg = config(NEMOTRON, "fp16", "sr", "nvfp4", elements_per_thread=elements_per_thread,
+                 e2m1_pairs=True)
+    ptx = rf.compile_flush(cfg, keep_ptx=True).__ptx__
+    assert ptx.count(f", {nm.E2M1_PAIR_NEAR + 0x200000};") == elements_per_thread
+    assert "min.s32" not in ptx
+
+
 def test_bf16_three_way_split_is_exact():
     """The arithmetic of tensor_core.split_bf16x3 on the CPU: three round-to-nearest bf16
     parts of an fp32 value, each of what the previous ones left, add up to it exactly (so the
@@ -885,10 +900,10 @@ def _sass_tools() -> bool:
 
 @pytest.mark.skipif(not _sass_tools(), reason="needs ptxas (CUDA 12.9+) and cuobjdump")
 def test_flush_instruction_budget_per_element():
-    """The fp16-SR + NVFP4 flush issues at most 41 SASS instructions per state element on
-    its fast paths at 64 elements a thread and at most 49.5 at the default 32 (direct fold, 64
-    registers), and the codes taken one at a time cost more. Measured 2026-11-30: 39.8 and
-    48.5 with the E2M1 codes two at a time (numerics.e2m1_pair_fast); 46.7 and 55.3 with the
+    """The fp16-SR + NVFP4 flush issues at most 41.5 SASS instructions per state element on
+    its fast paths at 64 elements a thread and at most 50 at the default 32 (direct fold, 64
+    registers), and the codes taken one at a time cost more. Measured 2026-11-30: 40.2 and
+    49.0 with the E2M1 codes two at a time (numerics.e2m1_pair_fast); 46.7 and 55.3 with the
     SR of two elements finished by one truncating conversion (sr_fp16x2_fast); 50.7 and 58.9
     with the E2M1 code placed in its nibble straight from the rounded value and one max |S|
     an element; 52.5 and 60.8 (16-element chunks, the E2M1 exactness test against a multiple
@@ -902,8 +917,8 @@ def test_flush_instruction_budget_per_element():
     ((_, fast, _, _),) = ic.count(False, variants)
     ((_, shipped, _, _),) = ic.count(True, variants)
     ((_, fast32, registers32, _),) = ic.count(False, variants, 32)
-    assert fast <= 41.0
-    assert fast32 <= 49.5 and registers32 <= 64
+    assert fast <= 41.5
+    assert fast32 <= 50.0 and registers32 <= 64
     assert shipped > fast
     one_at_a_time = ic.flush_config("fp16", "sr", "nvfp4", 32, e2m1_pairs=False)
     ops, _ = ic.sass_histogram(rf.compile_flush(one_at_a_time, keep_ptx=True).__ptx__)
