@@ -240,6 +240,24 @@ def test_sr_fp16x2_fast_equals_the_general_form_wherever_it_claims_to():
     assert np.array_equal(pair[exact], general[exact])
 
 
+E2M1_POINTS = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5, 0, 0.5, 1, 1.5, 2, 3, 4, 6, 7, 9])
+
+
+def _near_e2m1_points(rng, d):
+    """x with x / d (one per divisor in d) on, or 1-3 ulps from, E2M1's decision points (the
+    first 7 of E2M1_POINTS), its values, 0 and past saturation for half of them, uniform in
+    [0, 8) for the rest; either sign."""
+    n = d.size
+    target = np.where(rng.random(n) < 0.5, E2M1_POINTS[rng.integers(0, E2M1_POINTS.size, n)],
+                      rng.uniform(0, 8, n)) * np.where(rng.random(n) < 0.5, -1, 1)
+    x = (target * d.astype(np.float64)).astype(np.float32)
+    for _ in range(3):
+        step = rng.integers(-1, 2, n)
+        x = np.where(step > 0, np.nextafter(x, np.float32(np.inf)), x)
+        x = np.where(step < 0, np.nextafter(x, np.float32(-np.inf)), x)
+    return x
+
+
 def test_e2m1_quotient_fast_equals_the_division_wherever_it_claims_to():
     """x * RN(1/d) gives lowprec's E2M1 code of RN(x / d) wherever it says it is exact, for
     divisors over 2^-60 .. 2^60 and quotients placed on, and 1-3 ulps from, every decision
@@ -247,14 +265,8 @@ def test_e2m1_quotient_fast_equals_the_division_wherever_it_claims_to():
     rng = np.random.default_rng(6)
     n = 600_000
     d = (rng.uniform(0.5, 2, n) * np.exp2(rng.integers(-60, 60, n))).astype(np.float32)
-    points = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5, 0, 0.5, 1, 1.5, 2, 3, 4, 6, 7, 9])
-    target = np.where(rng.random(n) < 0.5, points[rng.integers(0, points.size, n)],
-                      rng.uniform(0, 8, n)) * np.where(rng.random(n) < 0.5, -1, 1)
-    x = (target * d.astype(np.float64)).astype(np.float32)
-    for _ in range(3):
-        step = rng.integers(-1, 2, n)
-        x = np.where(step > 0, np.nextafter(x, np.float32(np.inf)), x)
-        x = np.where(step < 0, np.nextafter(x, np.float32(-np.inf)), x)
+    points = E2M1_POINTS
+    x = _near_e2m1_points(rng, d)
     recip = (np.float32(1) / d).astype(np.float32)
     assert nm.recip_usable(recip).all()
     nibble, exact = nm.e2m1_quotient_fast(x, recip)
@@ -286,20 +298,9 @@ def test_e2m1_pair_fast_equals_the_division_wherever_it_claims_to():
     rng = np.random.default_rng(16)
     n = 400_000
     d = (rng.uniform(0.5, 2, n) * np.exp2(rng.integers(-60, 60, n))).astype(np.float32)
-    points = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5, 0, 0.5, 1, 1.5, 2, 3, 4, 6, 7, 9])
-
-    def near_points(seed):
-        g = np.random.default_rng(seed)
-        target = np.where(g.random(n) < 0.5, points[g.integers(0, points.size, n)],
-                          g.uniform(0, 8, n)) * np.where(g.random(n) < 0.5, -1, 1)
-        x = (target * d.astype(np.float64)).astype(np.float32)
-        for _ in range(3):
-            step = g.integers(-1, 2, n)
-            x = np.where(step > 0, np.nextafter(x, np.float32(np.inf)), x)
-            x = np.where(step < 0, np.nextafter(x, np.float32(-np.inf)), x)
-        return x
-
-    a, b = near_points(1), near_points(2)
+    points = E2M1_POINTS
+    a, b = _near_e2m1_points(np.random.default_rng(1), d), _near_e2m1_points(
+        np.random.default_rng(2), d)
     recip = (np.float32(1) / d).astype(np.float32)
     assert nm.recip14_usable(recip).all()
     recip14 = (recip * np.float32(nm.E2M1_PAIR_SCALE)).astype(np.float32)
