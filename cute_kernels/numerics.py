@@ -607,7 +607,7 @@ def e2m1_pair_fast(a, b, recip14, slot: int):
     lowprec's RN_e2m1(RN(x / d)) where margin >= E2M1_PAIR_MARGIN (where not, about one
     pair in 2^16 at random, the caller divides).
 
-    Why it is exact when `exact`. u = RN(x recip14) is x/d 2^-14 to within 2^-23 relative
+    Why the codes are exact where the margin is. u = RN(x recip14) is x/d 2^-14 to within 2^-23 relative
     (the scaling is exact), and lowprec's RN(x/d) 2^-14 within 2^-24: both within a few
     units of u's last place, so u 2^-112 and RN(x/d) 2^-126 (whose decision points are the
     odd multiples of 2^21, E2M1_PAIR_NEAR) are within a unit or four of each other's
@@ -622,8 +622,7 @@ def e2m1_pair_fast(a, b, recip14, slot: int):
     Per element: two multiplies, half a conversion, half a min, half an add, a shift and a
     mask for the code and one each for the sign (two of each a pair), and the margin (an
     add, a mask, a min); e2m1_quotient_fast spends about 15."""
-    ua = _mul_rn(a, recip14) if _is_np(a) else Float32(a) * Float32(recip14)
-    ub = _mul_rn(b, recip14) if _is_np(b) else Float32(b) * Float32(recip14)
+    ua, ub = _mul_rn(a, recip14), _mul_rn(b, recip14)  # as written: never refolded
     c = _cvt_rz_f16x2_min6(ua, ub)
     r = c + _u(0x01000100, c)  # half up at bit 9 of each half (magnitudes <= 0x0F00: no carry)
     code_mask = (0x7 << (4 * slot)) | (0x7 << (4 * slot + 16))
