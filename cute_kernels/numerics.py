@@ -607,17 +607,18 @@ def e2m1_pair_fast(a, b, recip14, slot: int):
     lowprec's RN_e2m1(RN(x / d)) where margin >= E2M1_PAIR_MARGIN (where not, about one
     pair in 2^16 at random, the caller divides).
 
-    Why the codes are exact where the margin is. u = RN(x recip14) is x/d 2^-14 to within 2^-23 relative
-    (the scaling is exact), and lowprec's RN(x/d) 2^-14 within 2^-24: both within a few
-    units of u's last place, so u 2^-112 and RN(x/d) 2^-126 (whose decision points are the
-    odd multiples of 2^21, E2M1_PAIR_NEAR) are within a unit or four of each other's
-    patterns. Where u 2^-112 is more than E2M1_PAIR_NEAR units from every odd multiple, both
-    lie on one side of every decision point. The truncation of u to fp16 keeps that side
-    (each decision point times 2^-14 is on fp16's grid, subnormal or normal) and saturates;
-    adding half of E2M1's last place (0x100 a half) and taking bits 9-11 rounds half up,
-    which equals lowprec's ties to even wherever no tie is possible. The sign is the signed
-    quotient's, kept by the conversion and the xorsign min (so -0 and negative quotients
-    rounding to 0 give 8, as lowprec). Infinities saturate (7, 15) as lowprec's do.
+    Why the codes are exact where the margin is. u = RN(x recip14) is x/d 2^-14 to within
+    2^-23 relative (the scaling is exact), and lowprec's RN(x/d) 2^-14 within 2^-24: both
+    within a few units of u's last place, so u 2^-112 and RN(x/d) 2^-126 (whose decision
+    points are the odd multiples of 2^21, E2M1_PAIR_NEAR) are within a unit or four of each
+    other's patterns. Where u 2^-112 is more than E2M1_PAIR_NEAR units from every odd
+    multiple, both lie on one side of every decision point. The truncation of u to fp16
+    keeps that side (each decision point times 2^-14 is on fp16's grid, subnormal or
+    normal) and saturates; adding half of E2M1's last place (0x100 a half) and taking bits
+    9-11 rounds half up, which equals lowprec's ties to even wherever no tie is possible.
+    The sign is the signed quotient's, kept by the conversion and the xorsign min (so -0
+    and negative quotients rounding to 0 give 8, as lowprec). Infinities saturate (7, 15)
+    as lowprec's do.
 
     Per element: two multiplies, half a conversion, half a min, half an add, a shift and a
     mask for the code and one each for the sign (two of each a pair), and the margin (an
