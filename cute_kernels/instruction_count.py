@@ -182,10 +182,12 @@ def flush_config(
 
 
 def histograms(
-    with_fallbacks: bool, variants=VARIANTS, elements_per_thread: int = rf.ELEMENTS_PER_THREAD
+    with_fallbacks: bool, variants=VARIANTS, elements_per_thread: int = rf.ELEMENTS_PER_THREAD,
+    knobs: dict | None = None,
 ) -> list[tuple[tuple[str, str, str], collections.Counter, int]]:
     """Per flush variant: (variant, SASS opcode counts, registers per thread); without
-    fallbacks the rare general paths' bodies are compiled out (what a thread runs)."""
+    fallbacks the rare general paths' bodies are compiled out (what a thread runs); `knobs`:
+    other FlushConfig fields."""
     general = (nm.sr_fp16_bits, nm.rn_e2m1_nibble)
     _compile._CACHE.clear()
     if not with_fallbacks:  # what a thread runs: the fallbacks' bodies become constants
@@ -194,7 +196,7 @@ def histograms(
     try:
         rows = []
         for variant in variants:
-            cfg = flush_config(*variant, elements_per_thread)
+            cfg = flush_config(*variant, elements_per_thread, **(knobs or {}))
             rows.append((variant, *sass_histogram(rf.compile_flush(cfg, keep_ptx=True).__ptx__)))
         return rows
     finally:
@@ -203,13 +205,15 @@ def histograms(
 
 
 def count(
-    with_fallbacks: bool, variants=VARIANTS, elements_per_thread: int = rf.ELEMENTS_PER_THREAD
+    with_fallbacks: bool, variants=VARIANTS, elements_per_thread: int = rf.ELEMENTS_PER_THREAD,
+    knobs: dict | None = None,
 ) -> list[tuple[tuple[str, str, str], float, int, list]]:
     """Per flush variant: (variant, SASS instructions per state element, registers per
     thread, the 8 commonest opcodes)."""
     return [
         (variant, sum(ops.values()) / elements_per_thread, registers, ops.most_common(8))
-        for variant, ops, registers in histograms(with_fallbacks, variants, elements_per_thread)
+        for variant, ops, registers in histograms(with_fallbacks, variants, elements_per_thread,
+                                                  knobs)
     ]
 
 

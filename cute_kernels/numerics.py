@@ -499,10 +499,10 @@ def _fmax(a, b):
     return cute.arch.fmax(a, Float32(b))
 
 
-def recip_usable(recip):
-    """True where `recip` = RN(1/d) is normal and below 2^126, so that x * recip carries the
-    relative error e2m1_quotient_fast assumes (False for NaN and inf)."""
-    return (recip >= _f(2.0**-125, recip)) & (recip < _f(2.0**126, recip))
+def recip_usable(recip, smallest: float = 2.0**-125):
+    """True where `recip` = RN(1/d) is at least `smallest` (normal) and below 2^126, so that
+    x * recip carries the relative error e2m1_quotient_fast assumes (False for NaN and inf)."""
+    return (recip >= _f(smallest, recip)) & (recip < _f(2.0**126, recip))
 
 
 def e2m1_quotient_fast(x, recip, slot: int = 0):
@@ -570,7 +570,7 @@ E2M1_PAIR_MARGIN = 2 * E2M1_PAIR_NEAR
 def recip14_usable(recip):
     """True where recip = RN(1/d) times E2M1_PAIR_SCALE is an fp32 normal below 2^126 (so
     the scaling is exact and x * it carries the relative error e2m1_pair_fast assumes)."""
-    return (recip >= _f(2.0**-111, recip)) & (recip < _f(2.0**126, recip))
+    return recip_usable(recip, 2.0**-111)
 
 
 def _cvt_rz_f16x2_min6(lo, hi):
@@ -648,7 +648,8 @@ def e2m1_margin(u14):
 def umin(a, b):
     """The unsigned minimum (one IMNMX.U32 on the device). PTX's min.u32 as written:
     cutlass.min folded a constant 0xFFFFFFFF operand as a signed -1 (the first form of the
-    flush's margin lost its first pair's margins that way)."""
+    flush's margin lost its first pair's margins that way). The general paths' `_umin` (a
+    select, on operands far below 2^31) is left as their benchmarked SASS has it."""
     if _is_np(a) or _is_np(b):
         return np.minimum(a, b).astype(np.uint32)
     return Uint32(inline_ptx(T.i32(), [Uint32(a).ir_value(), Uint32(b).ir_value()],

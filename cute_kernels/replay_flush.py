@@ -1060,7 +1060,7 @@ def _head_global_scale(T: cutlass.Constexpr, sRed):
 
 @cute.jit
 def _store_nvfp4_chunk(W: cutlass.Constexpr, lo_h, scales_h, values, own, p, col,
-                       global_scale, pairs: cutlass.Constexpr = True):
+                       global_scale, pairs: cutlass.Constexpr):
     """NVFP4 codes of one chunk (W = 8: half a block, the partner chunk is lane ^ 1; W = 16: a
     whole block; `own`: the chunk's max |S|, _chunk_amax), in lowprec's order: den = 6 s_g;
     s_b = RN_e4m3(amax_b / den) (0 for a zero block); divisor = s_b s_g; code =
@@ -1684,7 +1684,7 @@ def _prepare_flush(
         elements_per_thread=elements_per_thread,
         chunk=chunk,
         fold=fold,  # FlushConfig checks both and fills in the defaults
-        e2m1_pairs=True if e2m1_pairs is None else e2m1_pairs,
+        e2m1_pairs=FlushConfig.e2m1_pairs if e2m1_pairs is None else e2m1_pairs,
     )
     return cfg, lo
 

@@ -63,9 +63,6 @@ from cute_kernels.replay_output import (
 __all__ = ["PersistentReplayOutput", "stage_layout", "smem_bytes", "ctas_per_sm",
            "persistent_refusal"]
 
-# Shared memory of one SM on sm_90 (228 KiB), of which the driver keeps 1 KiB a CTA.
-SM_SMEM = SM_SHARED_BYTES
-CTA_RESERVED = CTA_RESERVED_BYTES
 # A CTA may have at most 227 KiB.
 CTA_SMEM_MAX = 227 * 1024
 # At most this many CTAs (None: SMs times the resident CTAs). Tests lower it so that every
@@ -118,7 +115,8 @@ def ctas_per_sm(cfg: ReplayOutputConfig) -> int:
     (the kernel is compiled for that many; asked for more, ptxas capped a 3-warp CTA at 96
     registers and spilled)."""
     threads = 32 * (cfg.warps + 1)  # + the producer warp
-    return max(1, min(SM_SMEM // (smem_bytes(cfg) + CTA_RESERVED), 65536 // (threads * 128)))
+    fit = SM_SHARED_BYTES // (smem_bytes(cfg) + CTA_RESERVED_BYTES)
+    return max(1, min(fit, 65536 // (threads * 128)))
 
 
 def persistent_refusal(cfg: ReplayOutputConfig) -> str | None:

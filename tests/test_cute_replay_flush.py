@@ -920,9 +920,8 @@ def test_flush_instruction_budget_per_element():
     assert fast <= 41.5
     assert fast32 <= 50.0 and registers32 <= 64
     assert shipped > fast
-    one_at_a_time = ic.flush_config("fp16", "sr", "nvfp4", 32, e2m1_pairs=False)
-    ops, _ = ic.sass_histogram(rf.compile_flush(one_at_a_time, keep_ptx=True).__ptx__)
-    assert sum(ops.values()) / 32 > fast32 + 4  # with its fallbacks, still more
+    ((_, single32, _, _),) = ic.count(False, variants, 32, knobs=dict(e2m1_pairs=False))
+    assert single32 > fast32 + 4  # fast paths both (55.3 against 49.0)
 
 
 @pytest.mark.parametrize("lo_format", ["nvfp4", "fp8_e4m3"])

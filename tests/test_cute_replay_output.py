@@ -1634,7 +1634,8 @@ def test_persistent_stage_pieces_are_aligned_and_the_ctas_fit_an_sm(shape, warps
     assert lay["ring_B"] + (cfg.window - 2) * cfg.dstate * 2 <= lay["B"]
     assert stage % 128 == 0 and stage > offsets[-1]
     n = rp.ctas_per_sm(cfg)
-    assert n * (rp.smem_bytes(cfg) + rp.CTA_RESERVED) <= rp.SM_SMEM and n * (warps + 1) <= 64
+    assert n * (rp.smem_bytes(cfg) + ro.CTA_RESERVED_BYTES) <= ro.SM_SHARED_BYTES
+    assert n * (warps + 1) <= 64
 
 
 @pytest.mark.parametrize("knobs, match", [
