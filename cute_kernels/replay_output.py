@@ -1544,13 +1544,10 @@ class ReplayOutput:
             return [Uint32(lane) * Uint32(0x00010001) + Uint32(0x3C003C00 + salt + i)
                     for i in range(n)]
 
-        S = self.segment
-        per = 32 // S
         first_head = grp * cfg.heads_per_group + part * HPS + warp
         decay = []
-        for q in range((nh + per - 1) // per):
-            k_raw = q * per + lane // S
-            head = first_head + W * cutlass.min(k_raw, nh - 1)
+        for q in range(_decay_passes(self.segment, nh)):
+            k_raw, head = _decay_pass_head(W, self.segment, first_head, nh, lane, q)
             small = Float32(lane) * Float32(1.0 / 64)
             decay.append((k_raw < nh, Int64(s) * H + head, small, small + Float32(0.25),
                           Float32(-0.5) - small))
@@ -2411,6 +2408,22 @@ def _step_dot(cfg: cutlass.Constexpr, b_words, c_vals, cursor, part, bc_smem, ro
         _store_words(row, b_words)
 
 
+def _decay_passes(S: int, nh: int) -> int:
+    """Passes of a warp's decay weights over its nh heads, ``32 // S`` heads a pass."""
+    return -(-nh // (32 // S))
+
+
+def _decay_pass_head(W: int, S: int, first_head, nh: int, lane, q: int):
+    """(k_raw, head) of pass q (head k's records on lanes ``k S .. k S + S - 1``): the lane's
+    head index in the warp (``>= nh`` on a pass's spare lanes) and the head it loads for
+    (clamped to the warp's last; heads ``first_head + W k``). One indexing for
+    `_warp_decay_loads` and the timing-only `_prologue_constants`; a pass at a time, so that
+    each pass's loads follow its indices as before (the register-stage step's SASS moved
+    when the indices all came first)."""
+    k_raw = q * (32 // S) + lane // S
+    return k_raw, first_head + W * cutlass.min(k_raw, nh - 1)
+
+
 @cute.jit
 def _warp_decay_loads(cfg: cutlass.Constexpr, S: cutlass.Constexpr, ptrs, first_head,
                       nh: cutlass.Constexpr, s64, lane):
@@ -2419,13 +2432,10 @@ def _warp_decay_loads(cfg: cutlass.Constexpr, S: cutlass.Constexpr, ptrs, first_
     plus bias, A)."""
     _, _, _, _, ring_dt, _, dt, A, _, _, dt_bias = ptrs
     H, Lc, W = cfg.nheads, cfg.ring_capacity, cfg.warps
-    per = 32 // S
     j = lane % S
     passes = []
-    for q in cutlass.range_constexpr((nh + per - 1) // per):
-        k_raw = q * per + lane // S
-        k = cutlass.min(k_raw, nh - 1)
-        head = first_head + W * k
+    for q in cutlass.range_constexpr(_decay_passes(S, nh)):
+        k_raw, head = _decay_pass_head(W, S, first_head, nh, lane, q)
         sh = s64 * H + head
         ring = Float32(cute.arch.load((ring_dt + sh * Lc + cutlass.min(j, Lc - 1)).llvm_ptr,
                                       Float32))
