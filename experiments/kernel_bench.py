@@ -1678,7 +1678,33 @@ def _versions() -> dict:
     if torch.cuda.is_available():
         versions["gpu"] = torch.cuda.get_device_name(0)
         versions["cuda"] = torch.version.cuda
+        versions["gpu_identity"] = gpu_identity()
     return versions
+
+
+GPU_IDENTITY_FIELDS = ("uuid", "serial", "pci.bus_id", "vbios_version", "driver_version",
+                       "clocks.max.sm", "clocks.max.memory", "power.limit", "ecc.mode.current")
+
+
+def gpu_identity(run=None) -> dict:
+    """Which physical GPU ran (nvidia-smi's fields of GPU 0, GPU_IDENTITY_FIELDS), for the meta
+    files: two H200 machines lent in one session timed the same non-flush step at 55.9 and
+    59.4 us (batch 256, cursor 8) with copy ceilings 0.6% apart (results/README.md,
+    "Nineteenth session"), so a number is only comparable with the machine it came from.
+    ``run``: a subprocess.run stand-in (tests). Never raises: a failure is recorded."""
+    import subprocess
+
+    run = run or subprocess.run
+    query = ["nvidia-smi", f"--query-gpu={','.join(GPU_IDENTITY_FIELDS)}",
+             "--format=csv,noheader", "--id=0"]
+    try:
+        done = run(query, capture_output=True, text=True, timeout=20)
+    except Exception as error:  # no nvidia-smi, or it hung
+        return {"error": f"{type(error).__name__}: {error}"}
+    values = [v.strip() for v in (done.stdout or "").strip().split(",")]
+    if done.returncode != 0 or len(values) != len(GPU_IDENTITY_FIELDS):
+        return {"error": f"nvidia-smi exit {done.returncode}: {(done.stderr or done.stdout)[:200]}"}
+    return dict(zip(GPU_IDENTITY_FIELDS, values, strict=True))
 
 
 def _finish(frame: pd.DataFrame, out: Path, plot_dir: str | None) -> None:

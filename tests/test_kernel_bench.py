@@ -427,3 +427,35 @@ def test_the_cute_benchmarks_spin_as_long_as_kernel_bench():
     from cute_kernels import bench_read
 
     assert bench_read.LEAD_CYCLES == kb.LEAD_CYCLES > 0
+
+
+def test_gpu_identity_parses_nvidia_smi_and_records_failures():
+    """The meta files' GPU identity: nvidia-smi's fields by name, and a failure (no
+    nvidia-smi, a non-zero exit, a short line) recorded as an error instead of raised."""
+    fields = kb.GPU_IDENTITY_FIELDS
+    values = ["GPU-1234abcd", "1652023012345", "00000000:19:00.0", "96.00.A5.00.01",
+              "580.159.04", "1980 MHz", "3201 MHz", "700.00 W", "Enabled"]
+    assert len(values) == len(fields)
+    calls = []
+
+    def fake(query, **kwargs):
+        calls.append(query)
+        return subprocess.CompletedProcess(query, 0, stdout=", ".join(values) + "\n", stderr="")
+
+    identity = kb.gpu_identity(fake)
+    assert identity == dict(zip(fields, values, strict=True))
+    assert calls[0][0] == "nvidia-smi" and "--id=0" in calls[0]
+    assert calls[0][1] == "--query-gpu=" + ",".join(fields)
+
+    def short(query, **kwargs):
+        return subprocess.CompletedProcess(query, 0, stdout="GPU-1, 17\n", stderr="")
+
+    def failing(query, **kwargs):
+        return subprocess.CompletedProcess(query, 9, stdout="", stderr="no devices were found")
+
+    def missing(query, **kwargs):
+        raise FileNotFoundError("nvidia-smi")
+
+    assert "exit 0" in kb.gpu_identity(short)["error"]
+    assert "no devices were found" in kb.gpu_identity(failing)["error"]
+    assert kb.gpu_identity(missing)["error"].startswith("FileNotFoundError")
