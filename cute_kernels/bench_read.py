@@ -471,24 +471,39 @@ def run(batches, h, window, sets, reps, out=None, variants=True, splits_sweep=Fa
     return rows
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--batch", type=int, nargs="+", default=[256, 512])
-    p.add_argument("--h", type=int, default=8, help="records held after the append")
-    p.add_argument("--window", type=int, default=16)
+def main(argv=None):
+    p = argparse.ArgumentParser(
+        prog="python -m cute_kernels.bench_read",
+        description=" ".join(__doc__.split("\n\n")[0].split()) + " Needs a CUDA GPU.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--batch", type=int, nargs="+", default=[256, 512], help="batch sizes")
+    p.add_argument("--h", type=int, default=8,
+                   help="records held after the append, 1 .. window - 1")
+    p.add_argument("--window", type=int, default=16, help="window L")
     p.add_argument("--sets", type=int, default=4, help="buffer sets rotated per graph replay")
-    p.add_argument("--reps", type=int, default=30)
-    p.add_argument("--out", default=None)
+    p.add_argument("--reps", type=int, default=30, help="timed graph replays per case")
+    p.add_argument("--out", default=None, help="CSV path; without it only the table is printed")
     p.add_argument("--no-variants", action="store_true", help="time the defaults only")
     for flag, (name, what) in VARIANT_LISTS.items():
         p.add_argument(f"--{flag}", action="store_true",
                        help=f"the defaults and {name} only ({what})")
-    p.add_argument("--shape", choices=list(SHAPES), default="nemotron3-super")
+    p.add_argument("--shape", choices=list(SHAPES), default="nemotron3-super",
+                   help="layer shape")
     p.add_argument("--splits", type=int, nargs="+", default=None,
                    help="with --splits-sweep: nvfp4 at 4 warps and these head_splits only")
     p.add_argument("--splits-sweep", action="store_true",
                    help="nvfp4 and fp32 only, over (warps, head_splits): the small-batch grid")
-    a = p.parse_args()
+    a = p.parse_args(argv)
+    for name in ("batch", "splits"):
+        if any(v < 1 for v in getattr(a, name) or ()):
+            p.error(f"--{name}: expected positive integers, got {getattr(a, name)}")
+    for name in ("window", "sets", "reps"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name}: expected an integer >= 1, got {getattr(a, name)}")
+    if not 1 <= a.h < a.window:
+        p.error(f"--h: expected 1 .. {a.window - 1} (window {a.window}), got {a.h}")
+    if not torch.cuda.is_available():
+        p.exit(2, "bench_read: needs a CUDA GPU (torch.cuda.is_available() is False)\n")
     SHAPE.clear()
     SHAPE.update(SHAPES[a.shape])
     given = [name for flag, (name, _) in VARIANT_LISTS.items()

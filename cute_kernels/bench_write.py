@@ -514,19 +514,31 @@ def print_table(rows):
             print(f"  {r['kernel']}: {r['check']}")
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=256)
-    parser.add_argument("--window", type=int, default=16)
-    parser.add_argument("--reps", type=int, default=12)
-    parser.add_argument("--replays", type=int, default=15)
-    parser.add_argument("--out", default=None, help="CSV path")
+def main(argv=None):
+    parser = argparse.ArgumentParser(
+        prog="python -m cute_kernels.bench_write",
+        description=__doc__.splitlines()[0] + " Needs a CUDA GPU.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    defaults = BenchConfig()
+    parser.add_argument("--batch", type=int, default=defaults.batch, help="batch size")
+    parser.add_argument("--window", type=int, default=defaults.window, help="window L")
+    parser.add_argument("--reps", type=int, default=defaults.reps,
+                        help="launches per graph replay")
+    parser.add_argument("--replays", type=int, default=defaults.replays,
+                        help="timed graph replays; the median is reported")
+    parser.add_argument("--out", default=None,
+                        help="CSV path; without it only the table is printed")
     parser.add_argument(
         "--only", nargs="+", default=None, metavar="TEXT",
         help="time only the cases whose name contains one of these strings (e.g. 'flush "
         "fp16-SR'), or, with a leading '=', is it ('=flush fp16-SR + nvfp4': the default only)",
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    for name in ("batch", "window", "reps", "replays"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name}: expected an integer >= 1, got {getattr(args, name)}")
+    if not torch.cuda.is_available():
+        parser.exit(2, "bench_write: needs a CUDA GPU (torch.cuda.is_available() is False)\n")
     cfg = BenchConfig(batch=args.batch, window=args.window, reps=args.reps, replays=args.replays)
     rows = run(cfg, args.only)
     if not rows:
