@@ -547,6 +547,21 @@ def _show(value) -> str:
     return " ".join(value) if isinstance(value, list) else str(value)
 
 
+def _check_plot_path(path: str) -> None:
+    """The plot's path must name a file of a type matplotlib writes (checked before the run,
+    not after it)."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    kinds = FigureCanvasBase.get_supported_filetypes()
+    if Path(path).is_dir():
+        raise ValueError(f"plot: expected an image path or 'none', got the folder {path!r}")
+    if Path(path).suffix.lower().lstrip(".") not in kinds:
+        raise ValueError(
+            f"plot: expected a path ending in .png (or another of {', '.join(sorted(kinds))}) "
+            f"or 'none', got {path!r}"
+        )
+
+
 def config_from_args(args: argparse.Namespace) -> Config:
     """Base defaults, then the preset's values, then the flags given; raises ValueError."""
     values = dict(BASE_DEFAULTS)
@@ -555,6 +570,10 @@ def config_from_args(args: argparse.Namespace) -> Config:
     values.update({k: v for k, v in vars(args).items() if k in BASE_DEFAULTS and v is not None})
     out = args.out or f"results/error_growth_{args.preset or 'custom'}.csv"
     plot_path = args.plot or str(Path(out).with_suffix(".png"))
+    if Path(out).is_dir():
+        raise ValueError(f"out: expected a CSV path, got the folder {out!r}")
+    if plot_path.lower() != "none":
+        _check_plot_path(plot_path)
     return Config(
         recurrence=values["recurrence"],
         dv=values["dv"],

@@ -494,6 +494,25 @@ def test_bad_arguments_give_one_line_and_exit_status_2(capsys, argv):
     assert "error:" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("where", ["out folder", "plot folder", "plot txt", "plot no suffix"])
+def test_bad_output_paths_are_one_line_errors_before_the_run(tmp_path, capsys, where):
+    """--out naming a folder, or --plot naming a folder or a file type matplotlib cannot
+    write, is an argument error before anything is simulated (it was a traceback after)."""
+    paths = {
+        "out folder": ["--out", str(tmp_path)],
+        "plot folder": ["--out", str(tmp_path / "a.csv"), "--plot", str(tmp_path)],
+        "plot txt": ["--out", str(tmp_path / "a.csv"), "--plot", str(tmp_path / "a.txt")],
+        "plot no suffix": ["--out", str(tmp_path / "a.csv"), "--plot", str(tmp_path / "a")],
+    }[where]
+    with pytest.raises(SystemExit) as exit_info:
+        eg.main(["--steps", "4", "--seeds", "1", "--no-progress", *paths])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    assert ("out:" if where == "out folder" else "plot:") in err and "Traceback" not in err
+    assert not (tmp_path / "a.csv").exists()
+
+
 def test_bad_arguments_from_the_shell_give_no_traceback():
     """The module entry point (python -m experiments.error_growth) behaves the same."""
     result = subprocess.run(
