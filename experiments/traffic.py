@@ -550,6 +550,8 @@ def parse_args(argv: list[str] | None = None) -> Config:
         parser.error(f"--window: expected an integer >= 1, got {args.window}")
     if args.spec_verified < 1:
         parser.error(f"--spec-verified: expected an integer >= 1, got {args.spec_verified}")
+    if not args.summary and args.out.exists() and not args.out.is_dir():
+        parser.error(f"--out: expected a folder, got the file {args.out}")
     return Config(
         model=args.model,
         out_dir=args.out,
@@ -570,6 +572,9 @@ def main(argv: list[str] | None = None) -> None:
     if config.make_plots:
         for name in ("window", "spec", "memory"):
             plot(Path(config.out_dir) / f"traffic_{name}_{config.model}.csv")
+    kinds = "{csv,png}" if config.make_plots else "csv"
+    print(f"wrote traffic_{{window,spec,memory}}_{config.model}.{kinds} and "
+          f"traffic_summary_{config.model}.json under {config.out_dir}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -430,6 +430,16 @@ def test_help_describes_the_options(capsys):
         assert option in help_text
 
 
+def test_out_naming_a_file_is_a_one_line_error(tmp_path, capsys):
+    """--out is a folder; a file there was a traceback from mkdir."""
+    (tmp_path / "a.csv").write_text("x\n")
+    with pytest.raises(SystemExit) as info:
+        experiment.main(["--out", str(tmp_path / "a.csv"), "--no-plot"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "error: --out: expected a folder" in err and "Traceback" not in err
+
+
 def test_run_writes_tidy_csvs_that_plot_reads(tmp_path):
     config = experiment.Config(out_dir=tmp_path, windows=(1, 5, 16), verified=(1, 3, 4),
                                memory_gib=(1.0, 3.0))
