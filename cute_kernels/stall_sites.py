@@ -268,13 +268,19 @@ def main(argv: list[str] | None = None) -> int:
                    "(.csv.gz: gzip) instead of printing the report")
     p.add_argument("--top", type=int, default=15, help="rows per table (default %(default)s)")
     args = p.parse_args(argv)
+    if args.top < 1:
+        p.error(f"--top: expected an integer >= 1, got {args.top}")
     try:
         instructions = read_any(args.report, args.lines)
     except (OSError, ValueError, StopIteration) as error:
         print(f"stall_sites: {args.report}: {error}", file=sys.stderr)
         return 2
     if args.trim:
-        write_trimmed(instructions, args.trim)
+        try:
+            write_trimmed(instructions, args.trim)
+        except OSError as error:
+            print(f"stall_sites: --trim {args.trim}: {error}", file=sys.stderr)
+            return 2
         print(f"wrote {args.trim} ({len(instructions)} instructions)")
         return 0
     print(report(instructions, args.top))

@@ -133,3 +133,18 @@ def test_a_file_that_is_not_an_export_is_a_clear_error(tmp_path, capsys):
     assert ss.main([str(bad)]) == 2
     assert "not an ncu source export" in capsys.readouterr().err
     assert ss.main([str(tmp_path / "missing.csv")]) == 2
+
+
+def test_bad_top_or_trim_path_is_a_clear_error(exported, tmp_path, capsys):
+    """--top below 1 (a negative one printed all rows but the last) and a --trim path that
+    cannot be written (a traceback) are one-line errors with exit status 2."""
+    _, sass_csv, lines_csv = exported
+    for top in ("0", "-2"):
+        with pytest.raises(SystemExit) as exit_:
+            ss.main([str(sass_csv), "--top", top])
+        assert exit_.value.code == 2
+        assert "--top: expected an integer >= 1" in capsys.readouterr().err
+    for out in (tmp_path, tmp_path / "no" / "t.csv.gz"):
+        assert ss.main([str(sass_csv), "--lines", str(lines_csv), "--trim", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("stall_sites: --trim ") and "Traceback" not in err
