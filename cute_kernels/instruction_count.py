@@ -515,6 +515,9 @@ def print_ncu(path: str, batch: int = 256) -> float:
     return floors[0]
 
 
+DEFAULT_CSV = "results/kernel_bench.csv"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m cute_kernels.instruction_count",
@@ -532,9 +535,9 @@ def main(argv=None) -> int:
     )
     parser.add_argument(
         "--csv",
-        default="results/kernel_bench.csv",
+        default=None,
         help="with --pipes: a kernel_bench CSV from which to derive the flush time that each "
-        "per-token target allows (default %(default)s; skipped if absent)",
+        f"per-token target allows (default {DEFAULT_CSV}; skipped if absent)",
     )
     parser.add_argument(
         "--ncu",
@@ -544,15 +547,20 @@ def main(argv=None) -> int:
         "with --pipes and the two-precision flush's report, the targets at that floor too",
     )
     args = parser.parse_args(argv)
+    if args.csv is not None and not args.pipes:
+        parser.error("--csv: only with --pipes")
+    if args.csv is not None and not os.path.isfile(args.csv):
+        parser.error(f"--csv: no such file: {args.csv}")
+    if args.ncu and not os.path.isfile(args.ncu):
+        parser.error(f"--ncu: no such file: {args.ncu}")
+    csv_path = args.csv or DEFAULT_CSV
     ncu_floor = None
     if args.ncu:
-        if not os.path.exists(args.ncu):
-            parser.error(f"--ncu: no such file: {args.ncu}")
         ncu_floor = print_ncu(args.ncu)
         if not args.pipes:
             return 0
     if args.pipes:
-        print_pipes(args.csv if os.path.exists(args.csv) else None, ncu_floor_us=ncu_floor)
+        print_pipes(csv_path if os.path.isfile(csv_path) else None, ncu_floor_us=ncu_floor)
         return 0
     for ept in (rf.ELEMENTS_PER_THREAD, 32):
         print(f"flush, {ept} elements per thread:")

@@ -153,3 +153,17 @@ def test_ncu_pipes_script_keeps_every_line_the_reader_needs():
     assert pattern.search("  kernel_x (128, 256, 1)x(256, 1, 1), Context 1, Stream 7")
     assert not pattern.search("  sass__inst_executed_per_opcode          474,053,271")
     assert not pattern.search("  sm__inst_executed_pipe_alu.max.pct_of_peak_sustained_active % 64")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--ncu", "{tmp}"], "--ncu: no such file"),  # a folder was a traceback
+    (["--pipes", "--csv", "{tmp}/missing.csv"], "--csv: no such file"),  # was skipped silently
+    (["--csv", "{tmp}/missing.csv"], "--csv: only with --pipes"),  # was ignored
+])
+def test_bad_report_or_csv_paths_are_argument_errors(tmp_path, capsys, argv, message):
+    """Checked before anything compiles: one line on stderr and exit status 2."""
+    with pytest.raises(SystemExit) as exit_:
+        ic.main([a.format(tmp=tmp_path) for a in argv])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
