@@ -594,7 +594,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "non-flush kernels launched in turn or overlapped. Needs the GPU; "
                     "--plot-only redraws from a CSV anywhere.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--shape", default="nemotron3-super", choices=sorted(kb.SHAPES))
+    p.add_argument("--shape", default="nemotron3-super", choices=sorted(kb.SHAPES),
+                   help="layer shape (kernel_bench's)")
     p.add_argument("--batches", type=_ints, default=",".join(map(str, DEFAULT_BATCHES)),
                    help="slots, comma-separated; each a multiple of every window")
     p.add_argument("--windows", type=_ints, default=",".join(map(str, DEFAULT_WINDOWS)),
@@ -611,7 +612,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lead-cycles", type=int, default=kb.LEAD_CYCLES,
                    help="GPU spin before each timed replay (kernel_bench's)")
     p.add_argument("--out", default="results/staggered_step.csv", help="the tidy CSV")
-    p.add_argument("--plot-dir", default="results", help="where the PNGs go ('' for none)")
+    p.add_argument("--plot-dir", default="results",
+                   help="where the PNGs go ('' or 'none' for none)")
     p.add_argument("--plot-only", metavar="CSV", help="redraw and summarise a CSV; no GPU")
     return p
 
@@ -620,6 +622,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.plot_dir.lower() == "none":
+        args.plot_dir = ""
+    if args.reps < 1:
+        parser.error(f"--reps: expected an integer >= 1, got {args.reps}")
+    if args.lead_cycles < 0:
+        parser.error(f"--lead-cycles: expected an integer >= 0, got {args.lead_cycles}")
     if args.plot_only:
         try:
             frame = pd.read_csv(args.plot_only)

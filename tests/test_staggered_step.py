@@ -4,6 +4,7 @@ overlapped launch bit for bit with the grouped one: no race between the two stre
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -106,6 +107,13 @@ def test_plot_only_redraws_from_the_csv_without_a_gpu(tmp_path):
     png = tmp_path / "staggered_step_nemotron3-super_L16.png"
     assert png.exists() and png.stat().st_size > 10_000
     assert "b=256" in result.stdout and "3.75x" in result.stdout
+    # --plot-dir none (kernel_bench's spelling) draws nothing, as '' does; no folder 'none'
+    result = subprocess.run(
+        [sys.executable, "-m", "experiments.staggered_step", "--plot-only", str(csv),
+         "--plot-dir", "none"], cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "wrote" not in result.stderr and not (tmp_path / "none").exists()
 
 
 @pytest.mark.parametrize(
@@ -116,6 +124,8 @@ def test_plot_only_redraws_from_the_csv_without_a_gpu(tmp_path):
         (["--modes", "grouped,fast"], "decode-step-serial"),
         (["--schemes", "fp64"], "two-precision"),
         (["--cursor", "15"], "--cursor: expected 0..14"),
+        (["--reps", "0"], "--reps: expected an integer >= 1"),  # was found on the GPU only
+        (["--lead-cycles", "-1"], "--lead-cycles: expected an integer >= 0"),
         (["--plot-only", "README.md"], "cannot read README.md"),
         (["--plot-only", "results/traffic_window_nemotron3-super.csv"], "not a staggered_step CSV"),
     ],
