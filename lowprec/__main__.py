@@ -23,8 +23,11 @@ def main(argv=None) -> None:
     parser.add_argument("--dk", type=int, default=128, help="dstate d_k (default 128)")
     parser.add_argument("--seed", type=int, default=0, help="seed (default 0)")
     args = parser.parse_args(argv)
-    if min(args.heads, args.dv) < 1 or args.dk < 32 or args.dk % 32:
-        parser.error(f"--dk must be a positive multiple of 32 (got {args.dk}); --heads, --dv >= 1")
+    for name in ("heads", "dv"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be >= 1 (got {getattr(args, name)})")
+    if args.dk < 32 or args.dk % 32:
+        parser.error(f"--dk must be a positive multiple of 32 (got {args.dk})")
 
     g = torch.Generator().manual_seed(args.seed)
     shape = (args.heads, args.dv, args.dk)

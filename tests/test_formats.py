@@ -116,3 +116,27 @@ def test_inconsistent_format_fields_raise_value_errors_naming_them():
         Format("x", E2M1, 0, "fp32")
     with pytest.raises(ValueError, match="two_level"):
         Format("x", E2M1, 32, "e8m0", True)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--heads", "0"], "--heads must be >= 1 (got 0)"),  # blamed --dk ("got 128")
+    (["--dv", "-1"], "--dv must be >= 1 (got -1)"),
+    (["--dk", "48"], "--dk must be a positive multiple of 32 (got 48)"),
+])
+def test_the_tour_names_the_bad_argument(capsys, argv, message):
+    """`python -m lowprec` with a bad size: exit status 2 and a message about that flag."""
+    from lowprec.__main__ import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_the_tour_prints_every_format(capsys):
+    from lowprec.__main__ import main
+
+    main(["--heads", "1", "--dv", "2", "--dk", "32"])
+    out = capsys.readouterr().out
+    assert out.startswith("one state 1 x 2 x 32")
+    assert all(f" {name} " in out for name in formats.names())
