@@ -1727,6 +1727,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         parser.error(str(error))
     out = Path(config.out)
+    if out.is_dir():
+        parser.error(f"--out: expected a CSV path, got the folder {out}")
+    if config.plot_dir is not None and Path(config.plot_dir).is_file():
+        parser.error(f"--plot-dir: expected a folder or 'none', got the file {config.plot_dir}")
     if args.profile:
         if args.profile not in KERNELS:
             parser.error(f"--profile: expected a kernel name of --list-kernels, got "

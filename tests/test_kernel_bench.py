@@ -53,6 +53,20 @@ def test_bad_argument_is_one_line_error(argv, word, capsys):
     assert len(err.splitlines()) == 1 and word in err
 
 
+def test_output_paths_of_the_wrong_kind_are_one_line_errors(tmp_path, capsys):
+    """--out naming a folder, or --plot-dir naming a file, is an argument error before any
+    CSV is read or written (both were tracebacks, --merge's after the merge)."""
+    (tmp_path / "f.png").write_text("")
+    for argv in (["--merge", str(REPO / "results" / "kernel_bench.csv"), "--out", str(tmp_path)],
+                 ["--plot-only", str(REPO / "results" / "kernel_bench.csv"), "--plot-dir",
+                  str(tmp_path / "f.png")]):
+        with pytest.raises(SystemExit) as exit_info:
+            kb.main(argv)
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and ("--out" in err or "--plot-dir" in err), err
+
+
 def test_nonflush_knobs_reach_the_configuration():
     """--nonflush-knob KEY=VALUE (repeatable) becomes the configuration's knobs for the CuTe
     non-flush kernel, values typed (int, bool, None or string), and the meta file records them
