@@ -41,6 +41,7 @@ import torch
 
 from cute_kernels.replay_flush import (
     _prepare_flush,
+    check_counter_values,
     decode_slot_ctas,
     launch_advance_counters,
     launch_flush,
@@ -78,14 +79,16 @@ def replay_decode_step(
     overlap_flush=True,
     flush_slots=None,
     check_flush_slots=False,
+    check_counters=False,
 ):
     """Advance every slot by one token; returns out `[slots, nheads, headdim]` (x's dtype).
 
     Arguments as `replay_flush` (cute_kernels/replay_flush.py); `debug_state` receives the
     unrounded new state of the slots that flushed. `overlap_flush` (default): the flush kernel
     runs on a side stream beside the non-flush kernel (results/README.md, "Staggered
-    batches"); False launches the two in turn on the current stream. Cursor values are not
-    checked (that would synchronise): they must lie in [0, window - 1].
+    batches"); False launches the two in turn on the current stream. Cursor and flush-counter
+    values are not checked unless `check_counters=True` (it synchronises; `replay_flush`'s):
+    cursors must lie in [0, window - 1], flushes in [0, 2^20 - 1).
 
     `flush_slots`: optional int32 tensor (on the cursors' device) of exactly the slots whose
     cursor is `window - 1` this step, in any order, as a server that counts its sequences'
@@ -122,6 +125,8 @@ def replay_decode_step(
         seed,
         debug_state,
     )
+    if check_counters:
+        check_counter_values(cursors, flushes, window)
     if out is None:
         out = torch.empty_like(x)
     if hi.shape[0] == 0:

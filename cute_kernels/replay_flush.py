@@ -1430,6 +1430,28 @@ def check_mamba2_inputs(device, slots, nheads, headdim, dstate, x, dt, A, B, C, 
     return ACT_DTYPES[act], ACT_DTYPES[dt.dtype], ngroups
 
 
+# The flush counter's field in the Philox counter (numerics.state_counter: 20 bits). A flush
+# uses its slot's counter f and leaves f + 1, so f must stay below 2^20 - 1 for the next
+# flush to fit, as the emulation's cache check asks (emulation/replay_decode.py).
+FLUSH_COUNTER_LIMIT = (1 << 20) - 1
+
+
+def check_counter_values(cursors, flushes, window: int) -> None:
+    """Raise ValueError unless every cursor lies in [0, window - 1] and every flush counter in
+    [0, FLUSH_COUNTER_LIMIT). One host read of four numbers (a stream sync): opt-in
+    (`check_counters=True`), for tests and debugging."""
+    if not cursors.numel():
+        return
+    c_lo, c_hi, f_lo, f_hi = torch.stack(
+        [cursors.min(), cursors.max(), flushes.min(), flushes.max()]).tolist()
+    if c_lo < 0 or c_hi > window - 1:
+        _compile.fail("cursors", f"values in [0, {window - 1}] (window {window})",
+                      f"range [{c_lo}, {c_hi}]")
+    if f_lo < 0 or f_hi >= FLUSH_COUNTER_LIMIT:
+        _compile.fail("flushes", "values in [0, 2^20 - 1) (the Philox counter's flush field)",
+                      f"range [{f_lo}, {f_hi}]")
+
+
 def check_seed(seed):
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 1 << 64:
         _compile.fail("seed", "an int in [0, 2^64)", repr(seed))
@@ -1515,6 +1537,7 @@ def replay_flush(
     fold=None,
     chunk=None,
     e2m1_pairs=None,
+    check_counters=False,
 ):
     """Flush every slot whose step is a flush (`cursors[s] + 1 == window`); see the module doc.
 
@@ -1524,8 +1547,11 @@ def replay_flush(
     ring_x [slots, nheads, Lcap, headdim], ring_dt fp32 [slots, nheads, Lcap], ring_B [slots,
     ngroups, Lcap, dstate] (Lcap >= window), cursors and flushes int32 [slots]; x, z [slots,
     nheads, headdim], dt [slots, nheads] (raw), B, C [slots, ngroups, dstate] in the act dtype
-    (x's: bf16, fp16 or fp32); A, D, dt_bias fp32 [nheads]. Values of cursors are not checked
-    (that would synchronise): they must lie in [0, window - 1].
+    (x's: bf16, fp16 or fp32); A, D, dt_bias fp32 [nheads]. Values of cursors and flushes are
+    not checked unless `check_counters=True` (one host read: it synchronises, for tests and
+    debugging; check_counter_values): cursors must lie in [0, window - 1] and flushes in
+    [0, FLUSH_COUNTER_LIMIT), the Philox counter's flush field (a slot at 2^20 flushes would
+    take another slot's random words).
 
     Writes hi, lo, the rings' last position, out (only rows of flushing slots; allocated when
     None) and debug_state (fp32, state-shaped, optional); then resets the cursors and advances
@@ -1567,6 +1593,8 @@ def replay_flush(
         chunk,
         e2m1_pairs,
     )
+    if check_counters:
+        check_counter_values(cursors, flushes, window)
     if out is None:
         out = torch.empty_like(x)
     launch_flush(

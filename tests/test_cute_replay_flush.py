@@ -337,6 +337,41 @@ def test_bad_arguments_raise_value_errors_naming_them(name, bad, message):
 
 
 @pytest.mark.parametrize(
+    "cursors, flushes, message",
+    [
+        ([0, 7, 3], [0, (1 << 20) - 2, 5], None),  # the largest counter that still fits
+        ([0, 7, 3], [0, (1 << 20) - 1, 5], r"flushes: expected values in \[0, 2\^20 - 1\)"),
+        ([0, 7, 3], [0, -1, 5], r"flushes: expected .* got range \[-1, 5\]"),
+        ([0, 8, 3], [0, 1, 5], r"cursors: expected values in \[0, 7\] \(window 8\)"),
+        ([-2, 1, 3], [0, 1, 5], r"cursors: expected .* got range \[-2, 3\]"),
+    ],
+)
+def test_check_counters_refuses_counters_outside_the_philox_fields(cursors, flushes, message):
+    """check_counters=True reads the counters once (a sync) and refuses a flush counter that
+    would leave the Philox counter's 20-bit flush field (a slot at 2^20 flushes would take
+    slot + 1's words) or a cursor outside the window, in replay_flush and replay_decode_step,
+    before any launch. Without it nothing is read."""
+    from cute_kernels.replay_decode import replay_decode_step
+
+    args, window = cpu_args()
+    args["cursors"] = torch.tensor(cursors, dtype=torch.int32)
+    args["flushes"] = torch.tensor(flushes, dtype=torch.int32)
+    if message is None:
+        assert rf.check_counter_values(args["cursors"], args["flushes"], window) is None
+        return
+    for entry in (rf.replay_flush, replay_decode_step):
+        with pytest.raises(ValueError, match=message):
+            entry(**args, window=window, check_counters=True)
+
+
+def test_flush_counter_limit_is_one_below_the_philox_field():
+    """A flush takes counter f and leaves f + 1, so f stays below lowprec's 2^20 - 1."""
+    from lowprec import philox
+
+    assert rf.FLUSH_COUNTER_LIMIT == philox.FLUSH_LIMIT - 1 == (1 << 20) - 1
+
+
+@pytest.mark.parametrize(
     "kwargs, message",
     [
         (dict(hi_format="bf16"), "hi_format: expected one of"),
