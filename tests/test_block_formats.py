@@ -209,6 +209,32 @@ def test_nvfp4_zero_block_inside_a_nonzero_state_keeps_the_other_blocks():
     assert sqnr_db(x, dequantize(q)) > 15
 
 
+def test_nvfp4_blocks_whose_divisor_underflows_store_zero_codes_and_the_computed_scale():
+    """Where s_b * s_g is 0 the codes are +0 and the scale byte is the one computed, as the
+    module doc says: s_g underflowing to 0 (amax below 2688 * 2^-150) gives amax_b / 0 = inf,
+    which saturates s_b at 448 (0x7E); s_g and s_b nonzero with an underflowing product keep
+    s_b's byte. A block left alone beside them keeps its codes."""
+    tiny = torch.zeros(1, 16)
+    tiny[0, 0], tiny[0, 3] = 1000 * 2.0**-149, -7 * 2.0**-149  # fp32 subnormals
+    q = quantize(tiny, "nvfp4")
+    packed = pack(q)
+    assert q.global_scale.item() == 0.0 and q.scales.item() == 448.0
+    assert packed["scales"].item() == 0x7E and not packed["codes"].any()
+    assert torch.equal(dequantize(q), torch.zeros(1, 16))
+
+    mixed = torch.zeros(1, 32)
+    mixed[0, 0] = 2688 * 2.0**-141  # s_g = 2^-141 (subnormal), block 0 s_b = 448
+    mixed[0, 16] = 2.0**-148  # block 1: s_b = RN_e4m3(2^-148 / (6 2^-141)) = 2^-9, s_b s_g -> 0
+    q = quantize(mixed, "nvfp4")
+    packed = pack(q)
+    assert q.global_scale.item() == 2.0**-141
+    assert q.scales[0].tolist() == [448.0, 2.0**-9]
+    assert packed["scales"][0].tolist() == [0x7E, 0x01]
+    assert not packed["codes"][0, 8:].any()  # block 1: every code +0
+    assert packed["codes"][0, 0].item() & 0xF == 0x7  # block 0: 6 * 448 * s_g, code 6
+    assert dequantize(q)[0, 16].item() == 0.0
+
+
 @pytest.mark.parametrize("fmt", BLOCK_FORMATS)
 def test_sr_rounds_elements_only_with_the_words_given(fmt):
     """SR scales equal RN scales; SR codes are ROUND_sr(x / scale) with each element's word,

@@ -97,23 +97,30 @@ def words_kernel(offset_ptr, out_ptr, n, seed, BLOCK: tl.constexpr):
     offset = tl.load(offset_ptr + o, mask=mask, other=0)
     word = tl.randint(seed, offset)
     tl.store(out_ptr + o, word.to(tl.int32, bitcast=True), mask=mask)
+    w0, w1, w2, w3 = tl.randint4x(seed, offset)
+    tl.store(out_ptr + n + 4 * o, w0.to(tl.int32, bitcast=True), mask=mask)
+    tl.store(out_ptr + n + 4 * o + 1, w1.to(tl.int32, bitcast=True), mask=mask)
+    tl.store(out_ptr + n + 4 * o + 2, w2.to(tl.int32, bitcast=True), mask=mask)
+    tl.store(out_ptr + n + 4 * o + 3, w3.to(tl.int32, bitcast=True), mask=mask)
 
 request = json.loads(sys.stdin.read())
 offsets = torch.tensor(request["offsets"], dtype=torch.int64)
 result = {}
 for seed in request["seeds"]:
-    out = torch.empty(offsets.numel(), dtype=torch.int32)
-    block = triton.next_power_of_2(offsets.numel())
-    words_kernel[(1,)](offsets, out, offsets.numel(), seed, BLOCK=block)
-    result[str(seed)] = (out.to(torch.int64) & 0xFFFFFFFF).tolist()
+    n = offsets.numel()
+    out = torch.empty(5 * n, dtype=torch.int32)
+    words_kernel[(1,)](offsets, out, n, seed, BLOCK=triton.next_power_of_2(n))
+    words = (out.to(torch.int64) & 0xFFFFFFFF).tolist()
+    result[str(seed)] = {"randint": words[:n], "randint4x": words[n:]}
 print(json.dumps(result))
 """
 
 
 def test_words_equal_triton_randint_under_the_interpreter():
-    """tl.randint(seed, offset) for int64 offsets with high words (slots >= 2^19 set the top
-    bit), run by a tiny kernel with TRITON_INTERPRET=1 in a subprocess so that the variable
-    does not leak into other tests."""
+    """tl.randint(seed, offset) and all four words of tl.randint4x(seed, offset) (the four
+    elements that share a counter) for int64 offsets with high words (slots >= 2^19 set the
+    top bit), run by a tiny kernel with TRITON_INTERPRET=1 in a subprocess so that the
+    variable does not leak into other tests."""
     pytest.importorskip("triton")
     slots = torch.tensor([0, 1, 2**19 - 1, 2**19, 2**20 - 1])
     flushes = torch.tensor([0, 7, 2**20 - 1, 3, 2**20 - 1])
@@ -136,7 +143,9 @@ def test_words_equal_triton_randint_under_the_interpreter():
     assert run.returncode == 0, run.stderr[-3000:]
     triton_words = json.loads(run.stdout)
     for seed in seeds:
-        assert philox.randint(seed, offsets).tolist() == triton_words[str(seed)], seed
+        assert philox.randint(seed, offsets).tolist() == triton_words[str(seed)]["randint"], seed
+        four = torch.stack(philox.randint4x(seed, offsets), -1).flatten().tolist()
+        assert four == triton_words[str(seed)]["randint4x"], seed
 
 
 # --------------------------------------------------------------------------------------------

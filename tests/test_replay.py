@@ -299,6 +299,51 @@ def test_sr_copies_are_reproducible_and_fresh_per_flush():
     assert caches[0].flushes.tolist() == [2] * 4
 
 
+def test_each_flush_rounds_with_its_slots_own_words_for_that_flush(monkeypatch):
+    """The words behind a flush are lowprec.philox.random_words(seed, slot, flushes before the
+    flush): speculative steps with random acceptances make the slots flush at different
+    times, and each flushed slot's FP16-SR copy equals fake_quantize of the unrounded state
+    with exactly those words (its NVFP4 copy the RN of the same state), flush after flush."""
+    from lowprec import mamba2, philox, replay
+
+    unrounded = {}
+    flush = mamba2.mamba2_replay_flush
+
+    def keep(*args, **kwargs):
+        unrounded["state"] = flush(*args, **kwargs)
+        return unrounded["state"]
+
+    monkeypatch.setattr(replay.mamba2, "mamba2_replay_flush", keep)
+    gen = torch.Generator().manual_seed(31)
+    b, h, dv, dk, T, seed = 4, 2, 3, 16, 2, 99
+    A = -torch.rand(h, dtype=torch.float64, generator=gen) - 0.2
+    cache = Mamba2Replay.create(b, h, dv, dk, A, draft=T,
+                                policy=make_policy("separate_fp16sr", "nvfp4", window=4,
+                                                   seed=seed))
+
+    def rand(*shape):
+        return torch.randn(*shape, dtype=torch.float64, generator=gen)
+
+    checked, counters = 0, set()
+    for _ in range(30):
+        before = cache.flushes.clone()
+        unrounded.clear()
+        cache.verify(rand(b, h, T, dv), rand(b, h, T), rand(b, 1, T, dk), rand(b, 1, T, dk))
+        flushed = (cache.flushes > before).nonzero().flatten().tolist()
+        if flushed:
+            words = philox.random_words(seed, torch.arange(b), before, (h, dv, dk))
+            hi = fake_quantize(unrounded["state"], "fp16", "sr", words)
+            lo = fake_quantize(unrounded["state"], "nvfp4", "rn")
+            for slot in flushed:
+                assert torch.equal(cache.hi[slot], hi[slot]), (slot, int(before[slot]))
+                assert torch.equal(cache.lo[slot], lo[slot])
+                checked += 1
+                counters.add(int(before[slot]))
+        cache.commit(torch.randint(0, T + 1, (b,), generator=gen))
+    assert checked >= 20 and len(counters) >= 5  # many flushes, at several counter values
+    assert len(set(cache.flushes.tolist())) > 1  # the slots flushed at different times
+
+
 # ---- bad configurations --------------------------------------------------------------------------
 
 
