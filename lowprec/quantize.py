@@ -36,8 +36,8 @@ E4M3, or `s_b * s_g` underflowing fp32) stores codes +0, whatever the signs of i
 nvfp4 zero blocks store the scale computed above: 0 (byte 0x00) where amax_b is 0 or `s_b`
 underflows E4M3; where the state's amax is so small (below 2688 * 2^-150) that `s_g` underflows
 to 0, `amax_b / 0 = inf` saturates `s_b` to 448 (byte 0x7E); where only `s_b * s_g` underflows,
-`s_b` keeps its byte. The emulation and the CuTe flush compute these bytes the same way (no
-GPU test reaches states this small). mxfp4 zero blocks store 2^-127 (byte
+`s_b` keeps its byte. The emulation and the CuTe flush store the same bytes (tests named
+`*divisor_underflows*`). mxfp4 zero blocks store 2^-127 (byte
 0x00); ideal-scale zero blocks store 0. Non-finite inputs to a block format are outside the
 contract: NaN propagates through `amax` to its state's (or block's) scales.
 

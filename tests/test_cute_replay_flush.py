@@ -792,6 +792,39 @@ def test_nvfp4_codes_at_and_near_every_e2m1_decision_point(e2m1_pairs, fold):
 
 
 @pytest.mark.gpu
+def test_nvfp4_scales_of_states_whose_divisor_underflows_are_lowprecs():
+    """A decay of about 2^-130 to 2^-144 (dt up to 100, A = -1, no ring, x = 0) takes the
+    state into fp32's subnormals: in slot 0 the global scale s_g underflows to 0 (lowprec:
+    amax_b / 0 = inf, scale byte 0x7E, codes +0), in slot 1 s_g is subnormal and small
+    blocks' s_b * s_g underflow (s_b's byte kept, codes +0), slot 2 is normal. The stored
+    codes, scales and global scale are lowprec's of the kernel's own state, bit for bit."""
+    slots, shape, window = 3, dict(nheads=4, headdim=64, dstate=128, ngroups=2), 16
+    gen = torch.Generator().manual_seed(37)
+    cache = random_cache(slots, shape, window, torch.bfloat16, "fp16", "nvfp4", gen, [0, 1, 2])
+    tok = random_token(slots, shape, torch.bfloat16, gen)
+    H = shape["nheads"]
+    cache["ring_dt"].zero_()
+    tok["x"].zero_()  # the fold adds nothing: S_new = exp(A dt) S_hi
+    tok["A"] = torch.full((H,), -1.0, device=DEVICE)
+    total = torch.tensor([99.8, 95.0, 90.1])[:, None] + 0.3 * torch.arange(H)[None, :]
+    tok["dt"] = (total.to(DEVICE) - tok["dt_bias"]).contiguous()  # no softplus
+    debug = torch.full(cache["hi"].shape, float("nan"), device=DEVICE)
+    rf.replay_flush(**cache, **tok, dt_softplus=False, window=window, seed=SEED,
+                    debug_state=debug, check_counters=True)
+    torch.cuda.synchronize()
+    state = debug.cpu()
+    amax = state.abs().amax(dim=(-2, -1))
+    assert bool((amax[0] > 0).all()) and bool((amax[0] < 2688 * 2.0**-150).all()), amax[0]
+    assert bool((amax[1] > 2688 * 2.0**-150).all()) and bool((amax[1] < 2.0**-126).all())
+    want = expected_lo_bytes(state, "nvfp4")
+    got = kernel_lo_bytes({k: v.cpu() for k, v in cache["lo"].items()}, "nvfp4")
+    for key in want:
+        mism = (want[key] != got[key]).nonzero()
+        assert len(mism) == 0, f"lo[{key}]: {len(mism)} byte mismatches, first {mism[:3]}"
+    assert bool((got["scales"][0] == 0x7E).any()) and not got["codes"][0].any()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("shape", [NARROW, dict(nheads=4, headdim=128, dstate=128, ngroups=2)],
                          ids=["headdim24", "headdim128"])
 def test_direct_fold_at_other_head_sizes(shape):

@@ -136,6 +136,23 @@ def test_quantize_tile_equals_lowprec(fmt, rounding, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_nvfp4_blocks_whose_divisor_underflows_match_lowprec(device):
+    """States so small that s_b * s_g underflows fp32: s_g itself 0 (scale byte 0x7E) in row
+    0, s_g and s_b nonzero with a zero product in row 1's second block; the emulation stores
+    lowprec's scales and codes (+0) bit for bit."""
+    x = torch.zeros(2, 1, 32)  # two states of one row each
+    x[0, 0, 0], x[0, 0, 3] = 1000 * 2.0**-149, -7 * 2.0**-149  # block 1 stays zero
+    x[1, 0, 0], x[1, 0, 16] = 2688 * 2.0**-141, 2.0**-148
+    expected = lq.quantize(x, "nvfp4")
+    actual = numerics.quantize(x.to(device), "nvfp4")
+    assert expected.scales.tolist() == [[[448.0, 0.0]], [[448.0, 2.0**-9]]]  # the corner
+    assert expected.global_scale.tolist() == [0.0, 2.0**-141]
+    for field in ("elements", "scales", "global_scale"):
+        assert_bits_equal(getattr(actual, field), getattr(expected, field), field)
+    assert lq.pack(actual)["scales"].cpu().tolist() == [[[0x7E, 0x00]], [[0x7E, 0x01]]]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_nvfp4_worked_example(device):
     """s_g = 2688 / 2688 = 1. Row 0 block 1: amax 500, s_b = RN_e4m3(83.3) = 80, 500 / 80 =
     6.25 -> 6, 60 / 80 = 0.75 -> 1 (tie to even). Row 1 block 1: amax 0.01, s_b = 2^-9 (E4M3
