@@ -24,6 +24,8 @@ Formats (README.md, "Block formats"):
     mxfp4          e2m1     32     'e8m0'  False      s_b = 2^(floor(log2 amax_b) - 2)
     fp8_e4m3_row   e4m3     ROW    'fp32'  False      s = row_amax/448, unrounded
     fp4_e2m1_b16   e2m1     16     'fp32'  False      s = block_amax/6, unrounded
+    fp4_e2m1_b32   e2m1     32     'fp32'  False      s = block_amax/6, unrounded (mxfp4's
+                                                      blocks: isolates its E8M0 rounding)
 
 `block` is the number of consecutive elements along the last dimension that share a scale;
 `ROW` (= -1) means the whole last dimension (one scale per state row). A two-level format
@@ -178,6 +180,7 @@ _FORMATS = {
         Format("mxfp4", E2M1, block=32, scale="e8m0"),
         Format("fp8_e4m3_row", E4M3, block=ROW, scale="fp32"),
         Format("fp4_e2m1_b16", E2M1, block=16, scale="fp32"),
+        Format("fp4_e2m1_b32", E2M1, block=32, scale="fp32"),
     )
 }
 

@@ -54,6 +54,7 @@ Packed storage (`pack`/`unpack`, exact inverses):
     mxfp4                 {'codes': uint8 [..., d_k/2], 'scales': uint8 E8M0 bits [..., d_k/32]}
     fp8_e4m3_row          {'codes': uint8 [..., d_k], 'scales': fp32 [..., 1]}
     fp4_e2m1_b16          {'codes': uint8 [..., d_k/2], 'scales': fp32 [..., d_k/16]}
+    fp4_e2m1_b32          {'codes': uint8 [..., d_k/2], 'scales': fp32 [..., d_k/32]}
 
 Four-bit codes go two per byte, low nibble = even index; a nibble is `s e1 e0 m`.
 """

@@ -116,6 +116,7 @@ STORAGE = {
         # Ideal-scale toy formats: their scales are kept in fp32.
         StorageRule("fp8_e4m3_row", 8, block=ROW, block_scale_bytes=4),
         StorageRule("fp4_e2m1_b16", 4, block=16, block_scale_bytes=4),
+        StorageRule("fp4_e2m1_b32", 4, block=32, block_scale_bytes=4),
     )
 }
 

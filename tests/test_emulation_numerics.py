@@ -31,7 +31,7 @@ DEVICES = [
 ]
 ELEMENTS = ["fp32", "fp16", "bf16", "e4m3", "e5m2", "e2m1"]
 KERNEL_FORMATS = [name for name in formats.names() if name != "fp64"]
-BLOCK_FORMATS = ["nvfp4", "mxfp4", "fp8_e4m3_row", "fp4_e2m1_b16"]
+BLOCK_FORMATS = ["nvfp4", "mxfp4", "fp8_e4m3_row", "fp4_e2m1_b16", "fp4_e2m1_b32"]
 
 
 def special_values(element: formats.ElementFormat) -> torch.Tensor:

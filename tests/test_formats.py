@@ -33,6 +33,7 @@ def test_names_are_the_documented_list_and_get_returns_each():
         "mxfp4",
         "fp8_e4m3_row",
         "fp4_e2m1_b16",
+        "fp4_e2m1_b32",
     ]
     for name in formats.names():
         assert formats.get(name).name == name
