@@ -1688,9 +1688,9 @@ GPU_IDENTITY_FIELDS = ("uuid", "serial", "pci.bus_id", "vbios_version", "driver_
 
 def gpu_identity(run=None) -> dict:
     """Which physical GPU ran (nvidia-smi's fields of GPU 0, GPU_IDENTITY_FIELDS), for the meta
-    files: four H200 machines lent in one session timed the same non-flush step at 55.9-59.4
-    us (batch 256, cursor 8) with equal clocks and copy ceilings within 0.7%
-    (results/README.md, "Nineteenth session"), so a number is only comparable with the
+    files: the H200 machines lent in one session (at least three) timed the same non-flush
+    step at 55.9-59.4 us (batch 256, cursor 8) with equal clocks and copy ceilings within
+    0.7% (results/README.md, "Nineteenth session"), so a number is only comparable with the
     machine it came from.
     ``run``: a subprocess.run stand-in (tests). Never raises: a failure is recorded."""
     import subprocess
