@@ -155,10 +155,13 @@ def read_trimmed(path: str | Path) -> list[Instruction]:
 
 
 def read_any(path: str | Path, lines_csv: str | Path | None = None) -> list[Instruction]:
-    """A trimmed file, or a raw sass export (with `lines_csv` for its source lines)."""
+    """A trimmed file, or a raw sass export (with `lines_csv` for its source lines). A trimmed
+    file carries its source lines: `lines_csv` with one is refused, not ignored."""
     with _open_text(path) as f:
         first = f.readline()
     if first.startswith(",".join(TRIM_COLUMNS[:2])):
+        if lines_csv is not None:
+            raise ValueError("a trimmed file carries its source lines: drop --lines")
         return read_trimmed(path)
     return read_export(path, lines_csv)
 

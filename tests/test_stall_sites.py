@@ -148,3 +148,19 @@ def test_bad_top_or_trim_path_is_a_clear_error(exported, tmp_path, capsys):
         assert ss.main([str(sass_csv), "--lines", str(lines_csv), "--trim", str(out)]) == 2
         err = capsys.readouterr().err
         assert err.startswith("stall_sites: --trim ") and "Traceback" not in err
+
+
+def test_lines_with_a_trimmed_file_is_refused_not_ignored(exported, tmp_path, capsys):
+    """A trimmed file carries its source lines; --lines with one was silently ignored, now a
+    one-line error (exit 2). Without --lines the trimmed file reports as the export did."""
+    _, sass_csv, lines_csv = exported
+    trimmed = tmp_path / "t.csv.gz"
+    assert ss.main([str(sass_csv), "--lines", str(lines_csv), "--trim", str(trimmed)]) == 0
+    capsys.readouterr()
+    assert ss.main([str(trimmed), "--lines", str(lines_csv)]) == 2
+    err = capsys.readouterr().err
+    assert "drop --lines" in err and "Traceback" not in err
+    assert ss.main([str(trimmed)]) == 0
+    from_trimmed = capsys.readouterr().out
+    assert ss.main([str(sass_csv), "--lines", str(lines_csv)]) == 0
+    assert capsys.readouterr().out == from_trimmed
