@@ -76,6 +76,7 @@ from cutlass.memory import SmemAllocator
 from cute_kernels import _compile
 from cute_kernels import numerics as nm
 from cute_kernels import tensor_core as tc
+from lowprec.philox import FLUSH_LIMIT
 
 __all__ = [
     "FlushConfig",
@@ -1430,10 +1431,12 @@ def check_mamba2_inputs(device, slots, nheads, headdim, dstate, x, dt, A, B, C, 
     return ACT_DTYPES[act], ACT_DTYPES[dt.dtype], ngroups
 
 
-# The flush counter's field in the Philox counter (numerics.state_counter: 20 bits). A flush
-# uses its slot's counter f and leaves f + 1, so f must stay below 2^20 - 1 for the next
-# flush to fit, as the emulation's cache check asks (emulation/replay_decode.py).
-FLUSH_COUNTER_LIMIT = (1 << 20) - 1
+# The flush counter's field in the Philox counter (lowprec.philox.FLUSH_LIMIT = 2^20; past it
+# the field overflows into the slot's, numerics.state_counter). A flush uses its slot's
+# counter f and leaves f + 1, so f must stay below 2^20 - 1 for the next flush to fit, as the
+# emulation's cache check asks (emulation/replay_decode.py, check_cursors: the same check on
+# a cache object, with its own messages).
+FLUSH_COUNTER_LIMIT = FLUSH_LIMIT - 1
 
 
 def check_counter_values(cursors, flushes, window: int) -> None:
@@ -1550,8 +1553,8 @@ def replay_flush(
     (x's: bf16, fp16 or fp32); A, D, dt_bias fp32 [nheads]. Values of cursors and flushes are
     not checked unless `check_counters=True` (one host read: it synchronises, for tests and
     debugging; check_counter_values): cursors must lie in [0, window - 1] and flushes in
-    [0, FLUSH_COUNTER_LIMIT), the Philox counter's flush field (a slot at 2^20 flushes would
-    take another slot's random words).
+    [0, FLUSH_COUNTER_LIMIT), the Philox counter's flush field (at 2^20 flushes slot s would
+    reuse the words of flush 0 of slot s | 1: the field overflows into the slot's).
 
     Writes hi, lo, the rings' last position, out (only rows of flushing slots; allocated when
     None) and debug_state (fp32, state-shaped, optional); then resets the cursors and advances

@@ -348,9 +348,9 @@ def test_bad_arguments_raise_value_errors_naming_them(name, bad, message):
 )
 def test_check_counters_refuses_counters_outside_the_philox_fields(cursors, flushes, message):
     """check_counters=True reads the counters once (a sync) and refuses a flush counter that
-    would leave the Philox counter's 20-bit flush field (a slot at 2^20 flushes would take
-    slot + 1's words) or a cursor outside the window, in replay_flush and replay_decode_step,
-    before any launch. Without it nothing is read."""
+    would leave the Philox counter's 20-bit flush field (at 2^20 slot s would take the words
+    of flush 0 of slot s | 1) or a cursor outside the window, in replay_flush and
+    replay_decode_step, before any launch."""
     from cute_kernels.replay_decode import replay_decode_step
 
     args, window = cpu_args()
@@ -364,11 +364,25 @@ def test_check_counters_refuses_counters_outside_the_philox_fields(cursors, flus
             entry(**args, window=window, check_counters=True)
 
 
-def test_flush_counter_limit_is_one_below_the_philox_field():
-    """A flush takes counter f and leaves f + 1, so f stays below lowprec's 2^20 - 1."""
-    from lowprec import philox
+def test_flush_counter_limit_keeps_every_flush_in_its_own_counter_field():
+    """What check_counters protects: the kernels' Philox counter words of (slot, flush) for
+    the last accepted counter (FLUSH_COUNTER_LIMIT - 1) and the one it leaves (the limit)
+    are none of slot s's or slot s | 1's at flush 0, while one more (2^20) overflows into
+    the slot field and repeats slot s | 1's flush 0, for even and odd slots."""
+    import numpy as np
 
-    assert rf.FLUSH_COUNTER_LIMIT == philox.FLUSH_LIMIT - 1 == (1 << 20) - 1
+    from cute_kernels import numerics as nm
+
+    assert rf.FLUSH_COUNTER_LIMIT == (1 << 20) - 1
+    for slot in (4, 5, 1234):
+        for counter in (0, 3, (1 << 22) - 1):
+            def words(s, f, c=counter):
+                return tuple(int(w) for w in nm.state_counter(np.uint32(s), np.uint32(f),
+                                                              np.uint32(c)))
+            flush_zero = {words(slot, 0), words(slot | 1, 0)}
+            for f in (rf.FLUSH_COUNTER_LIMIT - 1, rf.FLUSH_COUNTER_LIMIT):
+                assert words(slot, f) not in flush_zero, (slot, f, counter)
+            assert words(slot, 1 << 20) == words(slot | 1, 0), (slot, counter)
 
 
 @pytest.mark.parametrize(
