@@ -377,6 +377,13 @@ def run(cfg: BenchConfig, only=None):
             lambda: True,
             lambda: bench_flush(cfg, "fp16", "none", hi_rounding="rn"),
         ),
+        # timing only (FlushConfig.ablate): the same work without its loads' round trips,
+        # the bound of any scheme that hides them (a CTA prefetching its next head)
+        (
+            "flush fp16-SR + nvfp4, no global loads (timing only)",
+            lambda: True,
+            lambda: bench_flush(cfg, "fp16", "nvfp4", ablate=("loads",)),
+        ),
         # the layouts and folds the defaults replaced (correctness: the gpu tests of
         # tests/test_cute_replay_flush.py run each)
         (

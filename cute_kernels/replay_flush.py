@@ -236,6 +236,15 @@ class FlushConfig:
     # cute_kernels.instruction_count`): 55.3 -> 49.0 at 32 elements a thread, 46.7 -> 40.2 at
     # 64; the encode's share (fp16-RN + nvfp4 less fp16-RN alone) 23.8 -> 16.7 at 32
     e2m1_pairs: bool = True
+    # timing only (the outputs are wrong): "loads" makes every value the flush would load
+    # from global memory (the recurrence copy, the ring's x, B and dt records, this step's x,
+    # dt, B, C and z, A, D and dt_bias) out of the thread index instead, and keeps everything
+    # else: the staging in shared memory and its barrier, the fold, the output, every store.
+    # What is left of the time is the flush without its loads' round trips (and its read
+    # traffic): the bound of hiding them, e.g. by a CTA that walks a group's heads and loads
+    # the next head's state during this head's work. The cursor and the flush counter are
+    # still read (they decide whether the CTA flushes and which Philox words it takes).
+    ablate: tuple = ()
 
     def __post_init__(self):
         if self.fold is not None and self.fold not in FOLDS:
@@ -262,6 +271,10 @@ class FlushConfig:
             object.__setattr__(self, "min_ctas_per_sm", cap)
         if not isinstance(self.e2m1_pairs, bool):
             _compile.fail("e2m1_pairs", "a bool", repr(self.e2m1_pairs))
+        if (not isinstance(self.ablate, tuple) or not set(self.ablate) <= set(FLUSH_ABLATIONS)
+                or (self.ablate and not self.ring_loads_first)):
+            _compile.fail("ablate", f"a tuple of {FLUSH_ABLATIONS} (with ring_loads_first)",
+                          repr(self.ablate))
         if self.slot_loop and self.slot_table:
             _compile.fail("slot_table", "False with slot_loop (a CTA takes one table entry)",
                           "True")
@@ -304,6 +317,7 @@ class FlushConfig:
 
 
 FOLDS = ("fma", "mma", "direct")
+FLUSH_ABLATIONS = ("loads",)  # FlushConfig.ablate: timing only
 
 
 def mma_fold_problem(cfg: FlushConfig):
@@ -541,9 +555,13 @@ class ReplayFlush:
                 # 1. the recurrence copy, all loads in flight before the ring is staged
                 acc = []
                 hi_frags = []
+                no_loads = "loads" in cfg.ablate
                 for i in cutlass.range_constexpr(pieces):
                     hi_frag = cute.make_rmem_tensor((W,), hi.element_type)
-                    cute.autovec_copy(_chunk(hi_h, row0 + rows * i, col, W), hi_frag)
+                    if cutlass.const_expr(no_loads):  # timing only
+                        _fill_from_index(hi_frag, tidx + 64 * i)
+                    else:
+                        cute.autovec_copy(_chunk(hi_h, row0 + rows * i, col, W), hi_frag)
                     hi_frags.append(hi_frag)
                     if cutlass.const_expr(not direct):
                         acc.append(hi_frag.load().to(Float32))
@@ -552,7 +570,10 @@ class ReplayFlush:
                 piece_rows = [row0 + rows * i for i in range(pieces)]
                 d_h, z_rows = _gate_inputs(cfg, s, h, piece_rows, D, z)
                 c_frag = cute.make_rmem_tensor((W,), C.element_type)
-                cute.autovec_copy(cute.local_tile(C[s, g, None], (W,), (col,)), c_frag)
+                if cutlass.const_expr(no_loads):
+                    _fill_from_index(c_frag, col)
+                else:
+                    cute.autovec_copy(cute.local_tile(C[s, g, None], (W,), (col,)), c_frag)
 
                 # 2. stage the ring in fp32 shared memory and append the current record
                 if cutlass.const_expr(cfg.ring_loads_first):
@@ -814,12 +835,15 @@ def _load_ring(cfg: cutlass.Constexpr, tidx, s, h, g, x, ring_x, B, ring_B):
         xj = x_chunk // (P // CHUNK)
         xc = x_chunk % (P // CHUNK)
         x_frag = cute.make_rmem_tensor((CHUNK,), x.element_type)
-        if x_chunk < L * P // CHUNK:
-            if xj == L - 1:
-                cute.autovec_copy(cute.local_tile(x[s, h, None], (CHUNK,), (xc,)), x_frag)
-            else:
-                cute.autovec_copy(cute.local_tile(ring_x[s, h, xj, None], (CHUNK,), (xc,)),
-                                  x_frag)
+        if cutlass.const_expr("loads" in cfg.ablate):  # timing only
+            _fill_from_index(x_frag, x_chunk)
+        else:
+            if x_chunk < L * P // CHUNK:
+                if xj == L - 1:
+                    cute.autovec_copy(cute.local_tile(x[s, h, None], (CHUNK,), (xc,)), x_frag)
+                else:
+                    cute.autovec_copy(
+                        cute.local_tile(ring_x[s, h, xj, None], (CHUNK,), (xc,)), x_frag)
         x_frags.append(x_frag)
     b_rows = cfg.fold_k if cfg.fold != "fma" else L
     b_frags = []
@@ -828,15 +852,18 @@ def _load_ring(cfg: cutlass.Constexpr, tidx, s, h, g, x, ring_x, B, ring_B):
         bj = b_chunk // RB
         bc = b_chunk % RB
         b_frag = cute.make_rmem_tensor((CHUNK,), B.element_type)
-        if b_chunk < b_rows * RB:
-            if bj == L - 1:
-                cute.autovec_copy(cute.local_tile(B[s, g, None], (CHUNK,), (bc,)), b_frag)
-            else:
-                if bj < L:
-                    cute.autovec_copy(cute.local_tile(ring_B[s, g, bj, None], (CHUNK,), (bc,)),
-                                      b_frag)
+        if cutlass.const_expr("loads" in cfg.ablate):  # timing only
+            _fill_from_index(b_frag, b_chunk)
+        else:
+            if b_chunk < b_rows * RB:
+                if bj == L - 1:
+                    cute.autovec_copy(cute.local_tile(B[s, g, None], (CHUNK,), (bc,)), b_frag)
                 else:
-                    b_frag.fill(0.0)
+                    if bj < L:
+                        cute.autovec_copy(
+                            cute.local_tile(ring_B[s, g, bj, None], (CHUNK,), (bc,)), b_frag)
+                    else:
+                        b_frag.fill(0.0)
         b_frags.append(b_frag)
     return x_frags, b_frags
 
@@ -939,6 +966,9 @@ def _load_decay_inputs(cfg: cutlass.Constexpr, lane, s, h, ring_dt, dt, A, dt_bi
     """The decay weights' inputs, unconditionally (so that they can go out with the other
     loads): record ``lane``'s processed dt (index clamped; the record L-1 is this step's),
     this step's raw dt plus its bias, and A."""
+    if cutlass.const_expr("loads" in cfg.ablate):  # timing only
+        ring = Float32(0.5) + _index_value(lane) * Float32(0.25)
+        return ring, _index_value(h), _index_value(s) - Float32(1.0)
     ring = ring_dt[s, h, cutlass.min(lane, max(cfg.window - 2, 0))]
     raw = dt[s, h].to(Float32)
     if cutlass.const_expr(cfg.has_dt_bias):
@@ -984,11 +1014,34 @@ def _gate_inputs(cfg: cutlass.Constexpr, s, h, rows, D, z):
     would cost the output a round trip)."""
     d_h = Float32(0.0)
     if cutlass.const_expr(cfg.has_D):
-        d_h = D[h]
+        d_h = _index_value(h) if cutlass.const_expr("loads" in cfg.ablate) else D[h]
     z_rows = [Float32(0.0) for _ in rows]
     if cutlass.const_expr(cfg.has_z):
-        z_rows = [z[s, h, p].to(Float32) for p in rows]
+        if cutlass.const_expr("loads" in cfg.ablate):
+            z_rows = [_index_value(p) for p in rows]
+        else:
+            z_rows = [z[s, h, p].to(Float32) for p in rows]
     return d_h, z_rows
+
+
+def _index_value(i):
+    """A value made from an index, for the timing-only "loads" ablation: distinct per
+    thread, known only at run time, within every format's range."""
+    return Float32(Int32(i) % Int32(61)) * Float32(0.03125) - Float32(0.9)
+
+
+@cute.jit
+def _fill_from_index(frag, i):
+    """A register fragment (16- or 32-bit elements) filled instead of loaded, timing only:
+    each 32-bit word one XOR of a word made once from the index (about half an instruction
+    an element, as the loads' unpacking would cost). 16-bit elements lie in [0.5, 1) as fp16
+    and near 2^-8 as bf16, fp32 ones near 2^-15: finite, normal, away from the fast paths'
+    edges."""
+    words = cute.recast_tensor(frag, Uint32)
+    base = Uint32(i) & Uint32(0x3FF)
+    base = base | (base << Uint32(16)) | Uint32(0x38003800)
+    for w in cutlass.range_constexpr(cute.size(words)):
+        words[w] = base ^ Uint32((0x00150009 * (w + 1)) & 0x03FF03FF)
 
 
 @cute.jit

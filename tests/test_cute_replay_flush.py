@@ -174,6 +174,38 @@ def test_every_load_before_the_staging_barrier_goes_out_before_any_shared_store(
     assert late_in_turn >= 3
 
 
+@pytest.mark.parametrize("hi, rounding, lo", [("fp16", "sr", "nvfp4"), ("fp32", "rn", "none")])
+def test_loads_ablation_drops_every_load_but_the_counters_and_keeps_the_work(hi, rounding, lo):
+    """Timing-only ablate=("loads",): the only global loads left are the cursor's and (for
+    SR) the flush counter's, every store and barrier stays, and the SASS has about as many
+    instructions (within 6%: the fills cost about what unpacking the loads did), so the time it
+    saves is the loads' round trips and read traffic, not work left out (the two-precision
+    flush 4,070 SASS instructions against 4,091; the fp32 one 748 against 787: its loads need
+    no unpacking, so their addresses were a larger share)."""
+    from cute_kernels import instruction_count as ic
+
+    def compiled(*ablate):
+        cfg = config(NEMOTRON, hi, rounding, lo, debug=False, elements_per_thread=32,
+                     ablate=ablate)
+        ptx = rf.compile_flush(cfg, keep_ptx=True).__ptx__
+        body = ptx[ptx.index(".entry"):]
+        return body, sum(ic.sass_histogram(ptx)[0].values())
+
+    (full, full_sass), (ablated, ablated_sass) = compiled(), compiled("loads")
+    assert full.count("ld.global") >= 12
+    counters = 2 if rounding == "sr" else 1  # the flush counter only for the Philox words
+    assert ablated.count("ld.global") == ablated.count("ld.global.b32") == counters
+    for op in ("st.global", "st.shared", "bar.sync", "mma.sync"):
+        assert ablated.count(op) == full.count(op) > 0, op
+    assert abs(ablated_sass - full_sass) <= 0.06 * full_sass
+    with pytest.raises(ValueError, match="ablate: expected a tuple of"):
+        config(NEMOTRON, hi, rounding, lo, ablate="loads")
+    with pytest.raises(ValueError, match="ablate: expected a tuple of"):
+        config(NEMOTRON, hi, rounding, lo, ablate=("state",))
+    with pytest.raises(ValueError, match="with ring_loads_first"):
+        config(NEMOTRON, hi, rounding, lo, ablate=("loads",), ring_loads_first=False)
+
+
 def test_direct_fold_column_order_puts_each_lane_group_on_16_whole_columns():
     """_direct_position is a permutation of the 128 columns, and lane group q's accumulator
     of m-tile mt (m = q + 8 e) is state column 16 q + 2 mt + e; per chunk of 8 it is a base
