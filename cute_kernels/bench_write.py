@@ -384,6 +384,11 @@ def run(cfg: BenchConfig, only=None):
             lambda: True,
             lambda: bench_flush(cfg, "fp16", "nvfp4", ablate=("loads",)),
         ),
+        (
+            "flush fp16-RN, no read copy, no global loads (timing only)",
+            lambda: True,
+            lambda: bench_flush(cfg, "fp16", "none", hi_rounding="rn", ablate=("loads",)),
+        ),
         # the layouts and folds the defaults replaced (correctness: the gpu tests of
         # tests/test_cute_replay_flush.py run each)
         (

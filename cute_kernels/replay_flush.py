@@ -967,8 +967,12 @@ def _load_decay_inputs(cfg: cutlass.Constexpr, lane, s, h, ring_dt, dt, A, dt_bi
     loads): record ``lane``'s processed dt (index clamped; the record L-1 is this step's),
     this step's raw dt plus its bias, and A."""
     if cutlass.const_expr("loads" in cfg.ablate):  # timing only
+        # dt in [0.27, 0.75] (and softplus of [-0.9, 1]) and A in [-0.24, -0.06]: the decay
+        # stays above 0.04, so the states keep clear of fp16's subnormals, where the SR takes
+        # its general path (a first form let A reach -1.9, and its flush took 661 us
+        # against 636 with the loads)
         ring = Float32(0.5) + _index_value(lane) * Float32(0.25)
-        return ring, _index_value(h), _index_value(s) - Float32(1.0)
+        return ring, _index_value(h), Float32(-0.15) + Float32(0.1) * _index_value(s)
     ring = ring_dt[s, h, cutlass.min(lane, max(cfg.window - 2, 0))]
     raw = dt[s, h].to(Float32)
     if cutlass.const_expr(cfg.has_dt_bias):
