@@ -76,7 +76,7 @@ from cutlass.memory import SmemAllocator
 from cute_kernels import _compile
 from cute_kernels import numerics as nm
 from cute_kernels import tensor_core as tc
-from lowprec.philox import FLUSH_LIMIT
+from lowprec.replay import check_counter_ranges
 
 __all__ = [
     "FlushConfig",
@@ -1488,28 +1488,12 @@ def check_mamba2_inputs(device, slots, nheads, headdim, dstate, x, dt, A, B, C, 
     return ACT_DTYPES[act], ACT_DTYPES[dt.dtype], ngroups
 
 
-# The flush counter's field in the Philox counter (lowprec.philox.FLUSH_LIMIT = 2^20; past it
-# the field overflows into the slot's, numerics.state_counter). A flush uses its slot's
-# counter f and leaves f + 1, so f must stay below 2^20 - 1 for the next flush to fit, as the
-# emulation's cache check asks (emulation/replay_decode.py, check_cursors: the same check on
-# a cache object, with its own messages).
-FLUSH_COUNTER_LIMIT = FLUSH_LIMIT - 1
-
-
 def check_counter_values(cursors, flushes, window: int) -> None:
     """Raise ValueError unless every cursor lies in [0, window - 1] and every flush counter in
-    [0, FLUSH_COUNTER_LIMIT). One host read of four numbers (a stream sync): opt-in
+    [0, 2^20 - 1) (lowprec.replay.check_counter_ranges and FLUSH_COUNTER_LIMIT, which the
+    emulation's cache check shares). One host read of four numbers (a stream sync): opt-in
     (`check_counters=True`), for tests and debugging."""
-    if not cursors.numel():
-        return
-    c_lo, c_hi, f_lo, f_hi = torch.stack(
-        [cursors.min(), cursors.max(), flushes.min(), flushes.max()]).tolist()
-    if c_lo < 0 or c_hi > window - 1:
-        _compile.fail("cursors", f"values in [0, {window - 1}] (window {window})",
-                      f"range [{c_lo}, {c_hi}]")
-    if f_lo < 0 or f_hi >= FLUSH_COUNTER_LIMIT:
-        _compile.fail("flushes", "values in [0, 2^20 - 1) (the Philox counter's flush field)",
-                      f"range [{f_lo}, {f_hi}]")
+    check_counter_ranges(cursors, flushes, 0, window - 1, f"window {window}")
 
 
 def check_seed(seed):
@@ -1610,8 +1594,9 @@ def replay_flush(
     (x's: bf16, fp16 or fp32); A, D, dt_bias fp32 [nheads]. Values of cursors and flushes are
     not checked unless `check_counters=True` (one host read: it synchronises, for tests and
     debugging; check_counter_values): cursors must lie in [0, window - 1] and flushes in
-    [0, FLUSH_COUNTER_LIMIT), the Philox counter's flush field (at 2^20 flushes slot s would
-    reuse the words of flush 0 of slot s | 1: the field overflows into the slot's).
+    [0, 2^20 - 1) (lowprec.replay.FLUSH_COUNTER_LIMIT), the Philox counter's flush field (at
+    2^20 flushes slot s would reuse the words of flush 0 of slot s | 1: the field overflows
+    into the slot's).
 
     Writes hi, lo, the rings' last position, out (only rows of flushing slots; allocated when
     None) and debug_state (fp32, state-shaped, optional); then resets the cursors and advances

@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 
 from lowprec import formats
+from lowprec.replay import check_counter_ranges
 
 __all__ = ["ReplayCache", "mamba2_replay_decode"]
 
@@ -252,23 +253,9 @@ def check_step_inputs(cache, x, dt, A, B, C, D, z, dt_bias, ndraft=None):
 
 def check_cursors(cache, low: int, high: int) -> None:
     """ValueError unless every slot's committed records `cursors` lie in [low, high] and the
-    flush counters fit Philox's 20 bits (one host read of four numbers: a stream sync)."""
-    cursors, flushes = cache.cursors, cache.flushes
-    if not cursors.numel():
-        return
-    c_lo, c_hi, f_lo, f_hi = torch.stack(
-        [cursors.min(), cursors.max(), flushes.min(), flushes.max()]
-    ).tolist()
-    if c_lo < low or c_hi > high:
-        raise ValueError(
-            f"cache.cursors: expected values in [{low}, {high}] (ring capacity), got "
-            f"{cursors.tolist()}"
-        )
-    if f_lo < 0 or f_hi >= (1 << 20) - 1:
-        raise ValueError(
-            f"cache.flushes: expected values in [0, 2^20 - 1) (Philox flush counter), got "
-            f"range [{f_lo}, {f_hi}]"
-        )
+    flush counters fit Philox's 20 bits (lowprec.replay.check_counter_ranges, shared with the
+    CuTe kernels; one host read of four numbers: a stream sync)."""
+    check_counter_ranges(cache.cursors, cache.flushes, low, high, "ring capacity", "cache.")
 
 
 def launch_config(headdim: int, dstate: int, lcap: int) -> dict:

@@ -42,9 +42,34 @@ import torch
 from lowprec import gdn, mamba2
 from lowprec._checks import check_float, check_positive_int, check_shape, check_tensor
 from lowprec.mamba2 import _gate, _group_to_heads
+from lowprec.philox import FLUSH_LIMIT
 from lowprec.policies import Policy
 
-__all__ = ["ReplaySSM", "Mamba2Replay", "GDNReplay", "KDAReplay"]
+__all__ = ["ReplaySSM", "Mamba2Replay", "GDNReplay", "KDAReplay", "FLUSH_COUNTER_LIMIT",
+           "check_counter_ranges"]
+
+# A flush uses its slot's counter f (the Philox counter's flush field, FLUSH_LIMIT = 2^20
+# values; past it the field overflows into the slot's) and leaves f + 1, so f must stay below
+# 2^20 - 1 for the next flush to fit.
+FLUSH_COUNTER_LIMIT = FLUSH_LIMIT - 1
+
+
+def check_counter_ranges(cursors: torch.Tensor, flushes: torch.Tensor, low: int, high: int,
+                         why: str, prefix: str = "") -> None:
+    """ValueError unless every cursor lies in [low, high] (``why`` says what bounds them) and
+    every flush counter in [0, FLUSH_COUNTER_LIMIT). For the kernels' device-side counters
+    (int32 on any device): one host read of four numbers, so a stream sync; the kernels make it
+    opt-in. ``prefix`` names the object holding them ("cache.")."""
+    if not cursors.numel():
+        return
+    c_lo, c_hi, f_lo, f_hi = torch.stack(
+        [cursors.min(), cursors.max(), flushes.min(), flushes.max()]).tolist()
+    if c_lo < low or c_hi > high:
+        raise ValueError(f"{prefix}cursors: expected values in [{low}, {high}] ({why}), got "
+                         f"range [{c_lo}, {c_hi}]")
+    if f_lo < 0 or f_hi >= FLUSH_COUNTER_LIMIT:
+        raise ValueError(f"{prefix}flushes: expected values in [0, 2^20 - 1) (the Philox "
+                         f"counter's flush field), got range [{f_lo}, {f_hi}]")
 
 
 @dataclass(kw_only=True)

@@ -404,15 +404,16 @@ def test_flush_counter_limit_keeps_every_flush_in_its_own_counter_field():
     import numpy as np
 
     from cute_kernels import numerics as nm
+    from lowprec.replay import FLUSH_COUNTER_LIMIT
 
-    assert rf.FLUSH_COUNTER_LIMIT == (1 << 20) - 1
+    assert FLUSH_COUNTER_LIMIT == (1 << 20) - 1
     for slot in (4, 5, 1234):
         for counter in (0, 3, (1 << 22) - 1):
             def words(s, f, c=counter):
                 return tuple(int(w) for w in nm.state_counter(np.uint32(s), np.uint32(f),
                                                               np.uint32(c)))
             flush_zero = {words(slot, 0), words(slot | 1, 0)}
-            for f in (rf.FLUSH_COUNTER_LIMIT - 1, rf.FLUSH_COUNTER_LIMIT):
+            for f in (FLUSH_COUNTER_LIMIT - 1, FLUSH_COUNTER_LIMIT):
                 assert words(slot, f) not in flush_zero, (slot, f, counter)
             assert words(slot, 1 << 20) == words(slot | 1, 0), (slot, counter)
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from lowprec import replay
 from lowprec.gdn import gdn_step
 from lowprec.kda import kda_step
 from lowprec.mamba2 import mamba2_step
@@ -386,3 +387,28 @@ def test_bad_configurations_raise_value_errors_naming_the_argument():
         spec.commit(torch.tensor([0, 1, 3, 2]))
     with pytest.raises(ValueError, match=r"C: expected shape \[4, 3, 2, 7\]"):
         spec.verify(**{**case.tokens(2), "C": torch.zeros(4, 3, 3, 7, dtype=F64)})
+
+
+@pytest.mark.parametrize("cursors, flushes, message", [
+    ([0, 5, 2], [0, 1, replay.FLUSH_COUNTER_LIMIT],
+     r"flushes: expected values in \[0, 2\^20 - 1\) \(the Philox counter's flush field\), "
+     r"got range \[0, 1048575\]"),
+    ([0, 5, 2], [7, -3, 1], r"flushes: .* got range \[-3, 7\]"),
+    ([0, 6, 2], [0, 1, 2],
+     r"cache\.cursors: expected values in \[0, 5\] \(why\), got range \[0, 6\]"),
+    ([-1, 5, 2], [0, 1, 2], r"got range \[-1, 5\]"),
+])
+def test_counter_ranges_refuse_cursors_past_their_bounds_and_flushes_past_the_philox_field(
+        cursors, flushes, message):
+    """check_counter_ranges (shared by the emulation and the CuTe kernels): cursors in [low,
+    high], flush counters in [0, 2^20 - 1), int32 like the kernels' caches; the message
+    names the offending range; the last counters that still leave room pass."""
+    def as_int32(values):
+        return torch.tensor(values, dtype=torch.int32)
+
+    with pytest.raises(ValueError, match=message):
+        replay.check_counter_ranges(as_int32(cursors), as_int32(flushes), 0, 5, "why", "cache.")
+    last = replay.FLUSH_COUNTER_LIMIT - 1
+    assert replay.check_counter_ranges(as_int32([0, 5, 3]), as_int32([0, last, 9]), 0, 5,
+                                       "why") is None
+    assert replay.check_counter_ranges(as_int32([]), as_int32([]), 0, 5, "why") is None
