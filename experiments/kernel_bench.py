@@ -391,16 +391,29 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
-def _names(text: str) -> tuple[str, ...]:
-    return tuple(part for part in (p.strip() for p in text.split(",")) if part)
+class _ListError(argparse.ArgumentTypeError, ValueError):
+    """A bad comma-separated list: argparse reports it after the flag's name, and
+    config_from_args's callers catch it as a ValueError."""
+
+
+def _names(text: str, name: str = "") -> tuple[str, ...]:
+    """Comma-separated names; an empty item ("a,,b", a trailing comma) is an error, not
+    dropped: it is usually a typo. ``name`` prefixes the message where argparse does not
+    name the flag."""
+    parts = tuple(p.strip() for p in text.split(","))
+    if not all(parts):
+        prefix = f"{name}: " if name else ""
+        raise _ListError(f"{prefix}expected comma-separated names without empty items, got "
+                         f"{text!r}")
+    return parts
 
 
 def _ints(text: str) -> tuple[int, ...]:
+    parts = tuple(p.strip() for p in text.split(","))
     try:
-        return tuple(int(p) for p in _names(text))
+        return tuple(int(p) for p in parts)
     except ValueError as error:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") \
-            from error
+        raise _ListError(f"expected comma-separated integers, got {text!r}") from error
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -468,8 +481,8 @@ def config_from_args(args: argparse.Namespace, argv: list[str]) -> BenchConfig:
     elif args.kernels == "all":
         kernels = tuple(name for name in KERNELS if KERNELS[name].impl in ("cute", "emulation"))
     else:
-        kernels = _names(args.kernels)
-    peers = () if args.peers.strip() == "none" else _names(args.peers)
+        kernels = _names(args.kernels, "kernels")
+    peers = () if args.peers.strip() == "none" else _names(args.peers, "peers")
     if args.kernels == "all":
         peers_kernels = tuple(name for name in KERNELS if KERNELS[name].impl in peers)
         kernels = kernels + peers_kernels

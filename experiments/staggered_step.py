@@ -564,8 +564,8 @@ def plot(csv: str | Path, outdir: str | Path) -> list[Path]:
 
 
 def _ints(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(v) for v in text.split(",") if v.strip())
+    try:  # an empty item ("8,,16") fails int(): a typo, not dropped
+        values = tuple(int(v) for v in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"expected comma-separated integers, got {text!r}") from None
@@ -576,8 +576,8 @@ def _ints(text: str) -> tuple[int, ...]:
 
 def _names(allowed):
     def parse(text: str) -> tuple[str, ...]:
-        names = tuple(v.strip() for v in text.split(",") if v.strip())
-        bad = [n for n in names if n not in allowed]
+        names = tuple(v.strip() for v in text.split(","))
+        bad = [n for n in names if n not in allowed]  # an empty item too
         if bad or not names:
             raise argparse.ArgumentTypeError(f"expected names from {', '.join(allowed)}; "
                                              f"got {text!r}")

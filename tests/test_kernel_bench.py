@@ -37,6 +37,9 @@ def test_help_runs_on_a_cpu_only_machine():
     [
         (["--shapes", "nemotron3-super,nope"], "shapes"),
         (["--batches", "1,x"], "batches"),
+        (["--batches", "8,,16"], "batches"),  # an empty item is a typo, not dropped
+        (["--shapes", "nemotron3-super,"], "shapes"),
+        (["--kernels", "cute:nonflush:nvfp4,,cute:nonflush:fp32"], "kernels"),
         (["--windows", "64"], "windows"),
         (["--kernels", "cute:nonflush:fp64"], "kernels"),
         (["--peers", "sglang"], "peers"),

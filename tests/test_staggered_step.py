@@ -121,6 +121,8 @@ def test_plot_only_redraws_from_the_csv_without_a_gpu(tmp_path):
     [
         (["--batches", "24"], "multiple of the window"),
         (["--batches", "32,x"], "comma-separated integers"),
+        (["--batches", "32,,64"], "comma-separated integers"),  # an empty item: not dropped
+        (["--schemes", "two-precision,"], "two-precision"),
         (["--modes", "grouped,fast"], "decode-step-serial"),
         (["--schemes", "fp64"], "two-precision"),
         (["--cursor", "15"], "--cursor: expected 0..14"),
