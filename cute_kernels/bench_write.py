@@ -407,6 +407,17 @@ def run(cfg: BenchConfig, only=None):
             lambda: True,
             lambda: bench_flush(cfg, "fp16", "nvfp4", min_ctas_per_sm=0),
         ),
+        (  # more warps an SM for more spills (static SASS, sm_90a: 4 CTAs 64 registers, 9
+            # spill accesses; 5 CTAs 48 and 122; 6 CTAs 40 and 186)
+            "flush fp16-SR + nvfp4, 5 CTAs an SM (48 registers)",
+            lambda: True,
+            lambda: bench_flush(cfg, "fp16", "nvfp4", min_ctas_per_sm=5),
+        ),
+        (
+            "flush fp16-SR + nvfp4, 6 CTAs an SM (40 registers)",
+            lambda: True,
+            lambda: bench_flush(cfg, "fp16", "nvfp4", min_ctas_per_sm=6),
+        ),
         (
             "flush fp16-SR + nvfp4, E2M1 codes one at a time",
             lambda: check_flush("fp16", "nvfp4", cfg.window, cfg.seed, e2m1_pairs=False),
