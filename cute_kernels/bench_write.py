@@ -408,7 +408,9 @@ def run(cfg: BenchConfig, only=None):
             lambda: bench_flush(cfg, "fp16", "nvfp4", min_ctas_per_sm=0),
         ),
         (  # more warps an SM for more spills (static SASS, sm_90a: 4 CTAs 64 registers, 9
-            # spill accesses; 5 CTAs 48 and 122; 6 CTAs 40 and 186)
+            # spill accesses; 5 CTAs 48 and 122; 6 CTAs 40 and 186). Slower: 634.7 us (the
+            # default, 4 CTAs) against 729.4-734.3 (5) and 871.1-871.9 (6) at batch 256
+            # (results/gpu_first_timing/bench_write_20c_{a,b}.csv)
             "flush fp16-SR + nvfp4, 5 CTAs an SM (48 registers)",
             lambda: True,
             lambda: bench_flush(cfg, "fp16", "nvfp4", min_ctas_per_sm=5),
