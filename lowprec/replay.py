@@ -58,8 +58,9 @@ def check_counter_ranges(cursors: torch.Tensor, flushes: torch.Tensor, low: int,
                          why: str, prefix: str = "") -> None:
     """ValueError unless every cursor lies in [low, high] (``why`` says what bounds them) and
     every flush counter in [0, FLUSH_COUNTER_LIMIT). For the kernels' device-side counters
-    (int32 on any device): one host read of four numbers, so a stream sync; the kernels make it
-    opt-in. ``prefix`` names the object holding them ("cache.")."""
+    (int32 on any device): one host read of four numbers, so a stream sync (the emulation
+    checks on every call, the CuTe kernels when asked). ``prefix`` names the object holding
+    them ("cache.")."""
     if not cursors.numel():
         return
     c_lo, c_hi, f_lo, f_hi = torch.stack(
