@@ -84,7 +84,7 @@ from cute_kernels.tensor_core import unpack_struct as _unpack_struct
 __all__ = [
     "ReplayOutputConfig", "ReplayOutput", "replay_output", "compile_replay_output",
     "default_warps", "default_head_splits", "default_ring_stage", "default_eager_loads",
-    "default_stage", "cta_shared_bytes",
+    "default_stage", "cta_shared_bytes", "check_options",
 ]
 
 LO_FORMATS = ("nvfp4", "fp8_e4m3", "fp16", "fp32")
@@ -2036,6 +2036,120 @@ def _lo_tensors(lo, lo_format, S, H, P, N, device):
     return t, None, None
 
 
+def check_options(
+    *,
+    lo_format="nvfp4",
+    window=16,
+    warps=None,
+    prefetch=None,
+    upfront=None,
+    head_splits=None,
+    min_ctas_per_sm=None,
+    stage=None,
+    l2_prefetch=None,
+    ys_layout=None,
+    ablate=(),
+    l2_prefetch_small=None,
+    early_loads=None,
+    heads_per_pass=None,
+    eager_loads=None,
+    pin_state_loads=None,
+    weights_at=None,
+    ring_stage=None,
+    bulk_stages=None,
+    smem_carveout=None,
+    pdl=None,
+    persistent=None,
+    record_group=None,
+    late_dots=None,
+):
+    """The checks of `replay_output`'s format and tuning knobs that need no tensor (and no
+    GPU): raises its ValueError naming the first bad argument, else returns ``ablate`` as a
+    sorted tuple. The checks that need the shape (``warps`` and ``head_splits`` dividing a
+    group's heads, the stages' shared memory) are made when the step is called;
+    `experiments.kernel_bench` runs these before it asks for the GPU."""
+    if lo_format not in LO_FORMATS:
+        _fail("lo_format", f"one of {list(LO_FORMATS)}", repr(lo_format))
+    if stage is not None and (stage not in STAGES or (stage != "registers"
+                                                      and lo_format != "nvfp4")):
+        _fail("stage", f"None or one of {list(STAGES)} ('smem' and 'bulk' for nvfp4 only)",
+              repr(stage))
+    if bulk_stages is not None and (isinstance(bulk_stages, bool) or bulk_stages not in (2, 3, 4)
+                                    or (stage != "bulk" and not persistent)):
+        _fail("bulk_stages", "None, or 2, 3 or 4 with stage 'bulk' (2 or 3 with persistent)",
+              bulk_stages)
+    if smem_carveout is not None and (isinstance(smem_carveout, bool)
+                                      or not isinstance(smem_carveout, int)
+                                      or not -1 <= smem_carveout <= 100):
+        _fail("smem_carveout", "None, -1 (the driver's choice) or a percent in [0, 100]",
+              smem_carveout)
+    ablate = tuple(sorted(ablate)) if isinstance(ablate, (tuple, list, set)) else ablate
+    if not isinstance(ablate, tuple) or not set(ablate) <= set(ABLATIONS) or (
+        ablate and lo_format == "fp32") or (
+        set(ablate) - {"prologue", "cursor"} and stage not in (None, "registers")
+    ) or ("prologue" in ablate and early_loads is False):
+        _fail("ablate", f"a subset of {list(ABLATIONS)} (tensor-core formats; stage "
+              "'registers' but for 'prologue' and 'cursor'; 'prologue' with early_loads; "
+              "timing only)", ablate)
+    if eager_loads is not None and not isinstance(eager_loads, bool) or eager_loads and (
+        early_loads is False or stage not in (None, "registers", "bulk") or l2_prefetch
+    ):
+        _fail("eager_loads", "None or a bool (True: with early_loads, stage 'registers' or "
+              "'bulk', no l2_prefetch)", eager_loads)
+    if pin_state_loads is not None and not isinstance(pin_state_loads, bool):
+        _fail("pin_state_loads", "None or a bool", pin_state_loads)
+    if pdl is not None and not isinstance(pdl, bool) or pdl and (
+            stage not in (None, "registers") or eager_loads or heads_per_pass not in (None, 1)):
+        _fail("pdl", "None or a bool (True: stage 'registers', no eager_loads, one head a "
+              "pass)", pdl)
+    if weights_at is not None and weights_at not in WEIGHTS_AT:
+        _fail("weights_at", f"None or one of {list(WEIGHTS_AT)}", repr(weights_at))
+    # ReplayOutputConfig.ring_stage_allowed on the arguments, before any tensor is used
+    if ring_stage is not None and (ring_stage not in RING_STAGES or ring_stage == "smem" and (
+            stage not in (None, "registers", "bulk") or heads_per_pass not in (None, 1)
+            or "ring" in ablate or not isinstance(window, int) or window < 3)):
+        _fail("ring_stage", f"None or one of {list(RING_STAGES)} ('smem': with the registers or "
+              "bulk stage, one head a pass, no ring ablation, window >= 3)",
+              repr(ring_stage))
+    if late_dots is not None and not isinstance(late_dots, bool) or late_dots and (
+            early_loads is False or weights_at == "before_decode"
+            or (lo_format != "nvfp4" and weights_at is None) or persistent):
+        _fail("late_dots", "None or a bool (True: with early_loads and the decay weights "
+              "beside the first decode, weights_at 'with_decode', nvfp4's default)", late_dots)
+    hp = 1 if heads_per_pass is None else heads_per_pass
+    if isinstance(hp, bool) or hp not in (1, 2) or (
+        hp == 2 and (stage not in (None, "registers") or prefetch or l2_prefetch)
+    ):
+        _fail("heads_per_pass", "None, 1 or 2 (2: stage 'registers', no prefetch or "
+              "l2_prefetch)", heads_per_pass)
+    if persistent is not None and not isinstance(persistent, bool) or persistent and (
+            lo_format != "nvfp4" or stage not in (None, "bulk") or prefetch or upfront is not None
+            or head_splits not in (None, 1) or min_ctas_per_sm is not None or l2_prefetch
+            or ys_layout not in (None, "rows") or ablate or l2_prefetch_small or early_loads
+            is False or heads_per_pass not in (None, 1) or eager_loads or pin_state_loads
+            or weights_at is not None or ring_stage not in (None, "smem")
+            or bulk_stages not in (None, 2, 3) or smem_carveout is not None or pdl
+            or record_group is not None or late_dots):
+        _fail("persistent", "None or a bool (True: nvfp4, and none of the other tuning knobs "
+              "but warps and bulk_stages 2 or 3)", persistent)
+    if record_group is not None and (isinstance(record_group, bool)
+                                     or not isinstance(record_group, int) or record_group < 0):
+        _fail("record_group", "None or an integer >= 0 (0: every record)", record_group)
+    k = 0 if l2_prefetch is None else l2_prefetch
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 4:
+        _fail("l2_prefetch", "None or an integer in [0, 4] (heads ahead)", l2_prefetch)
+    if ys_layout is not None and ys_layout not in YS_LAYOUTS:
+        _fail("ys_layout", f"None or one of {list(YS_LAYOUTS)}", repr(ys_layout))
+    m = min_ctas_per_sm
+    if m is not None and (isinstance(m, bool) or not isinstance(m, int) or not 0 <= m <= 32):
+        _fail("min_ctas_per_sm", "None or an integer in [0, 32]", m)
+    for name, value in (("warps", warps), ("head_splits", head_splits)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value < 1):  # (dividing a group's heads: at the call)
+            _fail(name, "None or a positive integer", value)
+    return ablate
+
+
 def replay_output(
     lo,
     ring_x,
@@ -2106,73 +2220,16 @@ def replay_output(
     PERSISTENT_WARPS) and ``bulk_stages`` (2 or 3) items a CTA; it takes none of the other
     tuning knobs (measured slower than the default step: `ReplayOutputConfig.persistent`).
     """
-    if lo_format not in LO_FORMATS:
-        _fail("lo_format", f"one of {list(LO_FORMATS)}", repr(lo_format))
-    if stage is not None and (stage not in STAGES or (stage != "registers"
-                                                      and lo_format != "nvfp4")):
-        _fail("stage", f"None or one of {list(STAGES)} ('smem' and 'bulk' for nvfp4 only)",
-              repr(stage))
-    if bulk_stages is not None and (isinstance(bulk_stages, bool) or bulk_stages not in (2, 3, 4)
-                                    or (stage != "bulk" and not persistent)):
-        _fail("bulk_stages", "None, or 2, 3 or 4 with stage 'bulk' (2 or 3 with persistent)",
-              bulk_stages)
-    if smem_carveout is not None and (isinstance(smem_carveout, bool)
-                                      or not isinstance(smem_carveout, int)
-                                      or not -1 <= smem_carveout <= 100):
-        _fail("smem_carveout", "None, -1 (the driver's choice) or a percent in [0, 100]",
-              smem_carveout)
-    ablate = tuple(sorted(ablate)) if isinstance(ablate, (tuple, list, set)) else ablate
-    if not isinstance(ablate, tuple) or not set(ablate) <= set(ABLATIONS) or (
-        ablate and lo_format == "fp32") or (
-        set(ablate) - {"prologue", "cursor"} and stage not in (None, "registers")
-    ) or ("prologue" in ablate and early_loads is False):
-        _fail("ablate", f"a subset of {list(ABLATIONS)} (tensor-core formats; stage "
-              "'registers' but for 'prologue' and 'cursor'; 'prologue' with early_loads; "
-              "timing only)", ablate)
-    if eager_loads is not None and not isinstance(eager_loads, bool) or eager_loads and (
-        early_loads is False or stage not in (None, "registers", "bulk") or l2_prefetch
-    ):
-        _fail("eager_loads", "None or a bool (True: with early_loads, stage 'registers' or "
-              "'bulk', no l2_prefetch)", eager_loads)
-    if pin_state_loads is not None and not isinstance(pin_state_loads, bool):
-        _fail("pin_state_loads", "None or a bool", pin_state_loads)
-    if pdl is not None and not isinstance(pdl, bool) or pdl and (
-            stage not in (None, "registers") or eager_loads or heads_per_pass not in (None, 1)):
-        _fail("pdl", "None or a bool (True: stage 'registers', no eager_loads, one head a "
-              "pass)", pdl)
-    if weights_at is not None and weights_at not in WEIGHTS_AT:
-        _fail("weights_at", f"None or one of {list(WEIGHTS_AT)}", repr(weights_at))
-    # ReplayOutputConfig.ring_stage_allowed on the arguments, before any tensor is used
-    if ring_stage is not None and (ring_stage not in RING_STAGES or ring_stage == "smem" and (
-            stage not in (None, "registers", "bulk") or heads_per_pass not in (None, 1)
-            or "ring" in ablate or not isinstance(window, int) or window < 3)):
-        _fail("ring_stage", f"None or one of {list(RING_STAGES)} ('smem': with the registers or "
-              "bulk stage, one head a pass, no ring ablation, window >= 3)",
-              repr(ring_stage))
-    if late_dots is not None and not isinstance(late_dots, bool) or late_dots and (
-            early_loads is False or weights_at == "before_decode"
-            or (lo_format != "nvfp4" and weights_at is None) or persistent):
-        _fail("late_dots", "None or a bool (True: with early_loads and the decay weights "
-              "beside the first decode, weights_at 'with_decode', nvfp4's default)", late_dots)
+    ablate = check_options(
+        lo_format=lo_format, window=window, warps=warps, prefetch=prefetch, upfront=upfront,
+        head_splits=head_splits, min_ctas_per_sm=min_ctas_per_sm, stage=stage,
+        l2_prefetch=l2_prefetch, ys_layout=ys_layout, ablate=ablate,
+        l2_prefetch_small=l2_prefetch_small, early_loads=early_loads,
+        heads_per_pass=heads_per_pass, eager_loads=eager_loads, pin_state_loads=pin_state_loads,
+        weights_at=weights_at, ring_stage=ring_stage, bulk_stages=bulk_stages,
+        smem_carveout=smem_carveout, pdl=pdl, persistent=persistent, record_group=record_group,
+        late_dots=late_dots)
     hp = 1 if heads_per_pass is None else heads_per_pass
-    if isinstance(hp, bool) or hp not in (1, 2) or (
-        hp == 2 and (stage not in (None, "registers") or prefetch or l2_prefetch)
-    ):
-        _fail("heads_per_pass", "None, 1 or 2 (2: stage 'registers', no prefetch or "
-              "l2_prefetch)", heads_per_pass)
-    if persistent is not None and not isinstance(persistent, bool) or persistent and (
-            lo_format != "nvfp4" or stage not in (None, "bulk") or prefetch or upfront is not None
-            or head_splits not in (None, 1) or min_ctas_per_sm is not None or l2_prefetch
-            or ys_layout not in (None, "rows") or ablate or l2_prefetch_small or early_loads
-            is False or heads_per_pass not in (None, 1) or eager_loads or pin_state_loads
-            or weights_at is not None or ring_stage not in (None, "smem")
-            or bulk_stages not in (None, 2, 3) or smem_carveout is not None or pdl
-            or record_group is not None or late_dots):
-        _fail("persistent", "None or a bool (True: nvfp4, and none of the other tuning knobs "
-              "but warps and bulk_stages 2 or 3)", persistent)
-    if record_group is not None and (isinstance(record_group, bool)
-                                     or not isinstance(record_group, int) or record_group < 0):
-        _fail("record_group", "None or an integer >= 0 (0: every record)", record_group)
     if not isinstance(x, torch.Tensor) or x.dim() != 3:
         _fail("x", "a tensor [S, H, P]", list(x.shape) if isinstance(x, torch.Tensor) else x)
     if x.dtype not in ACT_DTYPES:
@@ -2265,11 +2322,6 @@ def replay_output(
                               pdl=bool(pdl),
                               record_group=record_group or 0,
                               late_dots=bool(late_dots))
-    k = cfg.l2_prefetch
-    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 4:
-        _fail("l2_prefetch", "None or an integer in [0, 4] (heads ahead)", l2_prefetch)
-    if cfg.ys_layout not in YS_LAYOUTS:
-        _fail("ys_layout", f"None or one of {list(YS_LAYOUTS)}", repr(ys_layout))
     if cfg.stage == "smem" and cfg.warps * 2 * cfg.read_copy_bytes > 40 * 1024:
         _fail("stage", f"'registers' for this shape and warps ({cfg.warps}): two shared-memory "
               "stages per warp would pass 40 KiB", repr(stage))
@@ -2282,9 +2334,6 @@ def replay_output(
                         else ("two ring stages", RING_STAGE_LIMIT))
         _fail("ring_stage", f"'registers' for this shape, window and warps ({cfg.warps}): "
               f"{where} per warp would pass {limit // 1024} KiB", repr(ring_stage))
-    m = cfg.min_ctas_per_sm
-    if m is not None and (isinstance(m, bool) or not isinstance(m, int) or not 0 <= m <= 32):
-        _fail("min_ctas_per_sm", "None or an integer in [0, 32]", m)
     hs = cfg.head_splits
     if isinstance(hs, bool) or not isinstance(hs, int) or hs < 1 or (H // G) % (hs * cfg.warps):
         _fail("head_splits", f"a positive integer with head_splits * warps ({cfg.warps}) dividing "

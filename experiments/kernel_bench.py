@@ -374,6 +374,24 @@ class BenchConfig:
             if key not in allowed:
                 raise ValueError(f"nonflush knob: expected one of {sorted(allowed)}, got {key!r}")
 
+    def check_knob_values(self, kernels) -> None:
+        """ValueError unless the non-flush knobs' values suit each CuTe non-flush kernel of
+        ``kernels`` at every window (replay_output.check_options: no GPU needed), so that a
+        bad value is refused before the run, not at each point's first build."""
+        if not self.nonflush_knobs:
+            return
+        check = _cute("replay_output").check_options
+        for name in kernels:
+            spec = KERNELS[name]
+            if spec.impl != "cute" or spec.step != "nonflush":
+                continue
+            for window in self.windows:
+                try:
+                    check(lo_format=spec.variant, window=window, **self.nonflush_knobs)
+                except ValueError as error:
+                    raise ValueError(f"nonflush knob for {name} at L = {window}: "
+                                     f"{error}") from None
+
     def all_kernels(self) -> tuple[str, ...]:
         """The kernels asked for, plus each peer's default kernels."""
         peers = [name for name, spec in KERNELS.items()
@@ -455,7 +473,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nonflush-knob", action="append", default=[], metavar="KEY=VALUE",
                    help="a tuning knob of the CuTe non-flush kernel (replay_output's keyword "
                    "arguments; repeatable), e.g. weights_at=before_decode: an A/B comparison "
-                   "in the benchmark's conditions (give it its own --run-label and --out)")
+                   "in the benchmark's conditions (give it its own --run-label and --out); "
+                   "its value is checked, before the GPU is used, for every CuTe non-flush "
+                   "kernel asked for (pick them with --kernels)")
     p.add_argument("--profile", metavar="KERNEL",
                    help="for ncu --profile-from-start off: launch KERNEL once per set at the "
                    "first shape, batch and window given, between cudaProfilerStart/Stop")
@@ -1749,6 +1769,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.profile not in KERNELS:
             parser.error(f"--profile: expected a kernel name of --list-kernels, got "
                          f"{args.profile!r}")
+        try:
+            config.check_knob_values([args.profile])
+        except ValueError as error:
+            parser.error(str(error))
         return profile(config, args.profile)
     if args.plot_only or args.merge:
         sources = [args.plot_only] if args.plot_only else args.merge
@@ -1763,6 +1787,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {out} ({len(frame)} rows)", file=sys.stderr)
         _finish(frame, out if args.merge else Path(args.plot_only), config.plot_dir)
         return 0
+    try:
+        config.check_knob_values(config.kernels)
+    except ValueError as error:
+        parser.error(str(error))
     try:
         frame = run(config, log=lambda text: print(text, file=sys.stderr, flush=True))
     except RuntimeError as error:

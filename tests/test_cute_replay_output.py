@@ -461,6 +461,28 @@ def test_ablations_leave_out_exactly_their_stage(lo_format):
         assert no_scales.count(scale) == 0 and no_scales.count(state) == full.count(state)
 
 
+@pytest.mark.parametrize("knobs, message", [
+    (dict(warps="abc"), "warps: expected None or a positive integer"),
+    (dict(head_splits=0), "head_splits: expected None or a positive integer"),
+    (dict(l2_prefetch=9), "l2_prefetch: expected None or an integer in"),
+    (dict(ys_layout="cols"), "ys_layout: expected None or one of"),
+    (dict(min_ctas_per_sm=40), "min_ctas_per_sm: expected None or an integer in"),
+    (dict(lo_format="fp32", stage="bulk"), "stage: expected None or one of"),
+    (dict(pdl=True, eager_loads=True), "pdl: expected"),
+])
+def test_check_options_refuses_what_replay_output_refuses_without_tensors(knobs, message):
+    """check_options (what kernel_bench runs before it asks for the GPU) raises the same
+    ValueError as replay_output for a knob that needs no shape to judge; good knobs pass and
+    the ablations come back sorted."""
+    with pytest.raises(ValueError, match=message):
+        ro.check_options(**knobs)
+    x = torch.zeros(1, 8, 16)
+    with pytest.raises(ValueError, match=message):
+        ro.replay_output({}, x, x, x, x, x, x, x, x, x, **knobs)
+    assert ro.check_options(ablate=["ring", "decode"]) == ("decode", "ring")
+    assert ro.check_options(lo_format="fp8_e4m3", warps=2, head_splits=2, l2_prefetch=1) == ()
+
+
 def test_prologue_and_cursor_ablations_drop_only_the_prologue_loads():
     """Timing-only 'prologue' issues none of the prologue's loads (the ring's B rows, B and C
     in both layouts, the decay weights' dt, dt_bias, A and ring dt words) and every head's

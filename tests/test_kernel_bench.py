@@ -45,6 +45,11 @@ def test_help_runs_on_a_cpu_only_machine():
         (["--peers", "sglang"], "peers"),
         (["--nonflush-knob", "weights_at"], "nonflush knob"),
         (["--nonflush-knob", "window=8"], "nonflush knob"),  # set by the benchmark itself
+        # knob values too, before the GPU is asked for (they used to fail at the first build)
+        (["--nonflush-knob", "warps=abc"], "warps: expected None or a positive integer"),
+        (["--nonflush-knob", "l2_prefetch=9"], "l2_prefetch"),
+        (["--kernels", "cute:nonflush:fp32", "--nonflush-knob", "stage=bulk"],
+         "nonflush knob for cute:nonflush:fp32 at L = 8: stage"),
     ],
 )
 def test_bad_argument_is_one_line_error(argv, word, capsys):
