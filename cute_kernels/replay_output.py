@@ -62,6 +62,7 @@ products (a few hundred FMAs) and the first appends B.
 from __future__ import annotations  # noqa: I001  (_compile must precede cutlass)
 
 import dataclasses
+import inspect
 from dataclasses import dataclass
 
 import numpy as np
@@ -2036,10 +2037,25 @@ def _lo_tensors(lo, lo_format, S, H, P, N, device):
     return t, None, None
 
 
-def check_options(
+def replay_output(
+    lo,
+    ring_x,
+    ring_dt,
+    ring_B,
+    cursors,
+    x,
+    dt,
+    A,
+    B,
+    C,
+    D=None,
+    z=None,
+    dt_bias=None,
+    dt_softplus=True,
+    out=None,
     *,
-    lo_format="nvfp4",
     window=16,
+    lo_format="nvfp4",
     warps=None,
     prefetch=None,
     upfront=None,
@@ -2062,12 +2078,36 @@ def check_options(
     persistent=None,
     record_group=None,
     late_dots=None,
+    _options_only=False,
 ):
-    """The checks of `replay_output`'s format and tuning knobs that need no tensor (and no
-    GPU): raises its ValueError naming the first bad argument, else returns ``ablate`` as a
-    sorted tuple. The checks that need the shape (``warps`` and ``head_splits`` dividing a
-    group's heads, the stages' shared memory) are made when the step is called;
-    `experiments.kernel_bench` runs these before it asks for the GPU."""
+    """One non-flush decode step for every slot whose ``cursors[s] + 1 < window``; returns
+    ``out`` [S, H, P] (x's dtype; rows of flush slots are not written).
+
+    Shapes: ``ring_x [S, H, Lc, P]``, ``ring_dt fp32 [S, H, Lc]``, ``ring_B [S, G, Lc, N]``,
+    ``cursors int32 [S]``, ``x, z [S, H, P]``, ``dt [S, H]``, ``A, D, dt_bias fp32 [H]``,
+    ``B, C [S, G, N]``; ``lo`` as in the module doc. Launches on torch's current stream and
+    does not synchronise (graph-capturable); cursor values must lie in [0, window - 1].
+    ``warps`` (dividing nheads / ngroups), ``prefetch`` and ``upfront`` override the tuning
+    defaults (`ReplayOutputConfig`); ``head_splits`` (with ``head_splits * warps`` dividing
+    nheads / ngroups) spreads a group's heads over that many CTAs (default: by batch size,
+    `default_head_splits`); ``min_ctas_per_sm`` caps registers and ``stage`` ("registers", or
+    "smem" or "bulk" for nvfp4; default by grid, `default_stage`: "bulk" with the eager loads
+    where measured faster) picks how the read copy is loaded. ``l2_prefetch`` (heads ahead,
+    0 off), ``ys_layout`` ("rows" or "quads"), ``l2_prefetch_small``, ``early_loads`` (default
+    on), ``heads_per_pass`` (1 or 2), ``eager_loads``, ``pin_state_loads``, ``weights_at``,
+    ``ring_stage``, ``bulk_stages``, ``smem_carveout``, ``pdl``, ``record_group`` and
+    ``late_dots`` are the tuning knobs of `ReplayOutputConfig`, each measured there (None:
+    ``ring_stage`` by `default_ring_stage`, ``eager_loads`` by `default_eager_loads`,
+    ``record_group`` 0, ``late_dots`` on with the default bulk stage only); ``ablate`` leaves
+    stages out for timing (wrong outputs; `ReplayOutputConfig.ablate`). With ``pdl=True`` the
+    step may start before the kernel launched just before it ends and reads the read copy
+    early, so that kernel must not write the read copy of a slot taking a non-flush step
+    (`ReplayOutputConfig.pdl`).
+    ``persistent=True`` (nvfp4) runs the persistent, software-pipelined step
+    (`cute_kernels.replay_output_persistent`) with ``warps`` heads an item (default
+    PERSISTENT_WARPS) and ``bulk_stages`` (2 or 3) items a CTA; it takes none of the other
+    tuning knobs (measured slower than the default step: `ReplayOutputConfig.persistent`).
+    """
     if lo_format not in LO_FORMATS:
         _fail("lo_format", f"one of {list(LO_FORMATS)}", repr(lo_format))
     if stage is not None and (stage not in STAGES or (stage != "registers"
@@ -2147,89 +2187,8 @@ def check_options(
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                   or value < 1):  # (dividing a group's heads: at the call)
             _fail(name, "None or a positive integer", value)
-    return ablate
-
-
-def replay_output(
-    lo,
-    ring_x,
-    ring_dt,
-    ring_B,
-    cursors,
-    x,
-    dt,
-    A,
-    B,
-    C,
-    D=None,
-    z=None,
-    dt_bias=None,
-    dt_softplus=True,
-    out=None,
-    *,
-    window=16,
-    lo_format="nvfp4",
-    warps=None,
-    prefetch=None,
-    upfront=None,
-    head_splits=None,
-    min_ctas_per_sm=None,
-    stage=None,
-    l2_prefetch=None,
-    ys_layout=None,
-    ablate=(),
-    l2_prefetch_small=None,
-    early_loads=None,
-    heads_per_pass=None,
-    eager_loads=None,
-    pin_state_loads=None,
-    weights_at=None,
-    ring_stage=None,
-    bulk_stages=None,
-    smem_carveout=None,
-    pdl=None,
-    persistent=None,
-    record_group=None,
-    late_dots=None,
-):
-    """One non-flush decode step for every slot whose ``cursors[s] + 1 < window``; returns
-    ``out`` [S, H, P] (x's dtype; rows of flush slots are not written).
-
-    Shapes: ``ring_x [S, H, Lc, P]``, ``ring_dt fp32 [S, H, Lc]``, ``ring_B [S, G, Lc, N]``,
-    ``cursors int32 [S]``, ``x, z [S, H, P]``, ``dt [S, H]``, ``A, D, dt_bias fp32 [H]``,
-    ``B, C [S, G, N]``; ``lo`` as in the module doc. Launches on torch's current stream and
-    does not synchronise (graph-capturable); cursor values must lie in [0, window - 1].
-    ``warps`` (dividing nheads / ngroups), ``prefetch`` and ``upfront`` override the tuning
-    defaults (`ReplayOutputConfig`); ``head_splits`` (with ``head_splits * warps`` dividing
-    nheads / ngroups) spreads a group's heads over that many CTAs (default: by batch size,
-    `default_head_splits`); ``min_ctas_per_sm`` caps registers and ``stage`` ("registers", or
-    "smem" or "bulk" for nvfp4; default by grid, `default_stage`: "bulk" with the eager loads
-    where measured faster) picks how the read copy is loaded. ``l2_prefetch`` (heads ahead,
-    0 off), ``ys_layout`` ("rows" or "quads"), ``l2_prefetch_small``, ``early_loads`` (default
-    on), ``heads_per_pass`` (1 or 2), ``eager_loads``, ``pin_state_loads``, ``weights_at``,
-    ``ring_stage``, ``bulk_stages``, ``smem_carveout``, ``pdl``, ``record_group`` and
-    ``late_dots`` are the tuning knobs of `ReplayOutputConfig`, each measured there (None:
-    ``ring_stage`` by `default_ring_stage`, ``eager_loads`` by `default_eager_loads`,
-    ``record_group`` 0, ``late_dots`` on with the default bulk stage only); ``ablate`` leaves
-    stages out for timing (wrong outputs; `ReplayOutputConfig.ablate`). With ``pdl=True`` the
-    step may start before the kernel launched just before it ends and reads the read copy
-    early, so that kernel must not write the read copy of a slot taking a non-flush step
-    (`ReplayOutputConfig.pdl`).
-    ``persistent=True`` (nvfp4) runs the persistent, software-pipelined step
-    (`cute_kernels.replay_output_persistent`) with ``warps`` heads an item (default
-    PERSISTENT_WARPS) and ``bulk_stages`` (2 or 3) items a CTA; it takes none of the other
-    tuning knobs (measured slower than the default step: `ReplayOutputConfig.persistent`).
-    """
-    ablate = check_options(
-        lo_format=lo_format, window=window, warps=warps, prefetch=prefetch, upfront=upfront,
-        head_splits=head_splits, min_ctas_per_sm=min_ctas_per_sm, stage=stage,
-        l2_prefetch=l2_prefetch, ys_layout=ys_layout, ablate=ablate,
-        l2_prefetch_small=l2_prefetch_small, early_loads=early_loads,
-        heads_per_pass=heads_per_pass, eager_loads=eager_loads, pin_state_loads=pin_state_loads,
-        weights_at=weights_at, ring_stage=ring_stage, bulk_stages=bulk_stages,
-        smem_carveout=smem_carveout, pdl=pdl, persistent=persistent, record_group=record_group,
-        late_dots=late_dots)
-    hp = 1 if heads_per_pass is None else heads_per_pass
+    if _options_only:  # check_options: the checks above, no tensor looked at
+        return ablate
     if not isinstance(x, torch.Tensor) or x.dim() != 3:
         _fail("x", "a tensor [S, H, P]", list(x.shape) if isinstance(x, torch.Tensor) else x)
     if x.dtype not in ACT_DTYPES:
@@ -2355,6 +2314,23 @@ def replay_output(
                             C, D, z, dt_bias, out)
     kernel(*ptrs, Int32(S), _compile.current_stream())
     return out
+
+
+def check_options(*, lo_format="nvfp4", window=16, **knobs):
+    """The checks of `replay_output`'s format and tuning knobs that need no tensor (and no
+    GPU), made by replay_output itself: raises its ValueError naming the first bad argument
+    (or an unknown knob), else returns ``ablate`` as a sorted tuple. The checks that need the
+    shape (``warps`` and ``head_splits`` dividing a group's heads, the stages' shared memory)
+    are made when the step is called; `experiments.kernel_bench` runs these before it asks
+    for the GPU."""
+    params = inspect.signature(replay_output).parameters.values()
+    allowed = {p.name for p in params if p.kind is p.KEYWORD_ONLY} - {
+        "window", "lo_format", "_options_only"}
+    unknown = sorted(set(knobs) - allowed)
+    if unknown:
+        _fail("knobs", f"names from {sorted(allowed)}", unknown)
+    return replay_output(*([None] * 10), lo_format=lo_format, window=window,
+                         _options_only=True, **knobs)
 
 
 def _kernel_pointers(cfg, lo0, lo1, lo2, ring_x, ring_dt, ring_B, cursors, x, dt, A, B, C, D,

@@ -481,6 +481,9 @@ def test_check_options_refuses_what_replay_output_refuses_without_tensors(knobs,
         ro.replay_output({}, x, x, x, x, x, x, x, x, x, **knobs)
     assert ro.check_options(ablate=["ring", "decode"]) == ("decode", "ring")
     assert ro.check_options(lo_format="fp8_e4m3", warps=2, head_splits=2, l2_prefetch=1) == ()
+    for bad in ("stages", "x", "_options_only"):  # a typo, a tensor, the private flag
+        with pytest.raises(ValueError, match=f"knobs: expected names from .* got .*{bad}"):
+            ro.check_options(**{bad: 1})
 
 
 def test_prologue_and_cursor_ablations_drop_only_the_prologue_loads():
