@@ -1039,8 +1039,8 @@ def _fill_from_index(frag, i):
     """A register fragment (16- or 32-bit elements) filled instead of loaded, timing only:
     each 32-bit word one XOR of a word made once from the index (about half an instruction
     an element, as the loads' unpacking would cost). 16-bit elements lie in [0.5, 1) as fp16
-    and near 2^-8 as bf16, fp32 ones near 2^-15: finite, normal, away from the fast paths'
-    edges."""
+    and in [2^-15, 2^-7) as bf16, fp32 ones in [2^-15, 2^-7) too: finite, normal, away from
+    the fast paths' edges."""
     words = cute.recast_tensor(frag, Uint32)
     base = Uint32(i) & Uint32(0x3FF)
     base = base | (base << Uint32(16)) | Uint32(0x38003800)

@@ -2329,8 +2329,9 @@ def check_options(*, lo_format="nvfp4", window=16, **knobs):
     unknown = sorted(set(knobs) - allowed)
     if unknown:
         _fail("knobs", f"names from {sorted(allowed)}", unknown)
-    return replay_output(*([None] * 10), lo_format=lo_format, window=window,
-                         _options_only=True, **knobs)
+    tensors = [None] * sum(p.default is p.empty for p in params)  # lo .. C, never looked at
+    return replay_output(*tensors, lo_format=lo_format, window=window, _options_only=True,
+                         **knobs)
 
 
 def _kernel_pointers(cfg, lo0, lo1, lo2, ring_x, ring_dt, ring_B, cursors, x, dt, A, B, C, D,

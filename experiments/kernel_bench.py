@@ -368,7 +368,8 @@ class BenchConfig:
             raise ValueError(f"budget_s: expected > 0, got {self.budget_s}")
         if self.act not in ACT_DTYPES:
             raise ValueError(f"act: expected one of {list(ACT_DTYPES)}, got {self.act!r}")
-        allowed = set(inspect.signature(_cute("replay_output").replay_output).parameters) - set(
+        allowed = {name for name in inspect.signature(
+            _cute("replay_output").replay_output).parameters if not name.startswith("_")} - set(
             NONFLUSH_FIXED) if self.nonflush_knobs else set()
         for key in self.nonflush_knobs:
             if key not in allowed:

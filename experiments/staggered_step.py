@@ -578,7 +578,7 @@ def _names(allowed):
     def parse(text: str) -> tuple[str, ...]:
         names = tuple(v.strip() for v in text.split(","))
         bad = [n for n in names if n not in allowed]  # an empty item too
-        if bad or not names:
+        if bad:
             raise argparse.ArgumentTypeError(f"expected names from {', '.join(allowed)}; "
                                              f"got {text!r}")
         return names
