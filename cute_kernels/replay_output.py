@@ -2079,6 +2079,7 @@ def replay_output(
     record_group=None,
     late_dots=None,
     _options_only=False,
+    _config_for_sms=None,
 ):
     """One non-flush decode step for every slot whose ``cursors[s] + 1 < window``; returns
     ``out`` [S, H, P] (x's dtype; rows of flush slots are not written).
@@ -2238,14 +2239,18 @@ def replay_output(
     if persistent:
         cfg = _persistent_config(x, dt, C, ring_x, D, z, dt_bias, dt_softplus, window, warps,
                                  bulk_stages or 2)
-    if not x.is_cuda:
+        if _config_for_sms is not None:
+            return cfg
+    if not x.is_cuda and _config_for_sms is None:
         _fail("x", "a CUDA tensor (every argument on one GPU)", x.device)
     if persistent:
         return _persistent_step(cfg, lo0, lo1, lo2, ring_x, ring_dt, ring_B, cursors, x, dt, A,
                                 B, C, D, z, dt_bias, out)
 
+    # check_options(shape=...): the defaults below for that many SMs, on meta tensors
+    sms = _sm_count(device) if _config_for_sms is None else _config_for_sms
     if head_splits is None:
-        head_splits = default_head_splits(S, G, H // G, warps, _sm_count(device), lo_format)
+        head_splits = default_head_splits(S, G, H // G, warps, sms, lo_format)
     cfg = ReplayOutputConfig(
         lo_format=lo_format,
         act=ACT_DTYPES[act],
@@ -2298,7 +2303,7 @@ def replay_output(
         _fail("head_splits", f"a positive integer with head_splits * warps ({cfg.warps}) dividing "
               f"nheads / ngroups = {H // G}", head_splits)
     if (stage is None and eager_loads is not False and ring_stage in (None, "smem")
-            and default_stage(cfg, S, _sm_count(device)) == "bulk"):
+            and default_stage(cfg, S, sms) == "bulk"):
         # and late_dots, measured faster wherever this default applies (ReplayOutputConfig)
         late = cfg.weights_placement == "with_decode" if late_dots is None else cfg.late_dots
         cfg = dataclasses.replace(cfg, stage="bulk", ring_stage="smem", eager_loads=True,
@@ -2306,7 +2311,9 @@ def replay_output(
     if ring_stage is None:  # (before the eager loads' default, which depends on it)
         cfg = dataclasses.replace(cfg, ring_stage=default_ring_stage(cfg))
     if eager_loads is None and cfg.stage != "bulk":  # (the default bulk stage set them on)
-        cfg = dataclasses.replace(cfg, eager_loads=default_eager_loads(cfg, S, _sm_count(device)))
+        cfg = dataclasses.replace(cfg, eager_loads=default_eager_loads(cfg, S, sms))
+    if _config_for_sms is not None:
+        return cfg
     if S == 0:
         return out
     kernel = compile_replay_output(cfg)
@@ -2316,22 +2323,55 @@ def replay_output(
     return out
 
 
-def check_options(*, lo_format="nvfp4", window=16, **knobs):
-    """The checks of `replay_output`'s format and tuning knobs that need no tensor (and no
-    GPU), made by replay_output itself: raises its ValueError naming the first bad argument
-    (or an unknown knob), else returns ``ablate`` as a sorted tuple. The checks that need the
-    shape (``warps`` and ``head_splits`` dividing a group's heads, the stages' shared memory)
-    are made when the step is called; `experiments.kernel_bench` runs these before it asks
-    for the GPU."""
+H200_SM_COUNT = 132  # check_options' SM count for the defaults that depend on the grid
+
+
+def check_options(*, lo_format="nvfp4", window=16, shape=None, sm_count=H200_SM_COUNT,
+                  **knobs):
+    """The checks of `replay_output`'s format and tuning knobs, made by replay_output itself
+    without a GPU: raises its ValueError naming the first bad argument (or an unknown knob).
+
+    Without ``shape`` only the checks that need no tensor run, and ``ablate`` comes back as a
+    sorted tuple. With ``shape = (batch, nheads, headdim, dstate, ngroups)`` (bf16
+    activations, a ring of ``window`` records, D and dt_bias given) replay_output also runs
+    the checks that need the shape (``warps`` and ``head_splits`` dividing a group's heads,
+    the stages' shared memory) on meta tensors, and returns the `ReplayOutputConfig` it would
+    build, with the defaults that depend on the grid taken for ``sm_count`` SMs (an H200's by
+    default). `experiments.kernel_bench` runs this before it asks for the GPU."""
     params = inspect.signature(replay_output).parameters.values()
-    allowed = {p.name for p in params if p.kind is p.KEYWORD_ONLY} - {
-        "window", "lo_format", "_options_only"}
+    allowed = {p.name for p in params if p.kind is p.KEYWORD_ONLY
+               and not p.name.startswith("_")} - {"window", "lo_format"}
     unknown = sorted(set(knobs) - allowed)
     if unknown:
         _fail("knobs", f"names from {sorted(allowed)}", unknown)
     tensors = [None] * sum(p.default is p.empty for p in params)  # lo .. C, never looked at
-    return replay_output(*tensors, lo_format=lo_format, window=window, _options_only=True,
-                         **knobs)
+    ablate = replay_output(*tensors, lo_format=lo_format, window=window, _options_only=True,
+                           **knobs)
+    if shape is None:
+        return ablate
+    if (not isinstance(shape, (tuple, list)) or len(shape) != 5
+            or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in shape)):
+        _fail("shape", "(batch, nheads, headdim, dstate, ngroups), positive integers", shape)
+    if isinstance(window, bool) or not isinstance(window, int) or window < 2:
+        _fail("window", "an integer >= 2", window)
+    S, H, P, N, G = shape
+
+    def meta(*dims, dtype=torch.bfloat16):
+        return torch.empty(dims, dtype=dtype, device="meta")
+
+    f32 = torch.float32
+    if lo_format == "nvfp4":
+        lo = dict(codes=meta(S, H, P, N // 2, dtype=torch.uint8),
+                  scales=meta(S, H, P, N // 16, dtype=torch.uint8),
+                  global_scale=meta(S, H, dtype=f32))
+    else:
+        raw = {"fp8_e4m3": torch.uint8, "fp16": torch.float16, "fp32": f32}.get(lo_format, f32)
+        lo = dict(values=meta(S, H, P, N, dtype=raw))
+    return replay_output(
+        lo, meta(S, H, window, P), meta(S, H, window, dtype=f32), meta(S, G, window, N),
+        meta(S, dtype=torch.int32), meta(S, H, P), meta(S, H, dtype=f32), meta(H, dtype=f32),
+        meta(S, G, N), meta(S, G, N), meta(H, dtype=f32), None, meta(H, dtype=f32),
+        window=window, lo_format=lo_format, _config_for_sms=sm_count, **knobs)
 
 
 def _kernel_pointers(cfg, lo0, lo1, lo2, ring_x, ring_dt, ring_B, cursors, x, dt, A, B, C, D,

@@ -81,6 +81,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import inspect
+import itertools
 import math
 import os
 import shlex
@@ -377,8 +378,9 @@ class BenchConfig:
 
     def check_knob_values(self, kernels) -> None:
         """ValueError unless the non-flush knobs' values suit each CuTe non-flush kernel of
-        ``kernels`` at every window (replay_output.check_options: no GPU needed), so that a
-        bad value is refused before the run, not at each point's first build."""
+        ``kernels`` at every shape, window and batch (replay_output.check_options on meta
+        tensors: no GPU needed), so that a bad value is refused before the run, not at each
+        point's first build."""
         if not self.nonflush_knobs:
             return
         check = _cute("replay_output").check_options
@@ -386,12 +388,15 @@ class BenchConfig:
             spec = KERNELS[name]
             if spec.impl != "cute" or spec.step != "nonflush":
                 continue
-            for window in self.windows:
+            shapes = [SHAPES[shape] for shape in self.shapes]
+            for shape, window, batch in itertools.product(shapes, self.windows, self.batches):
+                dims = (batch, shape.nheads, shape.headdim, shape.dstate, shape.ngroups)
                 try:
-                    check(lo_format=spec.variant, window=window, **self.nonflush_knobs)
+                    check(lo_format=spec.variant, window=window, shape=dims,
+                          **self.nonflush_knobs)
                 except ValueError as error:
-                    raise ValueError(f"nonflush knob for {name} at L = {window}: "
-                                     f"{error}") from None
+                    raise ValueError(f"nonflush knob for {name} on {shape.name} at L = "
+                                     f"{window}, batch {batch}: {error}") from None
 
     def all_kernels(self) -> tuple[str, ...]:
         """The kernels asked for, plus each peer's default kernels."""

@@ -486,6 +486,98 @@ def test_check_options_refuses_what_replay_output_refuses_without_tensors(knobs,
             ro.check_options(**{bad: 1})
 
 
+NEMOTRON_DIMS = (128, 64, 128, 8)  # nheads, headdim, dstate, ngroups
+
+
+@pytest.mark.parametrize("dims, window, knobs, message", [
+    ((256, *NEMOTRON_DIMS), 16, dict(warps=3), "warps: expected a divisor of nheads / ngroups"
+     " = 16, got 3"),
+    ((7, 80, 64, 128, 1), 8, dict(head_splits=3), "head_splits: expected a positive integer "
+     "with head_splits [*] warps [(]4[)] dividing nheads / ngroups = 80, got 3"),
+    ((256, *NEMOTRON_DIMS), 16, dict(stage="smem", warps=16), "stage: expected 'registers' "
+     "for this shape and warps [(]16[)]: two shared-memory stages"),
+    ((256, *NEMOTRON_DIMS), 32, dict(ring_stage="smem", warps=16), "ring_stage: expected "
+     "'registers' for this shape, window and warps"),
+    ((256, *NEMOTRON_DIMS), 16, dict(persistent=True, warps=3), "warps: expected a divisor"),
+    ((256, 128, 64), 16, {}, "shape: expected [(]batch, nheads, headdim, dstate, ngroups[)]"),
+    ((256, *NEMOTRON_DIMS), 16, dict(stages=2), "knobs: expected names from"),
+    ((256, *NEMOTRON_DIMS), 16, dict(_config_for_sms=132), "knobs: expected names from"),
+])
+def test_check_options_with_a_shape_refuses_what_only_the_shape_can_judge(dims, window, knobs,
+                                                                           message):
+    """check_options(shape=...) runs replay_output's checks on meta tensors of that shape (no
+    GPU): a knob the shape cannot take is refused with replay_output's own message, where
+    without the shape it passes (these were refused only at the kernel's first build)."""
+    with pytest.raises(ValueError, match=message):
+        ro.check_options(window=window, shape=dims, **knobs)
+    if "shape" not in message and "knobs" not in message:
+        ro.check_options(window=window, **knobs)  # no shape: nothing to refuse
+
+
+@pytest.mark.parametrize("batch", [1, 7, 64, 256, 512])
+@pytest.mark.parametrize("window", [8, 16, 32])
+def test_check_options_with_a_shape_returns_the_default_configuration(batch, window):
+    """check_options(shape=...) returns the configuration replay_output would build, its
+    defaults taken for the SMs given: the warps and head splits of default_warps and
+    default_head_splits, the bulk stage (with the eager loads, the ring in its stages and
+    late_dots) exactly where default_stage picks it, and every knob given kept."""
+    H, P, N, G = NEMOTRON_DIMS
+    cfg = ro.check_options(window=window, shape=(batch, *NEMOTRON_DIMS))
+    assert (cfg.nheads, cfg.headdim, cfg.dstate, cfg.ngroups, cfg.window) == (H, P, N, G, window)
+    assert cfg.warps == ro.default_warps(H // G) == 4
+    assert cfg.head_splits == ro.default_head_splits(batch, G, H // G, 4, ro.H200_SM_COUNT)
+    base = dataclasses.replace(cfg, stage="registers", eager_loads=False, late_dots=False)
+    bulk = ro.default_stage(base, batch, ro.H200_SM_COUNT) == "bulk"
+    assert (cfg.stage == "bulk") == bulk
+    assert bulk == (window == 16 and batch >= 256)  # the measured rule, on the H200's 132 SMs
+    if bulk:
+        assert cfg.eager_loads and cfg.late_dots and cfg.ring_stage == "smem"
+    else:
+        assert cfg.eager_loads == ro.default_eager_loads(cfg, batch, ro.H200_SM_COUNT)
+    fewer = ro.check_options(window=window, shape=(batch, *NEMOTRON_DIMS), sm_count=16)
+    assert fewer.head_splits == ro.default_head_splits(batch, G, H // G, 4, 16)
+    kept = ro.check_options(window=window, shape=(batch, *NEMOTRON_DIMS), warps=2,
+                            head_splits=2, prefetch=True, stage="registers")
+    assert (kept.warps, kept.head_splits, kept.prefetch, kept.stage) == (2, 2, True, "registers")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch, window, knobs", [
+    (256, 16, {}), (1, 16, {}), (37, 8, {}), (256, 32, dict(warps=2)),
+    (64, 16, dict(stage="bulk")),
+])
+def test_check_options_config_is_the_one_replay_output_builds(monkeypatch, batch, window, knobs):
+    """On the GPU, the configuration check_options(shape=..., sm_count=this GPU's) returns is
+    the one replay_output compiles for tensors of that shape (the build is stopped there)."""
+    built = []
+
+    def stop(cfg, keep_ptx=False):
+        built.append(cfg)
+        raise RuntimeError("stop")
+
+    monkeypatch.setattr(ro, "compile_replay_output", stop)
+    H, P, N, G = NEMOTRON_DIMS
+    S = batch
+
+    def rand(*dims, dtype=torch.bfloat16):  # values never read: the build stops first
+        if dtype == torch.uint8:
+            return torch.randint(0, 256, dims, dtype=dtype, device="cuda")
+        return torch.rand(dims, device="cuda").to(dtype)
+
+    lo = dict(codes=rand(S, H, P, N // 2, dtype=torch.uint8),
+              scales=rand(S, H, P, N // 16, dtype=torch.uint8),
+              global_scale=rand(S, H, dtype=torch.float32))
+    f32, i32 = torch.float32, torch.int32
+    args = [rand(S, H, window, P), rand(S, H, window, dtype=f32), rand(S, G, window, N),
+            torch.zeros(S, dtype=i32, device="cuda"), rand(S, H, P), rand(S, H, dtype=f32),
+            -rand(H, dtype=f32), rand(S, G, N), rand(S, G, N), rand(H, dtype=f32), None,
+            rand(H, dtype=f32)]
+    with pytest.raises(RuntimeError, match="stop"):
+        ro.replay_output(lo, *args, window=window, **knobs)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert built == [ro.check_options(window=window, shape=(S, H, P, N, G), sm_count=sms, **knobs)]
+
+
 def test_prologue_and_cursor_ablations_drop_only_the_prologue_loads():
     """Timing-only 'prologue' issues none of the prologue's loads (the ring's B rows, B and C
     in both layouts, the decay weights' dt, dt_bias, A and ring dt words) and every head's

@@ -49,7 +49,15 @@ def test_help_runs_on_a_cpu_only_machine():
         (["--nonflush-knob", "warps=abc"], "warps: expected None or a positive integer"),
         (["--nonflush-knob", "l2_prefetch=9"], "l2_prefetch"),
         (["--kernels", "cute:nonflush:fp32", "--nonflush-knob", "stage=bulk"],
-         "nonflush knob for cute:nonflush:fp32 at L = 8: stage"),
+         "nonflush knob for cute:nonflush:fp32 on nemotron3-super at L = 8, batch 1: stage"),
+        # and the values only a shape can judge, at each shape, window and batch asked for
+        (["--nonflush-knob", "warps=3"],
+         "nemotron3-super at L = 8, batch 1: warps: expected a divisor of nheads / ngroups = 16"),
+        (["--shapes", "mamba2-2.7b", "--windows", "16", "--nonflush-knob", "head_splits=3"],
+         "mamba2-2.7b at L = 16, batch 1: head_splits: expected a positive integer with "
+         "head_splits * warps (4) dividing nheads / ngroups = 80"),
+        (["--batches", "256", "--nonflush-knob", "stage=smem", "--nonflush-knob", "warps=16"],
+         "batch 256: stage: expected 'registers' for this shape and warps (16)"),
     ],
 )
 def test_bad_argument_is_one_line_error(argv, word, capsys):
