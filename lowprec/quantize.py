@@ -39,7 +39,9 @@ to 0, `amax_b / 0 = inf` saturates `s_b` to 448 (byte 0x7E); where only `s_b * s
 `s_b` keeps its byte. The emulation and the CuTe flush store the same bytes (tests named
 `*divisor_underflows*`). mxfp4 zero blocks store 2^-127 (byte
 0x00); ideal-scale zero blocks store 0. Non-finite inputs to a block format are outside the
-contract: NaN propagates through `amax` to its state's (or block's) scales.
+contract: a NaN reaches nvfp4's scales through `amax` (its state's `s_g` and block scales), but
+not mxfp4's (`frexp(NaN)` has exponent 0, so the block's scale is 2^-3 and the NaN stays in
+its element, which `pack` then refuses).
 
 `Quantized.elements` are the element values (e.g. E2M1 values) in `x`'s dtype, so
 `dequantize` returns `x`'s dtype; `scales` are the block scale values in fp32, shape
