@@ -21,6 +21,7 @@ from cutlass import Float32, Int32, Uint32  # noqa: E402
 
 from cute_kernels import _compile  # noqa: E402  (sets the target before cutlass)
 from cute_kernels import numerics as nm  # noqa: E402
+from cute_kernels import tensor_core as tc  # noqa: E402
 from lowprec import philox  # noqa: E402
 from lowprec import quantize as q  # noqa: E402
 from lowprec.formats import E2M1, E4M3, FP16  # noqa: E402
@@ -370,6 +371,9 @@ OUTPUTS = (
     "sr_fp16x2_exact",  # 1 where exact
     "e2m1_pair",  # nibbles 3 and 7 of (x, y) * PROBE_RECIP14
     "e2m1_pair_margin",  # exact where >= E2M1_PAIR_MARGIN
+    "bf16x3_hi",  # tensor_core.split_bf16x3(x, y): three bf16x2 words
+    "bf16x3_mid",
+    "bf16x3_lo",
 )
 PROBE_RECIP14 = float(np.float32(np.float32(1 / 0.37) * np.float32(2.0**-14)))
 
@@ -412,6 +416,8 @@ def _probe_kernel(
         word, margin = nm.e2m1_pair_fast(v, y[i], Float32(PROBE_RECIP14), 3)
         out[i, 13] = word
         out[i, 14] = margin
+        for k, part in enumerate(tc.split_bf16x3(v, y[i])):
+            out[i, 15 + k] = part
 
 
 @cute.jit
@@ -465,6 +471,22 @@ def test_probe_compiles_for_sm90a_with_the_contract_instructions():
     assert ".local" not in ptx
 
 
+def _split_bf16x3(x, y):
+    """tensor_core.split_bf16x3's three bf16x2 words on the CPU (each part the RN bf16, by
+    torch, of what the previous parts left; x's in bits 0-15, y's in bits 16-31), and where
+    every part is a number (no NaN, whose payload the device may pick otherwise: inf - inf,
+    or a value that rounds to a bf16 inf)."""
+    rests = [torch.from_numpy(x.astype(np.float32)), torch.from_numpy(y.astype(np.float32))]
+    words, numbers = [], np.ones(x.shape, dtype=bool)
+    for _ in range(3):
+        parts = [r.to(torch.bfloat16) for r in rests]
+        bits = [p.view(torch.int16).numpy().view(np.uint16).astype(np.uint32) for p in parts]
+        words.append(bits[0] | (bits[1] << np.uint32(16)))
+        numbers &= ~(parts[0].isnan() | parts[1].isnan()).numpy()
+        rests = [r - p.float() for r, p in zip(rests, parts, strict=True)]
+    return words, numbers
+
+
 @pytest.mark.gpu
 def test_probe_kernel_equals_numpy_backend_and_lowprec():
     """On the device every function equals the numpy backend bit for bit (which the CPU
@@ -512,6 +534,8 @@ def test_probe_kernel_equals_numpy_backend_and_lowprec():
         want["sr_fp16x2_exact"] = exact.astype(np.uint32)
         want["e2m1_pair"], want["e2m1_pair_margin"] = nm.e2m1_pair_fast(
             x, y, np.float32(PROBE_RECIP14), 3)
+        parts, numbers = _split_bf16x3(x, y)
+        want.update(zip(("bf16x3_hi", "bf16x3_mid", "bf16x3_lo"), parts, strict=True))
     positive = y.view(np.uint32) < (1 << 31)  # offsets below 2^63 (lowprec takes int64)
     offsets = torch.from_numpy(
         (y[positive].view(np.uint32).astype(np.int64) << 32) | words[positive].astype(np.int64)
@@ -526,4 +550,7 @@ def test_probe_kernel_equals_numpy_backend_and_lowprec():
             nan = np.isnan(g.view(np.float32))
             assert np.array_equal(nan, np.isnan(w.view(np.float32))), name
             g, w = g[~nan], w[~nan]
+        if name.startswith("bf16x3"):
+            assert numbers.mean() > 0.9
+            g, w = g[numbers], w[numbers]
         assert np.array_equal(g, w), f"{name}: " + first_mismatches(x, w, g, words)

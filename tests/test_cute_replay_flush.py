@@ -273,11 +273,13 @@ def test_every_element_enters_the_e2m1_pairs_margin_test(elements_per_thread):
     assert "min.s32" not in ptx
 
 
-def test_bf16_three_way_split_is_exact():
-    """The arithmetic of tensor_core.split_bf16x3 on the CPU: three round-to-nearest bf16
-    parts of an fp32 value, each of what the previous ones left, add up to it exactly (so the
-    mma fold's products are those of the fp32 weights), over random values of every
-    exponent and sign, for |v| >= 2^-100 (below, a part can be subnormal: error < 2^-133)."""
+def test_bf16_three_way_split_algorithm_is_exact():
+    """The algorithm of tensor_core.split_bf16x3, in torch on the CPU: three round-to-nearest
+    bf16 parts of an fp32 value, each of what the previous ones left, add up to it exactly (so
+    the mma fold's products are those of the fp32 weights), over random values of every
+    exponent and sign, for |v| >= 2^-100 (below, a part can be subnormal: error < 2^-133).
+    That the device function computes these parts bit for bit is checked on the GPU by the
+    numerics probe (tests/test_cute_numerics.py, outputs bf16x3_*)."""
     gen = torch.Generator().manual_seed(11)
     v = (torch.randn(100_000, generator=gen) * torch.exp2(
         torch.randint(-100, 100, (100_000,), generator=gen).float())).float()
@@ -970,9 +972,12 @@ def test_decode_steps_over_several_windows(variant):
             )
             assert ((state.double() - ref).abs() <= bound).all()
             if hi_format == "fp16":
-                rand = philox.random_words(SEED, fs, b["flushes"][fs].long(), (H, P, N))
-                want = q.encode_bits(q.round_to(state, FP16, "sr", rand), FP16)
+                rand = (philox.random_words(SEED, fs, b["flushes"][fs].long(), (H, P, N))
+                        if hi_rounding == "sr" else None)
+                want = q.encode_bits(q.round_to(state, FP16, hi_rounding, rand), FP16)
                 assert torch.equal(cache["hi"].cpu()[fs].view(torch.int16).long() & 0xFFFF, want)
+            else:  # the fp32 recurrence copy: the unrounded state, as check_flush asserts
+                assert torch.equal(cache["hi"].cpu()[fs], q.round_to(state, q.formats.FP32))
             if lo_format == "nvfp4":
                 want = expected_lo_bytes(state, "nvfp4")
                 got = kernel_lo_bytes({k: v.cpu()[fs] for k, v in cache["lo"].items()}, "nvfp4")

@@ -29,7 +29,7 @@ from checks import to_device as to
 
 from emulation.replay_decode import ReplayCache, mamba2_replay_decode  # noqa: E402
 from emulation.replay_spec import mamba2_replay_commit, mamba2_replay_verify  # noqa: E402
-from lowprec import formats, mamba2  # noqa: E402
+from lowprec import mamba2  # noqa: E402
 from lowprec import quantize as lq  # noqa: E402
 from lowprec.policies import Policy, round_state  # noqa: E402
 from lowprec.replay import Mamba2Replay  # noqa: E402
@@ -268,4 +268,3 @@ def test_format_of_copies_is_checked():
     """An fp64 read copy cannot be emulated in fp32 registers."""
     with pytest.raises(ValueError, match="lo_format"):
         _cache(lo_format="fp64")
-    assert formats.get("nvfp4").block == 16

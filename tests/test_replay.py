@@ -242,9 +242,11 @@ def test_draft_equal_to_window_flushes_whenever_anything_is_committed():
 )
 @pytest.mark.parametrize("recurrence", ["mamba2", "gdn", "kda"])
 def test_cache_with_a_policy_equals_the_simulator(recurrence, policy):
-    """Two independent implementations of a policy agree: the ring replay (this cache) and the
-    simulator's running states. Mamba-2 maps onto the simulator's form with one head per group,
-    a = exp(dt A), v = dt x, k = B, q = C (no D, z, bias, softplus). Only RN roundings: the two
+    """Two implementations of a policy's recurrence and flush schedule agree: the ring replay
+    (this cache) and the simulator's running states. (Both round through Policy.write_copies,
+    which tests/test_policies.py checks against fake_quantize.) Mamba-2 maps onto the
+    simulator's form with one head per group, a = exp(dt A), v = dt x, k = B, q = C (no D, z,
+    bias, softplus). Only RN roundings: the two
     unrounded states differ by FP64 rounding (~1e-16), which flips an RN decision with
     probability ~1e-16 / 2^-24 per element, i.e. never in practice; an SR decision could flip."""
     gen = torch.Generator().manual_seed(27)
@@ -282,9 +284,10 @@ def test_cache_with_a_policy_equals_the_simulator(recurrence, policy):
     assert cache.flushes.tolist() == [sim.flushes] * b
 
 
-def test_sr_copies_are_reproducible_and_fresh_per_flush():
+def test_sr_copies_are_reproducible_and_count_their_flushes():
     """FP16-SR recurrence copy: the same seed writes the same bits; the copy lies on the FP16
-    grid; each flush advances the slot's flush counter (fresh words)."""
+    grid; each flush advances the slot's flush counter. (That each flush rounds with the words
+    of its own counter: the test below.)"""
     policy = make_policy("separate_fp16sr", "nvfp4", window=3, seed=7)
     caches = []
     for _ in range(2):
