@@ -502,6 +502,15 @@ def main(argv=None):
             p.error(f"--{name}: expected an integer >= 1, got {getattr(a, name)}")
     if not 1 <= a.h < a.window:
         p.error(f"--h: expected 1 .. {a.window - 1} (window {a.window}), got {a.h}")
+    lists = [f"--{flag}" for flag in VARIANT_LISTS if getattr(a, flag.replace("-", "_"))]
+    if len(lists) > 1:  # only the last one was run
+        p.error(f"{lists[1]}: one variant list at a time (also given: {lists[0]})")
+    if lists and (a.no_variants or a.splits_sweep):
+        p.error(f"{lists[0]}: not with {'--no-variants' if a.no_variants else '--splits-sweep'}")
+    if a.no_variants and a.splits_sweep:
+        p.error("--no-variants: not with --splits-sweep")
+    if a.splits is not None and not a.splits_sweep:  # was ignored
+        p.error("--splits: only with --splits-sweep")
     if not torch.cuda.is_available():
         p.exit(2, "bench_read: needs a CUDA GPU (torch.cuda.is_available() is False)\n")
     SHAPE.clear()

@@ -331,6 +331,11 @@ def floor_us(
     return elements / (sms * 4 * 32) * cycles_per_element / (clock_ghz * 1e3)
 
 
+# the kernel_bench CSV columns flush_budgets reads
+BUDGET_COLUMNS = ("run", "kernel", "step", "scheme", "shape", "batch", "window", "status",
+                  "time_us", "bytes", "copy_gbps")
+
+
 def flush_budgets(
     csv_path: str, shape: str = "nemotron3-super", batch: int = 256, window: int = 16
 ) -> list[dict]:
@@ -551,6 +556,16 @@ def main(argv=None) -> int:
         parser.error("--csv: only with --pipes")
     if args.csv is not None and not os.path.isfile(args.csv):
         parser.error(f"--csv: no such file: {args.csv}")
+    if args.csv is not None:
+        with open(args.csv, newline="", errors="replace") as f:
+            header = f.readline().strip().split(",")
+        missing = [c for c in BUDGET_COLUMNS if c not in header]
+        if missing:
+            parser.error(f"--csv: {args.csv} is not a kernel_bench CSV (no column "
+                         f"{', '.join(missing)})")
+    if args.with_fallbacks and (args.pipes or args.ncu):
+        parser.error("--with-fallbacks: only for the default count (--pipes and --ncu price "
+                     "the fast paths)")
     if args.ncu and not os.path.isfile(args.ncu):
         parser.error(f"--ncu: no such file: {args.ncu}")
     csv_path = args.csv or DEFAULT_CSV

@@ -130,6 +130,7 @@ def write_trimmed(instructions: list[Instruction], path: str | Path) -> None:
     """One row per instruction (TRIM_COLUMNS; stalls as 'reason:samples;...'), gzip when the
     name ends in .gz."""
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     opener = gzip.open(path, "wt", encoding="utf-8", newline="") if path.suffix == ".gz" \
         else open(path, "w", encoding="utf-8", newline="")
     with opener as f:
@@ -276,7 +277,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         instructions = read_any(args.report, args.lines)
     except (OSError, ValueError, StopIteration) as error:
-        print(f"stall_sites: {args.report}: {error}", file=sys.stderr)
+        message = str(error) or type(error).__name__  # (OSError's and ours name the file)
+        if args.report not in message:
+            message = f"{args.report}: {message}"
+        print(f"stall_sites: {message}", file=sys.stderr)
         return 2
     if args.trim:
         try:

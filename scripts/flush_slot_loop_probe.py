@@ -3,11 +3,12 @@ flushes, at several `slot_ctas`, timed by CUDA-graph replay over rotating sets, 
 nvfp4 and fp32 at the Nemotron-3-Super layer. Says whether a looping CTA costs per slot
 (slot_ctas = batch: one slot a CTA, as the default kernel) or only when it loops.
 
-    python scripts/flush_slot_loop_probe.py [batch]
+    PYTHONPATH=$PWD:$PYTHONPATH python scripts/flush_slot_loop_probe.py [batch]
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import statistics
 import sys
@@ -18,8 +19,20 @@ from cute_kernels import replay_flush as rf
 from experiments import kernel_bench as kb
 
 
-def main() -> None:
-    batch = int(sys.argv[1]) if len(sys.argv) > 1 else 64
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python scripts/flush_slot_loop_probe.py",
+        description=__doc__.split("\n\n")[0].replace("\n", " "))
+    parser.add_argument("batch", nargs="?", type=int, default=64,
+                        help="slots, every one flushing (default %(default)s; at least 4)")
+    args = parser.parse_args(argv)
+    if args.batch < 4:
+        parser.error(f"batch: expected an integer >= 4, got {args.batch}")
+    if not torch.cuda.is_available():
+        print(f"{parser.prog}: needs a CUDA GPU (torch.cuda.is_available() is False)",
+              file=sys.stderr)
+        return 2
+    batch = args.batch
     shape = kb.SHAPES["nemotron3-super"]
     for spec_name in ("cute:flush:fp16sr+nvfp4", "cute:flush:fp32"):
         spec = kb.KERNELS[spec_name]
@@ -57,7 +70,8 @@ def main() -> None:
             times = [kb._event_time_ms(graph.replay) * 1e3 / 4 for _ in range(15)]
             print(f"{spec_name:26s} b={batch:<4d} {name:34s} {statistics.median(times):9.1f} us",
                   flush=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

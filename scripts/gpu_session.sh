@@ -65,7 +65,11 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 part=${1:-}
-case "$part" in A|B|C|D|E|K|P|T) ;; *) echo "usage: bash scripts/gpu_session.sh A|B|C|D|E|K|P|T" >&2; exit 2 ;; esac
+case "$part" in
+  A|B|C|D|E|K|P|T) ;;
+  -h|--help) sed -n '2,/^set -uo pipefail/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;;
+  *) echo "usage: bash scripts/gpu_session.sh A|B|C|D|E|K|P|T (--help: what each does)" >&2; exit 2 ;;
+esac
 out=${OUT:-/tmp/kernel-bench-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -73,6 +77,8 @@ py=${PYTHON:-python3}
 start=$(date +%s)
 total=${KB_TOTAL_S:-540}
 remaining() { echo $(( total - ($(date +%s) - start) )); }
+status=0  # the call's exit status: the first step that failed (a later one may still run)
+record() { if [ "$1" -ne 0 ] && [ "$status" -eq 0 ]; then status=$1; fi; }
 
 log="$out/kernel_bench_$part.log"
 {
@@ -108,7 +114,9 @@ EOF
 gpu_tests() {  # every gpu-marked test, 8 workers, at most KB_TESTS_S (default $1) seconds
   timeout "${KB_TESTS_S:-$1}" "$py" -m pytest -m gpu -q -n 8 -p no:cacheprovider \
     > "$out/gpu-tests.log" 2>&1
-  echo "gpu tests: exit $? after $(( $(date +%s) - start )) s" | tee -a "$log"
+  local rc=$?
+  record $rc
+  echo "gpu tests: exit $rc after $(( $(date +%s) - start )) s" | tee -a "$log"
   tail -n 3 "$out/gpu-tests.log"
 }
 
@@ -118,28 +126,30 @@ emulation_run() {  # issue 5: 128 heads x 64 x 128, 2 sequences, 131,072 steps, 
     --arms separate_fp16sr:nvfp4,every_step:fp16:rn --memory long \
     --out "$out/error_growth_emulation_gpu.csv" --plot "$out/error_growth_emulation_gpu.png" 2>&1 \
     | tr '\r' '\n' | awk 'NR % 20 == 1 || /error|Error|rel_err|arm|t=/' | tail -n 60 | tee -a "$log"
-  echo "error_growth emulation: exit ${PIPESTATUS[0]} after $(( $(date +%s) - start )) s" | tee -a "$log"
+  local rc=${PIPESTATUS[0]}
+  record "$rc"
+  echo "error_growth emulation: exit $rc after $(( $(date +%s) - start )) s" | tee -a "$log"
 }
 
 if [ "$part" = C ]; then
   gpu_tests 200
   timeout 120 "$py" -m cute_kernels.bench_write --batch 256 --out "$out/bench_write.csv" 2>&1 \
-    | tee -a "$log"
+    | tee -a "$log" || record $?
   timeout 90 "$py" -m cute_kernels.bench_read --batch 256 --out "$out/bench_read.csv" 2>&1 \
-    | tee -a "$log"
+    | tee -a "$log" || record $?
   timeout "$(( $(remaining) - 70 ))" "$py" -m cute_kernels.bench_read --splits-sweep \
-    --batch 1 8 32 64 128 --out "$out/bench_read_splits.csv" 2>&1 | tee -a "$log"
+    --batch 1 8 32 64 128 --out "$out/bench_read_splits.csv" 2>&1 | tee -a "$log" || record $?
   for b in 1 8; do
     timeout 30 "$py" -m cute_kernels.bench_write --batch $b --only "flush fp16-SR + nvfp4" \
-      --out "$out/bench_write_small_$b.csv" 2>&1 | tee -a "$log"
+      --out "$out/bench_write_small_$b.csv" 2>&1 | tee -a "$log" || record $?
   done
 elif [ "$part" = T ]; then
   gpu_tests 200
   timeout 150 "$py" -m cute_kernels.bench_read --knob-variants --batch 256 128 \
-    --out "$out/bench_read_knobs.csv" 2>&1 | tee -a "$log"
+    --out "$out/bench_read_knobs.csv" 2>&1 | tee -a "$log" || record $?
   timeout "$(( $(remaining) - 10 ))" "$py" -m cute_kernels.bench_write --batch 256 \
     --only "flush fp16-SR" "flush fp32" "window/token" --out "$out/bench_write_T.csv" 2>&1 \
-    | tee -a "$log"
+    | tee -a "$log" || record $?
 elif [ "$part" = E ]; then
   emulation_run "$(( $(remaining) - 5 ))"
 elif [ "$part" = A ] || [ "$part" = D ]; then
@@ -155,14 +165,16 @@ elif [ "$part" = A ] || [ "$part" = D ]; then
   timeout "$(( $(remaining) - 5 ))" "$py" -m experiments.kernel_bench --peers vllm \
     --run-label A --budget-s "$budget" --out "$out/kernel_bench_A.csv" \
     --plot-dir "$([ "$part" = D ] && echo none || echo "$out")" 2>&1 \
-    | tee -a "$log"
+    | tee -a "$log" || record $?
 elif [ "$part" = K ]; then
   if [ "${KB_TEST_K:-}" = all ]; then
     gpu_tests 330
   elif [ -n "${KB_TEST_K:-}" ]; then
     timeout 200 "$py" -m pytest -m gpu -q -n 8 -p no:cacheprovider -k "$KB_TEST_K" tests \
       > "$out/gpu-tests.log" 2>&1
-    echo "gpu tests (-k $KB_TEST_K): exit $? after $(( $(date +%s) - start )) s" | tee -a "$log"
+    rc=$?
+    record $rc
+    echo "gpu tests (-k $KB_TEST_K): exit $rc after $(( $(date +%s) - start )) s" | tee -a "$log"
     tail -n 3 "$out/gpu-tests.log" | tee -a "$log"
   fi
   for rep in $(seq 1 "${KB_AB_REPS:-2}"); do
@@ -177,7 +189,9 @@ elif [ "$part" = K ]; then
         --batches "${KB_AB_BATCHES:-1,8,128,256}" --kernels "${KB_AB_KERNELS:-cute:nonflush:nvfp4}" \
         --peers none --plot-dir none "${knobs[@]}" --run-label "${name}_$rep" \
         --out "$out/ab_${name}_$rep.csv" > "$out/ab_${name}_$rep.log" 2>&1
-      echo "$name rep $rep (${variant#*:}): exit $? after $(( $(date +%s) - start )) s" | tee -a "$log"
+      rc=$?
+      record $rc
+      echo "$name rep $rep (${variant#*:}): exit $rc after $(( $(date +%s) - start )) s" | tee -a "$log"
     done
   done
   "$py" - "$out" >> "$log" 2>&1 <<'EOF'
@@ -205,7 +219,9 @@ elif [ "$part" = P ]; then
     timeout "$(( $(remaining) / 2 ))" ncu --profile-from-start off --clock-control none \
       --set full --page details "$py" -m experiments.kernel_bench --profile "$kernel" \
       --shapes nemotron3-super --batches 256 --windows 16 > "$out/ncu_$name.txt" 2>&1
-    echo "ncu $kernel: exit $?" | tee -a "$log"
+    rc=$?
+    record $rc
+    echo "ncu $kernel: exit $rc" | tee -a "$log"
     grep -E "Duration|Memory Throughput|DRAM Throughput|Compute \(SM\) Throughput|Registers Per|Achieved Occupancy" \
       "$out/ncu_$name.txt" | head -n 12 | tee -a "$log"
   done
@@ -218,7 +234,8 @@ else
   budget=$(( $(remaining) - 30 ))
   timeout "$(( $(remaining) - 5 ))" "$py" -m experiments.kernel_bench --kernels "$kernels" \
     --peers flashinfer,vllm --run-label B --budget-s "$budget" --windows 16,8 \
-    --out "$out/kernel_bench_B.csv" --plot-dir none 2>&1 | tee -a "$log"
+    --out "$out/kernel_bench_B.csv" --plot-dir none 2>&1 | tee -a "$log" || record $?
 fi
 ls -la "$out" >> "$log"
-echo "call $part done in $(( $(date +%s) - start )) s"
+echo "call $part done in $(( $(date +%s) - start )) s, exit $status (the first step that failed)"
+exit "$status"

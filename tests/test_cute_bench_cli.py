@@ -9,7 +9,12 @@ from cute_kernels import bench_read, bench_write
 
 BAD = {
     bench_read: [["--batch", "256", "0"], ["--h", "16"], ["--h", "0"], ["--reps", "0"],
-                 ["--window", "-1"], ["--splits", "0"]],
+                 ["--window", "-1"], ["--splits", "0"],
+                 # combinations that ran something else than asked (the last list only, or
+                 # a flag ignored), now refused before the GPU
+                 ["--ablations", "--prologue-variants"], ["--no-variants", "--ablations"],
+                 ["--splits-sweep", "--knob-variants"], ["--splits", "2", "4"],
+                 ["--no-variants", "--splits-sweep"]],
     bench_write: [["--batch", "0"], ["--window", "0"], ["--reps", "-1"], ["--replays", "0"]],
 }
 

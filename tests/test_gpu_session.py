@@ -31,7 +31,7 @@ if [ "$1" = "-m" ] && [ "$2" = "experiments.kernel_bench" ]; then
   printf 'run,shape,window,batch,cursor,time_us,status\\n' > "$out"
   printf '%s,m2,32,256,8,%s.5,ok\\n%s,m2,32,1,8,4.25,skipped\\n' "$label" "$knobs" "$label" \\
     >> "$out"
-  exit 0
+  exit "${FAKE_KB_EXIT:-0}"
 fi
 exec "$REAL_PYTHON" "$@"
 """
@@ -109,3 +109,26 @@ def test_unknown_part_is_refused_with_its_usage(tmp_path):
     assert "usage: bash scripts/gpu_session.sh A|B|C|D|E|K|P|T" in done.stderr
     assert not (tmp_path / "calls.txt").exists()
 
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_a_failed_step_is_the_calls_exit_status_and_the_rest_still_runs(tmp_path):
+    """A benchmark run that fails makes the whole call exit with its status (it used to
+    report `call K done` and exit 0), after every later variant has still run."""
+    done = _session(tmp_path, "K", KB_AB="a: b:warps=2", KB_AB_REPS="2", FAKE_KB_EXIT="3")
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert len((tmp_path / "calls.txt").read_text().splitlines()) == 4
+    assert "exit 3 (the first step that failed)" in done.stdout
+    (tmp_path / "ok").mkdir()
+    ok = _session(tmp_path / "ok", "K", KB_AB="a:", KB_AB_REPS="1")
+    assert ok.returncode == 0 and "exit 0" in ok.stdout
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_help_prints_what_each_part_does(tmp_path):
+    """--help prints the header's description of every part (exit 0), not the bare usage."""
+    done = _session(tmp_path, "--help")
+    assert done.returncode == 0
+    for part in "ABCDEKPT":
+        assert f"bash scripts/gpu_session.sh {part}" in done.stdout
+    assert not done.stdout.lstrip().startswith("#")

@@ -159,9 +159,14 @@ def test_ncu_pipes_script_keeps_every_line_the_reader_needs():
     (["--ncu", "{tmp}"], "--ncu: no such file"),  # a folder was a traceback
     (["--pipes", "--csv", "{tmp}/missing.csv"], "--csv: no such file"),  # was skipped silently
     (["--csv", "{tmp}/missing.csv"], "--csv: only with --pipes"),  # was ignored
+    # a CSV that is not kernel_bench's was a KeyError traceback
+    (["--pipes", "--csv", "{tmp}/other.csv"], "is not a kernel_bench CSV (no column run, "),
+    (["--pipes", "--with-fallbacks"], "--with-fallbacks: only for the default count"),  # ignored
+    (["--ncu", "{tmp}/other.csv", "--with-fallbacks"], "--with-fallbacks: only"),
 ])
 def test_bad_report_or_csv_paths_are_argument_errors(tmp_path, capsys, argv, message):
     """Checked before anything compiles: one line on stderr and exit status 2."""
+    (tmp_path / "other.csv").write_text("shape,batch\nx,1\n")
     with pytest.raises(SystemExit) as exit_:
         ic.main([a.format(tmp=tmp_path) for a in argv])
     assert exit_.value.code == 2

@@ -128,26 +128,35 @@ def test_report_names_the_largest_shares(exported, capsys):
 
 
 def test_a_file_that_is_not_an_export_is_a_clear_error(tmp_path, capsys):
+    """One line naming the file once (it used to name it twice), exit status 2."""
     bad = tmp_path / "bad.csv"
     bad.write_text("a,b\n1,2\n")
     assert ss.main([str(bad)]) == 2
-    assert "not an ncu source export" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "not an ncu source export" in err and err.count(str(bad)) == 1
+    assert len(err.strip().splitlines()) == 1
     assert ss.main([str(tmp_path / "missing.csv")]) == 2
+    assert capsys.readouterr().err.count("missing.csv") == 1
 
 
 def test_bad_top_or_trim_path_is_a_clear_error(exported, tmp_path, capsys):
     """--top below 1 (a negative one printed all rows but the last) and a --trim path that
-    cannot be written (a traceback) are one-line errors with exit status 2."""
+    cannot be written (a traceback) are one-line errors with exit status 2; a --trim path in
+    a folder not made yet is written, the folder made, as the other commands do."""
     _, sass_csv, lines_csv = exported
     for top in ("0", "-2"):
         with pytest.raises(SystemExit) as exit_:
             ss.main([str(sass_csv), "--top", top])
         assert exit_.value.code == 2
         assert "--top: expected an integer >= 1" in capsys.readouterr().err
-    for out in (tmp_path, tmp_path / "no" / "t.csv.gz"):
+    (tmp_path / "file").write_text("")
+    for out in (tmp_path, tmp_path / "file" / "t.csv.gz"):
         assert ss.main([str(sass_csv), "--lines", str(lines_csv), "--trim", str(out)]) == 2
         err = capsys.readouterr().err
         assert err.startswith("stall_sites: --trim ") and "Traceback" not in err
+    new = tmp_path / "new" / "t.csv.gz"
+    assert ss.main([str(sass_csv), "--lines", str(lines_csv), "--trim", str(new)]) == 0
+    assert ss.read_any(new) == ss.read_export(sass_csv, lines_csv)
 
 
 def test_lines_with_a_trimmed_file_is_refused_not_ignored(exported, tmp_path, capsys):
