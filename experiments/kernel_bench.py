@@ -412,6 +412,7 @@ class _Parser(argparse.ArgumentParser):
     """An argument error is one line on stderr and exit status 2 (no usage block)."""
 
     def error(self, message):
+        message = " ".join(str(message).split())  # one line, even from a multi-line reason
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
@@ -430,6 +431,23 @@ def _names(text: str, name: str = "") -> tuple[str, ...]:
         raise _ListError(f"{prefix}expected comma-separated names without empty items, got "
                          f"{text!r}")
     return parts
+
+
+def _folder_problem(folder: str | Path) -> str | None:
+    """Why files cannot be written into `folder` (created here, parents too), or None: checked
+    before the work, so that a bad --out or --plot-dir is an argument error, not a traceback
+    after it."""
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        return f"{folder} is not a folder"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        where = f" ({error.filename})" if error.filename not in (None, str(folder)) else ""
+        return f"cannot create the folder {folder}: {error.strerror or error}{where}"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"the folder {folder} is not writable"
+    return None
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -472,9 +490,11 @@ def build_parser() -> argparse.ArgumentParser:
                    f"the method before 2026-11-30)")
     p.add_argument("--run-label", default=defaults.run_label,
                    help="label of this run in the CSV's run column (default: %(default)s)")
-    p.add_argument("--merge", nargs="+", metavar="CSV",
-                   help="merge these CSVs into --out (no GPU needed), recompute the token rows")
-    p.add_argument("--plot-only", metavar="CSV", help="only plot and summarise this CSV")
+    sources = p.add_mutually_exclusive_group()
+    sources.add_argument("--merge", nargs="+", metavar="CSV",
+                         help="merge these CSVs (each once) into --out (no GPU needed), "
+                         "recompute the token rows")
+    sources.add_argument("--plot-only", metavar="CSV", help="only plot and summarise this CSV")
     p.add_argument("--list-kernels", action="store_true", help="print the kernel names and exit")
     p.add_argument("--nonflush-knob", action="append", default=[], metavar="KEY=VALUE",
                    help="a tuning knob of the CuTe non-flush kernel (replay_output's keyword "
@@ -1780,6 +1800,21 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as error:
             parser.error(str(error))
         return profile(config, args.profile)
+    if args.merge:
+        seen = {}  # a CSV given twice would have every row of it counted twice
+        for path in args.merge:
+            if Path(path).resolve() in seen:
+                parser.error(f"--merge: the CSV {path} is given twice (also as "
+                             f"{seen[Path(path).resolve()]})")
+            seen[Path(path).resolve()] = path
+    if not args.plot_only:  # --merge and a run write --out
+        problem = _folder_problem(out.parent)
+        if problem is None and out.exists() and not os.access(out, os.W_OK):
+            problem = "the file is not writable"
+        if problem:
+            parser.error(f"--out: cannot write {out}: {problem}")
+    if config.plot_dir is not None and (problem := _folder_problem(config.plot_dir)):
+        parser.error(f"--plot-dir: {problem}")
     if args.plot_only or args.merge:
         sources = [args.plot_only] if args.plot_only else args.merge
         try:
@@ -1788,7 +1823,6 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"cannot read the CSVs: {error}")
         frame = with_token_rows(pd.concat(frames, ignore_index=True))
         if args.merge:
-            out.parent.mkdir(parents=True, exist_ok=True)
             frame.to_csv(out, index=False)
             print(f"wrote {out} ({len(frame)} rows)", file=sys.stderr)
         _finish(frame, out if args.merge else Path(args.plot_only), config.plot_dir)

@@ -101,9 +101,13 @@ def cursor_layout(batch: int, window: int, cursor: int | None = None) -> list[in
             raise ValueError(f"--cursor: expected 0..{window - 2} (a non-flush step of window "
                              f"{window}) and a batch >= 1, got cursor {cursor}, batch {batch}")
         return [cursor] * batch
-    if window < 2 or batch < window or batch % window:
-        raise ValueError(f"the batch must be a positive multiple of the window (>= 2): got "
-                         f"batch {batch}, window {window}")
+    if window < 2:
+        raise ValueError(f"--windows: expected windows >= 2 (a staggered batch needs a flush "
+                         f"cursor and a non-flush one), got {window}")
+    if batch < window or batch % window:
+        raise ValueError(f"--batches: batch {batch} is not a multiple of the window {window} "
+                         f"(--windows): a staggered batch puts batch / {window} slots at each "
+                         f"cursor 0..{window - 1} (with --cursor any batch size is allowed)")
     return [s * window // batch for s in range(batch)]
 
 
@@ -586,7 +590,7 @@ def _names(allowed):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = kb._Parser(  # an argument error: one line on stderr, exit status 2
         prog="python -m experiments.staggered_step",
         description="One decode step of a batch whose slots are spread over the window (a "
                     "server's steady state): the two-precision scheme against single-copy "
@@ -597,7 +601,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shape", default="nemotron3-super", choices=sorted(kb.SHAPES),
                    help="layer shape (kernel_bench's)")
     p.add_argument("--batches", type=_ints, default=",".join(map(str, DEFAULT_BATCHES)),
-                   help="slots, comma-separated; each a multiple of every window")
+                   help="slots, comma-separated; each a multiple of every window (a "
+                        "staggered batch puts batch / L slots at each cursor), except with "
+                        "--cursor, where any batch size is allowed")
     p.add_argument("--windows", type=_ints, default=",".join(map(str, DEFAULT_WINDOWS)),
                    help="window lengths L, comma-separated")
     p.add_argument("--schemes", type=_names(tuple(SCHEMES)), default=",".join(SCHEMES),
@@ -607,7 +613,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cursor", type=int, default=None,
                    help="every slot at this non-flush cursor (a synchronized batch) instead of "
                         "staggered: what replay_decode_step costs on a step where no slot "
-                        "flushes, against the non-flush kernel alone")
+                        "flushes, against the non-flush kernel alone; batches of any size, "
+                        "mode overlapped left out (nothing to overlap)")
     p.add_argument("--reps", type=int, default=20, help="timed graph replays per point")
     p.add_argument("--lead-cycles", type=int, default=kb.LEAD_CYCLES,
                    help="GPU spin before each timed replay (kernel_bench's)")
@@ -616,6 +623,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where the PNGs go ('' or 'none' for none)")
     p.add_argument("--plot-only", metavar="CSV", help="redraw and summarise a CSV; no GPU")
     return p
+
+
+def _check_plot_dir(parser: argparse.ArgumentParser, plot_dir: str) -> None:
+    """--plot-dir (unless '' for none) is a folder that can be written, before any work."""
+    if plot_dir and (problem := kb._folder_problem(plot_dir)):
+        parser.error(f"--plot-dir: {problem}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -629,6 +642,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.lead_cycles < 0:
         parser.error(f"--lead-cycles: expected an integer >= 0, got {args.lead_cycles}")
     if args.plot_only:
+        _check_plot_dir(parser, args.plot_dir)
         try:
             frame = pd.read_csv(args.plot_only)
         except (OSError, ValueError) as error:
@@ -642,6 +656,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"wrote {path}", file=sys.stderr)
         print(format_summary(frame))
         return 0
+    replayed = any(SCHEMES[s] is not None for s in args.schemes)
+    if args.cursor is not None and replayed and set(args.modes) <= {"overlapped"}:
+        parser.error(f"--modes: with --cursor, mode overlapped is left out (a synchronized "
+                     f"batch has no flush to overlap), so the replay schemes would time "
+                     f"nothing; ask for one of {', '.join(m for m in MODES if m != 'overlapped')}")
     for window in args.windows:
         for batch in args.batches:
             try:
@@ -649,7 +668,11 @@ def main(argv: list[str] | None = None) -> int:
             except ValueError as error:
                 parser.error(str(error))
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    if out.is_dir():
+        parser.error(f"--out: expected a CSV path, got the folder {out}")
+    if problem := kb._folder_problem(out.parent):
+        parser.error(f"--out: cannot write {out}: {problem}")
+    _check_plot_dir(parser, args.plot_dir)
     started = time.perf_counter()
     try:
         frame = run(args.shape, args.batches, args.windows, args.schemes, args.modes, args.reps,

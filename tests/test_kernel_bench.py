@@ -58,6 +58,12 @@ def test_help_runs_on_a_cpu_only_machine():
          "head_splits * warps (4) dividing nheads / ngroups = 80"),
         (["--batches", "256", "--nonflush-knob", "stage=smem", "--nonflush-knob", "warps=16"],
          "batch 256: stage: expected 'registers' for this shape and warps (16)"),
+        # --plot-only B used to read B only and write it to --out, ignoring the merge list
+        (["--merge", "a.csv", "--plot-only", "b.csv"],
+         "--plot-only: not allowed with argument --merge"),
+        # a CSV given twice (however spelled) had every row merged twice
+        (["--merge", str(REPO / "results" / "kernel_bench.csv"),
+          str(REPO / "results" / ".." / "results" / "kernel_bench.csv")], "--merge: the CSV"),
     ],
 )
 def test_bad_argument_is_one_line_error(argv, word, capsys):
@@ -81,6 +87,21 @@ def test_output_paths_of_the_wrong_kind_are_one_line_errors(tmp_path, capsys):
         assert exit_info.value.code == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and ("--out" in err or "--plot-dir" in err), err
+
+
+def test_unwritable_output_paths_are_one_line_errors(tmp_path, capsys):
+    """--out or --plot-dir under a file (/dev/null/x) is an argument error before the work
+    (both were tracebacks: the merge's write, the plot's mkdir)."""
+    (tmp_path / "f").write_text("")
+    csv = str(REPO / "results" / "kernel_bench.csv")
+    for argv, flag in ((["--merge", csv, "--out", str(tmp_path / "f" / "x.csv")], "--out"),
+                       (["--plot-only", csv, "--plot-dir", str(tmp_path / "f" / "x")],
+                        "--plot-dir")):
+        with pytest.raises(SystemExit) as exit_info:
+            kb.main(argv)
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and f"error: {flag}: " in err, err
 
 
 def test_nonflush_knobs_reach_the_configuration():

@@ -44,7 +44,7 @@ def test_a_synchronized_batch_holds_one_non_flush_cursor_everywhere():
 
 @pytest.mark.parametrize("batch, window", [(24, 16), (8, 16), (17, 1), (0, 4)])
 def test_a_batch_that_does_not_fill_every_cursor_is_refused(batch, window):
-    with pytest.raises(ValueError, match="multiple of the window"):
+    with pytest.raises(ValueError, match="multiple of the window|windows >= 2"):
         st.cursor_layout(batch, window)
 
 
@@ -119,7 +119,10 @@ def test_plot_only_redraws_from_the_csv_without_a_gpu(tmp_path):
 @pytest.mark.parametrize(
     "argv, words",
     [
-        (["--batches", "24"], "multiple of the window"),
+        (["--batches", "24"], "--batches: batch 24 is not a multiple of the window 16"),
+        (["--cursor", "8", "--modes", "overlapped"], "--modes: with --cursor"),  # nothing timed
+        (["--plot-only", "results/staggered_step.csv", "--plot-dir", "README.md/x"], "--plot-dir"),
+        (["--out", "README.md/s.csv"], "--out"),
         (["--batches", "32,x"], "comma-separated integers"),
         (["--batches", "32,,64"], "comma-separated integers"),  # an empty item: not dropped
         (["--schemes", "two-precision,"], "two-precision"),
@@ -136,7 +139,15 @@ def test_bad_arguments_get_one_line_not_a_traceback(argv, words):
     result = subprocess.run([sys.executable, "-m", "experiments.staggered_step", *argv],
                             cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
-    assert words in result.stderr and "Traceback" not in result.stderr
+    assert words in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_batches_help_says_the_multiple_rule_does_not_hold_with_cursor():
+    """The README's --cursor 8 --batches 1,8,... is allowed, and --help says so."""
+    text = " ".join(st.build_parser().format_help().split())
+    assert "each a multiple of every window" in text
+    assert "except with --cursor, where any batch size is allowed" in text
+    assert st.cursor_layout(1, 16, cursor=8) == [8]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a CPU machine")
