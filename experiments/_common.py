@@ -4,6 +4,7 @@ columns, so that a fresh run can be compared with the committed file byte for by
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -12,7 +13,15 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["git_commit", "device_name", "meta_path", "write_meta"]
+__all__ = [
+    "git_commit",
+    "device_name",
+    "meta_path",
+    "write_meta",
+    "folder_problem",
+    "file_problem",
+    "OneLineParser",
+]
 
 
 def git_commit(repo: Path | None = None) -> str:
@@ -71,6 +80,44 @@ def write_meta(
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(meta, indent=2) + "\n")
     return path
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """The experiments' argument parser: an argument error is one line on stderr (a reason
+    spanning lines is joined) and exit status 2, without argparse's usage block."""
+
+    def error(self, message):
+        message = " ".join(str(message).split())
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def folder_problem(folder: str | Path) -> str | None:
+    """Why files cannot be written into ``folder`` (to be created with its parents), or None.
+
+    Checked before the work, so that a bad output path is an argument error and not a
+    traceback after a long run; nothing is created (a refused command leaves no folders
+    behind): the command makes its folders when it writes."""
+    folder = Path(folder)
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is not a folder"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"the folder {existing} is not writable"
+    return None
+
+
+def file_problem(path: str | Path) -> str | None:
+    """Why the file ``path`` cannot be written (its folder created if need be), or None."""
+    path = Path(path)
+    if path.is_dir():
+        return f"{path} is a folder"
+    if problem := folder_problem(path.parent):
+        return problem
+    if path.exists() and not os.access(path, os.W_OK):
+        return "the file is not writable"
+    return None
 
 
 def save_small_png(fig, png) -> None:

@@ -106,7 +106,7 @@ import pandas as pd
 import torch
 from tqdm import tqdm
 
-from experiments._common import write_meta
+from experiments._common import OneLineParser, file_problem, write_meta
 from lowprec import formats, philox
 from lowprec._checks import check_float, check_ndim, check_shape
 from lowprec.metrics import rel_err
@@ -477,19 +477,12 @@ _HELP = {
 }
 
 
-class _Parser(argparse.ArgumentParser):
-    """An argument error is one line on stderr and exit status 2 (no usage block)."""
-
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
     epilog = "presets (explicit flags override them):\n" + "\n".join(
         f"  {name}: " + " ".join(f"--{k.replace('_', '-')} {_show(v)}" for k, v in values.items())
         for name, values in PRESETS.items()
     )
-    parser = _Parser(
+    parser = OneLineParser(
         prog="python -m experiments.error_growth",
         description="Output error against decode length for each precision policy of the SSM "
         "state (see the module docstring). Writes a CSV, its .meta.json, a PNG, and prints a "
@@ -574,6 +567,11 @@ def config_from_args(args: argparse.Namespace) -> Config:
         raise ValueError(f"out: expected a CSV path, got the folder {out!r}")
     if plot_path.lower() != "none":
         _check_plot_path(plot_path)
+    # writable outputs, checked before the run (a bad path was a traceback after it)
+    if not args.replot and (problem := file_problem(out)):
+        raise ValueError(f"--out: cannot write {out}: {problem}")
+    if plot_path.lower() != "none" and (problem := file_problem(plot_path)):
+        raise ValueError(f"--plot: cannot write {plot_path}: {problem}")
     return Config(
         recurrence=values["recurrence"],
         dv=values["dv"],
@@ -967,12 +965,15 @@ def plot(csv_path: str | Path, png_path: str | Path) -> None:
     """Log-log rel_err against step, one panel per (format, memory profile), panels of a
     format sharing the y axis: the window-mean error (median over seeds, band = min..max over
     seeds) of each arm, and the format's unit roundoff u as a dotted line. Windows whose
-    median is 0 (the windowed arms before their first flush) have no point on a log axis.
-    Reads only ``csv_path``."""
+    median is 0 (the windowed arms before their first flush) have no point on a log axis; an
+    arm that is 0 at every step of a panel is not drawn there but named in a note in the
+    panel, and a format whose error is 0 everywhere (fp64, or windowed arms that never flush)
+    gets a linear axis with its curves on the zero line. Reads only ``csv_path``."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     frame = read_csv(csv_path)
@@ -995,21 +996,49 @@ def plot(csv_path: str | Path, png_path: str | Path) -> None:
     plain = FuncFormatter(lambda value, _: f"{value:g}")
     handles = {}
     for row, fmt in enumerate(fmts):
+        in_row = means[means["format"] == fmt]
+        # no positive error in the whole row (the panels share y): nothing for a log axis
+        exact_row = not (in_row["median"] > 0).any()
         for col, mem in enumerate(mems):
             ax = axes[row][col]
-            panel = means[(means["format"] == fmt) & (means["memory"] == mem)]
+            panel = in_row[in_row["memory"] == mem]
+            zero = []  # arms at 0 on every step of a log panel: named, not drawn
             for (arm, rounding), curve in panel.groupby(["arm", "rounding"], sort=False):
-                curve = curve[curve["median"] > 0].sort_values("last_step")
                 colour, dash = _STYLE.get((arm, rounding), ("#7f7f7f", ":"))
                 label = arm if arm in SEPARATE_ARMS else f"{arm} ({rounding.upper()})"
+                if not exact_row:
+                    curve = curve[curve["median"] > 0]
+                    if curve.empty:
+                        zero.append(label)
+                        handles.setdefault(label, Line2D([], [], ls=dash, color=colour, lw=1.4))
+                        continue
+                curve = curve.sort_values("last_step")
                 (line,) = ax.plot(
-                    curve["last_step"], curve["median"], dash, color=colour, lw=1.4, label=label
+                    curve["last_step"],
+                    curve["median"],
+                    dash,
+                    color=colour,
+                    lw=1.4,
+                    label=label,
+                    marker="o" if len(curve) == 1 else None,  # one window: a dot, not a line
+                    ms=3,
                 )
                 ax.fill_between(
                     curve["last_step"], curve["low"], curve["high"], color=colour, alpha=0.15, lw=0
                 )
                 handles.setdefault(label, line)
-            u = _unit_roundoff(fmt)
+            if exact_row:
+                ax.set_ylim(-1.0, 1.0)
+                ax.set_yticks([0.0])
+                ax.text(
+                    0.5,
+                    0.6,
+                    "rel_err = 0 at every step: exact",
+                    transform=ax.transAxes,
+                    ha="center",
+                    fontsize=8,
+                )
+            u = None if exact_row else _unit_roundoff(fmt)
             if u is not None:
                 ax.axhline(u, color="k", ls=":", lw=0.8)
                 ax.annotate(
@@ -1021,19 +1050,23 @@ def plot(csv_path: str | Path, png_path: str | Path) -> None:
                     fontsize=7,
                 )
             ax.set_xscale("log")
-            ax.set_yscale("log")
             ax.xaxis.set_major_locator(LogLocator(base=10))
             ax.xaxis.set_major_formatter(plain)
             ax.xaxis.set_minor_formatter(NullFormatter())
-            # 1-2-5 labels over a few decades; past three decades they would overlap
-            low, high = ax.get_ylim()
-            subs = (1.0, 2.0, 5.0) if high / low <= 1e3 else (1.0,)
-            ax.yaxis.set_major_locator(LogLocator(base=10, subs=subs))
-            ax.yaxis.set_major_formatter(plain)
-            ax.yaxis.set_minor_formatter(NullFormatter())
+            if not exact_row:
+                ax.set_yscale("log")
+                # 1-2-5 labels over a few decades; past three decades they would overlap
+                low, high = ax.get_ylim()
+                subs = (1.0, 2.0, 5.0) if high / low <= 1e3 else (1.0,)
+                ax.yaxis.set_major_locator(LogLocator(base=10, subs=subs))
+                ax.yaxis.set_major_formatter(plain)
+                ax.yaxis.set_minor_formatter(NullFormatter())
             ax.tick_params(labelsize=7)
             ax.grid(True, which="major", alpha=0.3)
-            ax.set_title(f"{fmt} | memory {_memory_label(mem)}", fontsize=8)
+            title = f"{fmt} | memory {_memory_label(mem)}"
+            if zero:
+                title += "\nrel_err = 0 at every step, not drawn: " + ", ".join(zero)
+            ax.set_title(title, fontsize=8)
             if row == len(fmts) - 1:
                 ax.set_xlabel("step (end of window)", fontsize=8)
             if col == 0:
@@ -1090,6 +1123,10 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, ValueError) as error:
             parser.error(f"--replot: cannot read {config.out}: {error}")
     else:
+        if config.window > config.steps:
+            print(f"note: --window {config.window} is longer than --steps {config.steps}: no "
+                  "flush happens (the windowed arms never round a checkpoint) and the plot and "
+                  "summary average over one partial window", file=sys.stderr)
         start = time.perf_counter()
         frame = run(config)
         seconds = time.perf_counter() - start

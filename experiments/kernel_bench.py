@@ -96,7 +96,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from experiments._common import save_small_png
+from experiments._common import OneLineParser, file_problem, folder_problem, save_small_png
 from lowprec import models, traffic
 
 __all__ = [
@@ -408,14 +408,6 @@ class BenchConfig:
 QUICK = dict(batches=(1, 256), windows=(16,), reps=5, l2_multiple=2.0)
 
 
-class _Parser(argparse.ArgumentParser):
-    """An argument error is one line on stderr and exit status 2 (no usage block)."""
-
-    def error(self, message):
-        message = " ".join(str(message).split())  # one line, even from a multi-line reason
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
 class _ListError(argparse.ArgumentTypeError, ValueError):
     """A bad comma-separated list: argparse reports it after the flag's name, and
     config_from_args's callers catch it as a ValueError."""
@@ -433,23 +425,6 @@ def _names(text: str, name: str = "") -> tuple[str, ...]:
     return parts
 
 
-def _folder_problem(folder: str | Path) -> str | None:
-    """Why files cannot be written into `folder` (created here, parents too), or None: checked
-    before the work, so that a bad --out or --plot-dir is an argument error, not a traceback
-    after it."""
-    folder = Path(folder)
-    if folder.exists() and not folder.is_dir():
-        return f"{folder} is not a folder"
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        where = f" ({error.filename})" if error.filename not in (None, str(folder)) else ""
-        return f"cannot create the folder {folder}: {error.strerror or error}{where}"
-    if not os.access(folder, os.W_OK | os.X_OK):
-        return f"the folder {folder} is not writable"
-    return None
-
-
 def _ints(text: str) -> tuple[int, ...]:
     parts = tuple(p.strip() for p in text.split(","))
     try:
@@ -459,7 +434,7 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m experiments.kernel_bench",
+    p = OneLineParser(prog="python -m experiments.kernel_bench",
                 description="Time the kit's CuTe decode kernels and the peers' on the GPU "
                 "(see the module docstring); writes a CSV, its .meta.json, PNGs and a summary.")
     defaults = BenchConfig()
@@ -1808,12 +1783,10 @@ def main(argv: list[str] | None = None) -> int:
                              f"{seen[Path(path).resolve()]})")
             seen[Path(path).resolve()] = path
     if not args.plot_only:  # --merge and a run write --out
-        problem = _folder_problem(out.parent)
-        if problem is None and out.exists() and not os.access(out, os.W_OK):
-            problem = "the file is not writable"
+        problem = file_problem(out)
         if problem:
             parser.error(f"--out: cannot write {out}: {problem}")
-    if config.plot_dir is not None and (problem := _folder_problem(config.plot_dir)):
+    if config.plot_dir is not None and (problem := folder_problem(config.plot_dir)):
         parser.error(f"--plot-dir: {problem}")
     if args.plot_only or args.merge:
         sources = [args.plot_only] if args.plot_only else args.merge
@@ -1823,6 +1796,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"cannot read the CSVs: {error}")
         frame = with_token_rows(pd.concat(frames, ignore_index=True))
         if args.merge:
+            out.parent.mkdir(parents=True, exist_ok=True)
             frame.to_csv(out, index=False)
             print(f"wrote {out} ({len(frame)} rows)", file=sys.stderr)
         _finish(frame, out if args.merge else Path(args.plot_only), config.plot_dir)

@@ -72,7 +72,7 @@ import torch
 from tqdm import tqdm
 
 from experiments import kernel_bench as kb
-from experiments._common import save_small_png
+from experiments._common import OneLineParser, file_problem, folder_problem, save_small_png
 
 __all__ = ["SCHEMES", "MODES", "cursor_layout", "step_bytes", "check_modes", "run", "plot",
            "summarize", "main"]
@@ -590,7 +590,7 @@ def _names(allowed):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = kb._Parser(  # an argument error: one line on stderr, exit status 2
+    p = OneLineParser(  # an argument error: one line on stderr, exit status 2
         prog="python -m experiments.staggered_step",
         description="One decode step of a batch whose slots are spread over the window (a "
                     "server's steady state): the two-precision scheme against single-copy "
@@ -627,7 +627,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _check_plot_dir(parser: argparse.ArgumentParser, plot_dir: str) -> None:
     """--plot-dir (unless '' for none) is a folder that can be written, before any work."""
-    if plot_dir and (problem := kb._folder_problem(plot_dir)):
+    if plot_dir and (problem := folder_problem(plot_dir)):
         parser.error(f"--plot-dir: {problem}")
 
 
@@ -668,11 +668,10 @@ def main(argv: list[str] | None = None) -> int:
             except ValueError as error:
                 parser.error(str(error))
     out = Path(args.out)
-    if out.is_dir():
-        parser.error(f"--out: expected a CSV path, got the folder {out}")
-    if problem := kb._folder_problem(out.parent):
+    if problem := file_problem(out):
         parser.error(f"--out: cannot write {out}: {problem}")
     _check_plot_dir(parser, args.plot_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     try:
         frame = run(args.shape, args.batches, args.windows, args.schemes, args.modes, args.reps,

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from experiments._common import save_small_png
+from experiments._common import OneLineParser, folder_problem, save_small_png
 from lowprec import models
 from lowprec import traffic as tr
 
@@ -418,7 +418,9 @@ def _plot_spec(df: pd.DataFrame, ax_T, ax_acc) -> None:
             color=color,
             label=f"{label}, all rejected",
         )
-        for T, style in ((4, "-o"), (8, "--^")):
+        # T = 4 and 8, or the largest T of the CSV when L < 4 leaves neither (T <= L)
+        shown = [T for T in (4, 8) if T in set(rows.verified)] or [rows.verified.max()]
+        for T, style in zip(shown, ("-o", "--^"), strict=False):
             at_T = rows[rows.verified == T]
             if len(at_T):
                 ax_acc.plot(
@@ -509,7 +511,7 @@ def plot(csv: str | Path) -> Path:
 
 
 def parse_args(argv: list[str] | None = None) -> Config:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="python -m experiments.traffic",
         description=(
             "Memory traffic and capacity of SSM decoding: bytes per committed token for "
@@ -531,13 +533,15 @@ def parse_args(argv: list[str] | None = None) -> Config:
         "--window",
         type=int,
         default=Config.window,
-        help="ReplaySSM window L for the speculative and memory sweeps and the summary",
+        help="ReplaySSM window L for the speculative and memory sweeps and the summary (the "
+        "speculative sweep's T runs up to 8 or L, whichever is smaller)",
     )
     parser.add_argument(
         "--spec-verified",
         type=int,
         default=Config.spec_verified,
-        help="tokens verified per step T for the summary's 'spec' entry and the memory sweep",
+        help="tokens verified per step T for the summary's 'spec' entry and the memory sweep; "
+        "at most --window",
     )
     parser.add_argument(
         "--summary",
@@ -550,11 +554,19 @@ def parse_args(argv: list[str] | None = None) -> Config:
         parser.error(f"--window: expected an integer >= 1, got {args.window}")
     if args.spec_verified < 1:
         parser.error(f"--spec-verified: expected an integer >= 1, got {args.spec_verified}")
+    if args.spec_verified > args.window:
+        # lowprec.replay's rule (T <= L): a step verifies at most one window of drafts, as the
+        # replay_spec cycle and its closed form assume
+        parser.error(f"--spec-verified: expected T <= the window L = {args.window} (--window), "
+                     f"got {args.spec_verified}")
     if not args.summary and args.out.exists() and not args.out.is_dir():
         parser.error(f"--out: expected a folder, got the file {args.out}")
+    if not args.summary and (problem := folder_problem(args.out)):
+        parser.error(f"--out: cannot write under {args.out}: {problem}")
     return Config(
         model=args.model,
         out_dir=args.out,
+        verified=tuple(T for T in Config.verified if T <= args.window),  # T <= L as above
         window=args.window,
         spec_verified=args.spec_verified,
         summary_only=args.summary,

@@ -9,15 +9,22 @@ import argparse
 
 import torch
 
-from lowprec import formats
+from lowprec import formats, philox
 from lowprec.metrics import rel_err
 from lowprec.philox import random_words
 from lowprec.quantize import fake_quantize
 
 
+class _Parser(argparse.ArgumentParser):
+    """An argument error is one line on stderr and exit status 2 (no usage block)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m lowprec", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _Parser(prog="python -m lowprec", description=__doc__,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--heads", type=int, default=128, help="heads (default 128)")
     parser.add_argument("--dv", type=int, default=64, help="headdim d_v (default 64)")
     parser.add_argument("--dk", type=int, default=128, help="dstate d_k (default 128)")
@@ -28,6 +35,12 @@ def main(argv=None) -> None:
             parser.error(f"--{name} must be >= 1 (got {getattr(args, name)})")
     if args.dk < 32 or args.dk % 32:
         parser.error(f"--dk must be a positive multiple of 32 (got {args.dk})")
+    # the limits of the SR words (lowprec.philox), checked here rather than as a traceback
+    if not 0 <= args.seed < philox.SEED_LIMIT:
+        parser.error(f"--seed must be in [0, 2^64) (got {args.seed})")
+    if args.heads * args.dv * args.dk > philox.ELEMENT_LIMIT:
+        parser.error(f"--heads x --dv x --dk must be at most {philox.ELEMENT_LIMIT:,} state "
+                     f"elements, the SR words' limit (got {args.heads * args.dv * args.dk:,})")
 
     g = torch.Generator().manual_seed(args.seed)
     shape = (args.heads, args.dv, args.dk)

@@ -494,23 +494,47 @@ def test_bad_arguments_give_one_line_and_exit_status_2(capsys, argv):
     assert "error:" in err and "Traceback" not in err
 
 
-@pytest.mark.parametrize("where", ["out folder", "plot folder", "plot txt", "plot no suffix"])
+@pytest.mark.parametrize("where", ["out folder", "plot folder", "plot txt", "plot no suffix",
+                                   "out under a file", "plot under a file"])
 def test_bad_output_paths_are_one_line_errors_before_the_run(tmp_path, capsys, where):
-    """--out naming a folder, or --plot naming a folder or a file type matplotlib cannot
-    write, is an argument error before anything is simulated (it was a traceback after)."""
+    """--out naming a folder or a path under a file (like /dev/null/x.csv), or --plot naming a
+    folder, a path under a file or a file type matplotlib cannot write, is an argument error
+    before anything is simulated (it was a traceback after)."""
+    (tmp_path / "file").write_text("")
     paths = {
         "out folder": ["--out", str(tmp_path)],
         "plot folder": ["--out", str(tmp_path / "a.csv"), "--plot", str(tmp_path)],
         "plot txt": ["--out", str(tmp_path / "a.csv"), "--plot", str(tmp_path / "a.txt")],
         "plot no suffix": ["--out", str(tmp_path / "a.csv"), "--plot", str(tmp_path / "a")],
+        "out under a file": ["--out", str(tmp_path / "file" / "a.csv")],
+        "plot under a file": ["--out", str(tmp_path / "a.csv"), "--plot",
+                              str(tmp_path / "file" / "x" / "a.png")],
     }[where]
     with pytest.raises(SystemExit) as exit_info:
         eg.main(["--steps", "4", "--seeds", "1", "--no-progress", *paths])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1, err
-    assert ("out:" if where == "out folder" else "plot:") in err and "Traceback" not in err
+    assert ("out:" if where.startswith("out") else "plot:") in err and "Traceback" not in err
+    if "under a file" in where:
+        assert f"{tmp_path / 'file'} is not a folder" in err
     assert not (tmp_path / "a.csv").exists()
+
+
+def test_exact_arms_are_plotted_and_a_window_past_the_run_is_noted(tmp_path, capsys):
+    """An arm at rel_err 0 everywhere is a result (fp64 rounds nothing; separate_exact never
+    flushes when L > steps): the log plot used to crash on it after the CSV was written."""
+    out = tmp_path / "exact.csv"
+    argv = ["--arms", "every_step:fp64:sr,every_step:fp16:rn,separate_exact:fp16", "--steps",
+            "23", "--window", "37", "--seeds", "2", "--dv", "3", "--dk", "5", "--memory", "short",
+            "--no-progress", "--out", str(out)]
+    assert eg.main(argv) == 0
+    frame = eg.read_csv(out)
+    exact = frame["format"].eq("fp64") | frame["arm"].eq("separate_exact")
+    assert (frame.loc[exact, "rel_err"] == 0).all() and (frame.loc[~exact, "rel_err"] > 0).all()
+    assert (tmp_path / "exact.png").stat().st_size > 10_000
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note:")]
+    assert len(notes) == 1 and "--window 37 is longer than --steps 23" in notes[0]
 
 
 def test_bad_arguments_from_the_shell_give_no_traceback():

@@ -6,7 +6,7 @@ import ml_dtypes
 import pytest
 import torch
 
-from lowprec import formats
+from lowprec import formats, philox
 from lowprec.formats import BF16, E2M1, E4M3, E5M2, FP16, FP32, FP64, ROW, Format
 
 # element format -> the same format in torch (None: torch has no fp4) and in ml_dtypes
@@ -123,15 +123,28 @@ def test_inconsistent_format_fields_raise_value_errors_naming_them():
     (["--heads", "0"], "--heads must be >= 1 (got 0)"),  # blamed --dk ("got 128")
     (["--dv", "-1"], "--dv must be >= 1 (got -1)"),
     (["--dk", "48"], "--dk must be a positive multiple of 32 (got 48)"),
+    (["--seed", "-1"], "--seed must be in [0, 2^64) (got -1)"),  # were ValueError tracebacks
+    (["--seed", str(philox.SEED_LIMIT)], f"--seed must be in [0, 2^64) (got {philox.SEED_LIMIT})"),
+    (["--heads", str(philox.ELEMENT_LIMIT // (3 * 96) + 1), "--dv", "3", "--dk", "96"],
+     f"--heads x --dv x --dk must be at most {philox.ELEMENT_LIMIT:,} state elements"),
 ])
 def test_the_tour_names_the_bad_argument(capsys, argv, message):
-    """`python -m lowprec` with a bad size: exit status 2 and a message about that flag."""
+    """`python -m lowprec` with a bad size or seed: exit status 2 and one line about that flag."""
     from lowprec.__main__ import main
 
     with pytest.raises(SystemExit) as exit_:
         main(argv)
     assert exit_.value.code == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_the_tour_accepts_the_largest_seed(capsys):
+    """The seed range is Philox's [0, 2^64): its last seed runs."""
+    from lowprec.__main__ import main
+
+    main(["--heads", "3", "--dv", "5", "--dk", "32", "--seed", str(philox.SEED_LIMIT - 1)])
+    assert capsys.readouterr().out.startswith("one state 3 x 5 x 32")
 
 
 def test_the_tour_prints_every_format(capsys):

@@ -440,6 +440,32 @@ def test_out_naming_a_file_is_a_one_line_error(tmp_path, capsys):
     assert "error: --out: expected a folder" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("case", ["T past L", "out under a file"])
+def test_unusable_arguments_are_one_line_errors_naming_the_flag(tmp_path, capsys, case):
+    """T > L (lowprec.replay refuses it; was a silent 404 MiB/token) and an --out under a file
+    (like /dev/null/x; was a NotADirectoryError) are refused before anything is written."""
+    (tmp_path / "file").write_text("")
+    argv, flag = {
+        "T past L": (["--window", "7", "--spec-verified", "8", "--out", str(tmp_path)],
+                     "--spec-verified"),
+        "out under a file": (["--out", str(tmp_path / "file" / "x")], "--out"),
+    }[case]
+    with pytest.raises(SystemExit) as info:
+        experiment.main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and f"error: {flag}:" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+@pytest.mark.parametrize("window", [1, 3, 5, 16])
+def test_speculative_sweeps_keep_T_within_the_window(window):
+    """T = L is allowed; the spec sweep's T runs to min(8, L)."""
+    config = experiment.parse_args(["--window", str(window), "--spec-verified", str(window)])
+    assert config.verified == tuple(range(1, min(8, window) + 1))
+    assert set(experiment.spec_sweep(config).verified) == set(config.verified)
+
+
 def test_run_writes_tidy_csvs_that_plot_reads(tmp_path):
     config = experiment.Config(out_dir=tmp_path, windows=(1, 5, 16), verified=(1, 3, 4),
                                memory_gib=(1.0, 3.0))
