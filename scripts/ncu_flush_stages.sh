@@ -12,14 +12,8 @@
 # OUT/ncu_flush_<tag>.txt and, with only the lines kept in results/ (time, executed
 # instructions, issue rate, pipes, occupancy, stall reasons per issue), OUT/ncu_flush_<tag>.trim.txt.
 set -uo pipefail
-if [ $# -lt 1 ] || [ ! -d "$1" ]; then
-  echo "usage: bash scripts/ncu_flush_stages.sh OUT_DIR (OUT_DIR an existing folder; see the header)" >&2
-  exit 2
-fi
-if ! command -v ncu > /dev/null; then
-  echo "ncu_flush_stages.sh: ncu not found (Nsight Compute: run this on the GPU machine)" >&2
-  exit 2
-fi
+[ $# -ge 1 ] && [ -d "$1" ] || { echo "usage: bash scripts/ncu_flush_stages.sh OUT_DIR (see the header)" >&2; exit 2; }
+command -v ncu > /dev/null || { echo "ncu_flush_stages.sh: no ncu here (run it on the GPU machine)" >&2; exit 2; }
 out=$1
 py=${PYTHON:-python}
 keep='==PROF==|\), Context |^  (gpu__time_duration\.sum|smsp__inst_executed\.sum|smsp__issue_active\.avg\.per_cycle_active|sm__inst_executed_pipe_(alu|fma|fmaheavy|lsu|xu|tensor_op_hmma)\.avg\.pct_of_peak_sustained_active|sm__warps_active\.avg\.pct_of_peak_sustained_active|smsp__average_warps_issue_stalled_[a-z_]+_per_issue_active\.ratio) '

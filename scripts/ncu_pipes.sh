@@ -11,14 +11,8 @@
 # on each of 4 buffer sets after a warm-up. Writes OUT/ncu_pipes_<kernel>.txt and, with only
 # the lines that --ncu reads, OUT/ncu_pipes_<kernel>.trim.txt.
 set -uo pipefail
-if [ $# -lt 2 ] || [ ! -d "$1" ]; then
-  echo "usage: bash scripts/ncu_pipes.sh OUT_DIR KERNEL... (OUT_DIR an existing folder; see the header)" >&2
-  exit 2
-fi
-if ! command -v ncu > /dev/null; then
-  echo "ncu_pipes.sh: ncu not found (Nsight Compute: run this on the GPU machine)" >&2
-  exit 2
-fi
+[ $# -ge 2 ] && [ -d "$1" ] || { echo "usage: bash scripts/ncu_pipes.sh OUT_DIR KERNEL... (see the header)" >&2; exit 2; }
+command -v ncu > /dev/null || { echo "ncu_pipes.sh: no ncu here (run it on the GPU machine)" >&2; exit 2; }
 out=$1
 shift
 py=${PYTHON:-python}

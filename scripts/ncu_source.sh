@@ -20,14 +20,8 @@
 # KB_EXTRA adds kernel_bench arguments (say "--nonflush-knob stage=bulk") and SUFFIX a tag to
 # the file names, so that a knob's variant can be read beside the default.
 set -uo pipefail
-if [ $# -lt 2 ] || [ ! -d "$1" ]; then
-  echo "usage: bash scripts/ncu_source.sh OUT_DIR KERNEL... (OUT_DIR an existing folder; see the header)" >&2
-  exit 2
-fi
-if ! command -v ncu > /dev/null; then
-  echo "ncu_source.sh: ncu not found (Nsight Compute: run this on the GPU machine)" >&2
-  exit 2
-fi
+[ $# -ge 2 ] && [ -d "$1" ] || { echo "usage: bash scripts/ncu_source.sh OUT_DIR KERNEL... (see the header)" >&2; exit 2; }
+command -v ncu > /dev/null || { echo "ncu_source.sh: no ncu here (run it on the GPU machine)" >&2; exit 2; }
 out=$1
 shift
 py=${PYTHON:-python}
