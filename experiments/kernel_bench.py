@@ -1794,6 +1794,13 @@ def main(argv: list[str] | None = None) -> int:
             frames = [read_csv(path) for path in sources]
         except (OSError, ValueError) as error:
             parser.error(f"cannot read the CSVs: {error}")
+        labels = {}  # the run column keeps merged runs apart: one label, one file
+        for path, part in zip(sources, frames, strict=True):
+            for label in part["run"].dropna().unique():
+                if label in labels:
+                    parser.error(f"--merge: run label {label!r} is in both {labels[label]} and "
+                                 f"{path} (relabel one run's rows)")
+                labels[label] = path
         frame = with_token_rows(pd.concat(frames, ignore_index=True))
         if args.merge:
             out.parent.mkdir(parents=True, exist_ok=True)

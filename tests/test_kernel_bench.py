@@ -333,6 +333,24 @@ def test_plot_and_merge_read_only_the_csv(tmp_path):
     assert kb.speedups(out)["same_run"].all()
 
 
+def test_merge_refuses_one_run_label_in_two_files(tmp_path, capsys):
+    """Merged runs are kept apart by their run label: two files that both hold run A (a copy
+    under another name, or two runs left on the default label) would have their rows counted
+    together in the per-token rows, so the merge refuses them, naming the label and files."""
+    frame = _synthetic_frame()
+    a, b = tmp_path / "a.csv", tmp_path / "b.csv"
+    frame.to_csv(a, index=False)
+    frame.assign(time_us=frame["time_us"] * 3).to_csv(b, index=False)  # run A again
+    merged = tmp_path / "merged.csv"
+    with pytest.raises(SystemExit) as exit_:
+        kb.main(["--merge", str(a), str(b), "--out", str(merged), "--plot-dir", "none"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "run label 'A' is in both" in err and str(a) in err and str(b) in err
+    assert not merged.exists()
+
+
 def test_plan_orders_the_headline_first_and_tiers_the_rest():
     config = kb.BenchConfig(peers=())
     points = kb.plan(config)
