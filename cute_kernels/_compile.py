@@ -34,6 +34,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
+H200_SM_COUNT = 132  # the target's SMs: for what is worked out without the GPU
+
 import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
 import cutlass.runtime as cutlass_runtime  # noqa: E402

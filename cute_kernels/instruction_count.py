@@ -89,7 +89,7 @@ import tempfile
 
 import cutlass  # noqa: E402, I001
 
-from cute_kernels import _compile  # noqa: F401  (sm_90a target before cutlass)
+from cute_kernels import _compile  # noqa: E402  (sm_90a target before cutlass)
 from cute_kernels import numerics as nm  # noqa: E402
 from cute_kernels import replay_flush as rf  # noqa: E402
 from cute_kernels import replay_output as ro  # noqa: E402
@@ -294,7 +294,7 @@ PIPES = {
     "xu": ("MUFU", "F2F", "F2I", "I2F", "FRND"),
 }
 _PIPE_OF = {op: pipe for pipe, ops in PIPES.items() for op in ops}
-H200_SMS, H200_CLOCK_GHZ = 132, 1.98  # SMs; the boost clock the kernels ran at (nvidia-smi)
+H200_SMS, H200_CLOCK_GHZ = _compile.H200_SM_COUNT, 1.98  # the boost clock they ran at (nvidia-smi)
 
 
 def pipe_counts(ops: collections.Counter, per: float) -> dict:

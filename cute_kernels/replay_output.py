@@ -2014,6 +2014,10 @@ def _check(name, t, dtype, shape, device=None):
         _fail(name, f"a {_compile.ALIGN}-byte aligned data pointer", hex(t.data_ptr()))
 
 
+# the storage dtype of a one-tensor read copy's values
+_RAW_DTYPES = {"fp8_e4m3": torch.uint8, "fp16": torch.float16, "fp32": torch.float32}
+
+
 def _lo_tensors(lo, lo_format, S, H, P, N, device):
     if not isinstance(lo, dict):
         _fail("lo", "a dict of packed tensors", type(lo).__name__)
@@ -2030,7 +2034,7 @@ def _lo_tensors(lo, lo_format, S, H, P, N, device):
     if key not in lo:
         _fail("lo", "key 'values' (or 'codes')", sorted(lo))
     t = lo[key]
-    raw = {"fp8_e4m3": torch.uint8, "fp16": torch.float16, "fp32": torch.float32}[lo_format]
+    raw = _RAW_DTYPES[lo_format]
     if key == "codes" and lo_format != "fp8_e4m3" and isinstance(t, torch.Tensor):
         t = t.view(raw)  # lowprec.quantize.pack stores raw bits as unsigned integers
     _check(f"lo[{key!r}]", t, raw, (S, H, P, N), device)
@@ -2323,7 +2327,7 @@ def replay_output(
     return out
 
 
-H200_SM_COUNT = 132  # check_options' SM count for the defaults that depend on the grid
+H200_SM_COUNT = _compile.H200_SM_COUNT  # check_options' SMs for the grid's defaults
 
 
 def check_options(*, lo_format="nvfp4", window=16, shape=None, sm_count=H200_SM_COUNT,
@@ -2365,8 +2369,7 @@ def check_options(*, lo_format="nvfp4", window=16, shape=None, sm_count=H200_SM_
                   scales=meta(S, H, P, N // 16, dtype=torch.uint8),
                   global_scale=meta(S, H, dtype=f32))
     else:
-        raw = {"fp8_e4m3": torch.uint8, "fp16": torch.float16, "fp32": f32}.get(lo_format, f32)
-        lo = dict(values=meta(S, H, P, N, dtype=raw))
+        lo = dict(values=meta(S, H, P, N, dtype=_RAW_DTYPES[lo_format]))
     return replay_output(
         lo, meta(S, H, window, P), meta(S, H, window, dtype=f32), meta(S, G, window, N),
         meta(S, dtype=torch.int32), meta(S, H, P), meta(S, H, dtype=f32), meta(H, dtype=f32),

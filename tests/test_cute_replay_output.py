@@ -730,6 +730,26 @@ def test_cta_shared_bytes_match_what_ncu_read():
         assert (ro.cta_shared_bytes(bulk) <= per_sm) == fits
 
 
+@pytest.mark.parametrize("knobs, ctas", [
+    ({}, 4), (dict(min_ctas_per_sm=5), 4), (dict(bulk_stages=3), 2)])
+def test_shared_memory_caps_the_default_step_at_four_ctas_an_sm(knobs, ctas):
+    """At the headline point (Nemotron layer, L = 16, batch 256) the default step's bulk
+    stages leave room for 4 CTAs an SM, as its registers do: a register cap for 5 still
+    fits 4, and a third stage fits 2; 8 warps a CTA pass the bulk stages' limit and are
+    refused. So none of these knobs can put more warps on an SM (twenty-first session,
+    results/README.md)."""
+    shape = (256, 128, 64, 128, 8)
+    default = ro.check_options(window=16, shape=shape)
+    cfg = ro.check_options(window=16, shape=shape, stage="bulk", ring_stage="smem",
+                           eager_loads=True, late_dots=True, **knobs)
+    assert cfg == dataclasses.replace(default, **knobs)  # the default but for the knob
+    per_cta = ro.cta_shared_bytes(cfg) + ro.CTA_RESERVED_BYTES
+    assert ro.SM_SHARED_BYTES // per_cta == ctas
+    with pytest.raises(ValueError, match="bulk stages per warp would pass 96 KiB"):
+        ro.check_options(window=16, shape=shape, stage="bulk", ring_stage="smem",
+                         eager_loads=True, late_dots=True, warps=8)
+
+
 @pytest.mark.parametrize("nheads, ngroups, window, batch, knobs, expected", [
     (128, 8, 16, 256, {}, "bulk"), (128, 8, 16, 512, {}, "bulk"),  # 3.9 and 7.8 waves
     (128, 8, 16, 128, {}, "registers"),  # 1.9 waves
