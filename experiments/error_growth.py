@@ -961,6 +961,23 @@ _STYLE = {
 }
 
 
+DECADES, ONE_TWO_FIVE, EVERY_MANTISSA = (1.0,), (1.0, 2.0, 5.0), tuple(map(float, range(1, 10)))
+
+
+def log_subs(low: float, high: float, coarsest: tuple[float, ...] = DECADES) -> tuple[float, ...]:
+    """Mantissas of a log axis's labelled ticks over [low, high]: the first of `coarsest`,
+    1-2-5 and every integer mantissa that leaves at least two labelled ticks inside the range
+    (within a decade matplotlib places 1-2-5 ticks linearly: 15, 20, ..., 40). Decades alone
+    left a run of 40 steps (windows ending at 16 to 40) with no label on its step axis."""
+    from matplotlib.ticker import LogLocator
+
+    for subs in (coarsest, ONE_TWO_FIVE, EVERY_MANTISSA):
+        ticks = LogLocator(base=10, subs=subs).tick_values(low, high)
+        if sum(low <= t <= high for t in ticks) >= 2:
+            return subs
+    return EVERY_MANTISSA
+
+
 def plot(csv_path: str | Path, png_path: str | Path) -> None:
     """Log-log rel_err against step, one panel per (format, memory profile), panels of a
     format sharing the y axis: the window-mean error (median over seeds, band = min..max over
@@ -994,6 +1011,8 @@ def plot(csv_path: str | Path, png_path: str | Path) -> None:
         squeeze=False,
     )
     plain = FuncFormatter(lambda value, _: f"{value:g}")
+    steps = means["last_step"]
+    x_span = (steps[steps > 0].min(), steps.max())  # the panels share x
     handles = {}
     for row, fmt in enumerate(fmts):
         in_row = means[means["format"] == fmt]
@@ -1050,15 +1069,16 @@ def plot(csv_path: str | Path, png_path: str | Path) -> None:
                     fontsize=7,
                 )
             ax.set_xscale("log")
-            ax.xaxis.set_major_locator(LogLocator(base=10))
+            ax.xaxis.set_major_locator(LogLocator(base=10, subs=log_subs(*x_span)))
             ax.xaxis.set_major_formatter(plain)
             ax.xaxis.set_minor_formatter(NullFormatter())
             if not exact_row:
                 ax.set_yscale("log")
                 # 1-2-5 labels over a few decades; past three decades they would overlap
                 low, high = ax.get_ylim()
-                subs = (1.0, 2.0, 5.0) if high / low <= 1e3 else (1.0,)
-                ax.yaxis.set_major_locator(LogLocator(base=10, subs=subs))
+                coarsest = ONE_TWO_FIVE if high / low <= 1e3 else DECADES
+                ax.yaxis.set_major_locator(
+                    LogLocator(base=10, subs=log_subs(low, high, coarsest)))
                 ax.yaxis.set_major_formatter(plain)
                 ax.yaxis.set_minor_formatter(NullFormatter())
             ax.tick_params(labelsize=7)

@@ -425,6 +425,26 @@ def test_plot_and_summary_read_the_csv(tmp_path):
     assert table.loc[("every_step", "fp16", "sr", "long"), "t=64"] == at64
 
 
+def test_short_runs_keep_labelled_ticks_on_both_log_axes():
+    """A log axis of the plot keeps at least two labelled ticks inside its range however short
+    the run (decades alone left a run of 40 steps, windows ending at 16 to 40, without a single
+    label on the step axis), and keeps the coarser labels wherever they already gave two, so
+    the committed figures do not change."""
+    from matplotlib.ticker import LogLocator
+
+    for low, high, coarsest in ((16, 40, eg.DECADES), (3.1e-4, 9.7e-4, eg.ONE_TWO_FIVE),
+                                (1, 37, eg.DECADES), (16, 4096, eg.DECADES),
+                                (2e-7, 3e-2, eg.DECADES), (17, 23, eg.DECADES)):
+        ticks = LogLocator(base=10, subs=eg.log_subs(low, high, coarsest)).tick_values(low, high)
+        inside = [t for t in ticks if low <= t <= high]
+        assert 2 <= len(inside) <= 10, (low, high, inside)
+    # within a decade matplotlib labels 1-2-5 linearly (15, 20, ..., 40)
+    assert eg.log_subs(16, 40) == eg.ONE_TWO_FIVE
+    assert eg.log_subs(16, 150) == eg.ONE_TWO_FIVE
+    assert eg.log_subs(16, 4096) == eg.DECADES  # the presets' step axes, as committed
+    assert eg.log_subs(1e-5, 1e-3, eg.ONE_TWO_FIVE) == eg.ONE_TWO_FIVE
+
+
 def test_presets_match_the_issue():
     """toy: one Mamba-2 head, 8 x 32 state, 4,096 steps, L = 16, fp8_e4m3_row, every_step RN
     and SR, shared SR, separate_exact, both memories. default: 64 x 128, four formats x four
