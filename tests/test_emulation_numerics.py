@@ -153,6 +153,59 @@ def test_nvfp4_blocks_whose_divisor_underflows_match_lowprec(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_nvfp4_block_scales_at_e4m3_ties_match_lowprec(device):
+    """Block amaxes within a few fp32 ulps of (E4M3 midpoint) * 6 s_g, where one ulp of the
+    quotient decides the block scale: the emulation's s_b is lowprec's, bit for bit, so it too
+    divides amax_b by den = 6 * s_g rounded first (amax_b / 6 / s_g would flip some)."""
+    grid = lq.decode_bits(torch.arange(0x7F), formats.E4M3).double()  # 0 .. 448
+    midpoints = ((grid[:-1] + grid[1:]) / 2)[1:]
+    s_g = torch.tensor(1000.0) / 2688.0
+    centre = (midpoints * (torch.tensor(6.0) * s_g).double()).float()
+    amax_b = torch.cat([centre + k * torch.finfo().eps * centre for k in range(-3, 4)])
+    amax_b = torch.cat([torch.tensor([1000.0]), amax_b[amax_b < 1000]])
+    x = torch.zeros(1, len(amax_b), 16)  # one state, a block a row
+    x[0, :, 5] = amax_b
+    x[0, 1::2, 9] = -amax_b[1::2] / 3  # a second value in some blocks: codes, not only scales
+    expected = lq.quantize(x, "nvfp4")
+    actual = numerics.quantize(x.to(device), "nvfp4")
+    for field in ("global_scale", "scales", "elements"):
+        assert_bits_equal(getattr(actual, field), getattr(expected, field), field)
+    other_order = lq.round_to(amax_b / 6.0 / s_g, formats.E4M3)
+    assert not torch.equal(expected.scales[0, :, 0], other_order)  # the test can tell
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_nvfp4_codes_at_e2m1_decision_points_match_lowprec(device):
+    """For every positive E4M3 block scale s_b, a block whose quotients x / (s_b s_g) lie on
+    E2M1's decision points (0.25, 0.75, ..., 5: ties to even), 2^-6 beside them and on grid
+    values, both signs (s_g = 2^-10, every value exact in fp32): the emulation's codes are
+    lowprec's, bit for bit. Computing x * RN(1 / divisor) instead of the division would flip
+    some ties (checked below), which random states never reach."""
+    s_b = lq.decode_bits(torch.arange(1, 0x7F), formats.E4M3)  # every positive finite scale
+    points = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.0, 0.5, 1, 1.5, 2, 3, 4])
+    steps = torch.tensor([0.0, 1.0, -1.0])
+    quotients = (points[:, None] * (1 + steps * 2.0**-6)).flatten()  # 42 values
+    n = len(s_b)
+    q = torch.empty(n, 2, 32)  # a state per scale: 2 rows of 2 blocks
+    q[...] = quotients.repeat(2)[: 2 * 32].reshape(2, 32)
+    q[..., ::16] = 6.0  # each block's amax
+    sign = torch.where(torch.arange(2 * 32).reshape(2, 32) % 3 == 1, -1.0, 1.0)
+    scale = s_b[:, None, None].expand(n, 2, 32).clone()
+    scale[:, 0, :16] = 448.0  # the state's amax 6 * 448 * 2^-10, so s_g = 2^-10
+    x = sign * q * scale * 2.0**-10
+    assert torch.equal(x.double(), sign.double() * q.double() * scale.double() * 2.0**-10)
+    expected = lq.quantize(x, "nvfp4")
+    assert bool((expected.global_scale == 2.0**-10).all())
+    assert torch.equal(expected.scales, scale[..., ::16])
+    actual = numerics.quantize(x.to(device), "nvfp4")
+    for field in ("global_scale", "scales", "elements"):
+        assert_bits_equal(getattr(actual, field), getattr(expected, field), field)
+    divisor = (scale * 2.0**-10)
+    by_reciprocal = lq.round_to(x * (1.0 / divisor), formats.E2M1)
+    assert not torch.equal(by_reciprocal, expected.elements)  # the test can tell
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_nvfp4_worked_example(device):
     """s_g = 2688 / 2688 = 1. Row 0 block 1: amax 500, s_b = RN_e4m3(83.3) = 80, 500 / 80 =
     6.25 -> 6, 60 / 80 = 0.75 -> 1 (tie to even). Row 1 block 1: amax 0.01, s_b = 2^-9 (E4M3

@@ -120,8 +120,9 @@ def reference_verify(before, drafts, params, window):
 )
 def test_verify_matches_lowprec_copies_bit_exact(hi, lo, device):
     """Six verify/commit rounds, slots at different positions with random acceptance: every
-    verify's outputs within the fp32 bound of lowprec on the emulation's own cache, flush
-    copies bit for bit lowprec's quantisation of the unrounded new state."""
+    verify's outputs within the fp32 bound of lowprec on the emulation's own cache; at flush
+    slots both copies (codes, block scales and nvfp4's s_g) bit for bit lowprec's rounding of
+    the unrounded new state, at the others every copy untouched."""
     gen = torch.Generator().manual_seed(11)
     h, p, n, g = SHAPE["nheads"], SHAPE["headdim"], SHAPE["dstate"], SHAPE["ngroups"]
     slots = 3
@@ -133,7 +134,8 @@ def test_verify_matches_lowprec_copies_bit_exact(hi, lo, device):
     for _ in range(6):
         drafts = make_drafts(gen, slots, DRAFT)
         before = {k: getattr(cache, k).cpu().clone() for k in (
-            "hi", "lo", "ring_x", "ring_dt", "ring_B", "cursors", "flushes")}
+            "hi", "lo", "lo_scales", "lo_global", "ring_x", "ring_dt", "ring_B", "cursors",
+            "flushes") if getattr(cache, k) is not None}
         y = torch.full((slots, h, DRAFT, p), math.nan, device=device)
         debug = torch.full(cache.hi.shape, math.nan, device=device)
         mamba2_replay_verify(cache, **to(drafts, device), **to(params, device), out=y,
@@ -150,8 +152,13 @@ def test_verify_matches_lowprec_copies_bit_exact(hi, lo, device):
         q = lq.quantize(S_new, lo)
         assert_bits_equal(cache.lo.cpu()[fl], lq.dequantize(q), "lo copy")
         assert_bits_equal(cache.lo_scales.cpu()[fl], q.scales, "lo scales")
+        if q.global_scale is not None:
+            assert_bits_equal(cache.lo_global.cpu()[fl], q.global_scale, "lo s_g")
         keep = (~is_flush).nonzero()[:, 0]
-        assert_bits_equal(cache.hi.cpu()[keep], before["hi"][keep], "hi at non-flush slots")
+        for name in ("hi", "lo", "lo_scales", "lo_global"):
+            if name in before:
+                assert_bits_equal(getattr(cache, name).cpu()[keep], before[name][keep],
+                                  f"{name} at non-flush slots")
         assert cache.flushes.cpu().tolist() == (before["flushes"] + is_flush).tolist()
         flushed += int(is_flush.sum())
         accepted = torch.randint(0, DRAFT + 1, (slots,), generator=gen)
