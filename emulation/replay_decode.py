@@ -91,6 +91,8 @@ class ReplayCache:
     window: int = 16
     draft: int = 0
     seed: int = 0
+    # speculative decoding (host side): a mamba2_replay_verify awaits its mamba2_replay_commit
+    pending: bool = False
 
     @classmethod
     def empty(

@@ -217,6 +217,7 @@ def mamba2_replay_verify(
     _expect("out", out, (slots, nheads, T, headdim), ACT_DTYPES, device)
     if debug_state is not None:
         _expect("debug_state", debug_state, cache.hi.shape, (torch.float32,), device)
+    cache.pending = True  # the inputs are good: this verify awaits its commit
     if slots == 0:
         return out
 
@@ -254,6 +255,7 @@ def mamba2_replay_verify(
 
 def mamba2_replay_commit(cache: ReplayCache, accepted) -> None:
     """Accept the first `accepted[s]` drafts of each slot's last verify: cursors += accepted.
+    One commit a verify, as lowprec's `ReplaySSM.commit`: without a pending verify it raises.
 
     accepted: an int, or an int32/int64 tensor [slots] on the cache's device, in [0, T].
     """
@@ -269,9 +271,13 @@ def mamba2_replay_commit(cache: ReplayCache, accepted) -> None:
     _expect("accepted", accepted, (slots,), (torch.int32, torch.int64), device)
     if slots and (int(accepted.min()) < 0 or int(accepted.max()) > T):
         raise ValueError(f"accepted: expected values in [0, T={T}], got {accepted.tolist()}")
+    if not cache.pending:
+        raise ValueError("commit: expected a mamba2_replay_verify before each commit, got none "
+                         "pending (a second commit would count stale ring entries as records)")
     if slots and int((cache.cursors + accepted).max()) > cache.window:
         raise ValueError(
             f"accepted: expected cursors + accepted <= L={cache.window} (a verify before each "
             f"commit), got cursors {cache.cursors.tolist()} + {accepted.tolist()}"
         )
     cache.cursors.add_(accepted.to(torch.int32))
+    cache.pending = False

@@ -263,9 +263,21 @@ def test_invalid_inputs_raise_value_error(call, match):
         call()
 
 
-def test_commit_past_the_window_is_refused():
-    """cursors + accepted > L means a commit without its verify: refused."""
+def test_commit_needs_its_own_verify():
+    """One commit a verify, as lowprec's ReplaySSM.commit: a commit with no verify before it,
+    or a second commit after one verify, is refused and leaves the cursors alone (it would
+    count stale ring entries as records); a cursor past the window is refused as well."""
     cache = _cache()
+    with pytest.raises(ValueError, match="commit: expected a mamba2_replay_verify"):
+        mamba2_replay_commit(cache, 1)
+    _verify(cache)
+    before = cache.cursors.clone()
+    mamba2_replay_commit(cache, 1)
+    assert torch.equal(cache.cursors, before + 1)
+    with pytest.raises(ValueError, match="commit: expected a mamba2_replay_verify"):
+        mamba2_replay_commit(cache, 1)
+    assert torch.equal(cache.cursors, before + 1)
+    cache.pending = True  # a cache whose cursors were set by hand past the window
     cache.cursors.fill_(WINDOW - 1)
     with pytest.raises(ValueError, match="accepted: expected cursors"):
         mamba2_replay_commit(cache, 2)
