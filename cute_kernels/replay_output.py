@@ -2143,6 +2143,12 @@ def replay_output(
               "'bulk', no l2_prefetch)", eager_loads)
     if pin_state_loads is not None and not isinstance(pin_state_loads, bool):
         _fail("pin_state_loads", "None or a bool", pin_state_loads)
+    # on/off knobs read with bool(): a string such as "false" would turn them on
+    for name, value in (("prefetch", prefetch), ("upfront", upfront),
+                        ("early_loads", early_loads), ("l2_prefetch_small", l2_prefetch_small)):
+        if not (value is None or isinstance(value, bool)
+                or isinstance(value, int) and value in (0, 1)):
+            _fail(name, "None, a bool, 0 or 1", repr(value))
     if pdl is not None and not isinstance(pdl, bool) or pdl and (
             stage not in (None, "registers") or eager_loads or heads_per_pass not in (None, 1)):
         _fail("pdl", "None or a bool (True: stage 'registers', no eager_loads, one head a "

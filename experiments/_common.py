@@ -84,7 +84,13 @@ def write_meta(
 
 class OneLineParser(argparse.ArgumentParser):
     """The experiments' argument parser: an argument error is one line on stderr (a reason
-    spanning lines is joined) and exit status 2, without argparse's usage block."""
+    spanning lines is joined) and exit status 2, without argparse's usage block. Flags are
+    spelled out: argparse's abbreviations (``--batch`` for ``--batches``) are refused, so a
+    command in a results file reads the same as the flag it set."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message):
         message = " ".join(str(message).split())

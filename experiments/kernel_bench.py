@@ -2,8 +2,9 @@
 FP32 and FP16 states, and against vLLM's and FlashInfer's kernels.
 
     python -m experiments.kernel_bench                       # full grid, on the GPU machine
-    python -m experiments.kernel_bench --quick               # a small grid (smoke test)
-    python -m experiments.kernel_bench --merge a.csv b.csv   # merge two runs' CSVs, then plot
+    python -m experiments.kernel_bench --quick               # a small grid (smoke test),
+                                                             # into results/kernel_bench_quick.csv
+    python -m experiments.kernel_bench --merge a.csv b.csv --out merged.csv   # then plot
     python -m experiments.kernel_bench --plot-only results/kernel_bench.csv
 
 **Kernels** (`--kernels`, names `impl:step:variant`; `--list-kernels` prints them all):
@@ -354,6 +355,11 @@ class BenchConfig:
         for peer in self.peers:
             if peer not in ("vllm", "flashinfer"):
                 raise ValueError(f"peers: expected vllm, flashinfer or none, got {peer!r}")
+        for name in ("shapes", "kernels", "peers", "batches", "windows"):
+            values = list(getattr(self, name))
+            twice = sorted({str(v) for v in values if values.count(v) > 1})
+            if twice:  # each would be timed again: minutes of a 30-minute device budget
+                raise ValueError(f"{name}: expected each once, got {', '.join(twice)} twice")
         for name, values in (("batches", self.batches), ("windows", self.windows)):
             if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 1
                                  for v in values):
@@ -365,8 +371,9 @@ class BenchConfig:
             raise ValueError(f"lead_cycles: expected an integer >= 0, got {self.lead_cycles!r}")
         if self.reps < 1:
             raise ValueError(f"reps: expected >= 1, got {self.reps}")
-        if self.budget_s is not None and self.budget_s <= 0:
-            raise ValueError(f"budget_s: expected > 0, got {self.budget_s}")
+        if self.budget_s is not None and not (math.isfinite(self.budget_s)
+                                              and self.budget_s > 0):
+            raise ValueError(f"budget_s: expected a finite number > 0, got {self.budget_s}")
         if self.act not in ACT_DTYPES:
             raise ValueError(f"act: expected one of {list(ACT_DTYPES)}, got {self.act!r}")
         allowed = {name for name in inspect.signature(
@@ -383,6 +390,11 @@ class BenchConfig:
         point's first build."""
         if not self.nonflush_knobs:
             return
+        if not any(KERNELS[name].impl == "cute" and KERNELS[name].step == "nonflush"
+                   for name in kernels):
+            raise ValueError("nonflush knob: no CuTe non-flush kernel is asked for (--kernels "
+                             f"{','.join(kernels) or 'none'}), so the knobs would apply to "
+                             "nothing")
         check = _cute("replay_output").check_options
         for name in kernels:
             spec = KERNELS[name]
@@ -406,6 +418,7 @@ class BenchConfig:
 
 
 QUICK = dict(batches=(1, 256), windows=(16,), reps=5, l2_multiple=2.0)
+QUICK_OUT = "results/kernel_bench_quick.csv"  # --quick's default --out (not the headline CSV)
 
 
 class _ListError(argparse.ArgumentTypeError, ValueError):
@@ -438,20 +451,26 @@ def build_parser() -> argparse.ArgumentParser:
                 description="Time the kit's CuTe decode kernels and the peers' on the GPU "
                 "(see the module docstring); writes a CSV, its .meta.json, PNGs and a summary.")
     defaults = BenchConfig()
-    p.add_argument("--shapes", type=_names, default=defaults.shapes,
+    p.add_argument("--shapes", type=_names, default=None,
                    help=f"comma-separated, of {', '.join(SHAPES)} (default: all)")
-    p.add_argument("--batches", type=_ints, default=defaults.batches,
-                   help="comma-separated batch sizes (default: 1,8,32,64,128,256,512)")
-    p.add_argument("--windows", type=_ints, default=defaults.windows,
-                   help="comma-separated windows L (default: 8,16,32)")
+    p.add_argument("--batches", type=_ints, default=None,
+                   help="comma-separated batch sizes (default: "
+                   f"{','.join(map(str, defaults.batches))})")
+    p.add_argument("--windows", type=_ints, default=None,
+                   help="comma-separated windows L (default: "
+                   f"{','.join(map(str, defaults.windows))})")
     p.add_argument("--kernels", default="default",
-                   help="comma-separated kernel names, 'default' (the CuTe kernels) or 'all' "
-                   "(see --list-kernels); the peers' kernels come with --peers")
+                   help="comma-separated kernel names, 'default' (the CuTe kernels), 'all' "
+                   "(see --list-kernels) or 'none' (the peers' alone); the peers' kernels come "
+                   "with --peers")
     p.add_argument("--peers", default="vllm,flashinfer",
-                   help="peers whose default kernels are added: vllm, flashinfer, or none")
+                   help="peers whose default kernels are added: vllm, flashinfer, or none "
+                   "(default: %(default)s)")
     p.add_argument("--peers-dir", default=defaults.peers_dir,
                    help="folder built by scripts/peers/prepare.sh (default: .peers)")
-    p.add_argument("--out", default=defaults.out, help="CSV path (default: %(default)s)")
+    p.add_argument("--out", default=None,
+                   help=f"CSV path (default: {defaults.out}; with --quick {QUICK_OUT}, so "
+                   "that a smoke test leaves the committed results alone; --merge needs it)")
     p.add_argument("--plot-dir", default=defaults.plot_dir,
                    help="folder for the PNGs, or 'none' (default: %(default)s)")
     p.add_argument("--quick", action="store_true",
@@ -485,13 +504,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace, argv: list[str]) -> BenchConfig:
     """The configuration the flags ask for; raises ValueError on a bad value."""
-    given = {a.split("=")[0] for a in argv if a.startswith("--")}
     values = {}
     if args.quick:
         values.update(QUICK)
-        values["shapes"] = (args.shapes[0],)
-    for name in ("shapes", "batches", "windows"):
-        if f"--{name}" in given:
+        values["shapes"] = ((args.shapes or BenchConfig.shapes)[0],)
+    for name in ("shapes", "batches", "windows"):  # given flags win over --quick's grid
+        if getattr(args, name) is not None:
             values[name] = getattr(args, name)
     if args.reps is not None:
         values["reps"] = args.reps
@@ -499,6 +517,8 @@ def config_from_args(args: argparse.Namespace, argv: list[str]) -> BenchConfig:
         values["lead_cycles"] = args.lead_cycles
     if args.kernels == "default":
         kernels = BenchConfig.kernels
+    elif args.kernels.strip() == "none":  # the peers' kernels alone (no CuTe DSL at hand)
+        kernels = ()
     elif args.kernels == "all":
         kernels = tuple(name for name in KERNELS if KERNELS[name].impl in ("cute", "emulation"))
     else:
@@ -511,10 +531,15 @@ def config_from_args(args: argparse.Namespace, argv: list[str]) -> BenchConfig:
     knobs = {}
     for item in args.nonflush_knob:
         key, sep, text = item.partition("=")
-        if not sep or not key:
+        if not sep or not key.strip():
             raise ValueError(f"nonflush knob: expected KEY=VALUE, got {item!r}")
+        if key.strip() in knobs:
+            raise ValueError(f"nonflush knob: {key.strip()!r} given twice")
         knobs[key.strip()] = _knob_value(text.strip())
-    return BenchConfig(kernels=tuple(kernels), peers=tuple(peers), out=args.out,
+    if not kernels and not peers:
+        raise ValueError("kernels: 'none' with --peers none leaves nothing to time")
+    out = args.out or (QUICK_OUT if args.quick else BenchConfig.out)
+    return BenchConfig(kernels=tuple(kernels), peers=tuple(peers), out=out,
                        plot_dir=plot_dir, budget_s=args.budget_s, peers_dir=args.peers_dir,
                        run_label=args.run_label, quick=args.quick, nonflush_knobs=knobs,
                        **values)
@@ -526,9 +551,11 @@ NONFLUSH_FIXED = ("lo", "ring_x", "ring_dt", "ring_B", "cursors", "x", "dt", "A"
 
 
 def _knob_value(text: str):
-    """A knob's value from the command line: an int, True/False/None, or the string."""
-    if text in ("True", "False", "None"):
-        return {"True": True, "False": False, "None": None}[text]
+    """A knob's value from the command line: an int, true/false/none (any case), or the
+    string (replay_output refuses a string where it wants a bool)."""
+    words = {"true": True, "false": False, "none": None}
+    if text.lower() in words:
+        return words[text.lower()]
     try:
         return int(text)
     except ValueError:
@@ -1444,40 +1471,57 @@ def speedups(frame: pd.DataFrame) -> pd.DataFrame:
             rows.append(dict(comparison=label, numerator=numerator, denominator=denominator,
                              shape=r["shape"], batch=int(r["batch"]), window=int(r["window"]),
                              speedup=r["time_us_num"] / r["time_us_den"],
-                             same_run=r["run_num"] == r["run_den"], target=target))
+                             same_run=r["run_num"] == r["run_den"], run_num=r["run_num"],
+                             run_den=r["run_den"], target=target))
     frame = pd.DataFrame(rows, columns=["comparison", "numerator", "denominator", "shape",
-                                        "batch", "window", "speedup", "same_run", "target"])
-    # one value per comparison and point: prefer a same-run pair
-    frame = frame.sort_values("same_run", ascending=False)
+                                        "batch", "window", "speedup", "same_run", "run_num",
+                                        "run_den", "target"])
+    # one value per comparison and point: a same-run pair if there is one, then the first
+    # run by label (as `_primary` draws kernels), whatever order the CSVs were merged in
+    frame = frame.sort_values(["same_run", "run_num", "run_den"], ascending=[False, True, True],
+                              kind="stable")
     return frame.drop_duplicates(["comparison", "shape", "batch", "window"]).sort_values(
         ["comparison", "shape", "window", "batch"]).reset_index(drop=True)
 
 
 def summarize(frame: pd.DataFrame, shape: str = "nemotron3-super", batch: int = HEADLINE_BATCH,
               window: int = HEADLINE_WINDOW) -> pd.DataFrame:
-    """The issue's targets at the headline point: (target, achieved, goal, met)."""
+    """The issue's targets at the headline point: (target, achieved, goal, met, run). Where
+    several runs timed a point, the value comes from the first run by label (a same-run pair
+    first, for a ratio), as the plots draw it; `run` names it ("A", or "A/B" for a pair of
+    two runs)."""
     ok = frame[frame["status"] == "ok"]
     rows = []
     nf = ok[(ok["kernel"] == "cute:nonflush:nvfp4") & (ok["shape"] == shape)
             & (ok["batch"] == batch) & (ok["window"] == window)
             & (ok["cursor"] == KERNELS["cute:nonflush:nvfp4"].cursors(window)[0])]
+    nf = nf.sort_values("run", kind="stable")
     frac = float(nf["frac_copy"].iloc[0]) if len(nf) else math.nan
-    rows.append(("two-precision non-flush, fraction of copy bandwidth", frac, 0.85))
+    rows.append(("two-precision non-flush, fraction of copy bandwidth", frac, 0.85,
+                 nf["run"].iloc[0] if len(nf) else ""))
     sp = speedups(frame)
     point = sp[(sp["shape"] == shape) & (sp["window"] == window)]
+
+    def pick(sel):
+        if not len(sel):
+            return math.nan, ""
+        r = sel.iloc[0]
+        run = r["run_num"] if r["run_num"] == r["run_den"] else f"{r['run_num']}/{r['run_den']}"
+        return float(r["speedup"]), run
+
     for label, _, _, target in COMPARISONS:
         if target is None:
             continue
         sel = point[(point["comparison"] == label) & (point["batch"] == batch)]
-        rows.append((f"{label} (batch {batch})",
-                     float(sel["speedup"].iloc[0]) if len(sel) else math.nan, target))
+        speedup, run = pick(sel)
+        rows.append((f"{label} (batch {batch})", speedup, target, run))
     sel = point[(point["comparison"] == "token: two-precision vs conventional fp32")
                 & (point["batch"] == 1)]
-    rows.append(("token: two-precision vs conventional fp32 (batch 1)",
-                 float(sel["speedup"].iloc[0]) if len(sel) else math.nan, 1.0))
-    out = pd.DataFrame(rows, columns=["target", "achieved", "goal"])
+    speedup, run = pick(sel)
+    rows.append(("token: two-precision vs conventional fp32 (batch 1)", speedup, 1.0, run))
+    out = pd.DataFrame(rows, columns=["target", "achieved", "goal", "run"])
     out["met"] = out["achieved"] >= out["goal"]
-    return out
+    return out[["target", "achieved", "goal", "met", "run"]]
 
 
 def format_summary(frame: pd.DataFrame, shape: str = "nemotron3-super") -> str:
@@ -1485,7 +1529,9 @@ def format_summary(frame: pd.DataFrame, shape: str = "nemotron3-super") -> str:
     lines = [f"targets ({shape}, batch {HEADLINE_BATCH}, L = {HEADLINE_WINDOW}):"]
     for _, r in summarize(frame, shape).iterrows():
         verdict = "n/a" if r["achieved"] != r["achieved"] else ("met" if r["met"] else "MISSED")
-        lines.append(f"  {r['target']:<62s} {r['achieved']:8.3f}  goal {r['goal']:<5g} {verdict}")
+        run = f"  (run {r['run']})" if r["run"] else ""
+        lines.append(f"  {r['target']:<62s} {r['achieved']:8.3f}  goal {r['goal']:<5g} "
+                     f"{verdict}{run}")
     tokens = frame[(frame["step"] == "token") & (frame["shape"] == shape)
                    & (frame["window"] == HEADLINE_WINDOW)]
     if len(tokens):
@@ -1551,7 +1597,7 @@ def plot(csv: str | Path, outdir: str | Path) -> list[Path]:
     frame = with_token_rows(read_csv(csv))
     outdir = Path(outdir)
     outdir.mkdir(parents=True, exist_ok=True)
-    stem = Path(csv).stem
+    stem = Path(Path(csv).name.removesuffix(".gz")).stem
     ok = _primary(frame)
     shapes = list(dict.fromkeys(ok["shape"])) or list(dict.fromkeys(frame["shape"]))
     window = HEADLINE_WINDOW if (ok["window"] == HEADLINE_WINDOW).any() else (
@@ -1782,6 +1828,9 @@ def main(argv: list[str] | None = None) -> int:
                 parser.error(f"--merge: the CSV {path} is given twice (also as "
                              f"{seen[Path(path).resolve()]})")
             seen[Path(path).resolve()] = path
+        if args.out is None:  # the default would replace the committed headline CSV
+            parser.error(f"--merge: name the merged CSV with --out (e.g. --out "
+                         f"{BenchConfig.out} to replace the committed one)")
     if not args.plot_only:  # --merge and a run write --out
         problem = file_problem(out)
         if problem:
@@ -1802,11 +1851,14 @@ def main(argv: list[str] | None = None) -> int:
                                  f"{path} (relabel one run's rows)")
                 labels[label] = path
         frame = with_token_rows(pd.concat(frames, ignore_index=True))
-        if args.merge:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            frame.to_csv(out, index=False)
-            print(f"wrote {out} ({len(frame)} rows)", file=sys.stderr)
-        _finish(frame, out if args.merge else Path(args.plot_only), config.plot_dir)
+        try:  # os.access (the checks above) says yes to root for paths it cannot write
+            if args.merge:
+                out.parent.mkdir(parents=True, exist_ok=True)
+                frame.to_csv(out, index=False)
+                print(f"wrote {out} ({len(frame)} rows)", file=sys.stderr)
+            _finish(frame, out if args.merge else Path(args.plot_only), config.plot_dir)
+        except OSError as error:
+            parser.error(f"cannot write the results: {error}")
         return 0
     try:
         config.check_knob_values(config.kernels)
@@ -1817,15 +1869,20 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as error:
         print(str(error), file=sys.stderr)
         return 2
+    except OSError as error:  # the CSV is written as the run goes
+        parser.error(f"cannot write the results: {error}")
     from experiments._common import write_meta
 
     settings = {k: v for k, v in asdict(replace(config, extra={})).items()}
     settings.update(config.extra)
     settings["versions"] = _versions()
     command = " ".join(["python -m experiments.kernel_bench", *map(shlex.quote, argv)])
-    write_meta(out, command, config.extra.get("seconds", 0.0), settings, device="cuda")
-    print(f"wrote {out} ({len(frame)} rows)", file=sys.stderr)
-    _finish(frame, out, config.plot_dir)
+    try:
+        write_meta(out, command, config.extra.get("seconds", 0.0), settings, device="cuda")
+        print(f"wrote {out} ({len(frame)} rows)", file=sys.stderr)
+        _finish(frame, out, config.plot_dir)
+    except OSError as error:
+        parser.error(f"cannot write the results: {error}")
     return 0
 
 

@@ -226,7 +226,7 @@ elif [ "$part" = P ]; then
       "$out/ncu_$name.txt" | head -n 12 | tee -a "$log"
   done
 else
-  kernels=""  # the CuTe anchors, when CuTe DSL came along
+  kernels="none"  # the CuTe anchors, when CuTe DSL came along; none: the peers alone
   if "$py" -c "import cutlass" 2> /dev/null; then
     kernels="cute:nonflush:nvfp4,cute:flush:fp16sr+nvfp4,cute:nonflush:fp32,cute:flush:fp32"
     kernels="$kernels,cute:update:fp32,cute:update:fp16"

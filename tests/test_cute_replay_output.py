@@ -469,6 +469,11 @@ def test_ablations_leave_out_exactly_their_stage(lo_format):
     (dict(min_ctas_per_sm=40), "min_ctas_per_sm: expected None or an integer in"),
     (dict(lo_format="fp32", stage="bulk"), "stage: expected None or one of"),
     (dict(pdl=True, eager_loads=True), "pdl: expected"),
+    # on/off knobs are read with bool(): kernel_bench's "prefetch=false" used to turn it on
+    (dict(prefetch="false"), "prefetch: expected None, a bool, 0 or 1, got 'false'"),
+    (dict(upfront="no"), "upfront: expected None, a bool, 0 or 1"),
+    (dict(early_loads=2), "early_loads: expected None, a bool, 0 or 1"),
+    (dict(l2_prefetch_small="off"), "l2_prefetch_small: expected None, a bool, 0 or 1"),
 ])
 def test_check_options_refuses_what_replay_output_refuses_without_tensors(knobs, message):
     """check_options (what kernel_bench runs before it asks for the GPU) raises the same
@@ -481,6 +486,7 @@ def test_check_options_refuses_what_replay_output_refuses_without_tensors(knobs,
         ro.replay_output({}, x, x, x, x, x, x, x, x, x, **knobs)
     assert ro.check_options(ablate=["ring", "decode"]) == ("decode", "ring")
     assert ro.check_options(lo_format="fp8_e4m3", warps=2, head_splits=2, l2_prefetch=1) == ()
+    assert ro.check_options(prefetch=1, upfront=False, early_loads=True) == ()  # 0/1 as bools
     for bad in ("stages", "x", "_options_only"):  # a typo, a tensor, the private flag
         with pytest.raises(ValueError, match=f"knobs: expected names from .* got .*{bad}"):
             ro.check_options(**{bad: 1})

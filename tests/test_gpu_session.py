@@ -33,6 +33,9 @@ if [ "$1" = "-m" ] && [ "$2" = "experiments.kernel_bench" ]; then
     >> "$out"
   exit "${FAKE_KB_EXIT:-0}"
 fi
+if [ "$1" = "-c" ] && [ -n "$FAKE_NO_CUTLASS" ] && [[ "$2" == *cutlass* ]]; then
+  exit 1
+fi
 exec "$REAL_PYTHON" "$@"
 """
 
@@ -132,3 +135,22 @@ def test_help_prints_what_each_part_does(tmp_path):
     for part in "ABCDEKPT":
         assert f"bash scripts/gpu_session.sh {part}" in done.stdout
     assert not done.stdout.lstrip().startswith("#")
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_part_b_without_cute_dsl_times_the_peers_alone(tmp_path):
+    """Without .device (no cutlass to import) call B still runs the peers, as its header says:
+    kernel_bench gets --kernels none, which it reads as no kernels of the kit's (an empty
+    --kernels used to stop the call with an argument error)."""
+    done = _session(tmp_path, "B", FAKE_NO_CUTLASS="1")
+    assert done.returncode == 0, done.stderr
+    (call,) = (tmp_path / "calls.txt").read_text().splitlines()
+    assert "--kernels none --peers flashinfer,vllm --run-label B" in call
+    args = call.split()[2:]  # without "-m experiments.kernel_bench"
+    sys.path.insert(0, str(ROOT))
+    from experiments import kernel_bench as kb
+
+    config = kb.config_from_args(kb.build_parser().parse_args(args), args)
+    assert config.kernels == () and config.all_kernels() == tuple(
+        name for name, spec in kb.KERNELS.items()
+        if spec.default and spec.impl in ("flashinfer", "vllm"))

@@ -64,6 +64,23 @@ def test_help_runs_on_a_cpu_only_machine():
         # a CSV given twice (however spelled) had every row merged twice
         (["--merge", str(REPO / "results" / "kernel_bench.csv"),
           str(REPO / "results" / ".." / "results" / "kernel_bench.csv")], "--merge: the CSV"),
+        # an on/off knob given as a word replay_output would read with bool() ("false" is on)
+        (["--nonflush-knob", "prefetch=maybe"], "prefetch: expected None, a bool, 0 or 1"),
+        (["--nonflush-knob", "warps=4", "--nonflush-knob", "warps=8"],
+         "nonflush knob: 'warps' given twice"),
+        (["--kernels", "cute:update:fp32", "--nonflush-knob", "weights_at=before_decode"],
+         "nonflush knob: no CuTe non-flush kernel is asked for"),
+        # each repeat would be timed again
+        (["--batches", "256,256"], "batches: expected each once, got 256 twice"),
+        (["--kernels", "cute:nonflush:nvfp4,cute:nonflush:nvfp4"], "kernels: expected each once"),
+        (["--peers", "vllm,vllm"], "peers: expected each once"),
+        (["--budget-s", "nan"], "budget_s: expected a finite number > 0"),
+        (["--kernels", "none", "--peers", "none"], "leaves nothing to time"),
+        # the default --out is the committed headline CSV: a merge must name its output
+        (["--merge", str(REPO / "results" / "kernel_bench.csv")],
+         "--merge: name the merged CSV with --out"),
+        # argparse's abbreviations: --batch used to pass and then be ignored
+        (["--batch", "1"], "unrecognized arguments: --batch"),
     ],
 )
 def test_bad_argument_is_one_line_error(argv, word, capsys):
@@ -106,14 +123,55 @@ def test_unwritable_output_paths_are_one_line_errors(tmp_path, capsys):
 
 def test_nonflush_knobs_reach_the_configuration():
     """--nonflush-knob KEY=VALUE (repeatable) becomes the configuration's knobs for the CuTe
-    non-flush kernel, values typed (int, bool, None or string), and the meta file records them
-    through the configuration."""
+    non-flush kernel, values typed (int, bool in any case, None or string), and the meta file
+    records them through the configuration."""
     argv = ["--quick", "--nonflush-knob", "weights_at=before_decode", "--nonflush-knob",
-            "l2_prefetch=1", "--nonflush-knob", "pin_state_loads=True"]
+            "l2_prefetch=1", "--nonflush-knob", "pin_state_loads=True", "--nonflush-knob",
+            "prefetch=false", "--nonflush-knob", "upfront=none"]
     config = kb.config_from_args(kb.build_parser().parse_args(argv), argv)
     assert config.nonflush_knobs == {"weights_at": "before_decode", "l2_prefetch": 1,
-                                     "pin_state_loads": True}
+                                     "pin_state_loads": True, "prefetch": False,
+                                     "upfront": None}
     assert kb.BenchConfig().nonflush_knobs == {}
+
+
+@pytest.mark.parametrize("argv, expected", [
+    ([], dict(batches=kb.BenchConfig.batches, windows=kb.BenchConfig.windows, reps=20,
+              out="results/kernel_bench.csv")),
+    (["--quick"], dict(batches=(1, 256), windows=(16,), reps=5,
+                       shapes=(kb.BenchConfig.shapes[0],), out="results/kernel_bench_quick.csv")),
+    (["--quick", "--out", "q.csv"], dict(out="q.csv")),
+    (["--quick", "--batches", "8", "--windows=32", "--shapes", "mamba2-2.7b"],
+     dict(batches=(8,), windows=(32,), reps=5, shapes=("mamba2-2.7b",))),
+    (["--batches=4,64"], dict(batches=(4, 64), windows=kb.BenchConfig.windows)),
+])
+def test_grid_flags_win_over_the_defaults_and_quick(argv, expected):
+    """--shapes, --batches and --windows, in either spelling (--batches 8 or --batches=8),
+    set the grid, with or without --quick, whose small grid fills in what is not given; a
+    smoke test writes its own CSV unless --out says otherwise, not the committed one."""
+    config = kb.config_from_args(kb.build_parser().parse_args(argv), argv)
+    for name, value in expected.items():
+        assert getattr(config, name) == (tuple(value) if isinstance(value, tuple) else value)
+
+
+def test_targets_come_from_the_first_run_whatever_the_merge_order(tmp_path, capsys):
+    """Where two runs timed a point, the targets, speedups and plots take the first run by
+    label (a same-run pair first), so --merge A B and --merge B A print the same targets,
+    each line naming its run; the choice used to follow the file order."""
+    frame = _synthetic_frame()
+    a, b = tmp_path / "a.csv", tmp_path / "b.csv"
+    frame.to_csv(a, index=False)
+    frame.assign(run="B", time_us=frame["time_us"] * 1.5, frac_copy=frame["frac_copy"] / 1.5
+                 ).to_csv(b, index=False)
+    printed = []
+    for order in ((a, b), (b, a)):
+        out = tmp_path / "merged.csv"
+        assert kb.main(["--merge", *map(str, order), "--out", str(out), "--plot-dir",
+                        "none"]) == 0
+        printed.append(capsys.readouterr().out)
+        summary = kb.summarize(kb.read_csv(out))
+        assert set(summary["run"]) == {"A"}, summary
+    assert printed[0] == printed[1] and "(run A)" in printed[0]
 
 
 def test_profile_builds_the_kernel_with_the_nonflush_knobs(monkeypatch, capsys):
