@@ -91,9 +91,11 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import shlex
 import signal
 import sys
+import textwrap
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -106,7 +108,7 @@ import pandas as pd
 import torch
 from tqdm import tqdm
 
-from experiments._common import OneLineParser, file_problem, write_meta
+from experiments._common import OneLineParser, file_problem, is_folder, meta_path, write_meta
 from lowprec import formats, philox
 from lowprec._checks import check_float, check_ndim, check_shape
 from lowprec.metrics import rel_err
@@ -158,6 +160,7 @@ FLOAT_FORMAT = "%.6e"
 INPUT_CHUNK = 256
 # every_step uses the token counter as Philox's write counter, which has 20 bits.
 MAX_STEPS = philox.FLUSH_LIMIT
+STOPPED_STATUS = 130  # exit status of a run stopped by SIGINT or SIGTERM (its windows kept)
 # The emulation's state update refuses a counter of 2^20 - 1 before its call, so one step less.
 MAX_EMULATION_STEPS = philox.FLUSH_LIMIT - 1
 # The emulation's recurrence copy (format, rounding) per windowed arm; shared: the arm's own.
@@ -264,6 +267,40 @@ class Config:
             raise ValueError(f"backend: expected one of {list(BACKENDS)}, got {self.backend!r}")
         if self.backend == "emulation":
             _check_emulation(self)
+        _check_memory_use(self)
+
+
+def memory_estimate(c: Config) -> tuple[int, int]:
+    """(bytes on the run's device, bytes in host memory), roughly: four fp64 copies of the
+    state a simulated arm (the exact one included: its state, a recurrence and a read copy,
+    a temporary), and the fp64 errors of every arm, sequence and recorded step (host)."""
+    batch = len(c.memory) * c.seeds
+    states = (len(c.arms) + 1) * batch * c.heads * c.dv * c.dk * 8 * 4
+    n_windows = math.ceil(c.steps / c.window)
+    recorded = c.steps if c.log_grid == 0 else min(
+        c.steps, (min(c.log_grid, n_windows) + len(SUMMARY_STEPS) + 1) * c.window)
+    errors = len(c.arms) * batch * recorded * 8
+    return (states, errors) if c.device != "cpu" else (0, states + errors)
+
+
+def _check_memory_use(c: Config) -> None:
+    """Refuse a run that cannot fit (it used to fail in an allocation, or thrash, after the
+    progress bar had started): host memory here, and the GPU's for a cuda device."""
+    device_bytes, host_bytes = memory_estimate(c)
+    try:
+        host_total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (OSError, ValueError, AttributeError):
+        host_total = None
+    limits = [("host memory", host_bytes, host_total)]
+    if c.device != "cpu" and torch.cuda.is_available():
+        limits.append((f"{c.device} memory", device_bytes,
+                       torch.cuda.get_device_properties(torch.device(c.device)).total_memory))
+    for where, need, total in limits:
+        if total and need > 0.8 * total:
+            raise ValueError(
+                f"size: this run needs about {need / 2**30:.1f} GiB of {where}, more than 80% "
+                f"of the {total / 2**30:.1f} GiB here (fewer --seeds, --heads, arms or a "
+                "smaller --dv/--dk or --log-grid)")
 
 
 def _check_emulation(c: Config) -> None:
@@ -342,7 +379,7 @@ def parse_memory(text: str) -> Memory:
             f"memory: expected 'long', 'short' or 'LO,HI' (two numbers), got {text!r}"
         ) from None
     _check_memory(low, high)
-    return Memory(f"{low:g}..{high:g}", low, high)
+    return Memory(f"{low!r}..{high!r}", low, high)  # repr: exact (%g kept 6 digits)
 
 
 def parse_arms(arms: str, fmts: str, rounding: str) -> tuple[ArmSpec, ...]:
@@ -546,7 +583,7 @@ def _check_plot_path(path: str) -> None:
     from matplotlib.backend_bases import FigureCanvasBase
 
     kinds = FigureCanvasBase.get_supported_filetypes()
-    if Path(path).is_dir():
+    if is_folder(path):
         raise ValueError(f"plot: expected an image path or 'none', got the folder {path!r}")
     if Path(path).suffix.lower().lstrip(".") not in kinds:
         raise ValueError(
@@ -563,10 +600,13 @@ def config_from_args(args: argparse.Namespace) -> Config:
     values.update({k: v for k, v in vars(args).items() if k in BASE_DEFAULTS and v is not None})
     out = args.out or f"results/error_growth_{args.preset or 'custom'}.csv"
     plot_path = args.plot or str(Path(out).with_suffix(".png"))
-    if Path(out).is_dir():
+    if is_folder(out):
         raise ValueError(f"out: expected a CSV path, got the folder {out!r}")
     if plot_path.lower() != "none":
         _check_plot_path(plot_path)
+        if Path(plot_path).resolve() in (Path(out).resolve(), meta_path(out).resolve()):
+            raise ValueError(f"plot: {plot_path!r} is the CSV's own path (or its .meta.json): "
+                             "give --out a .csv path or --plot another file")
     # writable outputs, checked before the run (a bad path was a traceback after it)
     if not args.replot and (problem := file_problem(out)):
         raise ValueError(f"--out: cannot write {out}: {problem}")
@@ -604,7 +644,8 @@ def recorded_steps(steps: int, window: int, log_grid: int) -> np.ndarray:
     if log_grid == 0:
         return np.arange(1, steps + 1)
     n_windows = math.ceil(steps / window)
-    grid = np.unique(np.rint(np.geomspace(1, n_windows, log_grid))).astype(int).tolist()
+    points = min(log_grid, n_windows)  # more points than windows would repeat them
+    grid = np.unique(np.rint(np.geomspace(1, n_windows, points))).astype(int).tolist()
     marks = [t for t in SUMMARY_STEPS if t <= steps] + [steps]
     chosen = sorted(set(grid) | {math.ceil(t / window) for t in marks})
     picked = [np.arange((w - 1) * window + 1, min(w * window, steps) + 1) for w in chosen]
@@ -899,6 +940,15 @@ def read_csv(path: str | Path) -> pd.DataFrame:
     frame = pd.read_csv(path, keep_default_na=False, na_values=["nan"])
     if tuple(frame.columns) != CSV_COLUMNS:
         raise ValueError(f"{path}: expected columns {list(CSV_COLUMNS)}, got {list(frame.columns)}")
+    if frame.empty:
+        raise ValueError(f"{path}: no rows")
+    for column in ("window", "seed", "step", "rel_err"):
+        if not pd.api.types.is_numeric_dtype(frame[column]):
+            raise ValueError(f"{path}: expected numbers in the column {column!r}")
+    for column in ("recurrence", "window"):  # the plot and summary describe one run
+        if frame[column].nunique() > 1:
+            raise ValueError(f"{path}: expected one {column} (one run), got "
+                             f"{sorted(frame[column].astype(str).unique())}")
     return frame
 
 
@@ -910,12 +960,19 @@ SERIES = ["recurrence", "arm", "format", "rounding", "memory", "window"]
 
 def window_means(frame: pd.DataFrame) -> pd.DataFrame:
     """Mean rel_err over each recorded window of each series and seed, then the median and
-    range over seeds. Columns: SERIES, ``window_index`` (from 0), ``last_step`` (the window's
-    last recorded step), ``median``, ``low``, ``high``, ``seeds``."""
+    range over seeds; a partial last window (steps not a multiple of L) is left out where a
+    whole window exists. Columns: SERIES, ``window_index`` (from 0), ``last_step`` (the
+    window's last recorded step), ``median``, ``low``, ``high``, ``seeds``."""
     frame = frame.assign(window_index=(frame["step"] - 1) // frame["window"])
     per_seed = frame.groupby([*SERIES, "window_index", "seed"], sort=False).agg(
-        rel_err=("rel_err", "mean"), last_step=("step", "max")
+        rel_err=("rel_err", "mean"), last_step=("step", "max"), n=("step", "size")
     )
+    # a run whose steps are not a multiple of L ends in a partial window, whose mean leaves
+    # out the flush and the window's late steps (45% above the whole windows' in one
+    # separate_exact run): dropped, unless no window is whole
+    whole = per_seed["n"] == per_seed.index.get_level_values("window")
+    if whole.any():
+        per_seed = per_seed[whole]
     grouped = per_seed.groupby(level=[*SERIES, "window_index"], sort=False)
     return grouped.agg(
         last_step=("last_step", "max"),
@@ -928,12 +985,13 @@ def window_means(frame: pd.DataFrame) -> pd.DataFrame:
 
 def summarize(frame: pd.DataFrame) -> pd.DataFrame:
     """Window-mean rel_err (median over seeds) of the windows holding steps 64, 1,024, 4,096
-    and the last step: one row per series, one column per step."""
+    and the last step of the last whole window: one row per series, one column per step."""
     means = window_means(frame)
-    last = int(frame["step"].max())
+    last = int(means["last_step"].max())  # the last window kept (a partial one is not)
     window = int(frame["window"].iloc[0])
     columns = {}
-    for t in [s for s in SUMMARY_STEPS if s < last] + [last]:
+    marks = [s for s in SUMMARY_STEPS if (s - 1) // window < (last - 1) // window]
+    for t in [*marks, last]:  # a mark in the last window would repeat its column
         name = f"t={t}" + (" (last)" if t == last else "")
         at = means[means["window_index"] == (t - 1) // window]
         columns[name] = at.set_index(SERIES)["median"]
@@ -968,7 +1026,7 @@ def log_subs(low: float, high: float, coarsest: tuple[float, ...] = DECADES) -> 
     """Mantissas of a log axis's labelled ticks over [low, high]: the first of `coarsest`,
     1-2-5 and every integer mantissa that leaves at least two labelled ticks inside the range
     (within a decade matplotlib places 1-2-5 ticks linearly: 15, 20, ..., 40). Decades alone
-    left a run of 40 steps (windows ending at 16 to 40) with no label on its step axis."""
+    left a run of 48 steps (windows ending at 16 to 48) with no label on its step axis."""
     from matplotlib.ticker import LogLocator
 
     for subs in (coarsest, ONE_TWO_FIVE, EVERY_MANTISSA):
@@ -991,7 +1049,7 @@ def plot(csv_path: str | Path, png_path: str | Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.lines import Line2D
-    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+    from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter
 
     frame = read_csv(csv_path)
     means = window_means(frame)
@@ -1069,7 +1127,12 @@ def plot(csv_path: str | Path, png_path: str | Path) -> None:
                     fontsize=7,
                 )
             ax.set_xscale("log")
-            ax.xaxis.set_major_locator(LogLocator(base=10, subs=log_subs(*x_span)))
+            if x_span[1] < 10 * x_span[0]:  # within a decade: whole steps, linearly spaced
+                if x_span[0] == x_span[1]:  # one window: room around its point
+                    ax.set_xlim(x_span[0] / 2, x_span[1] * 2)
+                ax.xaxis.set_major_locator(MaxNLocator(nbins=6, integer=True))
+            else:
+                ax.xaxis.set_major_locator(LogLocator(base=10, subs=log_subs(*x_span)))
             ax.xaxis.set_major_formatter(plain)
             ax.xaxis.set_minor_formatter(NullFormatter())
             if not exact_row:
@@ -1085,7 +1148,8 @@ def plot(csv_path: str | Path, png_path: str | Path) -> None:
             ax.grid(True, which="major", alpha=0.3)
             title = f"{fmt} | memory {_memory_label(mem)}"
             if zero:
-                title += "\nrel_err = 0 at every step, not drawn: " + ", ".join(zero)
+                title += "\n" + textwrap.fill(
+                    "rel_err = 0 at every step, not drawn: " + ", ".join(zero), 60)
             ax.set_title(title, fontsize=8)
             if row == len(fmts) - 1:
                 ax.set_xlabel("step (end of window)", fontsize=8)
@@ -1147,23 +1211,41 @@ def main(argv: list[str] | None = None) -> int:
             print(f"note: --window {config.window} is longer than --steps {config.steps}: no "
                   "flush happens (the windowed arms never round a checkpoint) and the plot and "
                   "summary average over one partial window", file=sys.stderr)
+        elif config.steps % config.window:
+            whole = config.steps - config.steps % config.window
+            print(f"note: --steps {config.steps} is not a multiple of --window "
+                  f"{config.window}: the CSV keeps steps {whole + 1}-{config.steps}, but the "
+                  f"plot and summary end at step {whole}, the last whole window", file=sys.stderr)
         start = time.perf_counter()
-        frame = run(config)
+        try:
+            frame = run(config)
+        except OSError as error:  # the CSV is written at the end of the run
+            parser.error(f"cannot write {config.out}: {error}")
         seconds = time.perf_counter() - start
         settings = asdict(config)
         del settings["out"], settings["plot"], settings["progress"]
-        if frame.attrs["steps_done"] < config.steps:
+        stopped = frame.attrs["steps_done"] < config.steps
+        if stopped:
             settings["stopped_after_step"] = frame.attrs["steps_done"]
             print(f"stopped after step {frame.attrs['steps_done']} of {config.steps}: the CSV "
                   "holds the whole windows done", file=sys.stderr)
         command = " ".join(["python -m experiments.error_growth", *map(shlex.quote, argv)])
-        write_meta(config.out, command, seconds, settings, device=config.device)
+        try:
+            write_meta(config.out, command, seconds, settings, device=config.device)
+        except OSError as error:
+            parser.error(f"cannot write the .meta.json of {config.out}: {error}")
         print(f"wrote {config.out} ({len(frame)} rows) in {seconds:.1f} s", file=sys.stderr)
+        if frame.empty:  # stopped before the first window ended
+            return STOPPED_STATUS
     if config.plot:
-        plot(config.out, config.plot)
+        try:
+            plot(config.out, config.plot)
+        except OSError as error:
+            parser.error(f"cannot write {config.plot}: {error}")
         print(f"wrote {config.plot}", file=sys.stderr)
     print(format_summary(summarize(frame), int(frame["window"].iloc[0])))
-    return 0
+    # a stopped run is not a finished one, for a script that chains the next step on success
+    return STOPPED_STATUS if not args.replot and stopped else 0
 
 
 if __name__ == "__main__":

@@ -97,7 +97,14 @@ import numpy as np
 import pandas as pd
 import torch
 
-from experiments._common import OneLineParser, file_problem, folder_problem, save_small_png
+from experiments._common import (
+    OneLineParser,
+    file_problem,
+    folder_problem,
+    is_file,
+    is_folder,
+    save_small_png,
+)
 from lowprec import models, traffic
 
 __all__ = [
@@ -1808,9 +1815,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         parser.error(str(error))
     out = Path(config.out)
-    if out.is_dir():
+    if is_folder(out):
         parser.error(f"--out: expected a CSV path, got the folder {out}")
-    if config.plot_dir is not None and Path(config.plot_dir).is_file():
+    if config.plot_dir is not None and is_file(config.plot_dir):
         parser.error(f"--plot-dir: expected a folder or 'none', got the file {config.plot_dir}")
     if args.profile:
         if args.profile not in KERNELS:

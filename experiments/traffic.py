@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from experiments._common import OneLineParser, folder_problem, save_small_png
+from experiments._common import OneLineParser, folder_problem, is_file, save_small_png
 from lowprec import models
 from lowprec import traffic as tr
 
@@ -510,6 +510,9 @@ def plot(csv: str | Path) -> Path:
 # --------------------------------------------------------------------------------------------
 
 
+MAX_WINDOW = 65536  # --window's limit: 10^6 took 16 s here (2026-11-30), 10^9 would take hours
+
+
 def parse_args(argv: list[str] | None = None) -> Config:
     parser = OneLineParser(
         prog="python -m experiments.traffic",
@@ -550,8 +553,8 @@ def parse_args(argv: list[str] | None = None) -> Config:
     )
     parser.add_argument("--no-plot", action="store_true", help="write the CSVs only")
     args = parser.parse_args(argv)
-    if args.window < 1:
-        parser.error(f"--window: expected an integer >= 1, got {args.window}")
+    if not 1 <= args.window <= MAX_WINDOW:  # the speculative cycles take time linear in L
+        parser.error(f"--window: expected an integer in [1, {MAX_WINDOW}], got {args.window}")
     if args.spec_verified < 1:
         parser.error(f"--spec-verified: expected an integer >= 1, got {args.spec_verified}")
     if args.spec_verified > args.window:
@@ -559,7 +562,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
         # replay_spec cycle and its closed form assume
         parser.error(f"--spec-verified: expected T <= the window L = {args.window} (--window), "
                      f"got {args.spec_verified}")
-    if not args.summary and args.out.exists() and not args.out.is_dir():
+    if not args.summary and is_file(args.out):
         parser.error(f"--out: expected a folder, got the file {args.out}")
     if not args.summary and (problem := folder_problem(args.out)):
         parser.error(f"--out: cannot write under {args.out}: {problem}")
@@ -580,10 +583,15 @@ def main(argv: list[str] | None = None) -> None:
         json.dump(summary(config), sys.stdout)
         sys.stdout.write("\n")
         return
-    run(config)
-    if config.make_plots:
-        for name in ("window", "spec", "memory"):
-            plot(Path(config.out_dir) / f"traffic_{name}_{config.model}.csv")
+    try:  # the checks before (os.access) say yes to root for paths it cannot write
+        run(config)
+        if config.make_plots:
+            for name in ("window", "spec", "memory"):
+                plot(Path(config.out_dir) / f"traffic_{name}_{config.model}.csv")
+    except OSError as error:
+        print(f"python -m experiments.traffic: error: cannot write under {config.out_dir}: "
+              f"{error}", file=sys.stderr)
+        sys.exit(2)
     kinds = "{csv,png}" if config.make_plots else "csv"
     print(f"wrote traffic_{{window,spec,memory}}_{config.model}.{kinds} and "
           f"traffic_summary_{config.model}.json under {config.out_dir}", file=sys.stderr)

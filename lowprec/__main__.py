@@ -27,7 +27,8 @@ def main(argv=None) -> None:
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--heads", type=int, default=128, help="heads (default 128)")
     parser.add_argument("--dv", type=int, default=64, help="headdim d_v (default 64)")
-    parser.add_argument("--dk", type=int, default=128, help="dstate d_k (default 128)")
+    parser.add_argument("--dk", type=int, default=128,
+                        help="dstate d_k, a multiple of 32 (mxfp4's block; default 128)")
     parser.add_argument("--seed", type=int, default=0, help="seed (default 0)")
     args = parser.parse_args(argv)
     for name in ("heads", "dv"):
@@ -52,7 +53,10 @@ def main(argv=None) -> None:
     print(f"{'format':>14} {'bytes':>11} {'vs fp32':>8} {'rel err RN':>11} {'rel err SR':>11}")
     for name in formats.names():
         fmt = formats.get(name)
-        x = state if name == "fp64" else state.float()
+        # the kernels' states are fp32: a format is fed fp32, but fp32 itself (and fp64) the
+        # fp64 state, so that its row shows the fp32 store's own RN and SR (it showed the
+        # cast's RN error in both columns)
+        x = state if name in ("fp64", "fp32") else state.float()
         err = [rel_err(fake_quantize(x, fmt, r, words if r == "sr" else None).double(),
                        state, dims=(0, 1, 2)).item() for r in ("rn", "sr")]
         nbytes = fmt.nbytes(shape)

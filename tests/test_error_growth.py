@@ -410,14 +410,17 @@ def test_recorded_steps_are_whole_windows_holding_the_summary_steps():
 
 def test_plot_and_summary_read_the_csv(tmp_path):
     """plot() writes a PNG from the CSV alone; summarize() gives one row per series and the
-    window means at t = 64 and the last step (steps < 1,024)."""
+    window means at t = 64 and the last whole window (steps < 1,024): 100 steps at L = 16
+    end in a partial window (97-100), which the CSV keeps and the means leave out."""
     c = _config(tmp_path, steps=100)
     frame = eg.run(c)
+    assert frame["step"].max() == 100
     png = tmp_path / "eg.png"
     eg.plot(c.out, png)
     assert png.stat().st_size > 10_000
+    assert eg.window_means(frame)["last_step"].max() == 96
     table = eg.summarize(frame)
-    assert list(table.columns) == ["t=64", "t=100 (last)"]
+    assert list(table.columns) == ["t=64", "t=96 (last)"]
     assert len(table) == 3 * 2
     means = eg.window_means(frame)
     at64 = means[(means["arm"] == "every_step") & (means["memory"] == "long")]
@@ -427,7 +430,7 @@ def test_plot_and_summary_read_the_csv(tmp_path):
 
 def test_short_runs_keep_labelled_ticks_on_both_log_axes():
     """A log axis of the plot keeps at least two labelled ticks inside its range however short
-    the run (decades alone left a run of 40 steps, windows ending at 16 to 40, without a single
+    the run (decades alone left a run of 48 steps, windows ending at 16 to 48, without a single
     label on the step axis), and keeps the coarser labels wherever they already gave two, so
     the committed figures do not change."""
     from matplotlib.ticker import LogLocator
@@ -575,13 +578,13 @@ def test_main_writes_csv_meta_png_and_prints_the_summary(tmp_path, capsys):
     """A tiny run through main(): CSV, .meta.json (with the command), PNG, summary table;
     --replot redraws the PNG and reprints the same summary from the CSV without touching it."""
     out = tmp_path / "run.csv"
-    argv = ["--steps", "40", "--seeds", "2", "--arms", "shared:fp16", "--out", str(out)]
+    argv = ["--steps", "48", "--seeds", "2", "--arms", "shared:fp16", "--out", str(out)]
     assert eg.main([*argv, "--no-progress"]) == 0
     meta = (tmp_path / "run.meta.json").read_text()
-    assert "python -m experiments.error_growth --steps 40" in meta and '"commit"' in meta
+    assert "python -m experiments.error_growth --steps 48" in meta and '"commit"' in meta
     assert (tmp_path / "run.png").exists()
     printed = capsys.readouterr().out
-    assert "shared" in printed and "t=40 (last)" in printed
+    assert "shared" in printed and "t=48 (last)" in printed
     csv_bytes = out.read_bytes()
     (tmp_path / "run.png").unlink()
     assert eg.main(["--replot", "--out", str(out)]) == 0  # redraws from the CSV alone
@@ -611,3 +614,90 @@ def test_meta_commit_can_be_named_by_the_environment(monkeypatch):
     assert _common.git_commit() == "abc1234 (LOWPREC_COMMIT)"
     monkeypatch.delenv("LOWPREC_COMMIT")
     assert re.fullmatch(r"[0-9a-f]{40}(\+dirty)?|unknown", _common.git_commit())
+
+
+def _one_line_error(argv, capsys) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        eg.main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    return err
+
+
+def test_a_plot_path_that_would_overwrite_the_csv_is_refused(tmp_path, capsys):
+    """--out x.png (the plot then defaults to the same path) or --plot naming the CSV would
+    leave an image where the CSV was: refused before the run, nothing written."""
+    for argv in (["--out", str(tmp_path / "same.png")],
+                 ["--out", str(tmp_path / "a.svg"), "--plot", str(tmp_path / "a.svg")]):
+        err = _one_line_error(["--steps", "4", "--no-progress", *argv], capsys)
+        assert "the CSV's own path" in err
+    assert not list(tmp_path.iterdir())
+
+
+def test_custom_memory_ranges_keep_their_exact_bounds():
+    """A range's name is its bounds exactly (%g kept six digits: 0.9999995 read as 1, and two
+    distinct ranges were refused as the same)."""
+    assert eg.parse_memory("0.99999,0.9999995").name == "0.99999..0.9999995"
+    config = eg.Config(memory=(eg.parse_memory("0.9999991,0.9999999"),
+                               eg.parse_memory("0.9999992,0.9999999")), steps=4)
+    assert len({m.name for m in config.memory}) == 2
+
+
+def test_replot_refuses_a_csv_that_is_not_one_run(tmp_path, capsys):
+    """--replot of a CSV with no rows, a non-number, or two runs' rows (two windows) is a
+    one-line error (they were a traceback, or a plot titled with the first row's L)."""
+    good = tmp_path / "good.csv"
+    assert eg.main(["--steps", "32", "--seeds", "2", "--arms", "shared:fp16", "--memory",
+                    "short", "--no-progress", "--plot", "none", "--out", str(good)]) == 0
+    frame = eg.read_csv(good)
+    capsys.readouterr()
+    bad = {"empty": frame.iloc[:0],
+           "text": frame.astype({"rel_err": object}).assign(rel_err="abc"),
+           "two runs": pd.concat([frame, frame.assign(window=8)])}
+    for name, part in bad.items():
+        path = tmp_path / f"{name}.csv"
+        part.to_csv(path, index=False)
+        err = _one_line_error(["--replot", "--out", str(path), "--plot", "none"], capsys)
+        assert {"empty": "no rows", "text": "numbers in the column 'rel_err'",
+                "two runs": "expected one window"}[name] in err, err
+
+
+def test_runs_too_large_for_the_machine_are_refused_before_they_start(capsys):
+    """A run whose states or errors cannot fit in memory is refused up front (it was an
+    allocation failure after the progress bar started); a huge --log-grid is capped by the
+    windows there are."""
+    err = _one_line_error(["--seeds", "524288", "--heads", "2", "--dv", "64", "--dk", "128",
+                           "--steps", "1", "--no-progress"], capsys)
+    assert "size: this run needs about" in err and "GiB of host memory" in err
+    steps = eg.recorded_steps(100, 16, 10**9)  # a grid point a window at most: no 30 GB array
+    assert steps.tolist() == sorted(set(steps.tolist())) and steps[0] == 1 and steps[-1] == 100
+
+
+def test_summary_columns_name_distinct_windows():
+    """A summary step in the last window would repeat its column: with L = 1000 and 5,000
+    steps, t = 4,096 lies in the window of step 5,000, so only t = 64, 1,024 and the last."""
+    rows = [dict(recurrence="mamba2", arm="shared", format="fp16", rounding="sr", memory="short",
+                 window=1000, seed=0, step=t, rel_err=1e-3 * (1 + t / 5000))
+            for t in range(1, 5001)]
+    table = eg.summarize(pd.DataFrame(rows, columns=list(eg.CSV_COLUMNS)))
+    assert list(table.columns) == ["t=64", "t=1024", "t=5000 (last)"]
+
+
+def test_a_stopped_run_exits_nonzero(tmp_path, monkeypatch, capsys):
+    """A run stopped by SIGINT/SIGTERM keeps its whole windows, plots and summarises them, and
+    exits with 130, so that a script chaining the next step does not take it for done."""
+    real_run = eg.run
+
+    def stopped_run(config):
+        frame = real_run(dataclasses.replace(config, steps=32))
+        frame.attrs["steps_done"] = 32
+        return frame
+
+    monkeypatch.setattr(eg, "run", stopped_run)
+    out = tmp_path / "s.csv"
+    status = eg.main(["--steps", "64", "--seeds", "2", "--arms", "shared:fp16", "--memory",
+                      "short", "--no-progress", "--out", str(out)])
+    assert status == eg.STOPPED_STATUS == 130
+    assert "stopped after step 32 of 64" in capsys.readouterr().err
+    assert (tmp_path / "s.png").exists()

@@ -148,9 +148,15 @@ def test_the_tour_accepts_the_largest_seed(capsys):
 
 
 def test_the_tour_prints_every_format(capsys):
+    """A row a format; fp64 stores the fp64 state exactly, and fp32's two columns are its own
+    RN and SR of that state (both columns showed the fp32 cast's RN error), SR the larger."""
     from lowprec.__main__ import main
 
-    main(["--heads", "1", "--dv", "2", "--dk", "32"])
+    main(["--heads", "3", "--dv", "5", "--dk", "32"])
     out = capsys.readouterr().out
-    assert out.startswith("one state 1 x 2 x 32")
+    assert out.startswith("one state 3 x 5 x 32")
     assert all(f" {name} " in out for name in formats.names())
+    rows = {line.split()[0]: line.split() for line in out.splitlines()[2:]}
+    assert float(rows["fp64"][3]) == float(rows["fp64"][4]) == 0.0
+    rn, sr = float(rows["fp32"][3]), float(rows["fp32"][4])
+    assert 0 < rn < sr < 2**-23

@@ -440,15 +440,21 @@ def test_out_naming_a_file_is_a_one_line_error(tmp_path, capsys):
     assert "error: --out: expected a folder" in err and "Traceback" not in err
 
 
-@pytest.mark.parametrize("case", ["T past L", "out under a file"])
+@pytest.mark.parametrize("case", ["T past L", "out under a file", "window too long",
+                                  "name too long"])
 def test_unusable_arguments_are_one_line_errors_naming_the_flag(tmp_path, capsys, case):
-    """T > L (lowprec.replay refuses it; was a silent 404 MiB/token) and an --out under a file
-    (like /dev/null/x; was a NotADirectoryError) are refused before anything is written."""
+    """T > L (lowprec.replay refuses it; was a silent 404 MiB/token), an --out under a file
+    (like /dev/null/x; was a NotADirectoryError), a window past MAX_WINDOW (10^9 ran for
+    hours) and a folder name past the file system's limit (a traceback) are refused before
+    anything is written."""
     (tmp_path / "file").write_text("")
     argv, flag = {
         "T past L": (["--window", "7", "--spec-verified", "8", "--out", str(tmp_path)],
                      "--spec-verified"),
         "out under a file": (["--out", str(tmp_path / "file" / "x")], "--out"),
+        "window too long": (["--window", str(experiment.MAX_WINDOW + 1), "--out", str(tmp_path)],
+                            "--window"),
+        "name too long": (["--out", str(tmp_path / ("x" * 300))], "--out"),
     }[case]
     with pytest.raises(SystemExit) as info:
         experiment.main(argv)
