@@ -840,6 +840,92 @@ def test_nvfp4_codes_at_and_near_every_e2m1_decision_point(e2m1_pairs, fold):
         assert len(mism) == 0, f"lo[{key}]: {len(mism)} byte mismatches, first {mism[:3]} {detail}"
 
 
+def nvfp4_tie_states(slots=3, nheads=4, headdim=64, dstate=128):
+    """fp32 states [slots, nheads, headdim, dstate] on the nvfp4 encode's knife edges.
+
+    Slot 0 and 1: block amaxes within 3 fp32 ulps of (an E4M3 midpoint) * 6 s_g, every
+    midpoint, where one ulp of amax_b / den decides the block scale (s_g = 1000 / 2688 from
+    each head's first value, 1000); a second value of amax_b / 3 a block. The rest of slot 2:
+    for every positive E4M3 scale s_b, blocks whose quotients x / (s_b s_g) lie on E2M1's
+    decision points, 2^-6 beside them and on grid values, both signs (s_g = 2^-10). Filler
+    blocks repeat the list."""
+    from lowprec.formats import E4M3
+
+    blocks_per_head = headdim * dstate // 16
+    grid = q.decode_bits(torch.arange(0x7F), E4M3).double()
+    midpoints = ((grid[:-1] + grid[1:]) / 2)[1:]
+    s_g = torch.tensor(1000.0) / 2688.0
+    centre = (midpoints * (torch.tensor(6.0) * s_g).double()).float()
+    amax = torch.cat([centre + k * torch.finfo().eps * centre for k in range(-3, 4)])
+    amax = amax[amax < 1000]
+    ties = torch.zeros(2 * nheads * blocks_per_head, 16)
+    ties[:, 0] = amax.repeat(-(-len(ties) // len(amax)))[: len(ties)]
+    ties[:, 7] = -ties[:, 0] / 3
+    ties = ties.reshape(2, nheads, headdim, dstate)
+    ties[..., 0, 0] = 1000.0
+
+    s_b = q.decode_bits(torch.arange(1, 0x7F), E4M3)
+    points = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.0, 0.5, 1, 1.5, 2, 3, 4])
+    quotients = (points[:, None] * (1 + torch.tensor([0.0, 1.0, -1.0]) * 2.0**-6)).flatten()
+    per_scale = torch.full((3, 16), 6.0)  # 3 blocks a scale: 45 places for the 42 quotients
+    per_scale[:, 1:] = quotients.repeat(2)[:45].reshape(3, 15)
+    blocks = (per_scale[None] * s_b[:, None, None]).reshape(-1, 16)  # [3 * 126, 16]
+    blocks = blocks.repeat(-(-nheads * blocks_per_head // len(blocks)), 1)
+    blocks = blocks[: nheads * blocks_per_head].reshape(nheads, headdim, dstate)
+    blocks[:, 0, :16] = 6.0 * 448.0  # each head's amax: s_g = 2^-10
+    sign = torch.where(torch.arange(headdim * dstate).reshape(headdim, dstate) % 3 == 1, -1.0,
+                       1.0)
+    points_state = sign * blocks * 2.0**-10
+    state = torch.cat([ties, points_state[None]])[:slots]
+    return state
+
+
+def test_nvfp4_tie_states_reach_the_knife_edges():
+    """The states of the GPU test below do what it needs (CPU, lowprec only): the block
+    scales of slots 0-1 change if amax_b is divided by 6 and s_g in turn, the codes of slot
+    2 if x is multiplied by 1 / divisor, and every value is exactly what was meant."""
+    from lowprec.formats import E2M1, E4M3
+
+    state = nvfp4_tie_states()
+    quant = q.quantize(state, "nvfp4", "rn")
+    amax_b = state[:2].abs().reshape(2, 4, 64, 8, 16).amax(-1)
+    s_g = quant.global_scale[:2, :, None, None]
+    assert bool((s_g == torch.tensor(1000.0) / 2688.0).all())
+    assert not torch.equal(quant.scales[:2], q.round_to(amax_b / 6.0 / s_g, E4M3))
+    assert bool((quant.global_scale[2] == 2.0**-10).all())
+    divisor = (quant.scales[2] * quant.global_scale[2, :, None, None]).repeat_interleave(16, -1)
+    assert not torch.equal(q.round_to(state[2] * (1.0 / divisor), E2M1), quant.elements[2])
+    positive = q.decode_bits(torch.arange(1, 0x7F), E4M3)
+    assert set(quant.scales[2].unique().tolist()) >= set(positive.tolist()) - {0.0}
+
+
+@pytest.mark.gpu
+def test_nvfp4_encode_at_e4m3_ties_and_every_scale_s_decision_points():
+    """The flush (hi fp32, so that any fp32 state is its own recurrence copy; no ring, every
+    dt 0) stores lowprec's nvfp4 bytes, bit for bit, for states whose block amaxes sit within
+    an ulp of every E4M3 midpoint and whose quotients sit on E2M1's decision points at every
+    E4M3 block scale (`nvfp4_tie_states`): the division order of the block scale and the
+    division of each code, where random states never decide anything."""
+    slots, shape, window = 3, dict(nheads=4, headdim=64, dstate=128, ngroups=2), 16
+    gen = torch.Generator().manual_seed(37)
+    cache = random_cache(slots, shape, window, torch.bfloat16, "fp32", "nvfp4", gen, [0, 1, 2])
+    tok = random_token(slots, shape, torch.bfloat16, gen)
+    cache["ring_dt"].zero_()
+    tok["dt"] = -tok["dt_bias"].expand(slots, shape["nheads"]).clone()  # dt + dt_bias = 0
+    state = nvfp4_tie_states()
+    cache["hi"] = state.to(DEVICE)
+    debug = torch.full(state.shape, float("nan"), device=DEVICE)
+    rf.replay_flush(**cache, **tok, dt_softplus=False, window=window, seed=SEED,
+                    hi_format="fp32", hi_rounding="rn", lo_format="nvfp4", debug_state=debug)
+    torch.cuda.synchronize()
+    assert torch.equal(debug.cpu(), state)  # the state is the copy: nothing was folded in
+    want = expected_lo_bytes(state, "nvfp4")
+    got = kernel_lo_bytes({k: v.cpu() for k, v in cache["lo"].items()}, "nvfp4")
+    for key in want:
+        mism = (want[key] != got[key]).nonzero()
+        assert len(mism) == 0, f"lo[{key}]: {len(mism)} byte mismatches, first {mism[:3]}"
+
+
 @pytest.mark.gpu
 def test_nvfp4_scales_of_states_whose_divisor_underflows_are_lowprecs():
     """A decay of about 2^-130 to 2^-144 (dt up to 100, A = -1, no ring, x = 0) takes the
