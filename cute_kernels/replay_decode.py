@@ -39,12 +39,14 @@ import dataclasses
 
 import torch
 
+from cute_kernels import _compile
 from cute_kernels.replay_flush import (
     _prepare_flush,
     check_counter_values,
     decode_slot_ctas,
     launch_advance_counters,
     launch_flush,
+    require_cuda,
 )
 from cute_kernels.replay_output import _sm_count, replay_output
 
@@ -83,7 +85,10 @@ def replay_decode_step(
 ):
     """Advance every slot by one token; returns out `[slots, nheads, headdim]` (x's dtype).
 
-    Arguments as `replay_flush` (cute_kernels/replay_flush.py); `debug_state` receives the
+    Arguments as `replay_flush` (cute_kernels/replay_flush.py), within `replay_output`'s limits
+    as well (window >= 2; headdim a multiple of 16; dstate a multiple of 128 for nvfp4, 64 for
+    fp8_e4m3, 32 for fp16 and fp32): both kernels' argument checks run before either kernel is
+    launched, so a refused call leaves the cache as it was. `debug_state` receives the
     unrounded new state of the slots that flushed. `overlap_flush` (default): the flush kernel
     runs on a side stream beside the non-flush kernel (results/README.md, "Staggered
     batches"); False launches the two in turn on the current stream. Cursor and flush-counter
@@ -96,9 +101,11 @@ def replay_decode_step(
     and head; none for an empty table) instead of on every slot: the CTAs of slots that do
     not flush made a step with no slot flushing take 85.1 us at batch 256 on the H200, 62.5
     with the table (results/staggered_step_cursor8.csv). A listed slot that does not flush is
-    skipped; a flushing slot left out would not be flushed while its cursor is reset, so
-    `check_flush_slots=True` (which synchronises: for tests and debugging) compares the table
-    with the cursors first and raises ValueError on a difference.
+    skipped; a flushing slot left out would not be flushed while its cursor is reset, and an
+    entry outside [0, slots) or listed twice is undefined (the kernel reads the table as
+    given: an out-of-range read, or two CTAs flushing one slot), so `check_flush_slots=True`
+    (which synchronises: for tests and debugging) compares the table with the cursors first
+    and raises ValueError on a difference.
     """
     cfg, lo = _prepare_flush(
         hi,
@@ -125,10 +132,24 @@ def replay_decode_step(
         seed,
         debug_state,
     )
+    for name, flag in (("overlap_flush", overlap_flush), ("check_flush_slots", check_flush_slots),
+                       ("check_counters", check_counters)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"{name}: expected a bool, got {flag!r}")
     if check_counters:
         check_counter_values(cursors, flushes, window)
     if out is None:
         out = torch.empty_like(x)
+    if lo_format == "none":
+        read_copy, read_format = {"values": hi}, hi_format
+    else:
+        read_copy, read_format = lo, lo_format
+    # replay_output's checks too (its limits are narrower than the flush's), before the flush
+    # is launched: a refusal after it would leave flushed slots whose cursors were not reset
+    replay_output(read_copy, ring_x, ring_dt, ring_B, cursors, x, dt, A, B, C, D, z, dt_bias,
+                  dt_softplus, out, window=window, lo_format=read_format,
+                  _config_for_sms=_sm_count(hi.device) if hi.is_cuda else _compile.H200_SM_COUNT)
+    require_cuda("hi", hi)
     if hi.shape[0] == 0:
         return out
     slot_ctas = None
@@ -162,10 +183,6 @@ def replay_decode_step(
             flush_slots.record_stream(side)
         with torch.cuda.stream(side):
             flush()
-    if lo_format == "none":
-        read_copy, read_format = {"values": hi}, hi_format
-    else:
-        read_copy, read_format = lo, lo_format
     replay_output(
         read_copy,
         ring_x,
@@ -194,8 +211,9 @@ def replay_decode_step(
 
 
 def _checked_table(flush_slots, cursors, window: int, check: bool):
-    """The flush slots' table, validated: int32, one dimension, the cursors' device, at most
-    one entry a slot; with `check`, equal as a set to the slots at `window - 1`."""
+    """The flush slots' table, validated: int32, one dimension, the cursors' device, no more
+    entries than slots; with `check` (a sync), equal as a set to the slots at `window - 1`,
+    which also refuses an entry out of range or listed twice."""
     if not isinstance(flush_slots, torch.Tensor) or flush_slots.dim() != 1:
         raise ValueError("flush_slots: expected a 1-D int32 tensor of slot indices")
     if flush_slots.dtype != torch.int32 or flush_slots.device != cursors.device:

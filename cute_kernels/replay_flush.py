@@ -1496,6 +1496,14 @@ def check_counter_values(cursors, flushes, window: int) -> None:
     check_counter_ranges(cursors, flushes, 0, window - 1, f"window {window}")
 
 
+def require_cuda(name, tensor) -> None:
+    """ValueError unless `tensor` (on the arguments' one device, as checked before) is on a
+    GPU: after every other check, so that the checks can be tested on the CPU (a CPU tensor
+    used to pass them and fail in torch.cuda, or reach the kernel as a host pointer)."""
+    if tensor.device.type != "cuda":
+        _compile.fail(name, "a CUDA tensor (every argument on one GPU)", tensor.device)
+
+
 def check_seed(seed):
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 1 << 64:
         _compile.fail("seed", "an int in [0, 2^64)", repr(seed))
@@ -1640,6 +1648,7 @@ def replay_flush(
     )
     if check_counters:
         check_counter_values(cursors, flushes, window)
+    require_cuda("hi", hi)
     if out is None:
         out = torch.empty_like(x)
     launch_flush(

@@ -2019,8 +2019,14 @@ _RAW_DTYPES = {"fp8_e4m3": torch.uint8, "fp16": torch.float16, "fp32": torch.flo
 
 
 def _lo_tensors(lo, lo_format, S, H, P, N, device):
+    """The read copy's tensors, as replay_flush.normalise_lo accepts them: nvfp4 a dict of
+    codes, scales and global_scale (or global); an element format a dict with 'values' or
+    'codes' (raw bits of the same width are viewed as the storage dtype), or a bare tensor."""
+    if isinstance(lo, torch.Tensor) and lo_format != "nvfp4":
+        lo = {"values": lo}
     if not isinstance(lo, dict):
-        _fail("lo", "a dict of packed tensors", type(lo).__name__)
+        _fail("lo", "a dict of packed tensors (or a tensor for an element format)",
+              type(lo).__name__)
     if lo_format == "nvfp4":
         g_key = "global" if "global" in lo else "global_scale"
         for key in ("codes", "scales", g_key):
@@ -2035,7 +2041,8 @@ def _lo_tensors(lo, lo_format, S, H, P, N, device):
         _fail("lo", "key 'values' (or 'codes')", sorted(lo))
     t = lo[key]
     raw = _RAW_DTYPES[lo_format]
-    if key == "codes" and lo_format != "fp8_e4m3" and isinstance(t, torch.Tensor):
+    if (isinstance(t, torch.Tensor) and t.dtype != raw and not t.dtype.is_floating_point
+            and t.element_size() == raw.itemsize):
         t = t.view(raw)  # lowprec.quantize.pack stores raw bits as unsigned integers
     _check(f"lo[{key!r}]", t, raw, (S, H, P, N), device)
     return t, None, None
@@ -2115,6 +2122,8 @@ def replay_output(
     """
     if lo_format not in LO_FORMATS:
         _fail("lo_format", f"one of {list(LO_FORMATS)}", repr(lo_format))
+    if not isinstance(dt_softplus, bool):  # as replay_flush and state_update
+        _fail("dt_softplus", "a bool", repr(dt_softplus))
     if stage is not None and (stage not in STAGES or (stage != "registers"
                                                       and lo_format != "nvfp4")):
         _fail("stage", f"None or one of {list(STAGES)} ('smem' and 'bulk' for nvfp4 only)",

@@ -47,7 +47,9 @@ from cute_kernels.replay_flush import (
     check_mamba2_inputs,
     check_seed,
     check_state_shape,
+    require_cuda,
 )
+from lowprec.replay import FLUSH_COUNTER_LIMIT
 
 __all__ = ["StateUpdateConfig", "state_update", "compile_state_update", "traffic_bytes"]
 
@@ -291,6 +293,7 @@ def state_update(
     seed=0,
     counters=None,
     debug_state=None,
+    check_counters=False,
 ):
     """One conventional decode step of every slot and head, in place on `state`; returns out.
 
@@ -298,8 +301,10 @@ def state_update(
     dt `[slots, nheads]` (raw), B, C `[slots, ngroups, dstate]` in the act dtype (x's: bf16,
     fp16 or fp32); A, D, dt_bias fp32 `[nheads]`. rounding: 'rn' or 'sr' for an fp16 state
     ('rn' for fp32, where the store is exact). SR needs `counters` int32 `[slots]` (the token
-    counter: the Philox flush field), incremented by one after the kernel. debug_state: fp32,
-    state-shaped, receives the unrounded new state. Runs on torch's current stream.
+    counter: the Philox flush field), incremented by one after the kernel; its values, which
+    must lie in [0, 2^20 - 1), are checked only with `check_counters=True` (a stream sync,
+    as in the other kernels). debug_state: fp32, state-shaped, receives the unrounded new
+    state. Runs on torch's current stream.
     """
     if rounding not in ROUNDINGS:
         _compile.fail("rounding", f"one of {ROUNDINGS}", repr(rounding))
@@ -322,6 +327,14 @@ def state_update(
         _compile.fail("counters", "None unless rounding='sr'", type(counters).__name__)
     if debug_state is not None:
         _compile.check_tensor("debug_state", debug_state, torch.float32, state.shape, device)
+    if not isinstance(check_counters, bool):
+        _compile.fail("check_counters", "a bool", repr(check_counters))
+    if check_counters and counters is not None and counters.numel():
+        low, high = torch.stack([counters.min(), counters.max()]).tolist()
+        if low < 0 or high >= FLUSH_COUNTER_LIMIT:
+            _compile.fail("counters", "values in [0, 2^20 - 1) (the Philox counter's flush "
+                          "field)", f"range [{low}, {high}]")
+    require_cuda("state", state)
     if out is None:
         out = torch.empty_like(x)
     cfg = StateUpdateConfig(

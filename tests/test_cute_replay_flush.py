@@ -1219,3 +1219,48 @@ def test_slot_table_kernel_compiles_like_the_one_slot_kernel_and_refuses_misuse(
     # an empty table launches nothing (and so needs no GPU)
     rf.launch_flush(tabled, hi, {}, *([None] * 15), seed=0,
                     slot_table=torch.zeros(0, dtype=torch.int32))
+
+
+def test_cpu_tensors_pass_every_check_but_the_device_one():
+    """replay_flush and replay_decode_step on CPU tensors: every argument check passes and the
+    last one names the device (a CPU tensor used to pass them all and fail inside torch.cuda
+    after a compile, or reach the kernel as a host pointer)."""
+    from cute_kernels.replay_decode import replay_decode_step
+
+    args, window = cpu_args(shape=dict(nheads=4, headdim=16, dstate=128, ngroups=2))
+    for entry in (rf.replay_flush, replay_decode_step):
+        with pytest.raises(ValueError, match="hi: expected a CUDA tensor"):
+            entry(**args, window=window)
+
+
+@pytest.mark.parametrize("shape, window, message", [
+    (ODD, 8, r"x: expected headdim \(last dim\) a multiple of 16, got 24"),
+    (dict(nheads=4, headdim=16, dstate=64, ngroups=2), 8, "C: expected dstate a multiple of 128"),
+    (dict(nheads=4, headdim=16, dstate=128, ngroups=2), 1, "window: expected an integer in"),
+])
+def test_decode_step_checks_both_kernels_before_launching_either(monkeypatch, shape, window,
+                                                                  message):
+    """What only the non-flush kernel refuses (its headdim, dstate and window limits are
+    narrower than the flush's) is refused before the flush is launched: the flush used to run
+    first, leaving flushed slots whose cursors were never reset. Stand-ins for the device
+    check and the launches show nothing was launched."""
+    from cute_kernels import replay_decode as rd
+
+    launched = []
+    monkeypatch.setattr(rd, "require_cuda", lambda name, tensor: None)
+    monkeypatch.setattr(rd, "launch_flush", lambda *a, **k: launched.append("flush"))
+    monkeypatch.setattr(rd, "launch_advance_counters", lambda *a, **k: launched.append("adv"))
+    args, _ = cpu_args(shape=shape, window=max(window, 2))
+    with pytest.raises(ValueError, match=message):
+        rd.replay_decode_step(**args, window=window)  # overlap_flush: the flush goes first
+    assert launched == []
+
+
+@pytest.mark.parametrize("flag", ["overlap_flush", "check_flush_slots", "check_counters"])
+def test_decode_step_switches_are_bools(flag):
+    """A switch given as a word ("no") was read with bool(): refused."""
+    from cute_kernels.replay_decode import replay_decode_step
+
+    args, window = cpu_args(shape=dict(nheads=4, headdim=16, dstate=128, ngroups=2))
+    with pytest.raises(ValueError, match=f"{flag}: expected a bool, got 'no'"):
+        replay_decode_step(**args, window=window, **{flag: "no"})

@@ -939,6 +939,23 @@ def _cpu_args(S=3, H=4, P=16, N=128, G=2, Lc=8):
     )
 
 
+def test_read_copy_forms_are_those_the_flush_accepts():
+    """An element format's read copy may be a bare tensor, or raw bits of the same width, as
+    replay_flush and replay_decode_step take it (replay_output refused a bare tensor, and read
+    fp32 bits as fp16); dt_softplus must be a bool, as there. CPU: the device check is last."""
+    args = {**_cpu_args(), "window": 8}
+    S, H, P, N = 3, 4, 16, 128
+    for lo in (torch.zeros(S, H, P, N, dtype=torch.float16),
+               {"codes": torch.zeros(S, H, P, N, dtype=torch.int16)}):
+        with pytest.raises(ValueError, match="x: expected a CUDA tensor"):
+            ro.replay_output(**{**args, "lo": lo}, lo_format="fp16")
+    with pytest.raises(ValueError, match=r"lo\['codes'\]: expected dtype torch.float16"):
+        ro.replay_output(**{**args, "lo": {"codes": torch.zeros(S, H, P, N, dtype=torch.int32)}},
+                         lo_format="fp16")
+    with pytest.raises(ValueError, match="dt_softplus: expected a bool, got 'no'"):
+        ro.replay_output(**args, dt_softplus="no")
+
+
 @pytest.mark.parametrize(
     "change, message",
     [

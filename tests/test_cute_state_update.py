@@ -178,3 +178,18 @@ def test_step_at_an_odd_shape_matches_lowprec(variant):
 def test_step_at_the_nemotron_shape_matches_lowprec(variant):
     dtype = torch.float32 if variant[0] == "fp32" else torch.float16
     check_step(NEMOTRON, 3, dtype, variant[1], torch.bfloat16, gen_seed=1)
+
+
+def test_counters_are_checked_when_asked_and_the_device_last():
+    """check_counters=True refuses a token counter outside the Philox flush field (as the
+    other kernels do when asked; state_update had no such check), and a CPU state passes
+    every check but the device one, which names it."""
+    args = {**cpu_args(), "state": torch.zeros(3, 6, 24, 64, dtype=torch.float16)}
+    counters = torch.tensor([0, (1 << 20) - 1, 5], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"counters: expected values in \[0, 2\^20 - 1\)"):
+        su.state_update(**args, rounding="sr", counters=counters, check_counters=True)
+    with pytest.raises(ValueError, match="check_counters: expected a bool"):
+        su.state_update(**args, rounding="sr", counters=counters, check_counters="yes")
+    counters[1] = (1 << 20) - 2
+    with pytest.raises(ValueError, match="state: expected a CUDA tensor"):
+        su.state_update(**args, rounding="sr", counters=counters, check_counters=True)
