@@ -115,6 +115,13 @@ class ReplayCache:
     ) -> "ReplayCache":
         """A cache at the zero state with empty rings (ring entries NaN, so that a read of an
         unwritten record shows)."""
+        for name, value, low in (("slots", slots, 0), ("nheads", nheads, 1),
+                                 ("headdim", headdim, 1), ("dstate", dstate, 1),
+                                 ("ngroups", ngroups, 1), ("window", window, 1),
+                                 ("draft", draft, 0)):
+            _expect_int(name, value, low)  # before anything is allocated
+        if act_dtype not in ACT_DTYPES:
+            raise ValueError(f"act_dtype: expected one of {list(ACT_DTYPES)}, got {act_dtype}")
         lo_fmt = check_kernel_format("lo_format", lo_format, dstate)
         lcap = window + draft
         zeros = dict(dtype=torch.float32, device=device)
@@ -165,6 +172,22 @@ def _expect(name, t, shape, dtypes, device):
         raise ValueError(f"{name}: expected a contiguous tensor, got strides {t.stride()}")
 
 
+def check_switch(name, value) -> None:
+    """ValueError unless `value` is a bool (a word such as "false" read with bool() is on)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}: expected a bool, got {value!r}")
+
+
+def check_out_apart(out, **inputs) -> None:
+    """ValueError if `out` shares memory with an input: the kernels read inputs after writing
+    out (decode and verify append x to the ring after y), so `out=x` stored y as the record."""
+    base = out.untyped_storage().data_ptr()
+    for name, t in inputs.items():
+        if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() == base:
+            raise ValueError(f"out: expected a tensor that shares no memory with the inputs, "
+                             f"got one that shares {name}'s")
+
+
 def _expect_int(name, value, low, high=None):
     if isinstance(value, bool) or not isinstance(value, int) or value < low or (
         high is not None and value >= high
@@ -183,6 +206,9 @@ def check_cache(cache: ReplayCache) -> None:
         raise ValueError(f"cache.hi: expected shape [slots, nheads, headdim, dstate], got {got}")
     slots, nheads, headdim, dstate = hi.shape
     device = hi.device
+    if min(nheads, headdim, dstate) < 1:
+        raise ValueError(f"cache.hi: expected nheads, headdim and dstate >= 1, got "
+                         f"{list(hi.shape)}")
     _expect_int("cache.window", cache.window, 1)
     _expect_int("cache.draft", cache.draft, 0, cache.window + 1)
     _expect_int("cache.seed", cache.seed, 0, 1 << 64)
@@ -373,8 +399,9 @@ def _mamba2_replay_decode_kernel(
     dt_bias = tl.load(p_dt_bias + i_h) if HAS_DT_BIAS else 0.0
     dt = process_dt(tl.load(p_dt + i_sh), dt_bias, DT_SOFTPLUS)
 
-    # the ring: records 0..cursor-1 from memory, record `cursor` from the inputs
-    m_l = o_l < cursor
+    # the ring: records 0..cursor-1 from memory, record `cursor` from the inputs (never past
+    # the slot's ring: with check_counters=False a cursor out of range must not read others')
+    m_l = (o_l < cursor) & (o_l < lcap)
     p_rx = p_ring_x + (i_sh * lcap + o_l[:, None]) * headdim + o_v[None, :]
     b_rx = tl.load(p_rx, mask=m_l[:, None] & m_v[None, :], other=0.0).to(tl.float32)  # [BL, BV]
     p_rB = p_ring_B + (i_sg * lcap + o_l[:, None]) * dstate + o_k[None, :]
@@ -429,13 +456,14 @@ def _mamba2_append_kernel(
     are held, and the slot flushed iff h == L (cursor back to 0, one more checkpoint write)."""
     i_s = tl.program_id(0).to(tl.int64)
     cursor = tl.load(p_cursors + i_s)
+    in_ring = (cursor >= 0) & (cursor < lcap)  # check_counters=False: stores stay in the ring
     o_h = tl.arange(0, BH)
     o_g = tl.arange(0, BG)
     o_v = tl.arange(0, BV)
     o_k = tl.arange(0, BK)
-    m_h = o_h < nheads
+    m_h = (o_h < nheads) & in_ring
     m_hv = m_h[:, None] & (o_v[None, :] < headdim)
-    m_gk = (o_g[:, None] < ngroups) & (o_k[None, :] < dstate)
+    m_gk = (o_g[:, None] < ngroups) & (o_k[None, :] < dstate) & in_ring
 
     b_x = tl.load(p_x + (i_s * nheads + o_h[:, None]) * headdim + o_v[None, :], mask=m_hv)
     p_rx = p_ring_x + ((i_s * nheads + o_h[:, None]) * lcap + cursor) * headdim + o_v[None, :]
@@ -477,18 +505,23 @@ def mamba2_replay_decode(
 
     Shapes: x, z [slots, nheads, headdim] and B, C [slots, ngroups, dstate] in the ring's
     activation dtype; dt [slots, nheads], A, D, dt_bias [nheads] in fp32 (dt raw: dt_bias and
-    softplus are applied here). `out` [slots, nheads, headdim] (any float dtype; default x's
-    dtype). `debug_state` fp32 [slots, nheads, headdim, dstate]: receives the unrounded new
+    softplus are applied here). `out` [slots, nheads, headdim] (fp32, fp16 or bf16; default
+    x's dtype). `debug_state` fp32 [slots, nheads, headdim, dstate]: receives the unrounded new
     state at flush rows and is untouched elsewhere. Launches on the current stream.
     `check_counters=False` skips the range check of the cursors and flush counters, the one
     check that reads the device (a stream sync): for a loop that advances every slot in
-    lockstep, whose cursors therefore stay in range by construction.
+    lockstep, whose cursors therefore stay in range by construction (a cursor out of range
+    then gives meaningless outputs, but every ring access stays within its slot's ring).
+    `out` must share no memory with the inputs (x is appended to the ring after y is
+    written).
     """
     if isinstance(cache, ReplayCache) and cache.draft != 0:
         raise ValueError(
             f"cache.draft: expected 0 for standard decoding, got {cache.draft} (use replay_spec)"
         )
     check_step_inputs(cache, x, dt, A, B, C, D, z, dt_bias)
+    check_switch("dt_softplus", dt_softplus)
+    check_switch("check_counters", check_counters)
     slots, nheads, headdim, dstate, ngroups, lcap = cache.shape
     if check_counters:
         check_cursors(cache, 0, cache.window - 1)
@@ -496,6 +529,7 @@ def mamba2_replay_decode(
     if out is None:
         out = torch.empty(slots, nheads, headdim, dtype=x.dtype, device=device)
     _expect("out", out, (slots, nheads, headdim), ACT_DTYPES, device)
+    check_out_apart(out, x=x, z=z, B=B, C=C)
     if debug_state is not None:
         _expect("debug_state", debug_state, cache.hi.shape, (torch.float32,), device)
     if slots == 0:

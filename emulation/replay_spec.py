@@ -40,7 +40,9 @@ from emulation.replay_decode import (
     ReplayCache,
     _expect,
     check_cursors,
+    check_out_apart,
     check_step_inputs,
+    check_switch,
     gate_output,
     launch_config,
     process_dt,
@@ -205,16 +207,20 @@ def mamba2_replay_verify(
     [slots, nheads, headdim, dstate] receives S_new at flush rows. Launches on the current
     stream.
     """
-    T = cache.draft if isinstance(cache, ReplayCache) else 0
+    if not isinstance(cache, ReplayCache):
+        raise ValueError(f"cache: expected a ReplayCache, got {type(cache).__name__}")
+    T = cache.draft
     if T < 1:
         raise ValueError(f"cache.draft: expected T >= 1 for speculative decoding, got {T}")
     check_step_inputs(cache, x, dt, A, B, C, D, z, dt_bias, ndraft=T)
+    check_switch("dt_softplus", dt_softplus)
     slots, nheads, headdim, dstate, ngroups, lcap = cache.shape
     check_cursors(cache, 0, cache.window)
     device = cache.hi.device
     if out is None:
         out = torch.empty(slots, nheads, T, headdim, dtype=x.dtype, device=device)
     _expect("out", out, (slots, nheads, T, headdim), ACT_DTYPES, device)
+    check_out_apart(out, x=x, z=z, B=B, C=C)  # the drafts are appended after y is written
     if debug_state is not None:
         _expect("debug_state", debug_state, cache.hi.shape, (torch.float32,), device)
     cache.pending = True  # the inputs are good: this verify awaits its commit
@@ -259,7 +265,9 @@ def mamba2_replay_commit(cache: ReplayCache, accepted) -> None:
 
     accepted: an int, or an int32/int64 tensor [slots] on the cache's device, in [0, T].
     """
-    T = cache.draft if isinstance(cache, ReplayCache) else 0
+    if not isinstance(cache, ReplayCache):
+        raise ValueError(f"cache: expected a ReplayCache, got {type(cache).__name__}")
+    T = cache.draft
     if T < 1:
         raise ValueError(f"cache.draft: expected T >= 1 for speculative decoding, got {T}")
     slots = cache.cursors.shape[0]

@@ -36,6 +36,8 @@ from emulation.replay_decode import (
     ROUNDINGS,
     _expect,
     _expect_int,
+    check_out_apart,
+    check_switch,
     gate_output,
     launch_config,
     process_dt,
@@ -81,6 +83,9 @@ class StateCache:
         device=None,
     ) -> "StateCache":
         """A zero state with its token counters at 0."""
+        for name, value, low in (("slots", slots, 0), ("nheads", nheads, 1),
+                                 ("headdim", headdim, 1), ("dstate", dstate, 1)):
+            _expect_int(name, value, low)  # before anything is allocated
         fmt = check_kernel_format("format", format, dstate)
         f32 = dict(dtype=torch.float32, device=device)
         scales = global_scale = None
@@ -114,6 +119,9 @@ def check_state_cache(cache: StateCache) -> None:
         )
     slots, nheads, headdim, dstate = state.shape
     device = state.device
+    if min(nheads, headdim, dstate) < 1:
+        raise ValueError(f"cache.state: expected nheads, headdim and dstate >= 1, got "
+                         f"{list(state.shape)}")
     fmt = check_kernel_format("cache.format", cache.format, dstate)
     if cache.rounding not in ROUNDINGS:
         raise ValueError(f"cache.rounding: expected 'rn' or 'sr', got {cache.rounding!r}")
@@ -223,6 +231,8 @@ def mamba2_state_update(
     counters stay below 2^20 - 1 (experiments.error_growth on a GPU).
     """
     check_state_cache(cache)
+    check_switch("dt_softplus", dt_softplus)
+    check_switch("check_counters", check_counters)
     if output_from not in OUTPUT_FROM:
         raise ValueError(f"output_from: expected one of {OUTPUT_FROM}, got {output_from!r}")
     slots, nheads, headdim, dstate = cache.state.shape
@@ -256,6 +266,7 @@ def mamba2_state_update(
     if out is None:
         out = torch.empty(slots, nheads, headdim, dtype=x.dtype, device=device)
     _expect("out", out, (slots, nheads, headdim), ACT_DTYPES, device)
+    check_out_apart(out, x=x, z=z, B=B, C=C)
     if debug_state is not None:
         _expect("debug_state", debug_state, cache.state.shape, f32, device)
     if slots == 0:

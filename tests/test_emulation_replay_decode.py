@@ -22,6 +22,7 @@ factors, gives |err| <= (dstate + 2 Lcap + 16) u * sum|terms|, where sum|terms| 
 replay evaluated on absolute values (decays are positive). The tests allow twice that.
 """
 
+import dataclasses
 import math
 import os
 
@@ -398,3 +399,53 @@ def test_invalid_inputs_raise_value_error(change, match):
     naming the argument, the expected and the actual value."""
     with pytest.raises(ValueError, match=match):
         _call_with(change)
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda c, t, p: mamba2_replay_decode(c, **t, **p, out=t["x"]),
+     "out: expected a tensor that shares no memory with the inputs, got one that shares x's"),
+    (lambda c, t, p: mamba2_replay_decode(c, **t, **p, dt_softplus="false"),
+     "dt_softplus: expected a bool, got 'false'"),
+    (lambda c, t, p: mamba2_replay_decode(c, **t, **p, check_counters=1),
+     "check_counters: expected a bool"),
+    (lambda c, t, p: ReplayCache.empty(3, 6, 5, 32, window=-1), "window: expected an int >= 1"),
+    (lambda c, t, p: ReplayCache.empty(3, 6, 5, 32, window=2.0), "window: expected an int"),
+    (lambda c, t, p: ReplayCache.empty(-1, 6, 5, 32), "slots: expected an int >= 0"),
+    (lambda c, t, p: ReplayCache.empty(3, 0, 5, 32), "nheads: expected an int >= 1"),
+    (lambda c, t, p: ReplayCache.empty(3, 6, 5, 32, act_dtype=torch.int8), "act_dtype"),
+    (lambda c, t, p: mamba2_replay_decode(
+        dataclasses.replace(c, hi=c.hi[:, :0], lo=c.lo[:, :0]), **t, **p),
+     "cache.hi: expected nheads, headdim and dstate >= 1"),
+], ids=["out-is-x", "softplus-word", "check-int", "window-neg", "window-float", "slots-neg",
+        "no-heads", "act-int8", "empty-heads"])
+def test_argument_mistakes_are_named(call, match):
+    """Mistakes a caller makes (out aliasing x, which stored y as the ring's record; a word
+    for a switch, read with bool(); sizes that used to reach torch's allocator or a Triton
+    arange) raise a ValueError naming the argument."""
+    cache, token, params = _valid_call_parts()
+    with pytest.raises(ValueError, match=match):
+        call(cache, token, params)
+
+
+def test_cursors_out_of_range_without_the_check_stay_in_their_ring():
+    """With check_counters=False a cursor out of range (past the ring, or negative) gives a
+    meaningless output for its slot but every ring access stays within that slot's ring: the
+    other slots' rings hold exactly their own appended record (such a cursor wrote into the
+    next slot's ring, or crashed the interpreter with a double free)."""
+    gen = torch.Generator().manual_seed(9)
+    shape = SHAPES["h3-p5-n32-g1"]
+    cache = filled_cache(gen, 3, shape, ("fp16", "sr"), "nvfp4", torch.float32, "cpu",
+                         cursors=[1, 0, 2], flushes=[0, 0, 0])
+    token, params = make_token(gen, 3, shape, torch.float32, "cpu"), make_params(gen, 3)
+    cache.cursors.copy_(torch.tensor([1, WINDOW + 3, 2], dtype=torch.int32))
+    rings = {k: getattr(cache, k).clone() for k in ("ring_x", "ring_dt", "ring_B")}
+    mamba2_replay_decode(cache, **token, **params, check_counters=False)
+    for name, before in rings.items():
+        after = getattr(cache, name)
+        assert_bits_equal(after[1], before[1], f"{name} of the out-of-range slot")
+        for s, pos in ((0, 1), (2, 2)):  # each other slot: its own record, nothing else
+            changed = ~((after[s] == before[s]) | (after[s].isnan() & before[s].isnan()))
+            by_position = changed.transpose(0, 1).reshape(changed.shape[1], -1).any(dim=1)
+            assert by_position.nonzero().flatten().tolist() == [pos], (name, s)
+    cache.cursors[1] = -5
+    mamba2_replay_decode(cache, **token, **params, check_counters=False)

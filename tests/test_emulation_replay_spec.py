@@ -231,11 +231,13 @@ def _cache(**kw):
     return ReplayCache.empty(2, h, p, n, **args)
 
 
-def _verify(cache, drafts=None, **change):
+def _verify(cache, drafts=None, dt_softplus=True, out=None, **change):
     gen = torch.Generator().manual_seed(13)
     drafts = make_drafts(gen, 2, DRAFT) if drafts is None else drafts
     drafts.update(change)
-    mamba2_replay_verify(cache, **drafts, **make_params(gen, SHAPE["nheads"]))
+    out = drafts["x"] if out == "x" else out
+    mamba2_replay_verify(cache, **drafts, **make_params(gen, SHAPE["nheads"]),
+                         dt_softplus=dt_softplus, out=out)
 
 
 @pytest.mark.parametrize(
@@ -250,17 +252,27 @@ def _verify(cache, drafts=None, **change):
          r"accepted: expected shape \[2\]"),
         (lambda: mamba2_replay_commit(_cache(), 1.0), "accepted: expected an int"),
         (lambda: mamba2_replay_commit(_cache(draft=0), 1), "cache.draft"),
+        (lambda: mamba2_replay_commit(None, 1), "cache: expected a ReplayCache, got NoneType"),
+        (lambda: _verify(None), "cache: expected a ReplayCache, got NoneType"),
+        (lambda: _verify(_cache(), dt_softplus="no"), "dt_softplus: expected a bool"),
         (lambda: mamba2_replay_decode(_cache(), **{k: v[:, :, 0] for k, v in make_drafts(
             torch.Generator().manual_seed(0), 2, DRAFT).items()}, **make_params(
             torch.Generator().manual_seed(0), 3)), "cache.draft: expected 0"),
     ],
     ids=["no-drafts", "x-shape", "C-dtype", "accept-too-many", "accept-shape", "accept-float",
-         "commit-no-drafts", "decode-with-drafts"],
+         "commit-no-drafts", "commit-no-cache", "verify-no-cache", "softplus-word",
+         "decode-with-drafts"],
 )
 def test_invalid_inputs_raise_value_error(call, match):
     """Bad drafts, acceptance counts and modes raise a ValueError naming the argument."""
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def test_verify_refuses_an_out_that_is_an_input():
+    """out=x stored y as the drafts' ring records (they are appended after y is written)."""
+    with pytest.raises(ValueError, match="out: expected a tensor that shares no memory"):
+        _verify(_cache(), out="x")
 
 
 def test_commit_needs_its_own_verify():

@@ -199,7 +199,11 @@ def _valid(**change):
     for k, v in change.items():
         if hasattr(cache, k):
             setattr(cache, k, v)
-    mamba2_state_update(cache, **token, **params, output_from=change.get("output_from", "stored"))
+    extra = {k: change[k] for k in ("dt_softplus", "check_counters") if k in change}
+    if change.get("out") == "x":
+        extra["out"] = token["x"]
+    mamba2_state_update(cache, **token, **params, output_from=change.get("output_from", "stored"),
+                        **extra)
 
 
 @pytest.mark.parametrize(
@@ -217,9 +221,14 @@ def _valid(**change):
         (dict(state=torch.zeros(2, 3, 5, 32, dtype=torch.float16)), "cache.state: expected "
                                                                      "dtype"),
         (dict(output_from="fresh"), "output_from"),
+        (dict(out="x"), "out: expected a tensor that shares no memory with the inputs"),
+        (dict(dt_softplus="no"), "dt_softplus: expected a bool"),
+        (dict(check_counters=0), "check_counters: expected a bool"),
+        (dict(state=torch.zeros(2, 3, 0, 32)), "cache.state: expected nheads, headdim and"),
     ],
     ids=["x-shape", "ngroups", "C-dtype", "dt_bias-dtype", "fp64", "scales", "rounding",
-         "tokens", "state-dtype", "output-from"],
+         "tokens", "state-dtype", "output-from", "out-is-x", "softplus-word", "check-int",
+         "no-headdim"],
 )
 def test_invalid_inputs_raise_value_error(change, match):
     """Bad shapes, dtypes, formats and counters raise a ValueError naming the argument."""
