@@ -31,10 +31,11 @@ def check_ndim(name: str, t, ndim: int, layout: str) -> None:
 
 
 def check_count(name: str, count, batch: int, low: int, high: int) -> None:
-    """``count`` is an integer tensor ``[batch]`` with values in ``[low, high]``."""
+    """``count`` is an int32 or int64 tensor ``[batch]`` with values in ``[low, high]`` (the
+    smaller integer dtypes cannot index a gather, and uint8's count - 1 wraps)."""
     check_tensor(name, count)
-    if count.dtype.is_floating_point or count.dtype == torch.bool or count.is_complex():
-        raise ValueError(f"{name}: expected an integer dtype, got {count.dtype}")
+    if count.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name}: expected dtype torch.int32 or torch.int64, got {count.dtype}")
     check_shape(name, count, (batch,))
     if batch and (int(count.min()) < low or int(count.max()) > high):
         raise ValueError(f"{name}: expected values in [{low}, {high}], got {count.tolist()}")

@@ -119,10 +119,17 @@ class Format:
             )
         if self.block is not None and self.block != ROW and self.block <= 0:
             raise ValueError(f"block: expected a positive length or ROW (-1), got {self.block}")
-        if self.two_level and self.scale != "e4m3":
+        if self.two_level != (self.scale == "e4m3"):
+            # the E4M3 block scale is defined with its per-state fp32 scale (README.md: s_g
+            # brings the block amaxes into E4M3's range); one level alone was computed with an
+            # s_g that pack dropped, so unpack gave other values
             raise ValueError(
-                f"two_level: only defined for an 'e4m3' block scale, got {self.scale!r}"
+                f"two_level: expected True exactly with an 'e4m3' block scale (nvfp4's two "
+                f"levels), got two_level={self.two_level} with scale={self.scale!r}"
             )
+        if self.block is not None and (isinstance(self.block, bool)
+                                       or not isinstance(self.block, int)):
+            raise ValueError(f"block: expected an int, got {self.block!r}")
 
     @property
     def bits_per_element(self) -> float:
@@ -142,7 +149,7 @@ class Format:
             )
         n = shape[-1]
         block = n if self.block == ROW else self.block
-        if block == 0 or n % block:
+        if block <= 0 or n <= 0 or n % block:
             raise ValueError(
                 f"shape: last dim (d_k) must be a positive multiple of block {block} for format "
                 f"{self.name!r}, got d_k={n} in shape {list(shape)}"

@@ -54,6 +54,8 @@ def _group_to_heads(t: torch.Tensor, nheads: int) -> torch.Tensor:
 def mamba2_process_dt(dt, dt_bias=None, dt_softplus=True):
     """``dt + dt_bias`` (bias ``[h]`` broadcast over the trailing head dim of ``dt [b, h]``),
     then softplus if ``dt_softplus``: the ``dt`` the recurrence and the ring use."""
+    if not isinstance(dt_softplus, bool):  # a word such as "false" would read as True
+        raise ValueError(f"dt_softplus: expected a bool, got {dt_softplus!r}")
     if dt_bias is not None:
         check_float("dt_bias", dt_bias, dt.dtype)
         check_shape("dt_bias", dt_bias, (dt.shape[1],))

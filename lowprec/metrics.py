@@ -32,5 +32,6 @@ def rel_err(y_hat: torch.Tensor, y: torch.Tensor, dims=(-2, -1)) -> torch.Tensor
     diff = torch.linalg.vector_norm(y_hat.to(torch.float64) - y, dim=dims)
     ref = torch.linalg.vector_norm(y, dim=dims)
     safe = torch.where(ref > 0, ref, torch.ones_like(ref))
-    zero_ref = torch.where(diff > 0, torch.full_like(diff, float("inf")), torch.zeros_like(diff))
+    # 0 only where y_hat equals y exactly: a NaN output (diff NaN) is not an exact one
+    zero_ref = torch.where(diff == 0, torch.zeros_like(diff), torch.full_like(diff, float("inf")))
     return torch.where(ref > 0, diff / safe, zero_ref)

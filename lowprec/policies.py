@@ -74,6 +74,10 @@ def round_state(state, fmt, rounding, seed, slots, counter):
         return state
     rand = None
     if rounding == "sr":
+        # an int is every slot's (one slot's words for all of them would be the wrong shape)
+        slots, counter = (torch.full((state.shape[0],), v, dtype=torch.int64)
+                          if isinstance(v, int) and not isinstance(v, bool) else v
+                          for v in (slots, counter))
         rand = philox.random_words(seed, slots, counter, tuple(state.shape[1:]))
     return quantize.fake_quantize(state, fmt, rounding=rounding, rand=rand)
 
@@ -108,6 +112,24 @@ class Policy:
             )
         check_positive_int("window", self.window)
         check_positive_int("seed", self.seed, minimum=0)
+        if self.seed >= philox.SEED_LIMIT:
+            raise ValueError(f"seed: expected an integer in [0, 2^64), got {self.seed}")
+
+    def check_state(self, dv: int, dk: int, dtype: torch.dtype) -> None:
+        """ValueError unless this policy can round a state [..., dv, dk] of ``dtype``: an fp32
+        or fp64 state where it rounds (the formats take fp32 or fp64 inputs), and d_k a
+        multiple of each block format's block. Checked when a cache or simulator is made (it
+        used to fail at the first flush, with the record of that step already appended)."""
+        stored = {"exact": (), "conventional": (self.fmt,), "shared": (self.fmt,),
+                  "separate": (self.fmt, self.hi_fmt)}[self.kind]
+        rounded = [f for f in stored if f != "fp64"]
+        if rounded and dtype not in (torch.float32, torch.float64):
+            raise ValueError(f"dtype: expected torch.float32 or torch.float64 for a policy that "
+                             f"rounds to {rounded}, got {dtype}")
+        for name in rounded:
+            fmt = formats.get(name)
+            if fmt.block is not None:
+                fmt.block_length((dv, dk))  # raises ValueError naming d_k and the block
 
     def write_copies(self, new_state, slots, counter):
         """The ``(hi, lo)`` copies a flush writes from the unrounded ``new_state``, with SR
@@ -164,6 +186,7 @@ class Simulator:
             check_positive_int(name, value)
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise ValueError(f"dtype: expected a floating-point torch.dtype, got {dtype!r}")
+        policy.check_state(dv, dk, dtype)
         self.recurrence = recurrence
         self.policy = policy
         self.shape = (batch, nheads, dv, dk)

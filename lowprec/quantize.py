@@ -167,8 +167,11 @@ def round_to(
         m = |x| / 2^(max(ex - 1, emin) - mbits) = |mant| * 2^(mbits + 1 - max(emin - ex + 1, 0))
     """
     _check_input(x)
+    if isinstance(element, str) and element in formats.ELEMENTS:  # a name, as quantize takes
+        element = formats.ELEMENTS[element]
     if not isinstance(element, ElementFormat):
-        raise ValueError(f"element: expected an ElementFormat, got {type(element).__name__}")
+        raise ValueError(f"element: expected an ElementFormat or one of "
+                         f"{sorted(formats.ELEMENTS)}, got {element!r}")
     _check_rounding(rounding, rand, x.shape)
     if _is_identity(element, x.dtype):
         # Only inf moves. The fp64 format's saturation value overflows fp32, so fp32 input
@@ -333,6 +336,9 @@ def quantize(
         return Quantized(fmt, round_to(x, fmt.element, rounding, rand))
 
     block = fmt.block_length(x.shape)
+    if fmt.two_level and x.shape[-2] == 0:  # no rows: no amax to take s_g from
+        raise ValueError(f"x: expected d_v >= 1 for {fmt.name!r} (its per-state scale), got "
+                         f"shape {list(x.shape)}")
     blocked_shape = (*x.shape[:-1], x.shape[-1] // block, block)
     xb = x.to(torch.float32).reshape(blocked_shape)  # [..., d_v, n_blocks, block]
     amax_b = xb.abs().amax(dim=-1)  # [..., d_v, n_blocks]

@@ -116,6 +116,7 @@ class ReplaySSM:
             )
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise ValueError(f"dtype: expected a floating-point torch.dtype, got {dtype!r}")
+        policy.check_state(dv, dk, dtype)
 
     @staticmethod
     def _empty_ring(layouts, dtype):
@@ -157,6 +158,10 @@ class ReplaySSM:
     def _write_copies(self, new_state, mask):
         """Write both copies of the slots in ``mask`` from the unrounded ``new_state``."""
         slots = torch.arange(self.shape[0])
+        if bool(mask.any()) and int(self.flushes[mask].max()) >= FLUSH_COUNTER_LIMIT:
+            raise ValueError(  # as the kernels' check_counter_ranges refuses it
+                f"flushes: expected values in [0, 2^20 - 1) (the Philox counter's flush field), "
+                f"got {int(self.flushes[mask].max())} at a flushing slot")
         hi, lo = self.policy.write_copies(new_state, slots, self.flushes)
         m = mask[:, None, None, None]
         self.hi = torch.where(m, hi, self.hi)
@@ -230,6 +235,8 @@ class Mamba2Replay(ReplaySSM):
         (its ``window`` is L)."""
         policy = Policy("exact") if policy is None else policy
         cls._check_config(policy, batch, nheads, dv, dk, draft, dtype)
+        if not isinstance(dt_softplus, bool):
+            raise ValueError(f"dt_softplus: expected a bool, got {dt_softplus!r}")
         check_positive_int("ngroups", ngroups)
         if nheads % ngroups:
             raise ValueError(f"ngroups: expected a divisor of nheads={nheads}, got {ngroups}")

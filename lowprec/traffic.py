@@ -39,6 +39,7 @@ import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields
 
+from lowprec import models
 from lowprec.models import AttentionShape, ModelShape, SSMLayerShape
 
 __all__ = [
@@ -328,6 +329,12 @@ def snapshot_spec(state: int, verified: int, committed: int) -> Traffic:
                    state_write=verified * state, record_read=0, record_write=0)
 
 
+def _check_window_holds(window: int, verified: int) -> None:
+    """T <= L, as lowprec.replay's caches require (a step verifies at most a window)."""
+    if verified > window:
+        raise ValueError(f"verified: expected T <= the window L = {window}, got {verified}")
+
+
 def _check_committed(committed: int, verified: int) -> None:
     _check_int("committed", committed)
     if committed > verified:
@@ -343,6 +350,7 @@ def replay_spec_trace(window: int, verified: int, committed: int, record: int, r
     """
     _check_int("window", window)
     _check_int("verified", verified)
+    _check_window_holds(window, verified)
     _check_committed(committed, verified)
     _check_int("record", record, 0)
     non_flush_read, flush_read, flush_write = _copies(read_copy, recurrence_copy)
@@ -414,6 +422,7 @@ def replay_memory(window: int, verified: int, record: int, read_copy: int,
     are two) and a ring of `L + T` records."""
     _check_int("window", window)
     _check_int("verified", verified)
+    _check_window_holds(window, verified)
     _check_int("record", record, 0)
     _check_int("read_copy", read_copy)
     checkpoint = read_copy if recurrence_copy is None else read_copy + recurrence_copy
@@ -422,7 +431,9 @@ def replay_memory(window: int, verified: int, record: int, read_copy: int,
 
 def request_bytes(model: ModelShape, ssm_layer_bytes: int, context: int = 0) -> int:
     """Bytes one request keeps in the whole model: every SSM layer's `ssm_layer_bytes` plus
-    every attention layer's KV cache for `context` tokens."""
+    every attention layer's KV cache for `context` tokens. `model`: a ModelShape or a name of
+    lowprec.models."""
+    model = models.get(model)
     _check_int("ssm_layer_bytes", ssm_layer_bytes)
     _check_int("context", context, 0)
     kv = model.n_attention_layers * kv_bytes_per_token(model.attention) * context
@@ -502,7 +513,9 @@ def crossover_context(model: ModelShape, ssm_bytes_per_token: float) -> float:
     """Context length at which one decode step's KV reads in all attention layers,
     `n_attn * kv * n`, equal the SSM layers' state traffic, `n_ssm * ssm_bytes_per_token`
     (`ssm_bytes_per_token` is per layer, e.g. `conventional(M_S).per_token`).
-    Nemotron-3-Super, conventional fp32: 40 * 8 MiB / (8 * 512 B) = 81,920 tokens."""
+    Nemotron-3-Super, conventional fp32: 40 * 8 MiB / (8 * 512 B) = 81,920 tokens. `model`:
+    a ModelShape or a name of lowprec.models."""
+    model = models.get(model)
     if not ssm_bytes_per_token > 0:
         raise ValueError(f"ssm_bytes_per_token: expected > 0, got {ssm_bytes_per_token}")
     if model.n_attention_layers == 0:

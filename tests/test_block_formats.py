@@ -468,3 +468,21 @@ def test_quantize_rejects_bad_arguments_with_value_errors_naming_them():
         quantize(x, "nvfp4", "stochastic")
     with pytest.raises(ValueError, match="x: expected dtype float32 or float64"):
         quantize(x.bfloat16(), "nvfp4")
+
+
+def test_format_definitions_that_pack_could_not_store_are_refused():
+    """An E4M3 block scale without its per-state scale (computed with an s_g that pack then
+    dropped: unpack gave other values), a fractional block, an empty d_k or d_v: refused
+    with the argument named; round_to takes an element's name as quantize takes a format's."""
+    with pytest.raises(ValueError, match="two_level: expected True exactly with an 'e4m3'"):
+        formats.Format("e2m1_e4m3_b16", E2M1, block=16, scale="e4m3")
+    with pytest.raises(ValueError, match="block: expected an int"):
+        formats.Format("odd", E2M1, block=2.5, scale="fp32")
+    with pytest.raises(ValueError, match=r"positive multiple of block 16 .* d_k=0"):
+        quantize(torch.randn(2, 4, 0), "nvfp4")
+    with pytest.raises(ValueError, match="x: expected d_v >= 1 for 'nvfp4'"):
+        quantize(torch.randn(0, 16), "nvfp4")
+    x = torch.randn(5, 7) * 100
+    assert torch.equal(round_to(x, "fp16"), round_to(x, FP16))
+    with pytest.raises(ValueError, match="element: expected an ElementFormat or one of"):
+        round_to(x, "nvfp4")

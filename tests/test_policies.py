@@ -273,3 +273,39 @@ def test_bad_simulator_input_raises_value_errors_naming_the_argument():
 def test_every_format_is_accepted_by_a_policy():
     for name in formats.names():
         assert make_policy("shared", name).fmt == name
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: Simulator("mamba2", make_policy("shared", "nvfp4", window=3), 2, 3, 4, 16,
+                       dtype=torch.float16), "dtype: expected torch.float32 or torch.float64"),
+    (lambda: Simulator("mamba2", make_policy("shared", "nvfp4", window=3), 2, 3, 4, 24),
+     r"d_k\) must be a positive multiple of block 16"),
+    (lambda: Simulator("mamba2", make_policy("separate_fp16sr", "mxfp4", window=3), 2, 3, 4, 48),
+     "block 32"),
+    (lambda: Policy("shared", fmt="fp16", rounding="sr", seed=2**64), r"seed: expected .*2\^64"),
+], ids=["fp16-state", "dk-not-a-block", "dk-not-an-mxfp4-block", "seed-past-philox"])
+def test_settings_that_cannot_round_are_refused_when_made(make, message):
+    """A policy that could never round its state (an fp16 state, d_k not a multiple of the
+    block, a seed past Philox's) is refused when the simulator or policy is made: it used to
+    fail at the first flush, after that step's record was appended, naming an argument the
+    user never passed."""
+    with pytest.raises(ValueError, match=message):
+        make()
+    Simulator("mamba2", make_policy("exact", "fp64"), 2, 3, 4, 24, dtype=torch.float16)
+
+
+def test_round_state_takes_one_slot_and_counter_for_every_slot():
+    """slots and counter as ints mean the same for every slot (it raised about `rand`)."""
+    from lowprec.policies import round_state
+
+    state = torch.randn(2, 3, 4, 16, dtype=torch.float64)
+    by_int = round_state(state, "fp16", "sr", 5, 7, 3)
+    by_tensor = round_state(state, "fp16", "sr", 5, torch.tensor([7, 7]), torch.tensor([3, 3]))
+    assert torch.equal(by_int, by_tensor) and not torch.equal(by_int, state)
+
+
+def test_rel_err_of_a_nan_output_against_a_zero_reference_is_not_zero():
+    """0 only where y_hat equals y: a diverged (NaN) arm against y = 0 read as exact."""
+    zero = torch.zeros(1, 2, 2)
+    assert rel_err(torch.full((1, 2, 2), float("nan")), zero).isinf().all()
+    assert rel_err(zero.clone(), zero).eq(0).all()

@@ -342,8 +342,10 @@ def test_replay_rejects_counts_outside_the_ring_and_empty_queries():
         mamba2_replay_output(ckpt, ring_x, ring_dt, ring_B, torch.tensor([5, 1]), C, x, A)
     with pytest.raises(ValueError, match="count: expected every slot to hold its T=1"):
         mamba2_replay_output(ckpt, ring_x, ring_dt, ring_B, torch.tensor([0, 1]), C, x, A)
-    with pytest.raises(ValueError, match="count: expected an integer dtype"):
-        mamba2_replay_flush(ckpt, ring_x, ring_dt, ring_B, torch.tensor([1.0, 1.0]), A)
+    for bad in (torch.tensor([1.0, 1.0]), torch.tensor([1, 1], dtype=torch.int16),
+                torch.tensor([1, 1], dtype=torch.uint8)):  # small ints failed in a gather
+        with pytest.raises(ValueError, match="count: expected dtype torch.int32 or torch.int64"):
+            mamba2_replay_flush(ckpt, ring_x, ring_dt, ring_B, bad, A)
     with pytest.raises(ValueError, match=r"ring_dt: expected shape \[2, 3, 4\]"):
         mamba2_replay_flush(ckpt, ring_x, ring_dt[:, :, :3], ring_B, torch.tensor([1, 1]), A)
     ring_g = -torch.rand(b, h, lcap, dtype=F64, generator=gen)

@@ -415,3 +415,21 @@ def test_counter_ranges_refuse_cursors_past_their_bounds_and_flushes_past_the_ph
     assert replay.check_counter_ranges(as_int32([0, 5, 3]), as_int32([0, last, 9]), 0, 5,
                                        "why") is None
     assert replay.check_counter_ranges(as_int32([]), as_int32([]), 0, 5, "why") is None
+
+
+def test_switches_and_the_flush_counter_limit_are_checked():
+    """dt_softplus must be a bool (the word 'false' applied softplus), and a flush at the last
+    Philox flush counter is refused, as the kernels' counter check refuses it (the reference
+    wrote it and failed at the next flush)."""
+    A = -torch.ones(3, dtype=torch.float64)
+    with pytest.raises(ValueError, match="dt_softplus: expected a bool"):
+        Mamba2Replay.create(2, 3, 4, 16, A, dt_softplus="false")
+    cache = Mamba2Replay.create(2, 3, 4, 16, A, policy=Policy("shared", fmt="fp16",
+                                                              rounding="sr", window=1))
+    cache.flushes = torch.tensor([0, replay.FLUSH_COUNTER_LIMIT])
+    g = torch.Generator().manual_seed(3)
+    x, dt = torch.randn(2, 3, 4, generator=g, dtype=torch.float64), torch.rand(2, 3,
+                                                                             dtype=torch.float64)
+    B, C = (torch.randn(2, 1, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    with pytest.raises(ValueError, match=r"flushes: expected values in \[0, 2\^20 - 1\)"):
+        cache.step(x, dt, B, C)

@@ -333,10 +333,10 @@ def test_spec_optimal_window_formula_is_near_the_brute_force_minimum(ssm, verifi
     def cost(L):
         return tr.replay_spec(L, T, a, r, M).per_token
 
-    best = tr.best_window(cost, range(1, 400))
+    best = tr.best_window(cost, range(T, 400))  # T <= L
     N_star = math.sqrt(2 * M / (a * r))
     assert tr.replay_spec(best, T, a, r, M).steps in (math.floor(N_star), math.ceil(N_star))
-    L_formula = max(1, round(tr.optimal_window(M, r, T, a)))
+    L_formula = max(T, round(tr.optimal_window(M, r, T, a)))
     N_formula = tr.replay_spec(L_formula, T, a, r, M).steps
     excess = cost(L_formula) / cost(best) - 1
     assert excess <= (N_formula - N_star) ** 2 / (N_formula * N_star**2) + 1e-12
@@ -493,3 +493,14 @@ def test_run_writes_tidy_csvs_that_plot_reads(tmp_path):
     for name in ("window", "spec", "memory"):
         png = experiment.plot(tmp_path / f"traffic_{name}_nemotron3-super.csv")
         assert png.exists() and png.stat().st_size > 10_000
+
+
+def test_speculative_traffic_keeps_t_within_the_window_and_models_go_by_name():
+    """T > L is refused as lowprec.replay refuses it, and the model-wide functions take a
+    model's name as lowprec.models.get does (a name was an AttributeError)."""
+    with pytest.raises(ValueError, match="verified: expected T <= the window L = 4, got 6"):
+        tr.replay_spec(4, 6, 2, 100, 10_000)
+    with pytest.raises(ValueError, match="verified: expected T <= the window L = 4"):
+        tr.replay_memory(4, 6, 100, 10_000)
+    assert tr.request_bytes("nemotron3-super", 1000, 5) == tr.request_bytes(NEMOTRON, 1000, 5)
+    assert tr.crossover_context("nemotron3-super", 8 * tr.MIB) == pytest.approx(81920)
