@@ -49,7 +49,7 @@ from cute_kernels.replay_flush import (
     check_state_shape,
     require_cuda,
 )
-from lowprec.replay import FLUSH_COUNTER_LIMIT
+from lowprec.replay import check_flush_field
 
 __all__ = ["StateUpdateConfig", "state_update", "compile_state_update", "traffic_bytes"]
 
@@ -329,11 +329,8 @@ def state_update(
         _compile.check_tensor("debug_state", debug_state, torch.float32, state.shape, device)
     if not isinstance(check_counters, bool):
         _compile.fail("check_counters", "a bool", repr(check_counters))
-    if check_counters and counters is not None and counters.numel():
-        low, high = torch.stack([counters.min(), counters.max()]).tolist()
-        if low < 0 or high >= FLUSH_COUNTER_LIMIT:
-            _compile.fail("counters", "values in [0, 2^20 - 1) (the Philox counter's flush "
-                          "field)", f"range [{low}, {high}]")
+    if check_counters and counters is not None:
+        check_flush_field("counters", counters)
     require_cuda("state", state)
     if out is None:
         out = torch.empty_like(x)

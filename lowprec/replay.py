@@ -46,12 +46,26 @@ from lowprec.philox import FLUSH_LIMIT
 from lowprec.policies import Policy
 
 __all__ = ["ReplaySSM", "Mamba2Replay", "GDNReplay", "KDAReplay", "FLUSH_COUNTER_LIMIT",
-           "check_counter_ranges"]
+           "check_counter_ranges", "check_flush_field"]
 
 # A flush uses its slot's counter f (the Philox counter's flush field, FLUSH_LIMIT = 2^20
 # values; past it the field overflows into the slot's) and leaves f + 1, so f must stay below
 # 2^20 - 1 for the next flush to fit.
 FLUSH_COUNTER_LIMIT = FLUSH_LIMIT - 1
+
+
+def check_flush_field(name: str, counters: torch.Tensor) -> None:
+    """ValueError unless every value of ``counters`` (a flush or token counter, any device)
+    lies in [0, FLUSH_COUNTER_LIMIT), the Philox counter's flush field: one host read of two
+    numbers (a stream sync on a GPU). The token counters of the conventional SR updates and
+    the reference's flushing slots use it; `check_counter_ranges` reads cursors and flushes in
+    one go."""
+    if not counters.numel():
+        return
+    low, high = torch.stack([counters.min(), counters.max()]).tolist()
+    if low < 0 or high >= FLUSH_COUNTER_LIMIT:
+        raise ValueError(f"{name}: expected values in [0, 2^20 - 1) (the Philox counter's flush "
+                         f"field), got range [{low}, {high}]")
 
 
 def check_counter_ranges(cursors: torch.Tensor, flushes: torch.Tensor, low: int, high: int,
@@ -158,10 +172,7 @@ class ReplaySSM:
     def _write_copies(self, new_state, mask):
         """Write both copies of the slots in ``mask`` from the unrounded ``new_state``."""
         slots = torch.arange(self.shape[0])
-        if bool(mask.any()) and int(self.flushes[mask].max()) >= FLUSH_COUNTER_LIMIT:
-            raise ValueError(  # as the kernels' check_counter_ranges refuses it
-                f"flushes: expected values in [0, 2^20 - 1) (the Philox counter's flush field), "
-                f"got {int(self.flushes[mask].max())} at a flushing slot")
+        check_flush_field("flushes", self.flushes[mask])  # as the kernels refuse it
         hi, lo = self.policy.write_copies(new_state, slots, self.flushes)
         m = mask[:, None, None, None]
         self.hi = torch.where(m, hi, self.hi)
