@@ -4,6 +4,8 @@ kernel's variants and of the non-flush kernel, compiled for sm_90a on the CPU.
     python -m cute_kernels.instruction_count            # every variant, fast paths only
     python -m cute_kernels.instruction_count --with-fallbacks
     python -m cute_kernels.instruction_count --pipes    # by Hopper pipe, floors, target budgets
+    python -m cute_kernels.instruction_count --ncu REPORT  # what ncu counted executed
+        # (REPORT: e.g. results/kernel_bench_runs/ncu/ncu_flush_sr_nvfp4_20.trim.txt)
 
 The flush kernel is unrolled (64 state elements per thread, no loops but the CTA's ring
 staging), so the number of SASS instructions in the compiled kernel divided by 64 is what
@@ -17,7 +19,8 @@ default the fallbacks are compiled out (replaced by a constant) to count what a 
 `--with-fallbacks` counts the kernel as shipped.
 
 Needs `ptxas` from CUDA 12.9 or newer (CuTe DSL 4.8 emits PTX 8.8) and `cuobjdump`: the
-`CUDA_HOME` toolkit's, else the first on PATH, else (cuobjdump only) the one in Triton's wheel.
+`CUDA_HOME` toolkit's, else the first on PATH, else (cuobjdump only: its ptxas is older) the
+one in Triton's wheel. `--ncu` alone compiles nothing.
 
 Measured 2026-11-29, ptxas 13.0 (CUDA 13.0), Nemotron-3-Super head (64 x 128), window 16,
 bf16 activations, D and dt_bias, no z, 64 elements per thread. "Before" is the kernel of
@@ -106,28 +109,42 @@ VARIANTS = (
 def _tool(name: str) -> str:
     home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
     candidates = [os.path.join(home, "bin", name), shutil.which(name)]
-    try:  # Triton's wheel carries a cuobjdump (its ptxas is too old for CuTe DSL's PTX)
-        import triton
+    if name == "cuobjdump":  # Triton's wheel carries one; its ptxas is too old for CuTe DSL
+        try:
+            import triton
 
-        bundled = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-        candidates.append(os.path.join(bundled, name))
-    except ImportError:
-        pass
+            bundled = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+            candidates.append(os.path.join(bundled, name))
+        except ImportError:
+            pass
     for path in candidates:
         if path and os.path.exists(path):
             return path
-    raise SystemExit(f"instruction_count: {name} not found (set CUDA_HOME to a CUDA 12.8+ toolkit)")
+    raise SystemExit(f"instruction_count: {name} not found (set CUDA_HOME to a CUDA 12.9+ toolkit)")
+
+
+def tools_problem() -> str | None:
+    """Why ptxas (CUDA 12.9 or newer: CuTe DSL 4.8 emits PTX 8.8) or cuobjdump cannot be used,
+    or None."""
+    try:
+        ptxas, _ = _tool("ptxas"), _tool("cuobjdump")
+        banner = subprocess.run([ptxas, "--version"], capture_output=True, text=True).stdout
+    except SystemExit as error:
+        return str(error).removeprefix("instruction_count: ")
+    except OSError as error:
+        return f"ptxas --version failed: {error.strerror or error}"
+    release = re.search(r"release (\d+)\.(\d+)", banner)
+    if not release:
+        return f"{ptxas} printed no release number"
+    if (int(release[1]), int(release[2])) < (12, 9):
+        return (f"{ptxas} is release {release[1]}.{release[2]}; CuTe DSL's PTX 8.8 needs 12.9 "
+                "or newer (set CUDA_HOME)")
+    return None
 
 
 def tools_available() -> bool:
     """Whether ptxas (CUDA 12.9 or newer) and cuobjdump were found (tests skip without)."""
-    try:
-        ptxas, _ = _tool("ptxas"), _tool("cuobjdump")
-        banner = subprocess.run([ptxas, "--version"], capture_output=True, text=True).stdout
-    except (SystemExit, OSError):
-        return False
-    release = re.search(r"release (\d+)\.(\d+)", banner)
-    return bool(release) and (int(release[1]), int(release[2])) >= (12, 9)  # PTX 8.8
+    return tools_problem() is None
 
 
 def sass_text(ptx: str) -> str:
@@ -446,7 +463,9 @@ def nonflush_frac_needed(budget: dict, flush_us: float) -> float:
 
 
 # Metrics that `--ncu` reads from ncu's raw page; scripts/ncu_pipes.sh keeps their lines (and
-# the kernel headers) in its .trim.txt files, which a test checks.
+# the kernel headers) in its .trim.txt files, which a test checks. scripts/ncu_flush_stages.sh
+# keeps the issue rate as `smsp__issue_active.avg.per_cycle_active` instead (ISSUE_METRICS):
+# the reader takes either, and prints "-" for a pipe a report lacks.
 NCU_METRICS = (
     "gpu__time_duration.sum",
     "smsp__inst_executed.sum",
@@ -456,16 +475,37 @@ NCU_METRICS = (
     "sm__inst_executed_pipe_lsu.avg.pct_of_peak_sustained_active",
     "sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active",
 )
+# Warp instructions issued a cycle, and the factor that makes each a sub-partition's rate: an
+# SM's executed rate over its 4 sub-partitions, or the fraction of a sub-partition's cycles
+# that issue (one instruction an issue on Hopper: the flush's report of call 6, eighteenth
+# session, read 2.60 an SM; the twentieth session's of the same kernel 0.65 a sub-partition).
+ISSUE_METRICS = (
+    ("sm__inst_executed.avg.per_cycle_active", 0.25),
+    ("smsp__issue_active.avg.per_cycle_active", 1.0),
+)
+# ncu prints a duration in the unit that suits its size; the reader keeps microseconds
+_TIME_UNITS = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3,
+               "msecond": 1e3, "s": 1e6, "second": 1e6}  # fmt: skip
+
+
+def _open_text(path: str):
+    """A report as text, gzip'd (.gz) or not."""
+    if path.endswith(".gz"):
+        import gzip
+
+        return gzip.open(path, "rt", errors="replace")
+    return open(path, errors="replace")
 
 
 def read_ncu_raw(path: str) -> list[dict]:
-    """Kernels of an `ncu --page raw` report: [{'kernel', 'grid', metric: value, ...}] in
-    launch order, single-valued metrics only (instanced values and units dropped)."""
+    """Kernels of an `ncu --page raw` report (plain or .gz): [{'kernel', 'grid', metric:
+    value, ...}] in launch order, single-valued metrics only (instanced values dropped),
+    durations in microseconds whatever unit ncu printed them in."""
     kernels: list[dict] = []
     # names may hold spaces and template arguments (torch's "void at::...<4, ...>(...)")
     header = re.compile(r"^  (.+?) \((\d+), (\d+), (\d+)\)x\((\d+), (\d+), (\d+)\), Context")
-    metric = re.compile(r"^  ([a-z][\w.]+)\s+(?:\S+\s+)?([-\d,.]+)\s*$")
-    with open(path, errors="replace") as f:
+    metric = re.compile(r"^  ([a-z][\w.]+)\s+(?:(\S+)\s+)?([-\d,.]+)\s*$")
+    with _open_text(path) as f:
         for line in f:
             m = header.match(line)
             if m:
@@ -474,9 +514,15 @@ def read_ncu_raw(path: str) -> list[dict]:
             m = metric.match(line)
             if m and kernels:
                 try:
-                    kernels[-1][m[1]] = float(m[2].replace(",", ""))
+                    value = float(m[3].replace(",", ""))
                 except ValueError:
-                    pass
+                    continue
+                if m[1] == "gpu__time_duration.sum":
+                    if m[2] not in _TIME_UNITS:
+                        raise ValueError(f"{path}: gpu__time_duration.sum in {m[2]!r}, not a time "
+                                         f"unit ({', '.join(_TIME_UNITS)})")
+                    value *= _TIME_UNITS[m[2]]
+                kernels[-1][m[1]] = value
     return kernels
 
 
@@ -485,42 +531,68 @@ def ncu_per_element(k: dict, elements: int) -> dict:
     elements, 32 a warp instruction), by pipe: ALU (a half-rate pipe, so its share of the
     instructions is 0.5 x its % of peak over the warp instructions issued a cycle and
     sub-partition), FMA (both halves: 1 a cycle), LSU and XU (the share at their % of peak
-    over the issue rate: 0.5 and 0.25 a cycle), and the issue rate itself."""
+    over the issue rate: 0.5 and 0.25 a cycle), and the issue rate itself. A pipe the report
+    lacks is None; a launch without the executed count or an issue rate is a ValueError."""
+    missing = [name for name in ("gpu__time_duration.sum", "smsp__inst_executed.sum")
+               if name not in k]  # fmt: skip
+    rates = [(k[name], scale) for name, scale in ISSUE_METRICS if name in k]
+    if missing or not rates:
+        missing += [] if rates else [" or ".join(name for name, _ in ISSUE_METRICS)]
+        raise ValueError(f"launch {k['kernel'][:48]}: no {'; no '.join(missing)}")
     per = k["smsp__inst_executed.sum"] * 32 / elements
-    issue = k["sm__inst_executed.avg.per_cycle_active"] / 4  # a sub-partition
+    issue = rates[0][0] * rates[0][1]  # a sub-partition
     share = {"alu": 0.5, "fma": 1.0, "lsu": 0.5, "xu": 0.25}
     out = {"total": per, "issue_per_cycle": issue, "time_us": k["gpu__time_duration.sum"]}
     for pipe, rate in share.items():
         pct = k.get(f"sm__inst_executed_pipe_{pipe}.avg.pct_of_peak_sustained_active")
-        out[pipe] = None if pct is None else per * pct / 100 * rate / issue
+        out[pipe] = None if pct is None or issue <= 0 else per * pct / 100 * rate / issue
     return out
 
 
-def print_ncu(path: str, batch: int = 256) -> float:
-    """Per profiled launch of a scripts/ncu_pipes.sh report (Nemotron layer at `batch`): the
-    executed instructions per element by pipe and the issue floor they set. Returns the
-    first launch's floor."""
-    elements = batch * 128 * 64 * 128
-    launches = [k for k in read_ncu_raw(path) if k.get("gpu__time_duration.sum", 0) > 10]
+def ncu_launches(path: str) -> list[dict]:
+    """The profiled launches over 10 us of a report of scripts/ncu_pipes.sh or
+    scripts/ncu_flush_stages.sh (the helpers between them, such as the cursors' advance, are
+    shorter); a ValueError says why a file is not such a report."""
+    try:
+        kernels = read_ncu_raw(path)
+    except (OSError, EOFError, UnicodeDecodeError) as error:  # gzip's errors included
+        reason = getattr(error, "strerror", None) or error
+        raise ValueError(f"{path}: cannot be read ({reason})") from None
+    if not kernels:
+        raise ValueError(f"{path}: no kernel header (\"name (grid)x(block), Context ...\"): "
+                         "not an ncu raw-page report")
+    launches = [k for k in kernels if k.get("gpu__time_duration.sum", 0) > 10]
     if not launches:
-        raise SystemExit(f"instruction_count: no profiled launch over 10 us in {path}")
+        raise ValueError(f"{path}: no profiled launch over 10 us")
+    return launches
+
+
+def print_ncu(path: str, batch: int = 256) -> float:
+    """Per profiled launch of a scripts/ncu_pipes.sh or ncu_flush_stages.sh report
+    (Nemotron layer at `batch`): the executed instructions per element by pipe and the issue
+    floor they set. Returns the first launch's floor."""
+    elements = batch * 128 * 64 * 128
+    launches = ncu_launches(path)
+    rows = [(k, ncu_per_element(k, elements)) for k in launches]  # all checked before printing
     print(
         f"{path}: per element, executed (Nemotron layer, batch {batch}; floor at "
         f"{H200_SMS} SMs, {H200_CLOCK_GHZ} GHz)"
     )
     floors = []
-    for k in launches:
-        d = ncu_per_element(k, elements)
+    for k, d in rows:
         floors.append(floor_us(max(d["total"], 2 * (d["alu"] or 0.0)), elements))
+        pipes = "  ".join(f"{name} " + ("    -" if d[key] is None else f"{d[key]:5.2f}")
+                          for name, key in (("ALU", "alu"), ("FMA", "fma"), ("LSU", "lsu")))
         print(
             f"  {k['kernel'][:48]:48s} {d['time_us']:7.1f} us  total {d['total']:5.2f}  "
-            f"ALU {d['alu']:5.2f}  FMA {d['fma']:5.2f}  LSU {d['lsu']:5.2f}  "
-            f"issued {d['issue_per_cycle']:.3f} a cycle  floor {floors[-1]:6.1f} us"
+            f"{pipes}  issued {d['issue_per_cycle']:.3f} a cycle  floor {floors[-1]:6.1f} us"
         )
     return floors[0]
 
 
-DEFAULT_CSV = "results/kernel_bench.csv"
+# the committed benchmark CSV, found from any working folder
+DEFAULT_CSV = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                           "results", "kernel_bench.csv")
 
 
 def main(argv=None) -> int:
@@ -542,14 +614,16 @@ def main(argv=None) -> int:
         "--csv",
         default=None,
         help="with --pipes: a kernel_bench CSV from which to derive the flush time that each "
-        f"per-token target allows (default {DEFAULT_CSV}; skipped if absent)",
+        "per-token target allows (default: the repository's results/kernel_bench.csv; "
+        "skipped if absent)",
     )
     parser.add_argument(
         "--ncu",
         metavar="REPORT",
         help="instead: executed instructions per element by pipe, from a report of "
-        "scripts/ncu_pipes.sh (ncu's raw page at batch 256), and the issue floor they set; "
-        "with --pipes and the two-precision flush's report, the targets at that floor too",
+        "scripts/ncu_pipes.sh or scripts/ncu_flush_stages.sh (ncu's raw page at batch 256; "
+        "plain or .gz), and the issue floor they set; with --pipes and a report whose first "
+        "launch is the flush, the targets at that floor too",
     )
     args = parser.parse_args(argv)
     if args.csv is not None and not args.pipes:
@@ -566,8 +640,24 @@ def main(argv=None) -> int:
     if args.with_fallbacks and (args.pipes or args.ncu):
         parser.error("--with-fallbacks: only for the default count (--pipes and --ncu price "
                      "the fast paths)")
+    if args.ncu and os.path.isdir(args.ncu):
+        parser.error(f"--ncu: {args.ncu} is a folder; give one report file")
     if args.ncu and not os.path.isfile(args.ncu):
         parser.error(f"--ncu: no such file: {args.ncu}")
+    if args.ncu:
+        try:  # every launch checked before anything is printed or compiled
+            first = ncu_launches(args.ncu)[0]
+            for k in ncu_launches(args.ncu):
+                ncu_per_element(k, 1)
+        except ValueError as error:
+            parser.error(f"--ncu: {error} (see scripts/ncu_pipes.sh)")
+        if args.pipes and "ReplayFlush" not in first["kernel"]:  # its floor prices the flush
+            parser.error(f"--ncu with --pipes: the report's first launch is not the flush "
+                         f"({first['kernel'][:60]}); give the two-precision flush's report "
+                         "or leave out --pipes")
+    if not args.ncu or args.pipes:  # what compiles needs ptxas 12.9+ and cuobjdump
+        if problem := tools_problem():
+            parser.exit(2, f"instruction_count: {problem}\n")
     csv_path = args.csv or DEFAULT_CSV
     ncu_floor = None
     if args.ncu:

@@ -3,6 +3,7 @@ the floor is the busiest limit, and the per-token budgets follow the window form
 
 import collections
 import csv
+import os
 
 import pytest
 
@@ -156,7 +157,7 @@ def test_ncu_pipes_script_keeps_every_line_the_reader_needs():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--ncu", "{tmp}"], "--ncu: no such file"),  # a folder was a traceback
+    (["--ncu", "{tmp}/missing.txt"], "--ncu: no such file"),
     (["--pipes", "--csv", "{tmp}/missing.csv"], "--csv: no such file"),  # was skipped silently
     (["--csv", "{tmp}/missing.csv"], "--csv: only with --pipes"),  # was ignored
     # a CSV that is not kernel_bench's was a KeyError traceback
@@ -172,3 +173,96 @@ def test_bad_report_or_csv_paths_are_argument_errors(tmp_path, capsys, argv, mes
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_durations_are_read_in_microseconds_whatever_unit_ncu_prints(tmp_path):
+    """ncu prints a long launch in ms and a short one in ns; the reader kept the number and
+    dropped the unit, so a 1.21 ms flush read as 1.21 us and fell under the 10 us cut."""
+    path = tmp_path / "raw.txt"
+    path.write_text(_NCU_RAW.replace("us               753.66", "ms                 1.21")
+                    .replace("us                 2.27", "nsecond          2,270"))
+    first, second, _ = ic.read_ncu_raw(str(path))
+    assert first["gpu__time_duration.sum"] == pytest.approx(1210.0)
+    assert second["gpu__time_duration.sum"] == pytest.approx(2.27)
+    assert [k["kernel"] for k in ic.ncu_launches(str(path))] == ["kernel_cutlass_flush_like"]
+    path.write_text(_NCU_RAW.replace("us               753.66", "cycle          1,234"))
+    with pytest.raises(ValueError, match="not a time unit"):
+        ic.read_ncu_raw(str(path))
+
+
+def test_the_issue_rate_comes_from_either_metric_and_a_missing_pipe_is_none(tmp_path):
+    """scripts/ncu_flush_stages.sh keeps a sub-partition's issue-active fraction instead of
+    an SM's executed rate: 0.68 either way, and the same shares; a pipe the report lacks is
+    None (it was a TypeError when printed)."""
+    path = tmp_path / "raw.txt"
+    path.write_text(_NCU_RAW.replace(
+        "sm__inst_executed.avg.per_cycle_active                         inst/cycle         2.72",
+        "smsp__issue_active.avg.per_cycle_active                                           0.68"))
+    k = ic.read_ncu_raw(str(path))[0]
+    assert "sm__inst_executed.avg.per_cycle_active" not in k
+    d = ic.ncu_per_element(k, 3 * 474053271)
+    assert d["issue_per_cycle"] == pytest.approx(0.68)
+    assert d["alu"] == pytest.approx(32 / 3 * 0.63 * 0.5 / 0.68) and d["xu"] is None
+    del k["smsp__issue_active.avg.per_cycle_active"]
+    with pytest.raises(ValueError, match="no sm__inst_executed.avg.per_cycle_active or smsp__"):
+        ic.ncu_per_element(k, 1)
+
+
+def test_the_committed_flush_stage_reports_read_as_the_readme_quotes_them(capsys):
+    """results/README.md ("Twentieth session") quotes these issue rates and instruction counts
+    from the ncu_flush_stages.sh reports; `--ncu` raised a KeyError on them."""
+    from pathlib import Path
+
+    ncu = Path(__file__).resolve().parent.parent / "results" / "kernel_bench_runs" / "ncu"
+    for tag, issue, executed in (("rn_none", 0.42, 164.5e6), ("sr_nvfp4", 0.65, 391.8e6)):
+        assert ic.main(["--ncu", str(ncu / f"ncu_flush_{tag}_20.trim.txt")]) == 0
+        out = capsys.readouterr().out
+        assert f"issued {issue:.3f} a cycle" in out
+        total = float(out.split("total")[1].split()[0])
+        assert total == pytest.approx(executed * 32 / (256 * 128 * 64 * 128), abs=0.01)
+
+
+def test_a_gzipped_report_reads_as_the_plain_one(tmp_path):
+    import gzip
+
+    plain, packed = tmp_path / "raw.txt", tmp_path / "raw.txt.gz"
+    plain.write_text(_NCU_RAW)
+    with gzip.open(packed, "wt") as f:
+        f.write(_NCU_RAW)
+    assert ic.read_ncu_raw(str(packed)) == ic.read_ncu_raw(str(plain))
+
+
+@pytest.mark.parametrize("text, argv, message", [
+    (None, ["--ncu", "{tmp}"], "--ncu: {tmp} is a folder"),
+    ("kernel,us\nx,1\n", ["--ncu", "{path}"], "no kernel header"),  # exit status 1 before
+    (_NCU_RAW.replace("us               753.66", "us                 7.5"), ["--ncu", "{path}"],
+     "no profiled launch over 10 us"),
+    (_NCU_RAW.replace("  smsp__inst_executed.sum                                        inst"
+                      "        474,053,271\n", ""), ["--ncu", "{path}"],
+     "no smsp__inst_executed.sum"),  # a KeyError traceback before
+    # the floor --pipes prices is the flush's; a non-flush report was taken for it
+    (_NCU_RAW.replace("kernel_cutlass_flush_like", "kernel_cutlass_replay_outputReplayOutput"),
+     ["--pipes", "--ncu", "{path}"], "--ncu with --pipes: the report's first launch is not"),
+])
+def test_a_file_that_is_not_a_usable_report_is_an_argument_error(tmp_path, capsys, text, argv,
+                                                                  message):
+    path = tmp_path / "report.txt"
+    if text is not None:
+        path.write_text(text)
+    with pytest.raises(SystemExit) as exit_:
+        ic.main([a.format(tmp=tmp_path, path=path) for a in argv])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert message.format(tmp=tmp_path) in err and "Traceback" not in err
+
+
+def test_ptxas_is_never_triton_s_too_old_one(tmp_path, monkeypatch):
+    """Triton's wheel carries a ptxas older than CuTe DSL's PTX 8.8 needs: only its cuobjdump
+    may stand in for a toolkit's."""
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path))  # no toolkit there
+    monkeypatch.setattr(ic.shutil, "which", lambda name: None)
+    with pytest.raises(SystemExit, match=r"ptxas not found \(set CUDA_HOME to a CUDA 12\.9\+"):
+        ic._tool("ptxas")
+    assert "toolkit" in ic.tools_problem() and not ic.tools_available()
+    triton = pytest.importorskip("triton")
+    assert ic._tool("cuobjdump").startswith(os.path.dirname(triton.__file__))
