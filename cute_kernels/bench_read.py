@@ -33,6 +33,7 @@ import torch
 
 from cute_kernels import _compile
 from cute_kernels import replay_output as ro
+from experiments._common import file_problem
 
 import cutlass
 import cutlass.cute as cute
@@ -452,13 +453,6 @@ def run(batches, h, window, sets, reps, out=None, variants=True, splits_sweep=Fa
                 copy_gbs=copy_gbs, read_gbs=read_gbs,
                 device=torch.cuda.get_device_name(0),
             ))
-    if out:
-        import csv
-
-        with open(out, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
     fp32_us = {r["batch"]: r["us"] for r in rows if r["format"] == "fp32"}
     print(f"\ncopy {copy_gbs:,.0f} GB/s (read + write), streaming read {read_gbs:,.0f} GB/s")
     print(f"{'format':>14} {'batch':>5} {'h':>3} {'us':>9} {'MB':>8} {'GB/s':>7} "
@@ -468,7 +462,27 @@ def run(batches, h, window, sets, reps, out=None, variants=True, splits_sweep=Fa
               f"{r['bytes'] / 1e6:>8.1f} {r['gbs']:>7.0f} {100 * r['gbs'] / copy_gbs:>6.1f} "
               f"{100 * r['gbs'] / read_gbs:>6.1f} {fp32_us[r['batch']] / r['us']:>7.2f} "
               f"{r['check']:>6.3f}")
+    if out:  # after the table, so that a failed write loses no measurement
+        write_csv(out, rows)
     return rows
+
+
+def write_csv(path, rows):
+    """The rows as a tidy CSV at `path` (its folder made); a write that fails after the
+    timing is a one-line error, with the table already printed."""
+    import csv
+    import os
+
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+    except OSError as error:
+        raise SystemExit(f"bench_read: --out {path}: {error.strerror or error} (the table above "
+                         "is all that is left of this run)") from None
+    print(f"wrote {path}")
 
 
 def main(argv=None):
@@ -511,6 +525,14 @@ def main(argv=None):
         p.error("--no-variants: not with --splits-sweep")
     if a.splits is not None and not a.splits_sweep:  # was ignored
         p.error("--splits: only with --splits-sweep")
+    heads = SHAPES[a.shape]["nheads"] // SHAPES[a.shape]["ngroups"]
+    if a.splits and (bad := [k for k in a.splits if heads % (4 * k)]):  # the sweep's 4 warps
+        p.error(f"--splits: {', '.join(map(str, bad))}: head_splits * 4 warps must divide the "
+                f"{heads} heads of a group of {a.shape}")
+    if len(set(a.batch)) < len(a.batch) or len(set(a.splits or ())) < len(a.splits or ()):
+        p.error("--batch/--splits: a value given twice")
+    if a.out is not None and (problem := file_problem(a.out)):  # before the timing, not after
+        p.error(f"--out: {problem}")
     if not torch.cuda.is_available():
         p.exit(2, "bench_read: needs a CUDA GPU (torch.cuda.is_available() is False)\n")
     SHAPE.clear()

@@ -27,6 +27,7 @@ read + written) timed in the same run. Prints one table last; writes a tidy CSV 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ import torch
 from cute_kernels import bench_read
 from cute_kernels import replay_flush as rf
 from cute_kernels import state_update as su
+from experiments._common import file_problem
 from lowprec import mamba2, philox
 from lowprec import quantize as q
 from lowprec.formats import FP16
@@ -340,18 +342,10 @@ def bench_window(cfg: BenchConfig, hi_format, lo_format):
 # run
 
 
-def run(cfg: BenchConfig, only=None):
-    """Checks and times every case (or those whose name contains one of the strings in
-    ``only``); returns one row per case."""
-    torch.manual_seed(0)
-    rows = []
-    warm_up()
-    # The ceiling is measured the one way the kit measures it (bench_read.ceilings: warm
-    # device-to-device copy of 1 GiB, events, median). A graph-replayed copy timed here right
-    # after warm_up() read 2,708 GB/s on 2026-11-29 against 4,166 GB/s from ceilings() in the
-    # same call: the lower figure was not a ceiling.
-    copy_gbs, _ = bench_read.ceilings()
-    cases = [
+def bench_cases(cfg: BenchConfig) -> list:
+    """(name, check, bench) of every case; nothing runs until a check or bench is called, so
+    the names can be matched against ``--only`` on a machine without a GPU."""
+    return [
         (
             "flush fp16-SR + nvfp4",
             lambda: check_flush("fp16", "nvfp4", cfg.window, cfg.seed),
@@ -479,9 +473,26 @@ def run(cfg: BenchConfig, only=None):
         ("window/token fp16-SR + nvfp4", lambda: True, lambda: bench_window(cfg, "fp16", "nvfp4")),
         ("window/token fp32 single copy", lambda: True, lambda: bench_window(cfg, "fp32", "none")),
     ]
-    if only:
-        cases = [c for c in cases
-                 if any(c[0] == o[1:] if o.startswith("=") else o in c[0] for o in only)]
+
+
+def matches(name: str, only) -> bool:
+    """Whether a case's name is one that ``--only`` asks for: it contains one of the strings,
+    or is one given with a leading '='."""
+    return any(name == o[1:] if o.startswith("=") else o in name for o in only)
+
+
+def run(cfg: BenchConfig, only=None):
+    """Checks and times every case (or those whose name contains one of the strings in
+    ``only``); returns one row per case."""
+    torch.manual_seed(0)
+    rows = []
+    cases = [c for c in bench_cases(cfg) if not only or matches(c[0], only)]
+    warm_up()
+    # The ceiling is measured the one way the kit measures it (bench_read.ceilings: warm
+    # device-to-device copy of 1 GiB, events, median). A graph-replayed copy timed here right
+    # after warm_up() read 2,708 GB/s on 2026-11-29 against 4,166 GB/s from ceilings() in the
+    # same call: the lower figure was not a ceiling.
+    copy_gbs, _ = bench_read.ceilings()
     for name, check, bench in cases:
         row = dict(
             kernel=name,
@@ -563,19 +574,30 @@ def main(argv=None):
     for name in ("batch", "window", "reps", "replays"):
         if getattr(args, name) < 1:
             parser.error(f"--{name}: expected an integer >= 1, got {getattr(args, name)}")
+    cfg = BenchConfig(batch=args.batch, window=args.window, reps=args.reps, replays=args.replays)
+    names = [case[0] for case in bench_cases(cfg)]
+    for text in args.only or ():  # each must pick a case: a typo used to time nothing, late
+        if not any(matches(name, [text]) for name in names):
+            parser.error(f"--only: no case name {'is' if text.startswith('=') else 'contains'} "
+                         f"{text.removeprefix('=')!r}; the cases:\n  " + "\n  ".join(names))
+    if args.out is not None and (problem := file_problem(args.out)):  # before the timing
+        parser.error(f"--out: {problem}")
     if not torch.cuda.is_available():
         parser.exit(2, "bench_write: needs a CUDA GPU (torch.cuda.is_available() is False)\n")
-    cfg = BenchConfig(batch=args.batch, window=args.window, reps=args.reps, replays=args.replays)
     rows = run(cfg, args.only)
-    if not rows:
-        raise SystemExit(f"bench_write: no case name matches any of {args.only}")
-    if args.out:
+    print_table(rows)
+    if args.out:  # after the table, so that a failed write loses no measurement
         import pandas as pd
 
         frame = pd.DataFrame(rows)
         frame["device"] = torch.cuda.get_device_name()
-        frame.to_csv(args.out, index=False)
-    print_table(rows)
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+            frame.to_csv(args.out, index=False)
+        except OSError as error:
+            raise SystemExit(f"bench_write: --out {args.out}: {error.strerror or error} (the "
+                             "table above is all that is left of this run)") from None
+        print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

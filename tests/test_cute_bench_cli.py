@@ -14,8 +14,12 @@ BAD = {
                  # a flag ignored), now refused before the GPU
                  ["--ablations", "--prologue-variants"], ["--no-variants", "--ablations"],
                  ["--splits-sweep", "--knob-variants"], ["--splits", "2", "4"],
-                 ["--no-variants", "--splits-sweep"]],
-    bench_write: [["--batch", "0"], ["--window", "0"], ["--reps", "-1"], ["--replays", "0"]],
+                 ["--no-variants", "--splits-sweep"],
+                 # each was found only on the GPU, after the timing (--out) or during it
+                 ["--splits-sweep", "--splits", "1", "3"], ["--splits-sweep", "--splits", "8"],
+                 ["--batch", "8", "8"], ["--out", "{tmp}"], ["--out", "{tmp}/file.txt/x.csv"]],
+    bench_write: [["--batch", "0"], ["--window", "0"], ["--reps", "-1"], ["--replays", "0"],
+                  ["--only", "flush", "nvfp5"], ["--only", "=flush"], ["--out", "{tmp}"]],
 }
 
 
@@ -32,9 +36,11 @@ def test_help_names_the_module_and_the_defaults(module, capsys):
 
 @pytest.mark.parametrize("module, argv", [(m, a) for m, bad in BAD.items() for a in bad],
                          ids=lambda x: x.__name__ if hasattr(x, "__name__") else " ".join(x))
-def test_a_bad_argument_is_a_one_line_error(module, argv, capsys):
+def test_a_bad_argument_is_a_one_line_error(module, argv, capsys, tmp_path):
+    """Refused before the GPU is looked for: here, without one, the error is the argument's."""
+    (tmp_path / "file.txt").write_text("a file, not a folder")
     with pytest.raises(SystemExit) as exit_:
-        module.main(argv)
+        module.main([a.format(tmp=tmp_path) for a in argv])
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert f"python -m {module.__name__}: error: --" in err and "Traceback" not in err
@@ -48,3 +54,43 @@ def test_without_cuda_the_benchmark_says_so(module, capsys):
         module.main([])
     assert exit_.value.code == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_bench_read_splits_are_checked_against_the_shape_s_group():
+    """mamba2-2.7b's one group of 80 heads takes head_splits 5 at 4 warps (20 heads a CTA);
+    the Nemotron layer's groups of 16 do not (the sweep's check is the shape's)."""
+    with pytest.raises(SystemExit) as exit_:
+        bench_read.main(["--splits-sweep", "--splits", "5"])
+    assert exit_.value.code == 2
+    if not torch.cuda.is_available():  # past the argument checks, to the GPU's
+        with pytest.raises(SystemExit) as exit_:
+            bench_read.main(["--splits-sweep", "--splits", "1", "5", "--shape", "mamba2-2.7b"])
+        assert exit_.value.code == 2
+
+
+def test_bench_write_only_lists_the_cases_when_nothing_matches(capsys):
+    with pytest.raises(SystemExit):
+        bench_write.main(["--only", "fluhs"])
+    err = capsys.readouterr().err
+    assert "--only: no case name contains 'fluhs'; the cases:" in err
+    assert "\n  flush fp16-SR + nvfp4\n" in err and "window/token fp32 single copy" in err
+
+
+def test_bench_write_only_picks_by_substring_or_exact_name():
+    names = [name for name, _, _ in bench_write.bench_cases(bench_write.BenchConfig())]
+    assert len(names) == len(set(names)) > 20
+    exact = [n for n in names if bench_write.matches(n, ["=flush fp16-SR + nvfp4"])]
+    assert exact == ["flush fp16-SR + nvfp4"]
+    some = [n for n in names if bench_write.matches(n, ["state_update", "=flush fp32 single copy"])]
+    assert some == ["flush fp32 single copy", "state_update fp32", "state_update fp16 RN",
+                    "state_update fp16 SR"]
+
+
+def test_a_failed_csv_write_after_the_timing_is_one_line(tmp_path):
+    """bench_read prints its table before writing, and a write that fails says so."""
+    (tmp_path / "file.txt").write_text("in the way")
+    with pytest.raises(SystemExit) as exit_:
+        bench_read.write_csv(str(tmp_path / "file.txt" / "out.csv"), [{"format": "nvfp4"}])
+    assert "bench_read: --out " in str(exit_.value) and "the table above" in str(exit_.value)
+    bench_read.write_csv(str(tmp_path / "new" / "out.csv"), [{"format": "nvfp4", "us": 1.5}])
+    assert (tmp_path / "new" / "out.csv").read_text().splitlines() == ["format,us", "nvfp4,1.5"]
