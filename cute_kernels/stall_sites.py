@@ -17,6 +17,11 @@ and prints where the samples fall:
   that writes a register the waiting instruction reads (a heuristic: within 400 instructions,
   in address order; "?" where none is found).
 
+`--top N` prints N rows in each table (without it, 15 lines and loads and the 10 largest
+reasons). With a raw export, `--lines` names its cuda,sass export (scripts/ncu_source.sh's
+comments show the commands); one that maps none of its instructions is an error, not a report
+with every sample on "?:0".
+
 No GPU and no CuTe DSL needed. A sample is a warp seen at an instruction on one of the SM
 sub-partitions' sampling ticks, so a reason's share of the samples is its share of the
 warps' time (issued or not).
@@ -38,6 +43,14 @@ SAMPLES = "Warp Stall Sampling (All Samples)"
 # instructions whose results a long-scoreboard wait can be on (global and local memory)
 LOAD_OPCODES = ("LDG", "LDL", "LD.", "ATOMG", "ATOM.", "RED")
 TRIM_COLUMNS = ("offset", "file", "line", "sass", "samples", "stalls", "source")
+# rows per table without --top: ncu has some 14 stall reasons, the last few with almost no
+# samples, so the reasons' table stops at 10 (as it did before --top applied to it)
+TOP, TOP_REASONS = 15, 10
+
+
+class LinesError(ValueError):
+    """The --lines file (the cuda,sass export) is at fault, not the report: the command line
+    names the option, so that a bad --lines is not taken for a bad report."""
 
 
 @dataclass
@@ -92,21 +105,32 @@ def read_sass_export(path: str | Path) -> list[Instruction]:
 
 def read_line_map(path: str | Path) -> dict[int, tuple[str, int, str]]:
     """Address -> (file name, line, source text) from ncu's `--print-source cuda,sass`
-    export, where each source line's row precedes the rows of its instructions."""
+    export, where each source line's row precedes the rows of its instructions. A row that
+    is neither is a ValueError naming the file and the line."""
     found: dict[int, tuple[str, int, str]] = {}
     current, file = None, "?"
     with _open_text(path) as f:
-        for r in csv.reader(f):
+        reader = csv.reader(f)
+        for r in reader:
             if not r:
                 continue
-            if r[0] == "File Path":
+            where = f"{path}: line {reader.line_num}"
+            if r[0] == "File Path" and len(r) > 1:
                 file = Path(r[1]).name
             elif r[0] in ("Line No", "Function Name", "Kernel Name"):
                 continue
             elif r[0]:
-                current = (file, int(r[0]), r[1].strip())
+                try:
+                    current = (file, int(r[0]), r[1].strip())
+                except (ValueError, IndexError):
+                    raise ValueError(f"{where}: expected a source line's number and text, got "
+                                     f"{r[:2]} (not ncu's --print-source cuda,sass export)"
+                                     ) from None
             elif len(r) > 2 and r[2].startswith("0x") and current is not None:
-                found[int(r[2], 16)] = current
+                try:
+                    found[int(r[2], 16)] = current
+                except ValueError:
+                    raise ValueError(f"{where}: {r[2]!r} is not an address") from None
     return found
 
 
@@ -115,14 +139,29 @@ def read_export(sass_csv: str | Path, lines_csv: str | Path | None = None) -> li
     cuda,sass export of the same report) maps them."""
     instructions = read_sass_export(sass_csv)
     if lines_csv is not None:
-        by_address = read_line_map(lines_csv)
+        try:
+            by_address = read_line_map(lines_csv)
+        except OSError as error:  # (its text names the file again)
+            raise LinesError(f"{lines_csv}: {error.strerror or error}") from None
+        except (ValueError, csv.Error) as error:
+            message = str(error)
+            raise LinesError(message if message.startswith(str(lines_csv))
+                             else f"{lines_csv}: {message}") from None
         # both exports list the same addresses; the sass export's first is the kernel's start
         with _open_text(sass_csv) as f:
             base = next(int(r[0], 16) for r in csv.reader(f) if r and r[0].startswith("0x"))
+        mapped = 0
         for ins in instructions:
             loc = by_address.get(base + ins.offset)
             if loc:
                 ins.file, ins.line, ins.source = loc
+                mapped += 1
+        # a lines file of another report or kernel maps nothing: every sample would go to '?:0'
+        # without a word; a few unmapped instructions (no line information) are ncu's
+        if instructions and not mapped:
+            raise LinesError(f"{lines_csv}: maps none of the {len(instructions)} instructions "
+                             f"of {sass_csv} (from {hex(base)}; it maps {len(by_address)} "
+                             "addresses): the cuda,sass export of another report or kernel?")
     return instructions
 
 
@@ -142,16 +181,47 @@ def write_trimmed(instructions: list[Instruction], path: str | Path) -> None:
                         ins.source])
 
 
+def _count(name: str, text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"{name}: expected an integer >= 0, got {text!r}")
+    return value
+
+
+def _trimmed_row(r: list[str]) -> Instruction:
+    if len(r) != len(TRIM_COLUMNS):
+        raise ValueError(f"expected {len(TRIM_COLUMNS)} columns ({','.join(TRIM_COLUMNS)}), "
+                         f"got {len(r)}")
+    offset, file, line, sass, samples, stalls, source = r
+    parsed = {}
+    for part in filter(None, stalls.split(";")):
+        reason, colon, n = part.partition(":")
+        if not reason or not colon:
+            raise ValueError(f"stalls: expected 'reason:samples;...', got {stalls!r}")
+        parsed[reason] = _count(f"stalls ({reason})", n)
+    return Instruction(_count("offset", offset), sass, _count("samples", samples), parsed,
+                       file, _count("line", line), source)
+
+
 def read_trimmed(path: str | Path) -> list[Instruction]:
+    """The instructions of a file written by write_trimmed. A malformed row (a column missing
+    or extra, a count that is not an integer) is a ValueError naming the file and the line,
+    not a traceback from deep in the report."""
     with _open_text(path) as f:
-        reader = csv.DictReader(f)
-        if tuple(reader.fieldnames or ()) != TRIM_COLUMNS:
+        reader = csv.reader(f)
+        if tuple(next(reader, ())) != TRIM_COLUMNS:
             raise ValueError(f"{path}: expected the columns {list(TRIM_COLUMNS)}")
         out = []
         for r in reader:
-            stalls = {k: int(v) for k, v in (p.split(":") for p in r["stalls"].split(";") if p)}
-            out.append(Instruction(int(r["offset"]), r["sass"], int(r["samples"]), stalls,
-                                   r["file"], int(r["line"]), r["source"]))
+            if not r:
+                continue  # a blank line (csv.DictReader, which read these before, skipped them)
+            try:
+                out.append(_trimmed_row(r))
+            except ValueError as error:
+                raise ValueError(f"{path}: line {reader.line_num}: {error}") from None
     return out
 
 
@@ -235,13 +305,15 @@ def by_load(instructions: list[Instruction], window: int = 400) -> Counter:
     return out
 
 
-def report(instructions: list[Instruction], top: int = 15) -> str:
+def report(instructions: list[Instruction], top: int | None = None) -> str:
+    """The three tables, `top` rows each; without `top`, TOP rows and TOP_REASONS reasons."""
+    top, top_reasons = (TOP, TOP_REASONS) if top is None else (top, top)
     total = sum(ins.samples for ins in instructions)
     if total == 0:
         return "no samples (profile with --section SourceCounters)"
     lines = [f"{len(instructions)} SASS instructions, {total} warp samples"]
     lines.append("by stall reason (share of all samples):")
-    for reason, n in by_reason(instructions).most_common(10):
+    for reason, n in by_reason(instructions).most_common(top_reasons):
         lines.append(f"  {reason:18s} {n / total:6.3f}")
     lines.append(f"by source line, the {top} with the most samples (share; the two largest "
                  "reasons there):")
@@ -270,13 +342,23 @@ def main(argv: list[str] | None = None) -> int:
                    "the same report (src_<kernel>.cuda_sass.csv), for the source lines")
     p.add_argument("--trim", metavar="OUT", help="write the joined instructions to OUT "
                    "(.csv.gz: gzip) instead of printing the report")
-    p.add_argument("--top", type=int, default=15, help="rows per table (default %(default)s)")
+    p.add_argument("--top", type=int, help=f"rows in every table (default {TOP}, and the "
+                   f"{TOP_REASONS} largest stall reasons); not with --trim, which keeps every "
+                   "instruction")
     args = p.parse_args(argv)
-    if args.top < 1:
+    if args.top is not None and args.top < 1:
         p.error(f"--top: expected an integer >= 1, got {args.top}")
+    if args.top is not None and args.trim:
+        # the trimmed file is the whole reading, to be reported later with any --top; cutting
+        # it to the top instructions would lose the sums, and ignoring --top would be silent
+        p.error("--top has no effect with --trim (the trimmed file keeps every instruction): "
+                "drop --top, and give it when reading the trimmed file")
     try:
         instructions = read_any(args.report, args.lines)
-    except (OSError, ValueError, StopIteration) as error:
+    except LinesError as error:  # (it names the file)
+        print(f"stall_sites: --lines {error}", file=sys.stderr)
+        return 2
+    except (OSError, ValueError, StopIteration, csv.Error) as error:
         message = str(error) or type(error).__name__  # (OSError's and ours name the file)
         if args.report not in message:
             message = f"{args.report}: {message}"

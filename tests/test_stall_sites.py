@@ -2,6 +2,7 @@
 summed by reason, by line and by the load a long-scoreboard wait is on (CPU only)."""
 
 import csv
+import gzip
 import random
 
 import pytest
@@ -173,3 +174,126 @@ def test_lines_with_a_trimmed_file_is_refused_not_ignored(exported, tmp_path, ca
     from_trimmed = capsys.readouterr().out
     assert ss.main([str(sass_csv), "--lines", str(lines_csv)]) == 0
     assert capsys.readouterr().out == from_trimmed
+
+
+def _reasons_table(text):
+    body = text.split("by stall reason (share of all samples):\n")[1].split("\nby source line")[0]
+    return [row.split()[0] for row in body.splitlines()]
+
+
+@pytest.mark.parametrize("bad, message", [
+    (lambda r: r[:4], "expected 7 columns (offset,file,line,sass,samples,stalls,source), got 4"),
+    (lambda r: r + ["0x1f"], "expected 7 columns (offset,file,line,sass,samples,stalls,source), "
+     "got 8"),
+    (lambda r: r[:4] + ["3e2"] + r[5:], "samples: expected an integer >= 0, got '3e2'"),
+    (lambda r: r[:2] + [""] + r[3:], "line: expected an integer >= 0, got ''"),
+    (lambda r: r[:5] + ["long_sb=17;wait:2"] + r[6:],
+     "stalls: expected 'reason:samples;...', got 'long_sb=17;wait:2'"),
+    (lambda r: r[:5] + ["mio:5;wait:-4"] + r[6:], "stalls (wait): expected an integer >= 0, "
+     "got '-4'"),
+], ids=["column-missing", "column-extra", "samples", "line", "stalls", "stall-count"])
+def test_a_malformed_row_of_a_trimmed_file_names_the_file_and_line(exported, tmp_path, capsys,
+                                                                    bad, message):
+    """A row with a column missing was a traceback (AttributeError on None) and a count that
+    is not an integer an error without the line; now one line, the file named once with the
+    line, exit status 2."""
+    _, sass_csv, lines_csv = exported
+    trimmed = tmp_path / "t.csv.gz"
+    assert ss.main([str(sass_csv), "--lines", str(lines_csv), "--trim", str(trimmed)]) == 0
+    with gzip.open(trimmed, "rt", newline="") as f:
+        rows = list(csv.reader(f))
+    rows[5] = bad(rows[5])  # the file's line 6 (one row a line: the sources have no newline)
+    with gzip.open(trimmed, "wt", newline="") as f:
+        csv.writer(f).writerows(rows)
+    capsys.readouterr()
+    assert ss.main([str(trimmed)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"stall_sites: {trimmed}: line 6: {message}\n"
+    with pytest.raises(ValueError, match="line 6: "):
+        ss.read_any(trimmed)
+
+
+def test_a_bad_lines_file_is_blamed_on_lines_not_the_report(exported, tmp_path, capsys):
+    """A --lines file missing, not gzip, or not a cuda,sass export (the sass export given in
+    its place) was reported as '<report>: ...'; now 'stall_sites: --lines <file>: ...', the
+    report not named, the file once, exit status 2."""
+    _, sass_csv, lines_csv = exported
+    sass_again = tmp_path / "src_k_again.csv"
+    sass_again.write_bytes(sass_csv.read_bytes())
+    not_gzip = tmp_path / "src_k.cuda_sass.csv.gz"
+    not_gzip.write_bytes(lines_csv.read_bytes())
+    cases = {tmp_path / "no_such.cuda_sass.csv": "No such file or directory",
+             not_gzip: "Not a gzipped file",
+             sass_again: "line 2: expected a source line's number and text, got ['Address', "
+                         "'Source'] (not ncu's --print-source cuda,sass export)"}
+    for lines, message in cases.items():
+        assert ss.main([str(sass_csv), "--lines", str(lines)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"stall_sites: --lines {lines}: ") and message in err, err
+        assert str(sass_csv) not in err and err.count(str(lines)) == 1
+        assert len(err.strip().splitlines()) == 1
+
+
+def test_lines_that_map_no_instruction_is_an_error_not_a_silent_report(exported, tmp_path,
+                                                                       capsys):
+    """The cuda,sass export of another kernel (other addresses) mapped nothing and the report
+    put every sample on '?:0' without a word (and --trim kept that); now an error naming
+    --lines, nothing written. One address missing (an instruction without line information)
+    is still read, that instruction on '?:0'."""
+    prog, sass_csv, lines_csv = exported
+    text = lines_csv.read_text()
+    other = tmp_path / "other.cuda_sass.csv"
+    other.write_text(text.replace(hex(BASE)[:-3], hex(BASE + 0x3A000)[:-3]))
+    assert other.read_text() != text
+    trimmed = tmp_path / "t.csv.gz"
+    for extra in ([], ["--trim", str(trimmed)]):
+        assert ss.main([str(sass_csv), "--lines", str(other), *extra]) == 2
+        captured = capsys.readouterr()
+        assert captured.out == ""
+        assert captured.err == (
+            f"stall_sites: --lines {other}: maps none of the {len(prog)} instructions of "
+            f"{sass_csv} (from {hex(BASE)}; it maps {len(prog)} addresses): the cuda,sass export "
+            "of another report or kernel?\n")
+    assert not trimmed.exists()
+    partial = tmp_path / "partial.cuda_sass.csv"
+    partial.write_text("".join(r for r in text.splitlines(keepends=True)
+                               if hex(BASE + 16 * 3) not in r))
+    ins = ss.read_export(sass_csv, partial)
+    assert [(i.file, i.line) for i in ins].count(("?", 0)) == 1 and ins[3].file == "?"
+
+
+def test_top_applies_to_the_reasons_table_too(tmp_path, capsys):
+    """--top cut the lines' and loads' tables but the reasons' stayed at 10; now it cuts all
+    three. Without --top the output is as before: 15 lines and loads, the 10 largest of the
+    reasons."""
+    rng = random.Random(2029)
+    reasons = [f"r{rng.randrange(10**6):06d}" for _ in range(13)]
+    ins = [ss.Instruction(16 * k, "FADD R1, R2, R3", 0,
+                          {r: rng.randrange(1, 90) for r in rng.sample(reasons, 5)},
+                          "q.py", 3 + k % 17, f"x{k % 17} = y") for k in range(41)]
+    for i in ins:
+        i.samples = sum(i.stalls.values())
+    ranked = [r for r, _ in ss.by_reason(ins).most_common()]
+    assert len(ranked) == 13
+    assert _reasons_table(ss.report(ins)) == ranked[:10]
+    assert ss.report(ins).count("q.py:") == 15
+    for top in (3, 12, 20):
+        assert _reasons_table(ss.report(ins, top)) == ranked[:top]
+    trimmed = tmp_path / "q.csv"
+    ss.write_trimmed(ins, trimmed)
+    assert ss.main([str(trimmed), "--top", "4"]) == 0
+    assert _reasons_table(capsys.readouterr().out) == ranked[:4]
+    assert ss.main([str(trimmed)]) == 0
+    assert capsys.readouterr().out == ss.report(ins) + "\n"
+
+
+def test_top_with_trim_is_refused(exported, tmp_path, capsys):
+    """--trim writes every instruction, so --top with it had no effect, silently; now an
+    argument error (exit status 2) and nothing written."""
+    _, sass_csv, lines_csv = exported
+    trimmed = tmp_path / "t.csv.gz"
+    with pytest.raises(SystemExit) as exit_:
+        ss.main([str(sass_csv), "--lines", str(lines_csv), "--trim", str(trimmed), "--top", "7"])
+    assert exit_.value.code == 2
+    assert "--top has no effect with --trim" in capsys.readouterr().err
+    assert not trimmed.exists()
