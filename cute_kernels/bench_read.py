@@ -33,7 +33,7 @@ import torch
 
 from cute_kernels import _compile
 from cute_kernels import replay_output as ro
-from experiments._common import file_problem
+from lowprec._paths import file_problem
 
 import cutlass
 import cutlass.cute as cute

@@ -37,9 +37,9 @@ import torch
 from cute_kernels import bench_read
 from cute_kernels import replay_flush as rf
 from cute_kernels import state_update as su
-from experiments._common import file_problem
 from lowprec import mamba2, philox
 from lowprec import quantize as q
+from lowprec._paths import file_problem
 from lowprec.formats import FP16
 
 NEMOTRON = dict(nheads=128, headdim=64, dstate=128, ngroups=8)
