@@ -76,6 +76,8 @@ back from the CSV only (``plot``); a summary table printed to stdout (``summariz
     python -m experiments.error_growth --preset toy                    # ~15 s, 2-core CPU
     python -m experiments.error_growth --preset default               # ~5 min on a 2-core CPU
     python -m experiments.error_growth --preset default --replot       # redraw from the CSV
+    python -m experiments.error_growth --preset default --replot --plot none --at 112,192
+                                                  # the summary at the windows of other steps
     python -m experiments.error_growth --help
     python -m experiments.error_growth --backend emulation --device cuda --dv 64 --dk 128 \
         --heads 128 --seeds 2 --steps 131072 --arms separate_fp16sr:nvfp4,every_step:fp16:rn \
@@ -569,8 +571,28 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="do not simulate: read --out and redraw the plot and the summary from it",
     )
+    parser.add_argument(
+        "--at",
+        metavar="STEPS",
+        default=None,
+        help="comma-separated steps: the summary's columns are the windows holding these "
+        "steps instead of 64, 1024, 4096 and the last (with --replot, read from the CSV; "
+        "'-' where the log grid did not record the window)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     return parser
+
+
+def parse_steps(text: str) -> list[int]:
+    """--at's steps: positive integers, each once, in the order given."""
+    steps = []
+    for part in _split("at", text):
+        if not part.isdigit() or int(part) < 1:
+            raise ValueError(f"at: expected steps >= 1, got {part!r}")
+        if int(part) in steps:
+            raise ValueError(f"at: step {part} given twice")
+        steps.append(int(part))
+    return steps
 
 
 def _show(value) -> str:
@@ -983,16 +1005,18 @@ def window_means(frame: pd.DataFrame) -> pd.DataFrame:
     ).reset_index()
 
 
-def summarize(frame: pd.DataFrame) -> pd.DataFrame:
+def summarize(frame: pd.DataFrame, at: list[int] | None = None) -> pd.DataFrame:
     """Window-mean rel_err (median over seeds) of the windows holding steps 64, 1,024, 4,096
-    and the last step of the last whole window: one row per series, one column per step."""
+    and the last step of the last whole window (or, with `at`, those holding these steps;
+    NaN where the CSV did not record that window): one row per series, one column per
+    step."""
     means = window_means(frame)
     last = int(means["last_step"].max())  # the last window kept (a partial one is not)
     window = int(frame["window"].iloc[0])
     columns = {}
-    marks = [s for s in SUMMARY_STEPS if (s - 1) // window < (last - 1) // window]
-    for t in [*marks, last]:  # a mark in the last window would repeat its column
-        name = f"t={t}" + (" (last)" if t == last else "")
+    marks = [s for s in SUMMARY_STEPS if (s - 1) // window < (last - 1) // window] + [last]
+    for t in marks if at is None else at:  # a mark in the last window would repeat its column
+        name = f"t={t}" + (" (last)" if t == last and at is None else "")
         at = means[means["window_index"] == (t - 1) // window]
         columns[name] = at.set_index(SERIES)["median"]
     table = pd.DataFrame(columns)
@@ -1199,8 +1223,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         config = config_from_args(args)
+        at = None if args.at is None else parse_steps(args.at)
     except ValueError as error:
         parser.error(str(error))
+    if at is not None and not args.replot and max(at) > config.steps:
+        parser.error(f"--at: step {max(at)} is past --steps {config.steps}")
     if args.replot:
         try:
             frame = read_csv(config.out)
@@ -1237,13 +1264,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {config.out} ({len(frame)} rows) in {seconds:.1f} s", file=sys.stderr)
         if frame.empty:  # stopped before the first window ended
             return STOPPED_STATUS
+    last = int(window_means(frame)["last_step"].max())
+    if at is not None and (past := [t for t in at if t > last]):  # before the plot is drawn
+        parser.error(f"--at: step {past[0]} is past the last whole window of {config.out} "
+                     f"(step {last})")
     if config.plot:
         try:
             plot(config.out, config.plot)
         except OSError as error:
             parser.error(f"cannot write {config.plot}: {error}")
         print(f"wrote {config.plot}", file=sys.stderr)
-    print(format_summary(summarize(frame), int(frame["window"].iloc[0])))
+    print(format_summary(summarize(frame, at), int(frame["window"].iloc[0])))
     # a stopped run is not a finished one, for a script that chains the next step on success
     return STOPPED_STATUS if not args.replot and stopped else 0
 

@@ -701,3 +701,37 @@ def test_a_stopped_run_exits_nonzero(tmp_path, monkeypatch, capsys):
     assert status == eg.STOPPED_STATUS == 130
     assert "stopped after step 32 of 64" in capsys.readouterr().err
     assert (tmp_path / "s.png").exists()
+
+
+def test_at_prints_the_windows_holding_the_steps_asked_for(capsys):
+    """--at 112,192 gives the window means of those windows (the medians over seeds that
+    window_means computes), in the order asked; a step the log grid did not record reads
+    '-'; a step past the last whole window, 0, or a repeat is a one-line error."""
+    rows = [dict(recurrence="mamba2", arm="shared", format="fp16", rounding="sr", memory="long",
+                 window=16, seed=seed, step=t, rel_err=1e-3 * (1 + seed) * (1 + t / 7))
+            for seed in range(3) for t in [*range(1, 33), *range(97, 113), *range(177, 209)]]
+    frame = pd.DataFrame(rows, columns=list(eg.CSV_COLUMNS))
+    table = eg.summarize(frame, [192, 112, 40])
+    assert list(table.columns) == ["t=192", "t=112", "t=40"]
+    for t in (192, 112):  # window 11 holds steps 177..192; its seed-1 mean is the median
+        expected = 2e-3 * sum(1 + s / 7 for s in range(t - 15, t + 1)) / 16
+        assert table[f"t={t}"].iloc[0] == pytest.approx(expected)
+    assert pd.isna(table["t=40"].iloc[0])  # window 2 (steps 33..48) was not recorded
+    assert eg.parse_steps("7,3") == [7, 3]
+    for text, message in (("0", "expected steps >= 1"), ("5,5", "step 5 given twice"),
+                          ("4,,5", "without empty items"), ("x", "expected steps >= 1")):
+        with pytest.raises(ValueError, match=message):
+            eg.parse_steps(text)
+
+
+def test_at_past_the_csv_is_refused(tmp_path, capsys):
+    out = tmp_path / "r.csv"
+    argv = ["--steps", "32", "--seeds", "2", "--arms", "shared:fp16", "--memory", "short",
+            "--no-progress", "--plot", "none", "--out", str(out)]
+    assert "--at: step 40 is past --steps 32" in _one_line_error([*argv, "--at", "40"], capsys)
+    assert not out.exists()  # refused before the run
+    assert eg.main([*argv, "--at", "16,32"]) == 0
+    header = capsys.readouterr().out.splitlines()[1]
+    assert header.split()[-2:] == ["t=16", "t=32"]
+    err = _one_line_error(["--replot", "--out", str(out), "--plot", "none", "--at", "48"], capsys)
+    assert "--at: step 48 is past the last whole window of" in err and "(step 32)" in err
