@@ -35,6 +35,7 @@ words. `random_words(seed, slot, flush, shape)` is the one way SR words are prod
 from __future__ import annotations
 
 import math
+import operator
 
 import numpy as np
 import torch
@@ -195,11 +196,34 @@ def _slot_flush_base(slot, flush) -> torch.Tensor:
 
 
 def _state_numel(shape) -> tuple[tuple[int, ...], int]:
-    shape = tuple(int(n) for n in shape)
-    numel = math.prod(shape)
-    if any(n < 0 for n in shape) or numel > ELEMENT_LIMIT:
-        raise ValueError(f"shape: expected at most 2^24 elements per slot, got {list(shape)}")
-    return shape, numel
+    """`shape` as a tuple of ints and its element count; refused unless its dims are ints >= 0
+    and every element index is below 2^24, the range the contract gives `e` (README.md,
+    "Random words") and the kernels check. `()` is one element, element 0."""
+    try:
+        dims = tuple(shape)
+    except TypeError:
+        raise ValueError(
+            f"shape: expected a sequence of ints (one slot's state shape, () for one element), "
+            f"got {type(shape).__name__} {shape!r}"
+        ) from None
+    # operator.index and not int(): int() would truncate 2.5 to 2 and parse "3", giving words
+    # for a shape nobody asked for; a bool is an int to Python, but True is no dim
+    try:
+        ints = tuple(operator.index(n) for n in dims)
+    except TypeError:
+        ints = None
+    if ints is None or any(isinstance(n, bool) for n in dims):
+        raise ValueError(f"shape: expected integer dims, got {list(dims)}")
+    dims = ints
+    if any(n < 0 for n in dims):
+        raise ValueError(f"shape: expected dims >= 0, got {list(dims)}")
+    numel = math.prod(dims)
+    if numel > ELEMENT_LIMIT:
+        raise ValueError(
+            f"shape: expected at most 2^24 elements per slot (element indices e < 2^24), got "
+            f"{list(dims)} ({numel} elements)"
+        )
+    return dims, numel
 
 
 def state_offsets(slot, flush, shape) -> torch.Tensor:
@@ -213,16 +237,19 @@ def state_offsets(slot, flush, shape) -> torch.Tensor:
     shape, numel = _state_numel(shape)
     base = _slot_flush_base(slot, flush)
     counter = torch.arange(numel, dtype=torch.int64).reshape(shape) // WORDS_PER_COUNTER
-    return base.reshape(*base.shape, *([1] * len(shape))) + counter
+    # reshape takes the shapes as one tuple: unpacked, a 0-d base and shape () would call
+    # reshape() with no size at all
+    return base.reshape(tuple(base.shape) + (1,) * len(shape)) + counter
 
 
 def random_words(seed: int, slot, flush, shape) -> torch.Tensor:
     """SR words for a state of per-slot `shape`: element e (flat index within the slot) gets
-    word e % 4 of `randint4x(seed, (slot << 44) | (flush << 24) | (e // 4))`."""
+    word e % 4 of `randint4x(seed, (slot << 44) | (flush << 24) | (e // 4))`. The result has
+    shape `batch + shape`; shape `()` is element 0 alone (its word, one per slot)."""
     shape, numel = _state_numel(shape)
     base = _slot_flush_base(slot, flush)
     counters = -(-numel // WORDS_PER_COUNTER)
     offsets = base.reshape(*base.shape, 1) + torch.arange(counters, dtype=torch.int64)
     words = torch.stack(randint4x(seed, offsets), dim=-1)  # batch + [counters, 4]
     words = words.reshape(*base.shape, counters * WORDS_PER_COUNTER)[..., :numel]
-    return words.reshape(*base.shape, *shape)
+    return words.reshape(tuple(base.shape) + shape)  # one tuple: shape () with a 0-d base

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -220,6 +221,59 @@ def test_state_offsets_validate_the_field_ranges():
         philox.randint(0, torch.zeros(3, dtype=torch.int32))
     with pytest.raises(ValueError, match="c0: expected uint32 values"):
         philox.philox4x32(2**32, 0, 0, 0, 0, 0)
+
+
+def test_a_0d_state_shape_is_one_element_with_element_0s_word_and_offset():
+    """shape () is one element, element 0: its word is the first word of element 0's counter
+    (what shape (1,) and a larger state give element 0), its offset the slot and flush fields
+    alone; with a batch of slots the result has the batch's shape. It raised a TypeError from
+    reshape() before."""
+    slots, flushes = torch.tensor([3, 5, 2**19 + 7]), torch.tensor([11, 0, 2**20 - 1])
+    one = philox.random_words(41, 3, 11, ())
+    assert one.shape == () and one.dtype == torch.int64
+    assert int(one) == int(philox.random_words(41, 3, 11, (3, 5, 7))[0, 0, 0])
+    assert int(one) == int(philox.randint4x(41, torch.tensor((3 << 44) | (11 << 24)))[0])
+    batch = philox.random_words(41, slots, flushes, ())
+    assert batch.shape == (3,)
+    assert torch.equal(batch, philox.random_words(41, slots, flushes, (1,))[:, 0])
+    offset = philox.state_offsets(3, 11, ())
+    assert offset.shape == () and int(offset) == (3 << 44) | (11 << 24)
+    assert torch.equal(philox.state_offsets(slots, flushes, ()),
+                       philox.state_offsets(slots, flushes, (1,))[:, 0])
+
+
+@pytest.mark.parametrize("shape, message", [
+    ((-1, 5), r"shape: expected dims >= 0, got \[-1, 5\]"),
+    ((3, 0, -7), r"shape: expected dims >= 0, got \[3, 0, -7\]"),
+    ((2.5, 3), r"shape: expected integer dims, got \[2.5, 3\]"),  # was truncated to (2, 3)
+    (("3", 5), r"shape: expected integer dims, got \['3', 5\]"),  # was parsed as 3
+    ((True, 5), r"shape: expected integer dims, got \[True, 5\]"),  # was read as 1
+    ((torch.tensor(2.5), 3), r"shape: expected integer dims"),
+    (7, r"shape: expected a sequence of ints .*, got int 7"),
+    (None, r"shape: expected a sequence of ints .*, got NoneType None"),
+    ((4097, 4096), r"shape: expected at most 2\^24 elements per slot .*, got \[4097, 4096\] "
+                   r"\(16781312 elements\)"),
+    ((philox.ELEMENT_LIMIT + 1,), r"shape: expected at most 2\^24 elements per slot"),
+])
+def test_state_shape_must_be_integer_dims_of_at_most_2_24_elements(shape, message):
+    """state_offsets and random_words refuse a shape they cannot give words to, naming it,
+    and never round a dim to an int (a float or a string dim used to give another shape's
+    words, a negative one the element-count message)."""
+    with pytest.raises(ValueError, match=message):
+        philox.state_offsets(1, 2, shape)
+    with pytest.raises(ValueError, match=message):
+        philox.random_words(9, torch.tensor([1, 4]), 2, shape)
+
+
+def test_state_shape_of_exactly_2_24_elements_is_accepted_and_integer_likes_are_ints():
+    """The last index the contract allows, e = 2^24 - 1, takes counter 2^22 - 1; torch.Size,
+    numpy and 0-d integer tensor dims are read as their ints."""
+    offsets = philox.state_offsets(5, 3, (philox.ELEMENT_LIMIT,))
+    assert int(offsets[-1]) == (5 << 44) | (3 << 24) | (philox.ELEMENT_LIMIT // 4 - 1)
+    del offsets
+    want = philox.random_words(9, 1, 2, (3, 5))
+    for shape in (torch.Size([3, 5]), (np.int64(3), torch.tensor(5)), [3, 5]):
+        assert torch.equal(philox.random_words(9, 1, 2, shape), want)
 
 
 def test_random_words_replay_and_never_share_words_across_flushes():
