@@ -43,7 +43,7 @@ In the shared policy the two coincide (one copy, one trajectory). Per step this 
 state updates and one matrix-vector product, plus the rounding on flush (or every) steps.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -82,6 +82,12 @@ def round_state(state, fmt, rounding, seed, slots, counter):
     return quantize.fake_quantize(state, fmt, rounding=rounding, rand=rand)
 
 
+def _check_seed(seed):
+    check_positive_int("seed", seed, minimum=0)
+    if seed >= philox.SEED_LIMIT:
+        raise ValueError(f"seed: expected an integer in [0, 2^64), got {seed}")
+
+
 def _check_choice(name, value, choices):
     if value not in choices:
         raise ValueError(f"{name}: expected one of {list(choices)}, got {value!r}")
@@ -89,15 +95,16 @@ def _check_choice(name, value, choices):
 
 @dataclass(frozen=True)
 class Policy:
-    """Where the decode state is rounded; see the module docstring for the semantics."""
+    """Where the decode state is rounded; see the module docstring for the semantics. A field
+    the kind does not use (comments below) must keep its default: another value is refused."""
 
     kind: str  # 'exact' | 'conventional' | 'shared' | 'separate'
     fmt: str = "fp64"  # conventional/shared: the stored format; separate: the read copy (RN)
     rounding: str = "rn"  # rounding of fmt for conventional/shared; 'rn' for separate
     hi_fmt: str = "fp64"  # separate only: the recurrence copy's format
     hi_rounding: str = "rn"  # separate only: 'sr' for the FP16-SR recurrence copy
-    window: int = 16  # L: tokens per window, the last one being the flush step
-    seed: int = 0  # Philox seed for SR
+    window: int = 16  # L: tokens per window, the last one being the flush step (not conventional)
+    seed: int = 0  # Philox seed for SR (only with an SR copy: rounding or hi_rounding 'sr')
 
     def __post_init__(self):
         _check_choice("kind", self.kind, KINDS)
@@ -111,9 +118,37 @@ class Policy:
                 f"got {self.rounding!r}"
             )
         check_positive_int("window", self.window)
-        check_positive_int("seed", self.seed, minimum=0)
-        if self.seed >= philox.SEED_LIMIT:
-            raise ValueError(f"seed: expected an integer in [0, 2^64), got {self.seed}")
+        _check_seed(self.seed)
+        self._check_unused_fields()
+
+    def _check_unused_fields(self):
+        """A field the kind never reads must keep its default: set to anything else it was
+        ignored without a word (an 'exact' policy given fmt='nvfp4' simulated fp64, a 'shared'
+        one given hi_fmt='fp16' kept its one copy in fmt, an RN policy's seed drew nothing).
+        The window stays for 'exact': a replay cache's ring is that long."""
+        nothing = "nothing is rounded"
+        one_copy = "it keeps one copy, in fmt; hi_* are the separate policy's recurrence copy"
+        unused = {
+            "exact": dict.fromkeys(("fmt", "rounding", "hi_fmt", "hi_rounding"), nothing),
+            "conventional": {"hi_fmt": one_copy, "hi_rounding": one_copy,
+                             "window": "it writes the state every token, there are no windows"},
+            "shared": {"hi_fmt": one_copy, "hi_rounding": one_copy},
+            "separate": {},
+        }[self.kind]
+        for name, reason in unused.items():
+            default, value = _FIELD_DEFAULTS[name], getattr(self, name)
+            if value != default:
+                raise ValueError(f"{name}: expected the default {default!r} for kind "
+                                 f"{self.kind!r}, which does not use it ({reason}), got {value!r}")
+        if self.seed == _FIELD_DEFAULTS["seed"]:
+            return
+        if self.kind == "exact":
+            raise ValueError(f"seed: expected the default 0 for kind 'exact' ({nothing}), "
+                             f"got {self.seed}")
+        name = "hi_rounding" if self.kind == "separate" else "rounding"
+        if getattr(self, name) != "sr":
+            raise ValueError(f"seed: expected the default 0 for kind {self.kind!r} with {name} "
+                             f"'rn' (the seed only draws SR words), got {self.seed}")
 
     def check_state(self, dv: int, dk: int, dtype: torch.dtype) -> None:
         """ValueError unless this policy can round a state [..., dv, dk] of ``dtype``: an fp32
@@ -144,6 +179,9 @@ class Policy:
         return hi, round_state(new_state, self.fmt, "rn", self.seed, slots, counter)
 
 
+_FIELD_DEFAULTS = {f.name: f.default for f in fields(Policy) if f.name != "kind"}
+
+
 def make_policy(arm: str, fmt: str, rounding: str = "rn", window=16, seed=0) -> Policy:
     """The policy of an experiment arm.
 
@@ -151,11 +189,22 @@ def make_policy(arm: str, fmt: str, rounding: str = "rn", window=16, seed=0) -> 
     ``rounding``. ``shared``: one checkpoint in ``fmt`` with ``rounding``. ``separate_exact``:
     recurrence copy FP64, read copy ``fmt`` RN. ``separate_fp16sr``: recurrence copy FP16 SR,
     read copy ``fmt`` RN (``rounding`` must be 'rn' for both separate arms).
+
+    Every arm takes the same arguments (the experiments make all of theirs with one call), so
+    what an arm does not use is dropped here rather than refused by ``Policy``: ``window`` for
+    ``every_step`` (no windows), ``seed`` for an arm without an SR copy.
     """
     _check_choice("arm", arm, ARMS)
     kind, hi_fmt, hi_rounding = ARMS[arm]
     if kind == "exact":
         fmt, rounding = "fp64", "rn"
+    # a dropped value is still checked: a bad one is the caller's error whatever the arm
+    if kind == "conventional":
+        check_positive_int("window", window)
+        window = _FIELD_DEFAULTS["window"]
+    if (hi_rounding if kind == "separate" else rounding) != "sr":
+        _check_seed(seed)
+        seed = _FIELD_DEFAULTS["seed"]
     return Policy(kind, fmt, rounding, hi_fmt, hi_rounding, window, seed)
 
 

@@ -247,6 +247,88 @@ def test_bad_policies_raise_value_errors_naming_the_argument(make, message):
         make()
 
 
+UNUSED = "which does not use it"
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(kind="exact", fmt="nvfp4"),
+     rf"fmt: expected the default 'fp64' for kind 'exact', {UNUSED} \(nothing is rounded\), "
+     r"got 'nvfp4'"),
+    (dict(kind="exact", rounding="sr"), r"rounding: expected the default 'rn' for kind 'exact'"),
+    (dict(kind="exact", hi_fmt="fp16", window=5),
+     r"hi_fmt: expected the default 'fp64' for kind 'exact'"),
+    (dict(kind="exact", hi_rounding="sr"), r"hi_rounding: expected the default 'rn' for kind"),
+    (dict(kind="exact", seed=13),
+     r"seed: expected the default 0 for kind 'exact' \(nothing is rounded\), got 13"),
+    (dict(kind="conventional", fmt="fp16", window=7),
+     rf"window: expected the default 16 for kind 'conventional', {UNUSED} \(it writes the "
+     r"state every token, there are no windows\), got 7"),
+    (dict(kind="conventional", fmt="fp16", hi_fmt="fp32"),
+     rf"hi_fmt: expected the default 'fp64' for kind 'conventional', {UNUSED} \(it keeps one "
+     r"copy, in fmt; hi_\* are the separate policy's recurrence copy\), got 'fp32'"),
+    (dict(kind="shared", fmt="fp8_e4m3", hi_rounding="sr", window=5),
+     r"hi_rounding: expected the default 'rn' for kind 'shared'"),
+    (dict(kind="shared", fmt="fp16", hi_fmt="fp16", rounding="sr", seed=3),
+     r"hi_fmt: expected the default 'fp64' for kind 'shared'"),
+    (dict(kind="shared", fmt="fp16", seed=3, window=5),
+     r"seed: expected the default 0 for kind 'shared' with rounding 'rn' \(the seed only draws "
+     r"SR words\), got 3"),
+    (dict(kind="conventional", fmt="bf16", seed=2**63 + 1),
+     r"seed: expected the default 0 for kind 'conventional' with rounding 'rn'"),
+    (dict(kind="separate", fmt="nvfp4", hi_fmt="fp16", seed=29, window=3),
+     r"seed: expected the default 0 for kind 'separate' with hi_rounding 'rn' .*, got 29"),
+], ids=["exact-fmt", "exact-rounding", "exact-hi_fmt", "exact-hi_rounding", "exact-seed",
+        "conventional-window", "conventional-hi_fmt", "shared-hi_rounding", "shared-hi_fmt",
+        "shared-rn-seed", "conventional-rn-seed", "separate-rn-seed"])
+def test_a_field_the_kind_does_not_use_is_refused_naming_the_field_and_the_kind(kwargs, message):
+    """A field the kind never reads, set to anything but its default, is an error: it used to
+    be ignored (an exact policy 'in nvfp4' simulated fp64, a shared one with an fp16 hi copy
+    kept one copy, a seed without SR drew no word), so a typo'd experiment ran another one."""
+    with pytest.raises(ValueError, match=message):
+        Policy(**kwargs)
+
+
+def test_fields_a_kind_uses_and_defaults_of_unused_ones_are_accepted():
+    """The refusal is of ignored values only: defaults passed explicitly, the window of an
+    exact policy (a replay cache's ring length) and the seed of an SR copy stay accepted."""
+    assert Policy("exact", "fp64", "rn", "fp64", "rn", 16, 0) == Policy("exact")
+    assert Policy("exact", window=5).window == 5
+    assert Policy("conventional", fmt="fp16", rounding="sr", seed=17).seed == 17
+    assert Policy("shared", fmt="nvfp4", rounding="sr", window=7, seed=2**64 - 1).window == 7
+    sep = Policy("separate", fmt="mxfp4", hi_fmt="fp16", hi_rounding="sr", window=9, seed=23)
+    assert (sep.window, sep.seed) == (9, 23)
+
+
+@pytest.mark.parametrize("arm, rounding, want_window, want_seed", [
+    ("exact", "rn", 7, 0),
+    ("exact", "sr", 7, 0),  # exact's fmt and rounding were always dropped
+    ("every_step", "rn", 16, 0),
+    ("every_step", "sr", 16, 31),
+    ("shared", "rn", 7, 0),
+    ("shared", "sr", 7, 31),
+    ("separate_exact", "rn", 7, 0),
+    ("separate_fp16sr", "rn", 7, 31),
+])
+def test_make_policy_drops_what_the_arm_does_not_use(arm, rounding, want_window, want_seed):
+    """The experiments make every arm with one call (window and seed included), so make_policy
+    drops a window the every-step arm has no use for and a seed no SR copy draws with, rather
+    than have Policy refuse it; what an arm uses is kept."""
+    policy = make_policy(arm, "fp8_e4m3", rounding, window=7, seed=31)
+    assert (policy.window, policy.seed) == (want_window, want_seed)
+
+
+@pytest.mark.parametrize("arm", ["exact", "every_step", "shared", "separate_exact"])
+def test_make_policy_still_checks_a_value_it_drops(arm):
+    """A window or seed the arm does not use is dropped, not waved through: a bad one is the
+    caller's error whatever the arm (make_policy refused these before, through Policy)."""
+    with pytest.raises(ValueError, match="seed: expected an integer >= 0, got -3"):
+        make_policy(arm, "fp16", seed=-3)
+    with pytest.raises(ValueError, match=r"seed: expected an integer in \[0, 2\^64\), got"):
+        make_policy(arm, "fp16", seed=2**64)
+    with pytest.raises(ValueError, match="window: expected an integer >= 1, got 0"):
+        make_policy(arm, "fp16", window=0)
+
+
 def test_bad_simulator_input_raises_value_errors_naming_the_argument():
     p = Policy("exact")
     with pytest.raises(ValueError, match="recurrence: expected one of"):
