@@ -30,7 +30,8 @@ The rules, one per function, each documented where it is implemented:
 
 Format bytes come from a small local table (`STORAGE`, read off DESIGN.md and
 `lowprec/README.md`) rather than from `lowprec.formats`, so this module is stdlib-only;
-`tests/test_traffic.py` checks that the two agree.
+`tests/test_traffic.py` checks that the two agree and name the same formats (fp64, the
+reference's exact arm, included).
 """
 
 from __future__ import annotations
@@ -105,6 +106,9 @@ class StorageRule:
 STORAGE = {
     rule.name: rule
     for rule in (
+        # the reference's exact arms keep their state in fp64 (lowprec/README.md, "The exact
+        # arms"); it is priced like any other format, so a table of the kit's formats has it
+        StorageRule("fp64", 64),
         StorageRule("fp32", 32),
         StorageRule("fp16", 16),
         StorageRule("bf16", 16),
@@ -123,7 +127,7 @@ STORAGE = {
 
 
 def _rule(fmt: str) -> StorageRule:
-    if fmt not in STORAGE:
+    if not isinstance(fmt, str) or fmt not in STORAGE:  # a list was "unhashable type"
         raise ValueError(f"format: expected one of {list(STORAGE)}, got {fmt!r}")
     return STORAGE[fmt]
 

@@ -8,6 +8,7 @@ why a tolerance is needed.
 
 import json
 import math
+import re
 from fractions import Fraction
 
 import pandas as pd
@@ -55,6 +56,7 @@ def test_model_shape_rejects_groups_that_do_not_divide_heads():
 @pytest.mark.parametrize(
     "fmt, expected",
     [
+        ("fp64", 23040),  # the reference's exact arm: 8 bytes an element, no scales
         ("fp32", 11520),
         ("fp16", 5760),
         ("bf16", 5760),
@@ -105,9 +107,29 @@ def test_storage_table_agrees_with_lowprec_formats():
             assert tr.state_bytes(ssm, name) == formats.get(name).nbytes(ssm.state_shape), name
 
 
+def test_storage_table_prices_every_format_of_the_kit_and_fp64_elements_are_8_bytes():
+    """The table names exactly lowprec.formats' formats, in its order: fp64 (the reference's
+    exact arm) was missing, so an fp64 state was "format: expected one of [...]" here while
+    lowprec.formats and the policies took it."""
+    from lowprec import formats
+
+    assert list(tr.STORAGE) == formats.names()
+    assert tr.element_bytes("fp64") == 8
+    assert tr.state_bytes((7, 3, 5), "fp64") == 7 * 3 * 5 * 8
+    assert tr.state_bytes(NEMOTRON.ssm, "fp64") == 8 * tr.MIB
+
+
 def test_bad_format_layout_and_shape_raise_value_errors_naming_them():
     with pytest.raises(ValueError, match="format"):
         tr.state_bytes(TOY, "fp6")
+    # the names listed, fp64 among them; not a string is the same error (a list was a
+    # TypeError, "unhashable type")
+    for bad in ("FP32", ["fp32"], None):
+        listed = r"format: expected one of \['fp64', 'fp32', 'fp16', .*'fp4_e2m1_b32'\], got "
+        with pytest.raises(ValueError, match=listed + re.escape(repr(bad))):
+            tr.state_bytes(TOY, bad)
+        with pytest.raises(ValueError, match=r"format: expected one of \['fp64', "):
+            tr.element_bytes(bad)
     with pytest.raises(ValueError, match="layout"):
         tr.record_bytes(TOY, "compact")
     with pytest.raises(ValueError, match="d_k"):
