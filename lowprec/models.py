@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lowprec import formats
+
 __all__ = ["SSMLayerShape", "AttentionShape", "ModelShape", "get", "names"]
 
 SSM_KINDS = ("mamba2", "gdn")
@@ -34,7 +36,9 @@ class SSMLayerShape:
     nheads: state heads (Mamba-2 heads; GDN value heads); the state is `[nheads, d_v, d_k]`.
     d_v, d_k: state rows and columns (Mamba-2 headdim and dstate; GDN value and key head dims).
     ngroups: heads sharing one `B` (Mamba-2 groups) or one `k` (GDN key heads).
-    state_format: the format the model's own decode keeps the state in.
+    state_format: the format the model's own decode keeps the state in: a name of
+        `lowprec.formats` (the names `lowprec.traffic.state_bytes` prices), whose block, if
+        it has one, divides d_k.
     """
 
     kind: str
@@ -54,6 +58,18 @@ class SSMLayerShape:
         if self.nheads % self.ngroups:
             raise ValueError(
                 f"ngroups: expected a divisor of nheads={self.nheads}, got {self.ngroups}"
+            )
+        # checked here, not when the state is first priced: a misspelt name or a block that
+        # does not divide d_k made a shape that every traffic sweep then failed on
+        if not isinstance(self.state_format, str) or self.state_format not in formats.names():
+            raise ValueError(
+                f"state_format: expected one of {formats.names()}, got {self.state_format!r}"
+            )
+        block = formats.get(self.state_format).block
+        if block not in (None, formats.ROW) and self.d_k % block:
+            raise ValueError(
+                f"state_format: expected a format whose block divides d_k={self.d_k}, got "
+                f"{self.state_format!r} (blocks of {block})"
             )
 
     @property

@@ -48,6 +48,36 @@ def test_model_shape_rejects_groups_that_do_not_divide_heads():
         models.SSMLayerShape(kind="rwkv", nheads=6, d_v=5, d_k=96, ngroups=3)
 
 
+@pytest.mark.parametrize("state_format, message", [
+    ("fp6", r"state_format: expected one of \['fp64', 'fp32', .*'fp4_e2m1_b32'\], got 'fp6'"),
+    ("FP32", r"state_format: expected one of \[.*\], got 'FP32'"),
+    ("e4m3", r"state_format: expected one of \[.*\], got 'e4m3'"),  # an element, not a format
+    (None, r"state_format: expected one of \[.*\], got None"),
+    ("mxfp4", r"state_format: expected a format whose block divides d_k=48, got 'mxfp4' "
+              r"\(blocks of 32\)"),
+], ids=["misspelt", "upper-case", "element-name", "None", "block-not-dividing-d_k"])
+def test_ssm_shape_refuses_a_state_format_the_traffic_model_cannot_price(state_format, message):
+    """state_format is a lowprec.formats name (the names lowprec.traffic prices) whose block
+    divides d_k; it was not checked, so a misspelt name made a shape that state_bytes refused
+    later, naming 'format' and not the shape's field."""
+    with pytest.raises(ValueError, match=message):
+        models.SSMLayerShape(kind="mamba2", nheads=6, d_v=5, d_k=48, ngroups=3,
+                             state_format=state_format)
+
+
+def test_ssm_shape_takes_every_format_the_traffic_model_prices():
+    """Every name lowprec.formats and lowprec.traffic share is a state_format, fp64 included,
+    and each prices: nvfp4 at d_k 48 (three blocks of 16), a per-row scale at any d_k."""
+    for name in tr.STORAGE:
+        d_k = 96 if name in ("mxfp4", "fp4_e2m1_b32") else 48
+        ssm = models.SSMLayerShape(kind="gdn", nheads=6, d_v=5, d_k=d_k, ngroups=3,
+                                   state_format=name)
+        assert tr.state_bytes(ssm, ssm.state_format) > 0
+    fp64 = models.SSMLayerShape(kind="mamba2", nheads=6, d_v=5, d_k=7, ngroups=2,
+                                state_format="fp64")
+    assert tr.state_bytes(fp64, fp64.state_format) == 6 * 5 * 7 * 8
+
+
 # ---------------------------------------------------------------------------------------------
 # Storage bytes
 # ---------------------------------------------------------------------------------------------
