@@ -33,16 +33,23 @@ import torch
 
 from cute_kernels import _compile
 from cute_kernels import replay_output as ro
+from lowprec import models
 from lowprec._paths import file_problem
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint32
 
-NEMOTRON = dict(nheads=128, headdim=64, dstate=128, ngroups=8)
-# --shape: the layer timed (experiments.kernel_bench's second shape: one group of 80 heads)
-SHAPES = {"nemotron3-super": NEMOTRON,
-          "mamba2-2.7b": dict(nheads=80, headdim=64, dstate=128, ngroups=1)}
+
+def _model_layer(name: str) -> dict:
+    """The Mamba-2 layer of the lowprec.models shape `name`, in replay_output's names."""
+    ssm = models.get(name).ssm
+    return dict(nheads=ssm.nheads, headdim=ssm.d_v, dstate=ssm.d_k, ngroups=ssm.ngroups)
+
+
+# --shape: the layer timed, experiments.kernel_bench's shapes (mamba2-2.7b: one group of 80)
+SHAPES = {name: _model_layer(name) for name in ("nemotron3-super", "mamba2-2.7b")}
+NEMOTRON = SHAPES["nemotron3-super"]
 SHAPE = dict(NEMOTRON)
 
 

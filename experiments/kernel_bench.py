@@ -159,20 +159,24 @@ class BenchShape:
         return models.SSMLayerShape("mamba2", self.nheads, self.headdim, self.dstate, self.ngroups)
 
 
-_NEMOTRON = models.get("nemotron3-super").ssm
+def _model_layer(name: str, source: str) -> BenchShape:
+    """The Mamba-2 layer of the lowprec.models shape `name` (the numbers kept in one place)."""
+    ssm = models.get(name).ssm
+    return BenchShape(name, ssm.nheads, ssm.d_v, ssm.d_k, ssm.ngroups, source)
+
 
 SHAPES = {
     shape.name: shape
     for shape in (
-        BenchShape(
-            "nemotron3-super", _NEMOTRON.nheads, _NEMOTRON.d_v, _NEMOTRON.d_k, _NEMOTRON.ngroups,
+        _model_layer(
+            "nemotron3-super",
             "Nemotron-3-Super Mamba-2 layer (lowprec.models): 128 heads, headdim 64, dstate 128, "
             "8 groups",
         ),
-        BenchShape(
-            "mamba2-2.7b", 80, 64, 128, 1,
-            "state-spaces/mamba2-2.7b: d_model 2560, expand 2, headdim 64 (80 heads), "
-            "d_state 128, ngroups 1 (the Mamba2 layer defaults)",
+        _model_layer(
+            "mamba2-2.7b",
+            "state-spaces/mamba2-2.7b (lowprec.models): d_model 2560, expand 2, headdim 64 "
+            "(80 heads), d_state 128, ngroups 1 (the Mamba2 layer defaults)",
         ),
     )
 }

@@ -17,6 +17,7 @@ only the CSV. All numbers are per layer and per sequence unless a column says ot
 
     python -m experiments.traffic                          # nemotron3-super, CSVs and plots
     python -m experiments.traffic --model qwen3-next-80b
+    python -m experiments.traffic --model mamba2-2.7b      # no attention: KV entries null
     python -m experiments.traffic --summary                # one JSON object on stdout, no files
 """
 
@@ -257,7 +258,8 @@ def summary(config: Config) -> dict:
     hi, lo = tr.state_bytes(ssm, hi_format), tr.state_bytes(ssm, lo_format)
     kernel = tr.record_bytes(ssm, "kernel", model.act_format)
     conservative = tr.record_bytes(ssm, "conservative", model.act_format)
-    kv = tr.kv_bytes_per_token(model.attention)
+    # a model without attention layers (mamba2-2.7b) has no KV to weigh against: null in JSON
+    kv = tr.kv_bytes_per_token(model.attention) if model.n_attention_layers else None
     conventional = tr.conventional(state).per_token
     replay = tr.replay(L, kernel, state).per_token
 
@@ -269,9 +271,10 @@ def summary(config: Config) -> dict:
         "units": "per layer and per sequence; MiB = 2^20 bytes; crossover for the whole model",
         "state_format": ssm.state_format,
         "state_mib": mib(state),
-        "kv_kib_per_token": kv / tr.KIB,
-        "state_equiv_kv_tokens": tr.state_equivalent_kv_tokens(state, kv),
-        "crossover_context_tokens": tr.crossover_context(model, conventional),
+        "kv_kib_per_token": None if kv is None else kv / tr.KIB,
+        "state_equiv_kv_tokens": None if kv is None else tr.state_equivalent_kv_tokens(state, kv),
+        "crossover_context_tokens": (None if kv is None
+                                     else tr.crossover_context(model, conventional)),
         "record_bytes_kernel": kernel,
         "record_bytes_conservative": conservative,
         "replay_ratio_conservative": round(

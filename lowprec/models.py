@@ -13,8 +13,12 @@ Registered shapes (`names()`):
     qwen3-next-80b   36 x Gated DeltaNet: 32 value heads,     12 x (2 KV heads x 256), bf16 KV
                      16 key heads, d_v 128, d_k 128,
                      fp32 state
+    mamba2-2.7b      64 x Mamba-2: 80 heads, d_v 64,          none (`attention` is None)
+                     d_k 128, 1 group, fp32 state
 
-Both use bf16 activations. `source` on each shape says where its numbers come from.
+All use bf16 activations. `source` on each shape says where its numbers come from. The kernel
+benchmarks (`experiments.kernel_bench`, `cute_kernels.bench_read`) time the Mamba-2 layers of
+nemotron3-super and mamba2-2.7b and take their numbers from here.
 """
 
 from __future__ import annotations
@@ -99,14 +103,15 @@ class AttentionShape:
 
 @dataclass(frozen=True)
 class ModelShape:
-    """A hybrid model: `n_ssm_layers` recurrent layers and `n_attention_layers` attention ones."""
+    """A hybrid model: `n_ssm_layers` recurrent layers and `n_attention_layers` attention ones.
+    `attention` is None exactly when there are none (a pure SSM model keeps no KV cache)."""
 
     name: str
     source: str
     n_ssm_layers: int
     ssm: SSMLayerShape
     n_attention_layers: int
-    attention: AttentionShape
+    attention: AttentionShape | None
     act_format: str = "bf16"
 
     def __post_init__(self):
@@ -118,6 +123,17 @@ class ModelShape:
             raise ValueError(
                 f"n_attention_layers: expected a non-negative integer, "
                 f"got {self.n_attention_layers!r}"
+            )
+        # a KV shape beside 0 attention layers would be priced nowhere, and None beside some
+        # would fail in the first KV count: both are a mistake in the entry
+        if self.n_attention_layers and not isinstance(self.attention, AttentionShape):
+            raise ValueError(
+                f"attention: expected an AttentionShape for n_attention_layers="
+                f"{self.n_attention_layers}, got {self.attention!r}"
+            )
+        if not self.n_attention_layers and self.attention is not None:
+            raise ValueError(
+                f"attention: expected None for n_attention_layers=0, got {self.attention!r}"
             )
 
 
@@ -149,7 +165,22 @@ QWEN3_NEXT_80B = ModelShape(
     attention=AttentionShape(n_kv_heads=2, head_dim=256, kv_format="bf16"),
 )
 
-_MODELS = {m.name: m for m in (NEMOTRON3_SUPER, QWEN3_NEXT_80B)}
+MAMBA2_2_7B = ModelShape(
+    name="mamba2-2.7b",
+    source=(
+        "state-spaces/mamba2-2.7b: d_model 2560, expand 2, headdim 64 (80 heads), d_state 128, "
+        "ngroups 1 (the Mamba2 layer defaults, as the kernel benchmark gave them); 64 layers, "
+        "all Mamba-2, no attention (n_layer 64, attn_layer_idx [] as we recall its "
+        "config.json, not re-read when this entry was added). The state is priced in fp32 "
+        "(the kit's reference arm) and the activations in bf16"
+    ),
+    n_ssm_layers=64,
+    ssm=SSMLayerShape(kind="mamba2", nheads=80, d_v=64, d_k=128, ngroups=1),
+    n_attention_layers=0,
+    attention=None,
+)
+
+_MODELS = {m.name: m for m in (NEMOTRON3_SUPER, QWEN3_NEXT_80B, MAMBA2_2_7B)}
 
 
 def names() -> list[str]:

@@ -440,7 +440,9 @@ def request_bytes(model: ModelShape, ssm_layer_bytes: int, context: int = 0) -> 
     model = models.get(model)
     _check_int("ssm_layer_bytes", ssm_layer_bytes)
     _check_int("context", context, 0)
-    kv = model.n_attention_layers * kv_bytes_per_token(model.attention) * context
+    kv = 0  # a model without attention layers (its `attention` is None) keeps no KV cache
+    if model.n_attention_layers:
+        kv = model.n_attention_layers * kv_bytes_per_token(model.attention) * context
     return model.n_ssm_layers * ssm_layer_bytes + kv
 
 

@@ -94,3 +94,18 @@ def test_a_failed_csv_write_after_the_timing_is_one_line(tmp_path):
     assert "bench_read: --out " in str(exit_.value) and "the table above" in str(exit_.value)
     bench_read.write_csv(str(tmp_path / "new" / "out.csv"), [{"format": "nvfp4", "us": 1.5}])
     assert (tmp_path / "new" / "out.csv").read_text().splitlines() == ["format,us", "nvfp4,1.5"]
+
+
+def test_bench_read_shapes_are_the_mamba2_layers_of_lowprec_models():
+    """--shape's layers come from lowprec.models, as experiments.kernel_bench's do (the
+    numbers were written out in both), in replay_output's names."""
+    from lowprec import models
+
+    assert list(bench_read.SHAPES) == ["nemotron3-super", "mamba2-2.7b"]
+    for name, layer in bench_read.SHAPES.items():
+        ssm = models.get(name).ssm
+        assert layer == dict(nheads=ssm.nheads, headdim=ssm.d_v, dstate=ssm.d_k,
+                             ngroups=ssm.ngroups)
+    assert bench_read.SHAPES["mamba2-2.7b"] == dict(nheads=80, headdim=64, dstate=128,
+                                                    ngroups=1)
+    assert bench_read.NEMOTRON is bench_read.SHAPES["nemotron3-super"]

@@ -22,6 +22,20 @@ REPO = Path(__file__).resolve().parent.parent
 TINY = kb.BenchShape("tiny", nheads=4, headdim=16, dstate=32, ngroups=2, source="test")
 
 
+def test_bench_shapes_are_the_mamba2_layers_of_lowprec_models():
+    """Both benchmarked shapes take their numbers from lowprec.models (mamba2-2.7b was
+    written out here and in cute_kernels.bench_read), under the same names and order."""
+    from lowprec import models
+
+    assert list(kb.SHAPES) == ["nemotron3-super", "mamba2-2.7b"]
+    for name, shape in kb.SHAPES.items():
+        assert shape.name == name
+        assert shape.ssm == models.get(name).ssm
+    m2 = kb.SHAPES["mamba2-2.7b"]
+    assert (m2.nheads, m2.headdim, m2.dstate, m2.ngroups) == (80, 64, 128, 1)
+    assert "state-spaces/mamba2-2.7b" in m2.source
+
+
 def test_help_runs_on_a_cpu_only_machine():
     """`python -m experiments.kernel_bench --help` imports and prints the options (no GPU)."""
     result = subprocess.run([sys.executable, "-m", "experiments.kernel_bench", "--help"],

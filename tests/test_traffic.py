@@ -48,6 +48,36 @@ def test_model_shape_rejects_groups_that_do_not_divide_heads():
         models.SSMLayerShape(kind="rwkv", nheads=6, d_v=5, d_k=96, ngroups=3)
 
 
+def test_mamba2_2_7b_is_a_registered_pure_mamba2_model_with_its_provenance():
+    """The kernel benchmarks' second shape lives here beside Nemotron's: 64 Mamba-2 layers of
+    80 heads x 64 x 128 in one group, no attention layers (so no KV shape), with the source
+    the benchmark gave it."""
+    m2 = models.get("mamba2-2.7b")
+    assert models.names() == ["nemotron3-super", "qwen3-next-80b", "mamba2-2.7b"]
+    assert (m2.ssm.kind, m2.ssm.state_shape, m2.ssm.ngroups) == ("mamba2", (80, 64, 128), 1)
+    assert (m2.n_ssm_layers, m2.n_attention_layers, m2.attention) == (64, 0, None)
+    assert (m2.ssm.state_format, m2.act_format) == ("fp32", "bf16")
+    assert "state-spaces/mamba2-2.7b" in m2.source and "headdim 64 (80 heads)" in m2.source
+    assert models.MAMBA2_2_7B is m2
+
+
+def test_model_shape_has_a_kv_shape_exactly_when_it_has_attention_layers():
+    """attention is None for a model without attention layers and an AttentionShape for one
+    with them: a KV shape beside 0 layers would be priced nowhere, None beside 8 failed in the
+    first KV count (an AttributeError)."""
+    ssm = models.SSMLayerShape(kind="mamba2", nheads=6, d_v=5, d_k=96, ngroups=3)
+    kv = models.AttentionShape(n_kv_heads=3, head_dim=7)
+    with pytest.raises(ValueError, match=r"attention: expected an AttentionShape for "
+                                         r"n_attention_layers=5, got None"):
+        models.ModelShape("toy", "test", 3, ssm, 5, None)
+    with pytest.raises(ValueError, match=r"attention: expected an AttentionShape .*got 'bf16'"):
+        models.ModelShape("toy", "test", 3, ssm, 5, "bf16")
+    with pytest.raises(ValueError, match=r"attention: expected None for n_attention_layers=0, "
+                                         r"got AttentionShape\(n_kv_heads=3"):
+        models.ModelShape("toy", "test", 3, ssm, 0, kv)
+    assert models.ModelShape("toy", "test", 3, ssm, 0, None).attention is None
+
+
 @pytest.mark.parametrize("state_format, message", [
     ("fp6", r"state_format: expected one of \['fp64', 'fp32', .*'fp4_e2m1_b32'\], got 'fp6'"),
     ("FP32", r"state_format: expected one of \[.*\], got 'FP32'"),
@@ -471,6 +501,30 @@ def test_summary_prints_exactly_one_json_object_with_the_issue_keys(capsys, tmp_
     spec = summary["spec"]
     assert spec["snapshot_all_accepted"] == 5.0 and spec["snapshot_all_rejected"] == 20.0
     assert spec["replay_all_accepted"] < spec["replay_all_rejected"] < spec["plain_conventional"]
+
+
+def test_a_model_without_attention_is_priced_without_kv(capsys):
+    """mamba2-2.7b (64 Mamba-2 layers, no attention) is a --model: its state and records are
+    counted by hand, a request keeps no KV at any context, and the summary's KV entries are
+    null (there is no KV to weigh a state against, and no crossover)."""
+    m2 = models.get("mamba2-2.7b")
+    assert tr.state_bytes(m2.ssm, "fp32") == 80 * 64 * 128 * 4 == 5 * tr.MIB // 2
+    assert tr.record_bytes(m2.ssm, "kernel") == 80 * (64 * 2 + 4) + 1 * 128 * 2 == 10816
+    assert tr.request_bytes(m2, 12345, context=32768) == 64 * 12345
+    assert tr.request_bytes("mamba2-2.7b", 7, context=0) == 64 * 7
+    assert tr.crossover_context(m2, 1.0) == math.inf
+    experiment.main(["--summary", "--model", "mamba2-2.7b"])
+    summary = json.loads(capsys.readouterr().out)
+    assert SUMMARY_KEYS <= summary.keys() and summary["model"] == "mamba2-2.7b"
+    assert summary["kv_kib_per_token"] is None
+    assert summary["state_equiv_kv_tokens"] is None
+    assert summary["crossover_context_tokens"] is None
+    assert summary["state_mib"] == 2.5 and summary["record_bytes_kernel"] == 10816
+    assert summary["conventional_mib_per_token"] == 5.0
+    memory = experiment.memory_sweep(experiment.Config(model="mamba2-2.7b", memory_gib=(3.0,),
+                                                       contexts=(0, 4097)))
+    by_context = memory.groupby("context").per_request_bytes.apply(list)
+    assert by_context[0] == by_context[4097]  # no KV: the context changes nothing
 
 
 def test_help_describes_the_options(capsys):
