@@ -170,9 +170,9 @@ MAMBA2_2_7B = ModelShape(
     source=(
         "state-spaces/mamba2-2.7b: d_model 2560, expand 2, headdim 64 (80 heads), d_state 128, "
         "ngroups 1 (the Mamba2 layer defaults); 64 layers, all Mamba-2, no attention "
-        "(config.json's n_layer 64 and empty attn_layer_idx, written from the model card: "
-        "this machine cannot fetch the file to check). The state is priced in fp32 (the "
-        "kit's reference arm) and the activations in bf16"
+        "(its config.json's n_layer 64 and empty attn_layer_idx, from memory: this machine "
+        "cannot fetch the file to check). The state is priced in fp32 (the kit's reference "
+        "arm) and the activations in bf16"
     ),
     n_ssm_layers=64,
     ssm=SSMLayerShape(kind="mamba2", nheads=80, d_v=64, d_k=128, ngroups=1),
