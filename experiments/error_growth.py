@@ -1017,8 +1017,8 @@ def summarize(frame: pd.DataFrame, at: list[int] | None = None) -> pd.DataFrame:
     marks = [s for s in SUMMARY_STEPS if (s - 1) // window < (last - 1) // window] + [last]
     for t in marks if at is None else at:  # a mark in the last window would repeat its column
         name = f"t={t}" + (" (last)" if t == last and at is None else "")
-        at = means[means["window_index"] == (t - 1) // window]
-        columns[name] = at.set_index(SERIES)["median"]
+        held = means[means["window_index"] == (t - 1) // window]
+        columns[name] = held.set_index(SERIES)["median"]
     table = pd.DataFrame(columns)
     order = frame.drop_duplicates(SERIES).set_index(SERIES).index
     return table.reindex(order).droplevel(["recurrence", "window"])
