@@ -5,14 +5,14 @@
 Kernels (128 heads, 64 x 128 states, 8 groups, window 16, bf16 activations):
 
     flush fp16-SR + nvfp4     the two-precision flush, every slot flushing
-    flush fp32 (single copy)  the single-copy FP32 ReplaySSM flush, every slot flushing
+    flush fp32 single copy    the single-copy FP32 ReplaySSM flush, every slot flushing
     flush ..., <what differs> the same flush with a stage left out (no SR, no read copy;
                               "no global loads": timing only, FlushConfig.ablate), or with
                               the fold, chunk, layout or register cap that the defaults
                               replaced (FlushConfig), for comparison
     flush, no slot flushing   the same launch when no slot flushes (the cost of a skip)
     state_update fp32 / fp16 RN / fp16 SR   the conventional every-token step
-    window/token two-precision | fp32 single copy   16 replay_decode_step calls with the
+    window/token fp16-SR + nvfp4 | fp32 single copy   16 replay_decode_step calls with the
                               slots staggered over the ring (each flushes once), per token
 
 Each kernel is first checked on a few slots against lowprec (codes bit for bit where the

@@ -73,20 +73,22 @@ exactly ``CSV_COLUMNS``, floats written ``%.6e`` so a rerun reproduces the file 
 a sidecar ``<csv stem>.meta.json`` (command, commit, seconds, versions, config); a PNG read
 back from the CSV only (``plot``); a summary table printed to stdout (``summarize``).
 
-    python -m experiments.error_growth --preset toy                    # ~15 s, 2-core CPU
+    python -m experiments.error_growth --preset toy                    # ~10 s, 2-core CPU
     python -m experiments.error_growth --preset default               # ~5 min on a 2-core CPU
     python -m experiments.error_growth --preset default --replot       # redraw from the CSV
     python -m experiments.error_growth --preset default --replot --plot none --at 112,192
                                                   # the summary at the windows of other steps
     python -m experiments.error_growth --help
     python -m experiments.error_growth --backend emulation --device cuda --dv 64 --dk 128 \
-        --heads 128 --seeds 2 --steps 131072 --arms separate_fp16sr:nvfp4,every_step:fp16:rn \
-        --memory long --out results/error_growth_emulation_gpu.csv
+        --heads 128 --seeds 2 --steps 131072 --log-grid 48 \
+        --arms separate_fp16sr:nvfp4,every_step:fp16:rn --memory long \
+        --out results/error_growth_emulation_gpu.csv --plot results/error_growth_emulation_gpu.png
+                                                  # H200 (bash scripts/gpu_session.sh E)
 
 The default preset (Nemotron-3-Super head shape, 2 heads x 2 seeds, 16,384 steps, 16 arms)
-took 293 s on a 2-core CPU. Its every_step arms are RN: SR at every token would draw one
-Philox word per state element per step (about 1.5 hours at this size); the toy preset is
-where RN and SR of the conventional state are compared.
+took 348 s on a 2-core CPU (its meta.json). Its every_step arms are RN: SR at every token
+would draw one Philox word per state element per step (about 1.5 hours at this size); the toy
+preset is where RN and SR of the conventional state are compared.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ cursor `0 .. L-1` has `B / L` slots and the last `B / L` flush. Random inputs, n
 FP32 checkpoint, the single-copy FP32 ReplaySSM), and `conventional-fp32` (the kit's FP32
 state update, the same kernel at every step: its row is the same as `kernel_bench`'s).
 
-**Modes** (one step each; the same kernels, launched three ways):
+**Modes** (one step each; the same kernels, launched five ways):
 
     decode-step   `cute_kernels.replay_decode.replay_decode_step` over the whole batch: the
                   non-flush kernel and the flush kernel each launched on every slot (a CTA of
@@ -40,12 +40,15 @@ flushes; `decode-step` then says what the kit's decode step costs over the non-f
 alone (`grouped`), since it launches the flush kernel (and the counter kernel) on every step.
 
 `grouped` and `overlapped` launch each kernel on a contiguous sub-batch, standing in for a
-launch through a slot index table (which the kernels do not take yet); the flush's random
+launch through a slot index table (the non-flush kernel takes none; the flush kernel's,
+`FlushConfig.slot_table`, is what `decode-step-indexed` uses); the flush's random
 words are then keyed by the slot's place in the sub-batch, so its FP16-SR bits differ from
 `decode-step`'s. Before timing, each point runs every mode once on the same inputs and checks
-that `grouped` and `overlapped` agree bit for bit (outputs, both copies, rings, counters) and
-that `decode-step` agrees with them bit for bit except the SR'd recurrence copy of the flush
-slots, which must lie within one FP16 step (its neighbours). The kernels themselves are
+that `grouped` and `overlapped` agree bit for bit (outputs, both copies, rings, counters),
+that the three decode-step modes agree with each other bit for bit, and that they agree with
+`grouped` bit for bit except the SR'd recurrence copy of the flush slots, which must lie
+within one FP16 step (its neighbours), and the outputs, which may differ by up to 2^-6 of
+their largest magnitude (either difference is noted in the CSV's `note`). The kernels themselves are
 checked against the reference by the GPU tests and by `kernel_bench`'s gate.
 
 **Timing** as `kernel_bench`: card warmed, copy ceiling measured in the same run, CUDA-graph
