@@ -78,7 +78,7 @@ from experiments import kernel_bench as kb
 from experiments._common import OneLineParser, file_problem, folder_problem, save_small_png
 
 __all__ = ["SCHEMES", "MODES", "cursor_layout", "step_bytes", "check_modes", "run", "plot",
-           "summarize", "main"]
+           "summarize", "csv_problem", "main"]
 
 SCHEMES = {
     # name: (hi format, hi rounding, lo format); None for the conventional update
@@ -99,14 +99,14 @@ def cursor_layout(batch: int, window: int, cursor: int | None = None) -> list[in
     """Slot s holds `s * window // batch` records: every cursor on `batch / window` slots, the
     flush slots (cursor `window - 1`) last. With `cursor`, every slot holds that many records
     (a synchronized batch at one non-flush step: 0 .. window - 2)."""
+    if window < 2:  # checked first: with --cursor it read "expected 0..-1"
+        raise ValueError(f"--windows: expected windows >= 2 (a staggered batch needs a flush "
+                         f"cursor and a non-flush one, --cursor a non-flush one), got {window}")
     if cursor is not None:
         if batch < 1 or not 0 <= cursor <= window - 2:
             raise ValueError(f"--cursor: expected 0..{window - 2} (a non-flush step of window "
                              f"{window}) and a batch >= 1, got cursor {cursor}, batch {batch}")
         return [cursor] * batch
-    if window < 2:
-        raise ValueError(f"--windows: expected windows >= 2 (a staggered batch needs a flush "
-                         f"cursor and a non-flush one), got {window}")
     if batch < window or batch % window:
         raise ValueError(f"--batches: batch {batch} is not a multiple of the window {window} "
                          f"(--windows): a staggered batch puts batch / {window} slots at each "
@@ -385,6 +385,7 @@ def run(shape_name: str, batches, windows, schemes, modes, reps: int, lead_cycle
     if not torch.cuda.is_available():
         raise RuntimeError("staggered_step: needs a CUDA GPU (torch.cuda.is_available() is "
                            "False); on a CPU machine use --plot-only")
+    out.parent.mkdir(parents=True, exist_ok=True)  # here: a refused run leaves no folders
     device = torch.device("cuda")
     shape = kb.SHAPES[shape_name]
     ceilings = kb.measure_ceilings(lead_cycles=lead_cycles)
@@ -578,7 +579,17 @@ def _ints(text: str) -> tuple[int, ...]:
             f"expected comma-separated integers, got {text!r}") from None
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    _once(values, text)
     return values
+
+
+def _once(values: tuple, text: str) -> None:
+    """Each value once: a repeated one would be timed again (minutes of the device budget),
+    and its rows would repeat a point of the CSV (as kernel_bench refuses)."""
+    twice = list(dict.fromkeys(str(v) for v in values if values.count(v) > 1))
+    if twice:
+        raise argparse.ArgumentTypeError(f"expected each once, got {', '.join(twice)} twice "
+                                         f"in {text!r}")
 
 
 def _names(allowed):
@@ -588,6 +599,7 @@ def _names(allowed):
         if bad:
             raise argparse.ArgumentTypeError(f"expected names from {', '.join(allowed)}; "
                                              f"got {text!r}")
+        _once(names, text)
         return names
     return parse
 
@@ -624,8 +636,49 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="results/staggered_step.csv", help="the tidy CSV")
     p.add_argument("--plot-dir", default="results",
                    help="where the PNGs go ('' or 'none' for none)")
-    p.add_argument("--plot-only", metavar="CSV", help="redraw and summarise a CSV; no GPU")
+    p.add_argument("--plot-only", metavar="CSV",
+                   help="redraw and summarise a CSV; no GPU (with --plot-dir only: the run's "
+                        "flags are refused)")
     return p
+
+
+# the flags that only a run reads (--plot-only refuses them)
+RUN_FLAGS = ("--shape", "--batches", "--windows", "--schemes", "--modes", "--cursor", "--reps",
+             "--lead-cycles", "--out")
+CSV_COLUMNS = ("scheme", "mode", "shape", "batch", "window", "time_us", "status")
+
+
+def csv_problem(frame: pd.DataFrame) -> str | None:
+    """Why `frame` cannot be summarised and drawn as a staggered_step CSV, or None: the
+    summary and the plot read these columns of the ok rows (a missing `shape`, a time that is
+    not a number or is 0 were tracebacks; a negative time printed a negative speedup, an
+    unknown scheme an empty summary line, a repeated point one of its times at random)."""
+    missing = [c for c in CSV_COLUMNS if c not in frame.columns]
+    if missing:
+        return f"not a staggered_step CSV (no {', '.join(missing)})"
+    ok = frame[frame["status"] == "ok"]
+    for column, positive in (("batch", "an integer >= 1"), ("window", "an integer >= 1"),
+                             ("time_us", "a time > 0 (us)")):
+        values = pd.to_numeric(ok[column], errors="coerce")
+        bad = ~(values > 0) | (~np.isfinite(values))
+        if column != "time_us":
+            bad |= values != values.round()
+        if bad.any():
+            value = ok[column][bad].iloc[0]
+            shown = ("an empty cell" if pd.isna(value) else
+                     repr(value) if isinstance(value, str) else f"{value:g}")
+            return f"{column}: expected {positive} in every ok row, got {shown}"
+    for column, allowed in (("scheme", tuple(SCHEMES)), ("mode", (*MODES, "update"))):
+        if unknown := sorted(set(ok[column].astype(str)) - set(allowed)):
+            return f"{column}: expected one of {', '.join(allowed)}, got {', '.join(unknown)}"
+    point = [c for c in ("layout", "shape", "scheme", "mode", "batch", "window")
+             if c in ok.columns]
+    repeated = ok[ok.duplicated(point, keep=False)]
+    if len(repeated):
+        row = repeated.iloc[0]
+        return (f"{len(repeated)} ok rows repeat a point (e.g. {row['scheme']}, {row['mode']}, "
+                f"batch {row['batch']}, L = {row['window']}): one run's CSV has each once")
+    return None
 
 
 def _check_plot_dir(parser: argparse.ArgumentParser, plot_dir: str) -> None:
@@ -645,15 +698,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.lead_cycles < 0:
         parser.error(f"--lead-cycles: expected an integer >= 0, got {args.lead_cycles}")
     if args.plot_only:
+        # the run's flags do nothing here: given, they were silently ignored
+        given = [flag for flag in RUN_FLAGS
+                 if any(a == flag or a.startswith(flag + "=") for a in argv)]
+        if given:
+            parser.error(f"--plot-only: redraws the CSV as it is; {', '.join(given)} "
+                         f"{'is' if len(given) == 1 else 'are'} for a run (leave "
+                         f"{'it' if len(given) == 1 else 'them'} out)")
         _check_plot_dir(parser, args.plot_dir)
         try:
             frame = pd.read_csv(args.plot_only)
         except (OSError, ValueError) as error:
             parser.error(f"cannot read {args.plot_only}: {error}")
-        missing = [c for c in ("scheme", "mode", "batch", "window", "time_us", "status")
-                   if c not in frame.columns]
-        if missing:
-            parser.error(f"{args.plot_only}: not a staggered_step CSV (no {', '.join(missing)})")
+        if problem := csv_problem(frame):
+            parser.error(f"{args.plot_only}: {problem}")
         if args.plot_dir:
             for path in plot(args.plot_only, args.plot_dir):
                 print(f"wrote {path}", file=sys.stderr)
@@ -674,7 +732,6 @@ def main(argv: list[str] | None = None) -> int:
     if problem := file_problem(out):
         parser.error(f"--out: cannot write {out}: {problem}")
     _check_plot_dir(parser, args.plot_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     try:
         frame = run(args.shape, args.batches, args.windows, args.schemes, args.modes, args.reps,

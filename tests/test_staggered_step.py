@@ -133,6 +133,17 @@ def test_plot_only_redraws_from_the_csv_without_a_gpu(tmp_path):
         (["--lead-cycles", "-1"], "--lead-cycles: expected an integer >= 0"),
         (["--plot-only", "README.md"], "cannot read README.md"),
         (["--plot-only", "results/traffic_window_nemotron3-super.csv"], "not a staggered_step CSV"),
+        # a value given twice was timed twice, its rows a repeated point of the CSV
+        (["--batches", "48,16,48"], "--batches: expected each once, got 48 twice"),
+        (["--windows", "8,16,8,16"], "--windows: expected each once, got 8, 16 twice"),
+        (["--schemes", "fp32-replay,two-precision,fp32-replay"], "got fp32-replay twice"),
+        (["--modes", "grouped,decode-step,grouped"], "--modes: expected each once"),
+        # a window of 1 has no non-flush cursor: "--cursor: expected 0..-1" before
+        (["--cursor", "0", "--windows", "1"], "--windows: expected windows >= 2"),
+        # a run's flags with --plot-only were ignored without a word
+        (["--plot-only", "results/staggered_step.csv", "--batches", "64", "--reps=5"],
+         "--plot-only: redraws the CSV as it is; --batches, --reps are for a run"),
+        (["--plot-only", "results/staggered_step.csv", "--out", "x.csv"], "--out is for a run"),
     ],
 )
 def test_bad_arguments_get_one_line_not_a_traceback(argv, words):
@@ -140,6 +151,42 @@ def test_bad_arguments_get_one_line_not_a_traceback(argv, words):
                             cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert words in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    "defect, words",
+    [
+        (lambda f: f.drop(columns="shape"), "not a staggered_step CSV (no shape)"),  # KeyError
+        (lambda f: f.assign(time_us=f["time_us"].astype(object).where(f.index != 3, "slow")),
+         "time_us: expected a time > 0 (us) in every ok row, got 'slow'"),  # ValueError
+        (lambda f: f.assign(time_us=f["time_us"].where(f.index != 5, 0.0)),
+         "got 0"),  # ZeroDivisionError
+        (lambda f: f.assign(time_us=f["time_us"].where(f.index != 2, -37.5)),
+         "got -37.5"),  # printed a negative speedup
+        (lambda f: f.assign(batch=f["batch"].astype(object).where(f.index != 7, "6x")),
+         "batch: expected an integer >= 1 in every ok row, got '6x'"),  # ValueError
+        (lambda f: f.assign(window=f["window"].where(f.index != 1, 12.5)), "window:"),
+        (lambda f: f.assign(scheme=f["scheme"].where(f.index != 4, "fp8-replay")),
+         "scheme: expected one of two-precision, fp32-replay, conventional-fp32, got "
+         "fp8-replay"),  # an empty summary line
+        (lambda f: f.assign(mode=f["mode"].where(f.index != 0, "fused")), "got fused"),
+        (lambda f: pd.concat([f, f.iloc[[5]].assign(time_us=123.0)]),
+         "2 ok rows repeat a point (e.g. fp32-replay, overlapped, batch 32"),  # one at random
+    ],
+)
+def test_plot_only_refuses_a_csv_it_cannot_summarise_in_one_line(tmp_path, defect, words):
+    """Each defect in the ok rows of an otherwise good CSV is named in one line (exit
+    status 2) before anything is drawn; rows that are not ok may hold anything (their times
+    are empty), as the synthetic frame's failed point does."""
+    csv = tmp_path / "bad.csv"
+    defect(_synthetic_frame()).to_csv(csv, index=False)
+    result = subprocess.run(
+        [sys.executable, "-m", "experiments.staggered_step", "--plot-only", str(csv),
+         "--plot-dir", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert words in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert not list(tmp_path.glob("*.png"))
+    assert st.csv_problem(_synthetic_frame()) is None
 
 
 def test_batches_help_says_the_multiple_rule_does_not_hold_with_cursor():
@@ -158,6 +205,18 @@ def test_a_cpu_machine_is_told_the_run_needs_a_gpu(tmp_path):
         timeout=120)
     assert result.returncode == 2
     assert "needs a CUDA GPU" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a run refused for want of a GPU")
+def test_a_run_refused_for_want_of_a_gpu_leaves_no_folders(tmp_path):
+    """--out's folders used to be made before the GPU was looked for."""
+    out = tmp_path / "new" / "deeper" / "s.csv"
+    result = subprocess.run(
+        [sys.executable, "-m", "experiments.staggered_step", "--batches", "32", "--out",
+         str(out), "--plot-dir", str(tmp_path / "plots")], cwd=REPO, capture_output=True,
+        text=True, timeout=120)
+    assert result.returncode == 2 and "needs a CUDA GPU" in result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
 # --------------------------------------------------------------------------------------------
