@@ -27,16 +27,17 @@
 #
 #   bash scripts/gpu_session.sh E   carry [".device"] (not needed: the emulation is Triton)
 #       the emulation backend of experiments.error_growth at the real layer shape (issue 5):
-#       error_growth_emulation_gpu.{csv,png,meta.json}
+#       error_growth_emulation_gpu.{csv,png,meta.json} and kernel_bench_E.log
 #
 #   bash scripts/gpu_session.sh D   carry [".device", ".peers/vllm"]
-#       E (at most KB_E_S seconds, default 290), then A's benchmark without A's tests (for a
-#       session whose kernels were tested in an earlier call, C): the files of E and of A
+#       E (at most KB_E_S seconds, default 290), then A's benchmark without A's tests or plots
+#       (for a session whose kernels were tested in an earlier call, C): E's files,
+#       kernel_bench_A.{csv,meta.json} and kernel_bench_D.log
 #
 #   bash scripts/gpu_session.sh P   carry [".device"]
 #       where the time goes: ncu (clocks left alone) on the two-precision and the FP32-checkpoint
 #       non-flush kernels and the two-precision flush at the headline point (batch 256, L = 16):
-#       ncu_<kernel>.txt (details page) and kernel_bench_P.log
+#       ncu_<kernel>.txt (details page) and kernel_bench_P.log; without ncu, exit 2 at once
 #
 #   bash scripts/gpu_session.sh K   carry [".device"]
 #       the non-flush kernel's knobs A/B in the benchmark's own conditions (kernel_bench
@@ -45,10 +46,12 @@
 #       KB_AB_BATCHES (default 1,8,128,256), shapes KB_AB_SHAPES (default nemotron3-super) and
 #       windows KB_AB_WINDOWS (default 16), kernels KB_AB_KERNELS (default
 #       cute:nonflush:nvfp4); first, with KB_TEST_K set, the gpu-marked
-#       tests that `pytest -k "$KB_TEST_K"` selects (KB_TEST_K=all: every one, -n 8): ab.tar (ab_<name>_<rep>.{csv,log}),
+#       tests that `pytest -k "$KB_TEST_K"` selects (KB_TEST_K=all: every one, -n 8):
+#       ab.tar (ab_<name>_<rep>.{csv,meta.json,log}),
 #       gpu-tests.log, kernel_bench_K.log (a summary table at its end)
 #
-# KB_SKIP_TESTS=1 leaves A's tests out (for a call after C tested the same kernels).
+# KB_SKIP_TESTS=1 leaves A's tests out (for a call after C tested the same kernels; unset,
+# empty or 0 runs them).
 # Start each as `LOWPREC_COMMIT=<git rev-parse --short HEAD, here> bash scripts/gpu_session.sh X`:
 # the device's copy of the tree carries a .git that is not this checkout's, so the meta files
 # would otherwise name a stale commit (they did on 2026-11-29).
@@ -59,12 +62,15 @@
 #       --out results/kernel_bench.csv --plot-dir results
 #
 # The whole command stays under KB_TOTAL_S seconds (default 540, i.e. 9 minutes: the call limit
-# is 10): the tests get at most KB_TESTS_S (default 150), the benchmark the rest less a margin
-# for its plots (--budget-s drops the lowest-priority points when time runs out, and records
-# them as skipped).
+# is 10): the tests get at most KB_TESTS_S (default 150 in A, 200 in C, T and K's -k subset,
+# 330 in K with KB_TEST_K=all), the benchmark the rest less a margin for its plots (--budget-s
+# drops the lowest-priority points when time runs out, and records them as skipped).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 part=${1:-}
+if [ $# -gt 1 ]; then  # a second part was ignored without a word: one part a call
+  echo "usage: bash scripts/gpu_session.sh A|B|C|D|E|K|P|T (one part; got: $*)" >&2; exit 2
+fi
 case "$part" in
   A|B|C|D|E|K|P|T) ;;
   -h|--help) sed -n '2,/^set -uo pipefail/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;;
@@ -139,21 +145,23 @@ if [ "$part" = C ]; then
     | tee -a "$log" || record $?
   timeout "$(( $(remaining) - 70 ))" "$py" -m cute_kernels.bench_read --splits-sweep \
     --batch 1 8 32 64 128 --out "$out/bench_read_splits.csv" 2>&1 | tee -a "$log" || record $?
-  for b in 1 8; do
-    timeout 30 "$py" -m cute_kernels.bench_write --batch $b --only "flush fp16-SR + nvfp4" \
+  for b in 1 8; do  # the two layouts by exact name: the bare name is in every variant's
+    timeout 30 "$py" -m cute_kernels.bench_write --batch $b --only "=flush fp16-SR + nvfp4" \
+      "=flush fp16-SR + nvfp4, 64 elements per thread (128 threads)" \
       --out "$out/bench_write_small_$b.csv" 2>&1 | tee -a "$log" || record $?
   done
 elif [ "$part" = T ]; then
   gpu_tests 200
   timeout 150 "$py" -m cute_kernels.bench_read --knob-variants --batch 256 128 \
     --out "$out/bench_read_knobs.csv" 2>&1 | tee -a "$log" || record $?
+  # the shipped flushes by exact name ("flush fp16-SR" is in every variant's name)
   timeout "$(( $(remaining) - 10 ))" "$py" -m cute_kernels.bench_write --batch 256 \
-    --only "flush fp16-SR" "flush fp32" "window/token" --out "$out/bench_write_T.csv" 2>&1 \
-    | tee -a "$log" || record $?
+    --only "=flush fp16-SR + nvfp4" "=flush fp32 single copy" "window/token" \
+    --out "$out/bench_write_T.csv" 2>&1 | tee -a "$log" || record $?
 elif [ "$part" = E ]; then
   emulation_run "$(( $(remaining) - 5 ))"
 elif [ "$part" = A ] || [ "$part" = D ]; then
-  if [ "$part" = A ] && [ -n "${KB_SKIP_TESTS:-}" ]; then
+  if [ "$part" = A ] && [ "${KB_SKIP_TESTS:-0}" != 0 ]; then  # 0 skipped them too
     echo "gpu tests: skipped (KB_SKIP_TESTS; they ran in an earlier call)" | tee -a "$log"
   elif [ "$part" = A ]; then
     gpu_tests 150
@@ -170,8 +178,8 @@ elif [ "$part" = K ]; then
   if [ "${KB_TEST_K:-}" = all ]; then
     gpu_tests 330
   elif [ -n "${KB_TEST_K:-}" ]; then
-    timeout 200 "$py" -m pytest -m gpu -q -n 8 -p no:cacheprovider -k "$KB_TEST_K" tests \
-      > "$out/gpu-tests.log" 2>&1
+    timeout "${KB_TESTS_S:-200}" "$py" -m pytest -m gpu -q -n 8 -p no:cacheprovider \
+      -k "$KB_TEST_K" tests > "$out/gpu-tests.log" 2>&1
     rc=$?
     record $rc
     echo "gpu tests (-k $KB_TEST_K): exit $rc after $(( $(date +%s) - start )) s" | tee -a "$log"
@@ -213,6 +221,9 @@ EOF
   if compgen -G "$out/ab_*" > /dev/null; then  # nothing to pack when KB_AB_REPS=0 (tests only)
     (cd "$out" && tar -cf ab.tar ab_* && rm -f ab_*)
   fi
+elif [ "$part" = P ] && ! command -v ncu > /dev/null; then  # each ncu run exited 127
+  echo "gpu_session.sh P: no ncu here (run it on the GPU machine)" | tee -a "$log" >&2
+  record 2
 elif [ "$part" = P ]; then
   for kernel in cute:nonflush:nvfp4 cute:nonflush:fp32 cute:flush:fp16sr+nvfp4; do
     name=$(echo "$kernel" | tr ':+' '__')
