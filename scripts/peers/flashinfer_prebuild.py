@@ -28,7 +28,11 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from experiments._common import OneLineParser  # noqa: E402
 from experiments.kernel_bench import KERNELS, SHAPES  # noqa: E402
+
+MAX_WINDOW = min(spec.max_window for spec in KERNELS.values()  # the checkpointing kernels
+                 if spec.impl == "flashinfer" and spec.step != "update")
 
 
 def module_specs(windows: tuple[int, ...]) -> list:
@@ -73,14 +77,34 @@ def header_deps(build_dir: Path) -> set[str]:
     return deps
 
 
+def _windows(text: str) -> tuple[int, ...]:
+    """Comma-separated windows 1 .. MAX_WINDOW: 'x' was a traceback, and a window past the
+    kernels' limit was left out without a word."""
+    try:
+        windows = tuple(int(w) for w in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") \
+            from None
+    if not all(1 <= w <= MAX_WINDOW for w in windows):
+        raise argparse.ArgumentTypeError(f"expected windows 1..{MAX_WINDOW} (checkpointing_ssu's "
+                                         f"limit), got {text!r}")
+    return windows
+
+
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("--aot", required=True, type=Path, help="the staged data/aot folder")
     parser.add_argument("--deps", required=True, type=Path, help="file for the header list")
     parser.add_argument("--report", required=True, type=Path, help="file for the build report")
-    parser.add_argument("--windows", default="8,16", help="windows to build for (<= 16)")
+    parser.add_argument("--windows", type=_windows, default="8,16",
+                        help=f"windows to build for (<= {MAX_WINDOW})")
     args = parser.parse_args()
-    windows = tuple(int(w) for w in args.windows.split(","))
+    windows = args.windows
+    try:  # run on its own, without prepare.sh's staged package, it was a traceback
+        import flashinfer.jit.mamba  # noqa: F401
+    except ImportError as error:
+        parser.error(f"flashinfer is not importable ({error}): run this through "
+                     "scripts/peers/prepare.sh flashinfer, which stages it on PYTHONPATH")
     deps: set[str] = set()
     failed = []
     report = []

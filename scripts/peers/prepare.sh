@@ -16,11 +16,16 @@
 # Nothing of vLLM or FlashInfer is committed: everything lands in .peers/ (ignored by
 # .gitignore). The shims and stub __init__ files written below are this kit's own code.
 #
-#   bash scripts/peers/prepare.sh [vllm] [flashinfer] [--no-prebuild]
+#   bash scripts/peers/prepare.sh [vllm] [flashinfer] [--prebuild | --no-prebuild]
 #
 # Wheels are looked for in $PEERS_WHEELS (default /tmp/peers) and downloaded there with
-# `pip download --no-deps` when absent.
+# `pip download --no-deps` when absent; each download gives up after one retry of a connection
+# silent for PEERS_PIP_TIMEOUT seconds (default 15), so that a machine without network is told
+# at once which wheel to put there (pip's own five retries waited six of its timeouts).
 set -euo pipefail
+case " $* " in
+  *" -h "*|*" --help "*) sed -n '2,/^set -euo pipefail/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;;
+esac
 cd "$(dirname "$0")/../.."
 root=$(pwd)
 python=${PYTHON:-python3}
@@ -35,11 +40,19 @@ for arg in "$@"; do
   case "$arg" in
     vllm) want_vllm=1 ;;
     flashinfer) want_fi=1 ;;
-    --no-prebuild) prebuild=no ;;
-    --prebuild) prebuild=yes ;;
-    *) echo "prepare.sh: unknown argument '$arg' (expected vllm, flashinfer, --prebuild, --no-prebuild)" >&2; exit 2 ;;
+    --no-prebuild|--prebuild)
+      want=$([ "$arg" = --prebuild ] && echo yes || echo no)
+      if [ "$prebuild" != auto ] && [ "$prebuild" != "$want" ]; then  # the last one won
+        echo "prepare.sh: --prebuild and --no-prebuild given together (one of them)" >&2; exit 2
+      fi
+      prebuild=$want ;;
+    *) echo "prepare.sh: unknown argument '$arg' (expected vllm, flashinfer, --prebuild, --no-prebuild; --help)" >&2; exit 2 ;;
   esac
 done
+pip_download() {  # pip download "$@", bounded (see the header); its failure is reported below
+  "$python" -m pip download -q --no-deps --only-binary=:all: --retries 1 \
+    --timeout "${PEERS_PIP_TIMEOUT:-15}" "$@" || true
+}
 if [ $want_vllm = 0 ] && [ $want_fi = 0 ]; then want_vllm=1; want_fi=1; fi
 mkdir -p "$out" "$wheels"
 
@@ -54,11 +67,12 @@ prepare_vllm() {
   local whl
   whl=$(find_wheel "$wheels" "vllm-${VLLM_VERSION}-*.whl")
   if [ -z "$whl" ]; then
-    "$python" -m pip download -q --no-deps --only-binary=:all: -d "$wheels" "vllm==${VLLM_VERSION}"
+    pip_download -d "$wheels" "vllm==${VLLM_VERSION}"
     whl=$(find_wheel "$wheels" "vllm-${VLLM_VERSION}-*.whl")
   fi
-  if [ -z "$whl" ]; then
-    echo "prepare.sh: the vllm ${VLLM_VERSION} wheel is missing from $wheels" >&2
+  if [ -z "$whl" ]; then  # set -e used to stop at pip's error, without this line
+    echo "prepare.sh: the vllm ${VLLM_VERSION} wheel is missing from $wheels and pip could not" \
+      "download it (no network?): put vllm-${VLLM_VERSION}-*.whl there (PEERS_WHEELS)" >&2
     exit 1
   fi
   local site="$out/vllm/site"
@@ -214,19 +228,20 @@ prepare_flashinfer() {
   local fi_whl tvm_whl
   fi_whl=$(find_wheel "$wheels" "flashinfer_python-${FLASHINFER_VERSION}-*.whl")
   if [ -z "$fi_whl" ]; then
-    "$python" -m pip download -q --no-deps --only-binary=:all: -d "$wheels/fi" \
-      "flashinfer-python==${FLASHINFER_VERSION}"
+    pip_download -d "$wheels/fi" "flashinfer-python==${FLASHINFER_VERSION}"
     fi_whl=$(find_wheel "$wheels" "flashinfer_python-${FLASHINFER_VERSION}-*.whl")
   fi
   tvm_whl=$(find_wheel "$wheels" "apache_tvm_ffi-*-cp312-*.whl")
   if [ -z "$tvm_whl" ]; then
-    "$python" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-      --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-      -d "$wheels/tvm/cp312" "$TVM_FFI_SPEC"
+    pip_download --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
+      --platform manylinux_2_17_x86_64 -d "$wheels/tvm/cp312" "$TVM_FFI_SPEC"
     tvm_whl=$(find_wheel "$wheels" "apache_tvm_ffi-*-cp312-*.whl")
   fi
   if [ -z "$fi_whl" ] || [ -z "$tvm_whl" ]; then
-    echo "prepare.sh: flashinfer-python ${FLASHINFER_VERSION} or an apache-tvm-ffi cp312 wheel is missing from $wheels" >&2
+    echo "prepare.sh: flashinfer-python ${FLASHINFER_VERSION} or an apache-tvm-ffi cp312 wheel is" \
+      "missing from $wheels and pip could not download it (no network?): put" \
+      "flashinfer_python-${FLASHINFER_VERSION}-*.whl and apache_tvm_ffi-*-cp312-*.whl there" \
+      "(PEERS_WHEELS)" >&2
     exit 1
   fi
   local work="$wheels/fi-stage"
