@@ -12,7 +12,11 @@
 # OUT/ncu_flush_<tag>.txt and, with only the lines kept in results/ (time, executed
 # instructions, issue rate, pipes, occupancy, stall reasons per issue), OUT/ncu_flush_<tag>.trim.txt.
 set -uo pipefail
-[ $# -ge 1 ] && [ -d "$1" ] || { echo "usage: bash scripts/ncu_flush_stages.sh OUT_DIR (see the header)" >&2; exit 2; }
+# --help: the header; a missing OUT_DIR is named (it was the bare usage line), and one folder
+# only (a second argument was ignored)
+case "${1:-}" in -h|--help) sed -n '2,/^set -uo pipefail/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;; esac
+[ $# -eq 1 ] || { echo "usage: bash scripts/ncu_flush_stages.sh OUT_DIR (see the header, --help)" >&2; exit 2; }
+[ -d "$1" ] || { echo "ncu_flush_stages.sh: OUT_DIR $1 is not a folder (make it first)" >&2; exit 2; }
 command -v ncu > /dev/null || { echo "ncu_flush_stages.sh: no ncu here (run it on the GPU machine)" >&2; exit 2; }
 out=$1
 py=${PYTHON:-python}

@@ -11,7 +11,10 @@
 # on each of 4 buffer sets after a warm-up. Writes OUT/ncu_pipes_<kernel>.txt and, with only
 # the lines that --ncu reads, OUT/ncu_pipes_<kernel>.trim.txt.
 set -uo pipefail
-[ $# -ge 2 ] && [ -d "$1" ] || { echo "usage: bash scripts/ncu_pipes.sh OUT_DIR KERNEL... (see the header)" >&2; exit 2; }
+# --help: the header; a missing OUT_DIR is named (it was the bare usage line)
+case "${1:-}" in -h|--help) sed -n '2,/^set -uo pipefail/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;; esac
+[ $# -ge 2 ] || { echo "usage: bash scripts/ncu_pipes.sh OUT_DIR KERNEL... (see the header, --help)" >&2; exit 2; }
+[ -d "$1" ] || { echo "ncu_pipes.sh: OUT_DIR $1 is not a folder (make it first)" >&2; exit 2; }
 command -v ncu > /dev/null || { echo "ncu_pipes.sh: no ncu here (run it on the GPU machine)" >&2; exit 2; }
 out=$1
 shift

@@ -20,7 +20,10 @@
 # KB_EXTRA adds kernel_bench arguments (say "--nonflush-knob stage=bulk") and SUFFIX a tag to
 # the file names, so that a knob's variant can be read beside the default.
 set -uo pipefail
-[ $# -ge 2 ] && [ -d "$1" ] || { echo "usage: bash scripts/ncu_source.sh OUT_DIR KERNEL... (see the header)" >&2; exit 2; }
+# --help: the header; a missing OUT_DIR is named (it was the bare usage line)
+case "${1:-}" in -h|--help) sed -n '2,/^set -uo pipefail/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;; esac
+[ $# -ge 2 ] || { echo "usage: bash scripts/ncu_source.sh OUT_DIR KERNEL... (see the header, --help)" >&2; exit 2; }
+[ -d "$1" ] || { echo "ncu_source.sh: OUT_DIR $1 is not a folder (make it first)" >&2; exit 2; }
 command -v ncu > /dev/null || { echo "ncu_source.sh: no ncu here (run it on the GPU machine)" >&2; exit 2; }
 out=$1
 shift
