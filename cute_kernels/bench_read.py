@@ -34,6 +34,7 @@ import torch
 from cute_kernels import _compile
 from cute_kernels import replay_output as ro
 from lowprec import models
+from lowprec._checks import repeated
 from lowprec._paths import file_problem
 
 import cutlass
@@ -536,7 +537,7 @@ def main(argv=None):
     if a.splits and (bad := [k for k in a.splits if heads % (4 * k)]):  # the sweep's 4 warps
         p.error(f"--splits: {', '.join(map(str, bad))}: head_splits * 4 warps must divide the "
                 f"{heads} heads of a group of {a.shape}")
-    if len(set(a.batch)) < len(a.batch) or len(set(a.splits or ())) < len(a.splits or ()):
+    if repeated(a.batch) or repeated(a.splits or ()):
         p.error("--batch/--splits: a value given twice")
     if a.out is not None and (problem := file_problem(a.out)):  # before the timing, not after
         p.error(f"--out: {problem}")

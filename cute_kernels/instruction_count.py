@@ -646,11 +646,12 @@ def main(argv=None) -> int:
         parser.error(f"--ncu: no such file: {args.ncu}")
     if args.ncu:
         try:  # every launch checked before anything is printed or compiled
-            first = ncu_launches(args.ncu)[0]
-            for k in ncu_launches(args.ncu):
+            launches = ncu_launches(args.ncu)
+            for k in launches:
                 ncu_per_element(k, 1)
         except ValueError as error:
             parser.error(f"--ncu: {error} (see scripts/ncu_pipes.sh)")
+        first = launches[0]
         if args.pipes and "ReplayFlush" not in first["kernel"]:  # its floor prices the flush
             parser.error(f"--ncu with --pipes: the report's first launch is not the flush "
                          f"({first['kernel'][:60]}); give the two-precision flush's report "

@@ -106,6 +106,7 @@ from experiments._common import (
     save_small_png,
 )
 from lowprec import models, traffic
+from lowprec._checks import repeated
 
 __all__ = [
     "BenchShape",
@@ -368,7 +369,7 @@ class BenchConfig:
                 raise ValueError(f"peers: expected vllm, flashinfer or none, got {peer!r}")
         for name in ("shapes", "kernels", "peers", "batches", "windows"):
             values = list(getattr(self, name))
-            twice = sorted({str(v) for v in values if values.count(v) > 1})
+            twice = sorted(map(str, repeated(values)))
             if twice:  # each would be timed again: minutes of a 30-minute device budget
                 raise ValueError(f"{name}: expected each once, got {', '.join(twice)} twice")
         for name, values in (("batches", self.batches), ("windows", self.windows)):

@@ -76,6 +76,7 @@ from tqdm import tqdm
 
 from experiments import kernel_bench as kb
 from experiments._common import OneLineParser, file_problem, folder_problem, save_small_png
+from lowprec._checks import repeated
 
 __all__ = ["SCHEMES", "MODES", "cursor_layout", "step_bytes", "check_modes", "run", "plot",
            "summarize", "csv_problem", "main"]
@@ -586,7 +587,7 @@ def _ints(text: str) -> tuple[int, ...]:
 def _once(values: tuple, text: str) -> None:
     """Each value once: a repeated one would be timed again (minutes of the device budget),
     and its rows would repeat a point of the CSV (as kernel_bench refuses)."""
-    twice = list(dict.fromkeys(str(v) for v in values if values.count(v) > 1))
+    twice = [str(v) for v in repeated(values)]
     if twice:
         raise argparse.ArgumentTypeError(f"expected each once, got {', '.join(twice)} twice "
                                          f"in {text!r}")

@@ -41,6 +41,13 @@ def check_count(name: str, count, batch: int, low: int, high: int) -> None:
         raise ValueError(f"{name}: expected values in [{low}, {high}], got {count.tolist()}")
 
 
+def repeated(values) -> list:
+    """The values that occur more than once in ``values``, each once, in first-seen order (a
+    list item given twice is refused by the command lines: it would be timed or drawn twice)."""
+    values = list(values)
+    return list(dict.fromkeys(v for v in values if values.count(v) > 1))
+
+
 def check_positive_int(name: str, value, minimum: int = 1) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name}: expected an integer >= {minimum}, got {value!r}")

@@ -130,9 +130,10 @@ EOF
 gpu_tests() {
   timeout "${KB_TESTS_S:-$1}" "$py" -m pytest -m gpu -q -n "${2:-8}" -p no:cacheprovider \
     > "$out/gpu-tests.log" 2>&1
-  local rc=$? done failed
-  done=$(grep -E '^[.sxXFE]+( +\[ *[0-9]+%\])?$' "$out/gpu-tests.log" | tr -cd '.sxXFE' | wc -c)
-  failed=$(grep -E '^[.sxXFE]+( +\[ *[0-9]+%\])?$' "$out/gpu-tests.log" | tr -cd 'FE' | wc -c)
+  local rc=$? progress done failed
+  progress=$(grep -E '^[.sxXFE]+( +\[ *[0-9]+%\])?$' "$out/gpu-tests.log" | tr -cd '.sxXFE')
+  done=${#progress}
+  failed=$(printf '%s' "$progress" | tr -cd 'FE' | wc -c)
   if [ $rc -eq 124 ] && [ "$failed" -eq 0 ]; then
     echo "gpu tests: stopped by the time box after $done tests, none failed (the whole suite:" \
       "part G)" | tee -a "$log"

@@ -56,16 +56,20 @@ def test_without_cuda_the_benchmark_says_so(module, capsys):
     assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
-def test_bench_read_splits_are_checked_against_the_shape_s_group():
+def test_bench_read_splits_are_checked_against_the_shape_s_group(capsys):
     """mamba2-2.7b's one group of 80 heads takes head_splits 5 at 4 warps (20 heads a CTA);
     the Nemotron layer's groups of 16 do not (the sweep's check is the shape's)."""
     with pytest.raises(SystemExit) as exit_:
         bench_read.main(["--splits-sweep", "--splits", "5"])
     assert exit_.value.code == 2
+    assert "--splits: 5: head_splits * 4 warps must divide the 16 heads of a group of " \
+        "nemotron3-super" in capsys.readouterr().err
     if not torch.cuda.is_available():  # past the argument checks, to the GPU's
         with pytest.raises(SystemExit) as exit_:
             bench_read.main(["--splits-sweep", "--splits", "1", "5", "--shape", "mamba2-2.7b"])
         assert exit_.value.code == 2
+        err = capsys.readouterr().err
+        assert "needs a CUDA GPU" in err and "--splits" not in err
 
 
 def test_bench_write_only_lists_the_cases_when_nothing_matches(capsys):
