@@ -32,6 +32,15 @@ __all__ = ["SSMLayerShape", "AttentionShape", "ModelShape", "get", "names"]
 SSM_KINDS = ("mamba2", "gdn")
 
 
+def _check_element_format(name: str, value) -> None:
+    """A KV cache or activations are stored element by element, with no scale: a plain format
+    of `lowprec.formats` (the names `lowprec.traffic.element_bytes` prices). Checked when the
+    shape is made, not when it is first priced, for the reason `SSMLayerShape` gives."""
+    plain = [n for n in formats.names() if formats.get(n).scale is None]
+    if not isinstance(value, str) or value not in plain:
+        raise ValueError(f"{name}: expected one of {plain} (unscaled formats), got {value!r}")
+
+
 @dataclass(frozen=True)
 class SSMLayerShape:
     """One recurrent layer, per sequence.
@@ -99,6 +108,7 @@ class AttentionShape:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+        _check_element_format("kv_format", self.kv_format)
 
 
 @dataclass(frozen=True)
@@ -124,6 +134,7 @@ class ModelShape:
                 f"n_attention_layers: expected a non-negative integer, "
                 f"got {self.n_attention_layers!r}"
             )
+        _check_element_format("act_format", self.act_format)
         # a KV shape beside 0 attention layers would be priced nowhere, and None beside some
         # would fail in the first KV count: both are a mistake in the entry
         if self.n_attention_layers and not isinstance(self.attention, AttentionShape):

@@ -610,3 +610,33 @@ def test_speculative_traffic_keeps_t_within_the_window_and_models_go_by_name():
         tr.replay_memory(4, 6, 100, 10_000)
     assert tr.request_bytes("nemotron3-super", 1000, 5) == tr.request_bytes(NEMOTRON, 1000, 5)
     assert tr.crossover_context("nemotron3-super", 8 * tr.MIB) == pytest.approx(81920)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: models.AttentionShape(n_kv_heads=2, head_dim=8, kv_format="fp8"),
+     r"kv_format: expected one of \['fp64', 'fp32', 'fp16', 'bf16', 'fp8_e4m3', 'fp8_e5m2'\] "
+     r"\(unscaled formats\), got 'fp8'"),
+    (lambda: models.AttentionShape(n_kv_heads=2, head_dim=8, kv_format="nvfp4"),
+     r"kv_format: expected one of .*, got 'nvfp4'"),
+    (lambda: models.ModelShape("toy", "test", 3, models.SSMLayerShape("mamba2", 6, 5, 48, 3),
+                               0, None, act_format="BF16"),
+     r"act_format: expected one of \[.*'bf16'.*\] \(unscaled formats\), got 'BF16'"),
+    (lambda: models.ModelShape("toy", "test", 3, models.SSMLayerShape("mamba2", 6, 5, 48, 3),
+                               0, None, act_format=None),
+     r"act_format: expected one of .*, got None"),
+], ids=["kv-misspelt", "kv-block-format", "act-upper-case", "act-None"])
+def test_model_shapes_refuse_a_kv_or_activation_format_the_traffic_model_cannot_price(
+        make, message):
+    """kv_format and act_format are unscaled lowprec.formats names (what
+    lowprec.traffic.element_bytes prices); they were not checked, so a misspelt name made a
+    model whose first traffic sweep failed, naming 'format' and not the field."""
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+def test_every_unscaled_format_is_a_kv_and_activation_format_and_prices():
+    ssm = models.SSMLayerShape("mamba2", 6, 5, 48, 3)
+    for name in ("fp64", "fp32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2"):
+        kv = models.AttentionShape(n_kv_heads=3, head_dim=7, kv_format=name)
+        model = models.ModelShape("toy", "test", 3, ssm, 2, kv, act_format=name)
+        assert tr.element_bytes(model.act_format) == tr.element_bytes(kv.kv_format) >= 1
