@@ -42,7 +42,8 @@ from lowprec import quantize as q
 from lowprec._paths import file_problem
 from lowprec.formats import FP16
 
-NEMOTRON = dict(nheads=128, headdim=64, dstate=128, ngroups=8)
+# the layer timed: lowprec.models' nemotron3-super, as bench_read and kernel_bench take it
+NEMOTRON = bench_read.NEMOTRON
 ACT = torch.bfloat16
 
 
