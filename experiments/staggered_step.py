@@ -625,7 +625,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--schemes", type=_names(tuple(SCHEMES)), default=",".join(SCHEMES),
                    help="comma-separated, from: " + ", ".join(SCHEMES))
     p.add_argument("--modes", type=_names(MODES), default=",".join(MODES),
-                   help="comma-separated, from: " + ", ".join(MODES) + " (module doc)")
+                   help="comma-separated, from: " + ", ".join(MODES) + " (module doc); "
+                        "for the replay schemes (conventional-fp32 is one update, mode "
+                        "'update')")
     p.add_argument("--cursor", type=int, default=None,
                    help="every slot at this non-flush cursor (a synchronized batch) instead of "
                         "staggered: what replay_decode_step costs on a step where no slot "
@@ -719,6 +721,10 @@ def main(argv: list[str] | None = None) -> int:
         print(format_summary(frame))
         return 0
     replayed = any(SCHEMES[s] is not None for s in args.schemes)
+    if not replayed and any(a == "--modes" or a.startswith("--modes=") for a in argv):
+        # the conventional update is one kernel, timed as mode "update": --modes was ignored
+        parser.error("--modes: applies to the replay schemes (two-precision, fp32-replay); "
+                     "conventional-fp32 is timed as one update (leave --modes out)")
     if args.cursor is not None and replayed and set(args.modes) <= {"overlapped"}:
         parser.error(f"--modes: with --cursor, mode overlapped is left out (a synchronized "
                      f"batch has no flush to overlap), so the replay schemes would time "

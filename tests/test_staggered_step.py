@@ -138,6 +138,10 @@ def test_plot_only_redraws_from_the_csv_without_a_gpu(tmp_path):
         (["--windows", "8,16,8,16"], "--windows: expected each once, got 8, 16 twice"),
         (["--schemes", "fp32-replay,two-precision,fp32-replay"], "got fp32-replay twice"),
         (["--modes", "grouped,decode-step,grouped"], "--modes: expected each once"),
+        # the conventional update has no modes: they were ignored without a word
+        (["--schemes", "conventional-fp32", "--modes", "overlapped"],
+         "--modes: applies to the replay schemes"),
+        (["--schemes=conventional-fp32", "--modes=grouped"], "conventional-fp32 is timed as one"),
         # a window of 1 has no non-flush cursor: "--cursor: expected 0..-1" before
         (["--cursor", "0", "--windows", "1"], "--windows: expected windows >= 2"),
         # a run's flags with --plot-only were ignored without a word
