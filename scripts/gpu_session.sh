@@ -81,6 +81,15 @@ case "$part" in
   -h|--help) sed -n '2,/^set -uo pipefail/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;;
   *) echo "usage: bash scripts/gpu_session.sh A|B|C|D|E|G|K|P|T (--help: what each does)" >&2; exit 2 ;;
 esac
+# the numeric knobs feed shell arithmetic and timeout: a typo ("9m", "540s") used to surface
+# as a syntax error halfway through the call, after device time was spent
+for knob in KB_TOTAL_S KB_TESTS_S KB_E_S KB_AB_REPS; do
+  value=${!knob:-0}
+  if ! [[ $value =~ ^[0-9]+$ ]]; then
+    echo "gpu_session.sh: $knob: expected a whole number of seconds (or reps), got '$value'" >&2
+    exit 2
+  fi
+done
 out=${OUT:-/tmp/kernel-bench-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1

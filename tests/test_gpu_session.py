@@ -194,6 +194,19 @@ def test_a_second_part_is_refused_not_ignored(tmp_path):
     assert not (tmp_path / "calls.txt").exists() and not (tmp_path / "out").exists()
 
 
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+@pytest.mark.parametrize("knob, value", [("KB_TOTAL_S", "9m"), ("KB_TESTS_S", "150s"),
+                                         ("KB_E_S", "-5"), ("KB_AB_REPS", "two")])
+def test_a_numeric_knob_that_is_not_a_number_is_refused_before_anything_runs(tmp_path, knob,
+                                                                             value):
+    """`KB_TOTAL_S=9m` was a shell arithmetic error in the middle of a call."""
+    done = _session(tmp_path, "K", **{knob: value})
+    assert done.returncode == 2
+    assert done.stderr.strip() == (f"gpu_session.sh: {knob}: expected a whole number of "
+                                   f"seconds (or reps), got '{value}'")
+    assert not (tmp_path / "calls.txt").exists() and not (tmp_path / "out").exists()
+
+
 def _help_files(help_text: str, part: str) -> set[str]:
     """The files --help says `part` writes: its paragraph's list after the last ': ', the
     braces expanded, "E's files" read as E's list."""
