@@ -10,6 +10,7 @@
 # pipe) sections, raw page, clocks left alone; kernel_bench --profile launches the kernel once
 # on each of 4 buffer sets after a warm-up. Writes OUT/ncu_pipes_<kernel>.txt and, with only
 # the lines that --ncu reads, OUT/ncu_pipes_<kernel>.trim.txt.
+# Exit status: the first failed ncu's (or export's), 0 when every one ran.
 set -uo pipefail
 # --help: the header; a missing OUT_DIR is named (it was the bare usage line)
 case "${1:-}" in -h|--help) sed -n '2,/^set -uo pipefail/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;; esac
@@ -19,6 +20,9 @@ command -v ncu > /dev/null || { echo "ncu_pipes.sh: no ncu here (run it on the G
 out=$1
 shift
 py=${PYTHON:-python}
+# the exit status: the first ncu (or export) that failed, not the last grep's
+failed=0
+fail() { if [ "$1" -ne 0 ] && [ "$failed" -eq 0 ]; then failed=$1; fi; }
 keep='==PROF==|\), Context |^  (gpu__time_duration\.sum|smsp__inst_executed\.sum|sm__inst_executed\.avg\.per_cycle_active|sm__inst_executed_pipe_(alu|fma|lsu|xu)\.avg\.pct_of_peak_sustained_active) '
 for kernel in "$@"; do
   name=$(echo "$kernel" | tr ':+' '__')
@@ -33,7 +37,9 @@ for kernel in "$@"; do
       --shapes nemotron3-super --batches 256 --windows 16 > "$out/ncu_pipes_$name.txt" 2>&1
     status=$?
   fi
+  fail "$status"
   echo "ncu $kernel: exit $status, $(wc -l < "$out/ncu_pipes_$name.txt") lines"
   # what `instruction_count --ncu` reads (NCU_METRICS there), small enough to keep in results/
   grep -E "$keep" "$out/ncu_pipes_$name.txt" > "$out/ncu_pipes_$name.trim.txt"
 done
+exit "$failed"

@@ -19,6 +19,7 @@
 #
 # KB_EXTRA adds kernel_bench arguments (say "--nonflush-knob stage=bulk") and SUFFIX a tag to
 # the file names, so that a knob's variant can be read beside the default.
+# Exit status: the first failed ncu's (or export's), 0 when every one ran.
 set -uo pipefail
 # --help: the header; a missing OUT_DIR is named (it was the bare usage line)
 case "${1:-}" in -h|--help) sed -n '2,/^set -uo pipefail/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;; esac
@@ -28,6 +29,9 @@ command -v ncu > /dev/null || { echo "ncu_source.sh: no ncu here (run it on the 
 out=$1
 shift
 py=${PYTHON:-python}
+# the exit status: the first ncu (or export) that failed, not the last grep's
+failed=0
+fail() { if [ "$1" -ne 0 ] && [ "$failed" -eq 0 ]; then failed=$1; fi; }
 read -ra extra <<< "${KB_EXTRA:-}"
 for kernel in "$@"; do
   name=$(echo "$kernel" | tr ':+' '__')${SUFFIX:-}
@@ -36,14 +40,21 @@ for kernel in "$@"; do
     --launch-count 1 --section SourceCounters --section WarpStateStats --import-source yes \
     --warp-sampling-interval 1 -f -o "$rep" "$py" -m experiments.kernel_bench --profile "$kernel" \
     --shapes nemotron3-super --batches 256 --windows 16 "${extra[@]}" > "$rep.log" 2>&1
-  echo "ncu $kernel: exit $?" | tee -a "$rep.log"
+  status=$?
+  fail "$status"
+  echo "ncu $kernel: exit $status" | tee -a "$rep.log"
   # one row per SASS instruction, with its source file and line where ncu has them
   ncu -i "$rep.ncu-rep" --page source --csv --print-source sass > "$rep.csv" 2>> "$rep.log"
-  echo "export $kernel: exit $?, $(wc -l < "$rep.csv") lines" | tee -a "$rep.log"
+  status=$?
+  fail "$status"
+  echo "export $kernel: exit $status, $(wc -l < "$rep.csv") lines" | tee -a "$rep.log"
   ncu -i "$rep.ncu-rep" --page source --csv --print-source cuda,sass > "$rep.cuda_sass.csv" \
     2>> "$rep.log"
-  echo "export cuda,sass $kernel: exit $?, $(wc -l < "$rep.cuda_sass.csv") lines" | tee -a "$rep.log"
+  status=$?
+  fail "$status"
+  echo "export cuda,sass $kernel: exit $status, $(wc -l < "$rep.cuda_sass.csv") lines" | tee -a "$rep.log"
   ncu -i "$rep.ncu-rep" --page details --section WarpStateStats --section SourceCounters \
     >> "$rep.log" 2>&1
   rm -f "$rep.ncu-rep"
 done
+exit "$failed"

@@ -84,3 +84,21 @@ def test_the_header_command_passes_the_argument_checks(tmp_path, name):
         cases = re.findall(r'^  "[a-z0-9_]+\|([^|]+)\|\d"$', text, re.M)
         names = [case[0] for case in bw.bench_cases(bw.BenchConfig())]
         assert len(cases) == 4 and all(case in names for case in cases)
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+@pytest.mark.parametrize("ncu_status", [0, 3])
+def test_the_exit_status_is_ncus_not_the_last_greps(tmp_path, name, ncu_status):
+    """The scripts exited with their last command's status: a trim that matched nothing
+    (grep's 1) failed a good run, and a failed ncu whose log matched passed. A stand-in ncu
+    that prints a profiler line and exits with `ncu_status` stands for the real one."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "ncu").write_text(f"#!/bin/sh\necho '==PROF== stand-in'\nexit {ncu_status}\n")
+    (fake / "ncu").chmod(0o755)
+    out = tmp_path / "out"
+    out.mkdir()
+    args = [str(out) if a == "$OUT" else a for a in _header_command(name)]
+    done = _run(name, *args, path=os.pathsep.join([str(fake), _no_ncu_path()]))
+    assert done.returncode == ncu_status, done.stdout + done.stderr
+    assert f"exit {ncu_status}" in done.stdout
