@@ -9,6 +9,7 @@ import json
 import os
 import platform
 import subprocess
+import tempfile
 from pathlib import Path
 
 import torch
@@ -36,7 +37,11 @@ def git_commit(repo: Path | None = None) -> str:
 
     ``LOWPREC_COMMIT`` in the environment wins: the GPU machine gets a copy of the working
     tree whose ``.git`` is not the checkout's (on 2026-11-29 it named a commit several hours
-    old), so a GPU run is started as ``LOWPREC_COMMIT=<hash here> bash scripts/...``."""
+    old), so a GPU run is started as ``LOWPREC_COMMIT=<hash here> bash scripts/...``.
+
+    A dirty tree also gets ``(tree <hash>)``: the git tree of the files as they are (tracked
+    and untracked, less the ignored), which names the content even where ``.git`` is stale.
+    Here, ``git log --all --format='%h %T' | grep <hash>`` finds the commit that has it."""
     if os.environ.get("LOWPREC_COMMIT"):
         return os.environ["LOWPREC_COMMIT"] + " (LOWPREC_COMMIT)"
     repo = repo or Path(__file__).resolve().parent.parent
@@ -53,7 +58,29 @@ def git_commit(repo: Path | None = None) -> str:
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
-    return commit + ("+dirty" if dirty else "")
+    if not dirty:
+        return commit
+    tree = _worktree_tree(repo)
+    return commit + "+dirty" + (f" (tree {tree})" if tree else "")
+
+
+def _worktree_tree(repo: Path) -> str:
+    """`git write-tree` of the working tree through a throwaway index and object folder (the
+    repository's own objects read, none written to it); '' if git fails."""
+    with tempfile.TemporaryDirectory() as tmp:
+        os.mkdir(os.path.join(tmp, "objects"))  # git refuses an object folder that is not there
+        objects = subprocess.run(["git", "rev-parse", "--git-path", "objects"], cwd=repo,
+                                 capture_output=True, text=True)
+        env = {**os.environ, "GIT_INDEX_FILE": os.path.join(tmp, "index"),
+               "GIT_OBJECT_DIRECTORY": os.path.join(tmp, "objects"),
+               "GIT_ALTERNATE_OBJECT_DIRECTORIES": str(repo / objects.stdout.strip())}
+        try:
+            for argv in (["git", "add", "-A"], ["git", "write-tree"]):
+                done = subprocess.run(argv, cwd=repo, env=env, capture_output=True, text=True,
+                                      check=True)
+        except (OSError, subprocess.CalledProcessError):
+            return ""
+    return done.stdout.strip()
 
 
 def device_name(device: str = "cpu") -> str:

@@ -613,7 +613,41 @@ def test_meta_commit_can_be_named_by_the_environment(monkeypatch):
     monkeypatch.setenv("LOWPREC_COMMIT", "abc1234")
     assert _common.git_commit() == "abc1234 (LOWPREC_COMMIT)"
     monkeypatch.delenv("LOWPREC_COMMIT")
-    assert re.fullmatch(r"[0-9a-f]{40}(\+dirty)?|unknown", _common.git_commit())
+    assert re.fullmatch(r"[0-9a-f]{40}(\+dirty \(tree [0-9a-f]{40}\))?|unknown",
+                        _common.git_commit())
+
+
+def test_a_dirty_tree_is_named_by_its_content_without_writing_to_the_repository(tmp_path,
+                                                                                monkeypatch):
+    """The device's .git is stale, so its runs are '+dirty' against an old commit; the tree
+    hash of the files as they are names the content, and is the tree of the commit that has
+    them (found here with git log's %T). Computing it writes no object into the repository."""
+    from experiments import _common
+
+    monkeypatch.delenv("LOWPREC_COMMIT", raising=False)
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+
+    def sh(*argv):
+        return subprocess.run([*git, *argv], cwd=tmp_path, check=True, capture_output=True,
+                              text=True).stdout.strip()
+
+    sh("init", "-q")
+    (tmp_path / ".gitignore").write_text("*.log\n")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    sh("add", "-A")
+    sh("commit", "-q", "-m", "one")
+    first = sh("rev-parse", "HEAD")
+    assert _common.git_commit(tmp_path) == first  # clean: the commit alone
+    (tmp_path / "a.py").write_text("x = 2\n")
+    (tmp_path / "new.py").write_text("y = 3\n")  # untracked: carried to the device, counted
+    (tmp_path / "run.log").write_text("ignored\n")  # ignored: not counted
+    objects = sorted(p.name for p in (tmp_path / ".git" / "objects").rglob("*") if p.is_file())
+    named = _common.git_commit(tmp_path)
+    assert sorted(p.name for p in (tmp_path / ".git" / "objects").rglob("*")
+                  if p.is_file()) == objects
+    sh("add", "-A")
+    sh("commit", "-q", "-m", "two")
+    assert named == f"{first}+dirty (tree {sh('rev-parse', 'HEAD^{tree}')})"
 
 
 def _one_line_error(argv, capsys) -> str:
