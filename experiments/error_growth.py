@@ -254,7 +254,7 @@ class Config:
         for m in self.memory:
             _check_memory(m.low, m.high)
         if self.seed0 + self.seeds > philox.SEED_LIMIT:
-            raise ValueError(f"seed0: expected seed0 + seeds < 2^64, got {self.seed0}")
+            raise ValueError(f"seed0: expected seed0 + seeds <= 2^64, got {self.seed0}")
         if len(self.memory) * self.seeds > philox.SLOT_LIMIT:
             raise ValueError(
                 f"seeds: expected memories * seeds <= {philox.SLOT_LIMIT} Philox slots, "
@@ -935,7 +935,10 @@ def _to_frame(c: Config, steps_kept: np.ndarray, errors: torch.Tensor) -> pd.Dat
     per_arm = n_mem * c.seeds * n_steps
     arm_idx = np.repeat(np.arange(n_arms), per_arm)
     mem_idx = np.tile(np.repeat(np.arange(n_mem), c.seeds * n_steps), n_arms)
-    seed = np.tile(np.repeat(np.arange(c.seeds), n_steps), n_arms * n_mem) + c.seed0
+    # seeds reach 2^64 - 1 (Philox keys): past int64, uint64 (it overflowed after the run)
+    kind = np.int64 if c.seed0 + c.seeds <= 2**63 else np.uint64
+    seed = np.tile(np.repeat(np.arange(c.seeds, dtype=kind), n_steps), n_arms * n_mem)
+    seed += kind(c.seed0)
     frame = pd.DataFrame(
         {
             "recurrence": c.recurrence,

@@ -769,3 +769,19 @@ def test_at_past_the_csv_is_refused(tmp_path, capsys):
     assert header.split()[-2:] == ["t=16", "t=32"]
     err = _one_line_error(["--replot", "--out", str(out), "--plot", "none", "--at", "48"], capsys)
     assert "--at: step 48 is past the last whole window of" in err and "(step 32)" in err
+
+
+def test_seeds_past_int64_are_written_and_read_back(tmp_path, capsys):
+    """--seed0 takes any Philox key below 2^64: a seed past 2^63 - 1 was an OverflowError
+    after the whole run, with nothing written."""
+    out = tmp_path / "big.csv"
+    argv = ["--seed0", str(2**64 - 2), "--seeds", "2", "--steps", "16", "--arms", "shared:fp16",
+            "--memory", "short", "--no-progress", "--plot", "none", "--out", str(out)]
+    assert eg.main(argv) == 0
+    printed = capsys.readouterr().out
+    seeds = {int(line.split(",")[6]) for line in out.read_text().splitlines()[1:]}
+    assert seeds == {2**64 - 2, 2**64 - 1}
+    assert eg.main(["--replot", "--out", str(out), "--plot", "none"]) == 0
+    assert capsys.readouterr().out == printed
+    err = _one_line_error([*argv[:1], str(2**64 - 1), *argv[2:]], capsys)
+    assert "seed0: expected seed0 + seeds <= 2^64" in err
