@@ -249,7 +249,8 @@ class Config:
         if not self.memory:
             raise ValueError("memory: expected at least one decay range, got none")
         names = [m.name for m in self.memory]
-        if len(set(names)) != len(names):
+        # by bounds: 'short' and '0.9,0.95' are one range under two names (it ran twice)
+        if len({(m.low, m.high) for m in self.memory}) != len(names):
             raise ValueError(f"memory: expected distinct ranges, got {names}")
         for m in self.memory:
             _check_memory(m.low, m.high)

@@ -489,6 +489,8 @@ BAD_ARGUMENTS = {
     "reversed memory": ["--memory", "0.95,0.9"],
     "memory past one": ["--memory", "0.9,1.0"],
     "unknown memory": ["--memory", "medium"],
+    "repeated memory": ["--memory", "long", "long"],
+    "a profile named twice": ["--memory", "short", "0.9,0.95"],
     "unknown arm": ["--arms", "every_token"],
     "unknown format": ["--formats", "fp7"],
     "sr read copy": ["--arms", "separate_exact:fp16:sr"],
@@ -671,11 +673,15 @@ def test_a_plot_path_that_would_overwrite_the_csv_is_refused(tmp_path, capsys):
 
 def test_custom_memory_ranges_keep_their_exact_bounds():
     """A range's name is its bounds exactly (%g kept six digits: 0.9999995 read as 1, and two
-    distinct ranges were refused as the same)."""
+    distinct ranges were refused as the same); one range given twice, under any names, is
+    refused (short and 0.9,0.95 ran the same decays twice)."""
     assert eg.parse_memory("0.99999,0.9999995").name == "0.99999..0.9999995"
     config = eg.Config(memory=(eg.parse_memory("0.9999991,0.9999999"),
                                eg.parse_memory("0.9999992,0.9999999")), steps=4)
     assert len({m.name for m in config.memory}) == 2
+    for ranges in (("long", "long"), ("short", "0.9,0.95"), ("0.5,0.6", "0.50,0.6")):
+        with pytest.raises(ValueError, match="memory: expected distinct ranges"):
+            eg.Config(memory=tuple(map(eg.parse_memory, ranges)), steps=4)
 
 
 def test_replot_refuses_a_csv_that_is_not_one_run(tmp_path, capsys):
