@@ -496,7 +496,9 @@ _HELP = {
     "formats' block (16 for nvfp4, 32 for mxfp4)",
     "heads": "heads per sequence; rel_err is one norm over all heads and d_v",
     "seeds": "number of sequences with independent inputs: seeds seed0 .. seed0+seeds-1",
-    "seed0": "first input seed; also the Philox key of the SR words",
+    "seed0": "first input seed; also the Philox key of the SR words (all 64 bits); the inputs "
+    "depend on a seed modulo 2^32 only (torch's CPU generator): --seed0 2^32 draws the inputs "
+    "of --seed0 0",
     "steps": f"decode steps (tokens), 1 .. {MAX_STEPS}",
     "window": "L: tokens per window; step t is a flush step when t %% L == 0",
     "memory": "one or more decay ranges, a ~ U[LO, HI): long (0.9995,0.99999), "

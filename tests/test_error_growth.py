@@ -791,3 +791,15 @@ def test_seeds_past_int64_are_written_and_read_back(tmp_path, capsys):
     assert capsys.readouterr().out == printed
     err = _one_line_error([*argv[:1], str(2**64 - 1), *argv[2:]], capsys)
     assert "seed0: expected seed0 + seeds <= 2^64" in err
+
+
+def test_help_says_that_inputs_repeat_every_2_to_the_32_seeds(capsys):
+    """torch's CPU generator keeps a seed's low 32 bits: --seed0 2^32 draws the inputs of
+    --seed0 0 (the SR words differ), which --help says instead of calling them independent."""
+    config = eg.Config(dv=3, dk=5, seeds=1, steps=4)
+    far = dataclasses.replace(config, seed0=2**32)
+    for ours, theirs in zip(eg.make_inputs(config, 3), eg.make_inputs(far, 3), strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(ours[:4], theirs[:4], strict=True))
+    with pytest.raises(SystemExit):
+        eg.main(["--help"])
+    assert "modulo 2^32" in " ".join(capsys.readouterr().out.split())
