@@ -480,6 +480,8 @@ def plot(csv: str | Path) -> Path:
 
     csv = Path(csv)
     df = pd.read_csv(csv)
+    if df.empty or "sweep" not in df.columns:  # another CSV was an AttributeError
+        raise ValueError(f"csv: expected a traffic_{{window,spec,memory}} CSV, got {csv}")
     sweep = df.sweep.iloc[0]
     model = df.model.iloc[0]
     if sweep == "memory":

@@ -640,3 +640,16 @@ def test_every_unscaled_format_is_a_kv_and_activation_format_and_prices():
         kv = models.AttentionShape(n_kv_heads=3, head_dim=7, kv_format=name)
         model = models.ModelShape("toy", "test", 3, ssm, 2, kv, act_format=name)
         assert tr.element_bytes(model.act_format) == tr.element_bytes(kv.kv_format) >= 1
+
+
+def test_plot_refuses_a_csv_that_is_not_a_traffic_sweep(tmp_path):
+    """plot() of another CSV (error_growth's, or a sweep's header alone) is the ValueError its
+    message names (it was an AttributeError, or an IndexError), and draws nothing."""
+    other = tmp_path / "other.csv"
+    other.write_text("recurrence,arm,step,rel_err\nmamba2,shared,1,0.5\n")
+    empty = tmp_path / "empty.csv"
+    empty.write_text("sweep,model,window\n")
+    for csv in (other, empty):
+        with pytest.raises(ValueError, match="expected a traffic_{window,spec,memory} CSV"):
+            experiment.plot(csv)
+    assert not list(tmp_path.glob("*.png"))
