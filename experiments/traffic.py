@@ -518,6 +518,13 @@ def plot(csv: str | Path) -> Path:
 MAX_WINDOW = 65536  # --window's limit: 10^6 took 16 s here (2026-11-30), 10^9 would take hours
 
 
+def _folder(text: str) -> Path:
+    """--out's folder; an empty one (an unset shell variable) was the current folder."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"expected a folder, got {text!r}")
+    return Path(text)
+
+
 def parse_args(argv: list[str] | None = None) -> Config:
     parser = OneLineParser(
         prog="python -m experiments.traffic",
@@ -536,7 +543,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
         choices=models.names(),
         help="model shape (lowprec/models.py)",
     )
-    parser.add_argument("--out", type=Path, default=Config.out_dir, help="output folder")
+    parser.add_argument("--out", type=_folder, default=Config.out_dir, help="output folder")
     parser.add_argument(
         "--window",
         type=int,

@@ -653,3 +653,14 @@ def test_plot_refuses_a_csv_that_is_not_a_traffic_sweep(tmp_path):
         with pytest.raises(ValueError, match="expected a traffic_{window,spec,memory} CSV"):
             experiment.plot(csv)
     assert not list(tmp_path.glob("*.png"))
+
+
+def test_an_empty_out_is_refused(tmp_path, capsys, monkeypatch):
+    """--out "" (an unset shell variable) wrote the CSVs and plots into the current folder."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as info:
+        experiment.main(["--out", "", "--no-plot"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "--out: expected a folder, got ''" in err, err
+    assert not list(tmp_path.iterdir())
