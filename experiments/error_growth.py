@@ -625,6 +625,9 @@ def config_from_args(args: argparse.Namespace) -> Config:
     if args.preset:
         values.update(PRESETS[args.preset])
     values.update({k: v for k, v in vars(args).items() if k in BASE_DEFAULTS and v is not None})
+    for name in ("out", "plot"):  # an unset shell variable: not the default path, silently
+        if getattr(args, name) is not None and not getattr(args, name).strip():
+            raise ValueError(f"--{name}: expected a path, got {getattr(args, name)!r}")
     out = args.out or f"results/error_growth_{args.preset or 'custom'}.csv"
     plot_path = args.plot or str(Path(out).with_suffix(".png"))
     if is_folder(out):

@@ -803,3 +803,13 @@ def test_help_says_that_inputs_repeat_every_2_to_the_32_seeds(capsys):
     with pytest.raises(SystemExit):
         eg.main(["--help"])
     assert "modulo 2^32" in " ".join(capsys.readouterr().out.split())
+
+
+def test_an_empty_output_path_is_refused(tmp_path, capsys, monkeypatch):
+    """--out "" or --plot "" (an unset shell variable) took the default path silently: with
+    --preset toy, a run that overwrote the committed results/error_growth_toy.csv."""
+    monkeypatch.chdir(tmp_path)
+    for argv in (["--out", ""], ["--out", str(tmp_path / "a.csv"), "--plot", " "]):
+        err = _one_line_error(["--preset", "toy", "--steps", "4", "--no-progress", *argv], capsys)
+        assert f"--{argv[-2][2:]}: expected a path, got" in err
+    assert not list(tmp_path.iterdir())
