@@ -574,7 +574,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--replot",
         action="store_true",
-        help="do not simulate: read --out and redraw the plot and the summary from it",
+        help="do not simulate: read --out and redraw the plot and the summary from it (the "
+        "CSV holds its run's settings: --steps, --arms and the like are refused)",
     )
     parser.add_argument(
         "--at",
@@ -621,6 +622,10 @@ def _check_plot_path(path: str) -> None:
 
 def config_from_args(args: argparse.Namespace) -> Config:
     """Base defaults, then the preset's values, then the flags given; raises ValueError."""
+    given = [k for k, v in vars(args).items() if k in BASE_DEFAULTS and v is not None]
+    if args.replot and given:  # the CSV holds its run: --steps 100 drew all 4,096, silently
+        raise ValueError(f"--replot: --{given[0].replace('_', '-')} sets up a run; a replot "
+                         "draws the CSV as it was run (--out, --plot, --at and --preset only)")
     values = dict(BASE_DEFAULTS)
     if args.preset:
         values.update(PRESETS[args.preset])

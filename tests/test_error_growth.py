@@ -813,3 +813,12 @@ def test_an_empty_output_path_is_refused(tmp_path, capsys, monkeypatch):
         err = _one_line_error(["--preset", "toy", "--steps", "4", "--no-progress", *argv], capsys)
         assert f"--{argv[-2][2:]}: expected a path, got" in err
     assert not list(tmp_path.iterdir())
+
+
+def test_replot_refuses_the_settings_of_a_run(capsys):
+    """--replot draws the CSV as it was run: --steps, --memory, --arms ... given with it were
+    ignored (--steps 100 drew all 4,096 steps of the toy CSV)."""
+    for flag, value in (("--steps", "100"), ("--memory", "short"), ("--log-grid", "3")):
+        err = _one_line_error(["--preset", "toy", "--replot", "--plot", "none", flag, value],
+                              capsys)
+        assert f"--replot: {flag} sets up a run" in err
