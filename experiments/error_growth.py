@@ -397,6 +397,13 @@ def parse_arms(arms: str, fmts: str, rounding: str) -> tuple[ArmSpec, ...]:
     """
     default_fmts = _split("formats", fmts)
     default_roundings = _split("rounding", rounding)
+    # checked when no arm uses them too (--formats fp7 beside --arms shared:fp16 passed)
+    for fmt in default_fmts:
+        if fmt not in formats.names():
+            raise ValueError(f"formats: expected formats among {formats.names()}, got {fmt!r}")
+    for r in default_roundings:
+        if r not in ROUNDINGS:
+            raise ValueError(f"rounding: expected one of {list(ROUNDINGS)}, got {r!r}")
     specs: list[ArmSpec] = []
     for item in _split("arms", arms):
         parts = item.split(":")

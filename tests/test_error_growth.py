@@ -495,6 +495,8 @@ BAD_ARGUMENTS = {
     "unknown format": ["--formats", "fp7"],
     "sr read copy": ["--arms", "separate_exact:fp16:sr"],
     "unknown rounding": ["--rounding", "rz"],
+    "unknown format, unused": ["--arms", "shared:fp16:rn", "--formats", "fp7"],
+    "unknown rounding, unused": ["--arms", "shared:fp16:rn", "--rounding", "rz"],
     "block misfit": ["--formats", "nvfp4", "--dk", "40"],
     "unknown recurrence": ["--recurrence", "lstm"],
     "empty arm item": ["--arms", "shared,,every_step"],
