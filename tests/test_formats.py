@@ -160,3 +160,11 @@ def test_the_tour_prints_every_format(capsys):
     assert float(rows["fp64"][3]) == float(rows["fp64"][4]) == 0.0
     rn, sr = float(rows["fp32"][3]), float(rows["fp32"][4])
     assert 0 < rn < sr < 2**-23
+    # the bytes and ratio columns are each format's storage, and every RN error is positive
+    # and under the element's unit roundoff (only the fp64 and fp32 rows were checked)
+    shape, fp32 = (3, 5, 32), formats.get("fp32").nbytes((3, 5, 32))
+    for name in formats.names():
+        fmt, row = formats.get(name), rows[name]
+        assert row[1:3] == [f"{fmt.nbytes(shape):,}", f"{fp32 / fmt.nbytes(shape):.2f}x"], row
+        if name != "fp64":
+            assert 0 < float(row[3]) < 2.0 ** -(fmt.element.mbits + 1), row
