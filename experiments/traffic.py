@@ -446,6 +446,9 @@ def _plot_spec(df: pd.DataFrame, ax_T, ax_acc) -> None:
 
 def _plot_memory(df: pd.DataFrame, axes) -> None:
     contexts = sorted(df.context.unique())
+    # a model without attention layers keeps no KV cache: its requests cost the same at every
+    # context (the CSV does not say so otherwise), and "+ KV" would name a cache it lacks
+    no_kv = df.groupby(["scheme", "verified"]).per_request_bytes.nunique().eq(1).all()
     for ax, context in zip(axes, contexts, strict=True):
         at_context = df[df.context == context]
         for (scheme, T), rows in at_context.groupby(["scheme", "verified"], sort=False):
@@ -465,7 +468,9 @@ def _plot_memory(df: pd.DataFrame, axes) -> None:
         ax.set_xlabel("memory for the decode cache (GiB)")
         ax.set_xlim(left=0)
         ax.set_ylim(bottom=0)
-        ax.set_title("SSM state only" if context == 0 else f"SSM state + KV at {context:,} tokens")
+        ax.set_title("SSM state only" if context == 0
+                     else f"SSM state at {context:,} tokens (no attention: no KV)" if no_kv
+                     else f"SSM state + KV at {context:,} tokens")
         ax.grid(True, lw=0.3, alpha=0.5)
         ax.legend(fontsize=6, loc="upper left")
     axes[0].set_ylabel("requests that fit")

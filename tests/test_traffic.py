@@ -664,3 +664,21 @@ def test_an_empty_out_is_refused(tmp_path, capsys, monkeypatch):
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "--out: expected a folder, got ''" in err, err
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("model, title", [
+    ("nemotron3-super", "SSM state + KV at 32,768 tokens"),
+    ("mamba2-2.7b", "SSM state at 32,768 tokens (no attention: no KV)"),
+])
+def test_memory_plot_names_a_kv_cache_only_for_a_model_that_has_one(model, title):
+    """mamba2-2.7b has no attention layers, and its right panel read 'SSM state + KV'."""
+    import matplotlib.pyplot as plt
+
+    frame = experiment.memory_sweep(experiment.Config(model=model))
+    assert sorted(frame.context.unique()) == [0, 32768]
+    fig, axes = plt.subplots(1, 2)
+    try:
+        experiment._plot_memory(frame, axes)
+        assert [ax.get_title() for ax in axes] == ["SSM state only", title]
+    finally:
+        plt.close(fig)
