@@ -496,6 +496,7 @@ def write_csv(path, rows):
 def main(argv=None):
     p = argparse.ArgumentParser(
         prog="python -m cute_kernels.bench_read",
+        allow_abbrev=False,  # a flag reads the same in a results file as in --help
         description=" ".join(__doc__.split("\n\n")[0].split()) + " Needs a CUDA GPU.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--batch", type=int, nargs="+", default=[256, 512], help="batch sizes")

@@ -555,6 +555,7 @@ def print_table(rows):
 def main(argv=None):
     parser = argparse.ArgumentParser(
         prog="python -m cute_kernels.bench_write",
+        allow_abbrev=False,  # a flag reads the same in a results file as in --help
         description=__doc__.splitlines()[0] + " Needs a CUDA GPU.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     defaults = BenchConfig()

@@ -598,6 +598,7 @@ DEFAULT_CSV = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__fil
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m cute_kernels.instruction_count",
+        allow_abbrev=False,  # a flag reads the same in a results file as in --help
         description="SASS instructions per state element and registers per thread of the "
         "flush variants (64 and 32 elements per thread) and of the non-flush kernel (sm_90a, "
         "compiled on the CPU). Without --with-fallbacks the flush's rare general-path bodies "

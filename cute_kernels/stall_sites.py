@@ -333,6 +333,7 @@ def report(instructions: list[Instruction], top: int | None = None) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m cute_kernels.stall_sites",
+        allow_abbrev=False,  # a flag reads the same in a results file as in --help
         description="Where a kernel's warps wait: ncu's warp-state samples per stall reason, "
         "per source line and per load waited on, from scripts/ncu_source.sh's exports (or a "
         "file trimmed from them with --trim). CPU only.")

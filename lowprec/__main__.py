@@ -23,7 +23,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def main(argv=None) -> None:
-    parser = _Parser(prog="python -m lowprec", description=__doc__,
+    parser = _Parser(prog="python -m lowprec", description=__doc__, allow_abbrev=False,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--heads", type=int, default=128, help="heads (default 128)")
     parser.add_argument("--dv", type=int, default=64, help="headdim d_v (default 64)")

@@ -113,3 +113,22 @@ def test_bench_read_shapes_are_the_mamba2_layers_of_lowprec_models():
     assert bench_read.SHAPES["mamba2-2.7b"] == dict(nheads=80, headdim=64, dstate=128,
                                                     ngroups=1)
     assert bench_read.NEMOTRON is bench_read.SHAPES["nemotron3-super"]
+
+
+@pytest.mark.parametrize("module, argv", [
+    ("cute_kernels.bench_read", ["--windo", "16"]),
+    ("cute_kernels.bench_write", ["--rep", "3"]),
+    ("cute_kernels.instruction_count", ["--pip"]),
+    ("cute_kernels.stall_sites", ["x.csv", "--to", "3"]),
+    ("lowprec.__main__", ["--hea", "1"]),
+])
+def test_a_shortened_flag_is_refused_as_the_experiments_refuse_it(module, argv, capsys):
+    """argparse took a flag's prefix (`--rep 3` as `--reps 3`), so a command copied into a
+    results file could read differently from --help; the experiments' parser refuses it."""
+    import importlib
+
+    with pytest.raises(SystemExit) as exit_:
+        importlib.import_module(module).main(argv)
+    assert exit_.value.code == 2
+    assert f"unrecognized arguments: {' '.join(argv[-2:] if len(argv) > 1 else argv)}" in \
+        capsys.readouterr().err
