@@ -364,6 +364,13 @@ def _check_words(rand, rounding: str, x: torch.Tensor) -> None:
             f"rand: expected shape {list(x.shape)} on {x.device}, got {list(rand.shape)} on "
             f"{rand.device}"
         )
+    # the kernels read words as uint32 (wrapping), so a word outside [0, 2^32) would round with
+    # some other word where lowprec refuses it: refuse it here too
+    if rand.numel() and (int(rand.min()) < 0 or int(rand.max()) >= 1 << 32):
+        raise ValueError(
+            f"rand: expected uint32 words in [0, 2^32), got range [{int(rand.min())}, "
+            f"{int(rand.max())}]"
+        )
 
 
 def _check_fp32(name: str, x) -> None:

@@ -280,8 +280,13 @@ def test_format_spec_is_format_data():
         (lambda: numerics.quantize(torch.zeros(4, 40), "nvfp4"), "fmt:.*divisible by 16"),
         (lambda: numerics.quantize(torch.zeros(4, 32), "fp64"), "fmt:.*32-bit"),
         (lambda: numerics.quantize(torch.zeros(32), "nvfp4"), "x:.*dv, dk"),
+        (lambda: numerics.round_to(torch.ones(2), formats.FP16, "sr", torch.tensor([-1, 0])),
+         r"rand: expected uint32 words in \[0, 2\^32\), got range \[-1, 0\]"),
+        (lambda: numerics.quantize(torch.ones(1, 16), "nvfp4", "sr",
+                                   torch.full((1, 16), 2**32)), "rand: expected uint32 words"),
     ],
-    ids=["dtype", "fp64-element", "sr-without-words", "rounding", "block", "fp64", "ndim"],
+    ids=["dtype", "fp64-element", "sr-without-words", "rounding", "block", "fp64", "ndim",
+         "negative-word", "word-past-2^32"],
 )
 def test_invalid_inputs_raise_value_error(call, match):
     """Bad inputs are refused with a ValueError naming the argument."""
