@@ -408,6 +408,10 @@ def quantize(x: torch.Tensor, fmt, rounding: str = "rn", rand=None) -> Quantized
     if x.dim() < 2:
         raise ValueError(f"x: expected shape [..., dv, dk], got {list(x.shape)}")
     fmt = check_kernel_format("fmt", fmt, x.shape[-1])
+    if fmt.two_level and x.shape[-2] == 0:
+        # no rows: no amax to take s_g from, and no kernel runs to write it (lowprec refuses)
+        raise ValueError(f"x: expected dv >= 1 for {fmt.name!r} (its per-state scale), got "
+                         f"shape {list(x.shape)}")
     _check_words(rand, rounding, x)
     dv, dk = x.shape[-2:]
     lead = x.shape[:-2]

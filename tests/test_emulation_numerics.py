@@ -284,9 +284,10 @@ def test_format_spec_is_format_data():
          r"rand: expected uint32 words in \[0, 2\^32\), got range \[-1, 0\]"),
         (lambda: numerics.quantize(torch.ones(1, 16), "nvfp4", "sr",
                                    torch.full((1, 16), 2**32)), "rand: expected uint32 words"),
+        (lambda: numerics.quantize(torch.zeros(2, 0, 32), "nvfp4"), "x: expected dv >= 1"),
     ],
     ids=["dtype", "fp64-element", "sr-without-words", "rounding", "block", "fp64", "ndim",
-         "negative-word", "word-past-2^32"],
+         "negative-word", "word-past-2^32", "nvfp4-no-rows"],
 )
 def test_invalid_inputs_raise_value_error(call, match):
     """Bad inputs are refused with a ValueError naming the argument."""
