@@ -462,6 +462,14 @@ def codes_of(values: torch.Tensor, fmt, scales: torch.Tensor, global_scale=None)
 
 def random_words_host(seed: int, slot: int, flush: int, numel: int, device="cpu") -> torch.Tensor:
     """`lowprec.philox.random_words(seed, slot, flush, [numel])` from the Triton generator."""
+    # the ranges lowprec.philox refuses outside: past them the offset's fields overlap or wrap
+    # (slot 2^20 gives slot 0's words) and Triton reads a negative seed as another one
+    for name, value, high in (("seed", seed, 64), ("slot", slot, 20), ("flush", flush, 20),
+                              ("numel", numel, None)):
+        limit = (1 << 24) + 1 if high is None else 1 << high
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < limit:
+            bound = "[0, 2^24]" if high is None else f"[0, 2^{high})"
+            raise ValueError(f"{name}: expected an int in {bound}, got {value!r}")
     words = torch.empty(numel, dtype=torch.int64, device=device)
     if numel:
         _random_words_kernel[(triton.cdiv(numel, ROUND_BLOCK),)](

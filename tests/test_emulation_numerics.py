@@ -285,9 +285,15 @@ def test_format_spec_is_format_data():
         (lambda: numerics.quantize(torch.ones(1, 16), "nvfp4", "sr",
                                    torch.full((1, 16), 2**32)), "rand: expected uint32 words"),
         (lambda: numerics.quantize(torch.zeros(2, 0, 32), "nvfp4"), "x: expected dv >= 1"),
+        (lambda: numerics.random_words_host(0, 2**20, 0, 8), r"slot: .*\[0, 2\^20\), got"),
+        (lambda: numerics.random_words_host(0, 0, -1, 8), "flush: expected an int"),
+        (lambda: numerics.random_words_host(-1, 0, 0, 8), "seed: expected an int"),
+        (lambda: numerics.random_words_host(0, 0, 0, 2**24 + 4), "numel: expected an int"),
+        (lambda: numerics.random_words_host(0, 0, 0, 8.0), "numel: expected an int"),
     ],
     ids=["dtype", "fp64-element", "sr-without-words", "rounding", "block", "fp64", "ndim",
-         "negative-word", "word-past-2^32", "nvfp4-no-rows"],
+         "negative-word", "word-past-2^32", "nvfp4-no-rows", "slot-2^20", "flush-negative",
+         "seed-negative", "numel-past-2^24", "numel-float"],
 )
 def test_invalid_inputs_raise_value_error(call, match):
     """Bad inputs are refused with a ValueError naming the argument."""
