@@ -447,9 +447,28 @@ def codes_of(values: torch.Tensor, fmt, scales: torch.Tensor, global_scale=None)
     that fell below fp32's normal range in the product with s_g, which needs a state amax
     below about 2^-110.)
     """
-    fmt = formats.get(fmt)
+    fmt = check_kernel_format("fmt", fmt)
+    if fmt.block is None:
+        raise ValueError(f"fmt: expected a block format (an element format's container holds "
+                         f"its codes), got {fmt.name!r}")
+    # a missing (or extra) s_g or scales of another shape divide by the wrong numbers and give
+    # codes silently, so the layout is checked as the kernels write it
+    _check_fp32("values", values)
+    if values.dim() < 2:
+        raise ValueError(f"values: expected shape [..., dv, dk], got {list(values.shape)}")
     shape = values.shape
-    n_blocks = scales.shape[-1]
+    n_blocks = shape[-1] // fmt.block_length(shape)
+    _check_fp32("scales", scales)
+    if tuple(scales.shape) != (*shape[:-1], n_blocks):
+        raise ValueError(f"scales: expected shape {[*shape[:-1], n_blocks]}, got "
+                         f"{list(scales.shape)}")
+    if fmt.two_level:
+        _check_fp32("global_scale", global_scale)
+        if tuple(global_scale.shape) != tuple(shape[:-2]):
+            raise ValueError(f"global_scale: expected shape {list(shape[:-2])}, got "
+                             f"{list(global_scale.shape)}")
+    elif global_scale is not None:
+        raise ValueError(f"global_scale: expected None for {fmt.name!r}, got a tensor")
     # lowprec runs on the CPU
     v = values.cpu().double().reshape(*shape[:-1], n_blocks, shape[-1] // n_blocks)
     divisor = scales.cpu().double()[..., None]

@@ -290,10 +290,18 @@ def test_format_spec_is_format_data():
         (lambda: numerics.random_words_host(-1, 0, 0, 8), "seed: expected an int"),
         (lambda: numerics.random_words_host(0, 0, 0, 2**24 + 4), "numel: expected an int"),
         (lambda: numerics.random_words_host(0, 0, 0, 8.0), "numel: expected an int"),
+        (lambda: numerics.codes_of(torch.ones(3, 32), "nvfp4", torch.ones(3, 2)),
+         "global_scale: expected a float32 tensor, got NoneType"),
+        (lambda: numerics.codes_of(torch.ones(3, 32), "mxfp4", torch.ones(3, 1), torch.ones(())),
+         "global_scale: expected None for 'mxfp4'"),
+        (lambda: numerics.codes_of(torch.ones(3, 32), "mxfp4", torch.ones(1, 3)),
+         r"scales: expected shape \[3, 1\], got \[1, 3\]"),
+        (lambda: numerics.codes_of(torch.ones(3, 32), "fp16", None), "fmt: expected a block"),
     ],
     ids=["dtype", "fp64-element", "sr-without-words", "rounding", "block", "fp64", "ndim",
          "negative-word", "word-past-2^32", "nvfp4-no-rows", "slot-2^20", "flush-negative",
-         "seed-negative", "numel-past-2^24", "numel-float"],
+         "seed-negative", "numel-past-2^24", "numel-float", "codes-of-without-s_g",
+         "codes-of-extra-s_g", "codes-of-scales-shape", "codes-of-element-format"],
 )
 def test_invalid_inputs_raise_value_error(call, match):
     """Bad inputs are refused with a ValueError naming the argument."""
