@@ -72,6 +72,7 @@ __all__ = [
     "format_spec",
     "round_element",
     "quantize_tile",
+    "quantize_tile_codes",
     "random_words",
     "round_to",
     "quantize",
@@ -239,11 +240,22 @@ def quantize_tile(
     format has none; `b_scale` is a [BV, 1] dummy of ones for element-only formats). `b_r`:
     uint32 words [BV, BK] for SR (element rounding only; scales are always RN).
     """
+    b_q, _, b_scale, s_g = quantize_tile_codes(b_x, b_r, F, USE_SR, BV, BK)
+    return b_q, b_scale, s_g
+
+
+@triton.jit
+def quantize_tile_codes(
+    b_x, b_r, F: tl.constexpr, USE_SR: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr
+):
+    """`quantize_tile` that also returns the element codes: `(b_q, b_code [BV, BK], b_scale,
+    s_g)` (`b_code` is `b_q` for element-only formats)."""
     # Nested format data must be bound to constexpr names before it is passed on.
     ELEM: tl.constexpr = F.element
     SCALE: tl.constexpr = F.scale
     if F.block == 0:
         b_q = round_element(b_x, b_r, ELEM, USE_SR)
+        b_code = b_q
         b_scale = tl.full([BV, 1], 1.0, tl.float32)
         s_g = tl.full([], 1.0, tl.float32)
     else:
@@ -284,7 +296,8 @@ def quantize_tile(
         if F.two_level:
             b_qb = b_qb * s_g
         b_q = tl.reshape(b_qb, [BV, BK])
-    return b_q, b_scale, s_g
+        b_code = tl.reshape(b_code, [BV, BK])
+    return b_q, b_code, b_scale, s_g
 
 
 @triton.jit
@@ -320,7 +333,7 @@ def _round_to_kernel(
 
 @triton.jit
 def _quantize_kernel(
-    p_x, p_r, p_q, p_scale, p_global, dv, dk, n_blocks,
+    p_x, p_r, p_q, p_code, p_scale, p_global, dv, dk, n_blocks,
     F: tl.constexpr, USE_SR: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr,
 ):
     i_s = tl.program_id(0).to(tl.int64)  # one state [dv, dk] per program
@@ -330,8 +343,9 @@ def _quantize_kernel(
     o_vk = i_s * dv * dk + o_v[:, None] * dk + o_k[None, :]  # [BV, BK]
     b_x = tl.load(p_x + o_vk, mask=m_vk, other=0.0)
     b_r = tl.load(p_r + o_vk, mask=m_vk, other=0).to(tl.uint32) if USE_SR else o_vk
-    b_q, b_scale, s_g = quantize_tile(b_x, b_r, F, USE_SR, BV, BK)
+    b_q, b_code, b_scale, s_g = quantize_tile_codes(b_x, b_r, F, USE_SR, BV, BK)
     tl.store(p_q + o_vk, b_q, mask=m_vk)
+    tl.store(p_code + o_vk, b_code, mask=m_vk)
     if F.block != 0:
         NB: tl.constexpr = BK // (BK if F.block == -1 else F.block)
         o_b = tl.arange(0, NB)
@@ -401,8 +415,8 @@ def round_to(x: torch.Tensor, element, rounding: str = "rn", rand=None) -> torch
 def quantize(x: torch.Tensor, fmt, rounding: str = "rn", rand=None) -> Quantized:
     """`lowprec.quantize.quantize` in a Triton kernel for a state-shaped fp32 `x [..., dv, dk]`.
 
-    Returns a `Quantized` whose `elements` are the code values (dequantised values divided back
-    by nothing: the kernel's `b_code`), recovered as `values` for element-only formats.
+    Returns a `Quantized` whose `elements` are the code values the kernel rounded (its
+    `b_code`, stored beside the dequantised values; for element-only formats the values).
     """
     _check_fp32("x", x)
     if x.dim() < 2:
@@ -418,24 +432,22 @@ def quantize(x: torch.Tensor, fmt, rounding: str = "rn", rand=None) -> Quantized
     n_states = math.prod(lead)
     x = x.contiguous()
     q = torch.empty_like(x)
+    # the codes as the kernel rounded them: codes_of(q, ...) cannot recover them where the
+    # container (code * s_b) * s_g lost bits below fp32's normal range (tiny nvfp4 states)
+    codes = torch.empty_like(x)
     n_blocks = 1 if fmt.block is None else dk // fmt.block_length(x.shape)
     scales = torch.empty(*lead, dv, n_blocks, dtype=torch.float32, device=x.device)
     global_scale = torch.empty(lead, dtype=torch.float32, device=x.device)
     if x.numel():
         words = rand.contiguous() if rounding == "sr" else x
         _quantize_kernel[(n_states,)](
-            x, words, q, scales, global_scale, dv, dk, n_blocks,
+            x, words, q, codes, scales, global_scale, dv, dk, n_blocks,
             F=format_spec(fmt), USE_SR=rounding == "sr",
             BV=triton.next_power_of_2(dv), BK=triton.next_power_of_2(dk),
         )
     if fmt.block is None:
         return Quantized(fmt, q)
-    return Quantized(
-        fmt,
-        codes_of(q, fmt, scales, global_scale if fmt.two_level else None),
-        scales,
-        global_scale if fmt.two_level else None,
-    )
+    return Quantized(fmt, codes, scales, global_scale if fmt.two_level else None)
 
 
 def codes_of(values: torch.Tensor, fmt, scales: torch.Tensor, global_scale=None) -> torch.Tensor:

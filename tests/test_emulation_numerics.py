@@ -153,6 +153,23 @@ def test_nvfp4_blocks_whose_divisor_underflows_match_lowprec(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_nvfp4_codes_of_a_tiny_state_match_lowprec(device):
+    """A state whose amax is ~2^-128 (s_g ~ 2^-139, an fp32 subnormal) and a block of values a
+    few 2^-149 (s_b = 2^-9): the container (code * s_b) * s_g = +-1.5 * 2^-9 * s_g rounds to
+    +-3 * 2^-149 and lost the code (dividing it back gives 2, not 1.5), so the codes quantize
+    returns are the kernel's own, equal to lowprec's (codes_of recovered 2)."""
+    x = torch.zeros(1, 32)
+    x[0, 0] = float.fromhex("0x1.1efe08p-128")
+    x[0, 16:20] = torch.tensor([15.0, -3.0, 3.0, 1.0]) * 2.0**-149
+    expected = lq.quantize(x, "nvfp4")
+    assert expected.elements[0, 16:20].tolist() == [6.0, -1.5, 1.5, 0.5]
+    actual = numerics.quantize(x.to(device), "nvfp4")
+    for field in ("global_scale", "scales", "elements"):
+        assert_bits_equal(getattr(actual, field), getattr(expected, field), field)
+    assert_bits_equal(lq.dequantize(actual), lq.dequantize(expected), "values")
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_nvfp4_block_scales_at_e4m3_ties_match_lowprec(device):
     """Block amaxes within a few fp32 ulps of (E4M3 midpoint) * 6 s_g, where one ulp of the
     quotient decides the block scale: the emulation's s_b is lowprec's, bit for bit, so it too
