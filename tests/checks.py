@@ -8,9 +8,12 @@ import torch
 
 
 def assert_bits_equal(actual: torch.Tensor, expected: torch.Tensor, what: str):
-    """Same fp32 bits, NaN matching any NaN; on failure the first mismatches in hex."""
+    """Same shape and fp32 bits, NaN matching any NaN; on failure the first mismatches in hex."""
     actual = actual.detach().cpu().float()
     expected = expected.detach().cpu().float()
+    # == broadcasts: without this a [1] or [n, 1] result passed against any [n, k] expectation
+    if actual.shape != expected.shape:
+        pytest.fail(f"{what}: shape {list(actual.shape)} vs expected {list(expected.shape)}")
     a_bits = actual.view(torch.int32)
     e_bits = expected.view(torch.int32)
     same = (a_bits == e_bits) | (actual.isnan() & expected.isnan())
@@ -28,6 +31,8 @@ def assert_bits_equal(actual: torch.Tensor, expected: torch.Tensor, what: str):
 def assert_within(actual, expected, bound, what):
     """|actual - expected| <= bound elementwise; on failure the worst element and NaN count."""
     actual = actual.detach().cpu().double()
+    if actual.shape != expected.shape:  # the difference broadcasts (see assert_bits_equal)
+        pytest.fail(f"{what}: shape {list(actual.shape)} vs expected {list(expected.shape)}")
     err = (actual - expected).abs()
     ok = err <= bound
     if not bool(ok.all()):

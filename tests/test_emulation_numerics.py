@@ -18,7 +18,7 @@ import torch
 if not torch.cuda.is_available():  # Triton cannot compile for a CPU: interpret (before import)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from checks import assert_bits_equal
+from checks import assert_bits_equal, assert_within
 
 from emulation import numerics  # noqa: E402
 from lowprec import formats, philox  # noqa: E402
@@ -61,6 +61,16 @@ def random_values(n: int, seed: int) -> torch.Tensor:
     exponent = torch.randint(-40, 41, (n,), generator=gen).float()
     sign = torch.where(torch.rand(n, generator=gen) < 0.5, -1.0, 1.0)
     return sign * mantissa * torch.exp2(exponent)
+
+
+def test_bit_and_bound_checks_refuse_other_shapes():
+    """The shared checks compare shapes first: a [1] or [n, 1] result broadcast against the
+    expected [n, k] and passed."""
+    with pytest.raises(pytest.fail.Exception, match=r"shape \[1\] vs expected \[3\]"):
+        assert_bits_equal(torch.zeros(1), torch.zeros(3), "s_g")
+    with pytest.raises(pytest.fail.Exception, match="shape"):
+        assert_within(torch.zeros(3, 1), torch.zeros(3, 5, dtype=torch.float64),
+                      torch.ones(3, 5, dtype=torch.float64), "y")
 
 
 @pytest.mark.parametrize("device", DEVICES)
