@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 
 from lowprec import formats
+from lowprec import quantize as lq
 from lowprec.replay import check_counter_ranges
 
 __all__ = ["ReplayCache", "mamba2_replay_decode"]
@@ -128,7 +129,8 @@ class ReplayCache:
         scales = global_scale = None
         if lo_fmt.block is not None:
             n_blocks = dstate // lo_fmt.block_length((headdim, dstate))
-            scales = torch.zeros(slots, nheads, headdim, n_blocks, **zeros)
+            scales = torch.full((slots, nheads, headdim, n_blocks), zero_block_scale(lo_fmt),
+                                **zeros)
         if lo_fmt.two_level:
             global_scale = torch.zeros(slots, nheads, **zeros)
         nan = float("nan")
@@ -157,6 +159,12 @@ class ReplayCache:
         """(slots, nheads, headdim, dstate, ngroups, Lcap)."""
         slots, nheads, headdim, dstate = self.hi.shape
         return slots, nheads, headdim, dstate, self.ring_B.shape[1], self.ring_x.shape[2]
+
+
+def zero_block_scale(fmt) -> float:
+    """The block scale lowprec stores for an all-zero block of block format `fmt`: 0, except
+    mxfp4's 2^-127 (E8M0 byte 0x00; a 0 there packs as byte 126, the scale 0.5)."""
+    return lq.quantize(torch.zeros(1, fmt.block_length((1, 1 << 10))), fmt).scales.item()
 
 
 def _expect(name, t, shape, dtypes, device):

@@ -41,6 +41,7 @@ from emulation.replay_decode import (
     gate_output,
     launch_config,
     process_dt,
+    zero_block_scale,
 )
 from lowprec.replay import check_flush_field
 
@@ -92,7 +93,7 @@ class StateCache:
         scales = global_scale = None
         if fmt.block is not None:
             n_blocks = dstate // fmt.block_length((headdim, dstate))
-            scales = torch.zeros(slots, nheads, headdim, n_blocks, **f32)
+            scales = torch.full((slots, nheads, headdim, n_blocks), zero_block_scale(fmt), **f32)
         if fmt.two_level:
             global_scale = torch.zeros(slots, nheads, **f32)
         cache = cls(

@@ -251,6 +251,19 @@ def test_step_odd_shapes_and_activation_dtypes(shape_id, hi, lo, act_dtype, devi
     run_and_check_step(cache, make_token(gen, 4, shape, act_dtype, device), params, hi, lo)
 
 
+@pytest.mark.parametrize("lo", ["nvfp4", "mxfp4", "fp8_e4m3_row", "fp4_e2m1_b16"])
+def test_empty_cache_read_copy_is_lowprecs_zero_state(lo):
+    """ReplayCache.empty's read copy is lowprec's quantisation of the zero state, scales
+    included, so it packs to the same bytes (mxfp4's zero blocks have scale 2^-127, byte 0x00:
+    a 0.0 scale packed as byte 126)."""
+    cache = ReplayCache.empty(2, 3, 5, 32, lo_format=lo)
+    expected = lq.quantize(torch.zeros(2, 3, 5, 32), lo)
+    assert_bits_equal(cache.lo_scales, expected.scales, "lo_scales")
+    actual = lq.Quantized(expected.fmt, cache.lo, cache.lo_scales, cache.lo_global)
+    for key, value in lq.pack(expected).items():
+        assert torch.equal(lq.pack(actual)[key], value), key
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_hi_copy_in_fp16_dtype_holds_the_same_bits(device):
     """A float16 hi tensor stores the same values as the fp32 container of fp16."""

@@ -132,6 +132,16 @@ def test_stored_state_bit_exact_every_format(fmt, rounding, device):
     run_and_check(cache, make_token(gen, 3), make_params(gen, SHAPE["nheads"]))
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "fp4_e2m1_b32"])
+def test_empty_state_is_lowprecs_zero_state(fmt):
+    """StateCache.empty holds lowprec's quantisation of the zero state, scales included
+    (mxfp4's zero blocks have scale 2^-127, not 0.0, which packs as the scale 0.5)."""
+    cache = StateCache.empty(2, 3, 5, 32, format=fmt)
+    expected = lq.quantize(torch.zeros(2, 3, 5, 32), fmt)
+    assert_bits_equal(cache.state, lq.dequantize(expected), "state")
+    assert_bits_equal(cache.scales, expected.scales, "scales")
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fmt", ["fp16", "nvfp4"])
 def test_output_from_unrounded_state(fmt, device):
