@@ -20,7 +20,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 from cute_kernels import replay_flush as rf  # noqa: E402
-from lowprec import mamba2, philox  # noqa: E402
+from lowprec import contract, mamba2, philox  # noqa: E402
 from lowprec import quantize as q  # noqa: E402
 from lowprec.formats import FP16  # noqa: E402
 
@@ -650,28 +650,16 @@ def check_flush(
         f"at flat index {int(worst)}"
     )
 
-    # stored codes: lowprec applied to the kernel's own state, bit for bit
-    if hi_format == "fp16":
-        rand = None
-        if hi_rounding == "sr":
-            rand = philox.random_words(seed, fs, b["flushes"][fs].long(), (H, P, N))
-        want = q.encode_bits(q.round_to(state, FP16, hi_rounding, rand), FP16)
-        got = cpu["hi"][fs].view(torch.int16).long() & 0xFFFF
-        mism = (want != got).nonzero()
-        assert len(mism) == 0, (
-            f"{len(mism)} hi mismatches, first at {mism[:3].tolist()}: "
-            f"want {want[tuple(mism[0])]:#06x} got {got[tuple(mism[0])]:#06x}"
-        )
-    else:
-        assert torch.equal(cpu["hi"][fs], q.round_to(state, q.formats.FP32))
+    # stored codes: lowprec applied to the kernel's own state, bit for bit, through
+    # lowprec.contract (the check its docstring gives a user for their own kernel)
+    want = contract.flush_copies(state, hi_format=hi_format, hi_rounding=hi_rounding,
+                                 lo_format=lo_format, seed=seed, slots=fs,
+                                 flushes=b["flushes"][fs])
+    got = {"hi": cpu["hi"][fs]}
     if lo_format != "none":
-        want = expected_lo_bytes(state, lo_format)
-        got = kernel_lo_bytes({k: v[fs] for k, v in cpu["lo"].items()}, lo_format)
-        for key in want:
-            mism = (want[key] != got[key]).nonzero()
-            assert len(mism) == 0, (
-                f"lo[{key}]: {len(mism)} byte mismatches, first at {mism[:3].tolist()}"
-            )
+        got.update({f"lo.{'codes' if k == 'values' else k}": v[fs] for k, v in cpu["lo"].items()})
+    problems = contract.mismatches(got, want)
+    assert not problems, "\n".join(problems)
     _emulation_stores_the_same_codes(state, cpu, fs, b, seed, hi_format, hi_rounding, lo_format)
 
     # outputs from the kernel's state: y = S C + D x, times silu(z)

@@ -1,0 +1,138 @@
+"""Check a kernel's stored checkpoint against the numerics contract, byte for byte.
+
+The contract (README.md here, last section): the copies a flush stores are a fixed function of
+the unrounded fp32 state ``S_new``, the seed and the counters. So a kernel that can also write
+its ``S_new`` (a debug output; every kernel of this kit has one, ``debug_state``) is checked
+without knowing how it summed:
+
+    from lowprec import contract
+
+    want = contract.flush_copies(s_new, seed=seed, flushes=flushes_before)   # on the CPU
+    problems = contract.mismatches({"hi": hi, "lo.codes": lo["codes"],
+                                    "lo.scales": lo["scales"],
+                                    "lo.global_scale": lo["global_scale"]}, want)
+    assert not problems, "\\n".join(problems)
+
+``flush_copies`` is `lowprec.quantize` and `lowprec.philox` applied as DESIGN.md's flush applies
+them: the recurrence copy rounded (SR words ``random_words(seed, slot, flush, [h, d_v, d_k])``,
+``flush`` the slot's counter *before* this flush), the read copy RN, both packed as
+`lowprec.quantize.pack` lays them out (nvfp4: two E2M1 codes a byte, low nibble the even
+column; E4M3 block scales; an fp32 scale per head). ``mismatches`` compares stored tensors of
+any dtype by their bits and names the first elements that differ.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lowprec import formats, philox
+from lowprec import quantize as q
+
+__all__ = ["flush_copies", "mismatches"]
+
+# bits compared as signed integers of the element's width (torch compares few unsigned dtypes)
+_SIGNED = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _check_counter(name: str, value, slots: int, limit: int) -> torch.Tensor:
+    """An int (every slot's) or an integer tensor [slots], each in [0, limit)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = torch.full((slots,), value, dtype=torch.int64)
+    if (not isinstance(value, torch.Tensor) or value.dtype.is_floating_point
+            or value.dtype == torch.bool or tuple(value.shape) != (slots,)):
+        got = (f"{value.dtype} {list(value.shape)}" if isinstance(value, torch.Tensor)
+               else repr(value))
+        raise ValueError(f"{name}: expected an int or an integer tensor [{slots}], got {got}")
+    value = value.detach().cpu().to(torch.int64)
+    if value.numel() and (int(value.min()) < 0 or int(value.max()) >= limit):
+        raise ValueError(f"{name}: expected values in [0, {limit}), got range "
+                         f"[{int(value.min())}, {int(value.max())}]")
+    return value
+
+
+def flush_copies(
+    state: torch.Tensor,
+    *,
+    hi_format: str = "fp16",
+    hi_rounding: str = "sr",
+    lo_format: str | None = "nvfp4",
+    seed: int = 0,
+    slots=None,
+    flushes=0,
+) -> dict[str, torch.Tensor]:
+    """The bytes a flush must store for the unrounded fp32 ``state [slots, h, d_v, d_k]``.
+
+    ``slots``: each row's slot index (the Philox field; default ``0 .. rows - 1``);
+    ``flushes``: each slot's flush counter before this flush (an int for all of them, or a
+    tensor). Returns ``{"hi": codes}`` (fp16: uint16 bits, fp32: uint32 bits) and, unless
+    ``lo_format`` is None or "none", ``"lo.codes"``, ``"lo.scales"`` and, for nvfp4,
+    ``"lo.global_scale"`` (`lowprec.quantize.pack`'s tensors), all on the CPU.
+    """
+    if not isinstance(state, torch.Tensor) or state.dtype != torch.float32 or state.dim() != 4:
+        got = (f"{state.dtype} {list(state.shape)}" if isinstance(state, torch.Tensor)
+               else type(state).__name__)
+        raise ValueError(f"state: expected an fp32 tensor [slots, h, d_v, d_k], got {got}")
+    state = state.detach().cpu()
+    hi_fmt = formats.get(hi_format)
+    if hi_fmt.block is not None:
+        raise ValueError(f"hi_format: expected an element format (the recurrence copy is "
+                         f"stored element by element), got {hi_format!r}")
+    if hi_rounding not in ("rn", "sr"):
+        raise ValueError(f"hi_rounding: expected 'rn' or 'sr', got {hi_rounding!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < philox.SEED_LIMIT:
+        raise ValueError(f"seed: expected an int in [0, 2^64), got {seed!r}")
+    rows = state.shape[0]
+    slots = _check_counter("slots", torch.arange(rows) if slots is None else slots, rows,
+                           philox.SLOT_LIMIT)
+    flushes = _check_counter("flushes", flushes, rows, philox.SLOT_LIMIT)
+    rand = None
+    if hi_rounding == "sr":
+        rand = philox.random_words(seed, slots, flushes, tuple(state.shape[1:]))
+    copies = {"hi": q.pack(q.quantize(state, hi_fmt, hi_rounding, rand))["codes"]}
+    if lo_format not in (None, "none"):
+        packed = q.pack(q.quantize(state, formats.get(lo_format), "rn"))
+        copies.update({f"lo.{key}": value for key, value in packed.items()})
+    return copies
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach().cpu().contiguous()
+    return t.view(_SIGNED[t.element_size()])
+
+
+def mismatches(got: dict, want: dict, limit: int = 5) -> list[str]:
+    """Lines naming what differs between stored tensors ``got`` and ``want`` (dicts by name),
+    compared bit for bit: a missing name, a width or shape that differs, and for each tensor
+    the number of elements that differ and the first ``limit`` of them, index and bits in hex.
+    An empty list: every tensor of ``want`` is stored bit for bit in ``got`` (extra names in
+    ``got`` are not compared). An fp16 tensor compares with uint16 codes, and so on."""
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise ValueError(f"limit: expected an int >= 1, got {limit!r}")
+    problems = []
+    for name, expected in want.items():
+        if name not in got:
+            problems.append(f"{name}: missing (got {sorted(got)})")
+            continue
+        actual = got[name]
+        if not isinstance(actual, torch.Tensor):
+            problems.append(f"{name}: expected a tensor, got {type(actual).__name__}")
+            continue
+        if actual.element_size() != expected.element_size():
+            problems.append(f"{name}: {8 * actual.element_size()}-bit elements ({actual.dtype}) "
+                            f"against {8 * expected.element_size()}-bit ({expected.dtype})")
+            continue
+        if actual.shape != expected.shape:
+            problems.append(f"{name}: shape {list(actual.shape)} against {list(expected.shape)}")
+            continue
+        a, e = _bits(actual), _bits(expected)
+        differ = (a != e).nonzero()
+        if len(differ):
+            digits = 2 * expected.element_size()
+            mask = (1 << (8 * expected.element_size())) - 1
+            first = ", ".join(
+                f"{tuple(index.tolist())}: {int(a[tuple(index)]) & mask:0{digits}x} "
+                f"against {int(e[tuple(index)]) & mask:0{digits}x}"
+                for index in differ[:limit]
+            )
+            problems.append(f"{name}: {len(differ)} of {e.numel()} elements differ; {first}")
+    return problems
