@@ -77,6 +77,16 @@ class StateUpdateConfig:
     dt_softplus: bool
     has_debug: bool
 
+    def __post_init__(self):
+        if self.state not in STATE_DTYPES.values():
+            _compile.fail("state", f"one of {tuple(STATE_DTYPES.values())}", repr(self.state))
+        if self.rounding not in ROUNDINGS or (self.state == "fp32" and self.rounding != "rn"):
+            _compile.fail("rounding", f"one of {ROUNDINGS} ('rn' for fp32)", repr(self.rounding))
+        if self.chunks_per_row > 32:
+            _compile.fail("dstate", f"at most {32 * self.vec} for an {self.state} state (a row's "
+                          "16-byte chunks within one warp: its output is a warp shuffle sum)",
+                          self.dstate)
+
     @property
     def vec(self) -> int:
         """Elements per 128-bit access."""
@@ -297,7 +307,8 @@ def state_update(
 ):
     """One conventional decode step of every slot and head, in place on `state`; returns out.
 
-    state: fp32 or fp16 `[slots, nheads, headdim, dstate]`; x, z `[slots, nheads, headdim]`,
+    state: fp32 or fp16 `[slots, nheads, headdim, dstate]` (fp32: dstate at most 128, a row's
+    chunks within one warp); x, z `[slots, nheads, headdim]`,
     dt `[slots, nheads]` (raw), B, C `[slots, ngroups, dstate]` in the act dtype (x's: bf16,
     fp16 or fp32); A, D, dt_bias fp32 `[nheads]`. rounding: 'rn' or 'sr' for an fp16 state
     ('rn' for fp32, where the store is exact). SR needs `counters` int32 `[slots]` (the token
@@ -318,6 +329,10 @@ def state_update(
     _compile.check_tensor("state", state, state.dtype, state.shape, device)
     if state.dtype == torch.float32 and rounding != "rn":
         _compile.fail("rounding", "'rn' for an fp32 state (its store is exact)", repr(rounding))
+    if state.dtype == torch.float32 and dstate > 32 * ACCESS_BYTES // 4:
+        # a row of 64 fp32 chunks would span two warps, and y's shuffle sum stays in one: the
+        # kernel would write twice one warp's half of each row's sum (shfl.bfly 32 reads its own)
+        _compile.fail("state.shape[3] (dstate)", "at most 128 for an fp32 state", dstate)
     act, dt_name, ngroups = check_mamba2_inputs(
         device, slots, nheads, headdim, dstate, x, dt, A, B, C, D, z, dt_bias, out
     )

@@ -90,6 +90,38 @@ def test_bad_arguments_raise_value_errors(change, kwargs, message):
         su.state_update(**args, **kwargs)
 
 
+def test_fp32_rows_wider_than_a_warp_are_refused_before_any_compile():
+    """An fp32 row of dstate 256 is 64 chunks of 4, two warps' worth, while the output's row
+    sum is one warp's shuffle reduction (its butterfly at lane distance 32 reads the lane's own
+    value): the kernel would write twice one warp's half of each sum, so the shape is refused,
+    by state_update naming the argument and by the config. fp16 (32 chunks of 8) passes."""
+    def args(dtype, N=256, P=64):
+        return dict(state=torch.zeros(2, 2, P, N, dtype=dtype), x=torch.zeros(2, 2, P),
+                    dt=torch.zeros(2, 2), A=torch.zeros(2), B=torch.zeros(2, 1, N),
+                    C=torch.zeros(2, 1, N))
+
+    for P in (64, 8):  # 8 x 256 gave no row a pass (ZeroDivisionError at the compile)
+        with pytest.raises(ValueError, match=r"state.shape\[3\] \(dstate\): expected at most 128"):
+            su.state_update(**args(torch.float32, P=P))
+    with pytest.raises(ValueError, match="state: expected a CUDA tensor"):
+        su.state_update(**args(torch.float16))
+    with pytest.raises(ValueError, match="dstate: expected at most 128 for an fp32 state"):
+        config("fp32", "rn", dict(NEMOTRON, dstate=256))
+    assert config("fp16", "sr", dict(NEMOTRON, dstate=256)).chunks_per_row == 32
+    assert config("fp32", "rn").chunks_per_row == 32
+
+
+@pytest.mark.parametrize("state, rounding, message", [
+    ("bf16", "rn", "state: expected one of"), ("fp16", "up", "rounding: expected one of"),
+    ("fp32", "sr", "rounding: expected one of"),
+])
+def test_config_refuses_formats_the_kernel_does_not_have(state, rounding, message):
+    """StateUpdateConfig (compile_state_update's key) took any string: "bf16" compiled the
+    fp16 kernel, "up" or fp32 with "sr" the RN one."""
+    with pytest.raises(ValueError, match=message):
+        config(state, rounding)
+
+
 def random_inputs(slots, shape, state_dtype, act, gen):
     H, P, N, G = shape["nheads"], shape["headdim"], shape["dstate"], shape["ngroups"]
 
