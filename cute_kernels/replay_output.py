@@ -2014,6 +2014,13 @@ def _check(name, t, dtype, shape, device=None):
         _fail(name, f"a {_compile.ALIGN}-byte aligned data pointer", hex(t.data_ptr()))
 
 
+def _require_cuda(x):
+    """The device check, after every other (so that they name their argument on CPU tensors
+    too, and run before any CUDA call): every argument is on x's device, checked before."""
+    if not x.is_cuda:
+        _fail("x", "a CUDA tensor (every argument on one GPU)", x.device)
+
+
 # the storage dtype of a one-tensor read copy's values
 _RAW_DTYPES = {"fp8_e4m3": torch.uint8, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -2260,14 +2267,18 @@ def replay_output(
                                  bulk_stages or 2)
         if _config_for_sms is not None:
             return cfg
-    if not x.is_cuda and _config_for_sms is None:
-        _fail("x", "a CUDA tensor (every argument on one GPU)", x.device)
     if persistent:
+        _require_cuda(x)
         return _persistent_step(cfg, lo0, lo1, lo2, ring_x, ring_dt, ring_B, cursors, x, dt, A,
                                 B, C, D, z, dt_bias, out)
 
-    # check_options(shape=...): the defaults below for that many SMs, on meta tensors
-    sms = _sm_count(device) if _config_for_sms is None else _config_for_sms
+    # check_options(shape=...): the defaults below for that many SMs, on meta tensors; CPU
+    # tensors: an H200's, so that the checks below run (and name their argument) before the
+    # device check, which comes last
+    if _config_for_sms is not None:
+        sms = _config_for_sms
+    else:
+        sms = _sm_count(device) if x.is_cuda else _compile.H200_SM_COUNT
     if head_splits is None:
         head_splits = default_head_splits(S, G, H // G, warps, sms, lo_format)
     cfg = ReplayOutputConfig(
@@ -2333,6 +2344,7 @@ def replay_output(
         cfg = dataclasses.replace(cfg, eager_loads=default_eager_loads(cfg, S, sms))
     if _config_for_sms is not None:
         return cfg
+    _require_cuda(x)
     if S == 0:
         return out
     kernel = compile_replay_output(cfg)

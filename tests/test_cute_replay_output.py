@@ -988,6 +988,30 @@ def test_cpu_tensors_are_rejected_after_validation():
         ro.replay_output(**_cpu_args(), window=8)
 
 
+@pytest.mark.parametrize("knobs, message", [
+    (dict(head_splits=3), r"head_splits: expected a positive integer with head_splits \* warps"),
+    (dict(head_splits=2, warps=2), "head_splits: expected"),
+    (dict(stage="smem", warps=1, H=64, G=1, P=256, N=256), "stage: expected 'registers'"),
+    (dict(ring_stage="smem", warps=8, H=8, G=1, P=128, Lc=32), "ring_stage: expected 'registers'"),
+])
+def test_knob_checks_that_need_the_shape_come_before_the_device_check(monkeypatch, knobs,
+                                                                      message):
+    """The checks that need the shape (head_splits dividing a group's heads, the stages'
+    shared memory) used to run after the device check (and after a CUDA query of the SM
+    count): on CPU tensors a bad value was reported as 'x: expected a CUDA tensor'. Now they
+    name their argument, and nothing asks CUDA or compiles first."""
+    dims = {k: knobs.pop(k) for k in ("H", "G", "P", "N", "Lc") if k in knobs}
+    args = _cpu_args(**dims)
+    monkeypatch.setattr(ro, "_sm_count", lambda device: pytest.fail("CUDA queried"))
+    monkeypatch.setattr(ro, "compile_replay_output", lambda *a, **k: pytest.fail("compiled"))
+    with pytest.raises(ValueError, match=message):
+        ro.replay_output(**args, window=min(dims.get("Lc", 8), 32), **knobs)
+    if "head_splits" in knobs:
+        knobs["head_splits"] = 1
+        with pytest.raises(ValueError, match="x: expected a CUDA tensor"):
+            ro.replay_output(**args, window=8, **knobs)
+
+
 # --------------------------------------------------------------------------------------------
 # GPU: against the lowprec reference
 
