@@ -1646,6 +1646,8 @@ def replay_flush(
         chunk,
         e2m1_pairs,
     )
+    if not isinstance(check_counters, bool):  # as replay_decode_step's and state_update's
+        _compile.fail("check_counters", "a bool", repr(check_counters))
     if check_counters:
         check_counter_values(cursors, flushes, window)
     require_cuda("hi", hi)

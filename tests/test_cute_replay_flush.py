@@ -433,6 +433,8 @@ def test_flush_counter_limit_keeps_every_flush_in_its_own_counter_field():
         (dict(fold="direct"), "fold: expected another fold here .'direct' needs bf16"),
         (dict(chunk=12), "chunk: expected one of"),
         (dict(e2m1_pairs=1), "e2m1_pairs: expected a bool"),
+        # a word was read with bool(): "no" ran the counter check (a sync) on the counters
+        (dict(check_counters="no"), "check_counters: expected a bool, got 'no'"),
     ],
 )
 def test_bad_options_raise_value_errors(kwargs, message):
