@@ -1246,6 +1246,20 @@ def test_decode_step_checks_both_kernels_before_launching_either(monkeypatch, sh
     assert launched == []
 
 
+def test_flush_of_no_slots_launches_nothing(monkeypatch):
+    """replay_flush with zero slots returns its (empty) output without a compile or a launch,
+    as replay_output, replay_decode_step and state_update do: it launched the flush on a
+    (nheads, 0) grid and the counter kernel on a grid of 0 CTAs, which CUDA refuses. Stand-ins
+    for the device check and the launches show what would have run."""
+    launched = []
+    monkeypatch.setattr(rf, "require_cuda", lambda name, tensor: None)
+    monkeypatch.setattr(rf, "launch_flush", lambda *a, **k: launched.append("flush"))
+    monkeypatch.setattr(rf, "launch_advance_counters", lambda *a, **k: launched.append("adv"))
+    args, window = cpu_args(slots=0)
+    out = rf.replay_flush(**args, window=window)
+    assert launched == [] and out.shape == args["x"].shape
+
+
 @pytest.mark.parametrize("flag", ["overlap_flush", "check_flush_slots", "check_counters"])
 def test_decode_step_switches_are_bools(flag):
     """A switch given as a word ("no") was read with bool(): refused."""
