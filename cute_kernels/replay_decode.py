@@ -149,12 +149,13 @@ def replay_decode_step(
     replay_output(read_copy, ring_x, ring_dt, ring_B, cursors, x, dt, A, B, C, D, z, dt_bias,
                   dt_softplus, out, window=window, lo_format=read_format,
                   _config_for_sms=_sm_count(hi.device) if hi.is_cuda else _compile.H200_SM_COUNT)
+    if flush_slots is not None:  # before the device check, so that it names the table
+        flush_slots = _checked_table(flush_slots, cursors, window, check_flush_slots)
     require_cuda("hi", hi)
     if hi.shape[0] == 0:
         return out
     slot_ctas = None
     if flush_slots is not None:
-        flush_slots = _checked_table(flush_slots, cursors, window, check_flush_slots)
         cfg = dataclasses.replace(cfg, slot_table=True)
     elif cfg.hi_format == "fp32":
         # fp32: CTAs that loop over slots (at batch 256 staggered, L = 16, 355.6 -> 321.7 us a

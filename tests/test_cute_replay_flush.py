@@ -1246,6 +1246,27 @@ def test_decode_step_checks_both_kernels_before_launching_either(monkeypatch, sh
     assert launched == []
 
 
+@pytest.mark.parametrize("table, message", [
+    (torch.zeros(2, 2, dtype=torch.int32), "flush_slots: expected a 1-D int32 tensor"),
+    ([0], "flush_slots: expected a 1-D int32 tensor"),
+    (torch.zeros(1, dtype=torch.int64), "flush_slots: expected int32 on cpu, got torch.int64"),
+    (torch.zeros(4, dtype=torch.int32), "flush_slots: expected at most 3 entries"),
+    (torch.tensor([1], dtype=torch.int32), r"flush_slots: the slots at cursor 7 are \[\]"),
+])
+def test_decode_step_checks_the_flush_table_before_the_device(table, message):
+    """A bad `flush_slots` is named on CPU tensors (it was checked after the device check, so
+    the call said 'hi: expected a CUDA tensor'; with zero slots on the GPU it was not checked
+    at all); with check_flush_slots the table is compared with the cursors there too."""
+    from cute_kernels.replay_decode import replay_decode_step
+
+    args, window = cpu_args(shape=dict(nheads=4, headdim=16, dstate=128, ngroups=2))
+    with pytest.raises(ValueError, match=message):
+        replay_decode_step(**args, window=window, flush_slots=table, check_flush_slots=True)
+    with pytest.raises(ValueError, match="hi: expected a CUDA tensor"):
+        replay_decode_step(**args, window=window, flush_slots=torch.zeros(0, dtype=torch.int32),
+                           check_flush_slots=True)
+
+
 def test_flush_of_no_slots_launches_nothing(monkeypatch):
     """replay_flush with zero slots returns its (empty) output without a compile or a launch,
     as replay_output, replay_decode_step and state_update do: it launched the flush on a
