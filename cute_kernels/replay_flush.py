@@ -247,6 +247,40 @@ class FlushConfig:
     ablate: tuple = ()
 
     def __post_init__(self):
+        # what replay_flush checks on its arguments, for configs built directly (compile_flush,
+        # bench_write, instruction_count): an unknown format compiled another one's kernel
+        for name, choices in (("hi_format", HI_FORMATS), ("hi_rounding", HI_ROUNDINGS),
+                              ("lo_format", LO_FORMATS), ("act", tuple(CUTE_DTYPES)),
+                              ("dt_dtype", tuple(CUTE_DTYPES))):
+            check_choice(name, getattr(self, name), choices)
+        if self.hi_format == "fp32" and self.hi_rounding != "rn":
+            _compile.fail("hi_rounding", "'rn' for an fp32 recurrence copy (its store is exact)",
+                          repr(self.hi_rounding))
+        if not _is_int(self.window) or not 1 <= self.window <= 32:
+            _compile.fail("window", "an int in [1, 32]", repr(self.window))
+        if not _is_int(self.ring_len) or self.ring_len < self.window:
+            _compile.fail("ring_len", f"an int >= window={self.window}", repr(self.ring_len))
+        if not _is_int(self.ngroups) or self.ngroups < 1 or self.nheads % self.ngroups:
+            _compile.fail("ngroups", f"a divisor of nheads={self.nheads}", repr(self.ngroups))
+        if self.elements_per_thread not in (32, 64) or isinstance(self.elements_per_thread, bool):
+            _compile.fail("elements_per_thread", "32 or 64", repr(self.elements_per_thread))
+        if self.dstate not in (16, 32, 64, 128, 256):
+            _compile.fail("dstate", "a power of two in [16, 256]", repr(self.dstate))
+        problem = _layout_problem(self.headdim, self.dstate, self.elements_per_thread)
+        if problem is not None:  # (reported as "chunk: expected 8 here ..., got 8")
+            _compile.fail(f"headdim x dstate at {self.elements_per_thread} elements a thread",
+                          problem[1], f"{self.headdim} x {self.dstate}")
+        for name in ("has_D", "has_z", "has_dt_bias", "dt_softplus", "has_debug", "slot_loop",
+                     "slot_table", "ring_loads_first"):
+            if not isinstance(getattr(self, name), bool):
+                _compile.fail(name, "a bool", repr(getattr(self, name)))
+        if self.min_ctas_per_sm is not None and (not _is_int(self.min_ctas_per_sm)
+                                                 or not 0 <= self.min_ctas_per_sm <= 32):
+            _compile.fail("min_ctas_per_sm", "None or an int in [0, 32]",
+                          repr(self.min_ctas_per_sm))
+        if not _is_int(self.smem_carveout) or not -1 <= self.smem_carveout <= 100:
+            _compile.fail("smem_carveout", "-1 (the driver's choice) or a percent in [0, 100]",
+                          repr(self.smem_carveout))
         if self.fold is not None and self.fold not in FOLDS:
             _compile.fail("fold", f"one of {FOLDS}", repr(self.fold))
         if self.chunk is not None and self.chunk not in CHUNKS:
@@ -314,6 +348,10 @@ class FlushConfig:
     def fold_k(self) -> int:
         """The window padded to the mma's k (16)."""
         return 16 * ((self.window + 15) // 16)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 FOLDS = ("fma", "mma", "direct")

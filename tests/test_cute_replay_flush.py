@@ -307,6 +307,41 @@ def test_state_shapes_that_need_a_partial_warp_are_refused():
         rf.check_state_shape("hi", torch.empty(1, 2, 24, 64), 32)
 
 
+@pytest.mark.parametrize("hi, rounding, lo, changes, message", [
+    ("bf16", "sr", "nvfp4", {}, "hi_format: expected one of"),  # compiled the fp16 kernel
+    ("fp16", "up", "nvfp4", {}, "hi_rounding: expected one of"),  # compiled RN
+    ("fp32", "sr", "none", {}, "hi_rounding: expected 'rn' for an fp32"),
+    ("fp16", "sr", "mxfp4", {}, "lo_format: expected one of"),  # compiled fp8_e4m3's stores
+    ("fp16", "sr", "nvfp4", dict(act="fp64"), "act: expected one of"),
+    ("fp16", "sr", "nvfp4", dict(dt_dtype="int8"), "dt_dtype: expected one of"),
+    ("fp16", "sr", "nvfp4", dict(window=0), "window: expected an int in"),
+    ("fp16", "sr", "nvfp4", dict(window=33), "window: expected an int in"),
+    ("fp16", "sr", "nvfp4", dict(ring_len=8), "ring_len: expected an int >= window=16"),
+    ("fp16", "sr", "nvfp4", dict(ngroups=5), "ngroups: expected a divisor of nheads=6"),
+    ("fp16", "sr", "nvfp4", dict(elements_per_thread=48), "elements_per_thread: expected 32"),
+    ("fp16", "sr", "nvfp4", dict(dstate=48), "dstate: expected a power of two"),
+    ("fp16", "sr", "nvfp4", dict(headdim=24, dstate=128),
+     r"headdim x dstate at 64 elements a thread: expected .*multiple of 32.*, got 24 x 128"),
+    ("fp16", "sr", "nvfp4", dict(slot_loop="yes"), "slot_loop: expected a bool"),
+    ("fp16", "sr", "nvfp4", dict(min_ctas_per_sm=-1), "min_ctas_per_sm: expected None or"),
+    ("fp16", "sr", "nvfp4", dict(smem_carveout=200), "smem_carveout: expected -1"),
+])
+def test_flush_config_refuses_what_replay_flush_refuses(hi, rounding, lo, changes, message):
+    """FlushConfig (compile_flush's key, built directly by bench_write and instruction_count)
+    accepted any format name, window or group count and compiled some other kernel (a bf16
+    recurrence copy as fp16, rounding 'up' as RN, an unknown read copy as fp8_e4m3) or failed
+    deep in the trace; a head that does not split over its threads was reported as 'chunk:
+    expected 8 here ..., got 8'. Now each is a ValueError naming the field, before a compile."""
+    changes = {"window": 16, **changes}
+    shape = {**ODD, **{k: changes.pop(k) for k in ("ngroups", "dstate", "headdim")
+                       if k in changes}}
+    window = changes.pop("window")
+    with pytest.raises(ValueError, match=message):
+        if {"ring_len", "dt_dtype"} & set(changes):  # fields config() sets itself
+            dataclasses.replace(config(shape, hi, rounding, lo, window=window), **changes)
+        config(shape, hi, rounding, lo, window=window, **changes)
+
+
 def test_advance_kernel_compiles():
     rf.compile_advance(16, advance_others=False)
     rf.compile_advance(16, advance_others=True)
