@@ -76,6 +76,7 @@ from cutlass.memory import SmemAllocator
 from cute_kernels import _compile
 from cute_kernels import numerics as nm
 from cute_kernels import tensor_core as tc
+from lowprec.philox import ELEMENT_LIMIT, SLOT_LIMIT
 from lowprec.replay import check_counter_ranges
 
 __all__ = [
@@ -1547,6 +1548,19 @@ def check_seed(seed):
         _compile.fail("seed", "an int in [0, 2^64)", repr(seed))
 
 
+def check_philox_fields(name, slots, slot_elements, draws_words=True):
+    """The state's slots within the Philox counter's slot field (fewer than 2^20) and, where
+    SR draws words, each slot's element indices within its element field (below 2^24,
+    lowprec.philox.ELEMENT_LIMIT, whose emulation refuses more): past them the counter's
+    fields overlap and elements silently share words."""
+    if slots >= SLOT_LIMIT:
+        _compile.fail(f"{name}.shape[0] (slots)", "fewer than 2^20 (Philox slot field)", slots)
+    if draws_words and slot_elements > ELEMENT_LIMIT:
+        _compile.fail(f"{name}.shape[1:] (nheads x headdim x dstate)",
+                      "at most 2^24 elements a slot (Philox element field, with SR)",
+                      slot_elements)
+
+
 def check_choice(name, value, choices):
     if value not in choices:
         _compile.fail(name, f"one of {choices}", repr(value))
@@ -1786,8 +1800,8 @@ def _prepare_flush(
     if debug_state is not None:
         _compile.check_tensor("debug_state", debug_state, torch.float32, hi.shape, device)
     lo = normalise_lo(lo, lo_format, slots, nheads, headdim, dstate, device)
-    if slots >= 1 << 20:
-        _compile.fail("hi.shape[0] (slots)", "fewer than 2^20 (Philox slot field)", slots)
+    check_philox_fields("hi", slots, nheads * headdim * dstate,
+                        hi_format == "fp16" and hi_rounding == "sr")
     cfg = FlushConfig(
         nheads=nheads,
         headdim=headdim,

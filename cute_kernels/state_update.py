@@ -45,6 +45,7 @@ from cute_kernels import numerics as nm
 from cute_kernels.replay_flush import (
     CUTE_DTYPES,
     check_mamba2_inputs,
+    check_philox_fields,
     check_seed,
     check_state_shape,
     require_cuda,
@@ -338,6 +339,7 @@ def state_update(
     )
     if rounding == "sr":
         _compile.check_tensor("counters", counters, torch.int32, (slots,), device)
+        check_philox_fields("state", slots, nheads * headdim * dstate)
     elif counters is not None:
         _compile.fail("counters", "None unless rounding='sr'", type(counters).__name__)
     if debug_state is not None:

@@ -342,32 +342,52 @@ def test_flush_config_refuses_what_replay_flush_refuses(hi, rounding, lo, change
         config(shape, hi, rounding, lo, window=window, **changes)
 
 
+@pytest.mark.parametrize("slots, shape, changes, message", [
+    (1 << 20, ODD, {}, r"hi.shape\[0\] \(slots\): expected fewer than 2\^20"),
+    (2, dict(nheads=1032, headdim=64, dstate=256, ngroups=8), {},
+     r"hi.shape\[1:\] \(nheads x headdim x dstate\): expected at most 2\^24 elements a slot"),
+    (2, dict(nheads=1032, headdim=64, dstate=256, ngroups=8), dict(hi_rounding="rn"),
+     "hi: expected a CUDA tensor"),  # no words drawn: the element field does not apply
+    (2, dict(nheads=1024, headdim=64, dstate=256, ngroups=8), {}, "hi: expected a CUDA tensor"),
+])
+def test_flush_refuses_states_past_the_philox_fields(slots, shape, changes, message):
+    """Slot s's SR words come from the counter (s << 44 | flush << 24 | e / 4): 2^20 slots or
+    more than 2^24 elements a slot would overlap its fields and silently share words (the
+    emulation, lowprec.philox, refused such shapes and said the kernels did; the flush checked
+    the slots only). Meta tensors: nothing allocated."""
+    args, window = cpu_args(slots=slots, shape=shape, device="meta")
+    args["lo"] = None
+    with pytest.raises(ValueError, match=message):
+        rf.replay_flush(**args, window=window, lo_format="none", **changes)
+
+
 def test_advance_kernel_compiles():
     rf.compile_advance(16, advance_others=False)
     rf.compile_advance(16, advance_others=True)
 
 
-def cpu_args(slots=3, shape=ODD, window=8, act=torch.float32):
-    """Valid arguments on the CPU (validation runs before any launch)."""
+def cpu_args(slots=3, shape=ODD, window=8, act=torch.float32, device="cpu"):
+    """Valid arguments on the CPU (validation runs before any launch); on "meta" for shapes
+    too large to allocate."""
     H, P, N, G = shape["nheads"], shape["headdim"], shape["dstate"], shape["ngroups"]
     f32 = torch.float32
     args = dict(
-        hi=torch.zeros(slots, H, P, N, dtype=torch.float16),
+        hi=torch.zeros(slots, H, P, N, dtype=torch.float16, device=device),
         lo=dict(
-            codes=torch.zeros(slots, H, P, N // 2, dtype=torch.uint8),
-            scales=torch.zeros(slots, H, P, N // 16, dtype=torch.uint8),
-            global_scale=torch.zeros(slots, H, dtype=f32),
+            codes=torch.zeros(slots, H, P, N // 2, dtype=torch.uint8, device=device),
+            scales=torch.zeros(slots, H, P, N // 16, dtype=torch.uint8, device=device),
+            global_scale=torch.zeros(slots, H, dtype=f32, device=device),
         ),
-        ring_x=torch.zeros(slots, H, window, P, dtype=act),
-        ring_dt=torch.zeros(slots, H, window, dtype=f32),
-        ring_B=torch.zeros(slots, G, window, N, dtype=act),
-        cursors=torch.zeros(slots, dtype=torch.int32),
-        flushes=torch.zeros(slots, dtype=torch.int32),
-        x=torch.zeros(slots, H, P, dtype=act),
-        dt=torch.zeros(slots, H, dtype=act),
-        A=torch.zeros(H, dtype=f32),
-        B=torch.zeros(slots, G, N, dtype=act),
-        C=torch.zeros(slots, G, N, dtype=act),
+        ring_x=torch.zeros(slots, H, window, P, dtype=act, device=device),
+        ring_dt=torch.zeros(slots, H, window, dtype=f32, device=device),
+        ring_B=torch.zeros(slots, G, window, N, dtype=act, device=device),
+        cursors=torch.zeros(slots, dtype=torch.int32, device=device),
+        flushes=torch.zeros(slots, dtype=torch.int32, device=device),
+        x=torch.zeros(slots, H, P, dtype=act, device=device),
+        dt=torch.zeros(slots, H, dtype=act, device=device),
+        A=torch.zeros(H, dtype=f32, device=device),
+        B=torch.zeros(slots, G, N, dtype=act, device=device),
+        C=torch.zeros(slots, G, N, dtype=act, device=device),
     )
     return args, window
 

@@ -122,6 +122,28 @@ def test_config_refuses_formats_the_kernel_does_not_have(state, rounding, messag
         config(state, rounding)
 
 
+@pytest.mark.parametrize("slots, nheads, rounding, message", [
+    (1 << 20, 2, "sr", r"state.shape\[0\] \(slots\): expected fewer than 2\^20"),
+    (2, 1032, "sr", r"state.shape\[1:\] .*: expected at most 2\^24 elements a slot"),
+    (1 << 20, 2, "rn", "state: expected a CUDA tensor"),  # RN draws no words
+    (2, 1024, "sr", "state: expected a CUDA tensor"),  # 2^24 elements: e < 2^24
+])
+def test_sr_refuses_states_past_the_philox_fields(slots, nheads, rounding, message):
+    """SR takes slot s's words from the counter (s << 44 | counters[s] << 24 | e / 4): 2^20
+    slots or more than 2^24 elements a slot overlap its fields, so elements would silently
+    share words (replay_flush refused the slots; state_update refused neither). Meta tensors:
+    nothing allocated."""
+    m = dict(device="meta")
+    P, N, G = 64, 256, 8 if nheads > 2 else 1
+    args = dict(state=torch.empty(slots, nheads, P, N, dtype=torch.float16, **m),
+                x=torch.empty(slots, nheads, P, **m), dt=torch.empty(slots, nheads, **m),
+                A=torch.empty(nheads, **m), B=torch.empty(slots, G, N, **m),
+                C=torch.empty(slots, G, N, **m))
+    counters = torch.empty(slots, dtype=torch.int32, **m) if rounding == "sr" else None
+    with pytest.raises(ValueError, match=message):
+        su.state_update(**args, rounding=rounding, counters=counters)
+
+
 def random_inputs(slots, shape, state_dtype, act, gen):
     H, P, N, G = shape["nheads"], shape["headdim"], shape["dstate"], shape["ngroups"]
 
