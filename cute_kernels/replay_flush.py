@@ -1548,6 +1548,14 @@ def check_seed(seed):
         _compile.fail("seed", "an int in [0, 2^64)", repr(seed))
 
 
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two contiguous tensors' bytes overlap (meta tensors have no bytes)."""
+    if a.device.type == "meta":
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
 def check_philox_fields(name, slots, slot_elements, draws_words=True):
     """The state's slots within the Philox counter's slot field (fewer than 2^20) and, where
     SR draws words, each slot's element indices within its element field (below 2^24,
@@ -1797,6 +1805,8 @@ def _prepare_flush(
     _compile.check_tensor("ring_B", ring_B, x.dtype, (slots, ngroups, ring_len, dstate), device)
     _compile.check_tensor("cursors", cursors, torch.int32, (slots,), device)
     _compile.check_tensor("flushes", flushes, torch.int32, (slots,), device)
+    if slots and _overlap(cursors, flushes):  # the counter kernel resets one, advances the other
+        _compile.fail("flushes", "a tensor apart from cursors", "one sharing its memory")
     if debug_state is not None:
         _compile.check_tensor("debug_state", debug_state, torch.float32, hi.shape, device)
     lo = normalise_lo(lo, lo_format, slots, nheads, headdim, dstate, device)

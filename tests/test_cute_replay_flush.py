@@ -410,6 +410,9 @@ def cpu_args(slots=3, shape=ODD, window=8, act=torch.float32, device="cpu"):
             "x: expected a contig",
         ),
         ("lo", lambda a: {"codes": a["lo"]["codes"]}, "lo: expected keys"),
+        # the counter kernel would reset the cursor and then add one to it: cursor 1, and the
+        # flush counter never advanced
+        ("flushes", lambda a: a["cursors"], "flushes: expected a tensor apart from cursors"),
     ],
 )
 def test_bad_arguments_raise_value_errors_naming_them(name, bad, message):
