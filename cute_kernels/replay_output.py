@@ -2036,15 +2036,14 @@ def _lo_tensors(lo, lo_format, S, H, P, N, device):
               type(lo).__name__)
     if lo_format == "nvfp4":
         g_key = "global" if "global" in lo else "global_scale"
-        for key in ("codes", "scales", g_key):
-            if key not in lo:
-                _fail("lo", "keys codes, scales, global", sorted(lo))
+        if set(lo) != {"codes", "scales", g_key}:  # (as normalise_lo: no key left unread)
+            _fail("lo", "keys codes, scales, global (or global_scale)", sorted(lo))
         _check("lo['codes']", lo["codes"], torch.uint8, (S, H, P, N // 2), device)
         _check("lo['scales']", lo["scales"], torch.uint8, (S, H, P, N // 16), device)
         _check(f"lo[{g_key!r}]", lo[g_key], torch.float32, (S, H), device)
         return lo["codes"], lo["scales"], lo[g_key]
     key = "values" if "values" in lo else "codes"
-    if key not in lo:
+    if set(lo) != {key}:
         _fail("lo", "key 'values' (or 'codes')", sorted(lo))
     t = lo[key]
     raw = _RAW_DTYPES[lo_format]

@@ -968,6 +968,11 @@ def test_read_copy_forms_are_those_the_flush_accepts():
         (dict(C=torch.zeros(3, 3, 128, dtype=torch.bfloat16)), "C: expected ngroups"),
         (dict(cursors=torch.zeros(3, dtype=torch.int64)), "cursors: expected dtype"),
         (dict(lo={"codes": torch.zeros(3, 4, 16, 64, dtype=torch.uint8)}), "lo: expected keys"),
+        # keys replay_flush refuses were ignored: with both, 'global' was read, 'global_scale'
+        # (perhaps the one meant) dropped
+        (dict(lo={**_cpu_args()["lo"], "global_scale": torch.zeros(3, 4)}), "lo: expected keys"),
+        (dict(lo_format="fp16", lo={"values": torch.zeros(3, 4, 16, 128, dtype=torch.float16),
+                                    "scales": None}), r"lo: expected key 'values'"),
         (dict(x=torch.zeros(3, 4, 8, dtype=torch.bfloat16)), "headdim"),
         (dict(z=torch.zeros(3, 4, 16)), "z: expected dtype"),
     ],
