@@ -1671,9 +1671,10 @@ def replay_flush(
     `flushes` of the slots that flushed. Returns out. Runs on torch's current stream.
     `elements_per_thread` (64, or 32 for twice the threads and about 80 registers each;
     default 32 for fp16 hi where the head shape allows it, `default_elements_per_thread`) and
-    `fold` ("mma": the ring folded on the tensor cores, the default where `mma_fold_problem`
-    allows it; "direct": transposed, its accumulators the thread's own elements, where
-    `direct_fold_problem` allows it; "fma") and `chunk` (8 or 16 state elements a thread
+    `fold` ("direct": the ring folded on the tensor cores, transposed so that its accumulators
+    are the thread's own elements, the default where `direct_fold_problem` allows it; "mma":
+    tensor cores, the default where only `mma_fold_problem` allows it; "fma" elsewhere;
+    `default_fold`) and `chunk` (8 or 16 state elements a thread
     handles as one piece) and `e2m1_pairs` (NVFP4 codes two at a time; default True) are
     tuning knobs (FlushConfig).
     """
