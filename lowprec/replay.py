@@ -201,11 +201,16 @@ class ReplaySSM:
         self.pending = False
 
     def _begin_verify(self):
-        """Decide the flush per slot (``h + T > L``) before the step; clears a pending verify
-        (nothing accepted)."""
+        """Decide the flush per slot (``h + T > L``) before the step, and check the flushing
+        slots' counters (as ``_write_copies`` does, but before anything is written); clears a
+        pending verify (nothing accepted). A verify is pending only once its checks pass, as in
+        the emulation: a refused one appends no draft, and a commit after it would count stale
+        ring entries as records."""
         self._check_mode(True)
+        is_flush = self.count + self.draft > self.window
+        check_flush_field("flushes", self.flushes[is_flush])
         self.pending = True
-        return self.count + self.draft > self.window
+        return is_flush
 
     def _check_records(self, specs, dtype):
         for name, t, shape in specs:

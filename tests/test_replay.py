@@ -433,3 +433,27 @@ def test_switches_and_the_flush_counter_limit_are_checked():
     B, C = (torch.randn(2, 1, 16, generator=g, dtype=torch.float64) for _ in range(2))
     with pytest.raises(ValueError, match=r"flushes: expected values in \[0, 2\^20 - 1\)"):
         cache.step(x, dt, B, C)
+
+
+def test_a_verify_refused_at_the_flush_counter_limit_leaves_nothing_to_commit():
+    """A verify whose flush is refused (a slot at the last Philox flush counter) appended no
+    draft, so a commit after it must be refused too, as the emulation refuses it (it marks a
+    verify pending only once its checks pass). The reference marked it pending before the
+    check: the commit went through and counted a stale ring entry as a record (h > L here)."""
+    A = -torch.ones(3, dtype=F64)
+    cache = Mamba2Replay.create(2, 3, 4, 16, A, draft=2,
+                                policy=Policy("shared", fmt="fp16", rounding="sr", window=2))
+    g = torch.Generator().manual_seed(4)
+
+    def drafts():
+        r = lambda *s: torch.randn(*s, dtype=F64, generator=g)  # noqa: E731
+        return r(2, 3, 2, 4), r(2, 3, 2), r(2, 1, 2, 16), r(2, 1, 2, 16)
+
+    cache.verify(*drafts())
+    cache.commit(2)  # h = 2: the next verify flushes
+    cache.flushes = torch.tensor([0, replay.FLUSH_COUNTER_LIMIT])
+    with pytest.raises(ValueError, match=r"flushes: expected values in \[0, 2\^20 - 1\)"):
+        cache.verify(*drafts())
+    with pytest.raises(ValueError, match="commit: expected a verify"):
+        cache.commit(1)
+    assert cache.count.tolist() == [2, 2]
