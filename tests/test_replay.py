@@ -284,6 +284,73 @@ def test_cache_with_a_policy_equals_the_simulator(recurrence, policy):
     assert cache.flushes.tolist() == [sim.flushes] * b
 
 
+def _draft_decay(case, drafts, i):
+    """Decay factor of draft ``i`` on a state ``[b, h, dv, dk]``: Mamba-2's ``exp(dt A)`` per
+    head, GDN's ``exp(g)`` per head, KDA's ``exp(g)`` per column (d_k channel)."""
+    if case.name == "mamba2":
+        dt = F.softplus(drafts["dt"][:, :, i] + case.dt_bias)
+        return torch.exp(dt * case.A)[..., None, None]
+    g = drafts["g"][:, :, i]
+    return torch.exp(g)[..., None, :] if case.per_channel else torch.exp(g)[..., None, None]
+
+
+@pytest.mark.parametrize("recurrence", list(CASES))
+def test_speculative_decoding_with_two_copies_reads_the_read_copy_and_folds_the_other(
+        recurrence):
+    """Separate policy, recurrence copy FP16 RN and read copy FP8 RN (so hi, lo and the
+    unrounded state all differ), L = 6, T = 2, random acceptance 0..T per slot. With FP64 (exact
+    policy) the copies coincide, so the tests above cannot tell which copy a verify reads or a
+    flush folds. Here, against a model of two trajectories: the flush's unrounded state is the
+    recurrence copy advanced exactly by the committed records, and both copies are its
+    roundings; a flush verify's drafts read that unrounded state, any other verify's drafts the
+    read copy plus the committed records. GDN/KDA cache each draft's u from the state the draft
+    read, so after a flush verify the window reads lo's decayed term plus the u computed from
+    the unrounded state: read = branch + G (lo - S_new), G the accepted drafts' decay (for
+    Mamba-2 that is lo advanced by the drafts). Tolerance: RTOL as above; the copies compared
+    bit for bit (an RN decision flipped by FP64 rounding order: ~1e-16 / 2^-11, never)."""
+    gen = torch.Generator().manual_seed(40)
+    case = CASES[recurrence](gen)
+    b, h, _, dv, dk = case.dims
+    window, draft = 6, 2
+    policy = Policy("separate", fmt="fp8_e4m3", hi_fmt="fp16", window=window)
+    cache = case.create(window, draft, policy=policy)
+    zero = torch.zeros(b, h, dv, dk, dtype=F64)
+    recur, read, lo = zero, zero, zero  # flush input, non-flush read state, read copy
+    draw = torch.Generator().manual_seed(41)
+    flushed, quiet = 0, 0  # quiet: verifies after the first flush in which no slot flushes
+    for it in range(15):
+        flush = (cache.count + draft > window)[:, None, None, None]
+        drafts = case.tokens(draft)
+        y = cache.verify(**drafts)
+        if bool(flush.any()):
+            m = flush[:, 0, 0, 0]
+            assert torch.equal(cache.hi[m], fake_quantize(recur, "fp16")[m]), f"hi at {it}"
+            lo = torch.where(flush, fake_quantize(recur, "fp8_e4m3"), lo)
+            assert torch.equal(cache.lo, lo), f"lo at iteration {it}"
+            flushed += int(m.sum())
+        elif flushed:
+            quiet += 1
+        branch = torch.where(flush, recur, read)
+        outputs, branches, decays = [], [branch], [torch.ones_like(zero)]
+        for i in range(draft):
+            y_i, branch = case.step(branch, case.pick(drafts, i))
+            outputs.append(y_i)
+            branches.append(branch)
+            decays.append(decays[-1] * _draft_decay(case, drafts, i))
+        assert_rel_close(y, torch.stack(outputs, dim=2), RTOL, f"drafts at iteration {it}")
+
+        accepted = torch.randint(0, draft + 1, (b,), generator=draw)
+        cache.commit(accepted)
+        slots = torch.arange(b)
+        branch, decay = torch.stack(branches)[accepted, slots], torch.stack(decays)[accepted, slots]
+        read = torch.where(flush, branch + decay * (lo - recur), branch)
+        recur = torch.where(flush, cache.hi, recur)
+        for i in range(draft):
+            _, stepped = case.step(recur, case.pick(drafts, i))
+            recur = torch.where((i < accepted)[:, None, None, None], stepped, recur)
+    assert flushed >= 2 * b and quiet >= 2  # both kinds of verify, after copies are written
+
+
 def test_sr_copies_are_reproducible_and_count_their_flushes():
     """FP16-SR recurrence copy: the same seed writes the same bits; the copy lies on the FP16
     grid; each flush advances the slot's flush counter. (That each flush rounds with the words
