@@ -198,9 +198,10 @@ def mamba2_replay_verify(ckpt, ring_x, ring_dt, ring_B, count, C, x, A, D=None, 
 
 def mamba2_replay_output(ckpt, ring_x, ring_dt, ring_B, count, C, x, A, D=None, z=None):
     """Output of the current step (the record at ring position ``count - 1``) from the
-    checkpoint and the ring; ``C [b, g, dk]``, ``x, z [b, h, dv]``; returns ``y [b, h, dv]``:
+    checkpoint and the ring; ``C [b, g, dk]``, ``x, z [b, h, dv]``; returns ``y [b, h, dv]``
+    (``p = count - 1``, decay products as in the module docstring):
 
-        y = g_{0:n} (S_ckpt C) + sum_j g_{j+1:n} dt_j (B_j . C) x_j + D x
+        y = g_{0:p} (S_ckpt C) + sum_{j<=p} g_{j+1:p} dt_j (B_j . C) x_j + D x
     """
     check_ndim("C", C, 3, "[b, g, dk]")
     check_ndim("x", x, 3, "[b, h, dv]")
@@ -222,9 +223,10 @@ def mamba2_replay_output(ckpt, ring_x, ring_dt, ring_B, count, C, x, A, D=None, 
 
 
 def mamba2_replay_flush(ckpt, ring_x, ring_dt, ring_B, count, A):
-    """Fold the ``count[b]`` records of each slot's ring into a new state ``[b, h, dv, dk]``:
+    """Fold the ``count[b]`` records of each slot's ring into a new state ``[b, h, dv, dk]``
+    (``p = count - 1``; ``count = 0`` returns ``ckpt``):
 
-    S_n = g_{0:n} S_ckpt + sum_j g_{j+1:n} dt_j x_j B_j^T
+    S_p = g_{0:p} S_ckpt + sum_{j<=p} g_{j+1:p} dt_j x_j B_j^T
     """
     b, h, g, lcap, dv, dk = _check_ring(ckpt, ring_x, ring_dt, ring_B, count, A)
     positions = (count - 1)[:, None]  # the last record; -1 leaves the checkpoint unchanged

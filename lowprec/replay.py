@@ -27,9 +27,11 @@ ring (their new window starts with them; a kernel would address the ring modulo 
 instead). ``commit(a)`` advances ``h`` by the ``a`` accepted drafts; the rejected ones stay in
 the ring past ``h`` and are overwritten by the next ``verify``: rollback is a pointer move.
 
-GDN and KDA cache ``u`` per record (computed on its own step from the read copy) and the raw
-``v``; their flushes recompute every ``u`` from the recurrence copy. Their drafts' ``u`` depend
-on each other, so their ``verify`` computes the ``T`` records in order.
+GDN and KDA cache ``u`` per record (computed on its own step from the state that step read:
+the read copy and the ring, or, for the drafts of a flushing verify, the unrounded new state;
+the window's later steps read those ``u`` beside the read copy) and the raw ``v``; their
+flushes recompute every ``u`` from the recurrence copy. Their drafts' ``u`` depend on each
+other, so their ``verify`` computes the ``T`` records in order.
 
 SR words for a copy are ``random_words(policy.seed, slot, flushes[slot], ...)``, so every write
 of a slot's copy uses fresh words and a replay regenerates them.

@@ -197,8 +197,9 @@ def test_speculative_decoding_with_random_acceptance_equals_token_by_token(recur
 
 
 def test_rollback_of_40_steps_then_continuing_equals_token_by_token():
-    """40 consecutive verifies with nothing accepted (each a pure pointer rollback, no flush),
-    between random-acceptance phases; outputs and checkpoints still match the recurrence."""
+    """40 consecutive verifies with nothing accepted (after the first, which may flush what is
+    committed, each a pure pointer rollback, no flush), between random-acceptance phases;
+    outputs and checkpoints still match the recurrence."""
     gen = torch.Generator().manual_seed(23)
     case = Mamba2Case(gen)
     b = case.dims[0]
