@@ -247,9 +247,10 @@ def bench_flush(
     cfg: BenchConfig, hi_format, lo_format, flushing=True, hi_rounding=None,
     elements_per_thread=None, **knobs,
 ):
-    gen = torch.Generator(device="cuda").manual_seed(3)
     B, L = cfg.batch, cfg.window
+    # the config first: a case whose knobs FlushConfig refuses fails here, before the GPU
     fcfg = flush_config(B, L, hi_format, lo_format, hi_rounding, elements_per_thread, **knobs)
+    gen = torch.Generator(device="cuda").manual_seed(3)
     launches = []
     for _ in range(cfg.sets):
         cache = make_cache(B, L, hi_format, "none", gen, torch.full((B,), L - 1 if flushing else 0))

@@ -132,3 +132,30 @@ def test_a_shortened_flag_is_refused_as_the_experiments_refuse_it(module, argv, 
     assert exit_.value.code == 2
     assert f"unrecognized arguments: {' '.join(argv[-2:] if len(argv) > 1 else argv)}" in \
         capsys.readouterr().err
+
+
+def test_every_flush_case_builds_a_config_that_flushconfig_accepts(monkeypatch):
+    """FlushConfig refuses what replay_flush refuses; each bench_write flush case's knobs
+    (register caps, folds, chunks, ablations, elements per thread) must pass, or the case
+    would fail on the GPU only. The config is built before any CUDA call, so here each flush
+    case stops right after it."""
+    built = []
+
+    class Built(Exception):
+        pass
+
+    def record(*args, **knobs):
+        built.append(bench_write_flush_config(*args, **knobs))
+        raise Built
+
+    bench_write_flush_config = bench_write.flush_config
+    monkeypatch.setattr(bench_write, "flush_config", record)
+    names = []
+    for name, _, bench in bench_write.bench_cases(bench_write.BenchConfig()):
+        if name.startswith("flush"):
+            with pytest.raises(Built):
+                bench()
+            names.append(name)
+    assert len(built) == len(names) >= 15
+    assert {c.min_ctas_per_sm for c in built} >= {0, 5, 6}
+    assert {c.hi_format for c in built} == {"fp16", "fp32"}
