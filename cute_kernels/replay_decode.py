@@ -85,7 +85,9 @@ def replay_decode_step(
 ):
     """Advance every slot by one token; returns out `[slots, nheads, headdim]` (x's dtype).
 
-    Arguments as `replay_flush` (cute_kernels/replay_flush.py), within `replay_output`'s limits
+    Arguments as `replay_flush` (cute_kernels/replay_flush.py; its tuning knobs,
+    `elements_per_thread`, `fold`, `chunk` and `e2m1_pairs`, stay at their defaults here),
+    within `replay_output`'s limits
     as well (window >= 2; headdim a multiple of 16; dstate a multiple of 128 for nvfp4, 64 for
     fp8_e4m3, 32 for fp16 and fp32): both kernels' argument checks run before either kernel is
     launched, so a refused call leaves the cache as it was. `debug_state` receives the
