@@ -399,7 +399,9 @@ def round_to(x: torch.Tensor, element, rounding: str = "rn", rand=None) -> torch
     if isinstance(element, str):
         element = formats.ELEMENTS.get(element, element)
     if not isinstance(element, formats.ElementFormat) or element.bits > 32:
-        raise ValueError(f"element: expected an ElementFormat of <= 32 bits, got {element!r}")
+        names = [n for n, e in formats.ELEMENTS.items() if e.bits <= 32]
+        raise ValueError(f"element: expected an ElementFormat of <= 32 bits or one of {names}, "
+                         f"got {element!r}")
     _check_words(rand, rounding, x)
     x = x.contiguous()
     q = torch.empty_like(x)

@@ -324,11 +324,15 @@ def test_format_spec_is_format_data():
         (lambda: numerics.codes_of(torch.ones(3, 32), "mxfp4", torch.ones(1, 3)),
          r"scales: expected shape \[3, 1\], got \[1, 3\]"),
         (lambda: numerics.codes_of(torch.ones(3, 32), "fp16", None), "fmt: expected a block"),
+        # a name the kernels do not round to lists the names they do
+        (lambda: numerics.round_to(torch.zeros(3), "fp7"),
+         r"element: .* or one of \['fp32', 'fp16', 'bf16', 'e4m3', 'e5m2', 'e2m1'\], got 'fp7'"),
     ],
     ids=["dtype", "fp64-element", "sr-without-words", "rounding", "block", "fp64", "ndim",
          "negative-word", "word-past-2^32", "nvfp4-no-rows", "slot-2^20", "flush-negative",
          "seed-negative", "numel-past-2^24", "numel-float", "codes-of-without-s_g",
-         "codes-of-extra-s_g", "codes-of-scales-shape", "codes-of-element-format"],
+         "codes-of-extra-s_g", "codes-of-scales-shape", "codes-of-element-format",
+         "unknown-element-name"],
 )
 def test_invalid_inputs_raise_value_error(call, match):
     """Bad inputs are refused with a ValueError naming the argument."""
