@@ -164,3 +164,24 @@ def check_tensor(name, t, dtype, shape, device=None):
         fail(name, "a contiguous tensor", f"strides {t.stride()}")
     if t.data_ptr() % ALIGN:
         fail(name, f"a {ALIGN}-byte-aligned data pointer", hex(t.data_ptr()))
+
+
+def overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two contiguous tensors' bytes overlap (meta tensors have no bytes)."""
+    if a.device.type == "meta" or b.device.type == "meta" or not a.numel() or not b.numel():
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
+def check_apart(name, tensor, **others):
+    """ValueError if `tensor` (an output, checked contiguous before) shares bytes with one of
+    `others` (None entries skipped): the kernels read some inputs after writing their outputs
+    (the record's append reads x after y is stored, the flush reads the state it rewrites),
+    so `out=x` would store y as the record. The emulation refuses the same
+    (`emulation.replay_decode.check_out_apart`)."""
+    if tensor is None:
+        return
+    for other_name, other in others.items():
+        if isinstance(other, torch.Tensor) and overlap(tensor, other):
+            fail(name, f"a tensor apart from {other_name}", f"one sharing {other_name}'s memory")

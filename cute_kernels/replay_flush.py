@@ -1548,14 +1548,6 @@ def check_seed(seed):
         _compile.fail("seed", "an int in [0, 2^64)", repr(seed))
 
 
-def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two contiguous tensors' bytes overlap (meta tensors have no bytes)."""
-    if a.device.type == "meta":
-        return False
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
-
-
 def check_philox_fields(name, slots, slot_elements, draws_words=True):
     """The state's slots within the Philox counter's slot field (fewer than 2^20) and, where
     SR draws words, each slot's element indices within its element field (below 2^24,
@@ -1806,11 +1798,16 @@ def _prepare_flush(
     _compile.check_tensor("ring_B", ring_B, x.dtype, (slots, ngroups, ring_len, dstate), device)
     _compile.check_tensor("cursors", cursors, torch.int32, (slots,), device)
     _compile.check_tensor("flushes", flushes, torch.int32, (slots,), device)
-    if slots and _overlap(cursors, flushes):  # the counter kernel resets one, advances the other
+    if slots and _compile.overlap(cursors, flushes):  # the counter kernel resets one, advances
         _compile.fail("flushes", "a tensor apart from cursors", "one sharing its memory")
     if debug_state is not None:
         _compile.check_tensor("debug_state", debug_state, torch.float32, hi.shape, device)
     lo = normalise_lo(lo, lo_format, slots, nheads, headdim, dstate, device)
+    read = dict(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias, hi=hi, ring_x=ring_x,
+                ring_dt=ring_dt, ring_B=ring_B, cursors=cursors, flushes=flushes,
+                **{f"lo[{key!r}]": value for key, value in lo.items()})
+    _compile.check_apart("out", out, **read)
+    _compile.check_apart("debug_state", debug_state, out=out, **read)
     check_philox_fields("hi", slots, nheads * headdim * dstate,
                         hi_format == "fp16" and hi_rounding == "sr")
     cfg = FlushConfig(

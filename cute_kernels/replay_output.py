@@ -2255,6 +2255,9 @@ def replay_output(
         out = torch.empty_like(x)
     _check("out", out, act, (S, H, P), device)
     lo0, lo1, lo2 = _lo_tensors(lo, lo_format, S, H, P, N, device)
+    _compile.check_apart("out", out, x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias,
+                         ring_x=ring_x, ring_dt=ring_dt, ring_B=ring_B, cursors=cursors,
+                         lo=lo0, lo_scales=lo1, lo_global_scale=lo2)
     if warps is None:
         warps = PERSISTENT_WARPS if persistent else default_warps(H // G, lo_format)
         if persistent and (H // G) % warps:

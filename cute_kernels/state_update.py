@@ -344,6 +344,10 @@ def state_update(
         _compile.fail("counters", "None unless rounding='sr'", type(counters).__name__)
     if debug_state is not None:
         _compile.check_tensor("debug_state", debug_state, torch.float32, state.shape, device)
+    read = dict(state=state, x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias,
+                counters=counters)
+    _compile.check_apart("out", out, **read)
+    _compile.check_apart("debug_state", debug_state, out=out, **read)
     if not isinstance(check_counters, bool):
         _compile.fail("check_counters", "a bool", repr(check_counters))
     if check_counters and counters is not None:

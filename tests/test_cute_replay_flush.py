@@ -12,6 +12,7 @@ ring positions.
 
 import dataclasses
 import os
+import re
 
 import pytest
 import torch
@@ -1347,3 +1348,24 @@ def test_decode_step_switches_are_bools(flag):
     args, window = cpu_args(shape=dict(nheads=4, headdim=16, dstate=128, ngroups=2))
     with pytest.raises(ValueError, match=f"{flag}: expected a bool, got 'no'"):
         replay_decode_step(**args, window=window, **{flag: "no"})
+
+
+@pytest.mark.parametrize("name, output, message", [
+    ("out", lambda a: a["x"], "out: expected a tensor apart from x, got one sharing x's memory"),
+    ("out", lambda a: a["ring_x"][:, :, 0].contiguous(), None),  # a copy: apart
+    ("out", lambda a: a["ring_x"].view(-1)[: a["x"].numel()].view(a["x"].shape),
+     "out: expected a tensor apart from ring_x"),
+    ("debug_state", lambda a: a["hi"], "debug_state: expected a tensor apart from hi"),
+])
+def test_an_output_sharing_an_input_s_memory_is_refused(name, output, message):
+    """The flush appends x to the ring after storing y, and rewrites the state it reads: an
+    output over an input's bytes would be read back changed (`out=x` stored y as the record;
+    the emulation refuses the same). A separate buffer reaches the device check (CPU)."""
+    args, window = cpu_args()
+    formats = {}
+    if name == "debug_state":  # the single-copy FP32 flush: its state is debug_state's dtype
+        args["hi"], args["lo"] = args["hi"].float(), None
+        formats = dict(hi_format="fp32", hi_rounding="rn", lo_format="none")
+    args[name] = output(args)
+    with pytest.raises(ValueError, match=re.escape(message or "expected a CUDA tensor")):
+        rf.replay_flush(**args, window=window, **formats)

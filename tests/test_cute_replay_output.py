@@ -1904,3 +1904,20 @@ def test_persistent_steps_in_a_row_agree_with_the_default_step(monkeypatch):
         if live.any():  # (the last call finds every slot at its flush)
             diff = (out_p[live].float() - out_r[live].float()).abs().max()
             assert float(diff) <= 2.0**-7 * float(out_r[live].float().abs().max())
+
+
+@pytest.mark.parametrize("output, message", [
+    (lambda a: a["x"], "out: expected a tensor apart from x, got one sharing x's memory"),
+    (lambda a: a["ring_x"].view(-1)[: a["x"].numel()].view(a["x"].shape),
+     "out: expected a tensor apart from ring_x"),
+    (lambda a: a["lo"]["codes"].view(-1)[: 2 * a["x"].numel()].view(torch.bfloat16)
+     .view(a["x"].shape), "out: expected a tensor apart from lo"),
+    (lambda a: torch.zeros_like(a["x"]), "x: expected a CUDA tensor"),  # apart
+])
+def test_out_sharing_an_input_s_memory_is_refused(output, message):
+    """The step appends x to the ring after storing y: `out=x` would store y as the record
+    (the emulation refuses the same); `out` over the ring or the read copy would be read back
+    changed by later CTAs. A separate buffer reaches the device check (CPU tensors)."""
+    args = _cpu_args()
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ro.replay_output(**args, out=output(args), window=8)

@@ -8,6 +8,7 @@ match, SR counters advance by one per call.
 """
 
 import os
+import re
 
 import pytest
 import torch
@@ -247,3 +248,19 @@ def test_counters_are_checked_when_asked_and_the_device_last():
     counters[1] = (1 << 20) - 2
     with pytest.raises(ValueError, match="state: expected a CUDA tensor"):
         su.state_update(**args, rounding="sr", counters=counters, check_counters=True)
+
+
+@pytest.mark.parametrize("name, output, message", [
+    ("out", lambda a: a["x"], "out: expected a tensor apart from x, got one sharing x's memory"),
+    ("out", lambda a: a["state"].view(-1)[: a["x"].numel()].view(a["x"].shape),
+     "out: expected a tensor apart from state, got one sharing state's memory"),
+    ("debug_state", lambda a: a["state"], "debug_state: expected a tensor apart from state"),
+    ("out", lambda a: torch.zeros_like(a["x"]), "state: expected a CUDA tensor"),  # apart
+])
+def test_an_output_sharing_an_input_s_memory_is_refused(name, output, message):
+    """The kernel stores y and the state after reading the state it rewrites: an output over
+    an input's bytes would be read back changed (the emulation refuses the same). A separate
+    buffer passes and reaches the device check (CPU tensors)."""
+    args = cpu_args()
+    with pytest.raises(ValueError, match=re.escape(message)):
+        su.state_update(**args, **{name: output(args)})
