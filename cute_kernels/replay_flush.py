@@ -1798,8 +1798,8 @@ def _prepare_flush(
     _compile.check_tensor("ring_B", ring_B, x.dtype, (slots, ngroups, ring_len, dstate), device)
     _compile.check_tensor("cursors", cursors, torch.int32, (slots,), device)
     _compile.check_tensor("flushes", flushes, torch.int32, (slots,), device)
-    if slots and _compile.overlap(cursors, flushes):  # the counter kernel resets one, advances
-        _compile.fail("flushes", "a tensor apart from cursors", "one sharing its memory")
+    # the counter kernel resets one and advances the other: one buffer would do neither
+    _compile.check_apart("flushes", flushes, cursors=cursors)
     if debug_state is not None:
         _compile.check_tensor("debug_state", debug_state, torch.float32, hi.shape, device)
     lo = normalise_lo(lo, lo_format, slots, nheads, headdim, dstate, device)
