@@ -682,3 +682,12 @@ def test_memory_plot_names_a_kv_cache_only_for_a_model_that_has_one(model, title
         assert [ax.get_title() for ax in axes] == ["SSM state only", title]
     finally:
         plt.close(fig)
+
+
+def test_a_long_window_shows_the_speculative_sweeps_progress(capsys):
+    """The speculative sweep traces each cycle in time linear in L (--window 65536: 15 s with
+    nothing printed); from SPEC_BAR_WINDOW on it shows a bar on stderr, below it nothing."""
+    for window, shown in ((16, False), (experiment.SPEC_BAR_WINDOW, True)):
+        frame = experiment.spec_sweep(experiment.Config(window=window, verified=(1, 2)))
+        assert set(frame.window) == {0, window} and len(frame) > 0
+        assert ("speculative cycles" in capsys.readouterr().err) == shown
