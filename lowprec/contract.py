@@ -17,8 +17,10 @@ without knowing how it summed:
 them: the recurrence copy rounded (SR words ``random_words(seed, slot, flush, [h, d_v, d_k])``,
 ``flush`` the slot's counter *before* this flush), the read copy RN, both packed as
 `lowprec.quantize.pack` lays them out (nvfp4: two E2M1 codes a byte, low nibble the even
-column; E4M3 block scales; an fp32 scale per head). ``mismatches`` compares stored tensors of
-any dtype by their bits and names the first elements that differ.
+column; E4M3 block scales; an fp32 scale per head). A conventional step's every-token store
+is the recurrence copy alone: ``lo_format=None``, ``flushes`` the tokens stored before.
+``mismatches`` compares stored tensors of any dtype by their bits and names the first elements
+that differ.
 """
 
 from __future__ import annotations

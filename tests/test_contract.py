@@ -158,3 +158,28 @@ def test_the_readme_recipe_runs_and_tells_a_faithful_kernel_from_a_faulty_one(ca
     names["lo_scales"][2, 0, 1, 3] += 1
     exec(recipe, dict(names))
     assert capsys.readouterr().out.startswith("lo.scales: 1 of 180 elements differ; (2, 0, 1, 3)")
+
+
+def test_a_conventional_sr_store_is_checked_with_the_token_counter_as_flushes():
+    """The every-token SR store (lowprec/README: the token counter is the Philox `flush`
+    field) is flush_copies' recurrence copy with `flushes` the tokens stored before: checked
+    here on the emulation's conventional step, three tokens in."""
+    from emulation.state_update import StateCache, mamba2_state_update
+
+    gen = torch.Generator().manual_seed(6)
+    slots, heads, headdim, dstate, groups = 3, 2, 5, 32, 1
+    cache = StateCache.empty(slots, heads, headdim, dstate, format="fp16", rounding="sr",
+                             seed=0xACE)
+    debug = torch.empty(slots, heads, headdim, dstate)
+    for _ in range(3):
+        tokens_before = cache.tokens.clone()
+        mamba2_state_update(
+            cache, torch.randn(slots, heads, headdim, generator=gen),
+            torch.randn(slots, heads, generator=gen), -torch.rand(heads, generator=gen),
+            torch.randn(slots, groups, dstate, generator=gen),
+            torch.randn(slots, groups, dstate, generator=gen), debug_state=debug)
+    want = contract.flush_copies(debug, hi_format="fp16", hi_rounding="sr", lo_format=None,
+                                 seed=0xACE, flushes=tokens_before)
+    assert contract.mismatches({"hi": cache.state.half()}, want) == []
+    assert contract.mismatches({"hi": cache.state.half()}, contract.flush_copies(
+        debug, lo_format=None, seed=0xACE, flushes=tokens_before + 1)) != []
