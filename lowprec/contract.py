@@ -18,7 +18,8 @@ them: the recurrence copy rounded (SR words ``random_words(seed, slot, flush, [h
 ``flush`` the slot's counter *before* this flush), the read copy RN, both packed as
 `lowprec.quantize.pack` lays them out (nvfp4: two E2M1 codes a byte, low nibble the even
 column; E4M3 block scales; an fp32 scale per head). A conventional step's every-token store
-is the recurrence copy alone: ``lo_format=None``, ``flushes`` the tokens stored before.
+in an element format (fp16, fp32) is the recurrence copy alone: ``lo_format=None``,
+``flushes`` the tokens stored before.
 ``mismatches`` compares stored tensors of any dtype by their bits and names the first elements
 that differ.
 """
@@ -36,18 +37,24 @@ __all__ = ["flush_copies", "mismatches"]
 _SIGNED = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _check_counter(name: str, value, slots: int, limit: int) -> torch.Tensor:
-    """An int (every slot's) or an integer tensor [slots], each in [0, limit)."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        value = torch.full((slots,), value, dtype=torch.int64)
+def _check_counter(name: str, value, rows: int, every_row: bool) -> torch.Tensor:
+    """An integer sequence or tensor [rows], each in [0, 2^20) (the Philox fields); with
+    `every_row`, also an int for all rows (a slot index is each row's own: an int there would
+    give every row one slot's words)."""
+    if every_row and isinstance(value, int) and not isinstance(value, bool):
+        value = [value] * rows
+    if isinstance(value, (list, tuple)):
+        value = torch.tensor(value) if all(isinstance(v, int) and not isinstance(v, bool)
+                                           for v in value) else None
     if (not isinstance(value, torch.Tensor) or value.dtype.is_floating_point
-            or value.dtype == torch.bool or tuple(value.shape) != (slots,)):
+            or value.dtype == torch.bool or tuple(value.shape) != (rows,)):
         got = (f"{value.dtype} {list(value.shape)}" if isinstance(value, torch.Tensor)
                else repr(value))
-        raise ValueError(f"{name}: expected an int or an integer tensor [{slots}], got {got}")
+        kinds = "an int or integers" if every_row else "integers"
+        raise ValueError(f"{name}: expected {kinds} [{rows}] (a list or tensor), got {got}")
     value = value.detach().cpu().to(torch.int64)
-    if value.numel() and (int(value.min()) < 0 or int(value.max()) >= limit):
-        raise ValueError(f"{name}: expected values in [0, {limit}), got range "
+    if value.numel() and (int(value.min()) < 0 or int(value.max()) >= philox.SLOT_LIMIT):
+        raise ValueError(f"{name}: expected values in [0, 2^20), got range "
                          f"[{int(value.min())}, {int(value.max())}]")
     return value
 
@@ -64,11 +71,14 @@ def flush_copies(
 ) -> dict[str, torch.Tensor]:
     """The bytes a flush must store for the unrounded fp32 ``state [slots, h, d_v, d_k]``.
 
-    ``slots``: each row's slot index (the Philox field; default ``0 .. rows - 1``);
-    ``flushes``: each slot's flush counter before this flush (an int for all of them, or a
-    tensor). Returns ``{"hi": codes}`` (fp16: uint16 bits, fp32: uint32 bits) and, unless
-    ``lo_format`` is None or "none", ``"lo.codes"``, ``"lo.scales"`` and, for nvfp4,
-    ``"lo.global_scale"`` (`lowprec.quantize.pack`'s tensors), all on the CPU.
+    Pass the rows a flush wrote (a kernel leaves the other slots' copies alone), with
+    ``slots`` their slot indices (the Philox field; default ``0 .. rows - 1``) and ``flushes``
+    their flush counters *before* this flush (an int for all of them, or integers [rows]; a
+    kernel that advances the counters in place must be read before it runs). Returns
+    ``{"hi": codes}`` (fp16: uint16 bits, fp32: uint32 bits) and, unless ``lo_format`` is None
+    or "none", `lowprec.quantize.pack`'s tensors of the read copy: nvfp4 ``"lo.codes"``,
+    ``"lo.scales"`` and ``"lo.global_scale"``; an element format (fp8_e4m3, fp16, fp32)
+    ``"lo.codes"`` alone (a kernel's ``values`` tensor). All on the CPU.
     """
     if not isinstance(state, torch.Tensor) or state.dtype != torch.float32 or state.dim() != 4:
         got = (f"{state.dtype} {list(state.shape)}" if isinstance(state, torch.Tensor)
@@ -84,9 +94,8 @@ def flush_copies(
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < philox.SEED_LIMIT:
         raise ValueError(f"seed: expected an int in [0, 2^64), got {seed!r}")
     rows = state.shape[0]
-    slots = _check_counter("slots", torch.arange(rows) if slots is None else slots, rows,
-                           philox.SLOT_LIMIT)
-    flushes = _check_counter("flushes", flushes, rows, philox.SLOT_LIMIT)
+    slots = _check_counter("slots", torch.arange(rows) if slots is None else slots, rows, False)
+    flushes = _check_counter("flushes", flushes, rows, True)
     rand = None
     if hi_rounding == "sr":
         rand = philox.random_words(seed, slots, flushes, tuple(state.shape[1:]))

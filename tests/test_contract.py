@@ -89,7 +89,7 @@ def test_mismatches_names_each_differing_element_by_index_and_bits():
         f"{codes[0]:02x}, (2, 1, 0, 7): {codes[1] ^ 0x08:02x} against {codes[1]:02x}")
 
 
-def test_mismatches_reports_missing_narrower_and_misshapen_tensors():
+def test_mismatches_reports_missing_wider_and_misshapen_tensors():
     want = contract.flush_copies(_state(3), lo_format="fp8_e4m3")
     got = {"hi": torch.zeros(SHAPE), "lo.codes": want["lo.codes"][:, :, :4], "extra": 1}
     assert contract.mismatches(got, want) == [
@@ -112,15 +112,16 @@ def test_mismatches_reports_missing_narrower_and_misshapen_tensors():
     (dict(lo_format="nvfp5"), r"nvfp5"),
     (dict(seed=-1), r"seed: expected an int in \[0, 2\^64\), got -1"),
     (dict(seed=1.5), r"seed: expected an int"),
-    (dict(slots=torch.arange(2)), r"slots: expected an int or an integer tensor \[3\], got "
-                                  r"torch.int64 \[2\]"),
+    (dict(slots=torch.arange(2)), r"slots: expected integers \[3\] \(a list or tensor\), "
+                                  r"got torch.int64 \[2\]"),
+    (dict(slots=7), r"slots: expected integers \[3\] .*got 7"),  # every row one slot's words
     (dict(flushes=torch.zeros(3)), r"flushes: .*got torch.float32 \[3\]"),
-    (dict(flushes=1 << 20), r"flushes: expected values in \[0, 1048576\), got range"),
-    (dict(slots=torch.tensor([0, -1, 2])), r"slots: expected values in \[0, 1048576\)"),
-    (dict(flushes=True), r"flushes: expected an int or an integer tensor \[3\], got True"),
+    (dict(flushes=1 << 20), r"flushes: expected values in \[0, 2\^20\), got range"),
+    (dict(slots=[0, -1, 2]), r"slots: expected values in \[0, 2\^20\)"),
+    (dict(flushes=True), r"flushes: expected an int or integers \[3\] .*got True"),
 ], ids=["3-d", "fp64", "block-hi", "unknown-hi", "rounding", "unknown-lo", "negative-seed",
-        "float-seed", "slots-shape", "float-flushes", "flushes-range", "negative-slot",
-        "bool-flushes"])
+        "float-seed", "slots-shape", "slots-int", "float-flushes", "flushes-range",
+        "negative-slot", "bool-flushes"])
 def test_bad_arguments_are_named(kwargs, message):
     state = kwargs.pop("state", _state())
     with pytest.raises(ValueError, match=message):
