@@ -91,10 +91,12 @@ def test_the_header_command_passes_the_argument_checks(tmp_path, name):
 def test_the_exit_status_is_ncus_not_the_last_greps(tmp_path, name, ncu_status):
     """The scripts exited with their last command's status: a trim that matched nothing
     (grep's 1) failed a good run, and a failed ncu whose log matched passed. A stand-in ncu
-    that prints a profiler line and exits with `ncu_status` stands for the real one."""
+    that prints a line no trim keeps and exits with `ncu_status` stands for the real one."""
     fake = tmp_path / "bin"
     fake.mkdir()
-    (fake / "ncu").write_text(f"#!/bin/sh\necho '==PROF== stand-in'\nexit {ncu_status}\n")
+    # a line the trims do not keep: their grep finds nothing and exits 1, which was the
+    # scripts' status after a good run
+    (fake / "ncu").write_text(f"#!/bin/sh\necho 'stand-in ncu'\nexit {ncu_status}\n")
     (fake / "ncu").chmod(0o755)
     out = tmp_path / "out"
     out.mkdir()
