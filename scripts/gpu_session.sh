@@ -85,7 +85,7 @@ esac
 # as a syntax error halfway through the call, after device time was spent
 for knob in KB_TOTAL_S KB_TESTS_S KB_E_S KB_AB_REPS; do
   value=${!knob:-0}
-  if ! [[ $value =~ ^[0-9]+$ ]]; then
+  if ! [[ $value =~ ^(0|[1-9][0-9]*)$ ]]; then  # no leading 0: bash reads 090 as octal
     echo "gpu_session.sh: $knob: expected a whole number of seconds (or reps), got '$value'" >&2
     exit 2
   fi

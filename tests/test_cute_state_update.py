@@ -91,7 +91,7 @@ def test_bad_arguments_raise_value_errors(change, kwargs, message):
         su.state_update(**args, **kwargs)
 
 
-def test_fp32_rows_wider_than_a_warp_are_refused_before_any_compile():
+def test_fp32_rows_wider_than_a_warp_are_refused_by_the_call_and_the_config():
     """An fp32 row of dstate 256 is 64 chunks of 4, two warps' worth, while the output's row
     sum is one warp's shuffle reduction (its butterfly at lane distance 32 reads the lane's own
     value): the kernel would write twice one warp's half of each sum, so the shape is refused,

@@ -196,7 +196,8 @@ def test_a_second_part_is_refused_not_ignored(tmp_path):
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 @pytest.mark.parametrize("knob, value", [("KB_TOTAL_S", "9m"), ("KB_TESTS_S", "150s"),
-                                         ("KB_E_S", "-5"), ("KB_AB_REPS", "two")])
+                                         ("KB_E_S", "-5"), ("KB_AB_REPS", "two"),
+                                         ("KB_TOTAL_S", "090")])
 def test_a_numeric_knob_that_is_not_a_number_is_refused_before_anything_runs(tmp_path, knob,
                                                                              value):
     """`KB_TOTAL_S=9m` was a shell arithmetic error in the middle of a call."""
