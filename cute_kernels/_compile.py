@@ -148,6 +148,14 @@ def fail(name, expected, got):
     raise ValueError(f"{name}: expected {expected}, got {got}")
 
 
+def require_cuda(name, tensor) -> None:
+    """ValueError unless `tensor` (on the arguments' one device, as checked before) is on a
+    GPU: after every other check, so that the checks can be tested on the CPU (a CPU tensor
+    used to pass them and fail in torch.cuda, or reach the kernel as a host pointer)."""
+    if tensor.device.type != "cuda":
+        fail(name, "a CUDA tensor (every argument on one GPU)", tensor.device)
+
+
 def check_tensor(name, t, dtype, shape, device=None):
     """`t` is a contiguous, 16-byte-aligned tensor of `dtype` (or one of a tuple) and `shape`
     on `device`."""

@@ -76,6 +76,7 @@ from cutlass.memory import SmemAllocator
 from cute_kernels import _compile
 from cute_kernels import numerics as nm
 from cute_kernels import tensor_core as tc
+from cute_kernels._compile import require_cuda
 from lowprec.philox import ELEMENT_LIMIT, SLOT_LIMIT
 from lowprec.replay import check_counter_ranges
 
@@ -1533,14 +1534,6 @@ def check_counter_values(cursors, flushes, window: int) -> None:
     emulation's cache check shares). One host read of four numbers (a stream sync): opt-in
     (`check_counters=True`), for tests and debugging."""
     check_counter_ranges(cursors, flushes, 0, window - 1, f"window {window}")
-
-
-def require_cuda(name, tensor) -> None:
-    """ValueError unless `tensor` (on the arguments' one device, as checked before) is on a
-    GPU: after every other check, so that the checks can be tested on the CPU (a CPU tensor
-    used to pass them and fail in torch.cuda, or reach the kernel as a host pointer)."""
-    if tensor.device.type != "cuda":
-        _compile.fail(name, "a CUDA tensor (every argument on one GPU)", tensor.device)
 
 
 def check_seed(seed):

@@ -2014,13 +2014,6 @@ def _check(name, t, dtype, shape, device=None):
         _fail(name, f"a {_compile.ALIGN}-byte aligned data pointer", hex(t.data_ptr()))
 
 
-def _require_cuda(x):
-    """The device check, after every other (so that they name their argument on CPU tensors
-    too, and run before any CUDA call): every argument is on x's device, checked before."""
-    if not x.is_cuda:
-        _fail("x", "a CUDA tensor (every argument on one GPU)", x.device)
-
-
 # the storage dtype of a one-tensor read copy's values
 _RAW_DTYPES = {"fp8_e4m3": torch.uint8, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -2269,8 +2262,7 @@ def replay_output(
                                  bulk_stages or 2)
         if _config_for_sms is not None:
             return cfg
-    if persistent:
-        _require_cuda(x)
+        _compile.require_cuda("x", x)
         return _persistent_step(cfg, lo0, lo1, lo2, ring_x, ring_dt, ring_B, cursors, x, dt, A,
                                 B, C, D, z, dt_bias, out)
 
@@ -2346,7 +2338,7 @@ def replay_output(
         cfg = dataclasses.replace(cfg, eager_loads=default_eager_loads(cfg, S, sms))
     if _config_for_sms is not None:
         return cfg
-    _require_cuda(x)
+    _compile.require_cuda("x", x)
     if S == 0:
         return out
     kernel = compile_replay_output(cfg)

@@ -52,11 +52,8 @@ def _check_counter(name: str, value, rows: int, every_row: bool) -> torch.Tensor
                else repr(value))
         kinds = "an int or integers" if every_row else "integers"
         raise ValueError(f"{name}: expected {kinds} [{rows}] (a list or tensor), got {got}")
-    value = value.detach().cpu().to(torch.int64)
-    if value.numel() and (int(value.min()) < 0 or int(value.max()) >= philox.SLOT_LIMIT):
-        raise ValueError(f"{name}: expected values in [0, 2^20), got range "
-                         f"[{int(value.min())}, {int(value.max())}]")
-    return value
+    # the range: philox's own check of its slot and flush fields (both below 2^20)
+    return philox._counter(value.detach().cpu(), philox.SLOT_LIMIT, name)
 
 
 def flush_copies(
