@@ -277,5 +277,9 @@ else
     --out "$out/kernel_bench_B.csv" --plot-dir none 2>&1 | tee -a "$log" || record $?
 fi
 ls -la "$out" >> "$log"
-echo "call $part done in $(( $(date +%s) - start )) s, exit $status (the first step that failed)"
+if [ "$status" = 0 ]; then
+  echo "call $part done in $(( $(date +%s) - start )) s, exit 0 (every step passed)"
+else
+  echo "call $part done in $(( $(date +%s) - start )) s, exit $status (the first step that failed)"
+fi
 exit "$status"

@@ -146,14 +146,16 @@ def test_unknown_part_is_refused_with_its_usage(tmp_path):
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_a_failed_step_is_the_calls_exit_status_and_the_rest_still_runs(tmp_path):
     """A benchmark run that fails makes the whole call exit with its status (it used to
-    report `call K done` and exit 0), after every later variant has still run."""
+    report `call K done` and exit 0), after every later variant has still run; a call that
+    passed says so (its last line used to call exit 0 "the first step that failed")."""
     done = _session(tmp_path, "K", KB_AB="a: b:warps=2", KB_AB_REPS="2", FAKE_KB_EXIT="3")
     assert done.returncode == 3, done.stdout + done.stderr
     assert len((tmp_path / "calls.txt").read_text().splitlines()) == 4
     assert "exit 3 (the first step that failed)" in done.stdout
     (tmp_path / "ok").mkdir()
     ok = _session(tmp_path / "ok", "K", KB_AB="a:", KB_AB_REPS="1")
-    assert ok.returncode == 0 and "exit 0" in ok.stdout
+    assert ok.returncode == 0 and "exit 0 (every step passed)" in ok.stdout
+    assert "failed" not in ok.stdout.splitlines()[-1]
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
