@@ -186,8 +186,8 @@ def check_apart(name, tensor, **others):
     """ValueError if `tensor` (an output, checked contiguous before) shares bytes with one of
     `others` (None entries skipped): the kernels read some inputs after writing their outputs
     (the record's append reads x after y is stored, the flush reads the state it rewrites),
-    so `out=x` would store y as the record. (The emulation's `check_out_apart` refuses an
-    `out` sharing the token inputs' storage; this compares byte ranges, cache included.)"""
+    so `out=x` would store y as the record. (The emulation's `check_out_apart` compares byte
+    ranges the same way, the cache's tensors included.)"""
     if tensor is None:
         return
     for other_name, other in others.items():

@@ -36,7 +36,7 @@ Two launches on the current stream, so that no program reads what another writes
 # happen before triton is first imported.
 from emulation.numerics import check_kernel_format, format_spec, quantize_tile, random_words  # noqa: I001
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import triton
@@ -186,14 +186,30 @@ def check_switch(name, value) -> None:
         raise ValueError(f"{name}: expected a bool, got {value!r}")
 
 
-def check_out_apart(out, **inputs) -> None:
-    """ValueError if `out` shares memory with an input: the kernels read inputs after writing
-    out (decode and verify append x to the ring after y), so `out=x` stored y as the record."""
-    base = out.untyped_storage().data_ptr()
-    for name, t in inputs.items():
-        if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() == base:
-            raise ValueError(f"out: expected a tensor that shares no memory with the inputs, "
-                             f"got one that shares {name}'s")
+def check_out_apart(output, name="out", /, **inputs) -> None:
+    """ValueError if `output` (named `name`) shares bytes with an input (None entries skipped): the
+    kernels read inputs after writing their outputs (decode and verify append x to the ring
+    after y is stored, a flush reads the state it rewrites), so `out=x` stored y as the record.
+    Byte ranges are compared, as cute_kernels._compile.check_apart does, so two disjoint
+    slices of one buffer are accepted (every tensor here is checked contiguous first)."""
+    for other_name, other in inputs.items():
+        if isinstance(other, torch.Tensor) and _bytes_overlap(output, other):
+            raise ValueError(f"{name}: expected a tensor that shares no memory with the inputs, "
+                             f"got one that shares {other_name}'s")
+
+
+def cache_tensors(cache) -> dict:
+    """The named tensors of a ReplayCache or StateCache, for check_out_apart."""
+    return {f"cache.{field.name}": getattr(cache, field.name)
+            for field in fields(cache)
+            if isinstance(getattr(cache, field.name), torch.Tensor)}
+
+
+def _bytes_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if not a.numel() or not b.numel() or a.device != b.device or a.device.type == "meta":
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
 def _expect_int(name, value, low, high=None):
@@ -537,9 +553,11 @@ def mamba2_replay_decode(
     if out is None:
         out = torch.empty(slots, nheads, headdim, dtype=x.dtype, device=device)
     _expect("out", out, (slots, nheads, headdim), ACT_DTYPES, device)
-    check_out_apart(out, x=x, z=z, B=B, C=C)
+    inputs = dict(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias, **cache_tensors(cache))
+    check_out_apart(out, **inputs)
     if debug_state is not None:
         _expect("debug_state", debug_state, cache.hi.shape, (torch.float32,), device)
+        check_out_apart(debug_state, "debug_state", out=out, **inputs)
     if slots == 0:
         return out
 

@@ -39,6 +39,7 @@ from emulation.replay_decode import (
     ACT_DTYPES,
     ReplayCache,
     _expect,
+    cache_tensors,
     check_cursors,
     check_out_apart,
     check_step_inputs,
@@ -220,9 +221,12 @@ def mamba2_replay_verify(
     if out is None:
         out = torch.empty(slots, nheads, T, headdim, dtype=x.dtype, device=device)
     _expect("out", out, (slots, nheads, T, headdim), ACT_DTYPES, device)
-    check_out_apart(out, x=x, z=z, B=B, C=C)  # the drafts are appended after y is written
+    # the drafts are appended after y is written
+    inputs = dict(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias, **cache_tensors(cache))
+    check_out_apart(out, **inputs)
     if debug_state is not None:
         _expect("debug_state", debug_state, cache.hi.shape, (torch.float32,), device)
+        check_out_apart(debug_state, "debug_state", out=out, **inputs)
     cache.pending = True  # the inputs are good: this verify awaits its commit
     if slots == 0:
         return out

@@ -36,6 +36,7 @@ from emulation.replay_decode import (
     ROUNDINGS,
     _expect,
     _expect_int,
+    cache_tensors,
     check_out_apart,
     check_switch,
     gate_output,
@@ -263,9 +264,11 @@ def mamba2_state_update(
     if out is None:
         out = torch.empty(slots, nheads, headdim, dtype=x.dtype, device=device)
     _expect("out", out, (slots, nheads, headdim), ACT_DTYPES, device)
-    check_out_apart(out, x=x, z=z, B=B, C=C)
+    inputs = dict(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias, **cache_tensors(cache))
+    check_out_apart(out, **inputs)
     if debug_state is not None:
         _expect("debug_state", debug_state, cache.state.shape, f32, device)
+        check_out_apart(debug_state, "debug_state", out=out, **inputs)
     if slots == 0:
         return out
 

@@ -22,6 +22,7 @@ factors, gives |err| <= (dstate + 2 Lcap + 16) u * sum|terms|, where sum|terms| 
 replay evaluated on absolute values (decays are positive). The tests allow twice that.
 """
 
+import copy
 import dataclasses
 import math
 import os
@@ -462,3 +463,28 @@ def test_cursors_out_of_range_without_the_check_stay_in_their_ring():
             assert by_position.nonzero().flatten().tolist() == [pos], (name, s)
     cache.cursors[1] = -5
     mamba2_replay_decode(cache, **token, **params, check_counters=False)
+
+
+def test_outputs_sharing_a_cache_tensors_bytes_are_refused_and_disjoint_slices_are_not():
+    """The kernel reads the cache after writing y (the ring's append, a flush's state), so an
+    `out` over the ring's bytes, or a `debug_state` over out's, is refused by name, as the
+    CuTe wrappers refuse it; x and out as two disjoint slices of one buffer share a storage
+    but no byte, and give the outputs of separate buffers (the check used to compare
+    storages, and skipped the cache)."""
+    cache, token, params = _valid_call_parts()
+    n = token["x"].numel()
+    over_ring = cache.ring_x.view(-1)[:n].view(token["x"].shape)
+    with pytest.raises(ValueError, match="out: .* got one that shares cache.ring_x's"):
+        mamba2_replay_decode(cache, **token, **params, out=over_ring)
+    debug = torch.empty(cache.hi.shape, dtype=torch.float32)
+    with pytest.raises(ValueError, match="debug_state: .* got one that shares out's"):
+        mamba2_replay_decode(cache, **token, **params, debug_state=debug,
+                             out=debug.view(-1)[:n].view(token["x"].shape))
+
+    want = mamba2_replay_decode(copy.deepcopy(cache), **token, **params)
+    buffer = torch.empty(2 * n, dtype=token["x"].dtype)
+    buffer[:n] = token["x"].reshape(-1)
+    token = dict(token, x=buffer[:n].view(token["x"].shape))
+    got = mamba2_replay_decode(cache, **token, **params, out=buffer[n:].view(want.shape))
+    assert got.data_ptr() == buffer[n:].data_ptr()
+    assert torch.equal(got, want)

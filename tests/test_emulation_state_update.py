@@ -212,6 +212,10 @@ def _valid(**change):
     extra = {k: change[k] for k in ("dt_softplus", "check_counters") if k in change}
     if change.get("out") == "x":
         extra["out"] = token["x"]
+    if change.get("out") == "state":  # out over the state's bytes, which the step rewrites
+        size = token["x"].numel() * token["x"].element_size()
+        state_bytes = cache.state.view(-1).view(torch.uint8)
+        extra["out"] = state_bytes[:size].view(token["x"].dtype).view(token["x"].shape)
     mamba2_state_update(cache, **token, **params, output_from=change.get("output_from", "stored"),
                         **extra)
 
@@ -232,13 +236,14 @@ def _valid(**change):
                                                                      "dtype"),
         (dict(output_from="fresh"), "output_from"),
         (dict(out="x"), "out: expected a tensor that shares no memory with the inputs"),
+        (dict(out="state"), "out: expected a tensor .* got one that shares cache.state's"),
         (dict(dt_softplus="no"), "dt_softplus: expected a bool"),
         (dict(check_counters=0), "check_counters: expected a bool"),
         (dict(state=torch.zeros(2, 3, 0, 32)), "cache.state: expected nheads, headdim and"),
     ],
     ids=["x-shape", "ngroups", "C-dtype", "dt_bias-dtype", "fp64", "scales", "rounding",
-         "tokens", "state-dtype", "output-from", "out-is-x", "softplus-word", "check-int",
-         "no-headdim"],
+         "tokens", "state-dtype", "output-from", "out-is-x", "out-over-state", "softplus-word",
+         "check-int", "no-headdim"],
 )
 def test_invalid_inputs_raise_value_error(change, match):
     """Bad shapes, dtypes, formats and counters raise a ValueError naming the argument."""
