@@ -24,7 +24,8 @@ Block formats (`quantize` with a `Format` that has a scale) take `x` "state shap
 `[..., d_v, d_k]`, with blocks along the last dim. Their scale arithmetic and the element
 division are single IEEE fp32 operations on `x.float()` in README's order, also when `x` is
 fp64 (a block format is lossy far beyond the fp64 -> fp32 conversion, and the kernels work in
-fp32). Element rounding of `x / scale` is RN or SR; scales are always RN.
+fp32; a finite fp64 value past FLT_MAX saturates to +-FLT_MAX, as RN to fp32 does, where a
+plain cast would give inf). Element rounding of `x / scale` is RN or SR; scales are always RN.
 
     nvfp4   s_g = amax(S) / 2688;  den = 6 * s_g;  s_b = RN_e4m3(amax_b / den);
             scale = s_b * s_g;  code = ROUND_e2m1(x / scale);  x' = (code * s_b) * s_g
@@ -322,6 +323,15 @@ def _block_scales(amax_b: torch.Tensor, fmt: Format):
     return s, None, s
 
 
+def _to_fp32(x: torch.Tensor) -> torch.Tensor:
+    """x in fp32, RN with finite values past FLT_MAX saturating (as `round_to(x, FP32)`; a
+    plain cast makes them inf, and one inf turns an nvfp4 state into NaN); +-inf stays inf."""
+    if x.dtype == torch.float32:
+        return x
+    flt_max = torch.finfo(torch.float32).max
+    return torch.where(x.isinf(), x, x.clamp(-flt_max, flt_max)).to(torch.float32)
+
+
 def quantize(
     x: torch.Tensor,
     fmt: Format | str,
@@ -340,7 +350,7 @@ def quantize(
         raise ValueError(f"x: expected d_v >= 1 for {fmt.name!r} (its per-state scale), got "
                          f"shape {list(x.shape)}")
     blocked_shape = (*x.shape[:-1], x.shape[-1] // block, block)
-    xb = x.to(torch.float32).reshape(blocked_shape)  # [..., d_v, n_blocks, block]
+    xb = _to_fp32(x).reshape(blocked_shape)  # [..., d_v, n_blocks, block]
     amax_b = xb.abs().amax(dim=-1)  # [..., d_v, n_blocks]
     s_b, global_scale, divisor = _block_scales(amax_b, fmt)
     if rand is not None:

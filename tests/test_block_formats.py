@@ -275,6 +275,27 @@ def test_fp64_input_is_quantised_from_its_fp32_value_and_returns_fp64(fmt):
     assert_same(dequantize(q64), dequantize(q32).double())
 
 
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+def test_fp64_input_past_fp32_max_saturates_like_round_to_fp32(fmt):
+    """A finite fp64 element past FLT_MAX is RN'd to fp32 saturating (as round_to(x, FP32)),
+    not converted to inf, which made nvfp4's whole state NaN (amax inf: s_g inf)."""
+    g = torch.Generator().manual_seed(59)
+    x = torch.randn(3, 5, 96, generator=g, dtype=torch.float64) * 1e37
+    x[0, 1, 7], x[2, 4, 50], x[1, 3, 33] = 1e39, -5e38, 3.4028235e38 * (1 + 2**-30)
+    flt_max = torch.finfo(torch.float32).max
+    saturated = x.clamp(-flt_max, flt_max)
+    assert_same(round_to(x, FP32), saturated.float().double())  # what block formats start from
+    q, expected = quantize(x, fmt), quantize(saturated.float(), fmt)
+    assert not q.elements.isnan().any() and dequantize(q).isfinite().all()
+    assert_same(q.elements, expected.elements.double())
+    assert_same(q.scales, expected.scales)
+    top = expected.fmt.element.max_finite
+    assert q.elements[0, 1, 7] == top and q.elements[2, 4, 50] == -top
+    words = philox.random_words(5, torch.arange(3), 2, (5, 96))
+    assert_same(quantize(x, fmt, "sr", words).elements,
+                quantize(saturated.float(), fmt, "sr", words).elements.double())
+
+
 # --------------------------------------------------------------------------------------------
 # SQNR floors
 
