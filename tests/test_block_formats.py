@@ -447,7 +447,9 @@ def test_every_code_decodes_like_ml_dtypes_and_encodes_back(element, ml_dtype, u
     finite = ~ours.isnan()
     assert torch.equal(encode_bits(ours[finite], element), torch.arange(1 << element.bits)[finite])
     if element.has_inf or element is E4M3:
+        # the canonical NaN, the library's: any NaN code would decode to NaN
         nan_code = int(encode_bits(torch.tensor([math.nan]), element))
+        assert nan_code == int(np.array([math.nan]).astype(ml_dtype).view(uint)[0])
         assert math.isnan(float(decode_bits(torch.tensor([nan_code]), element)))
 
 
