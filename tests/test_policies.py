@@ -211,11 +211,13 @@ def test_flush_steps_are_the_last_token_of_each_window():
 
 
 def test_rel_err_is_the_2norm_ratio_over_heads_and_dv_per_batch_row():
-    """Row 0: y = [[3, 4]], y_hat = [[3, 4.5]] -> 0.5 / 5 = 0.1; row 1: error 0 -> 0."""
-    y = torch.tensor([[[3.0, 4.0]], [[1.0, 2.0]]], dtype=F64)
-    y_hat = torch.tensor([[[3.0, 4.5]], [[1.0, 2.0]]], dtype=F64)
-    torch.testing.assert_close(rel_err(y_hat, y), torch.tensor([0.1, 0.0], dtype=F64))
-    torch.testing.assert_close(rel_err(y_hat, y, dims=-1), torch.tensor([[0.1], [0.0]], dtype=F64))
+    """Row 0: y = [[3, 4]], y_hat = [[3, 4.5]] -> 0.5 / 5 = 0.1; row 1: error 0 -> 0; row 2:
+    row 0 / 8, a norm below 1 (a denominator clamped at 1 gave 0.0625 there) -> 0.1."""
+    y = torch.tensor([[[3.0, 4.0]], [[1.0, 2.0]], [[3 / 8, 4 / 8]]], dtype=F64)
+    y_hat = torch.tensor([[[3.0, 4.5]], [[1.0, 2.0]], [[3 / 8, 4.5 / 8]]], dtype=F64)
+    torch.testing.assert_close(rel_err(y_hat, y), torch.tensor([0.1, 0.0, 0.1], dtype=F64))
+    torch.testing.assert_close(rel_err(y_hat, y, dims=-1),
+                               torch.tensor([[0.1], [0.0], [0.1]], dtype=F64))
 
 
 def test_rel_err_of_a_zero_reference_is_zero_or_inf():
