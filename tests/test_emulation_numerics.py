@@ -105,12 +105,13 @@ def test_sr_rounds_up_iff_word_below_threshold(element_name, device):
 
 
 def block_test_states(dk: int, seed: int) -> torch.Tensor:
-    """Three [5, dk] states: random magnitudes per row (2^-20 .. 2^20), a zero block, a block
-    whose amax is 1000x its other values, a state of fp32 subnormals (s_g underflows to 0)."""
+    """Three [5, dk] states: random magnitudes per row (2^-20 .. 2^20), a zero block (32 wide:
+    one of mxfp4's too, whose zero block's scale 2^-127 is no zero divisor), a block whose amax
+    is 1000x its other values, a state of fp32 subnormals (s_g underflows to 0)."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(3, 5, dk, generator=gen)
     x *= torch.exp2(torch.randint(-20, 21, (3, 5, 1), generator=gen).float())
-    x[0, 1, :16] = 0.0
+    x[0, 1, :32] = 0.0
     x[0, 1, 3] = -0.0
     x[0, 2, 16] = 1000.0 * x[0, 2, 17:32].abs().max()
     x[1, 3] = x[1, 3] * 2.0**-60  # tiny row inside an ordinary state: zero or small scales
