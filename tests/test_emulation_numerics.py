@@ -93,12 +93,14 @@ def test_round_element_equals_lowprec(element_name, rounding, device):
 def test_sr_rounds_up_iff_word_below_threshold(element_name, device):
     """SR at 1 + ulp/4: threshold floor(0.25 * 2^32) = 2^30, so word 2^30 - 1 rounds up to
     1 + ulp and word 2^30 stays at 1 (the words around the edge of the discarded fraction);
-    at 1 + 3 ulp/4 the threshold is 3 * 2^30 and the word 2^32 - 1 never rounds up."""
+    at 1 + 3 ulp/4 the threshold is 3 * 2^30 and the word 2^32 - 1 never rounds up; the
+    word 0, the most eager (and a valid word: one in 2^32 of a flush's words), rounds up."""
     element = formats.ELEMENTS[element_name]
     ulp = math.ldexp(1.0, -element.mbits)
-    x = torch.tensor([1 + ulp / 4, 1 + ulp / 4, -(1 + ulp / 4), 1 + 0.75 * ulp, 1 + 0.75 * ulp])
-    words = torch.tensor([2**30 - 1, 2**30, 2**30 - 1, 3 * 2**30 - 1, 2**32 - 1])
-    expected = torch.tensor([1 + ulp, 1.0, -(1 + ulp), 1 + ulp, 1.0])
+    x = torch.tensor([1 + ulp / 4, 1 + ulp / 4, -(1 + ulp / 4), 1 + 0.75 * ulp, 1 + 0.75 * ulp,
+                      1 + ulp / 4])
+    words = torch.tensor([2**30 - 1, 2**30, 2**30 - 1, 3 * 2**30 - 1, 2**32 - 1, 0])
+    expected = torch.tensor([1 + ulp, 1.0, -(1 + ulp), 1 + ulp, 1.0, 1 + ulp])
     actual = numerics.round_to(x.to(device), element, "sr", words.to(device))
     assert_bits_equal(actual, expected, f"{element_name} SR edges")
     assert_bits_equal(actual, lq.round_to(x, element, "sr", words), f"{element_name} vs lowprec")
