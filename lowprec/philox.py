@@ -126,6 +126,12 @@ def philox4x32(c0, c1, c2, c3, k0, k1, rounds: int = 10):
     shape = torch.broadcast_shapes(*(t.shape for t in tensors))
     if all(t.device.type == "cpu" for t in tensors):
         return _rounds_numpy(counter, k0, k1, shape, rounds)
+    return _rounds_torch(counter, k0, k1, shape, rounds)
+
+
+def _rounds_torch(counter, k0, k1, shape, rounds):
+    """philox4x32's rounds in torch ops (any device; the path GPU tensors take, with 16-bit
+    split products: torch has no unsigned 32 x 32 -> 64 multiply)."""
     c0, c1, c2, c3 = (t.expand(shape) for t in counter)
     for _ in range(rounds):
         hi_b, lo_b = _mul_hi_lo(ROUND_B, c2)
