@@ -425,6 +425,20 @@ def test_unpack_rejects_missing_keys_and_wrong_shapes():
         unpack({**packed, "scales": packed["scales"][..., :1]}, "nvfp4", (2, 5, 32))
 
 
+def test_unpack_takes_every_finite_e8m0_byte_and_refuses_nan():
+    """mxfp4 scale bytes 0..254 are 2^-127..2^127 and unpack as such; 255 is E8M0's NaN,
+    refused by name (it would decode as 2^128, which is no scale)."""
+    q = quantize(torch.randn(3, 7, 64, generator=torch.Generator().manual_seed(8)), "mxfp4")
+    packed = pack(q)
+    scales = torch.arange(42, dtype=torch.uint8).reshape(3, 7, 2) * 6 + 1  # 1 .. 247
+    scales[1, 3, 1], scales[2, 6, 0], scales[0, 0, 0] = 254, 0, 253
+    back = unpack({**packed, "scales": scales}, "mxfp4", (3, 7, 64))
+    assert torch.equal(back.scales, torch.exp2(scales.double() - 127).float())
+    scales[2, 1, 1] = 255
+    with pytest.raises(ValueError, match=r"expected E8M0 bytes in \[0, 254\] .* got 255"):
+        unpack({**packed, "scales": scales}, "mxfp4", (3, 7, 64))
+
+
 # --------------------------------------------------------------------------------------------
 # element codes
 
