@@ -1217,7 +1217,14 @@ def time_case(case: Case, reps: int, lead_cycles: int = LEAD_CYCLES) -> tuple[li
     """Per-launch microseconds of `reps` replays of one launch per set (each replay behind a
     `lead_cycles` spin), and the method."""
     launches = [_launcher(case, i) for i in range(case.bufs.sets)]
-    reset = case.reset or (lambda: None)
+    return time_launches(launches, case.reset or (lambda: None), reps, lead_cycles)
+
+
+def time_launches(launches: list, reset, reps: int,
+                  lead_cycles: int = LEAD_CYCLES) -> tuple[list[float], str]:
+    """Per-launch microseconds of `reps` replays of `launches` (one per rotating buffer set),
+    captured in one CUDA graph (eager launches where capture fails), `reset()` before each
+    replay outside the timed region, `WARM_REPLAYS` replays first untimed; and the method."""
 
     def eager():
         for launch in launches:

@@ -1,0 +1,189 @@
+"""The copy ceiling at the sizes the kernels move, timed the way the kernels are timed.
+
+    python -m experiments.copy_sizes                      # on the GPU machine, about a minute
+    python -m experiments.copy_sizes --plot-only results/copy_sizes.csv
+
+`kernel_bench` states a kernel's bandwidth as a fraction of one large device-to-device copy
+(2 GiB of traffic, a single launch timed by events: `kernel_bench.measure_ceilings`). A
+decode step moves far less: the two-precision non-flush step at batch 256 moves 204 MB, a
+launch of about 50 us, so its grid's start and tail weigh more than a 500 us copy's. This
+script asks how much of that a plain copy pays too: `torch.Tensor.copy_` of `bytes / 2` read
+and `bytes / 2` written, timed exactly as `kernel_bench` times a kernel (CUDA-graph replay of
+one copy per rotating buffer set, sets so that a replay touches at least 4x the L2, each
+replay behind a GPU spin, the median over `--reps` replays; `kernel_bench.time_launches`),
+at sizes spanning the benchmark's kernels (default: the two-precision non-flush step and the
+FP32-checkpoint step at the headline point, batch 256, L = 16, cursor 8, and powers of two
+around them). `frac_ceiling` is each size's GB/s over the large copy's of the same run. It is
+a diagnostic: the benchmark's fractions stay those of the large copy, the issue's definition.
+
+Writes `--out` (tidy CSV: one row per size) with a `.meta.json` beside it, and a plot of GB/s
+against bytes with the kernels' own points, read from the CSV.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from experiments import kernel_bench as kb
+from experiments._common import OneLineParser, file_problem, save_small_png, write_meta
+
+__all__ = ["default_sizes", "measure", "plot", "main"]
+
+COLUMNS = ["run", "label", "bytes", "sets", "time_us", "time_us_p10", "time_us_p90", "gbps",
+           "frac_ceiling", "ceiling_gbps", "timing"]
+L2_MULTIPLE = 4.0  # as kernel_bench's default
+
+
+def default_sizes() -> list[tuple[str, int]]:
+    """(label, bytes read + written): the headline point's two non-flush steps, then powers of
+    two from 32 MiB to 2 GiB (the last is the size of kernel_bench's ceiling)."""
+    shape = kb.SHAPES["nemotron3-super"]
+    sizes = [(f"like {kernel} (batch 256, L = 16, cursor 8)",
+              kb.kernel_bytes(kernel, shape, 256, 8))
+             for kernel in ("cute:nonflush:nvfp4", "cute:nonflush:fp32")]
+    sizes += [(f"{mib} MiB", mib << 20) for mib in (32, 64, 128, 256, 512, 1024, 2048)]
+    return sizes
+
+
+def measure(sizes: list[tuple[str, int]], reps: int, run: str, log=print) -> pd.DataFrame:
+    """One row per size: the per-copy time of graph replays over rotating sets (see the module
+    docstring), against the large copy's ceiling measured first in the same process."""
+    ceilings = kb.measure_ceilings()
+    log(f"large copy {ceilings['copy_gbps']:,.0f} GB/s (read + write)")
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    rows = []
+    for label, nbytes in sizes:
+        sets = kb.sets_for(nbytes, l2, L2_MULTIPLE)
+        words = nbytes // 2 // 4  # fp32 words in each source (and each destination)
+        src = [torch.rand(words, device="cuda") for _ in range(sets)]
+        dst = [torch.empty_like(t) for t in src]
+        launches = [lambda d=d, s=s: d.copy_(s) for d, s in zip(dst, src, strict=True)]
+        times, method = kb.time_launches(launches, lambda: None, reps)
+        assert all(torch.equal(d, s) for d, s in zip(dst, src, strict=True)), "copy differs"
+        moved = 2 * words * 4
+        median = statistics.median(times)
+        q = statistics.quantiles(times, n=10) if len(times) > 1 else [median] * 9
+        gbps = moved / median / 1e3
+        rows.append(dict(run=run, label=label, bytes=moved, sets=sets, time_us=median,
+                         time_us_p10=q[0], time_us_p90=q[-1], gbps=gbps,
+                         frac_ceiling=gbps / ceilings["copy_gbps"],
+                         ceiling_gbps=ceilings["copy_gbps"], timing=method))
+        log(f"{label:55s} {moved / 1e6:9.1f} MB  {median:8.2f} us  {gbps:7,.0f} GB/s  "
+            f"{gbps / ceilings['copy_gbps']:.3f} of the large copy  ({sets} sets)")
+        src = dst = launches = None  # freed before the next size's buffers
+        torch.cuda.empty_cache()
+    return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def plot(csv: str | Path, png: str | Path) -> None:
+    """GB/s against bytes moved (log x), the large copy's ceiling as a line, the sizes of the
+    headline point's kernels marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    df = _read(csv)
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for run, part in df.groupby("run", sort=False):
+        grid = part[~part["label"].str.startswith("like ")].sort_values("bytes")
+        ax.plot(grid["bytes"] / 1e6, grid["gbps"], "o-", label=f"copy, run {run}")
+        for _, row in part[part["label"].str.startswith("like ")].iterrows():
+            ax.plot(row["bytes"] / 1e6, row["gbps"], "s", color="black")
+            ax.annotate(row["label"].removeprefix("like ").split(" (")[0],
+                        (row["bytes"] / 1e6, row["gbps"]), textcoords="offset points",
+                        xytext=(4, -12), fontsize=7)
+        ax.axhline(part["ceiling_gbps"].iloc[0], color="gray", ls="--", lw=1,
+                   label="large copy (kernel_bench's ceiling)")
+    ax.set_xscale("log")
+    ax.set_xlabel("bytes moved a copy (MB, read + written)")
+    ax.set_ylabel("GB/s")
+    ax.set_title("Device-to-device copy, timed as the kernels are (graph replay, rotating sets)",
+                 fontsize=9)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    save_small_png(fig, png)
+    plt.close(fig)
+
+
+def _read(csv: str | Path) -> pd.DataFrame:
+    df = pd.read_csv(csv)
+    missing = [c for c in COLUMNS if c not in df.columns]
+    if missing:
+        raise ValueError(f"{csv}: not a copy_sizes CSV (no column {missing[0]!r})")
+    return df
+
+
+def summarize(csv: str | Path) -> str:
+    """One line a size: bytes, time, GB/s and the fraction of the run's large copy."""
+    df = _read(csv)
+    lines = []
+    for _, row in df.iterrows():
+        lines.append(f"{row['run']}  {row['label']:55s} {row['bytes'] / 1e6:9.1f} MB  "
+                     f"{row['time_us']:8.2f} us  {row['gbps']:7,.0f} GB/s  "
+                     f"{row['frac_ceiling']:.3f} of {row['ceiling_gbps']:,.0f}")
+    return "\n".join(lines)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = OneLineParser(prog="python -m experiments.copy_sizes", description=__doc__,
+                      formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    p.add_argument("--out", default="results/copy_sizes.csv", help="CSV to write")
+    p.add_argument("--plot", default=None,
+                   help="PNG to draw (default: the CSV's name with .png; 'none': no plot)")
+    p.add_argument("--reps", type=int, default=20, help="graph replays a size (default 20)")
+    p.add_argument("--run-label", default="A", help="the run column (default A)")
+    p.add_argument("--plot-only", metavar="CSV", help="only plot and summarise this CSV")
+    return p
+
+
+def main(argv=None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.reps < 1:
+        parser.error(f"--reps: expected an int >= 1, got {args.reps}")
+    source = args.plot_only or args.out
+    png = args.plot or str(Path(source).with_suffix(".png"))
+    if args.plot_only:
+        if not Path(args.plot_only).is_file():
+            parser.error(f"--plot-only: no file {args.plot_only}")
+        try:
+            print(summarize(args.plot_only))
+            if png != "none":
+                plot(args.plot_only, png)
+        except (ValueError, KeyError) as error:
+            parser.error(f"--plot-only: {error}")
+        return 0
+    for flag, path in (("--out", args.out), ("--plot", None if png == "none" else png)):
+        problem = path is not None and file_problem(path)
+        if problem:
+            parser.error(f"{flag}: {problem}")
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU (this times device-to-device copies); "
+                     "--plot-only CSV works anywhere")
+    start = time.time()
+    df = measure(default_sizes(), args.reps, args.run_label)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    df.to_csv(args.out, index=False, float_format="%.6g")
+    command = "python -m experiments.copy_sizes " + shlex.join(
+        sys.argv[1:] if argv is None else argv)
+    write_meta(args.out, command.strip(), time.time() - start,
+               dict(reps=args.reps, l2_multiple=L2_MULTIPLE, gpu=kb.gpu_identity()),
+               device="cuda")
+    print(f"wrote {args.out}")
+    if png != "none":
+        plot(args.out, png)
+        print(f"wrote {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
