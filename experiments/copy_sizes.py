@@ -1,6 +1,6 @@
 """The copy ceiling at the sizes the kernels move, timed the way the kernels are timed.
 
-    python -m experiments.copy_sizes                      # on the GPU machine, about a minute
+    python -m experiments.copy_sizes                      # on the GPU machine, seconds
     python -m experiments.copy_sizes --plot-only results/copy_sizes.csv
 
 `kernel_bench` states a kernel's bandwidth as a fraction of one large device-to-device copy
@@ -98,9 +98,11 @@ def plot(csv: str | Path, png: str | Path) -> None:
         ax.plot(grid["bytes"] / 1e6, grid["gbps"], "o-", label=f"copy, run {run}")
         for _, row in part[part["label"].str.startswith("like ")].iterrows():
             ax.plot(row["bytes"] / 1e6, row["gbps"], "s", color="black")
-            ax.annotate(row["label"].removeprefix("like ").split(" (")[0],
+            ax.annotate("a copy of " + row["label"].removeprefix("like ").split(" (")[0]
+                        + "'s bytes",
                         (row["bytes"] / 1e6, row["gbps"]), textcoords="offset points",
-                        xytext=(4, -12), fontsize=7)
+                        xytext=(4, -12), fontsize=7,
+                        ha="right" if row["bytes"] > 500e6 else "left")  # inside the axes
         ax.axhline(part["ceiling_gbps"].iloc[0], color="gray", ls="--", lw=1,
                    label="large copy (kernel_bench's ceiling)")
     ax.set_xscale("log")
@@ -110,6 +112,7 @@ def plot(csv: str | Path, png: str | Path) -> None:
                  fontsize=9)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
+    fig.tight_layout()
     save_small_png(fig, png)
     plt.close(fig)
 
