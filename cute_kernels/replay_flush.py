@@ -197,7 +197,7 @@ class FlushConfig:
     # the shared-memory carveout asked of the driver, percent of the SM's unified L1/shared
     # storage (-1: the driver's choice); a tuning knob: with the tensor-core fold a CTA holds
     # about 44 KB of shared memory, and ncu found 3 CTAs an SM the limit of both registers
-    # (73) and shared memory (results/ncu/ncu_stalls_cute_flush_fp16sr_nvfp4.txt). Measured
+    # (73) and shared memory (results/ncu/ncu_stalls_cute_flush_fp16sr_nvfp4.txt.gz). Measured
     # (bench_write_occupancy_7.csv, batch 256, fp16-SR + nvfp4): default 986.3 us, carveout
     # 100 983.5, min_ctas_per_sm=4 (64 registers, 5 spill loads) 965.5, both 965.2; the cap
     # alone was 968.6 against 990.1 in an earlier call (bench_write_7.csv): about 2%; with the
