@@ -41,6 +41,8 @@ import cutlass.cute as cute  # noqa: E402
 import cutlass.runtime as cutlass_runtime  # noqa: E402
 from cutlass.cute.runtime import make_ptr  # noqa: E402
 
+from lowprec._checks import bytes_overlap  # noqa: E402
+
 __all__ = [
     "ALIGN",
     "TORCH_TO_CUTE",
@@ -174,14 +176,6 @@ def check_tensor(name, t, dtype, shape, device=None):
         fail(name, f"a {ALIGN}-byte-aligned data pointer", hex(t.data_ptr()))
 
 
-def overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two contiguous tensors' bytes overlap (meta tensors have no bytes)."""
-    if a.device.type == "meta" or b.device.type == "meta" or not a.numel() or not b.numel():
-        return False
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
-
-
 def check_apart(name, tensor, **others):
     """ValueError if `tensor` (an output, checked contiguous before) shares bytes with one of
     `others` (None entries skipped): the kernels read some inputs after writing their outputs
@@ -191,5 +185,5 @@ def check_apart(name, tensor, **others):
     if tensor is None:
         return
     for other_name, other in others.items():
-        if isinstance(other, torch.Tensor) and overlap(tensor, other):
+        if isinstance(other, torch.Tensor) and bytes_overlap(tensor, other):
             fail(name, f"a tensor apart from {other_name}", f"one sharing {other_name}'s memory")

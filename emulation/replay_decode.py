@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 
 from lowprec import formats
+from lowprec._checks import bytes_overlap
 from lowprec import quantize as lq
 from lowprec.replay import check_counter_ranges
 
@@ -193,7 +194,7 @@ def check_out_apart(output, name="out", /, **inputs) -> None:
     Byte ranges are compared, as cute_kernels._compile.check_apart does, so two disjoint
     slices of one buffer are accepted (every tensor here is checked contiguous first)."""
     for other_name, other in inputs.items():
-        if isinstance(other, torch.Tensor) and _bytes_overlap(output, other):
+        if isinstance(other, torch.Tensor) and bytes_overlap(output, other):
             raise ValueError(f"{name}: expected a tensor that shares no memory with the inputs, "
                              f"got one that shares {other_name}'s")
 
@@ -203,13 +204,6 @@ def cache_tensors(cache) -> dict:
     return {f"cache.{field.name}": getattr(cache, field.name)
             for field in fields(cache)
             if isinstance(getattr(cache, field.name), torch.Tensor)}
-
-
-def _bytes_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if not a.numel() or not b.numel() or a.device != b.device or a.device.type == "meta":
-        return False
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
 def _expect_int(name, value, low, high=None):

@@ -51,3 +51,14 @@ def repeated(values) -> list:
 def check_positive_int(name: str, value, minimum: int = 1) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name}: expected an integer >= {minimum}, got {value!r}")
+
+
+def bytes_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two contiguous tensors' bytes overlap (meta tensors have none; tensors on two
+    devices never share bytes). The kernels' wrappers refuse an output that overlaps an input
+    they read after writing it (cute_kernels._compile.check_apart, emulation's
+    check_out_apart)."""
+    if not a.numel() or not b.numel() or a.device != b.device or a.device.type == "meta":
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
