@@ -42,14 +42,18 @@ COLUMNS = ["run", "label", "bytes", "sets", "time_us", "time_us_p10", "time_us_p
 L2_MULTIPLE = 4.0  # as kernel_bench's default
 
 
-def default_sizes() -> list[tuple[str, int]]:
-    """(label, bytes read + written): the headline point's two non-flush steps, then powers of
-    two from 32 MiB to 2 GiB (the last is the size of kernel_bench's ceiling)."""
+DEFAULT_MIB = (32, 64, 128, 256, 512, 1024, 2048)
+
+
+def default_sizes(mib: tuple[int, ...] = DEFAULT_MIB) -> list[tuple[str, int]]:
+    """(label, bytes read + written): the headline point's two non-flush steps, then `mib`
+    (default: powers of two from 32 MiB to 2 GiB, the last the size of kernel_bench's
+    ceiling)."""
     shape = kb.SHAPES["nemotron3-super"]
     sizes = [(f"like {kernel} (batch 256, L = 16, cursor 8)",
               kb.kernel_bytes(kernel, shape, 256, 8))
              for kernel in ("cute:nonflush:nvfp4", "cute:nonflush:fp32")]
-    sizes += [(f"{mib} MiB", mib << 20) for mib in (32, 64, 128, 256, 512, 1024, 2048)]
+    sizes += [(f"{m} MiB", m << 20) for m in mib]
     return sizes
 
 
@@ -142,6 +146,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="results/copy_sizes.csv", help="CSV to write")
     p.add_argument("--plot", default=None,
                    help="PNG to draw (default: the CSV's name with .png; 'none': no plot)")
+    p.add_argument("--mib", default=",".join(map(str, DEFAULT_MIB)), metavar="M,M,...",
+                   help="the grid's sizes, MiB read + written, after the two kernels' own "
+                        f"(default {','.join(map(str, DEFAULT_MIB))}; each 1 to 16384)")
     p.add_argument("--reps", type=int, default=20, help="graph replays a size (default 20)")
     p.add_argument("--run-label", default="A", help="the run column (default A)")
     p.add_argument("--plot-only", metavar="CSV", help="only plot and summarise this CSV")
@@ -153,6 +160,13 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.reps < 1:
         parser.error(f"--reps: expected an int >= 1, got {args.reps}")
+    try:
+        mib = tuple(int(m) for m in args.mib.split(","))
+    except ValueError:
+        mib = ()
+    if not mib or not all(1 <= m <= 16384 for m in mib) or len(set(mib)) < len(mib):
+        parser.error(f"--mib: expected distinct integers in [1, 16384] separated by commas, "
+                     f"got {args.mib!r}")
     source = args.plot_only or args.out
     png = args.plot or str(Path(source).with_suffix(".png"))
     if args.plot_only:
@@ -173,13 +187,14 @@ def main(argv=None) -> int:
         parser.error("needs a CUDA GPU (this times device-to-device copies); "
                      "--plot-only CSV works anywhere")
     start = time.time()
-    df = measure(default_sizes(), args.reps, args.run_label)
+    df = measure(default_sizes(mib), args.reps, args.run_label)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     df.to_csv(args.out, index=False, float_format="%.6g")
     command = "python -m experiments.copy_sizes " + shlex.join(
         sys.argv[1:] if argv is None else argv)
     write_meta(args.out, command.strip(), time.time() - start,
-               dict(reps=args.reps, l2_multiple=L2_MULTIPLE, gpu=kb.gpu_identity()),
+               dict(reps=args.reps, mib=list(mib), l2_multiple=L2_MULTIPLE,
+                    gpu=kb.gpu_identity()),
                device="cuda")
     print(f"wrote {args.out}")
     if png != "none":

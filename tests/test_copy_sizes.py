@@ -19,6 +19,7 @@ def test_default_sizes_start_with_the_headline_kernels_bytes_and_end_at_the_ceil
     assert 200e6 < sizes[0][1] < 210e6  # the 204 MB of results/README.md
     assert sizes[-1][1] == 2 * 2**30 == 2 * (2**30 // 4) * 4
     assert len({b for _, b in sizes}) == len(sizes)
+    assert cs.default_sizes((3, 1000))[2:] == [("3 MiB", 3 << 20), ("1000 MiB", 1000 << 20)]
 
 
 def _csv(tmp_path):
@@ -49,6 +50,9 @@ def test_plot_only_prints_each_size_and_draws_the_plot(tmp_path, capsys):
     (["--reps", "0"], "--reps: expected an int >= 1, got 0"),
     (["--plot-only", "no/such.csv"], "--plot-only: no file no/such.csv"),
     (["--abbrev"], "unrecognized arguments: --abbrev"),
+    (["--mib", "64,x"], "--mib: expected distinct integers in [1, 16384]"),
+    (["--mib", "64,64"], "--mib: expected distinct integers"),
+    (["--mib", "0"], "--mib: expected distinct integers"),
 ])
 def test_argument_mistakes_are_one_line_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as stop:
