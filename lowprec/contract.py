@@ -37,8 +37,8 @@ __all__ = ["flush_copies", "mismatches"]
 _SIGNED = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _check_counter(name: str, value, rows: int, every_row: bool) -> torch.Tensor:
-    """An integer sequence or tensor [rows], each in [0, 2^20) (the Philox fields); with
+def _check_counter(name: str, value, rows: int, every_row: bool, limit: int) -> torch.Tensor:
+    """An integer sequence or tensor [rows], each in [0, limit) (its Philox field); with
     `every_row`, also an int for all rows (a slot index is each row's own: an int there would
     give every row one slot's words)."""
     if every_row and isinstance(value, int) and not isinstance(value, bool):
@@ -52,8 +52,8 @@ def _check_counter(name: str, value, rows: int, every_row: bool) -> torch.Tensor
                else repr(value))
         kinds = "an int or integers" if every_row else "integers"
         raise ValueError(f"{name}: expected {kinds} [{rows}] (a list or tensor), got {got}")
-    # the range: philox's own check of its slot and flush fields (both below 2^20)
-    return philox._counter(value.detach().cpu(), philox.SLOT_LIMIT, name)
+    # the range: philox's own check of its slot and flush fields
+    return philox._counter(value.detach().cpu(), limit, name)
 
 
 def flush_copies(
@@ -88,11 +88,11 @@ def flush_copies(
                          f"stored element by element), got {hi_format!r}")
     if hi_rounding not in ("rn", "sr"):
         raise ValueError(f"hi_rounding: expected 'rn' or 'sr', got {hi_rounding!r}")
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < philox.SEED_LIMIT:
-        raise ValueError(f"seed: expected an int in [0, 2^64), got {seed!r}")
+    philox._check_seed(seed)
     rows = state.shape[0]
-    slots = _check_counter("slots", torch.arange(rows) if slots is None else slots, rows, False)
-    flushes = _check_counter("flushes", flushes, rows, True)
+    slots = _check_counter("slots", torch.arange(rows) if slots is None else slots, rows, False,
+                           philox.SLOT_LIMIT)
+    flushes = _check_counter("flushes", flushes, rows, True, philox.FLUSH_LIMIT)
     rand = None
     if hi_rounding == "sr":
         rand = philox.random_words(seed, slots, flushes, tuple(state.shape[1:]))
