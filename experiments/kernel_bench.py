@@ -47,7 +47,9 @@ column is the largest error over its bound (pass: <= 1).
 CUDA-graph replay of one launch per buffer set, `sets` sets rotating so that one replay touches
 at least `l2_multiple` x the L2 (never fewer than 4 sets); counters the kernel advances are reset
 between replays, outside the timed region. `time_us` is the median per-launch time over `reps`
-replays after `WARM_REPLAYS` untimed ones (`p10`, `p90` beside it). Each timed region (a
+replays after `--warm-replays` untimed ones (default 32: a freshly built buffer set runs
+slower for its first ~20 passes; before 2026-12-01 there were 3, and the median fell in that
+transient; `WARM_REPLAYS`) (`p10`, `p90` beside it). Each timed region (a
 replay, or a ceiling's copy or read) starts behind a GPU spin of `--lead-cycles` (default
 200,000 cycles, about 100 us), so that its start event fires when the work is already queued:
 the host's submission of the graph is not timed (before 2026-11-30 it was; `--lead-cycles 0`
@@ -329,6 +331,16 @@ COLUMNS = [
 # start event fires at once on an idle stream and the host's submission is timed as well.
 LEAD_CYCLES = 200_000
 
+# Replays not timed before each point's `reps`. A freshly built buffer set runs slower for its
+# first ~20 passes, whatever the pause since it was written, with the clocks at 1,980 MHz
+# throughout: on the H200 (2026-12-01, three machines) the two-precision non-flush step at the
+# headline point took 59.2-60.4 us for the first 16-20 replays over 4 new sets and 56.0-56.9
+# after, the FP32-checkpoint step 300.6-303.6 then 282.1-284.0; a new graph over the same
+# buffers was fast at once (results/README.md, "Twenty-sixth session"). With 3 warm replays (the
+# method before 2026-12-01, `--warm-replays 3`) the median fell in that transient; 32 put every
+# timed replay past it, as the copy ceiling (1 s of copies first) always was.
+WARM_REPLAYS = 32
+
 
 @dataclass
 class BenchConfig:
@@ -345,6 +357,7 @@ class BenchConfig:
     reps: int = 20
     l2_multiple: float = 4.0
     lead_cycles: int = LEAD_CYCLES  # GPU spin before each timed region (0: none)
+    warm_replays: int = WARM_REPLAYS  # untimed replays before each point's reps
     budget_s: float | None = None
     peers_dir: str = ".peers"
     run_label: str = "A"
@@ -383,6 +396,10 @@ class BenchConfig:
             raise ValueError(f"lead_cycles: expected an integer >= 0, got {self.lead_cycles!r}")
         if self.reps < 1:
             raise ValueError(f"reps: expected >= 1, got {self.reps}")
+        if isinstance(self.warm_replays, bool) or not isinstance(self.warm_replays, int) or (
+                self.warm_replays < 0):
+            raise ValueError(f"warm_replays: expected an integer >= 0, got "
+                             f"{self.warm_replays!r}")
         if self.budget_s is not None and not (math.isfinite(self.budget_s)
                                               and self.budget_s > 0):
             raise ValueError(f"budget_s: expected a finite number > 0, got {self.budget_s}")
@@ -494,6 +511,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"GPU cycles of spin queued before each timed region, so the host's "
                    f"submission of the work is not timed (default {LEAD_CYCLES:,}; 0: none, "
                    f"the method before 2026-11-30)")
+    p.add_argument("--warm-replays", type=int, default=None,
+                   help=f"untimed graph replays before each point's timed ones (default "
+                   f"{WARM_REPLAYS}: a new buffer set runs slower for its first ~20 passes; 3: "
+                   f"the method before 2026-12-01)")
     p.add_argument("--run-label", default=defaults.run_label,
                    help="label of this run in the CSV's run column (default: %(default)s)")
     sources = p.add_mutually_exclusive_group()
@@ -527,6 +548,8 @@ def config_from_args(args: argparse.Namespace, argv: list[str]) -> BenchConfig:
         values["reps"] = args.reps
     if args.lead_cycles is not None:
         values["lead_cycles"] = args.lead_cycles
+    if args.warm_replays is not None:
+        values["warm_replays"] = args.warm_replays
     if args.kernels == "default":
         kernels = BenchConfig.kernels
     elif args.kernels.strip() == "none":  # the peers' kernels alone (no CuTe DSL at hand)
@@ -1210,21 +1233,19 @@ def measure_ceilings(nbytes: int = 2**30, warm_s: float = 1.0, reps: int = 20,
                 note=note)
 
 
-WARM_REPLAYS = 3  # replays not timed: the clocks ramp again after the host-side set-up gap
-
-
-def time_case(case: Case, reps: int, lead_cycles: int = LEAD_CYCLES) -> tuple[list[float], str]:
+def time_case(case: Case, reps: int, lead_cycles: int = LEAD_CYCLES,
+              warm_replays: int = WARM_REPLAYS) -> tuple[list[float], str]:
     """Per-launch microseconds of `reps` replays of one launch per set (each replay behind a
-    `lead_cycles` spin), and the method."""
+    `lead_cycles` spin, after `warm_replays` untimed ones), and the method."""
     launches = [_launcher(case, i) for i in range(case.bufs.sets)]
-    return time_launches(launches, case.reset or (lambda: None), reps, lead_cycles)
+    return time_launches(launches, case.reset or (lambda: None), reps, lead_cycles, warm_replays)
 
 
-def time_launches(launches: list, reset, reps: int,
-                  lead_cycles: int = LEAD_CYCLES) -> tuple[list[float], str]:
+def time_launches(launches: list, reset, reps: int, lead_cycles: int = LEAD_CYCLES,
+                  warm_replays: int = WARM_REPLAYS) -> tuple[list[float], str]:
     """Per-launch microseconds of `reps` replays of `launches` (one per rotating buffer set),
     captured in one CUDA graph (eager launches where capture fails), `reset()` before each
-    replay outside the timed region, `WARM_REPLAYS` replays first untimed; and the method."""
+    replay outside the timed region, `warm_replays` replays first untimed; and the method."""
 
     def eager():
         for launch in launches:
@@ -1249,10 +1270,10 @@ def time_launches(launches: list, reset, reps: int,
         torch.cuda.synchronize()
         run_once, method = eager, "events"
     times = []
-    for rep in range(reps + WARM_REPLAYS):
+    for rep in range(reps + warm_replays):
         reset()
         elapsed = _event_time_ms(run_once, lead_cycles) * 1e3 / len(launches)
-        if rep >= WARM_REPLAYS:
+        if rep >= warm_replays:
             times.append(elapsed)
     return times, method
 
@@ -1371,7 +1392,8 @@ def run(config: BenchConfig, log=print) -> pd.DataFrame:
             sets = sets_for(kernel_bytes(spec, shape, batch, cursor), l2, config.l2_multiple)
             case = build_case(spec, shape, batch, window, cursor, sets, device, config.seed,
                               peers_dir, ACT_DTYPES[config.act], config.nonflush_knobs)
-            times, method = time_case(case, config.reps, config.lead_cycles)
+            times, method = time_case(case, config.reps, config.lead_cycles,
+                                      config.warm_replays)
             del case
         except Exception as error:  # out of memory, a launch failure: record and go on
             rows.append(_row(*point, check=ratio, status=f"error: {_reason(error)}"))

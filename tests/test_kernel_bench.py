@@ -239,6 +239,40 @@ def test_lead_cycles_reach_the_configuration_and_bad_values_are_refused(capsys):
     assert len(err.splitlines()) == 1 and "lead_cycles" in err
 
 
+def test_warm_replays_reach_the_configuration_and_are_left_out_of_the_times(monkeypatch,
+                                                                            capsys):
+    """--warm-replays N (default WARM_REPLAYS = 32) untimed replays come first, and only the
+    `reps` after them are returned (per launch); a negative count is refused in one line."""
+    for argv, expected in (([], kb.WARM_REPLAYS), (["--warm-replays", "3"], 3),
+                           (["--warm-replays", "0"], 0)):
+        argv = ["--quick", *argv]
+        assert kb.config_from_args(kb.build_parser().parse_args(argv),
+                                   argv).warm_replays == expected
+    assert kb.WARM_REPLAYS == 32
+    with pytest.raises(SystemExit) as exit_info:
+        kb.main(["--quick", "--warm-replays", "-1", "--plot-dir", "none"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "warm_replays" in err
+
+    replays = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda: (_ for _ in ()).throw(RuntimeError("cpu")))
+
+    def fake_time(fn, lead_cycles):
+        fn()
+        replays.append(lead_cycles)
+        return 0.003 * len(replays)  # ms of the whole replay: 3 us more each time
+
+    monkeypatch.setattr(kb, "_event_time_ms", fake_time)
+    launched = []
+    times, method = kb.time_launches([lambda: launched.append(0), lambda: launched.append(1)],
+                                     lambda: None, reps=4, lead_cycles=9, warm_replays=7)
+    assert method == "events"
+    assert replays == [9] * 11 and launched == [0, 1] * 12  # one eager pass, then 7 + 4
+    assert times == pytest.approx([1.5 * k for k in (8, 9, 10, 11)])
+
+
 def test_the_spin_is_queued_before_the_start_event(monkeypatch):
     """_event_time_ms queues the GPU spin, then the start event, the work and the end event,
     in that order (so the start event waits behind the spin while the host submits the work);
@@ -517,8 +551,9 @@ def test_run_end_to_end_on_the_cpu_with_stand_in_timing(interpreted_vllm, monkey
                                                                  read_gbps=4200.0, note=""))
     launched = []
 
-    def stand_in(case, reps, lead_cycles):
+    def stand_in(case, reps, lead_cycles, warm_replays):
         assert lead_cycles == kb.LEAD_CYCLES  # the configuration's spin reaches the timing
+        assert warm_replays == 5  # and its warm-up
         kb._launcher(case, case.bufs.sets - 1)()  # the last set's views are valid too
         launched.append(case.spec.name)
         return [10.0 + case.bufs.sets] * reps, "stand-in"
@@ -526,7 +561,7 @@ def test_run_end_to_end_on_the_cpu_with_stand_in_timing(interpreted_vllm, monkey
     monkeypatch.setattr(kb, "time_case", stand_in)
     config = kb.BenchConfig(shapes=("tiny",), batches=(3,), windows=(8,),
                             kernels=("emulation:nonflush:nvfp4",), peers=("vllm",), reps=3,
-                            l2_multiple=1e-6, device="cpu", act="fp16",
+                            l2_multiple=1e-6, device="cpu", act="fp16", warm_replays=5,
                             out=str(tmp_path / "run.csv"))
     frame = kb.run(config, log=lambda _: None)
     timed = frame[frame["step"] != "token"]
