@@ -1,0 +1,241 @@
+"""How many passes a freshly built buffer set takes to reach a kernel's steady time, and what
+brings the slow passes back: each replay of a kernel over its rotating sets timed on its own.
+
+    python -m experiments.warm_transient                  # on the GPU machine, about a minute
+    python -m experiments.warm_transient --plot-only results/warm_transient.csv
+
+On the H200 a decode step over buffers that were just built runs several percent slower for
+its first ~20 passes, then settles, with the SM clock at 1,980 MHz (P0) throughout; that is why
+`kernel_bench` replays each point `WARM_REPLAYS` (32) times untimed before it times it (the
+method before 2026-12-01 replayed 3 times, and its medians fell in this transient). This script
+shows the transient replay by replay, for each kernel in five phases, one after another on one
+case (`kernel_bench.build_case`, the sets `kernel_bench.sets_for` gives):
+
+- `fresh`: the case just built (new buffers, filled once);
+- `same buffers, new graph`: the same case again, in a newly captured graph;
+- `state rewritten`: after the state the step reads (the read copy, or the FP32 checkpoint) is
+  copied onto itself (`copy_`, same bytes), as a flush would rewrite it;
+- `other inputs rewritten`: after every other buffer but the cursors is copied onto itself;
+- `fresh after 1 s idle`: a new case, then 1 s with the GPU idle before the first replay.
+
+Each phase is `--replays` graph replays of one launch per set, each behind `kernel_bench`'s GPU
+spin, none left out (`kernel_bench.time_launches` with no warm replays: its two untimed passes
+before capture come first). The step is checked against the fp64 reference first.
+
+Writes `--out` (tidy CSV: one row per kernel, phase and replay) with a `.meta.json` beside it,
+and a plot of the time against the replay, read from the CSV.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from experiments import kernel_bench as kb
+from experiments._common import OneLineParser, file_problem, save_small_png, write_meta
+
+__all__ = ["PHASES", "measure", "settled_after", "plot", "main"]
+
+COLUMNS = ["run", "kernel", "shape", "batch", "window", "cursor", "sets", "phase", "replay",
+           "time_us"]
+PHASES = ("fresh", "same buffers, new graph", "state rewritten", "other inputs rewritten",
+          "fresh after 1 s idle")
+DEFAULT_KERNELS = ("cute:nonflush:nvfp4", "cute:nonflush:fp32")
+L2_MULTIPLE = 4.0  # as kernel_bench's default
+SLOW = 1.02  # a replay is slow if it takes 2% more than the phase's last half (its median)
+
+
+def _rewrite(case, names) -> None:
+    for name in names:
+        base = case.bufs.bases[name]
+        base.copy_(base.clone())
+    torch.cuda.synchronize()
+
+
+def measure(kernels: list[str], shape_name: str, batch: int, window: int, cursor: int,
+            replays: int, run: str, log=print) -> pd.DataFrame:
+    """One row per kernel, phase (`PHASES`) and replay."""
+    kb.measure_ceilings()  # the card warmed, as kernel_bench does first
+    shape = kb.SHAPES[shape_name]
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    rows = []
+    for kernel in kernels:
+        spec = kb.KERNELS[kernel]
+        sets = kb.sets_for(kb.kernel_bytes(spec, shape, batch, cursor), l2, L2_MULTIPLE)
+        ratio = kb.check_kernel(spec, shape, window, "cuda")
+        if not ratio <= 1.0:
+            raise RuntimeError(f"{kernel}: fails its reference check ({ratio:.3g})")
+        args = (spec, shape, batch, window, cursor, sets, "cuda")
+        case = kb.build_case(*args)
+        for phase in PHASES:
+            state = [n for n in case.bufs.bases if n.startswith("lo.")]
+            if phase == "state rewritten":
+                _rewrite(case, state)
+            elif phase == "other inputs rewritten":
+                _rewrite(case, [n for n in case.bufs.bases if n not in state and n != "cursors"])
+            elif phase == "fresh after 1 s idle":
+                case = None
+                torch.cuda.empty_cache()
+                case = kb.build_case(*args)
+                torch.cuda.synchronize()
+                time.sleep(1.0)
+            launches = [kb._launcher(case, i) for i in range(sets)]
+            times, _ = kb.time_launches(launches, case.reset or (lambda: None), replays,
+                                        warm_replays=0)
+            rows += [dict(run=run, kernel=kernel, shape=shape_name, batch=batch, window=window,
+                          cursor=cursor, sets=sets, phase=phase, replay=i + 1, time_us=t)
+                     for i, t in enumerate(times)]
+            log(f"{kernel:22s} {phase:24s} first {times[0]:8.2f} us, median of the last half "
+                f"{statistics.median(times[replays // 2:]):8.2f} us")
+        case = None
+        torch.cuda.empty_cache()
+    return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def settled_after(times: list[float]) -> int:
+    """Replays before the last slow one (more than `SLOW` x the median of the last half): the
+    transient's length in passes; 0 if no replay is slow."""
+    steady = statistics.median(times[len(times) // 2:])
+    slow = [i for i, t in enumerate(times) if t > SLOW * steady]
+    return slow[-1] + 1 if slow else 0
+
+
+def _read(csv: str | Path) -> pd.DataFrame:
+    df = pd.read_csv(csv)
+    missing = [c for c in COLUMNS if c not in df.columns]
+    if missing:
+        raise ValueError(f"{csv}: not a warm_transient CSV (no column {missing[0]!r})")
+    return df
+
+
+def summarize(csv: str | Path) -> str:
+    """A line a kernel and phase: the first replay, the settled median, and the slow passes."""
+    df = _read(csv)
+    lines = []
+    for (run, kernel, phase), part in df.groupby(["run", "kernel", "phase"], sort=False):
+        times = part.sort_values("replay")["time_us"].tolist()
+        steady = statistics.median(times[len(times) // 2:])
+        n = settled_after(times)
+        lines.append(f"{run}  {kernel:22s} {phase:24s} first {times[0]:8.2f} us  settled "
+                     f"{steady:8.2f} us  slow (> {SLOW:.2f}x) through replay {n:3d}"
+                     + (f", {statistics.median(times[:n]) / steady - 1:+.1%} there" if n else ""))
+    return "\n".join(lines)
+
+
+def plot(csv: str | Path, png: str | Path) -> None:
+    """Time against replay, a panel a kernel (relative to its settled time), a line a phase."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    df = _read(csv)
+    panels = list(df.groupby(["run", "kernel"], sort=False))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 3.8), squeeze=False)
+    for ax, ((run, kernel), part) in zip(axes[0], panels, strict=True):
+        for phase, rows in part.groupby("phase", sort=False):
+            rows = rows.sort_values("replay")
+            steady = statistics.median(rows["time_us"].iloc[len(rows) // 2:])
+            ax.plot(rows["replay"], rows["time_us"], ".-", ms=3, lw=1,
+                    label=f"{phase} (settles at {steady:.1f} us)")
+        first = part.iloc[0]
+        ax.set_title(f"{kernel}, {first['shape']}\nbatch {first['batch']}, L = "
+                     f"{first['window']}, cursor {first['cursor']}, {first['sets']} sets"
+                     + (f" [{run}]" if df["run"].nunique() > 1 else ""), fontsize=8)
+        ax.axvline(kb.WARM_REPLAYS + 0.5, color="gray", ls=":", lw=1)
+        ax.annotate(f"kernel_bench times\nfrom here ({kb.WARM_REPLAYS} warm)",
+                    (kb.WARM_REPLAYS + 1, ax.get_ylim()[1]), va="top", fontsize=7)
+        ax.set_xlabel("graph replay (one launch per set)")
+        ax.set_ylabel("us a launch")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6, loc="center right")
+    fig.tight_layout()
+    save_small_png(fig, png)
+    plt.close(fig)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = OneLineParser(prog="python -m experiments.warm_transient", description=__doc__,
+                      formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    p.add_argument("--kernels", default=",".join(DEFAULT_KERNELS), metavar="K,K,...",
+                   help="CuTe non-flush kernels of kernel_bench (default: "
+                        f"{','.join(DEFAULT_KERNELS)})")
+    p.add_argument("--shape", default="nemotron3-super", choices=sorted(kb.SHAPES),
+                   help="layer shape (default nemotron3-super)")
+    p.add_argument("--batch", type=int, default=256, help="slots (default 256)")
+    p.add_argument("--window", type=int, default=16, help="L (default 16)")
+    p.add_argument("--cursor", type=int, default=8,
+                   help="records in the ring before the step (default 8, the window's middle)")
+    p.add_argument("--replays", type=int, default=48, help="replays a phase (default 48)")
+    p.add_argument("--run-label", default="A", help="the run column (default A)")
+    p.add_argument("--out", default="results/warm_transient.csv", help="CSV to write")
+    p.add_argument("--plot", default=None,
+                   help="PNG to draw (default: the CSV's name with .png; 'none': no plot)")
+    p.add_argument("--plot-only", metavar="CSV", help="only plot and summarise this CSV")
+    return p
+
+
+def main(argv=None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    source = args.plot_only or args.out
+    png = args.plot or str(Path(source).with_suffix(".png"))
+    if args.plot_only:
+        if not Path(args.plot_only).is_file():
+            parser.error(f"--plot-only: no file {args.plot_only}")
+        try:
+            print(summarize(args.plot_only))
+            if png != "none":
+                plot(args.plot_only, png)
+        except (ValueError, KeyError) as error:
+            parser.error(f"--plot-only: {error}")
+        return 0
+    kernels = [k.strip() for k in args.kernels.split(",") if k.strip()]
+    nonflush = [k for k, spec in kb.KERNELS.items() if spec.impl == "cute"
+                and spec.step == "nonflush"]
+    bad = [k for k in kernels if k not in nonflush]
+    if not kernels or bad or len(set(kernels)) < len(kernels):
+        parser.error(f"--kernels: expected distinct names from {', '.join(nonflush)}, got "
+                     f"{args.kernels!r}")
+    for flag, value, low in (("--batch", args.batch, 1), ("--window", args.window, 2),
+                             ("--replays", args.replays, 8), ("--cursor", args.cursor, 0)):
+        if value < low:
+            parser.error(f"{flag}: expected an int >= {low}, got {value}")
+    if args.cursor > args.window - 2:
+        parser.error(f"--cursor: a non-flush step's cursor is at most L - 2 = "
+                     f"{args.window - 2}, got {args.cursor}")
+    for flag, path in (("--out", args.out), ("--plot", None if png == "none" else png)):
+        problem = path is not None and file_problem(path)
+        if problem:
+            parser.error(f"{flag}: {problem}")
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU (this times the CuTe kernels); "
+                     "--plot-only CSV works anywhere")
+    start = time.time()
+    df = measure(kernels, args.shape, args.batch, args.window, args.cursor, args.replays,
+                 args.run_label)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    df.to_csv(args.out, index=False, float_format="%.6g")
+    command = "python -m experiments.warm_transient " + shlex.join(
+        sys.argv[1:] if argv is None else argv)
+    write_meta(args.out, command.strip(), time.time() - start,
+               dict(replays=args.replays, l2_multiple=L2_MULTIPLE, gpu=kb.gpu_identity()),
+               device="cuda")
+    print(summarize(args.out))
+    if png != "none":
+        plot(args.out, png)
+        print(f"wrote {args.out} and {png}")
+    else:
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
