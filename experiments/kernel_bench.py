@@ -332,13 +332,14 @@ COLUMNS = [
 LEAD_CYCLES = 200_000
 
 # Replays not timed before each point's `reps`. A freshly built buffer set runs slower for its
-# first ~20 passes, whatever the pause since it was written, with the clocks at 1,980 MHz
-# throughout: on the H200 (2026-12-01, three machines) the two-precision non-flush step at the
-# headline point took 59.2-60.4 us for the first 16-20 replays over 4 new sets and 56.0-56.9
-# after, the FP32-checkpoint step 300.6-303.6 then 282.1-284.0; a new graph over the same
-# buffers was fast at once (results/README.md, "Twenty-sixth session"). With 3 warm replays (the
-# method before 2026-12-01, `--warm-replays 3`) the median fell in that transient; 32 put every
-# timed replay past it, as the copy ceiling (1 s of copies first) always was.
+# first 10-22 passes, whatever the pause since it was written, with the clocks at 1,980 MHz
+# throughout: on the H200 (2026-12-01, `python -m experiments.warm_transient`,
+# results/warm_transient.csv) the two-precision non-flush step at the headline point took 5.6-6.0%
+# longer for its first 18-22 replays over 4 new sets (about 59.8 against 56.2-56.5 us), the
+# FP32-checkpoint step 6.4-6.6% longer for 10-18 (303 against 283 us); a new graph over the same
+# buffers was fast at once. With 3 warm replays (the method before 2026-12-01, `--warm-replays
+# 3`) the median fell in that transient; 32 put every timed replay past it, as the copy
+# ceiling (1 s of copies first) always was (results/README.md, "Twenty-sixth session").
 WARM_REPLAYS = 32
 
 

@@ -20,7 +20,8 @@ case (`kernel_bench.build_case`, the sets `kernel_bench.sets_for` gives):
 
 Each phase is `--replays` graph replays of one launch per set, each behind `kernel_bench`'s GPU
 spin, none left out (`kernel_bench.time_launches` with no warm replays: its two untimed passes
-before capture come first). The step is checked against the fp64 reference first.
+before capture come first); `clocks_after` is nvidia-smi's SM and memory clock and P-state
+right after the phase. The step is checked against the fp64 reference first.
 
 Writes `--out` (tidy CSV: one row per kernel, phase and replay) with a `.meta.json` beside it,
 and a plot of the time against the replay, read from the CSV.
@@ -44,12 +45,28 @@ from experiments._common import OneLineParser, file_problem, save_small_png, wri
 __all__ = ["PHASES", "measure", "settled_after", "plot", "main"]
 
 COLUMNS = ["run", "kernel", "shape", "batch", "window", "cursor", "sets", "phase", "replay",
-           "time_us"]
+           "time_us", "clocks_after"]
 PHASES = ("fresh", "same buffers, new graph", "state rewritten", "other inputs rewritten",
           "fresh after 1 s idle")
 DEFAULT_KERNELS = ("cute:nonflush:nvfp4", "cute:nonflush:fp32")
 L2_MULTIPLE = 4.0  # as kernel_bench's default
 SLOW = 1.02  # a replay is slow if it takes 2% more than the phase's last half (its median)
+
+
+def clocks(run=None) -> str:
+    """GPU 0's SM clock, memory clock and performance state as nvidia-smi reports them now
+    (e.g. '1980 MHz, 3201 MHz, P0'), or '' where it cannot be asked. ``run``: a
+    subprocess.run stand-in (tests)."""
+    import subprocess
+
+    run = run or subprocess.run
+    try:
+        done = run(["nvidia-smi", "--query-gpu=clocks.sm,clocks.mem,pstate",
+                    "--format=csv,noheader", "--id=0"], capture_output=True, text=True,
+                   timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return done.stdout.strip() if done.returncode == 0 else ""
 
 
 def _rewrite(case, names) -> None:
@@ -89,11 +106,13 @@ def measure(kernels: list[str], shape_name: str, batch: int, window: int, cursor
             launches = [kb._launcher(case, i) for i in range(sets)]
             times, _ = kb.time_launches(launches, case.reset or (lambda: None), replays,
                                         warm_replays=0)
+            after = clocks()  # the clocks the slow replays ran at: still at full speed after
             rows += [dict(run=run, kernel=kernel, shape=shape_name, batch=batch, window=window,
-                          cursor=cursor, sets=sets, phase=phase, replay=i + 1, time_us=t)
+                          cursor=cursor, sets=sets, phase=phase, replay=i + 1, time_us=t,
+                          clocks_after=after)
                      for i, t in enumerate(times)]
             log(f"{kernel:22s} {phase:24s} first {times[0]:8.2f} us, median of the last half "
-                f"{statistics.median(times[replays // 2:]):8.2f} us")
+                f"{statistics.median(times[replays // 2:]):8.2f} us; then {after or 'clocks ?'}")
         case = None
         torch.cuda.empty_cache()
     return pd.DataFrame(rows, columns=COLUMNS)
@@ -108,10 +127,13 @@ def settled_after(times: list[float]) -> int:
 
 
 def _read(csv: str | Path) -> pd.DataFrame:
-    df = pd.read_csv(csv)
-    missing = [c for c in COLUMNS if c not in df.columns]
+    df = pd.read_csv(csv, keep_default_na=False, na_values=[""])
+    missing = [c for c in COLUMNS[:-1] if c not in df.columns]
     if missing:
         raise ValueError(f"{csv}: not a warm_transient CSV (no column {missing[0]!r})")
+    if "clocks_after" not in df.columns:  # the first files of 2026-12-01 did not record them
+        df["clocks_after"] = ""
+    df["clocks_after"] = df["clocks_after"].fillna("")
     return df
 
 
@@ -123,9 +145,11 @@ def summarize(csv: str | Path) -> str:
         times = part.sort_values("replay")["time_us"].tolist()
         steady = statistics.median(times[len(times) // 2:])
         n = settled_after(times)
+        after = part["clocks_after"].iloc[0]
         lines.append(f"{run}  {kernel:22s} {phase:24s} first {times[0]:8.2f} us  settled "
                      f"{steady:8.2f} us  slow (> {SLOW:.2f}x) through replay {n:3d}"
-                     + (f", {statistics.median(times[:n]) / steady - 1:+.1%} there" if n else ""))
+                     + (f", {statistics.median(times[:n]) / steady - 1:+.1%} there" if n else "")
+                     + (f"  [after: {after}]" if after else ""))
     return "\n".join(lines)
 
 

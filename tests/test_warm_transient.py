@@ -35,7 +35,7 @@ def _csv(tmp_path):
                     torch.rand((), generator=gen)))
                 rows.append(dict(run="A", kernel=kernel, shape="nemotron3-super", batch=256,
                                  window=16, cursor=8, sets=4, phase=phase, replay=i + 1,
-                                 time_us=t))
+                                 time_us=t, clocks_after="1980 MHz, 3201 MHz, P0"))
     path = tmp_path / "warm.csv"
     pd.DataFrame(rows, columns=wt.COLUMNS).to_csv(path, index=False)
     return path
@@ -48,10 +48,44 @@ def test_plot_only_names_each_phases_slow_passes_and_draws(tmp_path, capsys):
     out = capsys.readouterr().out.splitlines()
     assert len(out) == 2 * len(wt.PHASES)
     assert "fresh " in out[0] and "slow (> 1.02x) through replay  18, +6." in out[0]
-    assert "same buffers, new graph" in out[1] and out[1].endswith("through replay   0")
+    assert out[0].endswith("[after: 1980 MHz, 3201 MHz, P0]")
+    assert "same buffers, new graph" in out[1] and "through replay   0  [after" in out[1]
     assert "cute:nonflush:fp32" in out[7] and "state rewritten" in out[7]
     assert "through replay   8" in out[7]
     assert png.stat().st_size > 10_000
+
+
+def test_a_csv_without_the_clocks_column_still_reads(tmp_path, capsys):
+    path = _csv(tmp_path)
+    pd.read_csv(path).drop(columns="clocks_after").to_csv(path, index=False)
+    assert wt.main(["--plot-only", str(path), "--plot", "none"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 2 * len(wt.PHASES) and "[after" not in out[0]
+    assert out[0].endswith("% there")
+
+
+def test_clocks_asks_nvidia_smi_and_never_raises():
+    class Done:
+        returncode, stdout = 0, "1980 MHz, 3201 MHz, P0\n"
+
+    asked = []
+
+    def ok(cmd, **kw):
+        asked.append(cmd)
+        return Done()
+
+    assert wt.clocks(ok) == "1980 MHz, 3201 MHz, P0"
+    assert asked[0][:2] == ["nvidia-smi", "--query-gpu=clocks.sm,clocks.mem,pstate"]
+
+    def missing(cmd, **kw):
+        raise FileNotFoundError("nvidia-smi")
+
+    assert wt.clocks(missing) == ""
+
+    class Failed:
+        returncode, stdout = 9, "No devices were found"
+
+    assert wt.clocks(lambda cmd, **kw: Failed()) == ""
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -93,3 +127,4 @@ def test_measure_times_every_replay_of_every_phase_of_a_checked_step():
     for _, part in df.groupby("phase"):
         assert part["replay"].tolist() == list(range(1, 10))
     assert (df["time_us"] > 0).all() and df["sets"].nunique() == 1 and df["sets"].iloc[0] >= 4
+    assert df["clocks_after"].str.contains("MHz").all()  # nvidia-smi is there on the GPU machine
