@@ -332,14 +332,15 @@ COLUMNS = [
 LEAD_CYCLES = 200_000
 
 # Replays not timed before each point's `reps`. A freshly built buffer set runs slower for its
-# first 10-22 passes, whatever the pause since it was written, with the clocks at 1,980 MHz
-# throughout: on the H200 (2026-12-01, `python -m experiments.warm_transient`,
-# results/warm_transient.csv) the two-precision non-flush step at the headline point took 5.6-6.0%
-# longer for its first 18-22 replays over 4 new sets (about 59.8 against 56.2-56.5 us), the
-# FP32-checkpoint step 6.4-6.6% longer for 10-18 (303 against 283 us); a new graph over the same
-# buffers was fast at once. With 3 warm replays (the method before 2026-12-01, `--warm-replays
-# 3`) the median fell in that transient; 32 put every timed replay past it, as the copy
-# ceiling (1 s of copies first) always was (results/README.md, "Twenty-sixth session").
+# first 10-26 passes, whatever the pause since it was written, with the clocks at 1,980 MHz
+# throughout: on the H200 (2026-12-01, three machines, `python -m experiments.warm_transient`,
+# results/warm_transient.csv and kernel_bench_runs/steady_26/) the two-precision non-flush step
+# at the headline point took 5.6-6.1% longer for its first 18-26 replays over 4 new sets (about
+# 59.8 against 56.1-56.5 us), the FP32-checkpoint step 6.4-6.6% longer for 10-18 (303 against
+# 283 us); a new graph over the same buffers was fast at once. With 3 warm replays (the method
+# before 2026-12-01, `--warm-replays 3`) the median fell in that transient; 32 put every timed
+# replay past it, as the copy ceiling (1 s of copies first) always was (results/README.md,
+# "Twenty-sixth session"). A point whose timed replays still drift is noted (`settling_note`).
 WARM_REPLAYS = 32
 
 
@@ -1279,6 +1280,22 @@ def time_launches(launches: list, reset, reps: int, lead_cycles: int = LEAD_CYCL
     return times, method
 
 
+SETTLING = 1.02  # the timed replays' first half this much slower than their second: flagged
+
+
+def settling_note(times: list[float]) -> str:
+    """A note for the CSV if the timed replays were still settling (their first half's median
+    more than `SETTLING` x the second half's: the warm-up was too short on this machine; the
+    longest transient seen was 26 replays, `experiments.warm_transient`), else ''."""
+    half = len(times) // 2
+    if half < 2:
+        return ""
+    early, late = statistics.median(times[:half]), statistics.median(times[half:])
+    if early > SETTLING * late:
+        return f"still settling: the first {half} timed replays {early / late - 1:.1%} slower"
+    return ""
+
+
 def sets_for(call_bytes: int, l2_bytes: int, multiple: float, max_sets: int = 1024) -> int:
     """Buffer sets so that one rotation of calls (each moving `call_bytes`) touches at least
     `multiple` x the L2; 4 at least, so a replay never times a single launch."""
@@ -1402,7 +1419,8 @@ def run(config: BenchConfig, log=print) -> pd.DataFrame:
             continue
         q = np.quantile(times, [0.1, 0.5, 0.9])
         row = _row(*point, time_us=float(q[1]), time_us_p10=float(q[0]),
-                   time_us_p90=float(q[2]), check=ratio, sets=sets, timing=method)
+                   time_us_p90=float(q[2]), check=ratio, sets=sets, timing=method,
+                   note=settling_note(times))
         rows.append(row)
         log(f"{kernel:28s} {shape_name:16s} L={window:<3d} b={batch:<4d} c={cursor:<3d} "
             f"{row['time_us']:10.2f} us {row['gbps']:8.0f} GB/s {row['frac_copy']:6.1%}")

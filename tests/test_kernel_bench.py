@@ -635,3 +635,18 @@ def test_gpu_identity_parses_nvidia_smi_and_records_failures():
     assert "exit 0" in kb.gpu_identity(short)["error"]
     assert "no devices were found" in kb.gpu_identity(failing)["error"]
     assert kb.gpu_identity(missing)["error"].startswith("FileNotFoundError")
+
+
+def test_a_point_whose_timed_replays_still_settle_is_noted():
+    """settling_note flags timed replays whose first half is more than 2% slower than their
+    second (a warm-up too short for the machine), and is silent otherwise."""
+    gen = torch.Generator().manual_seed(4)
+    noise = (1 + 0.004 * torch.rand(20, generator=gen)).tolist()
+    settled = [56.2 * n for n in noise]
+    assert kb.settling_note(settled) == ""
+    drifting = [59.6 * n for n in noise[:7]] + settled[7:]  # 7 slow of the first 10
+    note = kb.settling_note(drifting)
+    assert note.startswith("still settling: the first 10 timed replays ")
+    assert note.endswith("% slower") and float(note.split()[-2].rstrip("%")) > 2.0
+    assert kb.settling_note([60.0 * n for n in noise[:3]] + settled[3:]) == ""  # under 2%
+    assert kb.settling_note([70.0, 56.0, 56.0]) == ""  # too few replays to tell
