@@ -26,7 +26,6 @@ against bytes, the kernels' sizes marked, read from the CSV. On the H200 the gri
 from __future__ import annotations
 
 import argparse
-import shlex
 import statistics
 import sys
 import time
@@ -35,8 +34,9 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from experiments import _gpu_cli as cli
 from experiments import kernel_bench as kb
-from experiments._common import OneLineParser, file_problem, save_small_png, write_meta
+from experiments._common import OneLineParser, save_small_png
 
 __all__ = ["default_sizes", "measure", "plot", "main"]
 
@@ -171,39 +171,14 @@ def main(argv=None) -> int:
     if not mib or not all(1 <= m <= 16384 for m in mib) or len(set(mib)) < len(mib):
         parser.error(f"--mib: expected distinct integers in [1, 16384] separated by commas, "
                      f"got {args.mib!r}")
-    source = args.plot_only or args.out
-    png = args.plot or str(Path(source).with_suffix(".png"))
+    png = args.plot or str(Path(args.plot_only or args.out).with_suffix(".png"))
     if args.plot_only:
-        if not Path(args.plot_only).is_file():
-            parser.error(f"--plot-only: no file {args.plot_only}")
-        try:
-            print(summarize(args.plot_only))
-            if png != "none":
-                plot(args.plot_only, png)
-        except (ValueError, KeyError) as error:
-            parser.error(f"--plot-only: {error}")
-        return 0
-    for flag, path in (("--out", args.out), ("--plot", None if png == "none" else png)):
-        problem = path is not None and file_problem(path)
-        if problem:
-            parser.error(f"{flag}: {problem}")
-    if not torch.cuda.is_available():
-        parser.error("needs a CUDA GPU (this times device-to-device copies); "
-                     "--plot-only CSV works anywhere")
+        return cli.plot_only(parser, args.plot_only, png, summarize, plot)
+    cli.check_outputs(parser, args.out, png, "device-to-device copies")
     start = time.time()
     df = measure(default_sizes(mib), args.reps, args.run_label)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    df.to_csv(args.out, index=False, float_format="%.6g")
-    command = "python -m experiments.copy_sizes " + shlex.join(
-        sys.argv[1:] if argv is None else argv)
-    write_meta(args.out, command.strip(), time.time() - start,
-               dict(reps=args.reps, mib=list(mib), l2_multiple=L2_MULTIPLE,
-                    gpu=kb.gpu_identity()),
-               device="cuda")
-    print(f"wrote {args.out}")
-    if png != "none":
-        plot(args.out, png)
-        print(f"wrote {png}")
+    cli.save_run(df, args.out, png, "experiments.copy_sizes", argv, time.time() - start,
+                 dict(reps=args.reps, mib=list(mib), l2_multiple=L2_MULTIPLE), summarize, plot)
     return 0
 
 

@@ -1244,14 +1244,27 @@ def time_case(case: Case, reps: int, lead_cycles: int = LEAD_CYCLES,
 
 
 def time_launches(launches: list, reset, reps: int, lead_cycles: int = LEAD_CYCLES,
-                  warm_replays: int = WARM_REPLAYS) -> tuple[list[float], str]:
+                  warm_replays: int = WARM_REPLAYS, streams: int = 1) -> tuple[list[float], str]:
     """Per-launch microseconds of `reps` replays of `launches` (one per rotating buffer set),
     captured in one CUDA graph (eager launches where capture fails), `reset()` before each
-    replay outside the timed region, `warm_replays` replays first untimed; and the method."""
+    replay outside the timed region, `warm_replays` replays first untimed; and the method.
+    With `streams` > 1, launch i goes on side stream i % `streams`: the side streams fork from
+    the current stream and join it again, inside the timed region, so consecutive launches may
+    overlap (`experiments.tail_overlap`)."""
+    side = [torch.cuda.Stream() for _ in range(streams)] if streams > 1 else []
 
     def eager():
-        for launch in launches:
-            launch()
+        main = torch.cuda.current_stream() if side else None
+        for stream in side:
+            stream.wait_stream(main)
+        for i, launch in enumerate(launches):
+            if side:
+                with torch.cuda.stream(side[i % streams]):
+                    launch()
+            else:
+                launch()
+        for stream in side:
+            main.wait_stream(stream)
 
     reset()
     eager()

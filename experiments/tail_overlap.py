@@ -26,7 +26,6 @@ bar plot of the fraction of the large copy, read from the CSV.
 from __future__ import annotations
 
 import argparse
-import shlex
 import statistics
 import sys
 import time
@@ -35,55 +34,17 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from experiments import _gpu_cli as cli
 from experiments import kernel_bench as kb
-from experiments._common import OneLineParser, file_problem, save_small_png, write_meta
+from experiments._common import OneLineParser, save_small_png
 
-__all__ = ["time_launches_streams", "measure", "plot", "main"]
+__all__ = ["measure", "plot", "main"]
 
 COLUMNS = ["run", "kernel", "knobs", "shape", "batch", "window", "cursor", "form", "streams",
            "bytes", "sets", "time_us", "time_us_p10", "time_us_p90", "gbps", "frac_copy",
            "copy_gbps", "timing"]
 DEFAULT_KERNELS = ("cute:nonflush:nvfp4", "cute:nonflush:fp32")
 L2_MULTIPLE = 4.0  # as kernel_bench's default
-
-
-def time_launches_streams(launches: list, reset, reps: int, streams: int = 2,
-                          lead_cycles: int = kb.LEAD_CYCLES) -> tuple[list[float], str]:
-    """As `kernel_bench.time_launches`, with launch i on side stream i % `streams`: the streams
-    fork from the current stream after the spin and join it before the end event."""
-    side = [torch.cuda.Stream() for _ in range(streams)]
-
-    def forked():
-        main = torch.cuda.current_stream()
-        for stream in side:
-            stream.wait_stream(main)
-        for i, launch in enumerate(launches):
-            with torch.cuda.stream(side[i % streams]):
-                launch()
-        for stream in side:
-            main.wait_stream(stream)
-
-    reset()
-    forked()
-    torch.cuda.synchronize()
-    try:
-        capture = torch.cuda.Stream()
-        capture.wait_stream(torch.cuda.current_stream())
-        reset()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=capture):
-            forked()
-        run_once, method = graph.replay, "graph"
-    except Exception:  # not capturable: time eager launches
-        torch.cuda.synchronize()
-        run_once, method = forked, "events"
-    times = []
-    for rep in range(reps + kb.WARM_REPLAYS):
-        reset()
-        elapsed = kb._event_time_ms(run_once, lead_cycles) * 1e3 / len(launches)
-        if rep >= kb.WARM_REPLAYS:
-            times.append(elapsed)
-    return times, method
 
 
 def _quantiles(times: list[float]) -> tuple[float, float, float]:
@@ -139,7 +100,7 @@ def measure(kernels: list[tuple[str, dict]], shape_name: str, batch: int, window
             launch()
         torch.cuda.synchronize()
         serial_out = _outputs(case)
-        times_streams, method2 = time_launches_streams(launches, reset, reps)
+        times_streams, method2 = kb.time_launches(launches, reset, reps, streams=2)
         # a non-flush step's output depends only on its inputs and the cursor reset restores;
         # a flush or an update rewrites the state it reads, so theirs change launch to launch
         same = all(torch.equal(a, b) for a, b in zip(serial_out, _outputs(case), strict=True))
@@ -156,11 +117,10 @@ def measure(kernels: list[tuple[str, dict]], shape_name: str, batch: int, window
         src = [torch.rand(words, device="cuda") for _ in range(sets)]
         dst = [torch.empty_like(t) for t in src]
         copies = [lambda d=d, s=s: d.copy_(s) for d, s in zip(dst, src, strict=True)]
-        for form, streams, timer in (("serial", 1, kb.time_launches),
-                                     ("2 streams", 2, time_launches_streams)):
+        for form, streams in (("serial", 1), ("2 streams", 2)):
             for d in dst:
                 d.zero_()
-            times, method = timer(copies, lambda: None, reps)
+            times, method = kb.time_launches(copies, lambda: None, reps, streams=streams)
             if not all(torch.equal(d, s) for d, s in zip(dst, src, strict=True)):
                 raise RuntimeError("a timed copy's destination differs from its source")
             add(f"copy of {nbytes / 1e6:.1f} MB", "", form, streams, 2 * words * 4, sets,
@@ -273,12 +233,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="kernels of kernel_bench, each with the CuTe non-flush kernel's knobs "
                         "if any, e.g. 'cute:nonflush:nvfp4 head_splits=2' (default: "
                         f"{' '.join(DEFAULT_KERNELS)})")
-    p.add_argument("--shape", default="nemotron3-super", choices=sorted(kb.SHAPES),
-                   help="layer shape (default nemotron3-super)")
-    p.add_argument("--batch", type=int, default=256, help="slots (default 256)")
-    p.add_argument("--window", type=int, default=16, help="L (default 16)")
-    p.add_argument("--cursor", type=int, default=8,
-                   help="records in the ring before the step (default 8, the window's middle)")
+    cli.add_point_arguments(p)
     p.add_argument("--reps", type=int, default=20, help="graph replays a form (default 20)")
     p.add_argument("--run-label", default="A", help="the run column (default A)")
     p.add_argument("--out", default="results/tail_overlap.csv", help="CSV to write")
@@ -291,52 +246,20 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    source = args.plot_only or args.out
-    png = args.plot or str(Path(source).with_suffix(".png"))
+    png = args.plot or str(Path(args.plot_only or args.out).with_suffix(".png"))
     if args.plot_only:
-        if not Path(args.plot_only).is_file():
-            parser.error(f"--plot-only: no file {args.plot_only}")
-        try:
-            print(summarize(args.plot_only))
-            if png != "none":
-                plot(args.plot_only, png)
-        except (ValueError, KeyError) as error:
-            parser.error(f"--plot-only: {error}")
-        return 0
-    for flag, value, low in (("--batch", args.batch, 1), ("--window", args.window, 2),
-                             ("--reps", args.reps, 1), ("--cursor", args.cursor, 0)):
-        if value < low:
-            parser.error(f"{flag}: expected an int >= {low}, got {value}")
-    if args.cursor > args.window - 2:
-        parser.error(f"--cursor: a non-flush step's cursor is at most L - 2 = "
-                     f"{args.window - 2}, got {args.cursor}")
+        return cli.plot_only(parser, args.plot_only, png, summarize, plot)
+    cli.check_point(parser, args, reps=(args.reps, 1))
     try:
         cases = [_case(text) for text in args.cases]
     except ValueError as error:
         parser.error(f"--cases: {error}")
-    for flag, path in (("--out", args.out), ("--plot", None if png == "none" else png)):
-        problem = path is not None and file_problem(path)
-        if problem:
-            parser.error(f"{flag}: {problem}")
-    if not torch.cuda.is_available():
-        parser.error("needs a CUDA GPU (this times the CuTe kernels); "
-                     "--plot-only CSV works anywhere")
+    cli.check_outputs(parser, args.out, png, "the CuTe kernels")
     start = time.time()
     df = measure(cases, args.shape, args.batch, args.window, args.cursor, args.reps,
                  args.run_label)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    df.to_csv(args.out, index=False, float_format="%.6g")
-    command = "python -m experiments.tail_overlap " + shlex.join(
-        sys.argv[1:] if argv is None else argv)
-    write_meta(args.out, command.strip(), time.time() - start,
-               dict(reps=args.reps, l2_multiple=L2_MULTIPLE, gpu=kb.gpu_identity()),
-               device="cuda")
-    print(summarize(args.out))
-    if png != "none":
-        plot(args.out, png)
-        print(f"wrote {args.out} and {png}")
-    else:
-        print(f"wrote {args.out}")
+    cli.save_run(df, args.out, png, "experiments.tail_overlap", argv, time.time() - start,
+                 dict(reps=args.reps, l2_multiple=L2_MULTIPLE), summarize, plot)
     return 0
 
 

@@ -30,7 +30,6 @@ and a plot of the time against the replay, read from the CSV.
 from __future__ import annotations
 
 import argparse
-import shlex
 import statistics
 import sys
 import time
@@ -39,8 +38,9 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from experiments import _gpu_cli as cli
 from experiments import kernel_bench as kb
-from experiments._common import OneLineParser, file_problem, save_small_png, write_meta
+from experiments._common import OneLineParser, save_small_png
 
 __all__ = ["PHASES", "measure", "settled_after", "plot", "main"]
 
@@ -191,12 +191,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--kernels", default=",".join(DEFAULT_KERNELS), metavar="K,K,...",
                    help="CuTe non-flush kernels of kernel_bench (default: "
                         f"{','.join(DEFAULT_KERNELS)})")
-    p.add_argument("--shape", default="nemotron3-super", choices=sorted(kb.SHAPES),
-                   help="layer shape (default nemotron3-super)")
-    p.add_argument("--batch", type=int, default=256, help="slots (default 256)")
-    p.add_argument("--window", type=int, default=16, help="L (default 16)")
-    p.add_argument("--cursor", type=int, default=8,
-                   help="records in the ring before the step (default 8, the window's middle)")
+    cli.add_point_arguments(p)
     p.add_argument("--replays", type=int, default=48, help="replays a phase (default 48)")
     p.add_argument("--run-label", default="A", help="the run column (default A)")
     p.add_argument("--out", default="results/warm_transient.csv", help="CSV to write")
@@ -209,18 +204,9 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    source = args.plot_only or args.out
-    png = args.plot or str(Path(source).with_suffix(".png"))
+    png = args.plot or str(Path(args.plot_only or args.out).with_suffix(".png"))
     if args.plot_only:
-        if not Path(args.plot_only).is_file():
-            parser.error(f"--plot-only: no file {args.plot_only}")
-        try:
-            print(summarize(args.plot_only))
-            if png != "none":
-                plot(args.plot_only, png)
-        except (ValueError, KeyError) as error:
-            parser.error(f"--plot-only: {error}")
-        return 0
+        return cli.plot_only(parser, args.plot_only, png, summarize, plot)
     kernels = [k.strip() for k in args.kernels.split(",") if k.strip()]
     nonflush = [k for k, spec in kb.KERNELS.items() if spec.impl == "cute"
                 and spec.step == "nonflush"]
@@ -228,36 +214,13 @@ def main(argv=None) -> int:
     if not kernels or bad or len(set(kernels)) < len(kernels):
         parser.error(f"--kernels: expected distinct names from {', '.join(nonflush)}, got "
                      f"{args.kernels!r}")
-    for flag, value, low in (("--batch", args.batch, 1), ("--window", args.window, 2),
-                             ("--replays", args.replays, 8), ("--cursor", args.cursor, 0)):
-        if value < low:
-            parser.error(f"{flag}: expected an int >= {low}, got {value}")
-    if args.cursor > args.window - 2:
-        parser.error(f"--cursor: a non-flush step's cursor is at most L - 2 = "
-                     f"{args.window - 2}, got {args.cursor}")
-    for flag, path in (("--out", args.out), ("--plot", None if png == "none" else png)):
-        problem = path is not None and file_problem(path)
-        if problem:
-            parser.error(f"{flag}: {problem}")
-    if not torch.cuda.is_available():
-        parser.error("needs a CUDA GPU (this times the CuTe kernels); "
-                     "--plot-only CSV works anywhere")
+    cli.check_point(parser, args, replays=(args.replays, 8))
+    cli.check_outputs(parser, args.out, png, "the CuTe kernels")
     start = time.time()
     df = measure(kernels, args.shape, args.batch, args.window, args.cursor, args.replays,
                  args.run_label)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    df.to_csv(args.out, index=False, float_format="%.6g")
-    command = "python -m experiments.warm_transient " + shlex.join(
-        sys.argv[1:] if argv is None else argv)
-    write_meta(args.out, command.strip(), time.time() - start,
-               dict(replays=args.replays, l2_multiple=L2_MULTIPLE, gpu=kb.gpu_identity()),
-               device="cuda")
-    print(summarize(args.out))
-    if png != "none":
-        plot(args.out, png)
-        print(f"wrote {args.out} and {png}")
-    else:
-        print(f"wrote {args.out}")
+    cli.save_run(df, args.out, png, "experiments.warm_transient", argv, time.time() - start,
+                 dict(replays=args.replays, l2_multiple=L2_MULTIPLE), summarize, plot)
     return 0
 
 

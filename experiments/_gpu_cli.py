@@ -1,0 +1,85 @@
+"""The command-line pieces the GPU diagnostics share (`copy_sizes`, `tail_overlap`,
+`warm_transient`): one benchmark point's flags, `--plot-only`, the output checks, and writing a
+run's CSV, meta file, summary and plot. Each script keeps its own flags, measurement, summary
+and plot; these only say the same thing the same way."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+import torch
+
+from experiments import kernel_bench as kb
+from experiments._common import file_problem, write_meta
+
+__all__ = ["add_point_arguments", "check_point", "check_outputs", "plot_only", "save_run"]
+
+
+def add_point_arguments(p: argparse.ArgumentParser) -> None:
+    """--shape, --batch, --window, --cursor: one non-flush point of kernel_bench's grid
+    (default the headline point, Nemotron-3-Super, batch 256, L = 16, cursor 8)."""
+    p.add_argument("--shape", default="nemotron3-super", choices=sorted(kb.SHAPES),
+                   help="layer shape (default nemotron3-super)")
+    p.add_argument("--batch", type=int, default=256, help="slots (default 256)")
+    p.add_argument("--window", type=int, default=16, help="L (default 16)")
+    p.add_argument("--cursor", type=int, default=8,
+                   help="records in the ring before the step (default 8, the window's middle)")
+
+
+def check_point(parser: argparse.ArgumentParser, args, **more_minimums: tuple[int, int]) -> None:
+    """One parser error for a point flag (or a `more_minimums` flag: name=(value, least)) out
+    of range, or a cursor past L - 2 (a non-flush step's last)."""
+    minimums = {"--batch": (args.batch, 1), "--window": (args.window, 2),
+                "--cursor": (args.cursor, 0)}
+    minimums.update({"--" + k.replace("_", "-"): v for k, v in more_minimums.items()})
+    for flag, (value, least) in minimums.items():
+        if value < least:
+            parser.error(f"{flag}: expected an int >= {least}, got {value}")
+    if args.cursor > args.window - 2:
+        parser.error(f"--cursor: a non-flush step's cursor is at most L - 2 = "
+                     f"{args.window - 2}, got {args.cursor}")
+
+
+def check_outputs(parser: argparse.ArgumentParser, out: str, png: str, what: str) -> None:
+    """One parser error if --out or --plot (unless 'none') cannot be written, or, before any
+    GPU work, if there is no GPU (`what`: what the script times)."""
+    for flag, path in (("--out", out), ("--plot", None if png == "none" else png)):
+        problem = path is not None and file_problem(path)
+        if problem:
+            parser.error(f"{flag}: {problem}")
+    if not torch.cuda.is_available():
+        parser.error(f"needs a CUDA GPU (this times {what}); --plot-only CSV works anywhere")
+
+
+def plot_only(parser: argparse.ArgumentParser, csv: str, png: str, summarize, plot) -> int:
+    """--plot-only CSV: print `summarize(csv)` and draw `plot(csv, png)` (unless png is
+    'none'); a missing file, or a CSV the script does not read, is one parser error."""
+    if not Path(csv).is_file():
+        parser.error(f"--plot-only: no file {csv}")
+    try:
+        print(summarize(csv))
+        if png != "none":
+            plot(csv, png)
+    except (ValueError, KeyError) as error:
+        parser.error(f"--plot-only: {error}")
+    return 0
+
+
+def save_run(df, out: str, png: str, module: str, argv, seconds: float, config: dict,
+             summarize, plot) -> None:
+    """Write a run's tidy CSV and its meta file (the command as typed, `config` with the GPU's
+    identity), then print its summary and draw its plot from the CSV."""
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    df.to_csv(out, index=False, float_format="%.6g")
+    command = f"python -m {module} " + shlex.join(sys.argv[1:] if argv is None else argv)
+    write_meta(out, command.strip(), seconds, {**config, "gpu": kb.gpu_identity()},
+               device="cuda")
+    print(summarize(out))
+    if png != "none":
+        plot(out, png)
+        print(f"wrote {out} and {png}")
+    else:
+        print(f"wrote {out}")
