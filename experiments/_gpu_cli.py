@@ -15,7 +15,8 @@ import torch
 from experiments import kernel_bench as kb
 from experiments._common import file_problem, write_meta
 
-__all__ = ["add_point_arguments", "check_point", "check_outputs", "plot_only", "save_run"]
+__all__ = ["add_point_arguments", "add_output_arguments", "check_point", "check_outputs",
+           "read_csv", "plot_only", "save_run"]
 
 
 def add_point_arguments(p: argparse.ArgumentParser) -> None:
@@ -27,6 +28,27 @@ def add_point_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--window", type=int, default=16, help="L (default 16)")
     p.add_argument("--cursor", type=int, default=8,
                    help="records in the ring before the step (default 8, the window's middle)")
+
+
+def add_output_arguments(p: argparse.ArgumentParser, out: str) -> None:
+    """--run-label, --out (default `out`), --plot and --plot-only."""
+    p.add_argument("--run-label", default="A", help="the run column (default A)")
+    p.add_argument("--out", default=out, help=f"CSV to write (default {out})")
+    p.add_argument("--plot", default=None,
+                   help="PNG to draw (default: the CSV's name with .png; 'none': no plot)")
+    p.add_argument("--plot-only", metavar="CSV", help="only plot and summarise this CSV")
+
+
+def read_csv(csv, columns: list[str], script: str, **read_options):
+    """`csv` as a DataFrame; ValueError naming the first of `columns` it lacks ("not a
+    <script> CSV") if it is another script's."""
+    import pandas as pd
+
+    df = pd.read_csv(csv, **read_options)
+    missing = [c for c in columns if c not in df.columns]
+    if missing:
+        raise ValueError(f"{csv}: not a {script} CSV (no column {missing[0]!r})")
+    return df
 
 
 def check_point(parser: argparse.ArgumentParser, args, **more_minimums: tuple[int, int]) -> None:

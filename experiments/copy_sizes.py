@@ -126,11 +126,7 @@ def plot(csv: str | Path, png: str | Path) -> None:
 
 
 def _read(csv: str | Path) -> pd.DataFrame:
-    df = pd.read_csv(csv)
-    missing = [c for c in COLUMNS if c not in df.columns]
-    if missing:
-        raise ValueError(f"{csv}: not a copy_sizes CSV (no column {missing[0]!r})")
-    return df
+    return cli.read_csv(csv, COLUMNS, "copy_sizes")
 
 
 def summarize(csv: str | Path) -> str:
@@ -147,15 +143,11 @@ def summarize(csv: str | Path) -> str:
 def _parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="python -m experiments.copy_sizes", description=__doc__,
                       formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
-    p.add_argument("--out", default="results/copy_sizes.csv", help="CSV to write")
-    p.add_argument("--plot", default=None,
-                   help="PNG to draw (default: the CSV's name with .png; 'none': no plot)")
     p.add_argument("--mib", default=",".join(map(str, DEFAULT_MIB)), metavar="M,M,...",
                    help="the grid's sizes, MiB read + written, after the two kernels' own "
                         f"(default {','.join(map(str, DEFAULT_MIB))}; each 1 to 16384)")
     p.add_argument("--reps", type=int, default=20, help="graph replays a size (default 20)")
-    p.add_argument("--run-label", default="A", help="the run column (default A)")
-    p.add_argument("--plot-only", metavar="CSV", help="only plot and summarise this CSV")
+    cli.add_output_arguments(p, "results/copy_sizes.csv")
     return p
 
 

@@ -179,11 +179,7 @@ def plot(csv: str | Path, png: str | Path) -> None:
 
 
 def _read(csv: str | Path) -> pd.DataFrame:
-    df = pd.read_csv(csv, keep_default_na=False, na_values=[""])
-    missing = [c for c in COLUMNS if c not in df.columns]
-    if missing:
-        raise ValueError(f"{csv}: not a tail_overlap CSV (no column {missing[0]!r})")
-    return df
+    return cli.read_csv(csv, COLUMNS, "tail_overlap", keep_default_na=False, na_values=[""])
 
 
 def summarize(csv: str | Path) -> str:
@@ -235,11 +231,7 @@ def _parser() -> argparse.ArgumentParser:
                         f"{' '.join(DEFAULT_KERNELS)})")
     cli.add_point_arguments(p)
     p.add_argument("--reps", type=int, default=20, help="graph replays a form (default 20)")
-    p.add_argument("--run-label", default="A", help="the run column (default A)")
-    p.add_argument("--out", default="results/tail_overlap.csv", help="CSV to write")
-    p.add_argument("--plot", default=None,
-                   help="PNG to draw (default: the CSV's name with .png; 'none': no plot)")
-    p.add_argument("--plot-only", metavar="CSV", help="only plot and summarise this CSV")
+    cli.add_output_arguments(p, "results/tail_overlap.csv")
     return p
 
 

@@ -127,10 +127,8 @@ def settled_after(times: list[float]) -> int:
 
 
 def _read(csv: str | Path) -> pd.DataFrame:
-    df = pd.read_csv(csv, keep_default_na=False, na_values=[""])
-    missing = [c for c in COLUMNS[:-1] if c not in df.columns]
-    if missing:
-        raise ValueError(f"{csv}: not a warm_transient CSV (no column {missing[0]!r})")
+    df = cli.read_csv(csv, COLUMNS[:-1], "warm_transient", keep_default_na=False,
+                      na_values=[""])
     if "clocks_after" not in df.columns:  # the first files of 2026-12-01 did not record them
         df["clocks_after"] = ""
     df["clocks_after"] = df["clocks_after"].fillna("")
@@ -193,11 +191,7 @@ def _parser() -> argparse.ArgumentParser:
                         f"{','.join(DEFAULT_KERNELS)})")
     cli.add_point_arguments(p)
     p.add_argument("--replays", type=int, default=48, help="replays a phase (default 48)")
-    p.add_argument("--run-label", default="A", help="the run column (default A)")
-    p.add_argument("--out", default="results/warm_transient.csv", help="CSV to write")
-    p.add_argument("--plot", default=None,
-                   help="PNG to draw (default: the CSV's name with .png; 'none': no plot)")
-    p.add_argument("--plot-only", metavar="CSV", help="only plot and summarise this CSV")
+    cli.add_output_arguments(p, "results/warm_transient.csv")
     return p
 
 
