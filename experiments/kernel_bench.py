@@ -48,7 +48,7 @@ CUDA-graph replay of one launch per buffer set, `sets` sets rotating so that one
 at least `l2_multiple` x the L2 (never fewer than 4 sets); counters the kernel advances are reset
 between replays, outside the timed region. `time_us` is the median per-launch time over `reps`
 replays after `--warm-replays` untimed ones (default 32: a freshly built buffer set runs
-slower for its first ~20 passes; before 2026-12-01 there were 3, and the median fell in that
+slower for its first 10-26 passes; before 2026-12-01 there were 3, and the median fell in that
 transient; `WARM_REPLAYS`) (`p10`, `p90` beside it). Each timed region (a
 replay, or a ceiling's copy or read) starts behind a GPU spin of `--lead-cycles` (default
 200,000 cycles, about 100 us), so that its start event fires when the work is already queued:
@@ -515,7 +515,7 @@ def build_parser() -> argparse.ArgumentParser:
                    f"the method before 2026-11-30)")
     p.add_argument("--warm-replays", type=int, default=None,
                    help=f"untimed graph replays before each point's timed ones (default "
-                   f"{WARM_REPLAYS}: a new buffer set runs slower for its first ~20 passes; 3: "
+                   f"{WARM_REPLAYS}: a new buffer set runs slower for its first 10-26 passes; 3: "
                    f"the method before 2026-12-01)")
     p.add_argument("--run-label", default=defaults.run_label,
                    help="label of this run in the CSV's run column (default: %(default)s)")

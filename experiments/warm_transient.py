@@ -4,8 +4,9 @@ brings the slow passes back: each replay of a kernel over its rotating sets time
     python -m experiments.warm_transient                  # on the GPU machine, about a minute
     python -m experiments.warm_transient --plot-only results/warm_transient.csv
 
-On the H200 a decode step over buffers that were just built runs several percent slower for
-its first ~20 passes, then settles, with the SM clock at 1,980 MHz (P0) throughout; that is why
+On the H200 a decode step over buffers that were just built runs about 6% slower for its
+first 10-26 passes, then settles, with the SM clock at 1,980 MHz (P0) after each phase (the
+`clocks_after` column); that is why
 `kernel_bench` replays each point `WARM_REPLAYS` (32) times untimed before it times it (the
 method before 2026-12-01 replayed 3 times, and its medians fell in this transient). This script
 shows the transient replay by replay, for each kernel in five phases, one after another on one
