@@ -192,6 +192,16 @@ def warm_up(seconds=1.0):
         torch.cuda.synchronize()
 
 
+def warm_graph_replays(sets: int, launches_a_replay: int) -> int:
+    """Untimed replays of a graph of `launches_a_replay` launches cycling over `sets` buffer
+    sets (launch r on set r % sets) so that every set it launches on gets at least
+    bench_read.WARM_REPLAYS passes: new buffers run slower for their first 10-26 on the H200
+    (experiments/warm_transient.py). The least-visited set gets launches // sets passes a
+    replay (one, with fewer launches than sets)."""
+    per_replay = max(1, launches_a_replay // sets)
+    return -(-bench_read.WARM_REPLAYS // per_replay)
+
+
 def time_graph(launches, reps, replays):
     """Per-launch ms (median, min, max) of a CUDA graph of `reps` launches cycling through
     `launches` (one callable per buffer set)."""
@@ -202,7 +212,8 @@ def time_graph(launches, reps, replays):
     with torch.cuda.graph(graph):
         for r in range(reps):
             launches[r % len(launches)]()
-    graph.replay()
+    for _ in range(warm_graph_replays(len(launches), reps)):
+        graph.replay()
     torch.cuda.synchronize()
     times = []
     for _ in range(replays):

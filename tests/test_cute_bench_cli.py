@@ -159,3 +159,22 @@ def test_every_flush_case_builds_a_config_that_flushconfig_accepts(monkeypatch):
     assert len(built) == len(names) >= 15
     assert {c.min_ctas_per_sm for c in built} >= {0, 5, 6}
     assert {c.hi_format for c in built} == {"fp16", "fp32"}
+
+
+def test_bench_write_warms_every_set_for_kernel_bench_s_passes():
+    """A graph of `reps` launches cycling over `sets` sets (launch r on set r % sets) is
+    replayed untimed until every set it launches on has had WARM_REPLAYS (32) passes, counted
+    here launch by launch: 4 sets in a 32-launch graph, 4 replays; the window's graph of 2
+    launches on 1 set, 16; 3 sets in 10 launches, 11 (set 1 gets 3 a replay)."""
+    from collections import Counter
+
+    from cute_kernels import bench_read, bench_write
+
+    assert bench_read.WARM_REPLAYS == 32
+    expected = {(4, 32): 4, (1, 2): 16, (3, 10): 11, (7, 5): 32, (5, 5): 32}
+    for (sets, reps), n in expected.items():
+        assert bench_write.warm_graph_replays(sets, reps) == n
+        passes = Counter(r % sets for _ in range(n) for r in range(reps))
+        assert min(passes.values()) >= 32  # every set launched on is warmed
+        fewer = Counter(r % sets for _ in range(n - 1) for r in range(reps))
+        assert min(fewer.values()) < 32  # and no replay more than that needs

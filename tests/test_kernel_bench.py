@@ -598,11 +598,12 @@ def test_emulation_adapter_matches_the_reference_under_the_interpreter():
 
 def test_the_cute_benchmarks_spin_as_long_as_kernel_bench():
     """bench_read and bench_write (cute_kernels, which must not import experiments) keep their
-    own copy of the spin before each timed region; it must be kernel_bench's, or their
-    timings and the benchmark's would stop being comparable."""
+    own copy of the spin before each timed region and of the warm-up passes; they must be
+    kernel_bench's, or their timings and the benchmark's would stop being comparable."""
     from cute_kernels import bench_read
 
     assert bench_read.LEAD_CYCLES == kb.LEAD_CYCLES > 0
+    assert bench_read.WARM_REPLAYS == kb.WARM_REPLAYS > 3  # and their warm-up (was one pass)
 
 
 def test_gpu_identity_parses_nvidia_smi_and_records_failures():
