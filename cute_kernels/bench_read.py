@@ -100,7 +100,7 @@ LEAD_CYCLES = 200_000
 # Untimed passes over a case's buffer sets before its timed replays (kernel_bench's
 # WARM_REPLAYS; tests/test_kernel_bench.py keeps the two equal): on the H200 a freshly built
 # buffer set runs about 6% slower for its first 10-26 passes (experiments/warm_transient.py,
-# results/README.md, "Twenty-sixth session"). Before 2026-12-01 a case was timed after two
+# results/README.md, "Twenty-sixth session"). Before 2026-12-01 a case was timed after one
 # untimed passes, so this tool's CSVs in gpu_first_timing/ sit in that transient, every
 # variant alike.
 WARM_REPLAYS = 32
