@@ -1,0 +1,302 @@
+"""scripts/gpu.sh, scripts/setup.sh and scripts/test.sh on the CPU: their argument checks, the
+commands they print with --dry-run (which must parse with the parsers of the tools they call),
+and their exit status, with stand-ins for python, pip and ncu."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shlex
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+
+
+def _tree(tmp_path: Path, *scripts: str) -> Path:
+    """A bare copy of the named scripts (and requirements.txt, pyproject.toml) in tmp_path/tree."""
+    tree = tmp_path / "tree"
+    (tree / "scripts").mkdir(parents=True)
+    for name in scripts:
+        shutil.copy(ROOT / "scripts" / name, tree / "scripts" / name)
+    for name in ("requirements.txt", "pyproject.toml"):
+        shutil.copy(ROOT / name, tree / name)
+    return tree
+
+
+def _executable(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return path
+
+
+def _gpu(tree: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(tree / "scripts" / "gpu.sh"), *args], cwd=tree,
+                          env={**os.environ, **env}, capture_output=True, text=True, timeout=60)
+
+
+def _commands(stdout: str) -> list[list[str]]:
+    """The dry run's commands, each as its arguments (a redirection '> FILE' kept at the end)."""
+    return [shlex.split(line[2:]) for line in stdout.splitlines() if line.startswith("+ ")]
+
+
+def _module_args(command: list[str], module: str) -> list[str]:
+    """The arguments after `-m module` in a command, without a trailing '> FILE'."""
+    at = command.index(module)
+    assert command[at - 1] == "-m"
+    rest = command[at + 1:]
+    return rest[:rest.index(">")] if ">" in rest else rest
+
+
+def test_help_names_every_target_and_exits_0(tmp_path):
+    done = _gpu(_tree(tmp_path, "gpu.sh"), "--help")
+    assert done.returncode == 0, done.stderr
+    for target in ("test", "bench", "profile", "error-growth", "--dry-run"):
+        assert f"  {target}" in done.stdout
+    assert "set -uo" not in done.stdout and not done.stdout.lstrip().startswith("#")
+
+
+@pytest.mark.parametrize("args", [(), ("benchmark",), ("--dry-run",), ("--dry-run", "tests")])
+def test_a_missing_or_unknown_target_is_a_usage_error_that_writes_nothing(tmp_path, args):
+    tree = _tree(tmp_path, "gpu.sh")
+    done = _gpu(tree, *args)
+    assert done.returncode == 2
+    assert "usage: bash scripts/gpu.sh [--dry-run] test|bench|profile|error-growth" in done.stderr
+    assert not (tree / "runs").exists()
+
+
+@pytest.mark.parametrize("env", [{"LIMIT_S": "9m"}, {"LIMIT_S": "090"}, {"TEST_WORKERS": "x"}])
+def test_a_malformed_number_in_the_environment_is_named(tmp_path, env):
+    done = _gpu(_tree(tmp_path, "gpu.sh"), "--dry-run", "test", **env)
+    assert done.returncode == 2
+    name, value = next(iter(env.items()))
+    assert done.stderr.startswith(f"gpu.sh: {name}: expected a whole number")
+    assert value in done.stderr
+
+
+def test_dry_run_bench_prints_a_kernel_bench_command_that_parses_and_writes_nothing(tmp_path):
+    """The benchmark's command goes to kernel_bench with the peers that .peers/ holds, its CSV
+    and plots under OUT, and the extra arguments last, where they win."""
+    from experiments import kernel_bench as kb
+
+    tree = _tree(tmp_path, "gpu.sh")
+    (tree / ".peers" / "vllm").mkdir(parents=True)
+    out = tmp_path / "bench out"
+    done = _gpu(tree, "--dry-run", "bench", "--batches", "256", "--windows", "16",
+                OUT=str(out))
+    assert done.returncode == 0, done.stderr
+    [command] = _commands(done.stdout)
+    args = _module_args(command, "experiments.kernel_bench")
+    assert args[:6] == ["--peers", "vllm", "--out", f"{out}/kernel_bench.csv", "--plot-dir",
+                        str(out)]
+    assert args[6:] == ["--batches", "256", "--windows", "16"]
+    parsed = kb.build_parser().parse_args(args)
+    assert parsed.out == f"{out}/kernel_bench.csv"
+    assert not out.exists() and not (tree / "runs").exists()
+
+
+def test_bench_without_peers_asks_for_none_and_writes_under_runs_by_default(tmp_path):
+    done = _gpu(_tree(tmp_path, "gpu.sh"), "--dry-run", "bench")
+    [command] = _commands(done.stdout)
+    args = _module_args(command, "experiments.kernel_bench")
+    assert args == ["--peers", "none", "--out", "runs/gpu-bench/kernel_bench.csv", "--plot-dir",
+                    "runs/gpu-bench"]
+
+
+def test_dry_run_profile_reads_back_what_ncu_wrote_for_each_kernel(tmp_path):
+    """Per kernel: two ncu runs of kernel_bench --profile at the headline point (the commands
+    parse with kernel_bench's parser and name its kernels), the source exports, and the two
+    readers given the very files the exports and the trim wrote."""
+    from experiments import kernel_bench as kb
+
+    out = tmp_path / "prof"
+    done = _gpu(_tree(tmp_path, "gpu.sh"), "--dry-run", "profile", OUT=str(out))
+    assert done.returncode == 0, done.stderr
+    commands = _commands(done.stdout)
+    profiled = []
+    for command in commands:
+        if "experiments.kernel_bench" in command:
+            args = _module_args(command, "experiments.kernel_bench")
+            parsed = kb.build_parser().parse_args(args)
+            assert parsed.profile in kb.KERNELS, parsed.profile
+            assert args[2:] == ["--shapes", "nemotron3-super", "--batches", "256",
+                                "--windows", "16"]
+            profiled.append(parsed.profile)
+    assert profiled == ["cute:nonflush:nvfp4"] * 2 + ["cute:flush:fp16sr+nvfp4"] * 2
+    written = {c[-1] for c in commands if c[-2:-1] == [">"]}
+    for name in ("cute_nonflush_nvfp4", "cute_flush_fp16sr_nvfp4"):
+        [stalls] = [c for c in commands if "tools.stall_sites" in c and name in " ".join(c)]
+        report, lines = _module_args(stalls, "tools.stall_sites")[0::2]
+        assert {report, lines} <= written
+        [pipes] = [c for c in commands if "tools.instruction_count" in c and name in " ".join(c)]
+        assert _module_args(pipes, "tools.instruction_count") == [
+            "--ncu", f"{out}/ncu_pipes_{name}.trim.txt"]
+        assert f"{out}/ncu_pipes_{name}.txt" in written
+
+
+def test_profile_readers_are_modules_of_the_tools_package():
+    for module in ("tools.stall_sites", "tools.instruction_count"):
+        assert importlib.util.find_spec(module) is not None, module
+
+
+def test_profile_without_ncu_stops_at_once_with_one_line(tmp_path):
+    tree = _tree(tmp_path, "gpu.sh")
+    path = os.pathsep.join(d for d in os.environ["PATH"].split(os.pathsep)
+                           if not (Path(d) / "ncu").exists())
+    done = _gpu(tree, "profile", "cute:flush:fp32", PATH=path, OUT=str(tmp_path / "o"),
+                PYTHON=sys.executable)
+    assert done.returncode == 2
+    assert done.stderr.strip() == ("gpu.sh profile: no ncu here (Nsight Compute; run it on the "
+                                   "GPU machine)")
+
+
+def test_dry_run_error_growth_parses_with_error_growths_parser(tmp_path):
+    from experiments import error_growth as eg
+
+    done = _gpu(_tree(tmp_path, "gpu.sh"), "--dry-run", "error-growth")
+    [command] = _commands(done.stdout)
+    args = _module_args(command, "experiments.error_growth")
+    parsed = eg.build_parser().parse_args(args)
+    assert parsed.out == "runs/gpu-error-growth/error_growth_emulation_gpu.csv"
+    assert _gpu(_tree(tmp_path / "b", "gpu.sh"), "error-growth", "--steps", "9").returncode == 2
+
+
+@pytest.mark.parametrize("exit_status", [0, 3])
+def test_test_target_runs_pytest_gpu_and_exits_with_its_status(tmp_path, exit_status):
+    """A stand-in python records its arguments and exits with `exit_status`; the target passes
+    -m gpu and the extra arguments, logs under OUT, and exits with pytest's status."""
+    tree = _tree(tmp_path, "gpu.sh")
+    calls = tmp_path / "calls.txt"
+    fake = _executable(tmp_path / "bin" / "python", f"""#!/bin/bash
+if [ "$1" = -m ] && [ "$2" = pytest ]; then
+  echo "$*" >> {calls}; echo "7 passed"; exit {exit_status}
+fi
+if [ "$1" = -c ]; then exit 1; fi
+exit 0
+""")
+    out = tmp_path / "out"
+    done = _gpu(tree, "test", "-k", "flush", PYTHON=str(fake), OUT=str(out), TEST_WORKERS="3")
+    assert done.returncode == exit_status, done.stdout + done.stderr
+    assert calls.read_text().split() == ["-m", "pytest", "-m", "gpu", "-q", "-p",
+                                         "no:cacheprovider", "-n", "3", "-k", "flush"]
+    log = (out / "test.log").read_text()
+    assert "7 passed" in log and f"gpu.sh test: exit {exit_status}" in log
+    assert (out / "environment.txt").exists()
+
+
+# A stand-in for .venv/bin/python: `-c` checks pass; `-m pip install` records its arguments
+# (one line a call) and, for the step whose last argument is $FAIL_AT, prints $FAIL_TEXT and
+# exits 1 (or sleeps $SLEEP_S).
+FAKE_VENV_PYTHON = """#!/bin/bash
+if [ "$1" = -c ]; then exit 0; fi
+if [ "$1" = -m ] && [ "$2" = pip ]; then
+  echo "${@: -1}|$*" >> "$CALLS"
+  if [ "${@: -1}" = "$FAIL_AT" ]; then
+    [ -n "${SLEEP_S:-}" ] && sleep "$SLEEP_S"
+    printf '%b\\n' "$FAIL_TEXT"; exit 1
+  fi
+  echo "Successfully installed"; exit 0
+fi
+exit 0
+"""
+
+
+def _setup(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
+    tree = tmp_path / "tree"
+    if not tree.exists():
+        tree = _tree(tmp_path, "setup.sh")
+        _executable(tree / ".venv" / "bin" / "python", FAKE_VENV_PYTHON)
+    full_env = {**os.environ, "CALLS": str(tmp_path / "pip_calls.txt"), "FAIL_AT": "",
+                "FAIL_TEXT": "", **env}
+    return subprocess.run(["bash", str(tree / "scripts" / "setup.sh")], cwd=tree, env=full_env,
+                          capture_output=True, text=True, timeout=60)
+
+
+def _pip_calls(tmp_path: Path) -> list[tuple[str, str]]:
+    path = tmp_path / "pip_calls.txt"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [tuple(line.split("|", 1)) for line in lines]
+
+
+def test_setup_installs_the_extras_step_by_step_bounded_and_is_idempotent(tmp_path):
+    """Each step is one pip install with the tested pins as constraints, pip's timeout and
+    retries given explicitly, and a line saying what it installs; a second run with the same
+    requirements calls pip no more."""
+    done = _setup(tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    calls = _pip_calls(tmp_path)
+    assert [target for target, _ in calls] == [".", ".[emulation]", ".[cute]", ".[dev]"]
+    for _, command in calls:
+        args = command.split()
+        assert args[args.index("--timeout") + 1] == "30"
+        assert args[args.index("--retries") + 1] == "2"
+        assert args[args.index("-c") + 1] == "requirements.txt"
+    steps = [line for line in done.stdout.splitlines() if line.startswith("setup: ")]
+    assert len(steps) == 5 and "triton" in steps[1] and "nvidia-cutlass-dsl" in steps[2]
+    again = _setup(tmp_path)
+    assert again.returncode == 0
+    assert "up to date" in again.stdout and len(_pip_calls(tmp_path)) == 4
+
+
+@pytest.mark.parametrize("text, package, why", [
+    ("ERROR: No matching distribution found for triton==3.6.0", "triton==3.6.0", "pip exited 1"),
+    ("WARNING: Retrying (Retry(total=0)) after connection broken by 'ReadTimeoutError(...)': "
+     "/simple/triton/\\nERROR: Could not find a version that satisfies the requirement "
+     "triton==3.6.0", "triton==3.6.0", "the registry did not answer within 30 s"),
+])
+def test_setup_names_the_package_it_could_not_get_in_one_line(tmp_path, text, package, why):
+    done = _setup(tmp_path, FAIL_AT=".[emulation]", FAIL_TEXT=text)
+    assert done.returncode == 1
+    [line] = [line for line in done.stderr.splitlines() if line.startswith("setup: ")]
+    assert line.startswith(f"setup: could not get {package} (the Triton emulation: triton): ")
+    assert why in line
+    assert not (tmp_path / "tree" / ".venv" / ".setup-stamp").exists()
+    assert [target for target, _ in _pip_calls(tmp_path)] == [".", ".[emulation]"]
+
+
+def test_setup_stops_a_step_that_never_finishes(tmp_path):
+    done = _setup(tmp_path, FAIL_AT=".", SLEEP_S="30", SETUP_STEP_S="1",
+                  FAIL_TEXT="  Collecting numpy")
+    assert done.returncode == 1
+    assert "no answer within 1 s (SETUP_STEP_S)" in done.stderr
+
+
+def test_setup_refuses_a_malformed_time_limit(tmp_path):
+    done = _setup(tmp_path, SETUP_STEP_S="15m")
+    assert done.returncode == 2 and "15m" in done.stderr
+    assert not _pip_calls(tmp_path)
+
+
+def test_ci_runs_the_readmes_test_command():
+    run = (ROOT / ".ci" / "run").read_text()
+    assert "bash scripts/test.sh" in run
+    readme = (ROOT / "README.md").read_text()
+    assert "bash scripts/test.sh" in readme and "bash scripts/setup.sh" in readme
+
+
+def test_test_sh_runs_setup_ruff_and_pytest_in_that_order(tmp_path):
+    """With a stand-in venv (setup finds it up to date) it runs ruff, then pytest with the
+    extra arguments, and exits with pytest's status."""
+    tree = _tree(tmp_path, "setup.sh", "test.sh")
+    log = tmp_path / "order.txt"
+    _executable(tree / ".venv" / "bin" / "python", f"""#!/bin/bash
+if [ "$1" = -c ]; then exit 0; fi
+if [ "$1" = -m ] && [ "$2" = pytest ]; then echo "pytest ${{*:3}}" >> {log}; exit 4; fi
+echo "pip" >> {log}; exit 0
+""")
+    _executable(tree / ".venv" / "bin" / "ruff", f"#!/bin/bash\necho ruff $* >> {log}\n")
+    want = subprocess.run("cat requirements.txt pyproject.toml | sha256sum | cut -d' ' -f1",
+                          shell=True, cwd=tree, capture_output=True, text=True).stdout.strip()
+    (tree / ".venv" / ".setup-stamp").write_text(want + "\n")
+    done = subprocess.run(["bash", "scripts/test.sh", "-m", "not slow"], cwd=tree,
+                          env={**os.environ, "LOWPREC_NO_PEERS": "1"}, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 4, done.stdout + done.stderr
+    assert log.read_text().splitlines() == ["ruff check .", "pytest -q -m not slow"]
