@@ -503,8 +503,8 @@ def test_quantize_rejects_bad_arguments_with_value_errors_naming_them():
         quantize(x, "nvfp4", "sr", torch.zeros(2, 3, 16, dtype=torch.int64))
     with pytest.raises(ValueError, match="rounding: expected one of"):
         quantize(x, "nvfp4", "stochastic")
-    with pytest.raises(ValueError, match="x: expected dtype float32 or float64"):
-        quantize(x.bfloat16(), "nvfp4")
+    with pytest.raises(ValueError, match="x: expected dtype float16, bfloat16, float32 or"):
+        quantize(x.to(torch.complex64), "nvfp4")
 
 
 def test_format_definitions_that_pack_could_not_store_are_refused():
