@@ -104,6 +104,20 @@ def check_device(name: str, t: torch.Tensor, device: torch.device | None = None,
         raise ValueError(f"{name}: expected device {torch.device(device)}{whose}, got {t.device}")
 
 
+def check_same_device(tensors: dict) -> None:
+    """Every tensor of ``tensors`` (name -> tensor or None, the first one the reference) holds
+    data and lives on the first one's device; the message names both."""
+    ref_name, ref = None, None
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        if ref is None:
+            check_device(name, t)
+            ref_name, ref = name, t
+        else:
+            check_device(name, t, ref.device, f"{ref_name}'s")
+
+
 def check_inputs_apart(inputs: dict, held: dict) -> None:
     """ValueError naming both tensors if an input (name -> tensor or None) shares bytes with a
     tensor the callee holds and writes (name -> tensor): an input read after that write would

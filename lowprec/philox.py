@@ -148,9 +148,17 @@ def _rounds_torch(counter, k0, k1, shape, rounds):
 
 
 def _check_seed(seed) -> int:
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_LIMIT:
+    """``seed`` as an int in [0, 2^64): an int or any integer scalar (``np.int64``)."""
+    number = None
+    if not isinstance(seed, bool) and not (isinstance(seed, torch.Tensor)
+                                           and seed.dtype == torch.bool):
+        try:
+            number = operator.index(seed)
+        except TypeError:
+            number = None
+    if number is None or not 0 <= number < SEED_LIMIT:
         raise ValueError(f"seed: expected an int in [0, 2^64), got {seed!r}")
-    return seed
+    return number
 
 
 def randint(seed: int, offset: torch.Tensor) -> torch.Tensor:
