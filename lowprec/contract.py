@@ -84,6 +84,14 @@ def flush_copies(
         raise ValueError(f"state: expected an fp32 tensor [slots, h, d_v, d_k], got {got}")
     state = state.detach().cpu()
     hi_fmt = formats.get(hi_format)
+    if lo_format not in (None, "none") and formats.get(lo_format).block is not None:
+        finite = state.isfinite()
+        if not bool(finite.all()):
+            first = tuple((~finite).nonzero()[0].tolist())
+            raise ValueError(f"state: expected finite values for the {lo_format} read copy (a "
+                             f"block format stores finite states only), got "
+                             f"{state[first].item()} at {first} ({int((~finite).sum())} "
+                             f"non-finite)")
     if hi_fmt.block is not None:
         raise ValueError(f"hi_format: expected an element format (the recurrence copy is "
                          f"stored element by element), got {hi_format!r}")

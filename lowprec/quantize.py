@@ -462,8 +462,8 @@ def _block_scales(amax_b: torch.Tensor, fmt: Format):
 def _to_fp32(x: torch.Tensor) -> torch.Tensor:
     """x in fp32, RN with finite values past FLT_MAX saturating (as `round_to(x, FP32)`; a
     plain cast makes them inf, and one inf turns an nvfp4 state into NaN); +-inf stays inf."""
-    if x.dtype == torch.float32:
-        return x
+    if x.dtype != torch.float64:  # fp32 itself; fp16 and bf16 widen exactly
+        return x.float()
     flt_max = torch.finfo(torch.float32).max
     return torch.where(x.isinf(), x, x.clamp(-flt_max, flt_max)).to(torch.float32)
 
@@ -543,7 +543,7 @@ def _check_quantized(q, name: str = "q") -> None:
         check_device(f"{name}.{field}", t, elements.device, "the elements'")
 
 
-def _check_scale_values(name: str, scales: torch.Tensor) -> None:
+def _check_scale_values(name: str, scales: torch.Tensor, why: str) -> None:
     """Scales are finite and >= 0: a NaN or negative one would decode without a word."""
     if not scales.numel():
         return
@@ -551,7 +551,11 @@ def _check_scale_values(name: str, scales: torch.Tensor) -> None:
     if bool(bad.any()):
         raise ValueError(f"{name}: expected finite scales >= 0, got "
                          f"{scales[bad].flatten()[0].item()!r} ({int(bad.sum())} such values; "
-                         f"a non-finite input has no block-format encoding)")
+                         f"{why})")
+
+
+_NONFINITE = "the quantised tensor held inf or NaN, which a block format cannot store"
+_CORRUPT = "storage that pack never writes"
 
 
 def dequantize(q: Quantized) -> torch.Tensor:
@@ -617,7 +621,7 @@ def pack(q: Quantized) -> dict[str, torch.Tensor]:
     fmt = formats.get(q.fmt)
     for field in ("scales", "global_scale"):  # before the codes: they say why codes are NaN
         if getattr(q, field) is not None:
-            _check_scale_values(f"q.{field}", getattr(q, field))
+            _check_scale_values(f"q.{field}", getattr(q, field), _NONFINITE)
     packed = {"codes": _pack_codes(q.elements, fmt.element)}
     if fmt.scale == "e4m3":
         packed["scales"] = encode_bits(q.scales, E4M3).to(torch.uint8)
@@ -696,12 +700,12 @@ def unpack(packed: dict, fmt: Format | str, shape, dtype: torch.dtype = torch.fl
             )
         scales = _pow2(scale_codes.to(torch.int64) - E8M0_BIAS).to(torch.float32)
     else:
-        _check_scale_values("packed['scales']", scale_codes)
+        _check_scale_values("packed['scales']", scale_codes, _CORRUPT)
         scales = scale_codes.clone()
     global_scale = None
     if fmt.two_level:
         global_scale = _expect(packed, "global_scale", torch.float32, shape[:-2]).clone()
-        _check_scale_values("packed['global_scale']", global_scale)
+        _check_scale_values("packed['global_scale']", global_scale, _CORRUPT)
     return Quantized(fmt, elements, scales, global_scale)
 
 
