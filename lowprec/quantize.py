@@ -679,6 +679,10 @@ def unpack(packed: dict, fmt: Format | str, shape, dtype: torch.dtype = torch.fl
     elements = _unpack_codes(codes, element, dtype)
     if fmt.scale is None:
         return Quantized(fmt, elements)
+    finite = elements.isfinite()
+    if not bool(finite.all()):  # a NaN code (E4M3's 0x7F) under a scale
+        raise ValueError(f"packed['codes']: expected finite {element.name} codes in a block "
+                         f"format ({_CORRUPT}), got {int((~finite).sum())} NaN or inf codes")
 
     scale_shape = (*shape[:-1], shape[-1] // fmt.block_length(shape))
     scale_dtype = torch.float32 if fmt.scale == "fp32" else torch.uint8
