@@ -126,8 +126,8 @@ class Format:
             raise ValueError(f"block: expected a positive length or ROW (-1), got {self.block}")
         if self.two_level != (self.scale == "e4m3"):
             # the E4M3 block scale is defined with its per-state fp32 scale (README.md: s_g
-            # brings the block amaxes into E4M3's range); one level alone was computed with an
-            # s_g that pack dropped, so unpack gave other values
+            # brings the block amaxes into E4M3's range); one level alone would be computed with
+            # an s_g that pack drops, so unpack would give other values
             raise ValueError(
                 f"two_level: expected True exactly with an 'e4m3' block scale (nvfp4's two "
                 f"levels), got two_level={self.two_level} with scale={self.scale!r}"

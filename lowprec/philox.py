@@ -23,7 +23,7 @@ slot's state takes word `e % 4` of the counter at
 
 that is, `tl.randint4x(seed, offset)` and its four words in order. Using all four words of a
 counter, not only the first, is what a kernel can afford: Philox-4x32-10 costs about 40
-integer instructions per counter, which at one word per element was a quarter of the H200
+integer instructions per counter, which at one word per element is a quarter of the H200
 flush kernel's instructions (ptxas count, 2026-11-29).
 
 Offsets are 64-bit patterns held in int64: with `slot >= 2^19` the top bit is set and the
