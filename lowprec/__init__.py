@@ -4,12 +4,13 @@ The public API, at package level:
 
     import torch, lowprec
 
-    x = torch.randn(4, 8, 64, dtype=torch.bfloat16)          # state-shaped [..., d_v, d_k]
-    q = lowprec.quantize(x, "nvfp4")                          # a Quantized: codes and scales
-    y = lowprec.dequantize(q)                                 # fp32 (module doc: result_dtype)
-    s = lowprec.round_to(x.float(), "fp16", rounding="sr", seed=0)   # Philox words of seed 0
-    f = lowprec.fake_quantize(x.float(), "mxfp4")             # dequantize(quantize(...))
-    policy = lowprec.make_policy("separate_fp16sr", "nvfp4", window=16)
+    state = torch.randn(8, 64, 128, dtype=torch.bfloat16)        # [..., d_v, d_k]
+    q = lowprec.quantize(state, "nvfp4")                           # E2M1 codes, E4M3 scales
+    stored = lowprec.pack(q)                                       # {codes, scales, global_scale}
+    back = lowprec.dequantize(lowprec.unpack(stored, "nvfp4", state.shape, state.dtype))
+    assert torch.equal(back, lowprec.fake_quantize(state, "nvfp4"))   # fp32: result_dtype
+    hi = lowprec.round_to(state.float(), "fp16", rounding="sr", seed=0)   # Philox words, seed 0
+    policy = lowprec.make_policy("separate_fp16sr", "nvfp4", window=16, seed=0)
 
 - ``quantize(x, fmt, rounding="rn", rand=None, *, seed=None, slot=None, flush=None)``,
   ``dequantize(q)``, ``fake_quantize(...)``, ``round_to(x, element, ...)``, ``pack(q)``,

@@ -44,9 +44,10 @@ def _specials(fmt: formats.Format, dtype: torch.dtype) -> list[float]:
     formats (which saturate or keep them), not for block formats (outside their contract)."""
     element, info = fmt.element, torch.finfo(dtype)
     top = element.max_finite if fmt.block is None else element.max_finite * 100.0
-    top = min(top, sys_max := float(info.max))
+    dtype_max = float(info.max)
+    top = min(top, dtype_max)
     values = [0.0, -0.0, top, -top, math.nextafter(top, 0.0), math.nextafter(top, math.inf),
-              sys_max, element.min_subnormal, element.min_subnormal / 2,
+              dtype_max, element.min_subnormal, element.min_subnormal / 2,
               element.min_subnormal * 1.5, info.smallest_normal * info.eps, 1.0, -3.0]
     if fmt.block is None:
         values += [math.inf, -math.inf, math.nan]
