@@ -45,10 +45,10 @@ contract: a NaN reaches nvfp4's scales through `amax` (its state's `s_g` and blo
 not mxfp4's (`frexp(NaN)` has exponent 0, so the block's scale is 2^-3 and the NaN stays in
 its element, which `pack` then refuses).
 
-`Quantized.elements` are the element values (e.g. E2M1 values) in `x`'s dtype, so
-`dequantize` returns `x`'s dtype; `scales` are the block scale values in fp32, shape
-`[..., d_v, n_blocks]` (`[..., d_v, 1]` for a row format); `global_scale` is nvfp4's `s_g`,
-fp32 `[...]` = `x.shape[:-2]`.
+`Quantized.elements` are the element values (e.g. E2M1 values) in `x`'s dtype, and
+`dequantize` returns `result_dtype(fmt, x.dtype)` (x's dtype for fp32, fp64); `scales` are
+the block scale values in fp32, shape `[..., d_v, n_blocks]` (`[..., d_v, 1]` for a row
+format); `global_scale` is nvfp4's `s_g`, fp32 `[...]` = `x.shape[:-2]`.
 
 Packed storage (`pack`/`unpack`, exact inverses):
 
