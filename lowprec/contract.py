@@ -44,8 +44,8 @@ def _check_counter(name: str, value, rows: int, every_row: bool, limit: int) -> 
     if every_row and isinstance(value, int) and not isinstance(value, bool):
         value = [value] * rows
     if isinstance(value, (list, tuple)):
-        value = torch.tensor(value) if all(isinstance(v, int) and not isinstance(v, bool)
-                                           for v in value) else None
+        value = (torch.tensor(value, dtype=torch.int64)
+                 if all(isinstance(v, int) and not isinstance(v, bool) for v in value) else None)
     if (not isinstance(value, torch.Tensor) or value.dtype.is_floating_point
             or value.dtype == torch.bool or tuple(value.shape) != (rows,)):
         got = (f"{value.dtype} {list(value.shape)}" if isinstance(value, torch.Tensor)
@@ -75,7 +75,8 @@ def flush_copies(
     ``{"hi": codes}`` (fp16: uint16 bits, fp32: uint32 bits) and, unless ``lo_format`` is None
     or "none", `lowprec.quantize.pack`'s tensors of the read copy: nvfp4 ``"lo.codes"``,
     ``"lo.scales"`` and ``"lo.global_scale"``; an element format (fp8_e4m3, fp16, fp32)
-    ``"lo.codes"`` alone (a kernel's ``values`` tensor). All on the CPU.
+    ``"lo.codes"`` alone (a kernel's ``values`` tensor). All on the CPU. A step where no slot
+    flushes passes ``state[:0]``: every tensor comes back with 0 rows.
     """
     if not isinstance(state, torch.Tensor) or state.dtype != torch.float32 or state.dim() != 4:
         got = (f"{state.dtype} {list(state.shape)}" if isinstance(state, torch.Tensor)
@@ -83,6 +84,14 @@ def flush_copies(
         raise ValueError(f"state: expected an fp32 tensor [slots, h, d_v, d_k], got {got}")
     state = state.detach().cpu()
     hi_fmt = formats.get(hi_format)
+    if lo_format not in (None, "none") and formats.get(lo_format).block is not None:
+        finite = state.isfinite()
+        if not bool(finite.all()):
+            first = tuple((~finite).nonzero()[0].tolist())
+            raise ValueError(f"state: expected finite values for the {lo_format} read copy (a "
+                             f"block format stores finite states only), got "
+                             f"{state[first].item()} at {first} ({int((~finite).sum())} "
+                             f"non-finite)")
     if hi_fmt.block is not None:
         raise ValueError(f"hi_format: expected an element format (the recurrence copy is "
                          f"stored element by element), got {hi_format!r}")

@@ -110,7 +110,12 @@ class Format:
     two_level: bool = False
 
     def __post_init__(self):
-        if self.scale not in SCALE_KINDS:
+        if not isinstance(self.element, ElementFormat):
+            raise ValueError(f"element: expected an ElementFormat, got {self.element!r}")
+        if self.block is not None and (isinstance(self.block, bool)
+                                       or not isinstance(self.block, int)):
+            raise ValueError(f"block: expected an int or None, got {self.block!r}")
+        if not isinstance(self.scale, (str, type(None))) or self.scale not in SCALE_KINDS:
             raise ValueError(f"scale: expected one of {SCALE_KINDS}, got {self.scale!r}")
         if (self.block is None) != (self.scale is None):
             raise ValueError(
@@ -121,15 +126,12 @@ class Format:
             raise ValueError(f"block: expected a positive length or ROW (-1), got {self.block}")
         if self.two_level != (self.scale == "e4m3"):
             # the E4M3 block scale is defined with its per-state fp32 scale (README.md: s_g
-            # brings the block amaxes into E4M3's range); one level alone was computed with an
-            # s_g that pack dropped, so unpack gave other values
+            # brings the block amaxes into E4M3's range); one level alone would be computed with
+            # an s_g that pack drops, so unpack would give other values
             raise ValueError(
                 f"two_level: expected True exactly with an 'e4m3' block scale (nvfp4's two "
                 f"levels), got two_level={self.two_level} with scale={self.scale!r}"
             )
-        if self.block is not None and (isinstance(self.block, bool)
-                                       or not isinstance(self.block, int)):
-            raise ValueError(f"block: expected an int, got {self.block!r}")
 
     @property
     def bits_per_element(self) -> float:
@@ -170,7 +172,12 @@ class Format:
         return total
 
     def bits_per_element_at(self, shape) -> float:
-        """Exact storage bits per element for `shape`, all scales included."""
+        """Exact storage bits per element for `shape` (every dim >= 1), all scales included."""
+        shape = tuple(shape)
+        if not shape or any(isinstance(n, bool) or not isinstance(n, int) or n < 1
+                            for n in shape):
+            raise ValueError(f"shape: expected a non-empty shape of ints >= 1 (bits per "
+                             f"element of no element are undefined), got {list(shape)}")
         return 8.0 * self.nbytes(shape) / math.prod(shape)
 
 
@@ -201,6 +208,6 @@ def get(name: str | Format) -> Format:
     """The format called `name` (a `Format` passes through)."""
     if isinstance(name, Format):
         return name
-    if name not in _FORMATS:
+    if not isinstance(name, str) or name not in _FORMATS:
         raise ValueError(f"format: expected one of {names()}, got {name!r}")
     return _FORMATS[name]

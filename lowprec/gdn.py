@@ -27,7 +27,13 @@ Ring layout: ``ring_u, ring_v [b, h, Lcap, dv]``, ``ring_k [b, h, Lcap, dk]``,
 import torch
 import torch.nn.functional as F
 
-from lowprec._checks import check_count, check_float, check_ndim, check_shape
+from lowprec._checks import (
+    check_count,
+    check_float,
+    check_ndim,
+    check_same_device,
+    check_shape,
+)
 
 __all__ = ["gdn_step", "gdn_replay_u", "gdn_replay_output", "gdn_replay_flush"]
 
@@ -52,6 +58,7 @@ def _check_step(state, q, k, v, g, beta, per_channel):
     check_shape("g", g, (b, h, dk) if per_channel else (b, h))
     check_float("beta", beta, dtype)
     check_shape("beta", beta, (b, h))
+    check_same_device({"state": state, "q": q, "k": k, "v": v, "g": g, "beta": beta})
 
 
 def _step(state, q, k, v, log_decay, beta):
@@ -86,6 +93,7 @@ def _check_ring(ckpt, rings, count, per_channel):
     for name, t in rings.items():
         check_float(name, t, ckpt.dtype)
         check_shape(name, t, expected[name])
+    check_same_device({"ckpt": ckpt, **rings, "count": count})
     check_count("count", count, b, 0, lcap)
     return b, h, lcap, dv, dk
 
@@ -150,6 +158,7 @@ def _replay_output(ckpt, ring_u, ring_k, ring_g, count, q, per_channel):
     _check_nonempty(count)
     check_float("q", q, ckpt.dtype)
     check_shape("q", q, (b, h, dk))
+    check_same_device({"ckpt": ckpt, "q": q})
     return _read(ckpt, ring_u, ring_k, _as_channels(ring_g, per_channel), count, q, True)
 
 

@@ -28,7 +28,13 @@ with ``ValueError`` naming the argument, the expected and the actual value.
 import torch
 import torch.nn.functional as F
 
-from lowprec._checks import check_count, check_float, check_ndim, check_shape
+from lowprec._checks import (
+    check_count,
+    check_float,
+    check_ndim,
+    check_same_device,
+    check_shape,
+)
 
 __all__ = [
     "mamba2_process_dt",
@@ -56,8 +62,10 @@ def mamba2_process_dt(dt, dt_bias=None, dt_softplus=True):
     then softplus if ``dt_softplus``: the ``dt`` the recurrence and the ring use."""
     if not isinstance(dt_softplus, bool):  # a word such as "false" would read as True
         raise ValueError(f"dt_softplus: expected a bool, got {dt_softplus!r}")
+    check_float("dt", dt)
     if dt_bias is not None:
         check_float("dt_bias", dt_bias, dt.dtype)
+        check_same_device({"dt": dt, "dt_bias": dt_bias})
         check_shape("dt_bias", dt_bias, (dt.shape[1],))
         dt = dt + dt_bias.view(1, -1, *([1] * (dt.dim() - 2)))
     return F.softplus(dt) if dt_softplus else dt
@@ -96,6 +104,8 @@ def mamba2_step(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus
     check_float("C", C, dtype)
     check_shape("C", C, (b, g, dk))
     _check_gate_args(D, z, dtype, h, (b, h, dv))
+    check_same_device({"state": state, "x": x, "dt": dt, "A": A, "B": B, "C": C, "D": D, "z": z,
+                       "dt_bias": dt_bias})
 
     dt = mamba2_process_dt(dt, dt_bias, dt_softplus)
     decay = torch.exp(dt * A)  # [b, h]
@@ -135,6 +145,8 @@ def _check_ring(ckpt, ring_x, ring_dt, ring_B, count, A):
     check_shape("ring_B", ring_B, (b, g, lcap, dk))
     check_float("A", A, dtype)
     check_shape("A", A, (h,))
+    check_same_device({"ckpt": ckpt, "ring_x": ring_x, "ring_dt": ring_dt, "ring_B": ring_B,
+                       "count": count, "A": A})
     check_count("count", count, b, 0, lcap)
     return b, h, g, lcap, dv, dk
 
@@ -179,6 +191,7 @@ def mamba2_replay_verify(ckpt, ring_x, ring_dt, ring_B, count, C, x, A, D=None, 
     check_float("x", x, dtype)
     check_shape("x", x, (b, h, T, dv))
     _check_gate_args(D, z, dtype, h, (b, h, T, dv))
+    check_same_device({"ckpt": ckpt, "C": C, "x": x, "D": D, "z": z})
     if bool((count < T).any()):
         raise ValueError(
             f"count: expected every slot to hold its T={T} query records, got {count.tolist()}"

@@ -26,8 +26,11 @@ def rel_err(y_hat: torch.Tensor, y: torch.Tensor, dims=(-2, -1)) -> torch.Tensor
         raise ValueError(f"y_hat: expected the shape of y {list(y.shape)}, got {list(y_hat.shape)}")
     dims = (dims,) if isinstance(dims, int) else tuple(dims)
     ndim = y.dim()
-    if not dims or any(not isinstance(d, int) or not -ndim <= d < ndim for d in dims):
+    if not dims or any(isinstance(d, bool) or not isinstance(d, int) or not -ndim <= d < ndim
+                       for d in dims):
         raise ValueError(f"dims: expected non-empty dims of a {ndim}-d tensor, got {dims}")
+    if len({d % ndim for d in dims}) != len(dims):
+        raise ValueError(f"dims: expected distinct dims of a {ndim}-d tensor, got {dims}")
     y = y.to(torch.float64)
     diff = torch.linalg.vector_norm(y_hat.to(torch.float64) - y, dim=dims)
     ref = torch.linalg.vector_norm(y, dim=dims)

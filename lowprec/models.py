@@ -151,8 +151,8 @@ class ModelShape:
 NEMOTRON3_SUPER = ModelShape(
     name="nemotron3-super",
     source=(
-        "Nemotron-3-Super as specified in the kit's design (DESIGN.md and the traffic-model "
-        "issue): Mamba-2 nheads 128, headdim 64, dstate 128, ngroups 8, 40 layers, fp32 state; "
+        "Nemotron-3-Super as specified in the kit's design (DESIGN.md's traffic model): "
+        "Mamba-2 nheads 128, headdim 64, dstate 128, ngroups 8, 40 layers, fp32 state; "
         "8 attention layers with 2 KV heads of 128 and an fp8 KV cache; bf16 activations"
     ),
     n_ssm_layers=40,

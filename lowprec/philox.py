@@ -23,7 +23,7 @@ slot's state takes word `e % 4` of the counter at
 
 that is, `tl.randint4x(seed, offset)` and its four words in order. Using all four words of a
 counter, not only the first, is what a kernel can afford: Philox-4x32-10 costs about 40
-integer instructions per counter, which at one word per element was a quarter of the H200
+integer instructions per counter, which at one word per element is a quarter of the H200
 flush kernel's instructions (ptxas count, 2026-11-29).
 
 Offsets are 64-bit patterns held in int64: with `slot >= 2^19` the top bit is set and the
@@ -148,9 +148,17 @@ def _rounds_torch(counter, k0, k1, shape, rounds):
 
 
 def _check_seed(seed) -> int:
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_LIMIT:
+    """``seed`` as an int in [0, 2^64): an int or any integer scalar (``np.int64``)."""
+    number = None
+    if not isinstance(seed, bool) and not (isinstance(seed, torch.Tensor)
+                                           and seed.dtype == torch.bool):
+        try:
+            number = operator.index(seed)
+        except TypeError:
+            number = None
+    if number is None or not 0 <= number < SEED_LIMIT:
         raise ValueError(f"seed: expected an int in [0, 2^64), got {seed!r}")
-    return seed
+    return number
 
 
 def randint(seed: int, offset: torch.Tensor) -> torch.Tensor:

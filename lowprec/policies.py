@@ -82,10 +82,11 @@ def round_state(state, fmt, rounding, seed, slots, counter):
     return quantize.fake_quantize(state, fmt, rounding=rounding, rand=rand)
 
 
-def _check_seed(seed):
-    check_positive_int("seed", seed, minimum=0)
+def _check_seed(seed) -> int:
+    seed = check_positive_int("seed", seed, minimum=0)
     if seed >= philox.SEED_LIMIT:
         raise ValueError(f"seed: expected an integer in [0, 2^64), got {seed}")
+    return seed
 
 
 def _check_choice(name, value, choices):
@@ -117,15 +118,16 @@ class Policy:
                 f"rounding: expected 'rn' for the separate policy's read copy, "
                 f"got {self.rounding!r}"
             )
-        check_positive_int("window", self.window)
-        _check_seed(self.seed)
+        # numpy integers are stored as ints, so a Policy compares and prints the same
+        object.__setattr__(self, "window", check_positive_int("window", self.window))
+        object.__setattr__(self, "seed", _check_seed(self.seed))
         self._check_unused_fields()
 
     def _check_unused_fields(self):
-        """A field the kind never reads must keep its default: set to anything else it was
-        ignored without a word (an 'exact' policy given fmt='nvfp4' simulated fp64, a 'shared'
-        one given hi_fmt='fp16' kept its one copy in fmt, an RN policy's seed drew nothing).
-        The window stays for 'exact': a replay cache's ring is that long."""
+        """A field the kind never reads must keep its default: set to anything else it would
+        be ignored without a word (an 'exact' policy given fmt='nvfp4' simulates fp64, a
+        'shared' one given hi_fmt='fp16' keeps its one copy in fmt, an RN policy's seed draws
+        nothing). The window stays for 'exact': a replay cache's ring is that long."""
         nothing = "nothing is rounded"
         one_copy = "it keeps one copy, in fmt; hi_* are the separate policy's recurrence copy"
         unused = {
@@ -152,9 +154,9 @@ class Policy:
 
     def check_state(self, dv: int, dk: int, dtype: torch.dtype) -> None:
         """ValueError unless this policy can round a state [..., dv, dk] of ``dtype``: an fp32
-        or fp64 state where it rounds (the formats take fp32 or fp64 inputs), and d_k a
-        multiple of each block format's block. Checked when a cache or simulator is made (it
-        used to fail at the first flush, with the record of that step already appended)."""
+        or fp64 state where it rounds (a cache's copies keep the state's dtype), and d_k a
+        multiple of each block format's block. Checked when a cache or simulator is made, so
+        no step appends a record it cannot flush."""
         stored = {"exact": (), "conventional": (self.fmt,), "shared": (self.fmt,),
                   "separate": (self.fmt, self.hi_fmt)}[self.kind]
         rounded = [f for f in stored if f != "fp64"]
@@ -199,11 +201,11 @@ def make_policy(arm: str, fmt: str, rounding: str = "rn", window=16, seed=0) -> 
     if kind == "exact":
         fmt, rounding = "fp64", "rn"
     # a dropped value is still checked: a bad one is the caller's error whatever the arm
+    window = check_positive_int("window", window)
+    seed = _check_seed(seed)
     if kind == "conventional":
-        check_positive_int("window", window)
         window = _FIELD_DEFAULTS["window"]
     if (hi_rounding if kind == "separate" else rounding) != "sr":
-        _check_seed(seed)
         seed = _FIELD_DEFAULTS["seed"]
     return Policy(kind, fmt, rounding, hi_fmt, hi_rounding, window, seed)
 

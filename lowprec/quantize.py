@@ -8,7 +8,8 @@ Element rounding (`round_to`) follows README.md literally:
     RN: q = sign(x) * min(round_half_even(m) * ulp, max_finite)
     SR: q = sign(x) * min((floor(m) + (r < floor((m - floor(m)) * 2^32))) * ulp, max_finite)
 
-computed in x's own dtype (fp32 or fp64), as a kernel computes it in fp32 registers. Every
+computed in x's own dtype (fp32 or fp64), as a kernel computes it in fp32 registers (fp16 and
+bf16 inputs are widened to fp32 first, exactly; see "Dtypes" below). Every
 step is exact: with `x = mant * 2^ex` (frexp), `m = |mant| * 2^(mbits + 1 - shift)` where
 `shift = max(emin + 1 - ex, 0)` is the subnormal shift, a product by a power of two that stays
 in the normal range (the shift is capped where `m` is already far below 2^-32 and rounds to 0
@@ -44,10 +45,10 @@ contract: a NaN reaches nvfp4's scales through `amax` (its state's `s_g` and blo
 not mxfp4's (`frexp(NaN)` has exponent 0, so the block's scale is 2^-3 and the NaN stays in
 its element, which `pack` then refuses).
 
-`Quantized.elements` are the element values (e.g. E2M1 values) in `x`'s dtype, so
-`dequantize` returns `x`'s dtype; `scales` are the block scale values in fp32, shape
-`[..., d_v, n_blocks]` (`[..., d_v, 1]` for a row format); `global_scale` is nvfp4's `s_g`,
-fp32 `[...]` = `x.shape[:-2]`.
+`Quantized.elements` are the element values (e.g. E2M1 values) in `x`'s dtype, and
+`dequantize` returns `result_dtype(fmt, x.dtype)` (x's dtype for fp32, fp64); `scales` are
+the block scale values in fp32, shape `[..., d_v, n_blocks]` (`[..., d_v, 1]` for a row
+format); `global_scale` is nvfp4's `s_g`, fp32 `[...]` = `x.shape[:-2]`.
 
 Packed storage (`pack`/`unpack`, exact inverses):
 
@@ -60,20 +61,57 @@ Packed storage (`pack`/`unpack`, exact inverses):
     fp4_e2m1_b32          {'codes': uint8 [..., d_k/2], 'scales': fp32 [..., d_k/32]}
 
 Four-bit codes go two per byte, low nibble = even index; a nibble is `s e1 e0 m`.
+
+`unpack` and `dequantize` read storage a caller may have corrupted: they refuse (ValueError
+naming the field) NaN or negative scales (E4M3 bytes with the sign bit or 0x7F, E8M0 byte 255,
+fp32 scales below 0 or non-finite), a negative or non-finite nvfp4 global scale, and scales of
+the wrong shape. A batch with no elements (`[0, ...]`) packs, unpacks and quantises to empty
+tensors.
+
+Dtypes. Inputs are fp16, bf16, fp32 or fp64 tensors on any device with data (a meta tensor is
+refused at the entry). `result_dtype(fmt, dtype)` is the dtype `round_to`, `fake_quantize` and
+`dequantize` return: the input dtype for fp32 and fp64; for fp16 and bf16 the input dtype when
+every value of the format is exact in it (an element format whose grid it holds: fp8_e4m3 and
+fp8_e5m2 in both, fp16 in fp16, bf16 in bf16), otherwise fp32 (block formats, whose scaled
+values are fp32 products; fp16 into bf16 and back; fp32 and fp64). So no result is ever
+rounded a second time by a cast. `Quantized.elements` of a block format keep x's dtype (E2M1 and
+E4M3 values are exact in all four).
+
+Random words. SR takes either `rand` (int64 uint32 words, x's shape) or `seed`, from which the
+words are drawn as the kernels draw them (`lowprec.philox.random_words`): x is
+`batch + state`, where `batch` is the shape of `slot` and `flush` broadcast together (both
+default 0, so by default x is one slot's state at flush 0), and element `e` (flat index inside
+its slot's state, `e < 2^24`) takes word `e % 4` of `randint4x(seed, (slot << 44) |
+(flush << 24) | (e // 4))`. `round_to(s, "fp16", "sr", seed=seed, slot=torch.arange(n),
+flush=f)` of a cache's `[n, h, d_v, d_k]` state is a flush's recurrence copy bit for bit.
+
+Gradients. Rounding has no useful derivative, and a straight-through estimator is a modelling
+choice the caller should make in the open: an input that requires grad (with grad mode on) is
+refused; write `x + (fake_quantize(x.detach(), fmt) - x).detach()` for the estimator.
+
+The module is callable: `lowprec.quantize(x, fmt, ...)` is `lowprec.quantize.quantize(x, fmt,
+...)`, so the package attribute is both the function and this module (`from lowprec import
+quantize as q; q.pack(...)` and `from lowprec.quantize import fake_quantize` keep working).
 """
 
 from __future__ import annotations
 
 import math
+import operator
+import sys
+import types
 from dataclasses import dataclass
 
 import torch
 
-from lowprec import formats
+from lowprec import formats, philox
+from lowprec._checks import check_device
 from lowprec.formats import E4M3, ElementFormat, Format
 
 ROUNDINGS = ("rn", "sr")
-INPUT_DTYPES = (torch.float32, torch.float64)
+INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# the dtypes the arithmetic runs in; fp16 and bf16 inputs are widened to fp32 (exactly)
+COMPUTE_DTYPES = (torch.float32, torch.float64)
 UINT32_LIMIT = 1 << 32
 
 _UNSIGNED = {8: torch.uint8, 16: torch.uint16, 32: torch.uint32, 64: torch.uint64}
@@ -88,10 +126,45 @@ def _check_input(x, name: str = "x") -> None:
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in INPUT_DTYPES:
-        raise ValueError(f"{name}: expected dtype float32 or float64, got {x.dtype}")
+        raise ValueError(f"{name}: expected dtype float16, bfloat16, float32 or float64, got "
+                         f"{x.dtype}")
+    check_device(name, x)
+    if x.requires_grad and torch.is_grad_enabled():
+        raise ValueError(
+            f"{name}: expected a tensor that does not require grad (rounding has no gradient), "
+            f"got requires_grad=True; pass {name}.detach(), or for a straight-through "
+            f"estimator {name} + (fake_quantize({name}.detach(), fmt) - {name}).detach()"
+        )
 
 
-def _check_rounding(rounding: str, rand, shape) -> None:
+def _fits(element: ElementFormat, dtype: torch.dtype) -> bool:
+    """True when every value of `element` is exact in `dtype`."""
+    info = torch.finfo(dtype)
+    dtype_mbits = round(-math.log2(info.eps))
+    return (
+        element.mbits <= dtype_mbits
+        and element.min_subnormal >= info.smallest_normal * info.eps
+        and element.max_finite <= info.max
+    )
+
+
+def result_dtype(fmt: Format | str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype `round_to`/`fake_quantize`/`dequantize` return for inputs of `dtype` (module
+    doc, "Dtypes"): `dtype` for fp32 and fp64, and for fp16/bf16 where every value of the
+    format is exact in it; fp32 otherwise."""
+    if isinstance(fmt, ElementFormat):
+        element, block = fmt, None
+    else:
+        fmt = formats.get(fmt)
+        element, block = fmt.element, fmt.block
+    if dtype not in INPUT_DTYPES:
+        raise ValueError(f"dtype: expected one of {list(INPUT_DTYPES)}, got {dtype!r}")
+    if dtype in COMPUTE_DTYPES or (block is None and _fits(element, dtype)):
+        return dtype
+    return torch.float32
+
+
+def _check_rounding(rounding: str, rand, shape, device=None) -> None:
     if rounding not in ROUNDINGS:
         raise ValueError(f"rounding: expected one of {ROUNDINGS}, got {rounding!r}")
     if rounding == "rn":
@@ -100,18 +173,64 @@ def _check_rounding(rounding: str, rand, shape) -> None:
         return
     if rand is None:
         raise ValueError(
-            "rand: expected an int64 tensor of uint32 words for rounding='sr', got None"
+            "rand: expected an int64 tensor of uint32 words for rounding='sr' (or seed=), "
+            "got None"
         )
     if not isinstance(rand, torch.Tensor) or rand.dtype != torch.int64:
         got = rand.dtype if isinstance(rand, torch.Tensor) else type(rand).__name__
         raise ValueError(f"rand: expected dtype int64, got {got}")
     if tuple(rand.shape) != tuple(shape):
         raise ValueError(f"rand: expected shape {list(shape)}, got {list(rand.shape)}")
+    check_device("rand", rand, device, "x's")
     if rand.numel() and (int(rand.min()) < 0 or int(rand.max()) >= UINT32_LIMIT):
         raise ValueError(
             f"rand: expected uint32 words in [0, 2^32), got range [{int(rand.min())}, "
             f"{int(rand.max())}]"
         )
+
+
+def _seed_words(rounding, rand, seed, slot, flush, x: torch.Tensor):
+    """`rand` itself, or the words of `seed` for x (module doc, "Random words")."""
+    if seed is None:
+        if slot is not None or flush is not None:
+            raise ValueError("seed: expected a seed with slot= or flush= (they place the "
+                             "seed's words), got seed=None")
+        return rand
+    if rand is not None:
+        raise ValueError("seed: expected either rand or seed for rounding='sr', got both")
+    if rounding != "sr":
+        raise ValueError(f"seed: expected None for rounding={rounding!r} (only SR draws "
+                         f"words), got {seed!r}")
+    seed = philox._check_seed(seed)
+    slot = 0 if slot is None else slot
+    flush = 0 if flush is None else flush
+    batch = torch.broadcast_shapes(*(torch.as_tensor(v).shape if not isinstance(v, torch.Tensor)
+                                     else v.shape for v in (slot, flush)))
+    if tuple(x.shape[:len(batch)]) != tuple(batch) or len(batch) > x.dim():
+        raise ValueError(f"slot: expected slot and flush to broadcast to x's leading dims "
+                         f"(x {list(x.shape)}), got batch shape {list(batch)}")
+    state = tuple(x.shape[len(batch):])
+    if math.prod(state) > philox.ELEMENT_LIMIT:
+        raise ValueError(f"x: expected at most 2^24 elements per slot for seed= (the words' "
+                         f"element field), got a state {list(state)}; pass slot= a tensor "
+                         f"over x's leading dim")
+    return philox.random_words(seed, slot, flush, state).to(x.device)
+
+
+def _element_of(element) -> ElementFormat:
+    """An ElementFormat from itself, an element name ('e2m1') or an element-only format
+    ('fp8_e4m3', a `Format` without blocks)."""
+    if isinstance(element, ElementFormat):
+        return element
+    if isinstance(element, str) and element in formats.ELEMENTS:
+        return formats.ELEMENTS[element]
+    if isinstance(element, str) and element in formats.names():
+        element = formats.get(element)
+    if isinstance(element, Format) and element.block is None:
+        return element.element
+    element_only = [n for n in formats.names() if formats.get(n).block is None]
+    raise ValueError(f"element: expected an ElementFormat or one of {sorted(formats.ELEMENTS)} "
+                     f"(elements) or {element_only} (element formats), got {element!r}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -157,23 +276,39 @@ _SHIFT_MARGIN = 40
 
 
 def round_to(
-    x: torch.Tensor, element: ElementFormat, rounding: str = "rn", rand: torch.Tensor | None = None
+    x: torch.Tensor,
+    element: ElementFormat | Format | str,
+    rounding: str = "rn",
+    rand: torch.Tensor | None = None,
+    *,
+    seed: int | None = None,
+    slot=None,
+    flush=None,
 ) -> torch.Tensor:
-    """Round `x` element-wise onto `element`'s grid (RN or SR, saturating); returns x's dtype.
+    """Round `x` element-wise onto `element`'s grid (RN or SR, saturating); returns
+    `result_dtype(element, x.dtype)` (x's dtype for fp32/fp64 input).
 
-    rand: int64 tensor of uint32 words, shape of x, required iff rounding == 'sr'.
+    element: an ElementFormat, an element name ('e2m1') or an element-only format ('fp16',
+    'fp8_e4m3'). SR needs one of rand (int64 tensor of uint32 words, shape of x) or seed
+    (words drawn per slot and flush, module doc "Random words").
 
     With `x = mant * 2^ex` (frexp, 0.5 <= |mant| < 1) the binade is `ex - 1` and
 
         m = |x| / 2^(max(ex - 1, emin) - mbits) = |mant| * 2^(mbits + 1 - max(emin - ex + 1, 0))
     """
     _check_input(x)
-    if isinstance(element, str) and element in formats.ELEMENTS:  # a name, as quantize takes
-        element = formats.ELEMENTS[element]
-    if not isinstance(element, ElementFormat):
-        raise ValueError(f"element: expected an ElementFormat or one of "
-                         f"{sorted(formats.ELEMENTS)}, got {element!r}")
-    _check_rounding(rounding, rand, x.shape)
+    element = _element_of(element)
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rounding: expected one of {ROUNDINGS}, got {rounding!r}")
+    rand = _seed_words(rounding, rand, seed, slot, flush, x)
+    _check_rounding(rounding, rand, x.shape, x.device)
+    if x.dtype not in COMPUTE_DTYPES:
+        return _round_to(x.float(), element, rounding, rand).to(result_dtype(element, x.dtype))
+    return _round_to(x, element, rounding, rand)
+
+
+def _round_to(x, element: ElementFormat, rounding: str, rand) -> torch.Tensor:
+    """`round_to` of a checked fp32/fp64 `x`."""
     if _is_identity(element, x.dtype):
         # Only inf moves. The fp64 format's saturation value overflows fp32, so fp32 input
         # keeps its infinities there (the saturated value, cast back to x's dtype).
@@ -235,7 +370,8 @@ def encode_bits(values: torch.Tensor, element: ElementFormat) -> torch.Tensor:
     nan = a.isnan()
     inf = a.isinf()
     if nan.any() and nan_code is None:
-        raise ValueError(f"values: {element.name} has no NaN encoding, got NaN")
+        raise ValueError(f"values: {element.name} has no NaN encoding, got NaN (a non-finite "
+                         f"input, inf or NaN, quantises to NaN in a block format)")
     if inf.any() and not element.has_inf:
         raise ValueError(f"values: {element.name} has no infinity, got inf")
     a_fin = torch.where(nan | inf, 0.0, a)
@@ -326,8 +462,8 @@ def _block_scales(amax_b: torch.Tensor, fmt: Format):
 def _to_fp32(x: torch.Tensor) -> torch.Tensor:
     """x in fp32, RN with finite values past FLT_MAX saturating (as `round_to(x, FP32)`; a
     plain cast makes them inf, and one inf turns an nvfp4 state into NaN); +-inf stays inf."""
-    if x.dtype == torch.float32:
-        return x
+    if x.dtype != torch.float64:  # fp32 itself; fp16 and bf16 widen exactly
+        return x.float()
     flt_max = torch.finfo(torch.float32).max
     return torch.where(x.isinf(), x, x.clamp(-flt_max, flt_max)).to(torch.float32)
 
@@ -337,11 +473,19 @@ def quantize(
     fmt: Format | str,
     rounding: str = "rn",
     rand: torch.Tensor | None = None,
+    *,
+    seed: int | None = None,
+    slot=None,
+    flush=None,
 ) -> Quantized:
-    """Quantise a state-shaped `x` ([..., d_v, d_k]) to `fmt`; RN or SR on elements only."""
+    """Quantise a state-shaped `x` ([..., d_v, d_k]) to `fmt`; RN or SR on elements only (SR
+    words from `rand` or `seed`, as in `round_to`)."""
     fmt = formats.get(fmt)
     _check_input(x)
-    _check_rounding(rounding, rand, x.shape)
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rounding: expected one of {ROUNDINGS}, got {rounding!r}")
+    rand = _seed_words(rounding, rand, seed, slot, flush, x)
+    _check_rounding(rounding, rand, x.shape, x.device)
     if fmt.block is None:
         return Quantized(fmt, round_to(x, fmt.element, rounding, rand))
 
@@ -355,14 +499,70 @@ def quantize(
     s_b, global_scale, divisor = _block_scales(amax_b, fmt)
     if rand is not None:
         rand = rand.reshape(blocked_shape)
-    codes = round_to(xb / divisor[..., None], fmt.element, rounding, rand)
+    codes = _round_to(xb / divisor[..., None], fmt.element, rounding, rand)
     zero_block = ((amax_b == 0) | (divisor == 0))[..., None]
     codes = torch.where(zero_block, 0.0, codes)
+    # E2M1 and E4M3 codes are exact in every input dtype
     return Quantized(fmt, codes.reshape(x.shape).to(x.dtype), s_b, global_scale)
 
 
+def _check_quantized(q, name: str = "q") -> None:
+    """`q` is a Quantized whose fields have the shapes and dtypes its format gives them."""
+    if not isinstance(q, Quantized):
+        raise ValueError(f"{name}: expected a Quantized, got {type(q).__name__}")
+    fmt = formats.get(q.fmt)
+    elements = q.elements
+    if not isinstance(elements, torch.Tensor) or elements.dtype not in INPUT_DTYPES:
+        got = elements.dtype if isinstance(elements, torch.Tensor) else type(elements).__name__
+        raise ValueError(f"{name}.elements: expected a float16/bfloat16/float32/float64 "
+                         f"tensor, got {got}")
+    check_device(f"{name}.elements", elements)
+    shape = tuple(elements.shape)
+    if fmt.block is None:
+        for field in ("scales", "global_scale"):
+            if getattr(q, field) is not None:
+                raise ValueError(f"{name}.{field}: expected None for format {fmt.name!r} "
+                                 f"(no scales), got a tensor")
+        return
+    n_blocks = shape[-1] // fmt.block_length(shape) if len(shape) else 0
+    expected = {"scales": (*shape[:-1], n_blocks),
+                "global_scale": shape[:-2] if fmt.two_level else None}
+    for field, want in expected.items():
+        t = getattr(q, field)
+        if want is None:
+            if t is not None:
+                raise ValueError(f"{name}.{field}: expected None for format {fmt.name!r}, "
+                                 f"got a tensor")
+            continue
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
+            got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name}.{field}: expected a float32 tensor, got {got}")
+        if tuple(t.shape) != tuple(want):
+            raise ValueError(f"{name}.{field}: expected shape {list(want)} (elements "
+                             f"{list(shape)} in {fmt.name!r}), got {list(t.shape)}")
+        check_device(f"{name}.{field}", t, elements.device, "the elements'")
+
+
+def _check_scale_values(name: str, scales: torch.Tensor, why: str) -> None:
+    """Scales are finite and >= 0: a NaN or negative one would decode without a word."""
+    if not scales.numel():
+        return
+    bad = ~scales.isfinite() | (scales < 0)
+    if bool(bad.any()):
+        raise ValueError(f"{name}: expected finite scales >= 0, got "
+                         f"{scales[bad].flatten()[0].item()!r} ({int(bad.sum())} such values; "
+                         f"{why})")
+
+
+_NONFINITE = "the quantised tensor held inf or NaN, which a block format cannot store"
+_CORRUPT = "storage that pack never writes"
+
+
 def dequantize(q: Quantized) -> torch.Tensor:
-    """Values of `q` in the dtype of its elements (x's dtype): `(code * s_b) * s_g` in fp32."""
+    """Values of `q` as `result_dtype(q.fmt, q.elements.dtype)` (x's dtype for fp32/fp64):
+    `(code * s_b) * s_g` in fp32. Scales of the wrong shape are refused (ValueError naming the
+    field, the expected and the actual shape)."""
+    _check_quantized(q)
     if q.scales is None:
         return q.elements.clone()
     shape = q.elements.shape
@@ -371,14 +571,22 @@ def dequantize(q: Quantized) -> torch.Tensor:
     values = codes * q.scales[..., None]
     if q.global_scale is not None:
         values = values * q.global_scale[..., None, None, None]
-    return values.reshape(shape).to(q.elements.dtype)
+    return values.reshape(shape).to(result_dtype(q.fmt, q.elements.dtype))
 
 
 def fake_quantize(
-    x: torch.Tensor, fmt: Format | str, rounding: str = "rn", rand: torch.Tensor | None = None
+    x: torch.Tensor,
+    fmt: Format | str,
+    rounding: str = "rn",
+    rand: torch.Tensor | None = None,
+    *,
+    seed: int | None = None,
+    slot=None,
+    flush=None,
 ) -> torch.Tensor:
-    """`dequantize(quantize(x, fmt, rounding, rand))`: x's values after a store in `fmt`."""
-    return dequantize(quantize(x, fmt, rounding, rand))
+    """`dequantize(quantize(x, fmt, ...))`: x's values after a store in `fmt`, as
+    `result_dtype(fmt, x.dtype)`."""
+    return dequantize(quantize(x, fmt, rounding, rand, seed=seed, slot=slot, flush=flush))
 
 
 # --------------------------------------------------------------------------------------------
@@ -394,7 +602,7 @@ def _pack_codes(elements: torch.Tensor, element: ElementFormat) -> torch.Tensor:
             raise ValueError(
                 f"elements: expected an even last dim for 4-bit codes, got {elements.shape[-1]}"
             )
-        pairs = codes.reshape(*codes.shape[:-1], -1, 2)
+        pairs = codes.reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2)
         codes = pairs[..., 0] | (pairs[..., 1] << 4)  # low nibble = even index
         return codes.to(torch.uint8)
     return codes.to(_UNSIGNED[element.bits])
@@ -409,7 +617,11 @@ def _unpack_codes(codes: torch.Tensor, element: ElementFormat, dtype) -> torch.T
 
 def pack(q: Quantized) -> dict[str, torch.Tensor]:
     """Storage tensors of `q` (layout in the module doc)."""
-    fmt = q.fmt
+    _check_quantized(q)
+    fmt = formats.get(q.fmt)
+    for field in ("scales", "global_scale"):  # before the codes: they say why codes are NaN
+        if getattr(q, field) is not None:
+            _check_scale_values(f"q.{field}", getattr(q, field), _NONFINITE)
     packed = {"codes": _pack_codes(q.elements, fmt.element)}
     if fmt.scale == "e4m3":
         packed["scales"] = encode_bits(q.scales, E4M3).to(torch.uint8)
@@ -437,9 +649,25 @@ def _expect(packed: dict, key: str, dtype: torch.dtype, shape) -> torch.Tensor:
 def unpack(packed: dict, fmt: Format | str, shape, dtype: torch.dtype = torch.float32) -> Quantized:
     """Inverse of `pack` for a tensor of `shape`; elements come back as `dtype`."""
     fmt = formats.get(fmt)
-    shape = tuple(shape)
+    if not isinstance(packed, dict):
+        raise ValueError(f"packed: expected a dict of tensors, got {type(packed).__name__}")
+    try:
+        shape = tuple(operator.index(n) for n in shape)
+    except TypeError:
+        raise ValueError(f"shape: expected a sequence of ints, got {shape!r}") from None
+    if any(n < 0 for n in shape):
+        raise ValueError(f"shape: expected dims >= 0, got {list(shape)}")
     if dtype not in INPUT_DTYPES:
-        raise ValueError(f"dtype: expected float32 or float64, got {dtype}")
+        raise ValueError(f"dtype: expected one of {list(INPUT_DTYPES)}, got {dtype!r}")
+    if dtype not in COMPUTE_DTYPES and fmt.block is None and not _fits(fmt.element, dtype):
+        raise ValueError(f"dtype: expected a dtype that holds every {fmt.name} value exactly, "
+                         f"got {dtype}")
+    if fmt.block is not None:
+        fmt.block_length(shape)  # the shape's last dim against the block, named
+    for key, t in packed.items():
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"packed[{key!r}]: expected a tensor, got {type(t).__name__}")
+        check_device(f"packed[{key!r}]", t)
     element = fmt.element
     code_shape = (*shape[:-1], shape[-1] // 2) if element.bits == 4 else shape
     code_dtype = torch.uint8 if element.bits == 4 else _UNSIGNED[element.bits]
@@ -451,11 +679,22 @@ def unpack(packed: dict, fmt: Format | str, shape, dtype: torch.dtype = torch.fl
     elements = _unpack_codes(codes, element, dtype)
     if fmt.scale is None:
         return Quantized(fmt, elements)
+    finite = elements.isfinite()
+    if not bool(finite.all()):  # a NaN code (E4M3's 0x7F) under a scale
+        raise ValueError(f"packed['codes']: expected finite {element.name} codes in a block "
+                         f"format ({_CORRUPT}), got {int((~finite).sum())} NaN or inf codes")
 
     scale_shape = (*shape[:-1], shape[-1] // fmt.block_length(shape))
     scale_dtype = torch.float32 if fmt.scale == "fp32" else torch.uint8
     scale_codes = _expect(packed, "scales", scale_dtype, scale_shape)
     if fmt.scale == "e4m3":
+        bad = scale_codes >= 0x7F  # 0x7F and 0xFF are NaN; a set sign bit is a negative scale
+        if bool(bad.any()):
+            raise ValueError(
+                f"packed['scales']: expected E4M3 bytes in [0x00, 0x7E] (a block scale is "
+                f"finite and >= 0; 0x7F/0xFF are NaN), got 0x{int(scale_codes[bad][0]):02X} "
+                f"({int(bad.sum())} such bytes)"
+            )
         scales = decode_bits(scale_codes, E4M3)
     elif fmt.scale == "e8m0":
         if scale_codes.numel() and int(scale_codes.max()) > 2 * E8M0_BIAS:
@@ -465,11 +704,24 @@ def unpack(packed: dict, fmt: Format | str, shape, dtype: torch.dtype = torch.fl
             )
         scales = _pow2(scale_codes.to(torch.int64) - E8M0_BIAS).to(torch.float32)
     else:
+        _check_scale_values("packed['scales']", scale_codes, _CORRUPT)
         scales = scale_codes.clone()
     global_scale = None
     if fmt.two_level:
         global_scale = _expect(packed, "global_scale", torch.float32, shape[:-2]).clone()
+        _check_scale_values("packed['global_scale']", global_scale, _CORRUPT)
     return Quantized(fmt, elements, scales, global_scale)
+
+
+class _CallableModule(types.ModuleType):
+    """This module, callable as its `quantize` function (module doc): `lowprec.quantize` is
+    the submodule the import system binds, and calling it quantises."""
+
+    def __call__(self, x, fmt, rounding="rn", rand=None, *, seed=None, slot=None, flush=None):
+        return quantize(x, fmt, rounding, rand, seed=seed, slot=slot, flush=flush)
+
+
+sys.modules[__name__].__class__ = _CallableModule
 
 
 __all__ = [
@@ -480,6 +732,7 @@ __all__ = [
     "fake_quantize",
     "pack",
     "quantize",
+    "result_dtype",
     "round_to",
     "unpack",
 ]

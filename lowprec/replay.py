@@ -42,7 +42,15 @@ from dataclasses import dataclass, field
 import torch
 
 from lowprec import gdn, mamba2
-from lowprec._checks import check_float, check_positive_int, check_shape, check_tensor
+from lowprec._checks import (
+    check_device,
+    check_float,
+    check_inputs_apart,
+    check_positive_int,
+    check_same_device,
+    check_shape,
+    check_tensor,
+)
 from lowprec.mamba2 import _gate, _group_to_heads
 from lowprec.philox import FLUSH_LIMIT
 from lowprec.policies import Policy
@@ -154,6 +162,7 @@ class ReplaySSM:
         """Write ``records[name] [slots, h|g, n, ...]`` at ring positions ``start .. start+n-1``
         of each slot."""
         for name, rec in records.items():
+            check_device(name, rec, self.ring[name].device, "the ring's")
             n = rec.shape[2]
             end = int((start + n).max())
             if end > self.capacity:
@@ -195,6 +204,7 @@ class ReplaySSM:
         if accepted.dtype.is_floating_point or accepted.dtype == torch.bool:
             raise ValueError(f"accepted: expected an integer dtype, got {accepted.dtype}")
         check_shape("accepted", accepted, (self.shape[0],))
+        check_device("accepted", accepted, self.count.device, "the cache's")
         if int(accepted.min()) < 0 or int(accepted.max()) > self.draft:
             raise ValueError(
                 f"accepted: expected values in [0, T={self.draft}], got {accepted.tolist()}"
@@ -214,12 +224,42 @@ class ReplaySSM:
         self.pending = True
         return is_flush
 
+    def _held_tensors(self) -> dict:
+        """The tensors this cache holds and a step writes or reads after writing, by name."""
+        held = {"cache.hi": self.hi, "cache.lo": self.lo, "cache.count": self.count,
+                "cache.flushes": self.flushes}
+        held.update({f"cache.ring[{name!r}]": t for name, t in self.ring.items()})
+        return held
+
+    def _check_cache(self, speculative: bool):
+        """The cursors a caller can set: ``count`` an int64 ``[slots]`` on the cache's device
+        with values in [0, L - 1] (standard: a full ring has flushed) or [0, L] (speculative),
+        ``flushes`` likewise shaped; every held tensor on the copies' device."""
+        check_same_device(self._held_tensors())
+        for name in ("count", "flushes"):
+            t = getattr(self, name)
+            check_tensor(name, t)
+            if t.dtype != torch.int64:
+                raise ValueError(f"{name}: expected dtype torch.int64, got {t.dtype}")
+            check_shape(name, t, (self.shape[0],))
+        high = self.window if speculative else self.window - 1
+        if self.count.numel():
+            low_count, high_count = torch.stack([self.count.min(), self.count.max()]).tolist()
+            if low_count < 0 or high_count > high:
+                raise ValueError(f"count: expected values in [0, {high}] (records held in a "
+                                 f"window of L={self.window}), got range "
+                                 f"[{low_count}, {high_count}]")
+            if int(self.flushes.min()) < 0:
+                raise ValueError(f"flushes: expected values >= 0, got {self.flushes.tolist()}")
+
     def _check_records(self, specs, dtype):
         for name, t, shape in specs:
             if t is None:
                 continue
             check_float(name, t, dtype)
             check_shape(name, t, shape)
+            check_device(name, t, self.hi.device, "the cache's")
+        check_inputs_apart({name: t for name, t, _ in specs}, self._held_tensors())
 
 
 @dataclass(kw_only=True)
@@ -264,6 +304,8 @@ class Mamba2Replay(ReplaySSM):
             if t is not None:
                 check_float(name, t, dtype)
                 check_shape(name, t, (nheads,))
+        # the cache lives on the CPU (its copies and ring are made there)
+        check_same_device({"cache": torch.zeros(()), "A": A, "D": D, "dt_bias": dt_bias})
         lcap = policy.window + draft
         ring = cls._empty_ring(
             (
@@ -315,6 +357,7 @@ class Mamba2Replay(ReplaySSM):
         """One token of standard decoding: ``x [b, h, dv]``, ``dt [b, h]`` (raw),
         ``B, C [b, g, dk]``, ``z [b, h, dv]``; returns ``y [b, h, dv]``."""
         self._check_mode(False)
+        self._check_cache(False)
         self._check_inputs(x, dt, B, C, z, None)
         dt = mamba2.mamba2_process_dt(dt, self.dt_bias, self.dt_softplus)
         self._append({"x": x[:, :, None], "dt": dt[:, :, None], "B": B[:, :, None]}, self.count)
@@ -333,6 +376,7 @@ class Mamba2Replay(ReplaySSM):
         ``B, C [b, g, T, dk]``, ``z [b, h, T, dv]``; returns ``y [b, h, T, dv]``. Follow with
         ``commit``."""
         self._check_mode(True)
+        self._check_cache(True)
         self._check_inputs(x, dt, B, C, z, self.draft)
         is_flush = self._begin_verify()
         committed = self.count
@@ -436,6 +480,7 @@ class GDNReplay(ReplaySSM):
         """One token of standard decoding: ``q, k [b, h, dk]``, ``v [b, h, dv]``,
         ``g [b, h]`` (KDA: ``[b, h, dk]``) log-decay, ``beta [b, h]``; returns ``y [b, h, dv]``."""
         self._check_mode(False)
+        self._check_cache(False)
         self._check_inputs(q, k, v, g, beta, None)
         self._append(
             {"v": v[:, :, None], "k": k[:, :, None], "g": g[:, :, None], "beta": beta[:, :, None]},
@@ -457,6 +502,7 @@ class GDNReplay(ReplaySSM):
         ``g [b, h, T]`` (KDA: ``[b, h, T, dk]``), ``beta [b, h, T]``; returns
         ``y [b, h, T, dv]``. The drafts' ``u`` are computed in order. Follow with ``commit``."""
         self._check_mode(True)
+        self._check_cache(True)
         self._check_inputs(q, k, v, g, beta, self.draft)
         is_flush = self._begin_verify()
         committed = self.count

@@ -10,7 +10,7 @@ state cache is counted (states, checkpoints, ring records, KV entries): the curr
 inputs (`x, B, C, dt` or `q, k, v, g, beta`), the outputs and the weights cost every scheme the
 same and are left out. MiB = 2^20 bytes.
 
-Notation (as in DESIGN.md and the issue):
+Notation (as in DESIGN.md):
 
     M_S   bytes of one state in its format, scales included (`state_bytes`)
     r     bytes of one ReplaySSM record (`record_bytes`)
@@ -127,7 +127,7 @@ STORAGE = {
 
 
 def _rule(fmt: str) -> StorageRule:
-    if not isinstance(fmt, str) or fmt not in STORAGE:  # a list was "unhashable type"
+    if not isinstance(fmt, str) or fmt not in STORAGE:  # a list is no key: refuse it by name
         raise ValueError(f"format: expected one of {list(STORAGE)}, got {fmt!r}")
     return STORAGE[fmt]
 
@@ -181,7 +181,7 @@ class RecordField:
 # `u`). The *kernel* layout stores a group-shared tensor once per group, as the cache layout
 # does (`ring B [slots, ngroups, L, dstate]`); for GDN the groups are the key heads, so `k` is
 # stored once per key head. The *conservative* layout prices every tensor per head, which for
-# Mamba-2 is the issue's `2*d_v + 2*d_k + 4` bytes per head with bf16 activations.
+# Mamba-2 is DESIGN.md's `2*d_v + 2*d_k + 4` bytes per head with bf16 activations.
 RECORD_LAYOUTS = {
     ("mamba2", "kernel"): (
         RecordField("x", "d_v", "act", "head"),

@@ -252,9 +252,9 @@ def test_a_0d_state_shape_is_one_element_with_element_0s_word_and_offset():
 @pytest.mark.parametrize("shape, message", [
     ((-1, 5), r"shape: expected dims >= 0, got \[-1, 5\]"),
     ((3, 0, -7), r"shape: expected dims >= 0, got \[3, 0, -7\]"),
-    ((2.5, 3), r"shape: expected integer dims, got \[2.5, 3\]"),  # was truncated to (2, 3)
-    (("3", 5), r"shape: expected integer dims, got \['3', 5\]"),  # was parsed as 3
-    ((True, 5), r"shape: expected integer dims, got \[True, 5\]"),  # was read as 1
+    ((2.5, 3), r"shape: expected integer dims, got \[2.5, 3\]"),  # not truncated to (2, 3)
+    (("3", 5), r"shape: expected integer dims, got \['3', 5\]"),  # not parsed as 3
+    ((True, 5), r"shape: expected integer dims, got \[True, 5\]"),  # not read as 1
     ((torch.tensor(2.5), 3), r"shape: expected integer dims"),
     (7, r"shape: expected a sequence of ints .*, got int 7"),
     (None, r"shape: expected a sequence of ints .*, got NoneType None"),
@@ -264,7 +264,7 @@ def test_a_0d_state_shape_is_one_element_with_element_0s_word_and_offset():
 ])
 def test_state_shape_must_be_integer_dims_of_at_most_2_24_elements(shape, message):
     """state_offsets and random_words refuse a shape they cannot give words to, naming it,
-    and never round a dim to an int (a float or a string dim used to give another shape's
+    and never round a dim to an int (a float or a string dim would give another shape's
     words, a negative one the element-count message)."""
     with pytest.raises(ValueError, match=message):
         philox.state_offsets(1, 2, shape)

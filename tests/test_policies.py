@@ -283,9 +283,9 @@ UNUSED = "which does not use it"
         "conventional-window", "conventional-hi_fmt", "shared-hi_rounding", "shared-hi_fmt",
         "shared-rn-seed", "conventional-rn-seed", "separate-rn-seed"])
 def test_a_field_the_kind_does_not_use_is_refused_naming_the_field_and_the_kind(kwargs, message):
-    """A field the kind never reads, set to anything but its default, is an error: it used to
-    be ignored (an exact policy 'in nvfp4' simulated fp64, a shared one with an fp16 hi copy
-    kept one copy, a seed without SR drew no word), so a typo'd experiment ran another one."""
+    """A field the kind never reads, set to anything but its default, is an error: ignored, it
+    would let a typo'd experiment run another one (an exact policy 'in nvfp4' simulates fp64, a
+    shared one with an fp16 hi copy keeps one copy, a seed without SR draws no word)."""
     with pytest.raises(ValueError, match=message):
         Policy(**kwargs)
 
@@ -370,9 +370,9 @@ def test_every_format_is_accepted_by_a_policy():
 ], ids=["fp16-state", "dk-not-a-block", "dk-not-an-mxfp4-block", "seed-past-philox"])
 def test_settings_that_cannot_round_are_refused_when_made(make, message):
     """A policy that could never round its state (an fp16 state, d_k not a multiple of the
-    block, a seed past Philox's) is refused when the simulator or policy is made: it used to
-    fail at the first flush, after that step's record was appended, naming an argument the
-    user never passed."""
+    block, a seed past Philox's) is refused when the simulator or policy is made, not at the
+    first flush after that step's record is appended, where the error would name an argument
+    the user never passed."""
     with pytest.raises(ValueError, match=message):
         make()
     Simulator("mamba2", make_policy("exact", "fp64"), 2, 3, 4, 24, dtype=torch.float16)

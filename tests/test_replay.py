@@ -506,8 +506,8 @@ def test_switches_and_the_flush_counter_limit_are_checked():
 def test_a_verify_refused_at_the_flush_counter_limit_leaves_nothing_to_commit():
     """A verify whose flush is refused (a slot at the last Philox flush counter) appended no
     draft, so a commit after it must be refused too, as the emulation refuses it (it marks a
-    verify pending only once its checks pass). The reference marked it pending before the
-    check: the commit went through and counted a stale ring entry as a record (h > L here)."""
+    verify pending only once its checks pass); otherwise the commit would count a stale ring
+    entry as a record (h > L here)."""
     A = -torch.ones(3, dtype=F64)
     cache = Mamba2Replay.create(2, 3, 4, 16, A, draft=2,
                                 policy=Policy("shared", fmt="fp16", rounding="sr", window=2))
