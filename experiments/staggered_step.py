@@ -685,8 +685,10 @@ def read_csv(path: str | Path) -> pd.DataFrame:
     for column, good, expected in checks:
         if not good.all():
             row = int(np.flatnonzero(~good.to_numpy())[0])
+            value = frame[column].iloc[row]
+            shown = repr(value) if isinstance(value, str) else f"{value:g}"
             raise ValueError(f"{path}: line {row + 2}: column {column}: expected {expected}, "
-                             f"got {frame[column].iloc[row]!r}")
+                             f"got {shown}")
     return frame
 
 

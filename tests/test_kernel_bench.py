@@ -136,7 +136,7 @@ def test_grid_flags_win_over_the_defaults_and_quick(argv, expected):
 def test_targets_come_from_the_first_run_whatever_the_merge_order(tmp_path, capsys):
     """Where two runs timed a point, the targets, speedups and plots take the first run by
     label (a same-run pair first), so --merge A B and --merge B A print the same targets,
-    each line naming its run; the choice used to follow the file order."""
+    each line naming its run, whatever the file order."""
     frame = _synthetic_frame()
     a, b = tmp_path / "a.csv", tmp_path / "b.csv"
     frame.to_csv(a, index=False)
