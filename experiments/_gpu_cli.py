@@ -1,19 +1,18 @@
 """The command-line pieces the GPU diagnostics share (`copy_sizes`, `tail_overlap`,
-`warm_transient`): one benchmark point's flags, `--plot-only`, the output checks, and writing a
-run's CSV, meta file, summary and plot. Each script keeps its own flags, measurement, summary
-and plot; these only say the same thing the same way."""
+`warm_transient`): one benchmark point's flags, `--plot-only`, the output checks, reading a
+CSV back checked, and writing a run's CSV, meta file, summary and plot (`experiments.harness`).
+Each script keeps its own flags, measurement, summary and plot."""
 
 from __future__ import annotations
 
 import argparse
-import shlex
-import sys
 from pathlib import Path
 
 import torch
 
-from experiments import kernel_bench as kb
-from experiments._common import file_problem, write_meta
+from experiments import harness
+from experiments._common import file_problem
+from experiments.cases import SHAPES
 
 __all__ = ["add_point_arguments", "add_output_arguments", "check_point", "check_outputs",
            "read_csv", "plot_only", "save_run"]
@@ -22,7 +21,7 @@ __all__ = ["add_point_arguments", "add_output_arguments", "check_point", "check_
 def add_point_arguments(p: argparse.ArgumentParser) -> None:
     """--shape, --batch, --window, --cursor: one non-flush point of kernel_bench's grid
     (default the headline point, Nemotron-3-Super, batch 256, L = 16, cursor 8)."""
-    p.add_argument("--shape", default="nemotron3-super", choices=sorted(kb.SHAPES),
+    p.add_argument("--shape", default="nemotron3-super", choices=sorted(SHAPES),
                    help="layer shape (default nemotron3-super)")
     p.add_argument("--batch", type=int, default=256, help="slots (default 256)")
     p.add_argument("--window", type=int, default=16, help="L (default 16)")
@@ -39,16 +38,11 @@ def add_output_arguments(p: argparse.ArgumentParser, out: str) -> None:
     p.add_argument("--plot-only", metavar="CSV", help="only plot and summarise this CSV")
 
 
-def read_csv(csv, columns: list[str], script: str, **read_options):
-    """`csv` as a DataFrame; ValueError naming the first of `columns` it lacks ("not a
-    <script> CSV") if it is another script's."""
-    import pandas as pd
-
-    df = pd.read_csv(csv, **read_options)
-    missing = [c for c in columns if c not in df.columns]
-    if missing:
-        raise ValueError(f"{csv}: not a {script} CSV (no column {missing[0]!r})")
-    return df
+def read_csv(csv, columns: dict[str, str], script: str, key: list[str] | None = None,
+             optional: dict[str, str] | None = None):
+    """`csv` checked (`harness.read_table`: `columns` name -> type, one row per `key`); a
+    ValueError in one line naming the file (and the row) if it is not a `script` CSV."""
+    return harness.read_table(csv, columns, key, optional, what=f"{script} CSV")
 
 
 def check_point(parser: argparse.ArgumentParser, args, **more_minimums: tuple[int, int]) -> None:
@@ -92,13 +86,10 @@ def plot_only(parser: argparse.ArgumentParser, csv: str, png: str, summarize, pl
 
 def save_run(df, out: str, png: str, module: str, argv, seconds: float, config: dict,
              summarize, plot) -> None:
-    """Write a run's tidy CSV and its meta file (the command as typed, `config` with the GPU's
-    identity), then print its summary and draw its plot from the CSV."""
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    df.to_csv(out, index=False, float_format="%.6g")
-    command = f"python -m {module} " + shlex.join(sys.argv[1:] if argv is None else argv)
-    write_meta(out, command.strip(), seconds, {**config, "gpu": kb.gpu_identity()},
-               device="cuda")
+    """Write a run's tidy CSV and its meta file (the command as typed, `config` with the
+    versions and the GPU's identity), then print its summary and draw its plot from the CSV."""
+    harness.write_csv(df, out, float_format="%.6g")
+    harness.write_run_meta(out, module, argv, seconds, config)
     print(summarize(out))
     if png != "none":
         plot(out, png)

@@ -4,29 +4,27 @@
     python -m experiments.copy_sizes --plot-only results/copy_sizes.csv
 
 `kernel_bench` states a kernel's bandwidth as a fraction of one large device-to-device copy
-(2 GiB of traffic, a single launch timed by events: `kernel_bench.measure_ceilings`). A
+(2 GiB of traffic, a single launch timed by events: `harness.measure_ceilings`). A
 decode step moves far less: the two-precision non-flush step at batch 256 moves 204 MB, a
 launch of about 50 us, so its grid's start and tail weigh more than a 500 us copy's. This
 script asks how much of that a plain copy pays too: `torch.Tensor.copy_` of `bytes / 2` read
 and `bytes / 2` written, timed exactly as `kernel_bench` times a kernel (CUDA-graph replay of
 one copy per rotating buffer set, sets so that a replay touches at least 4x the L2, each
-replay behind a GPU spin, the median over `--reps` replays; `kernel_bench.time_launches`),
+replay behind a GPU spin, the median over `--reps` replays; `harness.time_launches`),
 at sizes spanning the benchmark's kernels (default: the two-precision non-flush step and the
 FP32-checkpoint step at the headline point, batch 256, L = 16, cursor 8, and powers of two
 around them). `frac_ceiling` is each size's GB/s over the large copy's of the same run. It is
-a diagnostic: the benchmark's fractions stay those of the large copy, the issue's definition.
+a diagnostic: the benchmark's fractions stay those of the large copy.
 
 Writes `--out` (tidy CSV: one row per size) with a `.meta.json` beside it, and a plot of GB/s
 against bytes, the kernels' sizes marked, read from the CSV. On the H200 the grid's exact
 1 GiB and 2 GiB copies ran at 0.65 of the ceiling in this form while 1000, 1050, 1536 and
-2100 MiB ran at 1.0 (`--mib`): where power-of-two buffers fall, not their size
-(results/README.md, "Targets").
+2100 MiB ran at 1.0 (`--mib`): where power-of-two buffers fall, not their size.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -35,14 +33,16 @@ import pandas as pd
 import torch
 
 from experiments import _gpu_cli as cli
-from experiments import kernel_bench as kb
-from experiments._common import OneLineParser, save_small_png
+from experiments import harness
+from experiments._common import OneLineParser
+from experiments.cases import SHAPES, kernel_bytes
 
 __all__ = ["default_sizes", "measure", "plot", "main"]
 
-COLUMNS = ["run", "label", "bytes", "sets", "time_us", "time_us_p10", "time_us_p90", "gbps",
-           "frac_ceiling", "ceiling_gbps", "timing"]
-L2_MULTIPLE = 4.0  # as kernel_bench's default
+COLUMN_TYPES = {"run": "str", "label": "str", "bytes": "int", "sets": "int", "time_us": "float",
+                "time_us_p10": "float", "time_us_p90": "float", "gbps": "float",
+                "frac_ceiling": "float", "ceiling_gbps": "float", "timing": "str"}
+COLUMNS = list(COLUMN_TYPES)
 
 
 DEFAULT_MIB = (32, 64, 128, 256, 512, 1024, 2048)
@@ -52,9 +52,9 @@ def default_sizes(mib: tuple[int, ...] = DEFAULT_MIB) -> list[tuple[str, int]]:
     """(label, bytes read + written): the headline point's two non-flush steps, then `mib`
     (default: powers of two from 32 MiB to 2 GiB, the last the size of kernel_bench's
     ceiling)."""
-    shape = kb.SHAPES["nemotron3-super"]
+    shape = SHAPES["nemotron3-super"]
     sizes = [(f"like {kernel} (batch 256, L = 16, cursor 8)",
-              kb.kernel_bytes(kernel, shape, 256, 8))
+              kernel_bytes(kernel, shape, 256, 8))
              for kernel in ("cute:nonflush:nvfp4", "cute:nonflush:fp32")]
     sizes += [(f"{m} MiB", m << 20) for m in mib]
     return sizes
@@ -63,25 +63,24 @@ def default_sizes(mib: tuple[int, ...] = DEFAULT_MIB) -> list[tuple[str, int]]:
 def measure(sizes: list[tuple[str, int]], reps: int, run: str, log=print) -> pd.DataFrame:
     """One row per size: the per-copy time of graph replays over rotating sets (see the module
     docstring), against the large copy's ceiling measured first in the same process."""
-    ceilings = kb.measure_ceilings()
+    ceilings = harness.measure_ceilings()
     log(f"large copy {ceilings['copy_gbps']:,.0f} GB/s (read + write)")
-    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    l2 = harness.l2_bytes()
     rows = []
     for label, nbytes in sizes:
-        sets = kb.sets_for(nbytes, l2, L2_MULTIPLE)
+        sets = harness.sets_for(nbytes, l2)
         words = nbytes // 2 // 4  # fp32 words in each source (and each destination)
         src = [torch.rand(words, device="cuda") for _ in range(sets)]
         dst = [torch.empty_like(t) for t in src]
         launches = [lambda d=d, s=s: d.copy_(s) for d, s in zip(dst, src, strict=True)]
-        times, method = kb.time_launches(launches, lambda: None, reps)
+        times, method = harness.time_launches(launches, None, reps)
         if not all(torch.equal(d, s) for d, s in zip(dst, src, strict=True)):
             raise RuntimeError(f"{label}: a timed copy's destination differs from its source")
         moved = 2 * words * 4
-        median = statistics.median(times)
-        q = statistics.quantiles(times, n=10) if len(times) > 1 else [median] * 9
+        p10, median, p90 = harness.quantiles(times)
         gbps = moved / median / 1e3
         rows.append(dict(run=run, label=label, bytes=moved, sets=sets, time_us=median,
-                         time_us_p10=q[0], time_us_p90=q[-1], gbps=gbps,
+                         time_us_p10=p10, time_us_p90=p90, gbps=gbps,
                          frac_ceiling=gbps / ceilings["copy_gbps"],
                          ceiling_gbps=ceilings["copy_gbps"], timing=method))
         log(f"{label:55s} {moved / 1e6:9.1f} MB  {median:8.2f} us  {gbps:7,.0f} GB/s  "
@@ -100,7 +99,7 @@ def plot(csv: str | Path, png: str | Path) -> None:
     import matplotlib.pyplot as plt
 
     df = _read(csv)
-    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    fig, ax = plt.subplots(figsize=(7.0, 4.0))
     for run, part in df.groupby("run", sort=False):
         grid = part[~part["label"].str.startswith("like ")].sort_values("bytes")
         ax.plot(grid["bytes"] / 1e6, grid["gbps"], "o-", label=f"copy, run {run}")
@@ -115,18 +114,18 @@ def plot(csv: str | Path, png: str | Path) -> None:
                    label="large copy (kernel_bench's ceiling)")
     ax.set_xscale("log")
     ax.set_xlabel("bytes moved a copy (MB, read + written)")
-    ax.set_ylabel("GB/s")
+    ax.set_ylabel("GB/s (read + written)")
     ax.set_title("Device-to-device copy, timed as the kernels are (graph replay, rotating sets)",
                  fontsize=9)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0), frameon=False)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    save_small_png(fig, png)
+    harness.save_figure(fig, png)
     plt.close(fig)
 
 
 def _read(csv: str | Path) -> pd.DataFrame:
-    return cli.read_csv(csv, COLUMNS, "copy_sizes")
+    return cli.read_csv(csv, COLUMN_TYPES, "copy_sizes", key=["run", "label"])
 
 
 def summarize(csv: str | Path) -> str:
@@ -170,7 +169,8 @@ def main(argv=None) -> int:
     start = time.time()
     df = measure(default_sizes(mib), args.reps, args.run_label)
     cli.save_run(df, args.out, png, "experiments.copy_sizes", argv, time.time() - start,
-                 dict(reps=args.reps, mib=list(mib), l2_multiple=L2_MULTIPLE), summarize, plot)
+                 dict(reps=args.reps, mib=list(mib), l2_multiple=harness.L2_MULTIPLE), summarize,
+                 plot)
     return 0
 
 

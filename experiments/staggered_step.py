@@ -23,7 +23,7 @@ state update, the same kernel at every step: its row is the same as `kernel_benc
 
 **Modes** (one step each; the same kernels, launched five ways):
 
-    decode-step   `cute_kernels.replay_decode.replay_decode_step` over the whole batch: the
+    decode-step   `cute_kernels.replay_decode.mamba2_replay_decode` over the whole batch: the
                   non-flush kernel and the flush kernel each launched on every slot (a CTA of
                   a slot the kernel does not serve exits at once; the fp32 flush's CTAs loop
                   over slots instead), the flush on a side stream, then the counter kernel
@@ -41,7 +41,7 @@ alone (`grouped`), since it launches the flush kernel (and the counter kernel) o
 
 `grouped` and `overlapped` launch each kernel on a contiguous sub-batch, standing in for a
 launch through a slot index table (the non-flush kernel takes none; the flush kernel's,
-`FlushConfig.slot_table`, is what `decode-step-indexed` uses); the flush's random
+`flush_slots` of the decode step, is what `decode-step-indexed` uses); the flush's random
 words are then keyed by the slot's place in the sub-batch, so its FP16-SR bits differ from
 `decode-step`'s. Before timing, each point runs every mode once on the same inputs and checks
 that `grouped` and `overlapped` agree bit for bit (outputs, both copies, rings, counters),
@@ -63,7 +63,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import shlex
 import sys
 import time
 from dataclasses import dataclass
@@ -74,12 +73,15 @@ import pandas as pd
 import torch
 from tqdm import tqdm
 
-from experiments import kernel_bench as kb
-from experiments._common import OneLineParser, file_problem, folder_problem, save_small_png
+from experiments import cases, harness
+from experiments._common import OneLineParser, file_problem, folder_problem
+from experiments.cases import SHAPES, BenchShape, kernel_bytes
+from experiments.harness import Buffers
+from experiments.kernel_bench_plots import _batch_ticks
 from lowprec._checks import repeated
 
 __all__ = ["SCHEMES", "MODES", "cursor_layout", "step_bytes", "check_modes", "run", "plot",
-           "summarize", "csv_problem", "main"]
+           "summarize", "read_csv", "main"]
 
 SCHEMES = {
     # name: (hi format, hi rounding, lo format); None for the conventional update
@@ -115,19 +117,19 @@ def cursor_layout(batch: int, window: int, cursor: int | None = None) -> list[in
     return [s * window // batch for s in range(batch)]
 
 
-def step_bytes(scheme: str, shape: kb.BenchShape, batch: int, window: int,
+def step_bytes(scheme: str, shape: BenchShape, batch: int, window: int,
                cursor: int | None = None) -> int:
     """Bytes one step must move: each slot's kernel at its cursor (kernel_bench's accounting),
     summed over the batch (`cursor`: as cursor_layout)."""
     if SCHEMES[scheme] is None:
-        return kb.kernel_bytes("cute:update:fp32", shape, batch, 0)
-    nonflush, flush = kb.SCHEMES[scheme]
+        return kernel_bytes("cute:update:fp32", shape, batch, 0)
+    nonflush, flush = cases.SCHEMES[scheme]
     total = 0
     for held in cursor_layout(batch, window, cursor):
         if held == window - 1:
-            total += kb.kernel_bytes(flush, shape, 1, held)
+            total += kernel_bytes(flush, shape, 1, held)
         else:
-            total += kb.kernel_bytes(nonflush, shape, 1, held)
+            total += kernel_bytes(nonflush, shape, 1, held)
     return total
 
 
@@ -139,10 +141,10 @@ def step_bytes(scheme: str, shape: kb.BenchShape, batch: int, window: int,
 @dataclass
 class Step:
     scheme: str
-    shape: kb.BenchShape
+    shape: BenchShape
     batch: int
     window: int
-    bufs: kb.Buffers
+    bufs: Buffers
     params: dict
     start_counters: dict[str, torch.Tensor]
     cursors: tuple[int, ...] = ()
@@ -156,21 +158,21 @@ class Step:
             self.bufs.bases[name].copy_(value)
 
 
-def build_step(scheme: str, shape: kb.BenchShape, batch: int, window: int, sets: int, device,
+def build_step(scheme: str, shape: BenchShape, batch: int, window: int, sets: int, device,
                seed: int = 0, cursor: int | None = None) -> Step:
     hi_fmt, _, lo_fmt = SCHEMES[scheme]
     gen = torch.Generator(device=device).manual_seed(seed)
-    b = kb.Buffers(sets, device, gen, kb.ACT)
-    params = kb._params(shape, device, gen)
+    b = Buffers(sets, device, gen, cases.ACT)
+    params = cases.params(shape, device, gen)
     S, H, P, N = batch, shape.nheads, shape.headdim, shape.dstate
-    kb._token_buffers(b, shape, batch, dt_dtype=kb.KIT_DT)
-    kb._ring_buffers(b, shape, batch, window)
+    cases.token_buffers(b, shape, batch, dt_dtype=cases.KIT_DT)
+    cases.ring_buffers(b, shape, batch, window)
     cursors = tuple(cursor_layout(batch, window, cursor))
-    kb._counter(b, "cursors", batch, list(cursors))
-    kb._counter(b, "flushes", batch, 0)
-    b.add("hi", (S, H, P, N), kb._state_dtype(hi_fmt), "randn")
+    cases.counter(b, "cursors", batch, list(cursors))
+    cases.counter(b, "flushes", batch, 0)
+    b.add("hi", (S, H, P, N), cases.state_dtype(hi_fmt), "randn")
     if lo_fmt != "none":
-        kb._lo_buffers(b, shape, batch, lo_fmt)
+        cases.lo_buffers(b, shape, batch, lo_fmt)
     # The grouped launches' own copies of the two groups (a sub-batch view of the full tensors
     # would start mid-allocation, and the kernels want 16-byte-aligned tensors)
     split = batch - cursors.count(window - 1)
@@ -188,53 +190,49 @@ def build_step(scheme: str, shape: kb.BenchShape, batch: int, window: int, sets:
                 {n: b.bases[n].clone() for n in counters}, cursors)
 
 
-def _read_copy(step: Step, t: dict) -> tuple[dict, str]:
-    hi_fmt, _, lo_fmt = SCHEMES[step.scheme]
-    if lo_fmt == "none":
-        return {"values": t["hi"]}, hi_fmt
-    return kb._lo_dict(t), lo_fmt
+def _cache(step: Step, t: dict, prefix: str = ""):
+    from cute_kernels.cache import ReplayCache
+
+    hi_fmt, hi_rounding, lo_fmt = SCHEMES[step.scheme]
+    return cases.replay_cache(ReplayCache, t, hi_format=hi_fmt, hi_rounding=hi_rounding,
+                              lo_format=lo_fmt, window=step.window, prefix=prefix)
 
 
 def launcher(step: Step, i: int, mode: str, side: torch.cuda.Stream | None = None):
     """A function that runs one step of `mode` on buffer set `i` (capturable)."""
-    from cute_kernels.replay_decode import replay_decode_step
-    from cute_kernels.replay_flush import replay_flush
-    from cute_kernels.replay_output import replay_output
+    from cute_kernels.replay_decode import mamba2_replay_decode
+    from cute_kernels.replay_flush import mamba2_replay_flush
+    from cute_kernels.replay_output import mamba2_replay_output
 
-    hi_fmt, hi_rounding, lo_fmt = SCHEMES[step.scheme]
     every, p, L = step.bufs.at(i), step.params, step.window
     t = {k: v for k, v in every.items() if ":" not in k}
-    lo = kb._lo_dict(t)
-    nf = {k[3:]: v for k, v in every.items() if k.startswith("nf:")}
-    fl = {k[3:]: v for k, v in every.items() if k.startswith("fl:")}
-    nf_copy, read_fmt = _read_copy(step, nf)
-    fl_lo = kb._lo_dict(fl)
+    has_nf = any(k.startswith("nf:") for k in every)
+    has_fl = any(k.startswith("fl:") for k in every)
+    def inputs(prefix):
+        return (every[prefix + "x"], every[prefix + "dt"], p["A"], every[prefix + "B"],
+                every[prefix + "C"], p["D"], None, p["dt_bias"])
 
     if mode.startswith("decode-step"):
+        cache = _cache(step, t)
         table = (torch.tensor([s for s, c in enumerate(step.cursors) if c == L - 1],
                               dtype=torch.int32, device=t["cursors"].device)
                  if mode == "decode-step-indexed" else None)
 
         def run_step():
-            replay_decode_step(t["hi"], lo, t["ring_x"], t["ring_dt"], t["ring_B"],
-                               t["cursors"], t["flushes"], t["x"], t["dt"], p["A"], t["B"],
-                               t["C"], p["D"], None, p["dt_bias"], True, t["out"], window=L,
-                               hi_format=hi_fmt, hi_rounding=hi_rounding, lo_format=lo_fmt,
-                               seed=SEED, overlap_flush=mode != "decode-step-serial",
-                               flush_slots=table)
+            mamba2_replay_decode(cache, *inputs(""), dt_softplus=True, out=t["out"],
+                                 overlap_flush=mode != "decode-step-serial", flush_slots=table)
         return run_step
 
+    nf_cache = _cache(step, every, "nf:") if has_nf else None
+    fl_cache = _cache(step, every, "fl:") if has_fl else None
+
     def nonflush():
-        replay_output(nf_copy, nf["ring_x"], nf["ring_dt"], nf["ring_B"], nf["cursors"],
-                      nf["x"], nf["dt"], p["A"], nf["B"], nf["C"], p["D"], None, p["dt_bias"],
-                      True, nf["out"], window=L, lo_format=read_fmt)
+        mamba2_replay_output(nf_cache, *inputs("nf:"), dt_softplus=True, out=every["nf:out"])
 
     def flush():
-        replay_flush(fl["hi"], fl_lo, fl["ring_x"], fl["ring_dt"], fl["ring_B"], fl["cursors"],
-                     fl["flushes"], fl["x"], fl["dt"], p["A"], fl["B"], fl["C"], p["D"], None,
-                     p["dt_bias"], True, fl["out"], window=L, hi_format=hi_fmt,
-                     hi_rounding=hi_rounding, lo_format=lo_fmt, seed=SEED)
+        mamba2_replay_flush(fl_cache, *inputs("fl:"), dt_softplus=True, out=every["fl:out"])
 
+    nf, fl = has_nf, has_fl
     if mode == "grouped":
         def run_step():
             if nf:
@@ -363,15 +361,12 @@ def time_step(step: Step, mode: str, reps: int, lead_cycles: int) -> tuple[list[
     timing: `time_case`)."""
     side = torch.cuda.Stream()
     runs = [launcher(step, i, mode, side) for i in range(step.bufs.sets)]
-    case = kb.Case(None, step.shape, step.batch, step.window, step.bufs, step.params,
-                   launch=lambda t: runs[t["set"]](), reset=step.reset)
-    return kb.time_case(case, reps, lead_cycles)
+    return harness.time_launches(runs, step.reset, reps, lead_cycles)
 
 
 def _update_time(shape, batch, sets, device, reps, lead_cycles) -> tuple[list[float], str]:
-    spec = kb.KERNELS["cute:update:fp32"]
-    case = kb.build_case(spec, shape, batch, 16, 0, sets, device)
-    return kb.time_case(case, reps, lead_cycles)
+    case = cases.build_case("cute:update:fp32", shape, batch, 16, 0, sets, device)
+    return harness.time_launches(case.launchers(), case.reset, reps, lead_cycles)
 
 
 def layout_name(cursor: int | None) -> str:
@@ -388,11 +383,11 @@ def run(shape_name: str, batches, windows, schemes, modes, reps: int, lead_cycle
                            "False); on a CPU machine use --plot-only")
     out.parent.mkdir(parents=True, exist_ok=True)  # here: a refused run leaves no folders
     device = torch.device("cuda")
-    shape = kb.SHAPES[shape_name]
-    ceilings = kb.measure_ceilings(lead_cycles=lead_cycles)
+    shape = SHAPES[shape_name]
+    ceilings = harness.measure_ceilings(lead_cycles=lead_cycles)
     copy = ceilings["copy_gbps"]
     log(f"copy {copy:,.0f} GB/s (read + write)")
-    l2 = torch.cuda.get_device_properties(device).L2_cache_size
+    l2 = harness.l2_bytes(device)
     run_label = time.strftime("%Y%m%dT%H%M%S")
     rows = []
     layout = layout_name(cursor)
@@ -418,26 +413,26 @@ def run(shape_name: str, batches, windows, schemes, modes, reps: int, lead_cycle
                 f"{row['gbps']:7.0f} GB/s {row['frac_copy']:6.1%}")
         else:
             log(f"{scheme:18s} {mode:12s} L={window:<3d} b={batch:<4d} {status}")
-        pd.DataFrame(rows, columns=COLUMNS).to_csv(out, index=False)
+        harness.write_csv(pd.DataFrame(rows, columns=COLUMNS), out)
 
     points = [(w, b) for w in windows for b in batches]
     for window, batch in tqdm(points, desc="points", file=sys.stderr):
         for scheme in schemes:
             nbytes = step_bytes(scheme, shape, batch, window, cursor)
-            sets = kb.sets_for(nbytes, l2, 2.0)
+            sets = harness.sets_for(nbytes, l2, 2.0)
             if SCHEMES[scheme] is None:
                 try:
                     times, timing = _update_time(shape, batch, sets, device, reps, lead_cycles)
                     add(scheme, "update", batch, window, times, sets, timing)
                 except Exception as error:  # record and go on
-                    add(scheme, "update", batch, window, status=f"error: {kb._reason(error)}")
+                    add(scheme, "update", batch, window, status=f"error: {harness.reason(error)}")
                 continue
             try:
                 step = build_step(scheme, shape, batch, window, sets, device, cursor=cursor)
                 problem, note = check_modes(step, modes)
             except Exception as error:
                 for mode in modes:
-                    add(scheme, mode, batch, window, status=f"error: {kb._reason(error)}")
+                    add(scheme, mode, batch, window, status=f"error: {harness.reason(error)}")
                 continue
             for mode in modes:
                 if problem:
@@ -448,11 +443,11 @@ def run(shape_name: str, batches, windows, schemes, modes, reps: int, lead_cycle
                     add(scheme, mode, batch, window, times, sets, timing,
                         note=note if mode.startswith("decode-step") else "")
                 except Exception as error:
-                    add(scheme, mode, batch, window, status=f"error: {kb._reason(error)}")
+                    add(scheme, mode, batch, window, status=f"error: {harness.reason(error)}")
             del step
             torch.cuda.empty_cache()
     frame = pd.DataFrame(rows, columns=COLUMNS)
-    frame.to_csv(out, index=False)
+    harness.write_csv(frame, out)
     return frame
 
 
@@ -462,7 +457,7 @@ def run(shape_name: str, batches, windows, schemes, modes, reps: int, lead_cycle
 
 
 def summarize(frame: pd.DataFrame) -> pd.DataFrame:
-    """Per (shape, batch, window): each scheme's best mode and the ratios the issue names
+    """Per (shape, batch, window): each scheme's best mode and the speedups of two-precision
     (FP32 ReplaySSM over two-precision, conventional FP32 over two-precision), mode by mode
     and best against best."""
     ok = frame[frame["status"] == "ok"]
@@ -497,7 +492,7 @@ def format_summary(frame: pd.DataFrame) -> str:
     table = summarize(frame)
     if table.empty:
         return "no timed points"
-    lines = ["per step (= per committed token of the batch), us, and speedups of two-precision:"]
+    lines = ["per step (= per committed token of the batch), µs, and speedups of two-precision:"]
     for row in table.to_dict("records"):
         parts = [f"{row['layout']}, {row['shape']} b={row['batch']} L={row['window']}:"]
         for scheme in SCHEMES:
@@ -516,52 +511,68 @@ def plot(csv: str | Path, outdir: str | Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    frame = pd.read_csv(csv)
+    frame = read_csv(csv)
     frame = frame[frame["status"] == "ok"]
-    if "layout" not in frame.columns:
-        frame = frame.assign(layout="staggered")
     outdir = Path(outdir)
-    outdir.mkdir(parents=True, exist_ok=True)
     paths = []
+    styles = {"decode-step": ":", "decode-step-serial": (0, (1, 1, 4, 1)),
+              "decode-step-indexed": (0, (6, 2)), "grouped": "--", "overlapped": "-",
+              "update": "-."}
+    colours = {mode: f"C{i}" for i, mode in enumerate((*MODES, "update"))}
     for (layout, shape, window), group in frame.groupby(["layout", "shape", "window"]):
-        fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.4))
-        styles = {"decode-step": ":", "decode-step-serial": (0, (1, 1, 4, 1)),
-                  "decode-step-indexed": (0, (6, 2)), "grouped": "--", "overlapped": "-",
-                  "update": "-."}
-        colours = {"two-precision": "C0", "fp32-replay": "C3", "conventional-fp32": "C7"}
-        for (scheme, mode), line in group.groupby(["scheme", "mode"]):
-            line = line.sort_values("batch")
-            left.plot(line["batch"], line["time_us"], linestyle=styles.get(mode, "-"),
-                      marker="o", ms=3, color=colours.get(scheme), label=f"{scheme}, {mode}")
-        left.set(xscale="log", yscale="log", xlabel="batch (slots)",
-                 ylabel="µs per step (= per committed token)",
-                 title=f"{shape}, L = {window}, {layout} batch: one step")
-        kb._batch_ticks(left, sorted(group["batch"].unique()))
-        left.legend(fontsize=7)
+        fig, axes = plt.subplots(2, 2, figsize=(11, 7.6))
+        batches = sorted(group["batch"].unique())
+        update = group[group["scheme"] == "conventional-fp32"].sort_values("batch")
+        for ax, scheme in zip(axes[0], ("two-precision", "fp32-replay"), strict=True):
+            for mode, line in group[group["scheme"] == scheme].groupby("mode", sort=False):
+                line = line.sort_values("batch")
+                ax.plot(line["batch"], line["time_us"], linestyle=styles.get(mode, "-"),
+                        marker="o", ms=3, color=colours.get(mode), label=mode)
+            if len(update):
+                ax.plot(update["batch"], update["time_us"], linestyle=styles["update"],
+                        marker="o", ms=3, color="gray", label="conventional-fp32 update")
+            ax.set(xscale="log", yscale="log", xlabel="batch (slots)",
+                   ylabel="µs a step (= a committed token)",
+                   title=f"{scheme}: one step by launch mode")
+        handles, labels = axes[0, 0].get_legend_handles_labels()
+        more = axes[0, 1].get_legend_handles_labels()
+        for handle, label in zip(*more, strict=True):
+            if label not in labels:
+                handles.append(handle)
+                labels.append(label)
+        axes[0, 1].legend(handles, labels, fontsize=7, loc="upper left",
+                          bbox_to_anchor=(1.02, 1.0), frameon=False)
         table = summarize(group.assign(window=window))
-        for key, colour in (("fp32-replay/two-precision (best)", "C3"),
-                            ("conventional-fp32/two-precision (best)", "C7")):
+        best, same = axes[1]
+        for key, colour, label in (
+                ("fp32-replay/two-precision (best)", "C3", "FP32 ReplaySSM / two-precision"),
+                ("conventional-fp32/two-precision (best)", "C7",
+                 "conventional FP32 / two-precision")):
             if key in table:
-                right.plot(table["batch"], table[key], marker="o", color=colour,
-                           label=key.replace(" (best)", ", best mode each"))
+                best.plot(table["batch"], table[key], marker="o", color=colour, label=label)
+        if layout == "staggered":  # a whole window's work: the per-token goals apply
+            best.axhline(4.0, color="C3", lw=0.8, ls="--", label="goal 4x")
+            best.axhline(7.5, color="C7", lw=0.8, ls="--", label="goal 7.5x")
+        best.set(xscale="log", xlabel="batch (slots)", ylabel="speedup (x)", ylim=(0, 8),
+                 title="two-precision's speedup, each scheme in its fastest mode")
+        best.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), frameon=False)
         for key in [k for k in table.columns if k.startswith("fp32-replay/two-precision (")
                     and "best" not in k]:
             mode = key[key.index("(") + 1:-1]
-            right.plot(table["batch"], table[key], linestyle=styles.get(mode, ":"), color="C3",
-                       alpha=0.45, label=f"fp32-replay / two-precision, both {mode}")
-        title = "two-precision's speedup"
-        if layout == "staggered":  # a whole window's work: the issue's per-token targets
-            right.axhline(4.0, color="C3", lw=0.8, ls="--")
-            right.axhline(7.5, color="C7", lw=0.8, ls="--")
-            title += " (dashed: targets 4x, 7.5x)"
-        right.set(xscale="log", xlabel="batch (slots)", ylabel="speedup of two-precision",
-                  title=title, ylim=(0, 8))
-        kb._batch_ticks(right, sorted(group["batch"].unique()))
-        right.legend(fontsize=7)
+            same.plot(table["batch"], table[key], linestyle=styles.get(mode, ":"),
+                      color=colours.get(mode), marker="o", ms=3, label=mode)
+        same.set(xscale="log", xlabel="batch (slots)", ylabel="speedup (x)", ylim=(0, 8),
+                 title="FP32 ReplaySSM / two-precision, both in the same mode")
+        same.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), frameon=False)
+        for ax in axes.flat:
+            _batch_ticks(ax, batches)
+            ax.grid(True, lw=0.3, alpha=0.5)
+        fig.suptitle(f"{shape}, L = {window}, {layout} batch: one decode step of the batch",
+                     fontsize=10)
         fig.tight_layout()
         suffix = "" if layout == "staggered" else "_" + layout.replace(" ", "")
         path = outdir / f"staggered_step_{shape}_L{window}{suffix}.png"
-        save_small_png(fig, path)
+        harness.save_figure(fig, path)
         plt.close(fig)
         paths.append(path)
     return paths
@@ -614,7 +625,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "non-flush kernels launched in turn or overlapped. Needs the GPU; "
                     "--plot-only redraws from a CSV anywhere.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--shape", default="nemotron3-super", choices=sorted(kb.SHAPES),
+    p.add_argument("--shape", default="nemotron3-super", choices=sorted(SHAPES),
                    help="layer shape (kernel_bench's)")
     p.add_argument("--batches", type=_ints, default=",".join(map(str, DEFAULT_BATCHES)),
                    help="slots, comma-separated; each a multiple of every window (a "
@@ -630,15 +641,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "'update')")
     p.add_argument("--cursor", type=int, default=None,
                    help="every slot at this non-flush cursor (a synchronized batch) instead of "
-                        "staggered: what replay_decode_step costs on a step where no slot "
+                        "staggered: what mamba2_replay_decode costs on a step where no slot "
                         "flushes, against the non-flush kernel alone; batches of any size, "
                         "mode overlapped left out (nothing to overlap)")
     p.add_argument("--reps", type=int, default=20, help="timed graph replays per point")
-    p.add_argument("--lead-cycles", type=int, default=kb.LEAD_CYCLES,
+    p.add_argument("--lead-cycles", type=int, default=harness.LEAD_CYCLES,
                    help="GPU spin before each timed replay (kernel_bench's)")
     p.add_argument("--out", default="results/staggered_step.csv", help="the tidy CSV")
-    p.add_argument("--plot-dir", default="results",
-                   help="where the PNGs go ('' or 'none' for none)")
+    p.add_argument("--plot-dir", default=None,
+                   help="where the PNGs go (default: the CSV's folder; '' or 'none' for none)")
     p.add_argument("--plot-only", metavar="CSV",
                    help="redraw and summarise a CSV; no GPU (with --plot-dir only: the run's "
                         "flags are refused)")
@@ -648,40 +659,37 @@ def build_parser() -> argparse.ArgumentParser:
 # the flags that only a run reads (--plot-only refuses them)
 RUN_FLAGS = ("--shape", "--batches", "--windows", "--schemes", "--modes", "--cursor", "--reps",
              "--lead-cycles", "--out")
-CSV_COLUMNS = ("scheme", "mode", "shape", "batch", "window", "time_us", "status")
+COLUMN_TYPES = {
+    "run": "str", "layout": "str", "scheme": "str", "mode": "str", "shape": "str",
+    "batch": "int", "window": "int", "flush_slots": "int", "time_us": "float",
+    "time_us_p10": "float", "time_us_p90": "float", "bytes": "int", "gbps": "float",
+    "frac_copy": "float", "copy_gbps": "float", "sets": "int", "timing": "str", "status": "str",
+    "note": "str",
+}
+KEY = ["run", "layout", "shape", "scheme", "mode", "batch", "window"]
 
 
-def csv_problem(frame: pd.DataFrame) -> str | None:
-    """Why `frame` cannot be summarised and drawn as a staggered_step CSV, or None: the
-    summary and the plot read these columns of the ok rows (a missing `shape`, a time that is
-    not a number or is 0 were tracebacks; a negative time printed a negative speedup, an
-    unknown scheme an empty summary line, a repeated point one of its times at random)."""
-    missing = [c for c in CSV_COLUMNS if c not in frame.columns]
-    if missing:
-        return f"not a staggered_step CSV (no {', '.join(missing)})"
-    ok = frame[frame["status"] == "ok"]
-    for column, positive in (("batch", "an integer >= 1"), ("window", "an integer >= 1"),
-                             ("time_us", "a time > 0 (us)")):
-        values = pd.to_numeric(ok[column], errors="coerce")
-        bad = ~(values > 0) | (~np.isfinite(values))
-        if column != "time_us":
-            bad |= values != values.round()
-        if bad.any():
-            value = ok[column][bad].iloc[0]
-            shown = ("an empty cell" if pd.isna(value) else
-                     repr(value) if isinstance(value, str) else f"{value:g}")
-            return f"{column}: expected {positive} in every ok row, got {shown}"
-    for column, allowed in (("scheme", tuple(SCHEMES)), ("mode", (*MODES, "update"))):
-        if unknown := sorted(set(ok[column].astype(str)) - set(allowed)):
-            return f"{column}: expected one of {', '.join(allowed)}, got {', '.join(unknown)}"
-    point = [c for c in ("layout", "shape", "scheme", "mode", "batch", "window")
-             if c in ok.columns]
-    repeated = ok[ok.duplicated(point, keep=False)]
-    if len(repeated):
-        row = repeated.iloc[0]
-        return (f"{len(repeated)} ok rows repeat a point (e.g. {row['scheme']}, {row['mode']}, "
-                f"batch {row['batch']}, L = {row['window']}): one run's CSV has each once")
-    return None
+def read_csv(path: str | Path) -> pd.DataFrame:
+    """A staggered_step CSV, checked (`harness.read_table`: columns, types, one row a point),
+    with known schemes and modes, batches and windows >= 1 and positive times in its ok rows;
+    a ValueError in one line names the file and the row."""
+    frame = harness.read_table(path, COLUMN_TYPES, KEY, what="staggered_step CSV")
+    ok = frame["status"] == "ok"
+    checks = (("scheme", frame["scheme"].isin(list(SCHEMES)), f"one of {', '.join(SCHEMES)}"),
+              ("mode", frame["mode"].isin([*MODES, "update"]),
+               f"one of {', '.join(MODES)}, update"),
+              ("batch", frame["batch"] >= 1, "an integer >= 1"),
+              ("window", frame["window"] >= 1, "an integer >= 1"),
+              ("time_us", ~ok | ((frame["time_us"] > 0) & np.isfinite(frame["time_us"])),
+               "a time > 0 (µs) in an ok row"))
+    for column, good, expected in checks:
+        if not good.all():
+            row = int(np.flatnonzero(~good.to_numpy())[0])
+            value = frame[column].iloc[row]
+            shown = repr(value) if isinstance(value, str) else f"{value:g}"
+            raise ValueError(f"{path}: line {row + 2}: column {column}: expected {expected}, "
+                             f"got {shown}")
+    return frame
 
 
 def _check_plot_dir(parser: argparse.ArgumentParser, plot_dir: str) -> None:
@@ -694,7 +702,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.plot_dir.lower() == "none":
+    if args.plot_dir is None:  # beside the CSV written or read
+        args.plot_dir = str(Path(args.plot_only or args.out).parent)
+    elif args.plot_dir.lower() == "none":
         args.plot_dir = ""
     if args.reps < 1:
         parser.error(f"--reps: expected an integer >= 1, got {args.reps}")
@@ -710,11 +720,9 @@ def main(argv: list[str] | None = None) -> int:
                          f"{'it' if len(given) == 1 else 'them'} out)")
         _check_plot_dir(parser, args.plot_dir)
         try:
-            frame = pd.read_csv(args.plot_only)
-        except (OSError, ValueError) as error:
-            parser.error(f"cannot read {args.plot_only}: {error}")
-        if problem := csv_problem(frame):
-            parser.error(f"{args.plot_only}: {problem}")
+            frame = read_csv(args.plot_only)
+        except ValueError as error:
+            parser.error(str(error))
         if args.plot_dir:
             for path in plot(args.plot_only, args.plot_dir):
                 print(f"wrote {path}", file=sys.stderr)
@@ -748,12 +756,9 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as error:
         print(str(error), file=sys.stderr)
         return 2
-    from experiments._common import write_meta
-
     settings = {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items()}
-    settings["versions"] = kb._versions()
-    command = " ".join(["python -m experiments.staggered_step", *map(shlex.quote, argv)])
-    write_meta(out, command, round(time.perf_counter() - started, 1), settings, device="cuda")
+    harness.write_run_meta(out, "experiments.staggered_step", argv,
+                           round(time.perf_counter() - started, 1), settings)
     print(f"wrote {out} ({len(frame)} rows)", file=sys.stderr)
     if args.plot_dir:
         for path in plot(out, args.plot_dir):

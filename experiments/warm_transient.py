@@ -7,10 +7,10 @@ brings the slow passes back: each replay of a kernel over its rotating sets time
 On the H200 a decode step over buffers that were just built runs about 6% slower for its
 first 10-26 passes, then settles, with the SM clock at 1,980 MHz (P0) after each phase (the
 `clocks_after` column); that is why
-`kernel_bench` replays each point `WARM_REPLAYS` (32) times untimed before it times it (the
-method before 2026-12-01 replayed 3 times, and its medians fell in this transient). This script
-shows the transient replay by replay, for each kernel in five phases, one after another on one
-case (`kernel_bench.build_case`, the sets `kernel_bench.sets_for` gives):
+the harness replays each point `harness.WARM_REPLAYS` (32) times untimed before it times it
+(with 3, a median falls in this transient). This script shows the transient replay by replay,
+for each kernel in five phases, one after another on one case (`cases.build_case`, the sets
+`harness.sets_for` gives):
 
 - `fresh`: the case just built (new buffers, filled once);
 - `same buffers, new graph`: the same case again, in a newly captured graph;
@@ -19,8 +19,8 @@ case (`kernel_bench.build_case`, the sets `kernel_bench.sets_for` gives):
 - `other inputs rewritten`: after every other buffer but the cursors is copied onto itself;
 - `fresh after 1 s idle`: a new case, then 1 s with the GPU idle before the first replay.
 
-Each phase is `--replays` graph replays of one launch per set, each behind `kernel_bench`'s GPU
-spin, none left out (`kernel_bench.time_launches` with no warm replays: its two untimed passes
+Each phase is `--replays` graph replays of one launch per set, each behind the harness's GPU
+spin, none left out (`harness.time_launches` with no warm replays: its two untimed passes
 before capture come first); `clocks_after` is nvidia-smi's SM and memory clock and P-state
 right after the phase. The step is checked against the fp64 reference first.
 
@@ -40,17 +40,20 @@ import pandas as pd
 import torch
 
 from experiments import _gpu_cli as cli
-from experiments import kernel_bench as kb
-from experiments._common import OneLineParser, save_small_png
+from experiments import harness
+from experiments._common import OneLineParser
+from experiments.cases import KERNELS, SHAPES, build_case, check_kernel, kernel_bytes
 
 __all__ = ["PHASES", "measure", "settled_after", "plot", "main"]
 
-COLUMNS = ["run", "kernel", "shape", "batch", "window", "cursor", "sets", "phase", "replay",
-           "time_us", "clocks_after"]
+COLUMN_TYPES = {"run": "str", "kernel": "str", "shape": "str", "batch": "int", "window": "int",
+                "cursor": "int", "sets": "int", "phase": "str", "replay": "int",
+                "time_us": "float"}
+OPTIONAL = {"clocks_after": "str"}
+COLUMNS = [*COLUMN_TYPES, *OPTIONAL]
 PHASES = ("fresh", "same buffers, new graph", "state rewritten", "other inputs rewritten",
           "fresh after 1 s idle")
 DEFAULT_KERNELS = ("cute:nonflush:nvfp4", "cute:nonflush:fp32")
-L2_MULTIPLE = 4.0  # as kernel_bench's default
 SLOW = 1.02  # a replay is slow if it takes 2% more than the phase's last half (its median)
 
 
@@ -80,20 +83,20 @@ def _rewrite(case, names) -> None:
 def measure(kernels: list[str], shape_name: str, batch: int, window: int, cursor: int,
             replays: int, run: str, log=print) -> pd.DataFrame:
     """One row per kernel, phase (`PHASES`) and replay."""
-    kb.measure_ceilings()  # the card warmed, as kernel_bench does first
-    shape = kb.SHAPES[shape_name]
-    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    harness.measure_ceilings()  # the card warmed, as kernel_bench does first
+    shape = SHAPES[shape_name]
+    l2 = harness.l2_bytes()
     rows = []
     for kernel in kernels:
-        spec = kb.KERNELS[kernel]
-        sets = kb.sets_for(kb.kernel_bytes(spec, shape, batch, cursor), l2, L2_MULTIPLE)
-        ratio = kb.check_kernel(spec, shape, window, "cuda")
+        spec = KERNELS[kernel]
+        sets = harness.sets_for(kernel_bytes(spec, shape, batch, cursor), l2)
+        ratio = check_kernel(spec, shape, window, "cuda")
         if not ratio <= 1.0:
-            raise RuntimeError(f"{kernel}: fails its reference check ({ratio:.3g})")
+            raise RuntimeError(f"{kernel}: fails its reference check ({ratio:.3g}): not timed")
         args = (spec, shape, batch, window, cursor, sets, "cuda")
-        case = kb.build_case(*args)
+        case = build_case(*args)
         for phase in PHASES:
-            state = [n for n in case.bufs.bases if n.startswith("lo.")]
+            state = [n for n in case.bufs.bases if n.startswith("lo")]
             if phase == "state rewritten":
                 _rewrite(case, state)
             elif phase == "other inputs rewritten":
@@ -101,12 +104,11 @@ def measure(kernels: list[str], shape_name: str, batch: int, window: int, cursor
             elif phase == "fresh after 1 s idle":
                 case = None
                 torch.cuda.empty_cache()
-                case = kb.build_case(*args)
+                case = build_case(*args)
                 torch.cuda.synchronize()
                 time.sleep(1.0)
-            launches = [kb._launcher(case, i) for i in range(sets)]
-            times, _ = kb.time_launches(launches, case.reset or (lambda: None), replays,
-                                        warm_replays=0)
+            times, _ = harness.time_launches(case.launchers(), case.reset, replays,
+                                             warm_replays=0)
             after = clocks()  # the clocks the slow replays ran at: still at full speed after
             rows += [dict(run=run, kernel=kernel, shape=shape_name, batch=batch, window=window,
                           cursor=cursor, sets=sets, phase=phase, replay=i + 1, time_us=t,
@@ -128,11 +130,10 @@ def settled_after(times: list[float]) -> int:
 
 
 def _read(csv: str | Path) -> pd.DataFrame:
-    df = cli.read_csv(csv, COLUMNS[:-1], "warm_transient", keep_default_na=False,
-                      na_values=[""])
-    if "clocks_after" not in df.columns:  # the first files of 2026-12-01 did not record them
+    df = cli.read_csv(csv, COLUMN_TYPES, "warm_transient", key=["run", "kernel", "phase", "replay"],
+                      optional=OPTIONAL)
+    if "clocks_after" not in df.columns:  # a CSV may lack them (nvidia-smi not asked)
         df["clocks_after"] = ""
-    df["clocks_after"] = df["clocks_after"].fillna("")
     return df
 
 
@@ -165,22 +166,24 @@ def plot(csv: str | Path, png: str | Path) -> None:
     for ax, ((run, kernel), part) in zip(axes[0], panels, strict=True):
         for phase, rows in part.groupby("phase", sort=False):
             rows = rows.sort_values("replay")
-            steady = statistics.median(rows["time_us"].iloc[len(rows) // 2:])
-            ax.plot(rows["replay"], rows["time_us"], ".-", ms=3, lw=1,
-                    label=f"{phase} (settles at {steady:.1f} us)")
+            ax.plot(rows["replay"], rows["time_us"], ".-", ms=3, lw=1, label=phase)
         first = part.iloc[0]
         ax.set_title(f"{kernel}, {first['shape']}\nbatch {first['batch']}, L = "
                      f"{first['window']}, cursor {first['cursor']}, {first['sets']} sets"
                      + (f" [{run}]" if df["run"].nunique() > 1 else ""), fontsize=8)
-        ax.axvline(kb.WARM_REPLAYS + 0.5, color="gray", ls=":", lw=1)
-        ax.annotate(f"kernel_bench times\nfrom here ({kb.WARM_REPLAYS} warm)",
-                    (kb.WARM_REPLAYS + 1, ax.get_ylim()[1]), va="top", fontsize=7)
+        ax.axvline(harness.WARM_REPLAYS + 0.5, color="gray", ls=":", lw=1)
+        ax.annotate(f"timed from here\n({harness.WARM_REPLAYS} warm replays)",
+                    (harness.WARM_REPLAYS + 1, ax.get_ylim()[1]), va="top", fontsize=7)
         ax.set_xlabel("graph replay (one launch per set)")
-        ax.set_ylabel("us a launch")
+        ax.set_ylabel("µs a launch")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=6, loc="center right")
+    handles, labels = axes[0, -1].get_legend_handles_labels()
+    axes[0, -1].legend(handles, labels, fontsize=7,
+                       loc="upper left", bbox_to_anchor=(1.02, 1.0), frameon=False)
+    fig.suptitle("A new buffer set's first replays against its settled time, phase by phase",
+                 fontsize=10)
     fig.tight_layout()
-    save_small_png(fig, png)
+    harness.save_figure(fig, png)
     plt.close(fig)
 
 
@@ -203,7 +206,7 @@ def main(argv=None) -> int:
     if args.plot_only:
         return cli.plot_only(parser, args.plot_only, png, summarize, plot)
     kernels = [k.strip() for k in args.kernels.split(",") if k.strip()]
-    nonflush = [k for k, spec in kb.KERNELS.items() if spec.impl == "cute"
+    nonflush = [k for k, spec in KERNELS.items() if spec.impl == "cute"
                 and spec.step == "nonflush"]
     bad = [k for k in kernels if k not in nonflush]
     if not kernels or bad or len(set(kernels)) < len(kernels):
@@ -215,7 +218,7 @@ def main(argv=None) -> int:
     df = measure(kernels, args.shape, args.batch, args.window, args.cursor, args.replays,
                  args.run_label)
     cli.save_run(df, args.out, png, "experiments.warm_transient", argv, time.time() - start,
-                 dict(replays=args.replays, l2_multiple=L2_MULTIPLE), summarize, plot)
+                 dict(replays=args.replays, l2_multiple=harness.L2_MULTIPLE), summarize, plot)
     return 0
 
 

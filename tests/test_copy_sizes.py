@@ -5,8 +5,8 @@ import pandas as pd
 import pytest
 import torch
 
+from experiments import cases as kb
 from experiments import copy_sizes as cs
-from experiments import kernel_bench as kb
 
 
 def test_default_sizes_start_with_the_headline_kernels_bytes_and_end_at_the_ceilings():
@@ -67,8 +67,9 @@ def test_a_csv_of_another_script_is_named_and_without_a_gpu_the_run_is_refused(t
     pd.DataFrame({"run": ["A"], "label": ["x"], "bytes": [1]}).to_csv(other, index=False)
     with pytest.raises(SystemExit):
         cs.main(["--plot-only", str(other), "--plot", "none"])
-    assert f"--plot-only: {other}: not a copy_sizes CSV (no column 'sets')" in (
-        capsys.readouterr().err)
+    err = capsys.readouterr().err
+    assert f"--plot-only: {other} (copy_sizes CSV): expected the columns" in err
+    assert "missing sets" in err and len(err.strip().splitlines()) == 1
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit):
         cs.main(["--out", str(tmp_path / "c.csv")])

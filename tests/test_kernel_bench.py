@@ -14,6 +14,7 @@ import pandas as pd
 import pytest
 import torch
 
+from experiments import cases, harness, peers
 from experiments import kernel_bench as kb
 
 REPO = Path(__file__).resolve().parent.parent
@@ -23,8 +24,8 @@ TINY = kb.BenchShape("tiny", nheads=4, headdim=16, dstate=32, ngroups=2, source=
 
 
 def test_bench_shapes_are_the_mamba2_layers_of_lowprec_models():
-    """Both benchmarked shapes take their numbers from lowprec.models (mamba2-2.7b was
-    written out here and in cute_kernels.bench_read), under the same names and order."""
+    """Both benchmarked shapes take their numbers from lowprec.models, under the same names
+    and order."""
     from lowprec import models
 
     assert list(kb.SHAPES) == ["nemotron3-super", "mamba2-2.7b"]
@@ -57,33 +58,11 @@ def test_help_runs_on_a_cpu_only_machine():
         (["--windows", "64"], "windows"),
         (["--kernels", "cute:nonflush:fp64"], "kernels"),
         (["--peers", "sglang"], "peers"),
-        (["--nonflush-knob", "weights_at"], "nonflush knob"),
-        (["--nonflush-knob", "window=8"], "nonflush knob"),  # set by the benchmark itself
-        # knob values too, before the GPU is asked for (they used to fail at the first build)
-        (["--nonflush-knob", "warps=abc"], "warps: expected None or a positive integer"),
-        (["--nonflush-knob", "l2_prefetch=9"], "l2_prefetch"),
-        (["--kernels", "cute:nonflush:fp32", "--nonflush-knob", "stage=bulk"],
-         "nonflush knob for cute:nonflush:fp32 on nemotron3-super at L = 8, batch 1: stage"),
-        # and the values only a shape can judge, at each shape, window and batch asked for
-        (["--nonflush-knob", "warps=3"],
-         "nemotron3-super at L = 8, batch 1: warps: expected a divisor of nheads / ngroups = 16"),
-        (["--shapes", "mamba2-2.7b", "--windows", "16", "--nonflush-knob", "head_splits=3"],
-         "mamba2-2.7b at L = 16, batch 1: head_splits: expected a positive integer with "
-         "head_splits * warps (4) dividing nheads / ngroups = 80"),
-        (["--batches", "256", "--nonflush-knob", "stage=smem", "--nonflush-knob", "warps=16"],
-         "batch 256: stage: expected 'registers' for this shape and warps (16)"),
-        # --plot-only B used to read B only and write it to --out, ignoring the merge list
         (["--merge", "a.csv", "--plot-only", "b.csv"],
          "--plot-only: not allowed with argument --merge"),
-        # a CSV given twice (however spelled) had every row merged twice
+        # a CSV given twice (however spelled) would have every row merged twice
         (["--merge", str(REPO / "results" / "kernel_bench.csv"),
           str(REPO / "results" / ".." / "results" / "kernel_bench.csv")], "--merge: the CSV"),
-        # an on/off knob given as a word replay_output would read with bool() ("false" is on)
-        (["--nonflush-knob", "prefetch=maybe"], "prefetch: expected None, a bool, 0 or 1"),
-        (["--nonflush-knob", "warps=4", "--nonflush-knob", "warps=8"],
-         "nonflush knob: 'warps' given twice"),
-        (["--kernels", "cute:update:fp32", "--nonflush-knob", "weights_at=before_decode"],
-         "nonflush knob: no CuTe non-flush kernel is asked for"),
         # each repeat would be timed again
         (["--batches", "256,256"], "batches: expected each once, got 256 twice"),
         (["--kernels", "cute:nonflush:nvfp4,cute:nonflush:nvfp4"], "kernels: expected each once"),
@@ -93,7 +72,7 @@ def test_help_runs_on_a_cpu_only_machine():
         # the default --out is the committed headline CSV: a merge must name its output
         (["--merge", str(REPO / "results" / "kernel_bench.csv")],
          "--merge: name the merged CSV with --out"),
-        # argparse's abbreviations: --batch used to pass and then be ignored
+        # argparse's abbreviations are refused: a flag reads as typed
         (["--batch", "1"], "unrecognized arguments: --batch"),
     ],
 )
@@ -135,20 +114,6 @@ def test_unwritable_output_paths_are_one_line_errors(tmp_path, capsys):
         assert len(err.splitlines()) == 1 and f"error: {flag}: " in err, err
 
 
-def test_nonflush_knobs_reach_the_configuration():
-    """--nonflush-knob KEY=VALUE (repeatable) becomes the configuration's knobs for the CuTe
-    non-flush kernel, values typed (int, bool in any case, None or string), and the meta file
-    records them through the configuration."""
-    argv = ["--quick", "--nonflush-knob", "weights_at=before_decode", "--nonflush-knob",
-            "l2_prefetch=1", "--nonflush-knob", "pin_state_loads=True", "--nonflush-knob",
-            "prefetch=false", "--nonflush-knob", "upfront=none"]
-    config = kb.config_from_args(kb.build_parser().parse_args(argv), argv)
-    assert config.nonflush_knobs == {"weights_at": "before_decode", "l2_prefetch": 1,
-                                     "pin_state_loads": True, "prefetch": False,
-                                     "upfront": None}
-    assert kb.BenchConfig().nonflush_knobs == {}
-
-
 @pytest.mark.parametrize("argv, expected", [
     ([], dict(batches=kb.BenchConfig.batches, windows=kb.BenchConfig.windows, reps=20,
               out="results/kernel_bench.csv")),
@@ -163,7 +128,7 @@ def test_grid_flags_win_over_the_defaults_and_quick(argv, expected):
     """--shapes, --batches and --windows, in either spelling (--batches 8 or --batches=8),
     set the grid, with or without --quick, whose small grid fills in what is not given; a
     smoke test writes its own CSV unless --out says otherwise, not the committed one."""
-    config = kb.config_from_args(kb.build_parser().parse_args(argv), argv)
+    config = kb.config_from_args(kb.build_parser().parse_args(argv))
     for name, value in expected.items():
         assert getattr(config, name) == (tuple(value) if isinstance(value, tuple) else value)
 
@@ -171,7 +136,7 @@ def test_grid_flags_win_over_the_defaults_and_quick(argv, expected):
 def test_targets_come_from_the_first_run_whatever_the_merge_order(tmp_path, capsys):
     """Where two runs timed a point, the targets, speedups and plots take the first run by
     label (a same-run pair first), so --merge A B and --merge B A print the same targets,
-    each line naming its run; the choice used to follow the file order."""
+    each line naming its run, whatever the file order."""
     frame = _synthetic_frame()
     a, b = tmp_path / "a.csv", tmp_path / "b.csv"
     frame.to_csv(a, index=False)
@@ -188,18 +153,19 @@ def test_targets_come_from_the_first_run_whatever_the_merge_order(tmp_path, caps
     assert printed[0] == printed[1] and "(run A)" in printed[0]
 
 
-def test_profile_builds_the_kernel_with_the_nonflush_knobs(monkeypatch, capsys):
-    """--profile launches the kernel built with the --nonflush-knob values (the ncu reading
-    of a knob's variant is of that variant), once per set inside the profiler's window."""
+def test_profile_launches_each_set_once_inside_the_profilers_window(monkeypatch, capsys):
+    """--profile builds the kernel at the first shape, batch and window asked for and launches
+    it once per set between cudaProfilerStart and cudaProfilerStop (after warm passes)."""
     seen, events = {}, []
 
     class FakeCase:
-        bufs = type("B", (), {"sets": 3})()
         reset = None
 
-    def fake_build(spec, shape, batch, window, cursor, sets, device, seed, peers_dir, act,
-                   knobs=None):
-        seen.update(kernel=spec.name, batch=batch, window=window, knobs=knobs)
+        def launchers(self):
+            return [lambda i=i: events.append(f"launch {i}") for i in range(3)]
+
+    def fake_build(spec, shape, batch, window, cursor, sets, device, seed, peers_dir, act):
+        seen.update(kernel=spec.name, batch=batch, window=window, cursor=cursor)
         return FakeCase()
 
     class FakeCudart:
@@ -210,28 +176,26 @@ def test_profile_builds_the_kernel_with_the_nonflush_knobs(monkeypatch, capsys):
             events.append("stop")
 
     monkeypatch.setattr(kb, "build_case", fake_build)
-    monkeypatch.setattr(kb, "_launcher", lambda case, i: lambda: events.append(f"launch {i}"))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart())
-    argv = ["--shapes", "nemotron3-super", "--batches", "256", "--windows", "16",
-            "--nonflush-knob", "stage=bulk", "--nonflush-knob", "smem_carveout=100"]
-    config = kb.config_from_args(kb.build_parser().parse_args(argv), argv)
+    argv = ["--shapes", "nemotron3-super", "--batches", "96", "--windows", "8"]
+    config = kb.config_from_args(kb.build_parser().parse_args(argv))
     assert kb.profile(config, "cute:nonflush:nvfp4") == 0
-    assert seen == {"kernel": "cute:nonflush:nvfp4", "batch": 256, "window": 16,
-                    "knobs": {"stage": "bulk", "smem_carveout": 100}}
+    assert seen == {"kernel": "cute:nonflush:nvfp4", "batch": 96, "window": 8, "cursor": 4}
     window = events[events.index("start"):events.index("stop") + 1]
     assert window == ["start", "launch 0", "launch 1", "launch 2", "stop"]
-    assert "stage=bulk, smem_carveout=100" in capsys.readouterr().err
+    assert events[:events.index("start")].count("launch 0") == 3
+    assert "profiled cute:nonflush:nvfp4" in capsys.readouterr().err
 
 
 def test_lead_cycles_reach_the_configuration_and_bad_values_are_refused(capsys):
     """--lead-cycles N sets the spin queued before each timed region (default LEAD_CYCLES, 0
     turns it off); a negative count is one line on stderr and exit status 2."""
-    for argv, expected in (([], kb.LEAD_CYCLES), (["--lead-cycles", "0"], 0),
+    for argv, expected in (([], harness.LEAD_CYCLES), (["--lead-cycles", "0"], 0),
                            (["--lead-cycles", "12345"], 12345)):
         argv = ["--quick", *argv]
-        assert kb.config_from_args(kb.build_parser().parse_args(argv), argv).lead_cycles == expected
+        assert kb.config_from_args(kb.build_parser().parse_args(argv)).lead_cycles == expected
     with pytest.raises(SystemExit) as exit_info:
         kb.main(["--quick", "--lead-cycles", "-5", "--plot-dir", "none"])
     assert exit_info.value.code == 2
@@ -243,12 +207,11 @@ def test_warm_replays_reach_the_configuration_and_are_left_out_of_the_times(monk
                                                                             capsys):
     """--warm-replays N (default WARM_REPLAYS = 32) untimed replays come first, and only the
     `reps` after them are returned (per launch); a negative count is refused in one line."""
-    for argv, expected in (([], kb.WARM_REPLAYS), (["--warm-replays", "3"], 3),
+    for argv, expected in (([], harness.WARM_REPLAYS), (["--warm-replays", "3"], 3),
                            (["--warm-replays", "0"], 0)):
         argv = ["--quick", *argv]
-        assert kb.config_from_args(kb.build_parser().parse_args(argv),
-                                   argv).warm_replays == expected
-    assert kb.WARM_REPLAYS == 32
+        assert kb.config_from_args(kb.build_parser().parse_args(argv)).warm_replays == expected
+    assert harness.WARM_REPLAYS == 32
     with pytest.raises(SystemExit) as exit_info:
         kb.main(["--quick", "--warm-replays", "-1", "--plot-dir", "none"])
     assert exit_info.value.code == 2
@@ -264,9 +227,9 @@ def test_warm_replays_reach_the_configuration_and_are_left_out_of_the_times(monk
         replays.append(lead_cycles)
         return 0.003 * len(replays)  # ms of the whole replay: 3 us more each time
 
-    monkeypatch.setattr(kb, "_event_time_ms", fake_time)
+    monkeypatch.setattr(harness, "event_time_ms", fake_time)
     launched = []
-    times, method = kb.time_launches([lambda: launched.append(0), lambda: launched.append(1)],
+    times, method = harness.time_launches([lambda: launched.append(0), lambda: launched.append(1)],
                                      lambda: None, reps=4, lead_cycles=9, warm_replays=7)
     assert method == "events"
     assert replays == [9] * 11 and launched == [0, 1] * 12  # one eager pass, then 7 + 4
@@ -274,7 +237,7 @@ def test_warm_replays_reach_the_configuration_and_are_left_out_of_the_times(monk
 
 
 def test_the_spin_is_queued_before_the_start_event(monkeypatch):
-    """_event_time_ms queues the GPU spin, then the start event, the work and the end event,
+    """event_time_ms queues the GPU spin, then the start event, the work and the end event,
     in that order (so the start event waits behind the spin while the host submits the work);
     with lead_cycles=0 there is no spin."""
     calls, made = [], []
@@ -296,10 +259,10 @@ def test_the_spin_is_queued_before_the_start_event(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: calls.append(f"spin {cycles}"))
-    assert kb._event_time_ms(lambda: calls.append("work"), 777) == 1.5
+    assert harness.event_time_ms(lambda: calls.append("work"), 777) == 1.5
     assert calls == ["spin 777", "start", "work", "end"]
     calls.clear()
-    kb._event_time_ms(lambda: calls.append("work"), 0)
+    harness.event_time_ms(lambda: calls.append("work"), 0)
     assert calls == ["start", "work", "end"]
 
 
@@ -350,7 +313,7 @@ def test_nemotron_state_and_record_bytes_match_the_design():
     """DESIGN.md: an NVFP4 read copy of 590,336 B and a record of 18,944 B per sequence."""
     shape = kb.SHAPES["nemotron3-super"]
     nonflush = kb.kernel_bytes("cute:nonflush:nvfp4", shape, batch=1, cursor=0)
-    assert nonflush == 590_336 + 18_944 + kb.token_bytes(shape, dt_bytes=4)
+    assert nonflush == 590_336 + 18_944 + cases.token_bytes(shape, dt_bytes=4)
 
 
 # --------------------------------------------------------------------------------------------
@@ -414,7 +377,7 @@ def test_speedups_and_summary_at_the_headline_point():
         fp32 / two)
     assert sp.loc[("token: two-precision vs conventional fp32", 256), "speedup"] == pytest.approx(
         30.0 / two)
-    summary = kb.summarize(frame).set_index("target")
+    summary = kb.summarize(frame).set_index("comparison")
     assert summary["goal"].tolist() == [0.85, 5.0, 4.0, 7.5, 1.0]
     assert not summary.loc["non-flush: nvfp4 vs fp32 checkpoint (batch 256)", "met"]
     text = kb.format_summary(frame)
@@ -472,8 +435,8 @@ def test_plan_orders_the_headline_first_and_tiers_the_rest():
 
 def test_sets_rotate_past_the_l2():
     l2 = 60 * 2**20
-    assert kb.sets_for(590_000, l2, 4.0) == math.ceil(4 * l2 / 590_000)
-    assert kb.sets_for(2**31, l2, 4.0) == 4
+    assert harness.sets_for(590_000, l2, 4.0) == math.ceil(4 * l2 / 590_000)
+    assert harness.sets_for(2**31, l2, 4.0) == 4
 
 
 def test_dequantize_nvfp4_follows_the_layout():
@@ -481,8 +444,8 @@ def test_dequantize_nvfp4_follows_the_layout():
     # one slot, one head, one row of 16 elements: [slots, heads, headdim, dstate / 2]
     codes = torch.tensor([0x21, 0xF7] + [0] * 6, dtype=torch.uint8).view(1, 1, 1, 8)
     scales = torch.tensor([0x38], dtype=torch.uint8).view(1, 1, 1, 1)  # E4M3 1.0
-    lo = {"codes": codes, "scales": scales, "global_scale": torch.tensor([[0.5]])}
-    values = kb.dequantize(lo, "nvfp4").flatten()
+    lo = {"lo": codes, "lo_scales": scales, "lo_global": torch.tensor([[0.5]])}
+    values = cases.dequantize(lo, "nvfp4").flatten()
     assert values[:4].tolist() == [0.25, 0.5, 3.0, -3.0]
     assert values[4:].abs().sum() == 0
 
@@ -515,7 +478,7 @@ def interpreted_vllm(monkeypatch):
     monkeypatch.setattr(interpreter, "_patch_lang_tensor", patch)
     for name in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]:
         monkeypatch.delitem(sys.modules, name)
-    monkeypatch.setattr(kb, "_PEER_MODULES", {})
+    monkeypatch.setattr(peers, "_MODULES", {})
     return REPO / ".peers"
 
 
@@ -526,19 +489,19 @@ def test_vllm_adapter_matches_the_reference_under_the_interpreter(interpreted_vl
     """Each vLLM kernel, given inputs in its own layout by the adapter, reproduces the lowprec
     reference on 3 slots at different cursors. fp16 activations: the interpreter emulates bf16
     by truncation and has no bf16 dot, which the GPU has."""
-    ratio = kb.check_kernel(name, TINY, 8, "cpu", peers_dir=interpreted_vllm, act=torch.float16)
+    ratio = cases.check_kernel(name, TINY, 8, "cpu", peers_dir=interpreted_vllm, act=torch.float16)
     assert ratio <= 1.0
 
 
 def test_vllm_check_rejects_a_wrong_decay(interpreted_vllm, monkeypatch):
     """The check is not vacuous: the kernel fed A twice as large fails it."""
-    tied = kb._tied
+    tied = peers.tied
 
     def wrong(params, shape):
         return tied({**params, "A": params["A"] * 2}, shape)
 
-    monkeypatch.setattr(kb, "_tied", wrong)
-    ratio = kb.check_kernel("vllm:nonflush:fp32", TINY, 8, "cpu", peers_dir=interpreted_vllm,
+    monkeypatch.setattr(peers, "tied", wrong)
+    ratio = cases.check_kernel("vllm:nonflush:fp32", TINY, 8, "cpu", peers_dir=interpreted_vllm,
                             act=torch.float16)
     assert ratio > 1.0
 
@@ -547,18 +510,18 @@ def test_run_end_to_end_on_the_cpu_with_stand_in_timing(interpreted_vllm, monkey
     """run() on the CPU (vLLM and the emulation under the interpreter; the ceilings and the
     timer replaced): plan, checks, buffers over 4 sets, launches, rows, token rows, CSV."""
     monkeypatch.setitem(kb.SHAPES, "tiny", TINY)
-    monkeypatch.setattr(kb, "measure_ceilings", lambda **_: dict(copy_gbps=4000.0,
-                                                                 read_gbps=4200.0, note=""))
+    monkeypatch.setattr(harness, "measure_ceilings", lambda **_: dict(copy_gbps=4000.0,
+                                                                      read_gbps=4200.0, note=""))
     launched = []
 
-    def stand_in(case, reps, lead_cycles, warm_replays):
-        assert lead_cycles == kb.LEAD_CYCLES  # the configuration's spin reaches the timing
+    def stand_in(launches, reset, reps, lead_cycles, warm_replays):
+        assert lead_cycles == harness.LEAD_CYCLES  # the configuration's spin reaches the timing
         assert warm_replays == 5  # and its warm-up
-        kb._launcher(case, case.bufs.sets - 1)()  # the last set's views are valid too
-        launched.append(case.spec.name)
-        return [10.0 + case.bufs.sets] * reps, "stand-in"
+        launches[-1]()  # the last set's views are valid too
+        launched.append(len(launches))
+        return [10.0 + len(launches)] * reps, "stand-in"
 
-    monkeypatch.setattr(kb, "time_case", stand_in)
+    monkeypatch.setattr(harness, "time_launches", stand_in)
     config = kb.BenchConfig(shapes=("tiny",), batches=(3,), windows=(8,),
                             kernels=("emulation:nonflush:nvfp4",), peers=("vllm",), reps=3,
                             l2_multiple=1e-6, device="cpu", act="fp16", warm_replays=5,
@@ -593,23 +556,13 @@ def test_emulation_adapter_matches_the_reference_under_the_interpreter():
     if torch.cuda.is_available():
         pytest.skip("the interpreter test is for CPU-only machines")
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    assert kb.check_kernel("emulation:nonflush:nvfp4", TINY, 8, "cpu") <= 1.0
-
-
-def test_the_cute_benchmarks_spin_as_long_as_kernel_bench():
-    """bench_read and bench_write (cute_kernels, which must not import experiments) keep their
-    own copy of the spin before each timed region and of the warm-up passes; they must be
-    kernel_bench's, or their timings and the benchmark's would stop being comparable."""
-    from cute_kernels import bench_read
-
-    assert bench_read.LEAD_CYCLES == kb.LEAD_CYCLES > 0
-    assert bench_read.WARM_REPLAYS == kb.WARM_REPLAYS > 3  # and their warm-up (was one pass)
+    assert cases.check_kernel("emulation:nonflush:nvfp4", TINY, 8, "cpu") <= 1.0
 
 
 def test_gpu_identity_parses_nvidia_smi_and_records_failures():
     """The meta files' GPU identity: nvidia-smi's fields by name, and a failure (no
     nvidia-smi, a non-zero exit, a short line) recorded as an error instead of raised."""
-    fields = kb.GPU_IDENTITY_FIELDS
+    fields = harness.GPU_IDENTITY_FIELDS
     values = ["GPU-1234abcd", "1652023012345", "00000000:19:00.0", "96.00.A5.00.01",
               "580.159.04", "1980 MHz", "3201 MHz", "700.00 W", "Enabled"]
     assert len(values) == len(fields)
@@ -619,7 +572,7 @@ def test_gpu_identity_parses_nvidia_smi_and_records_failures():
         calls.append(query)
         return subprocess.CompletedProcess(query, 0, stdout=", ".join(values) + "\n", stderr="")
 
-    identity = kb.gpu_identity(fake)
+    identity = harness.gpu_identity(fake)
     assert identity == dict(zip(fields, values, strict=True))
     assert calls[0][0] == "nvidia-smi" and "--id=0" in calls[0]
     assert calls[0][1] == "--query-gpu=" + ",".join(fields)
@@ -633,9 +586,9 @@ def test_gpu_identity_parses_nvidia_smi_and_records_failures():
     def missing(query, **kwargs):
         raise FileNotFoundError("nvidia-smi")
 
-    assert "exit 0" in kb.gpu_identity(short)["error"]
-    assert "no devices were found" in kb.gpu_identity(failing)["error"]
-    assert kb.gpu_identity(missing)["error"].startswith("FileNotFoundError")
+    assert "exit 0" in harness.gpu_identity(short)["error"]
+    assert "no devices were found" in harness.gpu_identity(failing)["error"]
+    assert harness.gpu_identity(missing)["error"].startswith("FileNotFoundError")
 
 
 def test_a_point_whose_timed_replays_still_settle_is_noted():
@@ -644,10 +597,103 @@ def test_a_point_whose_timed_replays_still_settle_is_noted():
     gen = torch.Generator().manual_seed(4)
     noise = (1 + 0.004 * torch.rand(20, generator=gen)).tolist()
     settled = [56.2 * n for n in noise]
-    assert kb.settling_note(settled) == ""
+    assert harness.settling_note(settled) == ""
     drifting = [59.6 * n for n in noise[:7]] + settled[7:]  # 7 slow of the first 10
-    note = kb.settling_note(drifting)
+    note = harness.settling_note(drifting)
     assert note.startswith("still settling: the first 10 timed replays ")
     assert note.endswith("% slower") and float(note.split()[-2].rstrip("%")) > 2.0
-    assert kb.settling_note([60.0 * n for n in noise[:3]] + settled[3:]) == ""  # under 2%
-    assert kb.settling_note([70.0, 56.0, 56.0]) == ""  # too few replays to tell
+    assert harness.settling_note([60.0 * n for n in noise[:3]] + settled[3:]) == ""  # under 2%
+    assert harness.settling_note([70.0, 56.0, 56.0]) == ""  # too few replays to tell
+
+
+# --------------------------------------------------------------------------------------------
+# reading a CSV back, outputs beside --out, figures a panel at a time
+
+
+@pytest.mark.parametrize("defect, words", [
+    (lambda f: f.drop(columns=["cursor"]), "missing cursor"),
+    (lambda f: f.astype({"batch": str}).assign(batch=["x8"] + list(f["batch"].astype(str))[1:]),
+     "line 2: column batch: expected an integer, got 'x8'"),
+    (lambda f: f.astype({"time_us": object}).assign(
+        time_us=list(f["time_us"])[:3] + ["fast"] + list(f["time_us"])[4:]),
+     "line 5: column time_us: expected a float, got 'fast'"),
+    (lambda f: pd.concat([f, f.iloc[[2]]], ignore_index=True),
+     "line 23: repeats the point of line 4"),  # 21 rows, then the repeat
+    (lambda f: f.assign(kernel=["cute:nonflush:fp64"] + list(f["kernel"])[1:]),
+     "line 2: column kernel: unknown kernel 'cute:nonflush:fp64'"),
+])
+def test_a_csv_with_wrong_columns_types_or_repeated_points_is_refused_in_one_line(
+        tmp_path, capsys, defect, words):
+    """--plot-only and --merge refuse a CSV whose columns, cell types, kernel names or points
+    are wrong, in one line naming the file and its line."""
+    path = tmp_path / "bad.csv"
+    defect(_synthetic_frame()).to_csv(path, index=False)
+    for argv in (["--plot-only", str(path), "--plot-dir", "none"],
+                 ["--merge", str(path), "--out", str(tmp_path / "m.csv"), "--plot-dir", "none"]):
+        with pytest.raises(SystemExit) as exit_info:
+            kb.main(argv)
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and str(path) in err and words in err, err
+    assert not (tmp_path / "m.csv").exists()
+
+
+def test_the_committed_csv_reads_back_unchanged():
+    """results/kernel_bench.csv passes the reader's checks, token rows recomputed equal."""
+    frame = kb.read_csv(REPO / "results" / "kernel_bench.csv")
+    assert len(frame) > 1000 and set(frame["run"]) == {"A", "B"}
+    again = kb.with_token_rows(frame)
+    tokens = frame[frame["step"] == "token"].sort_values(kb.KEY).reset_index(drop=True)
+    redone = again[again["step"] == "token"].sort_values(kb.KEY).reset_index(drop=True)
+    assert tokens["time_us"].to_numpy() == pytest.approx(redone["time_us"].to_numpy(), rel=1e-9)
+
+
+def test_merge_writes_its_pngs_beside_the_merged_csv_whatever_the_folder(tmp_path,
+                                                                         monkeypatch):
+    """--merge ... --out elsewhere/m.csv writes m.csv and its three PNGs in elsewhere/, and
+    nothing in the current folder."""
+    frame = _synthetic_frame()
+    a = tmp_path / "a.csv"
+    frame.to_csv(a, index=False)
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    out = tmp_path / "elsewhere" / "m.csv"
+    assert kb.main(["--merge", str(a), "--out", str(out)]) == 0
+    assert sorted(p.name for p in out.parent.iterdir()) == [
+        "m.csv", "m_formats.png", "m_speedup.png", "m_time.png"]
+    assert list(cwd.iterdir()) == []
+
+
+def test_every_panel_draws_at_most_six_series_and_names_them_outside_the_axes(tmp_path,
+                                                                              monkeypatch):
+    """The figures split the kernels, comparisons and schemes into panels of at most six
+    lines each, and every legend sits right of its axes (outside the data)."""
+    import matplotlib.pyplot as plt
+
+    from experiments import kernel_bench_plots as plots
+
+    figures = []
+    monkeypatch.setattr(plots, "save_figure", lambda fig, path: figures.append(fig) or path)
+    monkeypatch.setattr(plt, "close", lambda fig: None)
+    frame = _synthetic_frame()
+    extra = frame[frame["kernel"] == "cute:nonflush:nvfp4"]
+    for name in ("cute:nonflush:fp8_e4m3", "cute:nonflush:fp16", "cute:update:fp16",
+                 "cute:update:fp16sr", "vllm:update:fp16"):
+        spec = kb.KERNELS[name]
+        part = frame[frame["kernel"] == ("cute:nonflush:nvfp4" if spec.step == "nonflush"
+                                         else "cute:update:fp32")]
+        extra = pd.concat([extra, part.assign(kernel=name, impl=spec.impl)])
+    path = tmp_path / "k.csv"
+    pd.concat([frame, extra[extra["kernel"] != "cute:nonflush:nvfp4"]]).to_csv(path,
+                                                                                index=False)
+    kb.plot(path, tmp_path)
+    assert len(figures) == 3
+    for fig in figures:
+        for ax in fig.axes:
+            data = [line for line in ax.get_lines() if len(line.get_xdata()) > 2]
+            assert len(data) <= 6
+            legend = ax.get_legend()
+            if legend is not None:
+                assert legend.get_bbox_to_anchor().x0 > ax.get_window_extent().x1 - 1
+            assert " us" not in ax.get_ylabel() and "issue" not in ax.get_title()

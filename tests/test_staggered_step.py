@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 import torch
 
-from experiments import kernel_bench as kb
+from experiments import cases as kb
 from experiments import staggered_step as st
 from lowprec import traffic
 
@@ -73,6 +73,8 @@ def test_step_bytes_are_a_window_of_each_slot_group(shape):
 
 
 def _synthetic_frame() -> pd.DataFrame:
+    """A run's CSV: three modes of each replay scheme and the update at batches 32 and 256,
+    and a point whose check failed (not timed)."""
     rows = []
     for batch, (two, fp32, upd) in {32: (20.0, 50.0, 70.0), 256: (80.0, 300.0, 540.0)}.items():
         for scheme, base in (("two-precision", two), ("fp32-replay", fp32)):
@@ -83,7 +85,10 @@ def _synthetic_frame() -> pd.DataFrame:
                          batch=batch, window=16, time_us=upd, status="ok"))
     rows.append(dict(scheme="two-precision", mode="overlapped", shape="nemotron3-super",
                      batch=64, window=16, time_us=float("nan"), status="check failed: x"))
-    return pd.DataFrame(rows)
+    full = dict(run="r", layout="staggered", flush_slots=2, time_us_p10=1.0, time_us_p90=2.0,
+                bytes=1000, gbps=1.0, frac_copy=0.5, copy_gbps=4000.0, sets=4, timing="graph",
+                note="")
+    return pd.DataFrame([{**full, **row} for row in rows], columns=list(st.COLUMN_TYPES))
 
 
 def test_summary_takes_each_schemes_fastest_mode_and_same_mode_ratios():
@@ -129,22 +134,23 @@ def test_plot_only_redraws_from_the_csv_without_a_gpu(tmp_path):
         (["--modes", "grouped,fast"], "decode-step-serial"),
         (["--schemes", "fp64"], "two-precision"),
         (["--cursor", "15"], "--cursor: expected 0..14"),
-        (["--reps", "0"], "--reps: expected an integer >= 1"),  # was found on the GPU only
+        (["--reps", "0"], "--reps: expected an integer >= 1"),  # before the GPU is asked
         (["--lead-cycles", "-1"], "--lead-cycles: expected an integer >= 0"),
-        (["--plot-only", "README.md"], "cannot read README.md"),
-        (["--plot-only", "results/traffic_window_nemotron3-super.csv"], "not a staggered_step CSV"),
-        # a value given twice was timed twice, its rows a repeated point of the CSV
+        (["--plot-only", "README.md"], "README.md (staggered_step CSV)"),
+        (["--plot-only", "results/traffic_window_nemotron3-super.csv"],
+         "(staggered_step CSV): expected the columns"),
+        # a value given twice would be timed twice, its rows a repeated point of the CSV
         (["--batches", "48,16,48"], "--batches: expected each once, got 48 twice"),
         (["--windows", "8,16,8,16"], "--windows: expected each once, got 8, 16 twice"),
         (["--schemes", "fp32-replay,two-precision,fp32-replay"], "got fp32-replay twice"),
         (["--modes", "grouped,decode-step,grouped"], "--modes: expected each once"),
-        # the conventional update has no modes: they were ignored without a word
+        # the conventional update has no modes: refused, not ignored
         (["--schemes", "conventional-fp32", "--modes", "overlapped"],
          "--modes: applies to the replay schemes"),
         (["--schemes=conventional-fp32", "--modes=grouped"], "conventional-fp32 is timed as one"),
-        # a window of 1 has no non-flush cursor: "--cursor: expected 0..-1" before
+        # a window of 1 has no non-flush cursor
         (["--cursor", "0", "--windows", "1"], "--windows: expected windows >= 2"),
-        # a run's flags with --plot-only were ignored without a word
+        # a run's flags with --plot-only are refused, not ignored
         (["--plot-only", "results/staggered_step.csv", "--batches", "64", "--reps=5"],
          "--plot-only: redraws the CSV as it is; --batches, --reps are for a run"),
         (["--plot-only", "results/staggered_step.csv", "--out", "x.csv"], "--out is for a run"),
@@ -160,28 +166,29 @@ def test_bad_arguments_get_one_line_not_a_traceback(argv, words):
 @pytest.mark.parametrize(
     "defect, words",
     [
-        (lambda f: f.drop(columns="shape"), "not a staggered_step CSV (no shape)"),  # KeyError
+        (lambda f: f.drop(columns="shape"), "expected the columns"),
         (lambda f: f.assign(time_us=f["time_us"].astype(object).where(f.index != 3, "slow")),
-         "time_us: expected a time > 0 (us) in every ok row, got 'slow'"),  # ValueError
+         "line 5: column time_us: expected a float, got 'slow'"),
         (lambda f: f.assign(time_us=f["time_us"].where(f.index != 5, 0.0)),
-         "got 0"),  # ZeroDivisionError
+         "line 7: column time_us: expected a time > 0 (µs) in an ok row, got 0"),
         (lambda f: f.assign(time_us=f["time_us"].where(f.index != 2, -37.5)),
-         "got -37.5"),  # printed a negative speedup
+         "line 4: column time_us"),  # it would print a negative speedup
         (lambda f: f.assign(batch=f["batch"].astype(object).where(f.index != 7, "6x")),
-         "batch: expected an integer >= 1 in every ok row, got '6x'"),  # ValueError
-        (lambda f: f.assign(window=f["window"].where(f.index != 1, 12.5)), "window:"),
+         "line 9: column batch: expected an integer, got '6x'"),
+        (lambda f: f.assign(window=f["window"].where(f.index != 1, 12.5)),
+         "line 3: column window: expected an integer"),
         (lambda f: f.assign(scheme=f["scheme"].where(f.index != 4, "fp8-replay")),
-         "scheme: expected one of two-precision, fp32-replay, conventional-fp32, got "
-         "fp8-replay"),  # an empty summary line
-        (lambda f: f.assign(mode=f["mode"].where(f.index != 0, "fused")), "got fused"),
+         "line 6: column scheme: expected one of two-precision, fp32-replay, "
+         "conventional-fp32, got 'fp8-replay'"),
+        (lambda f: f.assign(mode=f["mode"].where(f.index != 0, "fused")), "got 'fused'"),
         (lambda f: pd.concat([f, f.iloc[[5]].assign(time_us=123.0)]),
-         "2 ok rows repeat a point (e.g. fp32-replay, overlapped, batch 32"),  # one at random
+         "line 17: repeats the point of line 7"),
     ],
 )
 def test_plot_only_refuses_a_csv_it_cannot_summarise_in_one_line(tmp_path, defect, words):
-    """Each defect in the ok rows of an otherwise good CSV is named in one line (exit
-    status 2) before anything is drawn; rows that are not ok may hold anything (their times
-    are empty), as the synthetic frame's failed point does."""
+    """Each defect of an otherwise good CSV is named in one line with the file and its line
+    (exit status 2) before anything is drawn; a point that was not timed has an empty time,
+    as the synthetic frame's failed point does."""
     csv = tmp_path / "bad.csv"
     defect(_synthetic_frame()).to_csv(csv, index=False)
     result = subprocess.run(
@@ -190,7 +197,9 @@ def test_plot_only_refuses_a_csv_it_cannot_summarise_in_one_line(tmp_path, defec
     assert result.returncode == 2, result.stderr
     assert words in result.stderr and len(result.stderr.strip().splitlines()) == 1
     assert not list(tmp_path.glob("*.png"))
-    assert st.csv_problem(_synthetic_frame()) is None
+    good = tmp_path / "good.csv"
+    _synthetic_frame().to_csv(good, index=False)
+    assert len(st.read_csv(good)) == len(_synthetic_frame())
 
 
 def test_batches_help_says_the_multiple_rule_does_not_hold_with_cursor():
@@ -213,7 +222,7 @@ def test_a_cpu_machine_is_told_the_run_needs_a_gpu(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a run refused for want of a GPU")
 def test_a_run_refused_for_want_of_a_gpu_leaves_no_folders(tmp_path):
-    """--out's folders used to be made before the GPU was looked for."""
+    """Nothing is made before the GPU is looked for: --out's folders neither."""
     out = tmp_path / "new" / "deeper" / "s.csv"
     result = subprocess.run(
         [sys.executable, "-m", "experiments.staggered_step", "--batches", "32", "--out",
@@ -262,7 +271,7 @@ def test_the_three_launches_of_a_staggered_step_agree(scheme, shape, batch, wind
 @pytest.mark.gpu
 @pytest.mark.parametrize("scheme", ["two-precision", "fp32-replay"])
 def test_a_synchronized_step_through_the_decode_step_equals_the_non_flush_kernel(scheme):
-    """Every slot at cursor 5 of 16: replay_decode_step (which launches the flush kernel too,
+    """Every slot at cursor 5 of 16: mamba2_replay_decode (which launches the flush kernel too,
     and whose CTAs then find no slot to flush) leaves every buffer as the non-flush kernel
     alone does, outputs included, and advances every cursor by one."""
     step = st.build_step(scheme, DECODE, 13, 16, sets=2, device=torch.device("cuda"), seed=3,
@@ -278,28 +287,25 @@ def test_a_synchronized_step_through_the_decode_step_equals_the_non_flush_kernel
 
 @pytest.mark.gpu
 def test_a_wrong_flush_slot_table_is_refused_when_checked():
-    """replay_decode_step(flush_slots=..., check_flush_slots=True) compares the table with the
+    """mamba2_replay_decode(flush_slots=..., check_counters=True) compares the table with the
     cursors: a table that leaves a flushing slot out, or names one that does not flush, is a
-    ValueError naming both lists; a right one (any order) runs."""
-    from cute_kernels.replay_decode import replay_decode_step
+    ValueError; a right one (any order) runs."""
+    from cute_kernels.replay_decode import mamba2_replay_decode
 
     step = st.build_step("two-precision", DECODE, 32, 16, sets=1, device=torch.device("cuda"),
                          seed=5)
     t, p = step.bufs.at(0), step.params
-    lo = kb._lo_dict(t)
+    cache = st._cache(step, t)
 
     def run(table):
-        replay_decode_step(t["hi"], lo, t["ring_x"], t["ring_dt"], t["ring_B"], t["cursors"],
-                           t["flushes"], t["x"], t["dt"], p["A"], t["B"], t["C"], p["D"], None,
-                           p["dt_bias"], True, t["out"], window=16,
-                           flush_slots=torch.tensor(table, dtype=torch.int32, device="cuda"),
-                           check_flush_slots=True)
+        mamba2_replay_decode(cache, t["x"], t["dt"], p["A"], t["B"], t["C"], p["D"], None,
+                             p["dt_bias"], dt_softplus=True, out=t["out"],
+                             flush_slots=torch.tensor(table, dtype=torch.int32, device="cuda"),
+                             check_counters=True)
 
-    for wrong in ([30], [29, 30, 31], [31, 31]):
-        with pytest.raises(ValueError, match="the slots at cursor 15 are"):
+    for wrong in ([30], [29, 30, 31], [31, 31], [[30, 31]]):
+        with pytest.raises(ValueError, match="flush_slots"):
             run(wrong)
-    with pytest.raises(ValueError, match="1-D int32"):
-        run([[30, 31]])
     run([31, 30])
     torch.cuda.synchronize()
     assert t["cursors"][30:].tolist() == [0, 0]

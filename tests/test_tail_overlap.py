@@ -8,27 +8,22 @@ import pandas as pd
 import pytest
 import torch
 
-from experiments import kernel_bench as kb
+from experiments import cases, harness
 from experiments import tail_overlap as to
 
 
-def test_a_case_is_a_kernel_and_its_knobs():
-    assert to._case("cute:nonflush:nvfp4") == ("cute:nonflush:nvfp4", {})
-    assert to._case("cute:nonflush:nvfp4  head_splits=2 late_dots=false") == (
-        "cute:nonflush:nvfp4", {"head_splits": 2, "late_dots": False})
-    for text, message in [
-        ("vllm:nonflush:fp32", "expected a CuTe kernel of kernel_bench"),
-        ("cute:nonflush:nvfp4 head_splits", "expected KEY=VALUE after the kernel"),
-        ("cute:nonflush:nvfp4 =2", "expected KEY=VALUE after the kernel"),
-        ("cute:nonflush:nvfp4 warps=4 warps=8", "knob 'warps' given twice"),
-        ("cute:flush:fp32 warps=4", "knobs apply to the CuTe non-flush kernels only"),
-    ]:
-        with pytest.raises(ValueError, match=message):
-            to._case(text)
+def test_kernels_are_distinct_names_of_the_kits_kernels():
+    assert to._kernels("cute:nonflush:nvfp4, cute:flush:fp32") == ["cute:nonflush:nvfp4",
+                                                                   "cute:flush:fp32"]
+    for text in ("vllm:nonflush:fp32", "cute:nonflush:nvfp4,cute:nonflush:nvfp4",
+                 "cute:nonflush:nvfp4,", "cute:nonflush:fp64"):
+        with pytest.raises(ValueError, match="expected distinct names from cute:"):
+            to._kernels(text)
 
 
 def _csv(tmp_path):
-    """Two kernels and a copy, each serial and on two streams, random times."""
+    """Two kernels and a copy, each serial and on two streams, random times; with the optional
+    knobs column, which names a kernel's configuration besides its name."""
     gen = torch.Generator().manual_seed(11)
     rows = []
     for kernel, knobs, nbytes in [("cute:nonflush:nvfp4", "", 204_300_000),
@@ -45,7 +40,7 @@ def _csv(tmp_path):
                              time_us_p90=1.01 * t, gbps=gbps, frac_copy=gbps / 4236.0,
                              copy_gbps=4236.0, timing="graph"))
     path = tmp_path / "tail.csv"
-    pd.DataFrame(rows, columns=to.COLUMNS).to_csv(path, index=False)
+    pd.DataFrame(rows).to_csv(path, index=False)
     return path, rows
 
 
@@ -71,7 +66,7 @@ def test_plot_only_prints_each_row_and_what_two_streams_hide(tmp_path, capsys):
     (["--reps", "0"], "--reps: expected an int >= 1, got 0"),
     (["--batch", "0"], "--batch: expected an int >= 1, got 0"),
     (["--window", "16", "--cursor", "15"], "--cursor: a non-flush step's cursor is at most"),
-    (["--cases", "cute:nonflush:nvfp4 warps"], "--cases: expected KEY=VALUE"),
+    (["--kernels", "cute:nonflush:nvfp4,vllm:update:fp32"], "--kernels: expected distinct"),
     (["--plot-only", "no/such.csv"], "--plot-only: no file no/such.csv"),
     (["--shape", "mamba3"], "invalid choice: 'mamba3'"),
     (["--bat", "8"], "unrecognized arguments: --bat"),
@@ -89,8 +84,9 @@ def test_a_csv_of_another_script_is_named_and_without_a_gpu_the_run_is_refused(t
     pd.DataFrame({"run": ["A"], "kernel": ["x"]}).to_csv(other, index=False)
     with pytest.raises(SystemExit):
         to.main(["--plot-only", str(other), "--plot", "none"])
-    assert f"--plot-only: {other}: not a tail_overlap CSV (no column 'knobs')" in (
-        capsys.readouterr().err)
+    err = capsys.readouterr().err
+    assert f"--plot-only: {other} (tail_overlap CSV): expected the columns" in err
+    assert "missing shape, batch" in err and len(err.strip().splitlines()) == 1
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit):
         to.main(["--out", str(tmp_path / "t.csv")])
@@ -103,8 +99,8 @@ def test_two_streams_overlap_consecutive_launches():
     """Four single-thread spins of about 20 us: one after another they take about four spins'
     time a replay, on two streams about two (the side streams really run side by side)."""
     spins = [lambda: torch.cuda._sleep(40_000) for _ in range(4)]
-    serial, _ = kb.time_launches(spins, lambda: None, reps=5, lead_cycles=0)
-    streams, method = kb.time_launches(spins, lambda: None, reps=5, lead_cycles=0, streams=2)
+    serial, _ = harness.time_launches(spins, lambda: None, reps=5, lead_cycles=0)
+    streams, method = harness.time_launches(spins, lambda: None, reps=5, lead_cycles=0, streams=2)
     assert method == "graph"
     ratio = sorted(streams)[2] / sorted(serial)[2]
     assert 0.4 < ratio < 0.65, (serial, streams)
@@ -113,11 +109,11 @@ def test_two_streams_overlap_consecutive_launches():
 @pytest.mark.gpu
 def test_measure_times_both_forms_of_a_checked_step_and_its_copy():
     """At batch 24 (odd multiple of 8), cursor 5: rows for the step and the copy of its bytes,
-    each serial and on two streams, with the bytes kernel_bench counts; measure itself checks
+    each serial and on two streams, with the bytes the benchmark counts; measure itself checks
     the step against the fp64 reference and the two forms' outputs bit for bit."""
-    df = to.measure([("cute:nonflush:nvfp4", {})], "nemotron3-super", 24, 16, 5, reps=3,
+    df = to.measure(["cute:nonflush:nvfp4"], "nemotron3-super", 24, 16, 5, reps=3,
                     run="t", log=lambda *_: None)
-    nbytes = kb.kernel_bytes("cute:nonflush:nvfp4", kb.SHAPES["nemotron3-super"], 24, 5)
+    nbytes = cases.kernel_bytes("cute:nonflush:nvfp4", cases.SHAPES["nemotron3-super"], 24, 5)
     assert list(df["form"]) == ["serial", "2 streams"] * 2
     copy = f"copy of {nbytes / 1e6:.1f} MB"
     assert list(df["kernel"]) == ["cute:nonflush:nvfp4"] * 2 + [copy] * 2

@@ -110,8 +110,9 @@ def test_a_csv_of_another_script_is_named_and_without_a_gpu_the_run_is_refused(t
     pd.DataFrame({"run": ["A"], "kernel": ["x"], "shape": ["y"]}).to_csv(other, index=False)
     with pytest.raises(SystemExit):
         wt.main(["--plot-only", str(other), "--plot", "none"])
-    assert f"--plot-only: {other}: not a warm_transient CSV (no column 'batch')" in (
-        capsys.readouterr().err)
+    err = capsys.readouterr().err
+    assert f"--plot-only: {other} (warm_transient CSV): expected the columns" in err
+    assert "missing batch" in err and len(err.strip().splitlines()) == 1
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit):
         wt.main(["--out", str(tmp_path / "w.csv")])

@@ -8,7 +8,7 @@ the Python lines they came from (`--print-source cuda,sass`). This module joins 
 keeps the part worth keeping in the repository (`--trim`: one row per instruction, gzip),
 and prints where the samples fall:
 
-    python -m cute_kernels.stall_sites results/kernel_bench_runs/ncu/stalls_nonflush_nvfp4_14.csv.gz
+    python -m tools.stall_sites OUT/stalls_cute_nonflush_nvfp4.csv.gz
 
 - by stall reason (ncu's names: long_sb is a wait on a global or local load, barrier a
   CTA barrier, math a busy pipe, not_selected / selected an eligible warp);
@@ -44,7 +44,7 @@ SAMPLES = "Warp Stall Sampling (All Samples)"
 LOAD_OPCODES = ("LDG", "LDL", "LD.", "ATOMG", "ATOM.", "RED")
 TRIM_COLUMNS = ("offset", "file", "line", "sass", "samples", "stalls", "source")
 # rows per table without --top: ncu has some 14 stall reasons, the last few with almost no
-# samples, so the reasons' table stops at 10 (as it did before --top applied to it)
+# samples, so the reasons' table stops at 10
 TOP, TOP_REASONS = 15, 10
 
 
@@ -217,7 +217,7 @@ def read_trimmed(path: str | Path) -> list[Instruction]:
         out = []
         for r in reader:
             if not r:
-                continue  # a blank line (csv.DictReader, which read these before, skipped them)
+                continue  # a blank line, as csv.DictReader skips it
             try:
                 out.append(_trimmed_row(r))
             except ValueError as error:
@@ -332,7 +332,7 @@ def report(instructions: list[Instruction], top: int | None = None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m cute_kernels.stall_sites",
+        prog="python -m tools.stall_sites",
         allow_abbrev=False,  # a flag reads the same in a results file as in --help
         description="Where a kernel's warps wait: ncu's warp-state samples per stall reason, "
         "per source line and per load waited on, from scripts/ncu_source.sh's exports (or a "

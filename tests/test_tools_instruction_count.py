@@ -1,4 +1,4 @@
-"""The pipe model of `python -m cute_kernels.instruction_count --pipes`: counts by pipe add up,
+"""The pipe model of `python -m tools.instruction_count --pipes`: counts by pipe add up,
 the floor is the busiest limit, and the per-token budgets follow the window formula."""
 
 import collections
@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from cute_kernels import instruction_count as ic
+from tools import instruction_count as ic
 
 
 def test_pipe_counts_partition_every_instruction():
@@ -208,14 +208,15 @@ def test_the_issue_rate_comes_from_either_metric_and_a_missing_pipe_is_none(tmp_
         ic.ncu_per_element(k, 1)
 
 
-def test_the_committed_flush_stage_reports_read_as_the_readme_quotes_them(capsys):
-    """results/README.md ("Twentieth session") quotes these issue rates and instruction counts
-    from the ncu_flush_stages.sh reports; `--ncu` raised a KeyError on them."""
+def test_two_real_flush_reports_read_their_issue_rates_and_executed_counts(capsys):
+    """Two trimmed reports of scripts/ncu_flush_stages.sh (tests/data, the flush at batch 256
+    with fp16 RN and no read copy, and fp16 SR + nvfp4) read as ncu printed them: the issue
+    rate a sub-partition and the executed instructions per element."""
     from pathlib import Path
 
-    ncu = Path(__file__).resolve().parent.parent / "results" / "kernel_bench_runs" / "ncu"
+    data = Path(__file__).resolve().parent / "data"
     for tag, issue, executed in (("rn_none", 0.42, 164.5e6), ("sr_nvfp4", 0.65, 391.8e6)):
-        assert ic.main(["--ncu", str(ncu / f"ncu_flush_{tag}_20.trim.txt")]) == 0
+        assert ic.main(["--ncu", str(data / f"ncu_flush_{tag}.trim.txt")]) == 0
         out = capsys.readouterr().out
         assert f"issued {issue:.3f} a cycle" in out
         total = float(out.split("total")[1].split()[0])

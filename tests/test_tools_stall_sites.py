@@ -1,4 +1,4 @@
-"""cute_kernels.stall_sites: ncu's per-instruction warp samples joined with their source lines,
+"""tools.stall_sites: ncu's per-instruction warp samples joined with their source lines,
 summed by reason, by line and by the load a long-scoreboard wait is on (CPU only)."""
 
 import csv
@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from cute_kernels import stall_sites as ss
+from tools import stall_sites as ss
 
 REASONS = ("barrier", "long_sb", "math", "not_selected", "selected", "wait")
 BASE = 0x7F00_0000_5700
@@ -129,7 +129,7 @@ def test_report_names_the_largest_shares(exported, capsys):
 
 
 def test_a_file_that_is_not_an_export_is_a_clear_error(tmp_path, capsys):
-    """One line naming the file once (it used to name it twice), exit status 2."""
+    """One line naming the file once, exit status 2."""
     bad = tmp_path / "bad.csv"
     bad.write_text("a,b\n1,2\n")
     assert ss.main([str(bad)]) == 2

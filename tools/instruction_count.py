@@ -1,17 +1,17 @@
-"""Static SASS instruction counts per state element, and registers per thread, of the flush
-kernel's variants and of the non-flush kernel, compiled for sm_90a on the CPU.
+"""Static SASS instruction counts per state element, and registers per thread, of the kit's
+kernels in their default configurations, compiled for sm_90a on the CPU.
 
-    python -m cute_kernels.instruction_count            # every variant, fast paths only
-    python -m cute_kernels.instruction_count --with-fallbacks
-    python -m cute_kernels.instruction_count --pipes    # by Hopper pipe, floors, target budgets
-    python -m cute_kernels.instruction_count --ncu REPORT  # what ncu counted executed
-        # (REPORT: e.g. results/kernel_bench_runs/ncu/ncu_flush_sr_nvfp4_20.trim.txt)
+    python -m tools.instruction_count            # flush and non-flush kernels, fast paths
+    python -m tools.instruction_count --with-fallbacks
+    python -m tools.instruction_count --pipes    # by Hopper pipe, floors, per-token budgets
+    python -m tools.instruction_count --ncu REPORT  # what ncu counted executed
+        # (REPORT: a raw-page report of scripts/ncu_pipes.sh)
 
-The flush kernel is unrolled (64 state elements per thread, no loops but the CTA's ring
-staging), so the number of SASS instructions in the compiled kernel divided by 64 is what
-one thread issues per element, which is what bounds an ALU-bound kernel. Differences between
-variants say where the instructions go: fp16 RN + no read copy is the fold, the output and the
-stores; SR adds Philox and the rounding; nvfp4 adds the encoder.
+The flush kernel is unrolled (its elements per thread, no loops but the CTA's ring staging), so
+the number of SASS instructions in the compiled kernel divided by the elements a thread owns is
+what one thread issues per element, which is what bounds an ALU-bound kernel. The counts of the
+format pairs say where the instructions go: fp16 RN without a read copy is the fold, the output
+and the stores; SR adds Philox and the rounding; nvfp4 adds the encoder.
 
 The SR and NVFP4 encoders have a fast path and a general fallback that a thread takes only
 for rare elements (fp16 subnormals, quotients within 2^-20 of an E2M1 decision point), so by
@@ -20,69 +20,14 @@ default the fallbacks are compiled out (replaced by a constant) to count what a 
 
 Needs `ptxas` from CUDA 12.9 or newer (CuTe DSL 4.8 emits PTX 8.8) and `cuobjdump`: the
 `CUDA_HOME` toolkit's, else the first on PATH, else (cuobjdump only: its ptxas is older) the
-one in Triton's wheel. `--ncu` alone compiles nothing.
-
-Measured 2026-11-29, ptxas 13.0 (CUDA 13.0), Nemotron-3-Super head (64 x 128), window 16,
-bf16 activations, D and dt_bias, no z, 64 elements per thread. "Before" is the kernel of
-commit 30c950c (one Philox word per counter, every E2M1 code by division); "fma" the fast
-paths only with the FFMA fold (commit c94f375), "mma" with the tensor-core fold (the
-default, `FlushConfig.fold`), "as shipped" the fma kernel with the fallbacks compiled in
-(static code size, not what a thread runs):
-
-    variant                     before    then   fma    mma    as shipped
-    fp32 hi, no read copy       33.8      33.5   33.5   15.5   33.5
-    fp16 RN hi, no read copy    34.5      34.1   34.1   16.4   34.1
-    fp16 SR hi, no read copy    96.4      48.9   48.9   31.2   77.2
-    fp16 RN hi + nvfp4          95.0      71.8   63.8   46.5   110.5
-    fp16 SR hi + nvfp4          156.9     86.8   79.2   62.1   153.7
-
-"then" is commit 1b40283; "fma" adds the hardware E4M3 conversions for the block scales and
-the E2M1 code read off the magic add's bits (numerics.py). On the H200 the fp16-SR + nvfp4
-flush went from 2,244 to 1,452 us at batch 256 (results/gpu_sessions.md, "Second timing"). It
-defaults to 32 elements per thread (second table of the output): about 6-8 more instructions
-per element (85.3 fma, 69.9 mma), 62-79 registers instead of 95-128, and 1,094 us on the
-H200 (more warps resident), 1,035 us with the leaner encode, 990 us with the tensor-core
-fold (`bench_write`, 2026-11-29).
-
-Sixth session (2026-11-30, same tools): 16-element chunks (a whole NVFP4 block a thread),
-the E2M1 exactness test against a multiple of the grid step, the recurrence copy stored
-before the amax barrier, and at 32 elements a thread the direct fold with registers capped
-at 64 (the defaults, `FlushConfig`). Per element at 64 a thread (mma fold): fp32 15.6, fp16
-RN 15.2, fp16 SR 30.0, fp16 RN + nvfp4 37.7, fp16 SR + nvfp4 52.5; at 32 (direct fold):
-20.8, 19.8, 36.0, 44.2, 60.8 (69.9 before). On the H200 the fp16-SR + nvfp4 flush took
-794.2 us at batch 256 in the benchmark (912.7 before).
-
-Eighth session (same tools): the E2M1 code read off the rounded quotient scaled into fp32's
-subnormals and shifted straight to its nibble, and one max |S| an element serving both the
-head's amax and the block scales: fp16 SR + nvfp4 at 32 a thread 60.9 -> 58.9 (64 a thread
-52.5 -> 50.7), fp16 RN + nvfp4 44.6 -> 43.0; on the H200 773.5 -> 757.7 us at batch 256
-(`bench_write`, results/gpu_first_timing/bench_write_11_{old,new}.csv).
-
-Thirteenth session (same tools): the SR of two elements finished by one truncating
-conversion (numerics.sr_fp16x2_fast): fp16 SR + nvfp4 at 32 a thread 58.9 -> 55.3 (64 a
-thread 50.7 -> 46.7), fp16 SR without a read copy 36.6 -> 32.9; on the H200 743.0 -> 668.3 us
-at batch 256 in the benchmark (results/README.md, "Thirteenth session"). `--pipes` sorts these
-counts by pipe; `--ncu` reads what ncu counts executed.
-
-Eighteenth session (same tools): the E2M1 codes two at a time (numerics.e2m1_pair_fast: one
-truncating fp16 conversion and one packed min a pair, FlushConfig.e2m1_pairs): fp16 SR +
-nvfp4 at 32 a thread 55.3 -> 49.0 (64 a thread 46.7 -> 40.2), fp16 RN + nvfp4 43.0 -> 35.9.
-
-Non-flush nvfp4 at 4 warps: 4.52 instructions per element and lane with the f16 bit-trick
-decode and an f16 scale multiply (commit bcd48ec), 3.36 with the E4M3 re-pack and the block
-scales applied to per-block mma sums (78 -> 70-72 us at batch 256 on the H200), 3.38 with
-the fifth session's prologue, 3.13 with a warp's heads' decay weights worked out together and
-the ring coefficients read from shared memory (seventh session: 69.5 -> 64.1 us in the
-benchmark at batch 256); fp8 2.31 -> 2.05, fp32 3.28 -> 3.04. Ninth session: nvfp4 counted
-with its default ring stage (`replay_output.default_ring_stage`: the records through shared
-memory at 4 heads a warp), 3.12 -> 3.05.
+one in Triton's wheel. `--ncu` alone compiles nothing. docs/performance.md lists the counts
+measured for each default and the commits that changed them.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
 import os
 import re
 import shutil
@@ -97,13 +42,18 @@ from cute_kernels import numerics as nm  # noqa: E402
 from cute_kernels import replay_flush as rf  # noqa: E402
 from cute_kernels import replay_output as ro  # noqa: E402
 
-VARIANTS = (
+# The flush's (recurrence copy, rounding, read copy) pairs: the kit's schemes, and the two
+# halves of its two-precision flush (SR without the encoder, the encoder without SR).
+FLUSH_FORMATS = (
     ("fp32", "rn", "none"),
     ("fp16", "rn", "none"),
     ("fp16", "sr", "none"),
     ("fp16", "rn", "nvfp4"),
     ("fp16", "sr", "nvfp4"),
 )
+# The non-flush kernel's read-copy formats.
+NONFLUSH_FORMATS = ("nvfp4", "fp8_e4m3", "fp16", "fp32")
+NEMOTRON = dict(nheads=128, headdim=64, dstate=128, ngroups=8, window=16)
 
 
 def _tool(name: str) -> str:
@@ -184,27 +134,21 @@ def _compile_sass(ptx: str) -> tuple[str, str]:
     return sass, done.stderr
 
 
-def flush_config(
-    hi: str, rounding: str, lo: str, elements_per_thread: int = rf.ELEMENTS_PER_THREAD, **knobs
-) -> rf.FlushConfig:
-    """The benchmark's flush at the Nemotron-3-Super head, without debug output; chunk, fold
-    and the register cap FlushConfig's defaults for `elements_per_thread` unless `knobs`
-    name them."""
+def flush_config(hi: str, rounding: str, lo: str) -> rf.FlushConfig:
+    """The flush at the Nemotron-3-Super head (bf16 activations, fp32 dt, D and dt_bias, no z,
+    no debug output), every other field FlushConfig's default."""
     return rf.FlushConfig(
-        nheads=128, headdim=64, dstate=128, ngroups=8, window=16, ring_len=16, act="bf16",
-        dt_dtype="fp32", hi_format=hi, hi_rounding=rounding, lo_format=lo, has_D=True,
-        has_z=False, has_dt_bias=True, dt_softplus=True, has_debug=False,
-        elements_per_thread=elements_per_thread, **knobs,
+        **NEMOTRON, ring_len=NEMOTRON["window"], act="bf16", dt_dtype="fp32", hi_format=hi,
+        hi_rounding=rounding, lo_format=lo, has_D=True, has_z=False, has_dt_bias=True,
+        dt_softplus=True, has_debug=False,
     )  # fmt: skip
 
 
-def histograms(
-    with_fallbacks: bool, variants=VARIANTS, elements_per_thread: int = rf.ELEMENTS_PER_THREAD,
-    knobs: dict | None = None,
-) -> list[tuple[tuple[str, str, str], collections.Counter, int]]:
-    """Per flush variant: (variant, SASS opcode counts, registers per thread); without
-    fallbacks the rare general paths' bodies are compiled out (what a thread runs); `knobs`:
-    other FlushConfig fields."""
+def histograms(with_fallbacks: bool, formats=FLUSH_FORMATS
+               ) -> list[tuple[tuple[str, str, str], collections.Counter, int, int]]:
+    """Per flush format pair: (formats, SASS opcode counts, registers per thread, elements per
+    thread); without fallbacks the rare general paths' bodies are compiled out (what a thread
+    runs)."""
     general = (nm.sr_fp16_bits, nm.rn_e2m1_nibble)
     _compile._CACHE.clear()
     if not with_fallbacks:  # what a thread runs: the fallbacks' bodies become constants
@@ -212,48 +156,43 @@ def histograms(
         nm.rn_e2m1_nibble = lambda x: cutlass.Uint32(0)
     try:
         rows = []
-        for variant in variants:
-            cfg = flush_config(*variant, elements_per_thread, **(knobs or {}))
-            rows.append((variant, *sass_histogram(rf.compile_flush(cfg, keep_ptx=True).__ptx__)))
+        for pair in formats:
+            cfg = flush_config(*pair)
+            ops, registers = sass_histogram(rf.compile_flush(cfg, keep_ptx=True).__ptx__)
+            rows.append((pair, ops, registers, cfg.elements_per_thread))
         return rows
     finally:
         nm.sr_fp16_bits, nm.rn_e2m1_nibble = general
         _compile._CACHE.clear()
 
 
-def count(
-    with_fallbacks: bool, variants=VARIANTS, elements_per_thread: int = rf.ELEMENTS_PER_THREAD,
-    knobs: dict | None = None,
-) -> list[tuple[tuple[str, str, str], float, int, list]]:
-    """Per flush variant: (variant, SASS instructions per state element, registers per
-    thread, the 8 commonest opcodes)."""
-    return [
-        (variant, sum(ops.values()) / elements_per_thread, registers, ops.most_common(8))
-        for variant, ops, registers in histograms(with_fallbacks, variants, elements_per_thread,
-                                                  knobs)
-    ]
+def count(with_fallbacks: bool, formats=FLUSH_FORMATS
+          ) -> list[tuple[tuple[str, str, str], float, int, list]]:
+    """Per flush format pair: (formats, SASS instructions per state element, registers per
+    thread, the 8 commonest opcodes per element)."""
+    return [(pair, sum(ops.values()) / per, registers,
+             [(op, n / per) for op, n in ops.most_common(8)])
+            for pair, ops, registers, per in histograms(with_fallbacks, formats)]
 
 
 # The non-flush kernel is unrolled over the heads a warp owns, so its SASS count divided by
 # the elements one lane handles (heads per warp x headdim x dstate / 32) is what a lane issues
 # per read-copy element, prologue and epilogue included.
-NONFLUSH_VARIANTS = (("nvfp4", 4), ("nvfp4", 8), ("fp8_e4m3", 4), ("fp32", 8))
 
 
-def count_nonflush(variants=NONFLUSH_VARIANTS) -> list[tuple[tuple[str, int], float, int]]:
-    """Per (read-copy format, warps): (variant, SASS instructions per element and lane,
-    registers per thread) of the non-flush kernel at the Nemotron-3-Super layer, h = 8."""
+def count_nonflush(formats=NONFLUSH_FORMATS) -> list[tuple[str, float, int]]:
+    """Per read-copy format: (format, SASS instructions per element and lane, registers per
+    thread) of the non-flush kernel's default configuration at the Nemotron-3-Super layer."""
     rows = []
-    for lo_format, warps in variants:
+    for lo_format in formats:
         cfg = ro.ReplayOutputConfig(
-            lo_format=lo_format, act="bf16", dt_dtype="fp32", nheads=128, headdim=64,
-            dstate=128, ngroups=8, ring_capacity=16, window=16, has_D=True, has_z=False,
-            has_dt_bias=True, dt_softplus=True, warps=warps,
+            lo_format=lo_format, act="bf16", dt_dtype="fp32", **NEMOTRON,
+            ring_capacity=NEMOTRON["window"], has_D=True, has_z=False, has_dt_bias=True,
+            dt_softplus=True,
         )  # fmt: skip
-        cfg = dataclasses.replace(cfg, ring_stage=ro.default_ring_stage(cfg))  # as shipped
         ops, registers = sass_histogram(ro.compile_replay_output(cfg, keep_ptx=True).__ptx__)
-        per_lane = cfg.heads_per_group // warps * cfg.headdim * cfg.dstate // 32
-        rows.append(((lo_format, warps), sum(ops.values()) / per_lane, registers))
+        per_lane = cfg.heads_per_group // cfg.warps * cfg.headdim * cfg.dstate // 32
+        rows.append((lo_format, sum(ops.values()) / per_lane, registers))
     return rows
 
 
@@ -266,12 +205,10 @@ def count_nonflush(variants=NONFLUSH_VARIANTS) -> list[tuple[tuple[str, int], fl
 # (`heavy`: IMAD and fp32; `lite`: fp32 only) take 16 lanes a cycle, so a warp instruction
 # holds the pipe 2 cycles; fp32 arithmetic goes to whichever half is free, so heavy-only work
 # plus fp32 work share one warp instruction a cycle; MUFU (XU) takes 4. The half-rate ALU is
-# measured: ncu counts 1.50 ALU instructions an element executed by the non-flush step (`--ncu`
-# on results/kernel_bench_runs/ncu/ncu_pipes_cute_nonflush_nvfp4_13.trim.txt), its SASS 1.51.
-# VIADD, new in sm_90, is placed on the heavy half; ncu does not settle it. For the flush before
-# the paired SR the static model gave ALU 28.2 and FMA 23.8 an element (30.8 and 21.2 with
-# VIADD on the ALU) against 26.5 and 20.8 executed. Static counts leave out the ring staging
-# loop's repeats and count each rare path once.
+# measured: ncu counts 1.50 ALU instructions an element executed by the non-flush step
+# (`--ncu` on scripts/ncu_pipes.sh's report of cute:nonflush:nvfp4), its SASS 1.51.
+# VIADD, new in sm_90, is placed on the heavy half; ncu does not settle it. Static counts leave
+# out the ring staging loop's repeats and count each rare path once.
 PIPES = {
     "alu": (
         "LOP3",
@@ -356,8 +293,8 @@ BUDGET_COLUMNS = ("run", "kernel", "step", "scheme", "shape", "batch", "window",
 def flush_budgets(
     csv_path: str, shape: str = "nemotron3-super", batch: int = 256, window: int = 16
 ) -> list[dict]:
-    """From a kernel_bench CSV, per run and per-token target of the issue (4x FP32 ReplaySSM,
-    7.5x the conventional FP32 update), what the target asks of the two kernels.
+    """From a kernel_bench CSV, per run and per-token goal (4x FP32 ReplaySSM, 7.5x the
+    conventional FP32 update), what the goal asks of the two kernels.
 
     A window is L - 1 non-flush steps and one flush, so with a token time T and a flush time F
     the non-flush part takes L T - F, and a goal g against a reference token time R leaves
@@ -404,22 +341,22 @@ def flush_budgets(
 
 
 def print_pipes(csv_path: str | None, batch: int = 256, ncu_floor_us: float | None = None) -> None:
-    """The flush variants' instructions per element by pipe (32 elements a thread, fast paths,
-    as the benchmark runs them), the time each would take at `batch` if its binding pipe
-    never idled, and, with a kernel_bench CSV, what the per-token targets ask of the flush
-    and the non-flush steps (with `ncu_floor_us`, also at the floor of the executed count)."""
+    """The flush format pairs' instructions per element by pipe (default configuration, fast
+    paths), the time each would take at `batch` if its binding pipe never idled, and, with a
+    kernel_bench CSV, what the per-token goals ask of the flush and the non-flush steps (with
+    `ncu_floor_us`, also at the floor of the executed count)."""
     elements = batch * 128 * 64 * 128  # the Nemotron-3-Super layer
     print(
-        f"flush by pipe, 32 elements a thread, per element (floor: Nemotron layer, batch "
-        f"{batch}, {H200_SMS} SMs at {H200_CLOCK_GHZ} GHz, every pipe flat out):"
+        f"flush by pipe, per element (floor: Nemotron layer, batch {batch}, {H200_SMS} SMs at "
+        f"{H200_CLOCK_GHZ} GHz, every pipe flat out):"
     )
     print(
         f"  {'variant':22s} {'total':>6s} {'ALU':>6s} {'heavy':>6s} {'fp32':>6s} {'XU':>5s} "
         f"{'other':>6s}  floor"
     )
     floors = {}
-    for variant, ops, _ in histograms(False, VARIANTS, 32):
-        p = pipe_counts(ops, 32)
+    for variant, ops, _, per in histograms(False):
+        p = pipe_counts(ops, per)
         cycles, limit = issue_floor_cycles(p)
         floors[variant] = floor_us(cycles, elements)
         name = "{} {} hi + {}".format(*variant)
@@ -432,7 +369,7 @@ def print_pipes(csv_path: str | None, batch: int = 256, ncu_floor_us: float | No
         return
     floor = floors[("fp16", "sr", "nvfp4")]
     print(
-        f"what the per-token targets ask ({csv_path}, batch {batch}, L = 16, each run's own "
+        f"what the per-token goals ask ({csv_path}, batch {batch}, L = 16, each run's own "
         "kernels):"
     )
     for b in flush_budgets(csv_path, batch=batch):
@@ -477,8 +414,8 @@ NCU_METRICS = (
 )
 # Warp instructions issued a cycle, and the factor that makes each a sub-partition's rate: an
 # SM's executed rate over its 4 sub-partitions, or the fraction of a sub-partition's cycles
-# that issue (one instruction an issue on Hopper: the flush's report of call 6, eighteenth
-# session, read 2.60 an SM; the twentieth session's of the same kernel 0.65 a sub-partition).
+# that issue (one instruction an issue on Hopper: the same flush read 2.60 an SM and 0.65 a
+# sub-partition).
 ISSUE_METRICS = (
     ("sm__inst_executed.avg.per_cycle_active", 0.25),
     ("smsp__issue_active.avg.per_cycle_active", 1.0),
@@ -597,25 +534,25 @@ DEFAULT_CSV = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__fil
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m cute_kernels.instruction_count",
+        prog="python -m tools.instruction_count",
         allow_abbrev=False,  # a flag reads the same in a results file as in --help
         description="SASS instructions per state element and registers per thread of the "
-        "flush variants (64 and 32 elements per thread) and of the non-flush kernel (sm_90a, "
-        "compiled on the CPU). Without --with-fallbacks the flush's rare general-path bodies "
+        "flush and non-flush kernels in their default configurations (sm_90a, compiled on the "
+        "CPU). Without --with-fallbacks the flush's rare general-path bodies "
         "are compiled out, so the count is what a thread issues.",
     )
     parser.add_argument("--with-fallbacks", action="store_true", help="count the kernel as shipped")
     parser.add_argument(
         "--pipes",
         action="store_true",
-        help="instead: the flush variants' instructions by Hopper pipe (ALU, FMA halves, XU) "
+        help="instead: the flush's instructions by Hopper pipe (ALU, FMA halves, XU) "
         "and the time each takes at batch 256 if its busiest pipe never idled",
     )
     parser.add_argument(
         "--csv",
         default=None,
         help="with --pipes: a kernel_bench CSV from which to derive the flush time that each "
-        "per-token target allows (default: the repository's results/kernel_bench.csv; "
+        "per-token goal allows (default: the repository's results/kernel_bench.csv; "
         "skipped if absent)",
     )
     parser.add_argument(
@@ -624,7 +561,7 @@ def main(argv=None) -> int:
         help="instead: executed instructions per element by pipe, from a report of "
         "scripts/ncu_pipes.sh or scripts/ncu_flush_stages.sh (ncu's raw page at batch 256; "
         "plain or .gz), and the issue floor they set; with --pipes and a report whose first "
-        "launch is the flush, the targets at that floor too",
+        "launch is the flush, the goals at that floor too",
     )
     args = parser.parse_args(argv)
     if args.csv is not None and not args.pipes:
@@ -669,16 +606,14 @@ def main(argv=None) -> int:
     if args.pipes:
         print_pipes(csv_path if os.path.isfile(csv_path) else None, ncu_floor_us=ncu_floor)
         return 0
-    for ept in (rf.ELEMENTS_PER_THREAD, 32):
-        print(f"flush, {ept} elements per thread:")
-        rows = count(args.with_fallbacks, VARIANTS, ept)
-        for (hi, rounding, lo), per_element, registers, top in rows:
-            ops = ", ".join(f"{op} {n / ept:.1f}" for op, n in top)
-            name = f"{hi} {rounding} hi + {lo}"
-            print(f"  {name:22s} {per_element:6.1f} per element, {registers:3d} registers ({ops})")
+    print("flush, per element (elements per thread: the default):")
+    for (hi, rounding, lo), per_element, registers, top in count(args.with_fallbacks):
+        ops = ", ".join(f"{op} {n:.1f}" for op, n in top)
+        name = f"{hi} {rounding} hi + {lo}"
+        print(f"  {name:22s} {per_element:6.1f} per element, {registers:3d} registers ({ops})")
     print("non-flush (replay_output), per element and lane:")
-    for (lo, warps), per_element, registers in count_nonflush():
-        print(f"  {lo:9s} {warps:2d} warps {per_element:5.2f} per element, {registers} registers")
+    for lo, per_element, registers in count_nonflush():
+        print(f"  {lo:9s} {per_element:5.2f} per element, {registers} registers")
     return 0
 
 

@@ -1,0 +1,226 @@
+"""The peers' decode kernels, each given its inputs in its own layout: vLLM's Triton kernels and
+FlashInfer's CUDA kernels, imported from `--peers-dir` (default `.peers/`, built by
+`scripts/peers/prepare.sh`).
+
+    vllm:update:<fmt>         vLLM 0.33.0 `selective_state_update`, fp32 / fp16 state
+    vllm:nonflush|flush:<fmt> vLLM `selective_state_update_replayssm_output_only` (one checkpoint)
+    flashinfer:update:<fmt>   FlashInfer 0.7.2.post1 `selective_state_update`
+    flashinfer:nonflush|flush FlashInfer `checkpointing_ssu` (one checkpoint, ring of L + 1)
+
+A peer that cannot be imported raises `cases.Unavailable` with its reason, which the benchmark
+records in its CSV instead of dropping the kernel. Inputs: bf16 `x, B, C` and raw `dt` (their
+serving dtype; FlashInfer's `selective_state_update` takes fp32 dt, as its D/dt_bias dtype must
+equal dt's), A, D and dt_bias per head broadcast with stride 0.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+import tarfile
+from pathlib import Path
+
+import torch
+
+from experiments.cases import (
+    ACT,
+    BenchShape,
+    Case,
+    KernelSpec,
+    Unavailable,
+    counter,
+    ring_buffers,
+    state_dtype,
+    token_buffers,
+)
+from experiments.harness import Buffers
+
+__all__ = ["build", "load", "FLASHINFER_UNPACK"]
+
+_MODULES: dict[str, object] = {}
+FLASHINFER_UNPACK = Path(os.environ.get("LOWPREC_PEERS_TMP", "/tmp/lowprec-peers")) / "flashinfer"
+
+
+def _import_vllm(peers_dir: Path):
+    """vLLM's Mamba decode kernels (from `<peers_dir>/vllm/site` when present)."""
+    site = Path(peers_dir) / "vllm" / "site"
+    if site.is_dir() and str(site) not in sys.path:
+        sys.path.insert(0, str(site))
+    try:
+        from vllm.model_executor.layers.mamba.ops import mamba_ssm
+        from vllm.model_executor.layers.mamba.ops import (
+            selective_state_update_replayssm_output_only as replay,
+        )
+    except Exception as error:
+        reason = f"vllm kernels not importable ({type(error).__name__}: {error})"
+        if not site.is_dir():
+            reason += f"; {site} is missing: run scripts/peers/prepare.sh vllm"
+        return Unavailable(reason)
+    return (mamba_ssm.selective_state_update,
+            replay.selective_state_update_replayssm_output_only)
+
+
+def _import_flashinfer(peers_dir: Path):
+    """FlashInfer's Mamba entry points; unpacks `<peers_dir>/flashinfer/flashinfer-peer.tar.xz`
+    to /tmp (once) when flashinfer is not importable as installed."""
+    archive = Path(peers_dir) / "flashinfer" / "flashinfer-peer.tar.xz"
+    site = FLASHINFER_UNPACK / "site"
+    try:
+        if archive.is_file() and not (site / "flashinfer").is_dir():
+            FLASHINFER_UNPACK.mkdir(parents=True, exist_ok=True)
+            with tarfile.open(archive) as tar:
+                tar.extractall(FLASHINFER_UNPACK, filter="data")
+        if (site / "flashinfer").is_dir():
+            if str(site) not in sys.path:
+                sys.path.insert(0, str(site))
+            os.environ.setdefault("FLASHINFER_WORKSPACE_BASE", str(FLASHINFER_UNPACK / "ws"))
+        if not hasattr(torch.Tensor, "__dlpack_c_exchange_api__"):
+            # an older torch: tvm-ffi would JIT-build its DLPack addon at import (minutes of
+            # device time); its fallback converts tensors in Python, on torch's current stream
+            os.environ.setdefault("TVM_FFI_DISABLE_TORCH_C_DLPACK", "1")
+        # The prebuilt modules were linked against a stub libcuda without symbols, so they do
+        # not name libcuda as a dependency; their driver calls (cuTensorMapEncodeTiled) resolve
+        # only if the driver library is already loaded globally ("undefined symbol:
+        # cuTensorMapEncodeTiled" otherwise).
+        ctypes.CDLL("libcuda.so.1", mode=ctypes.RTLD_GLOBAL)
+        from flashinfer.mamba.checkpointing_ssu import (
+            allocate_checkpointing_ssu_scratch,
+            checkpointing_ssu,
+        )
+        from flashinfer.mamba.selective_state_update import selective_state_update
+    except Exception as error:
+        reason = f"flashinfer not importable ({type(error).__name__}: {error})"
+        if not archive.is_file():
+            reason += f"; {archive} is missing: run scripts/peers/prepare.sh flashinfer"
+        return Unavailable(reason)
+    return selective_state_update, checkpointing_ssu, allocate_checkpointing_ssu_scratch
+
+
+def load(name: str, peers_dir: Path):
+    """The peer's entry points (imported once a process), or raise `Unavailable`."""
+    if name not in _MODULES:
+        _MODULES[name] = (_import_vllm if name == "vllm" else _import_flashinfer)(peers_dir)
+    loaded = _MODULES[name]
+    if isinstance(loaded, Unavailable):
+        raise loaded
+    return loaded
+
+
+def tied(params: dict, shape: BenchShape) -> dict:
+    """A, D, dt_bias broadcast per head with stride 0, the layout both peers take
+    (`A [nheads, headdim, dstate]`, `D, dt_bias [nheads, headdim]`)."""
+    P, N = shape.headdim, shape.dstate
+    return dict(
+        A=params["A"][:, None, None].expand(-1, P, N),
+        D=params["D"][:, None].expand(-1, P),
+        dt_bias=params["dt_bias"][:, None].expand(-1, P),
+    )
+
+
+def _vllm(spec, shape, batch, window, cursor, b: Buffers, params, peers_dir) -> Case:
+    """vLLM: `selective_state_update(state, x, dt, A, B, C, D, dt_bias, z, dt_softplus, out=)`
+    with dt `[b, h, p]` stride 0 over p; the ReplaySSM output-only kernel with its ring
+    (`x_cache [b, h, L, p]`, `dt_cache [b, h, L]` processed dt, `B_cache [b, g, L, n]`),
+    `write_pos` = records before the step, `is_flush`, `bc_pre` fp32 scratch `[b, g, L]`."""
+    ssu, replay_output_only = load("vllm", peers_dir)
+    S, H, P, N, G = batch, shape.nheads, shape.headdim, shape.dstate, shape.ngroups
+    token_buffers(b, shape, batch)
+    b.add("state", (S, H, P, N), state_dtype(spec.variant), "randn")
+    per_head = tied(params, shape)
+    if spec.step == "update":
+
+        def launch(t):
+            ssu(t["state"], t["x"], t["dt"][..., None].expand(-1, -1, P), per_head["A"],
+                t["B"], t["C"], per_head["D"], per_head["dt_bias"], None, True, out=t["out"])
+
+        return Case(spec, shape, batch, window, b, params, launch)
+
+    ring_buffers(b, shape, batch, window)
+    counter(b, "cursors", batch, cursor)
+    b.add("is_flush", (S,), torch.bool, "const", spec.step == "flush")
+    b.add("bc_pre", (S, G, window), torch.float32, "empty")
+
+    def launch(t):
+        replay_output_only(
+            t["state"], t["x"], t["dt"][..., None].expand(-1, -1, P), per_head["A"], t["B"],
+            t["C"], per_head["D"], per_head["dt_bias"], None, True, x_cache=t["ring_x"],
+            dt_cache=t["ring_dt"], B_cache=t["ring_B"], bc_pre=t["bc_pre"],
+            write_pos=t["cursors"], is_flush=t["is_flush"], max_cache_len=window, out=t["out"],
+        )
+
+    return Case(spec, shape, batch, window, b, params, launch)
+
+
+def _flashinfer(spec, shape, batch, window, cursor, b: Buffers, params, peers_dir) -> Case:
+    """FlashInfer: `selective_state_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus,
+    out=)` (dt fp32 `[b, h, p]` stride 0 over p); `checkpointing_ssu(state, x_cache, B_cache,
+    dt_cache, ring_start, prev_num_accepted, x, dt, A, B, C, out, D, z, dt_bias, dt_softplus,
+    ...)` with T = 1 token per step (`x [b, 1, h, p]`), a ring of L + 1 rows (its window is the
+    ring length minus T), ring_start 0, the host-owned `prev_num_accepted` = records before the
+    step, and the two-kernel scratch allocated as its docstring asks (algorithm 'auto')."""
+    ssu, checkpointing_ssu, scratch = load("flashinfer", peers_dir)
+    _prebuild_failure(spec, shape, window, peers_dir)
+    S, H, P, N = batch, shape.nheads, shape.headdim, shape.dstate
+    per_head = tied(params, shape)
+    b.add("state", (S, H, P, N), state_dtype(spec.variant), "randn")
+    if spec.step == "update":
+        token_buffers(b, shape, batch, dt_dtype=torch.float32)
+
+        def launch(t):
+            ssu(t["state"], t["x"], t["dt"][..., None].expand(-1, -1, P), per_head["A"],
+                t["B"], t["C"], per_head["D"], None, per_head["dt_bias"], True, out=t["out"])
+
+        return Case(spec, shape, batch, window, b, params, launch)
+
+    token_buffers(b, shape, batch)
+    ring_buffers(b, shape, batch, window + spec.ring_extra)
+    counter(b, "ring_start", batch, 0)
+    counter(b, "cursors", batch, cursor)
+    scratch_sets = [scratch(S, H, 1, window, b.act, b.device) for _ in range(b.sets)]
+
+    def launch(t):
+        cb_scaled, cum_adt, cb_old = scratch_sets[t["set"]]
+        checkpointing_ssu(
+            t["state"], t["ring_x"], t["ring_B"], t["ring_dt"], t["ring_start"], t["cursors"],
+            t["x"][:, None], t["dt"][:, None, :, None].expand(-1, 1, -1, P), per_head["A"],
+            t["B"][:, None], t["C"][:, None], t["out"][:, None], per_head["D"], None,
+            per_head["dt_bias"], True, cb_scaled=cb_scaled, cumAdt_vec=cum_adt, cb_old=cb_old,
+        )
+
+    return Case(spec, shape, batch, window, b, params, launch)
+
+
+def _prebuild_failure(spec: KernelSpec, shape: BenchShape, window: int, peers_dir: Path) -> None:
+    """Raise `Unavailable` when scripts/peers/prepare.sh could not compile the FlashInfer module
+    this kernel needs (its report is `<peers_dir>/flashinfer/prebuild-report.tsv`): the same
+    build on the GPU machine would fail too, after minutes of device time."""
+    report = Path(peers_dir) / "flashinfer" / "prebuild-report.tsv"
+    if not report.is_file():
+        return
+    from flashinfer.jit.mamba.checkpointing_ssu import get_checkpointing_ssu_uri
+    from flashinfer.jit.mamba.selective_state_update import get_selective_state_update_uri
+
+    state = state_dtype(spec.variant)
+    f32, i32 = torch.float32, torch.int32
+    if spec.step == "update":
+        uri = get_selective_state_update_uri(state, ACT, f32, f32, i32, None, shape.headdim,
+                                             shape.dstate, 1, i32, torch.int64, 0) + "_sm90"
+    else:
+        uri = get_checkpointing_ssu_uri(state, ACT, ACT, f32, f32, i32, None, shape.headdim,
+                                        shape.dstate, 1, window, shape.nheads // shape.ngroups,
+                                        shape.ngroups, 0, False)
+    for line in report.read_text().splitlines():
+        name, _, status = line.partition("\t")
+        if name == uri and status.startswith("failed"):
+            raise Unavailable(f"FlashInfer module {uri} did not compile for sm_90a ({status})")
+
+
+def build(spec: KernelSpec, shape: BenchShape, batch: int, window: int, cursor, b: Buffers,
+          params: dict, peers_dir: Path) -> Case:
+    """A peer kernel's case (`cases.build_case` calls this for impl vllm and flashinfer)."""
+    if spec.impl == "vllm":
+        return _vllm(spec, shape, batch, window, cursor, b, params, peers_dir)
+    if spec.impl == "flashinfer":
+        return _flashinfer(spec, shape, batch, window, cursor, b, params, peers_dir)
+    raise ValueError(f"spec: expected a vllm or flashinfer kernel, got {spec.name!r}")
