@@ -700,7 +700,7 @@ def output_bound_window(ckpt, ring_u, ring_v, ring_k, ring_g, ring_beta, count, 
     beta_c = ring_beta.gather(2, p.view(-1, 1, 1).expand(-1, h, 1))[:, :, 0]
     before = (torch.arange(lcap)[None, :] < p[:, None])[:, None, :, None]
     upto = (torch.arange(lcap)[None, :] <= p[:, None])[:, None, :, None]
-    KW = ring_k.abs() * W  # [b, h, L, dk]
+    KW = torch.where(upto, ring_k.abs(), 0.0) * W  # [b, h, L, dk] (past p: NaN in the ring)
     m_u = torch.einsum("bhvk,bhk->bhv", ckpt.abs(), G * k_c.abs()) + (
         torch.where(before, ring_u.abs(), 0.0) * (KW @ k_c.abs()[..., None])).sum(dim=2)
     u_c = ring_u.gather(2, idx.expand(-1, h, 1, dv))[:, :, 0]
