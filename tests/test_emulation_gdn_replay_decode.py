@@ -23,7 +23,7 @@ import torch
 if not torch.cuda.is_available():  # Triton cannot compile for a CPU: interpret (before import)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from gdn_emulation_cases import filled_cache, make_token, run_and_check_step, SEED  # noqa: E402
+from gdn_emulation_cases import SEED, filled_cache, make_token, run_and_check_step  # noqa: E402
 
 from emulation.gdn_replay_decode import (  # noqa: E402
     GDNReplayCache,
