@@ -184,11 +184,10 @@ def check_device(name, t, device) -> None:
     """ValueError unless tensor `t` is on `device` and holds data: a meta tensor (no storage;
     Triton would read nothing and the ring's records would be lost) and a tensor on another
     device than the cache are refused by name."""
-    if t.device.type == "meta":
-        raise ValueError(f"{name}: expected a tensor with data on {device}, got one on the meta "
-                         f"device")
     if t.device != device:
         raise ValueError(f"{name}: expected device {device}, got {t.device}")
+    if t.device.type == "meta":
+        raise ValueError(f"{name}: expected a tensor with data, got one on the meta device")
 
 
 def check_switch(name, value) -> None:
