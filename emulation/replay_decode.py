@@ -212,7 +212,7 @@ def check_inputs_apart(cache, /, **inputs) -> None:
     """ValueError if an input (None entries skipped) shares bytes with a tensor of `cache`: a
     call writes the cache (the ring's append, a flush's copies, the counters) while its
     programs still read the inputs, so an input over the cache's bytes reads what another
-    program wrote (`x` over `cache.hi` on a flush step changed y and the ring)."""
+    program wrote (`x` over `cache.hi` on a flush step would change y and the ring)."""
     tensors = cache_tensors(cache)
     for name, t in inputs.items():
         if not isinstance(t, torch.Tensor):

@@ -36,12 +36,16 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="CPU interpreter tests (compiled Triton needs a GPU)")
 
 LO_FORMATS = [name for name in formats.names() if name != "fp64"]
+# every read format for GDN; for KDA (the same kernel, one flag) those with distinct scale rules
+KDA_FAST = ("nvfp4", "mxfp4", "fp8_e4m3_row", "fp16")
+FORMAT_CASES = [pytest.param(lo, pc, id=f"{lo}-{'kda' if pc else 'gdn'}",
+                             marks=() if not pc or lo in KDA_FAST else pytest.mark.slow)
+                for pc in (False, True) for lo in LO_FORMATS]
 DECODE = {False: gdn_replay_decode, True: kda_replay_decode}
 RECURRENCES = [pytest.param(False, id="gdn"), pytest.param(True, id="kda")]
 
 
-@pytest.mark.parametrize("per_channel", RECURRENCES)
-@pytest.mark.parametrize("lo", LO_FORMATS)
+@pytest.mark.parametrize("lo, per_channel", FORMAT_CASES)
 def test_step_copies_bit_exact_every_read_format(lo, per_channel):
     """Slots at ring positions L-1 (flush), 0 and 2 in one call (nheads 3, dv 5, dk 32): u and
     y to the fp32 bound, hi = FP16-SR(S_new) with each slot's own flush counter and lo =

@@ -3,8 +3,8 @@ whose tensors share memory, meta tensors and tensors on another device than the 
 
 A call writes the cache (the ring's append, a flush's copies, the counters) while other
 programs still read the inputs: an input over the cache's bytes reads what was written (`x`
-as a view of `cache.hi` on a Mamba-2 flush step changed y and the ring by up to 5.65 against a
-copy of the same x). A meta tensor has no data: the kernels read nothing.
+as a view of `cache.hi` on a Mamba-2 flush step, unchecked, changes y and the ring by up to
+5.65 against a copy of the same x). A meta tensor has no data: a kernel would read nothing.
 """
 
 import os
@@ -150,7 +150,7 @@ def test_cache_tensors_sharing_memory_are_refused():
 
 
 def test_meta_caches_and_inputs_are_refused_by_name():
-    """A cache on the meta device (it ran into an error deep in the interpreter) and a meta
+    """A cache on the meta device (no data for the kernels to read) and a meta
     input beside a CPU cache are refused naming the tensor; so are the host wrappers'."""
     meta = "expected a tensor with data, got one on the meta device"
     for make in (lambda: ReplayCache.empty(2, H, P, N, window=2, device="meta"),
