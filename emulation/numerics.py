@@ -391,6 +391,8 @@ def _check_fp32(name: str, x) -> None:
     if not isinstance(x, torch.Tensor) or x.dtype != torch.float32:
         got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
         raise ValueError(f"{name}: expected a float32 tensor, got {got}")
+    if x.device.type == "meta":  # no data for a kernel to read
+        raise ValueError(f"{name}: expected a tensor with data, got one on the meta device")
 
 
 def round_to(x: torch.Tensor, element, rounding: str = "rn", rand=None) -> torch.Tensor:
@@ -503,6 +505,8 @@ def random_words_host(seed: int, slot: int, flush: int, numel: int, device="cpu"
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < limit:
             bound = "[0, 2^24]" if high is None else f"[0, 2^{high})"
             raise ValueError(f"{name}: expected an int in {bound}, got {value!r}")
+    if torch.device(device).type == "meta":
+        raise ValueError("device: expected a device with memory, got meta (no words to write)")
     words = torch.empty(numel, dtype=torch.int64, device=device)
     if numel:
         _random_words_kernel[(triton.cdiv(numel, ROUND_BLOCK),)](

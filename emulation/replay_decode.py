@@ -175,10 +175,19 @@ def _expect(name, t, shape, dtypes, device):
         raise ValueError(f"{name}: expected shape {list(shape)}, got {list(t.shape)}")
     if t.dtype not in dtypes:
         raise ValueError(f"{name}: expected dtype in {list(dtypes)}, got {t.dtype}")
-    if t.device != device:
-        raise ValueError(f"{name}: expected device {device}, got {t.device}")
+    check_device(name, t, device)
     if not t.is_contiguous():
         raise ValueError(f"{name}: expected a contiguous tensor, got strides {t.stride()}")
+
+
+def check_device(name, t, device) -> None:
+    """ValueError unless tensor `t` is on `device` and holds data: a meta tensor (no storage;
+    Triton would read nothing and the ring's records would be lost) and a tensor on another
+    device than the cache are refused by name."""
+    if t.device != device:
+        raise ValueError(f"{name}: expected device {device}, got {t.device}")
+    if t.device.type == "meta":
+        raise ValueError(f"{name}: expected a tensor with data, got one on the meta device")
 
 
 def check_switch(name, value) -> None:
@@ -199,8 +208,35 @@ def check_out_apart(output, name="out", /, **inputs) -> None:
                              f"got one that shares {other_name}'s")
 
 
+def check_inputs_apart(cache, /, **inputs) -> None:
+    """ValueError if an input (None entries skipped) shares bytes with a tensor of `cache`: a
+    call writes the cache (the ring's append, a flush's copies, the counters) while its
+    programs still read the inputs, so an input over the cache's bytes reads what another
+    program wrote (`x` over `cache.hi` on a flush step would change y and the ring)."""
+    tensors = cache_tensors(cache)
+    for name, t in inputs.items():
+        if not isinstance(t, torch.Tensor):
+            continue
+        for cache_name, other in tensors.items():
+            if bytes_overlap(t, other):
+                raise ValueError(f"{name}: expected a tensor that shares no memory with the "
+                                 f"cache, got one that shares {cache_name}'s")
+
+
+def check_cache_apart(cache) -> None:
+    """ValueError if two tensors of `cache` share bytes (a flush writes one copy while it reads
+    the other, a ring's append would overwrite a copy)."""
+    tensors = list(cache_tensors(cache).items())
+    for i, (name, t) in enumerate(tensors):
+        for other_name, other in tensors[i + 1:]:
+            if bytes_overlap(t, other):
+                raise ValueError(f"{name}: expected a tensor that shares no memory with the "
+                                 f"cache's other tensors, got one that shares {other_name}'s")
+
+
 def cache_tensors(cache) -> dict:
-    """The named tensors of a ReplayCache or StateCache, for check_out_apart."""
+    """The named tensors of a cache dataclass (ReplayCache, StateCache, GDNReplayCache), for
+    the checks of aliasing."""
     return {f"cache.{field.name}": getattr(cache, field.name)
             for field in fields(cache)
             if isinstance(getattr(cache, field.name), torch.Tensor)}
@@ -273,6 +309,7 @@ def check_cache(cache: ReplayCache) -> None:
     _expect("cache.ring_B", rb, (slots, ngroups, lcap, dstate), (rx.dtype,), device)
     _expect("cache.cursors", cache.cursors, (slots,), (torch.int32,), device)
     _expect("cache.flushes", cache.flushes, (slots,), (torch.int32,), device)
+    check_cache_apart(cache)
 
 
 def check_step_inputs(cache, x, dt, A, B, C, D, z, dt_bias, ndraft=None):
@@ -295,6 +332,7 @@ def check_step_inputs(cache, x, dt, A, B, C, D, z, dt_bias, ndraft=None):
     ):
         if tensor is not None:
             _expect(name, tensor, shape, act if name == "z" else f32, device)
+    check_inputs_apart(cache, x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias)
 
 
 def check_cursors(cache, low: int, high: int) -> None:

@@ -40,6 +40,7 @@ from emulation.replay_decode import (
     ReplayCache,
     _expect,
     cache_tensors,
+    check_cache,
     check_cursors,
     check_out_apart,
     check_step_inputs,
@@ -50,7 +51,7 @@ from emulation.replay_decode import (
     store_copies,
 )
 
-__all__ = ["mamba2_replay_verify", "mamba2_replay_commit"]
+__all__ = ["mamba2_replay_verify", "mamba2_replay_commit", "commit_drafts"]
 
 
 @triton.jit
@@ -271,6 +272,13 @@ def mamba2_replay_commit(cache: ReplayCache, accepted) -> None:
     """
     if not isinstance(cache, ReplayCache):
         raise ValueError(f"cache: expected a ReplayCache, got {type(cache).__name__}")
+    check_cache(cache)
+    commit_drafts(cache, accepted, "mamba2_replay_verify")
+
+
+def commit_drafts(cache, accepted, verify_name: str) -> None:
+    """`cursors += accepted` after the checks every cache's commit shares (`cache` already
+    checked; `verify_name` names the verify that must precede)."""
     T = cache.draft
     if T < 1:
         raise ValueError(f"cache.draft: expected T >= 1 for speculative decoding, got {T}")
@@ -284,7 +292,7 @@ def mamba2_replay_commit(cache: ReplayCache, accepted) -> None:
     if slots and (int(accepted.min()) < 0 or int(accepted.max()) > T):
         raise ValueError(f"accepted: expected values in [0, T={T}], got {accepted.tolist()}")
     if not cache.pending:
-        raise ValueError("commit: expected a mamba2_replay_verify before each commit, got none "
+        raise ValueError(f"commit: expected a {verify_name} before each commit, got none "
                          "pending (a second commit would count stale ring entries as records)")
     if slots and int((cache.cursors + accepted).max()) > cache.window:
         raise ValueError(

@@ -37,6 +37,8 @@ from emulation.replay_decode import (
     _expect,
     _expect_int,
     cache_tensors,
+    check_cache_apart,
+    check_inputs_apart,
     check_out_apart,
     check_switch,
     gate_output,
@@ -148,6 +150,7 @@ def check_state_cache(cache: StateCache) -> None:
     elif cache.global_scale is not None:
         raise ValueError(f"cache.global_scale: expected None for {fmt.name!r}, got a tensor")
     _expect("cache.tokens", cache.tokens, (slots,), (torch.int32,), device)
+    check_cache_apart(cache)
 
 
 @triton.jit
@@ -259,6 +262,7 @@ def mamba2_state_update(
     ):
         if tensor is not None:
             _expect(name, tensor, shape, dtypes, device)
+    check_inputs_apart(cache, x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias)
     if check_counters:  # one host read (a stream sync) of the counters' range
         check_flush_field("cache.tokens", cache.tokens)
     if out is None:

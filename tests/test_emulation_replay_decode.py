@@ -433,9 +433,9 @@ def test_invalid_inputs_raise_value_error(change, match):
 ], ids=["out-is-x", "softplus-word", "check-int", "window-neg", "window-float", "slots-neg",
         "no-heads", "act-int8", "empty-heads"])
 def test_argument_mistakes_are_named(call, match):
-    """Mistakes a caller makes (out aliasing x, which stored y as the ring's record; a word
-    for a switch, read with bool(); sizes that used to reach torch's allocator or a Triton
-    arange) raise a ValueError naming the argument."""
+    """Mistakes a caller makes (out aliasing x, which would store y as the ring's record; a
+    word for a switch, which bool() reads as on; sizes torch's allocator or a Triton arange
+    would refuse with their own errors) raise a ValueError naming the argument."""
     cache, token, params = _valid_call_parts()
     with pytest.raises(ValueError, match=match):
         call(cache, token, params)
@@ -444,8 +444,8 @@ def test_argument_mistakes_are_named(call, match):
 def test_cursors_out_of_range_without_the_check_stay_in_their_ring():
     """With check_counters=False a cursor out of range (past the ring, or negative) gives a
     meaningless output for its slot but every ring access stays within that slot's ring: the
-    other slots' rings hold exactly their own appended record (such a cursor wrote into the
-    next slot's ring, or crashed the interpreter with a double free)."""
+    other slots' rings hold exactly their own appended record (unmasked, such a cursor would
+    write into the next slot's ring)."""
     gen = torch.Generator().manual_seed(9)
     shape = SHAPES["h3-p5-n32-g1"]
     cache = filled_cache(gen, 3, shape, ("fp16", "sr"), "nvfp4", torch.float32, "cpu",
@@ -469,8 +469,8 @@ def test_outputs_sharing_a_cache_tensors_bytes_are_refused_and_disjoint_slices_a
     """The kernel reads the cache after writing y (the ring's append, a flush's state), so an
     `out` over the ring's bytes, or a `debug_state` over out's, is refused by name, as the
     CuTe wrappers refuse it; x and out as two disjoint slices of one buffer share a storage
-    but no byte, and give the outputs of separate buffers (the check used to compare
-    storages, and skipped the cache)."""
+    but no byte, and give the outputs of separate buffers (bytes are compared, not
+    storages)."""
     cache, token, params = _valid_call_parts()
     n = token["x"].numel()
     over_ring = cache.ring_x.view(-1)[:n].view(token["x"].shape)

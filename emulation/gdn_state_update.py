@@ -1,0 +1,170 @@
+"""Conventional Gated DeltaNet / KDA decode step in Triton: the state is stored every token.
+
+The baseline that ReplaySSM is measured against (`lowprec.policies` kind 'conventional', the
+experiments' `every_step` arm). One call advances every slot by one token:
+
+    S = ROUND(S diag(a) + u k^T),  u = beta (v - S diag(a) k),  a = exp(g)
+                                       (lowprec.gdn._delta_update's order, fp32 registers)
+    y = S q                            from the stored (rounded) state, as lowprec.policies
+                                       defines the conventional arm ('stored'), or from the
+                                       unrounded one ('unrounded')
+
+ROUND is any lowprec format but fp64, RN or SR; SR words are `random_words(seed, slot,
+tokens[slot], element)`, the per-slot token counter in the flush counter's place (as
+`lowprec.policies.Simulator` draws them), and the call increments `tokens`. The cache is
+`emulation.state_update.StateCache` ([slots, nheads, headdim = d_v, dstate = d_k]).
+"""
+
+# emulation.numerics comes first: without CUDA it switches Triton's interpreter on, which has to
+# happen before triton is first imported.
+from emulation.numerics import format_spec, quantize_tile, random_words  # noqa: I001
+import torch
+import triton
+import triton.language as tl
+
+from emulation.gdn_replay_decode import delta_step, device_context, load_record
+from emulation.replay_decode import (
+    ACT_DTYPES,
+    _expect,
+    cache_tensors,
+    check_inputs_apart,
+    check_out_apart,
+    check_switch,
+    launch_config,
+)
+from emulation.state_update import OUTPUT_FROM, StateCache, check_state_cache
+from lowprec.replay import check_flush_field
+
+__all__ = ["StateCache", "gdn_state_update", "kda_state_update"]
+
+
+@triton.jit
+def _gdn_state_update_kernel(
+    p_state, p_scales, p_global, p_tokens,
+    p_q, p_k, p_v, p_g, p_beta, p_y, p_debug,
+    seed, nheads, dv, dk, n_blocks,
+    PER_CHANNEL: tl.constexpr, F: tl.constexpr, USE_SR: tl.constexpr,
+    HAS_DEBUG: tl.constexpr, READ_STORED: tl.constexpr,
+    BV: tl.constexpr, BK: tl.constexpr, NC: tl.constexpr,
+):
+    i_h = tl.program_id(0)
+    i_s = tl.program_id(1).to(tl.int64)
+    i_sh = i_s * nheads + i_h
+    token = tl.load(p_tokens + i_s)
+
+    o_v = tl.arange(0, BV)
+    o_k = tl.arange(0, BK)
+    m_v = o_v < dv
+    m_vk = m_v[:, None] & (o_k[None, :] < dk)
+    o_vk = o_v[:, None] * dk + o_k[None, :]  # [BV, BK]
+    p_S = p_state + i_sh * dv * dk + o_vk
+
+    b_k, b_v, b_g, beta = load_record(p_k, p_v, p_g, p_beta, i_sh, dv, dk, PER_CHANNEL,
+                                      BV, BK, NC)
+    b_q = tl.load(p_q + i_sh * dk + o_k, mask=o_k < dk, other=0.0).to(tl.float32)
+    b_S = tl.load(p_S, mask=m_vk, other=0.0).to(tl.float32)
+    b_S = delta_step(b_S, b_k, b_v, b_g, beta)
+    if HAS_DEBUG:
+        tl.store(p_debug + i_sh * dv * dk + o_vk, b_S, mask=m_vk)
+    b_r = random_words(seed, i_s, token, i_h * dv * dk + o_vk) if USE_SR else o_vk
+    b_st, b_scale, s_g = quantize_tile(b_S, b_r, F, USE_SR, BV, BK)
+    tl.store(p_S, b_st.to(p_state.dtype.element_ty), mask=m_vk)
+    if F.block != 0:
+        NB: tl.constexpr = BK // (BK if F.block == -1 else F.block)
+        o_b = tl.arange(0, NB)
+        tl.store(p_scales + (i_sh * dv + o_v[:, None]) * n_blocks + o_b[None, :], b_scale,
+                 mask=m_v[:, None] & (o_b[None, :] < n_blocks))
+    if F.two_level:
+        tl.store(p_global + i_sh, s_g)
+    b_y = tl.sum((b_st if READ_STORED else b_S) * b_q[None, :], axis=1)  # [BV]
+    tl.store(p_y + i_sh * dv + o_v, b_y.to(p_y.dtype.element_ty), mask=m_v)
+
+
+def _state_update(cache, q, k, v, g, beta, output_from, out, debug_state, check_counters,
+                  per_channel):
+    check_state_cache(cache)
+    check_switch("check_counters", check_counters)
+    if output_from not in OUTPUT_FROM:
+        raise ValueError(f"output_from: expected one of {OUTPUT_FROM}, got {output_from!r}")
+    slots, nheads, dv, dk = cache.state.shape
+    device = cache.state.device
+    f32 = (torch.float32,)
+    _expect("v", v, (slots, nheads, dv), ACT_DTYPES, device)
+    act = (v.dtype,)
+    _expect("q", q, (slots, nheads, dk), act, device)
+    _expect("k", k, (slots, nheads, dk), act, device)
+    _expect("g", g, (slots, nheads, dk) if per_channel else (slots, nheads), f32, device)
+    _expect("beta", beta, (slots, nheads), f32, device)
+    check_inputs_apart(cache, q=q, k=k, v=v, g=g, beta=beta)
+    if check_counters:  # one host read (a stream sync) of the counters' range
+        check_flush_field("cache.tokens", cache.tokens)
+    if out is None:
+        out = torch.empty(slots, nheads, dv, dtype=v.dtype, device=device)
+    _expect("out", out, (slots, nheads, dv), ACT_DTYPES, device)
+    inputs = dict(q=q, k=k, v=v, g=g, beta=beta, **cache_tensors(cache))
+    check_out_apart(out, **inputs)
+    if debug_state is not None:
+        _expect("debug_state", debug_state, cache.state.shape, f32, device)
+        check_out_apart(debug_state, "debug_state", out=out, **inputs)
+    if slots == 0:
+        return out
+    cfg = launch_config(dv, dk, 1)
+    del cfg["BL"]
+    n_blocks = cache.scales.shape[-1] if cache.scales is not None else 1
+    unused = cache.state
+    with device_context(device):
+        _gdn_state_update_kernel[(nheads, slots)](
+            cache.state,
+            cache.scales if cache.scales is not None else unused,
+            cache.global_scale if cache.global_scale is not None else unused,
+            cache.tokens,
+            q, k, v, g, beta, out, debug_state if debug_state is not None else unused,
+            cache.seed, nheads, dv, dk, n_blocks,
+            PER_CHANNEL=per_channel, F=format_spec(cache.format), USE_SR=cache.rounding == "sr",
+            HAS_DEBUG=debug_state is not None, READ_STORED=output_from == "stored",
+            NC=cfg["BK"] if per_channel else 1, **cfg,
+        )
+        cache.tokens.add_(1)
+    return out
+
+
+def gdn_state_update(
+    cache: StateCache,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    output_from: str = "stored",
+    out: torch.Tensor | None = None,
+    debug_state: torch.Tensor | None = None,
+    check_counters: bool = True,
+) -> torch.Tensor:
+    """One conventional GDN decode step of every slot (module docstring); returns y.
+
+    `cache.state [slots, nheads, dv, dk]`; q, k [slots, nheads, dk] and v [slots, nheads, dv]
+    in one activation dtype (fp32, fp16 or bf16); g (log-decay), beta [slots, nheads] fp32.
+    `out` [slots, nheads, dv] (default v's dtype); `debug_state` fp32 receives the unrounded
+    new state; `output_from` 'stored' or 'unrounded'. `check_counters=False` skips the range
+    check of `cache.tokens` (a stream sync). Launches on the current stream."""
+    return _state_update(cache, q, k, v, g, beta, output_from, out, debug_state,
+                         check_counters, False)
+
+
+def kda_state_update(
+    cache: StateCache,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    output_from: str = "stored",
+    out: torch.Tensor | None = None,
+    debug_state: torch.Tensor | None = None,
+    check_counters: bool = True,
+) -> torch.Tensor:
+    """`gdn_state_update` for KDA: g [slots, nheads, dk] fp32, the log-decay per channel."""
+    return _state_update(cache, q, k, v, g, beta, output_from, out, debug_state,
+                         check_counters, True)

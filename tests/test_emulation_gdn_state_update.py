@@ -1,0 +1,124 @@
+"""The conventional GDN/KDA state update in Triton equals lowprec's conventional policy.
+
+Per step: the unrounded new state within the flush bound of one record
+(`emulation.gdn_replay_decode.output_bound_flush` with count 1) of `lowprec.gdn`'s delta
+update, the stored state equal bit for bit to `lowprec.policies.round_state` of it with the
+slot's token counter (SR words random_words(seed, slot, tokens[slot], element)), and y read
+from the stored state. `gdn_generic_step` / `kda_generic_step` drive both kinds of cache from
+lowprec.policies' generic inputs and follow lowprec's Simulator.
+"""
+
+import math
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # Triton cannot compile for a CPU: interpret (before import)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from checks import assert_bits_equal, assert_within  # noqa: E402
+from gdn_emulation_cases import SEED, make_token  # noqa: E402
+
+from emulation.gdn_replay_decode import (  # noqa: E402
+    GDNReplayCache,
+    gdn_generic_step,
+    kda_generic_step,
+    output_bound_flush,
+)
+from emulation.gdn_state_update import StateCache, gdn_state_update, kda_state_update  # noqa: E402
+from lowprec import gdn  # noqa: E402
+from lowprec import quantize as lq  # noqa: E402
+from lowprec.policies import Simulator, make_policy, round_state  # noqa: E402
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="CPU interpreter tests (compiled Triton needs a GPU)")
+
+UPDATE = {False: gdn_state_update, True: kda_state_update}
+RECURRENCES = [pytest.param(False, id="gdn"), pytest.param(True, id="kda")]
+H, DV, DK = 3, 5, 32
+
+
+@pytest.mark.parametrize("per_channel", RECURRENCES)
+@pytest.mark.parametrize("fmt, rounding", [
+    ("fp16", "sr"), ("nvfp4", "rn"), ("mxfp4", "sr"),
+    pytest.param("bf16", "rn", marks=pytest.mark.slow),
+    pytest.param("fp8_e4m3", "sr", marks=pytest.mark.slow),
+])
+def test_stored_state_is_lowprecs_rounding_every_token(fmt, rounding, per_channel):
+    """Three tokens from token counters 0, 5 and 2: each stored state is round_state of the
+    kernel's unrounded state (within the one-record bound of the fp64 update), bit for bit, and
+    y = S_stored q."""
+    gen = torch.Generator().manual_seed(1)
+    cache = StateCache.empty(3, H, DV, DK, format=fmt, rounding=rounding, seed=SEED)
+    cache.tokens.copy_(torch.tensor([0, 5, 2], dtype=torch.int32))
+    for _ in range(3):
+        before = cache.state.double().clone()
+        tokens = cache.tokens.long().clone()
+        token = make_token(gen, 3, H, DV, DK, per_channel)
+        y = torch.full((3, H, DV), math.nan)
+        debug = torch.full(cache.state.shape, math.nan)
+        UPDATE[per_channel](cache, **token, out=y, debug_state=debug)
+        t64 = {k: v.double() for k, v in token.items()}
+        one = torch.ones(3, dtype=torch.int64)
+        ring = {n: t64[n][:, :, None] for n in ("v", "k", "g", "beta")}
+        S_ref = gdn._replay_flush(before, ring["v"], ring["k"], ring["g"], ring["beta"], one,
+                                  per_channel)
+        S_bound, _ = output_bound_flush(before, ring["v"], ring["k"], ring["g"], ring["beta"],
+                                        one, t64["q"], per_channel)
+        assert_within(debug, S_ref, S_bound, "unrounded state")
+        stored = round_state(debug, fmt, rounding, SEED, torch.arange(3), tokens)
+        assert_bits_equal(cache.state, stored, f"stored state ({fmt} {rounding})")
+        q = lq.quantize(debug, fmt)
+        if q.scales is not None and rounding == "rn":
+            assert_bits_equal(cache.scales, q.scales, "block scales")
+        y_ref = torch.einsum("bhvk,bhk->bhv", stored.double(), t64["q"])
+        bound = (DK + 2) * 2.0**-24 * torch.einsum("bhvk,bhk->bhv", stored.double().abs(),
+                                                   t64["q"].abs())
+        assert_within(y, y_ref, bound, "y from the stored state")
+        assert (cache.tokens.long() - tokens).tolist() == [1, 1, 1]
+
+
+@pytest.mark.parametrize("arm, fmt, rounding, rtol, per_channel", [
+    # fp32 arithmetic only (exact copies): 1e-5 relative RMS, as the decode drift test
+    pytest.param("separate_exact", "fp32", "rn", 1e-5, False, id="separate_exact-gdn"),
+    # fp16 stored every token: lowprec rounds its fp64 state, the kernel its fp32 one; the
+    # two differ where the rounding falls between them, by one fp16 ulp (2^-11 relative)
+    pytest.param("every_step", "fp16", "rn", 2.0**-10, True, id="every_step-fp16-kda"),
+    # an nvfp4 read copy: the same, by one e2m1 step at a few elements (2^-6 relative RMS).
+    # At these seeds no rounding falls between the two states: all three measure ~1e-7.
+    pytest.param("separate_fp16sr", "nvfp4", "rn", 2.0**-6, False, id="separate_fp16sr-gdn"),
+    pytest.param("separate_exact", "fp32", "rn", 1e-5, True, id="separate_exact-kda",
+                 marks=pytest.mark.slow),
+    pytest.param("every_step", "fp16", "rn", 2.0**-10, False, id="every_step-fp16-gdn",
+                 marks=pytest.mark.slow),
+    pytest.param("separate_fp16sr", "nvfp4", "rn", 2.0**-6, True, id="separate_fp16sr-kda",
+                 marks=pytest.mark.slow),
+])
+def test_generic_step_follows_lowprec_simulator(arm, fmt, rounding, rtol, per_channel):
+    """gdn_generic_step / kda_generic_step from the Simulator's generic inputs (a, v, k, q,
+    beta), on the cache an arm uses, follow lowprec's Simulator of that arm over two windows
+    (L = 4): relative RMS of the outputs' difference within rtol of the outputs."""
+    gen = torch.Generator().manual_seed(2)
+    window, batch = 4, 2
+    policy = make_policy(arm, fmt, rounding, window=window, seed=SEED)
+    recurrence = "kda" if per_channel else "gdn"
+    sim = Simulator(recurrence, policy, batch, H, DV, DK)
+    if arm == "every_step":
+        cache = StateCache.empty(batch, H, DV, DK, format=fmt, rounding=rounding, seed=SEED)
+    else:
+        hi = ("fp32", "rn") if arm == "separate_exact" else ("fp16", "sr")
+        cache = GDNReplayCache.empty(batch, H, DV, DK, per_channel=per_channel, window=window,
+                                     hi_format=hi[0], hi_rounding=hi[1], lo_format=fmt,
+                                     seed=SEED)
+    step = kda_generic_step if per_channel else gdn_generic_step
+    diffs, refs = [], []
+    for _ in range(2 * window):
+        t = {k: v.double() for k, v in make_token(gen, batch, H, DV, DK, per_channel).items()}
+        a = torch.exp(t["g"])
+        y_ref = sim.step(a, t["v"], t["k"], t["q"], t["beta"])
+        y = step(cache, a, t["v"], t["k"], t["q"], t["beta"])
+        diffs.append(y.double() - y_ref)
+        refs.append(y_ref)
+    err = torch.stack(diffs).norm() / torch.stack(refs).norm()
+    assert err <= rtol, f"relative RMS difference {err:.3e} > {rtol:.1e}"
