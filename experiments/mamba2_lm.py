@@ -412,8 +412,8 @@ class Decoder:
         for i, block in enumerate(model.backbone.layers):
             m = block.mixer
             z, xbc, dt = m.split_proj(m.in_proj(block.norm(u)))
-            window = torch.cat([self.conv[i][..., 1:], xbc[..., None]], dim=-1)
-            self.conv[i] = window
+            window = self.conv[i]  # updated in place: a CUDA graph may hold its address
+            window.copy_(torch.cat([window[..., 1:], xbc[..., None]], dim=-1))
             xbc = (window * m.conv1d.weight[:, 0]).sum(-1)
             if m.conv1d.bias is not None:
                 xbc = xbc + m.conv1d.bias
@@ -491,7 +491,8 @@ def load_safetensors(path) -> dict:
             raise ValueError(f"{path}: tensor {name!r} has data_offsets {info['data_offsets']} "
                              f"that do not fit shape {shape} of {info['dtype']}")
         buf = bytearray(data[start:end])
-        flat = torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
+        empty = torch.empty(0, dtype=torch.uint8)
+        flat = torch.frombuffer(buf, dtype=torch.uint8) if buf else empty
         out[name] = flat.view(dtype).reshape(shape).clone()
     return out
 
