@@ -96,9 +96,9 @@ class TrainConfig:
 
 PRESETS = {
     "default": TrainConfig(),
-    # tiny: 2 layers of 2 heads of 16 x 16, 40 steps on the committed 64 KiB slice, on the CPU
+    # tiny: 2 layers of 2 heads of 16 x 32, 40 steps on the committed 64 KiB slice, on the CPU
     "toy": TrainConfig(preset="toy", hidden_size=16, num_hidden_layers=2, num_heads=2,
-                       head_dim=16, state_size=16, chunk_size=16, seq_len=128, batch=4,
+                       head_dim=16, state_size=32, chunk_size=16, seq_len=128, batch=4,
                        steps=40, lr=1e-2, warmup=5, eval_len=1024, spectrum_bytes=2048),
 }
 TOY_TRAIN_BYTES = 57_344  # toy: the slice's first 56 KiB train, the last 8 KiB are held out
