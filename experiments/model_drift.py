@@ -166,7 +166,8 @@ class Config:
 
 PRESETS = {
     "toy": Config(),
-    "gpu": Config(backend="emulation", device="cuda", tokens=131_072, segments=4,
+    "gpu": Config(data=str(ROOT / "runs" / "kjv"), backend="emulation", device="cuda",
+                  tokens=131_072, segments=4,
                   policies=GPU_POLICIES, out=str(RESULTS / "model_drift_gpu.csv")),
 }
 
@@ -342,6 +343,8 @@ def run(c: Config) -> list[tuple]:
     model = lm.load(c.model, dtype=dtype, device=device)
     ids = load_segments(c).to(device)
     S, P = c.segments, len(specs)
+    if c.backend == "reference":  # small ops: threads only wait on each other
+        torch.set_num_threads(1)
     rows_ids = ids.repeat(P + 1, 1)  # row arm * S + segment
     keeper = (ReferenceSSM if c.backend == "reference" else EmulationSSM)(model, specs, c)
     decoder = lm.Decoder(model, rows_ids.shape[0], keeper)
