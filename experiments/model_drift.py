@@ -11,7 +11,8 @@ points per doubling, plus the last) and segment:
     top1_agree  1 if the policy's argmax (first index on ties) is a maximum of the exact logits:
                 a tie in the exact logits counts as agreement
 
-Policies (``lowprec.policies``; ``--policies`` takes ``ARM:FORMAT[:ROUNDING]`` items):
+Policies (``lowprec.policies``; ``--policies`` takes ``ARM:FORMAT[:ROUNDING]`` items; FORMAT
+fp64 is an exact control on the reference backend, whose KL is 0 exactly):
 
     every_step       conventional: the state stored in FORMAT every token (RN or SR)
     shared           one checkpoint in FORMAT, written once per window of L tokens
@@ -118,9 +119,9 @@ def parse_policies(text: str) -> tuple[PolicySpec, ...]:
         if arm not in ARMS:
             raise ValueError(f"--policies: expected an arm in {list(ARMS)}, got {arm!r} in "
                              f"{item!r}")
-        if fmt not in formats.names() or fmt == "fp64":
-            raise ValueError(f"--policies: expected a format in {formats.names()} but fp64, "
-                             f"got {fmt!r} in {item!r}")
+        if fmt not in formats.names():
+            raise ValueError(f"--policies: expected a format in {formats.names()}, got {fmt!r} "
+                             f"in {item!r}")
         if rounding not in ("rn", "sr"):
             raise ValueError(f"--policies: expected rounding rn or sr, got {rounding!r}")
         if arm.startswith("separate") and rounding != "rn":
@@ -304,6 +305,9 @@ class EmulationSSM:
 def check_backend(c: Config, specs) -> None:
     if c.backend == "emulation":
         for s in specs:
+            if s.fmt == "fp64":
+                raise ValueError(f"--policies: fp64 is the reference's exact control, not a "
+                                 f"kernel format, got {s.label}")
             if s.arm == "shared" and (s.fmt not in ELEMENT_FORMATS or s.rounding != "rn"):
                 raise ValueError(f"--policies: the emulation keeps shared only with rn and an "
                                  f"element format {list(ELEMENT_FORMATS)}, got {s.label}")
