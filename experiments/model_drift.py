@@ -160,6 +160,7 @@ class Config:
     per_octave: int = 8
     policies: str = REFERENCE_POLICIES
     graph_tokens: int = 32
+    time_limit_s: float = 0.0  # 0: none; else decoding stops there, keeping what it recorded
     out: str = str(RESULTS / "model_drift_toy.csv")
     plot: str = ""
     progress: bool = True
@@ -288,12 +289,13 @@ class EmulationSSM:
         m = self.model.backbone.layers[layer].mixer
         A = -torch.exp(m.A_log)
         S = self.S
+        # one copy each: a row block of a contiguous tensor is contiguous, as the kernels need
+        x, dt, B, C = (t.contiguous() for t in (x, dt, B, C))
         ys = []
         for i, layers in enumerate(self.caches):
             cache = layers[layer]
             rows = slice(i * S, (i + 1) * S)
-            args = (cache, x[rows].contiguous(), dt[rows].contiguous(), A, B[rows].contiguous(),
-                    C[rows].contiguous(), m.D, None, m.dt_bias)
+            args = (cache, x[rows], dt[rows], A, B[rows], C[rows], m.D, None, m.dt_bias)
             if isinstance(cache, ReplayCache):
                 ys.append(mamba2_replay_decode(*args, check_counters=self.check))
             else:
@@ -365,6 +367,11 @@ def run(c: Config) -> list[tuple]:
     use_graph = device.type == "cuda" and c.graph_tokens > 0
     G = c.graph_tokens
     t = 0
+    start = time.time()
+
+    def over_time():
+        return bool(c.time_limit_s) and time.time() - start > c.time_limit_s
+
     with torch.no_grad():
         warm = min(c.tokens, G) if use_graph else c.tokens
         stream = torch.cuda.Stream() if use_graph else None
@@ -385,18 +392,21 @@ def run(c: Config) -> list[tuple]:
                 with torch.cuda.graph(graph):  # capturing runs nothing: tokens t..t+G-1 below
                     for g in range(G):
                         static_logits[g].copy_(decoder.step(static_ids[g]))
-            while captured and t + G <= c.tokens:
+            while captured and t + G <= c.tokens and not over_time():
                 static_ids.copy_(rows_ids[:, t:t + G].T)
                 graph.replay()
                 for g in range(G):
                     record(t + g + 1, static_logits[g])
                 t += G
                 bar.update(G)
-        while t < c.tokens:
+        while t < c.tokens and not (t % 64 == 0 and over_time()):
             record(t + 1, decoder.step(rows_ids[:, t]))
             t += 1
             bar.update(1)
     bar.close()
+    if t < c.tokens:
+        print(f"time limit {c.time_limit_s:g} s: stopped after {t} of {c.tokens} tokens",
+              file=sys.stderr)
     name = model_name(Path(c.model))
     out = []
     for p_idx, spec in enumerate(specs):
@@ -663,6 +673,9 @@ def parse_args(argv=None):
                              "separate_exact, separate_fp16sr)")
     parser.add_argument("--graph-tokens", type=int, default=None,
                         help="tokens per CUDA graph replay (32; 0: no graph)")
+    parser.add_argument("--time-limit-s", type=float, default=None,
+                        help="stop decoding after this many seconds, writing the positions "
+                             "reached (the stderr and meta say so)")
     parser.add_argument("--out", default=None,
                         help="CSV path (default: the preset's under results/model_drift for "
                              "its own command, runs/model_drift.csv otherwise)")
@@ -681,7 +694,7 @@ def parse_args(argv=None):
     c = PRESETS[args.preset]
     overrides = {}
     for name in ("model", "data", "backend", "device", "tokens", "segments", "window", "seed",
-                 "per_octave", "policies", "graph_tokens"):
+                 "per_octave", "policies", "graph_tokens", "time_limit_s"):
         value = getattr(args, name)
         if value is not None:
             overrides[name] = value
@@ -689,7 +702,7 @@ def parse_args(argv=None):
         if name in overrides and overrides[name] < 1:
             parser.error(f"--{name.replace('_', '-')}: expected a positive int, got "
                          f"{overrides[name]}")
-    for name in ("seed", "graph_tokens"):
+    for name in ("seed", "graph_tokens", "time_limit_s"):
         if name in overrides and overrides[name] < 0:
             parser.error(f"--{name.replace('_', '-')}: expected a non-negative int, got "
                          f"{overrides[name]}")
