@@ -1,0 +1,192 @@
+"""The model-drift harness: its exact arm against the model's parallel forward, exact formats
+giving KL 0, the tie-aware agreement, the CSV reader, the Pareto figure and the command line."""
+
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+
+from experiments import mamba2_lm as lm
+from experiments import model_drift as md
+from tests.test_mamba2_lm import logits_tolerance, rel_rms
+
+# 2 layers of 2 heads of 16 x 32 (nvfp4 blocks of 16, mxfp4 of 32 fit), odd hidden size 16
+TINY = dict(hidden_size=16, num_hidden_layers=2, num_heads=2, head_dim=16, state_size=32,
+            chunk_size=8)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("model")
+    lm.save(lm.Mamba2LM(lm.Mamba2Config(**TINY)).init_weights(11), folder, dtype=torch.float32)
+    return folder
+
+
+def config(model, **kw):
+    base = replace(md.PRESETS["toy"], model=str(model), tokens=23, segments=2, window=4,
+                   per_octave=4, progress=False)
+    return replace(base, **kw)
+
+
+def test_exact_arm_reproduces_the_parallel_forward(tiny_model):
+    """The harness's exact arm (row block 0: fp64 model, Policy('exact') simulators) gives the
+    fp32 training forward's logits within the fp32 tolerance of logits_tolerance (23 tokens,
+    2 segments of the committed held-out text)."""
+    c = config(tiny_model)
+    model64 = lm.load(c.model, dtype=torch.float64)
+    specs = md.parse_policies("shared:nvfp4")
+    keeper = md.ReferenceSSM(model64, specs, c)
+    tokens = md.load_segments(c)[:, : c.tokens]
+    decoder = lm.Decoder(model64, 2 * c.segments, keeper)
+    rows = tokens.repeat(2, 1)
+    exact = torch.stack([decoder.step(rows[:, t])[: c.segments] for t in range(c.tokens)], 1)
+    with torch.no_grad():
+        parallel = lm.load(c.model)(tokens)
+    tol = logits_tolerance(model64.config, c.tokens, torch.float32)
+    assert rel_rms(parallel, exact) < tol
+
+
+def test_exact_formats_give_kl_zero_exactly(tiny_model):
+    """every_step, shared and separate_exact with the fp64 format round nothing: KL and dlogp
+    are exactly 0 and top-1 agrees at every recorded position; an nvfp4 policy beside them
+    does drift (KL > 0 somewhere)."""
+    c = config(tiny_model, policies="every_step:fp64,shared:fp64,separate_exact:fp64,"
+                                    "every_step:nvfp4")
+    rows = md.run(c)
+    assert len(rows) == 4 * 2 * len(md.log_grid(23, 4))
+    for row in rows:
+        kl, dlogp, agree = float(row[8]), float(row[9]), row[10]
+        if row[3] == "fp64":
+            assert (kl, dlogp, agree) == (0.0, 0.0, 1)
+    assert max(float(r[8]) for r in rows if r[3] == "nvfp4") > 0
+
+
+def test_top1_agreement_counts_ties_in_the_exact_logits():
+    """Exact logits [1, 3, 3, 0] tie at indices 1 and 2: a policy whose argmax is 2 agrees, one
+    whose argmax is 0 does not, and one tied at 0 and 1 (first index 0) does not. KL and dlogp
+    against hand-computed values."""
+    exact = torch.tensor([[1.0, 3.0, 3.0, 0.0]])
+    policy = torch.tensor([[[1.0, 2.9, 3.1, 0.0]], [[4.0, 3.0, 3.0, 0.0]],
+                           [[3.5, 3.5, 1.0, 0.0]]])
+    target = torch.tensor([1])
+    kl, dlogp, agree = md.token_metrics(exact, policy, target)
+    assert agree.tolist() == [[True], [False], [False]]
+    pe = torch.softmax(exact.double(), -1)[0]
+    pp = torch.softmax(policy[0, 0].double(), -1)
+    assert kl[0, 0].item() == pytest.approx((pe * (pe / pp).log()).sum().item(), rel=1e-12)
+    assert dlogp[0, 0].item() == pytest.approx(math.log(pp[1] / pe[1]), rel=1e-12)
+
+
+def test_token_metrics_are_zero_for_identical_logits():
+    """The same logits give KL 0, dlogp 0 and agreement exactly, whatever the values."""
+    logits = torch.randn(3, 17, generator=torch.Generator().manual_seed(2))
+    target = torch.tensor([0, 5, 16])
+    kl, dlogp, agree = md.token_metrics(logits, logits[None].repeat(2, 1, 1), target)
+    assert kl.eq(0).all() and dlogp.eq(0).all() and agree.all()
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "found none"),
+    ("", "expected a CSV"),
+    ("a,b\n1,2\n", "expected columns"),
+    (",".join(md.CSV_COLUMNS) + "\n", "at least one row"),
+    (",".join(md.CSV_COLUMNS) + "\nm,mamba2,shared,nvfp4,rn,16,0,1,high,0,1\n", "column kl"),
+], ids=["missing", "empty", "columns", "no-rows", "not-a-number"])
+def test_csv_reader_refuses_bad_files_in_one_line(tmp_path, content, message):
+    """A missing, empty, wrongly headed, row-less or non-numeric CSV is one ValueError line."""
+    path = tmp_path / "drift.csv"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(ValueError, match=message) as err:
+        md.read_csv(path)
+    assert "\n" not in str(err.value)
+
+
+def test_log_grid_holds_both_ends_and_thins_out():
+    """1 and T are on the grid, positions increase, and the octave [T/2, T] holds at most
+    per_octave + 1 of them, at most 8 * 17 + 1 in all (131,072 = 2^17 tokens, 8 a doubling;
+    rounding merges the first ones)."""
+    grid = md.log_grid(131_072, 8)
+    assert grid[0] == 1 and grid[-1] == 131_072
+    assert all(a < b for a, b in zip(grid, grid[1:], strict=False))
+    assert sum(p >= 65_536 for p in grid) <= 9
+    assert len(grid) <= 8 * 17 + 1 and len(set(grid)) == len(grid)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("every_step", "ARM:FORMAT"), ("fastest:nvfp4", "expected an arm"),
+    ("shared:fp7", "expected a format"), ("separate_fp16sr:nvfp4:sr", "expected rn"),
+    ("shared:nvfp4,shared:nvfp4", "distinct"),
+], ids=["no-format", "arm", "format", "separate-sr", "duplicate"])
+def test_policies_refuse_bad_items(text, message):
+    with pytest.raises(ValueError, match=message):
+        md.parse_policies(text)
+
+
+def test_cli_refuses_bad_input_in_one_line(capsys):
+    """A non-positive --tokens, a bad policy and an absent CUDA device exit 2 with one line."""
+    argvs = [["--tokens", "0"], ["--policies", "shared:fp7"]]
+    if not torch.cuda.is_available():
+        argvs.append(["--device", "cuda"])
+    for argv in argvs:
+        with pytest.raises(SystemExit) as err:
+            md.parse_args(argv)
+        assert err.value.code == 2
+        assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_run_refuses_a_missing_model_in_one_line(tmp_path, capsys):
+    """--model pointing at an empty folder: exit 2, one line naming config.json."""
+    assert md.main(["--model", str(tmp_path), "--tokens", "4", "--no-progress",
+                    "--out", str(tmp_path / "x.csv")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "config.json" in err[0]
+
+
+def test_csv_then_figure_then_pareto(tiny_model, tmp_path):
+    """A run's CSV has the exact columns and reads back; its figure is drawn from it; the
+    Pareto figure from it and the committed kernel_bench CSV places the two policies with a
+    kernel time (fp16 RN conventional slower than the two-precision NVFP4 token)."""
+    c = config(tiny_model, window=16, policies="every_step:fp16:rn,separate_fp16sr:nvfp4",
+               out=str(tmp_path / "d.csv"), plot=str(tmp_path / "d.png"))
+    md.write_csv(c.out, md.run(c))
+    frame = md.read_csv(c.out)
+    assert tuple(frame.columns) == md.CSV_COLUMNS
+    md.plot(c.out, c.plot)
+    assert (tmp_path / "d.png").stat().st_size > 0
+    points = md.pareto(c.out, md.ROOT / "results" / "kernel_bench.csv", tmp_path / "p.png")
+    times = {label: us for label, us, _, _ in points}
+    assert times["every_step fp16 RN"] > times["separate_fp16sr nvfp4 RN"] > 0
+    assert points[0][3]  # the fastest point is on the front
+
+
+@pytest.mark.slow
+def test_emulation_backend_follows_the_reference(tiny_model):
+    """The Triton emulation (interpreter on the CPU; fp32 model) gives the reference's KL
+    within a factor 2 where the reference KL is well above fp32's own noise, with the same
+    Philox words (8 tokens, window 4, a conventional SR and a two-precision policy)."""
+    policies = "every_step:fp8_e4m3:sr,separate_fp16sr:nvfp4"
+    ref = md.run(config(tiny_model, tokens=8, policies=policies))
+    emu = md.run(config(tiny_model, tokens=8, policies=policies, backend="emulation"))
+    assert [r[:8] for r in ref] == [r[:8] for r in emu]
+    for r, e in zip(ref, emu, strict=True):
+        if float(r[8]) > 1e-9:
+            assert 0.5 < float(e[8]) / float(r[8]) < 2.0, (r, e)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay_gives_the_eager_rows(tiny_model):
+    """On CUDA the graph path (chunks of 8 tokens) writes the same rows as eager decode,
+    bit for bit (40 tokens: warm-up, four replays and an eager tail)."""
+    c = config(tiny_model, tokens=40, backend="emulation", device="cuda",
+               policies="every_step:nvfp4:sr,shared:fp8_e4m3,separate_fp16sr:mxfp4")
+    assert md.run(replace(c, graph_tokens=8)) == md.run(replace(c, graph_tokens=0))
+
+
+@pytest.mark.gpu
+def test_emulation_fp32_policy_gives_kl_zero_on_cuda(tiny_model):
+    """On CUDA, an every_step fp32 policy (the exact arm's own cache) gives KL 0 exactly."""
+    c = config(tiny_model, tokens=40, backend="emulation", device="cuda",
+               policies="every_step:fp32")
+    assert all(float(r[8]) == 0.0 for r in md.run(c))
