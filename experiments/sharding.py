@@ -437,7 +437,7 @@ def run_sweep(
     if not callable(run_cell):
         raise TypeError(f"run_cell: expected a callable, got {type(run_cell).__name__}")
     keys = [key(c) for c in cells]
-    for c, k in zip(cells, keys):
+    for c, k in zip(cells, keys, strict=True):
         if not isinstance(k, str) or not k:
             raise TypeError(f"key: expected a non-empty str per cell, got {k!r} for {c!r}")
     if len(set(keys)) != len(keys):
@@ -476,7 +476,8 @@ def run_sweep(
         dist.broadcast_object_list(box, src=0, group=group)
         done_indices = box[0]
     if done_indices and ranks.rank == 0:
-        say(f"resuming: skipping {len(done_indices)} of {len(cells)} cells already in {store.folder}")
+        say(f"resuming: skipping {len(done_indices)} of {len(cells)} cells already in "
+            f"{store.folder}")
     done_set = set(done_indices)
     todo = [i for i in range(len(cells)) if i not in done_set]
     shares = assign_cells(len(todo), ranks.world_size,
@@ -490,14 +491,13 @@ def run_sweep(
     busy_start = time.perf_counter()
     try:
         _run_share(cells, keys, mine, costs, run_cell, store, print_fp, peers, results,
-                   tag, progress, say)
+                   ranks.rank, tag, progress, say)
         stopped_by = peers.finish(ranks.world_size)
     except KeyboardInterrupt as error:
-        what = "SIGTERM" if isinstance(error, _Terminated) else "interrupted"
-        line = (f"{tag}{what} after {len(results)} of {len(mine)} cells (kept in "
-                f"{store.folder}; the same command resumes)")
-        peers.fail(line)
-        say(line)
+        what = "SIGTERM" if isinstance(error, _Terminated) else "Ctrl-C"
+        peers.fail(f"rank {ranks.rank} stopped by {what}")
+        say(f"{tag}{what} after {len(results)} of {len(mine)} cells (kept in {store.folder}; "
+            "the same command resumes)")
         raise SweepStopped(INTERRUPTED_STATUS) from None
     finally:
         if previous_term is not None:
@@ -552,8 +552,8 @@ def run_sweep(
     return Sweep(frame=frame, record=record, ranks=ranks)
 
 
-def _run_share(cells, keys, mine, costs, run_cell, store, print_fp, peers, results, tag,
-               progress, say) -> None:
+def _run_share(cells, keys, mine, costs, run_cell, store, print_fp, peers, results, rank,
+               tag, progress, say) -> None:
     """Run this rank's cells in order, each stored when done; stop between cells when another
     rank failed (`_Peers.finish` reports it)."""
     begun = time.perf_counter()
@@ -572,7 +572,7 @@ def _run_share(cells, keys, mine, costs, run_cell, store, print_fp, peers, resul
             seconds = time.perf_counter() - cell_start
             store.save(keys[i], print_fp, rows, seconds)
         except Exception as error:  # the cell's own error, or the store's (a full disk)
-            _report_failure(store, tag, keys[i], error, peers, say)
+            _report_failure(store, rank, tag, keys[i], error, peers, say)
             raise SweepStopped(FAILED_STATUS) from None
         results.append((i, rows, seconds))
         done_cost += costs[i] if costs is not None else 1
@@ -585,21 +585,19 @@ def _run_share(cells, keys, mine, costs, run_cell, store, print_fp, peers, resul
             say(f"{tag}{n}/{len(mine)} cells, {tail}")
 
 
-def _report_failure(store: _CellStore, tag: str, cell_key: str, error: BaseException,
-                    peers: _Peers, say) -> None:
+def _report_failure(store: _CellStore, rank: int, tag: str, cell_key: str,
+                    error: BaseException, peers: _Peers, say) -> None:
     """One line naming the cell and the error; the traceback in the store's folder."""
     message = " ".join(str(error).split()) or "(no message)"
-    rank = tag.rstrip(": ").replace(" ", "") or "rank0"
-    where = store.folder / f"{rank}.traceback"
+    where = store.folder / f"rank{rank}.traceback"
     try:
         where.parent.mkdir(parents=True, exist_ok=True)
         where.write_text("".join(traceback.format_exception(error)))
         hint = f" (traceback in {where})"
     except OSError:
         hint = ""
-    line = f"{tag}cell {cell_key!r} failed: {type(error).__name__}: {message}{hint}"
-    peers.fail(line)
-    say(line)
+    peers.fail(f"rank {rank} failed on cell {cell_key!r}")
+    say(f"{tag}cell {cell_key!r} failed: {type(error).__name__}: {message}{hint}")
 
 
 def _record(ranks: Ranks, parts: list[dict], n_cells: int, n_done: int, wall: float,
