@@ -47,7 +47,7 @@ def write_csv(frame: pd.DataFrame, path) -> None:
     frame.to_csv(path, index=False, float_format="%.6e", na_rep="nan", lineterminator="\n")
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", required=True)
     parser.add_argument("--cells", type=int, default=7)
@@ -56,7 +56,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scale", type=float, default=1.0)
     parser.add_argument("--cost", action="store_true", help="longest-first, cost = cell index")
     parser.add_argument("--keep-cells", action="store_true")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     arguments = {k: v for k, v in vars(args).items() if k not in ("out", "keep_cells", "cost")}
     try:
         run_sweep(cells(args.cells), lambda c: run_cell(args, c), out=args.out,
