@@ -468,6 +468,16 @@ def run_sweep(
         peers = _Peers(coordination)
     store = _CellStore(cell_store_path(out), say)
 
+    if ranks.launched:  # every rank must mean the same grid, or the merge mixes two runs
+        mine_print = (print_fp, fingerprint(keys))
+        prints = [None] * ranks.world_size
+        dist.all_gather_object(prints, mine_print, group=group)
+        differ = [r for r, p in enumerate(prints) if p != prints[0]]
+        if differ:
+            what = "arguments" if prints[differ[0]][0] != prints[0][0] else "cell keys"
+            raise ValueError(f"{what}: rank {differ[0]} has other {what} than rank 0 (leave "
+                             "per-rank values, such as the device cuda:LOCAL_RANK, out of "
+                             "arguments)")
     # rank 0 reads the store; every rank learns which cells are done from it
     done = store.load_done(keys, print_fp) if ranks.rank == 0 else {}
     done_indices = sorted(done)

@@ -5,7 +5,8 @@ depend on the cell and the arguments only. ``--sort`` orders them by ``group`` (
 
 Test switches in the environment: ``SHARDING_DEMO_EXIT=c<i>`` ends the process at once
 (``os._exit(3)``, as a killed rank) when that cell starts; ``SHARDING_DEMO_RAISE=c<i>`` raises
-a ValueError in that cell.
+a ValueError in that cell; ``SHARDING_DEMO_RANK_ARGUMENT=1`` puts the rank into the arguments
+(which the engine refuses: the ranks must agree on them).
 
     python -m torch.distributed.run --nproc-per-node 2 tests/sharding_demo.py --out x.csv
 """
@@ -62,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     arguments = {k: v for k, v in vars(args).items() if k not in ("out", "keep_cells", "cost")}
+    if os.environ.get("SHARDING_DEMO_RANK_ARGUMENT"):
+        arguments["rank"] = os.environ.get("RANK")
     try:
         run_sweep(cells(args.cells), lambda c: run_cell(args, c), out=args.out,
                   arguments=arguments, key=lambda c: f"c{c}", sort_by=["group", "j"],

@@ -313,3 +313,27 @@ def test_failing_cell_stops_every_rank_with_one_line(tmp_path):
                        f"in {cell_store_path(out) / 'rank0.traceback'})"]
     assert not out.exists()
     assert 1 <= _valid_cells(out) < N_CELLS
+
+
+@pytest.mark.slow
+def test_ranks_with_other_arguments_are_refused(tmp_path):
+    """A per-rank value in the arguments (here the rank) would store each rank's cells under
+    its own fingerprint: every rank refuses before running a cell, naming the argument."""
+    out = tmp_path / "ranks.csv"
+    done = _torchrun(2, out, SHARDING_DEMO_RANK_ARGUMENT="1")
+    assert done.returncode != 0
+    assert "ValueError: arguments: rank 1 has other arguments than rank 0" in done.stderr
+    assert not out.exists() and not cell_store_path(out).exists()
+
+
+@pytest.mark.gpu
+def test_one_gpu_rank_under_nccl_writes_the_one_process_bytes(tmp_path):
+    """torchrun --nproc-per-node 1 on a CUDA machine: backend nccl, rank 0 on cuda:0, the
+    single-process bytes."""
+    out = tmp_path / "gpu.csv"
+    done = _torchrun(1, out)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert out.read_bytes() == _expected_bytes(tmp_path)
+    sharding = _meta(out)["sharding"]
+    assert (sharding["world_size"], sharding["backend"]) == (1, "nccl")
+    assert [r["cells"] for r in sharding["ranks"]] == [N_CELLS]
