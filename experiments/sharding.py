@@ -55,7 +55,7 @@ import threading
 import time
 import traceback
 import uuid
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -71,6 +71,8 @@ __all__ = [
     "Ranks",
     "Sweep",
     "SweepStopped",
+    "HELP",
+    "add_arguments",
     "assign_cells",
     "cell_store_path",
     "fingerprint",
@@ -80,6 +82,14 @@ __all__ = [
     "run_sweep",
     "write_atomic",
 ]
+
+HELP = """\
+Several processes: torchrun --nproc-per-node N -m <this module> <the same arguments> splits
+the grid's cells over N ranks (one GPU each where CUDA is available, else gloo on the CPU) and
+writes the same CSV as one process. Each finished cell is kept in <out>.cells/ until the CSV is
+written: the same command after a stop (Ctrl-C, a killed rank, a lost machine) skips the cells
+done. The speedup printed at the end is an estimate: the sum of the cell times over the wall
+time of the sweep."""
 
 STORE_VERSION = 1  # a cell file of another layout is computed again
 FAILED_STATUS = 1
@@ -164,9 +174,7 @@ def assign_cells(n_cells: int, world_size: int,
         return [list(range(r, n_cells, world_size)) for r in range(world_size)]
     if len(costs) != n_cells:
         raise ValueError(f"costs: expected {n_cells} values (one per cell), got {len(costs)}")
-    for i, c in enumerate(costs):
-        if not isinstance(c, (int, float)) or not c >= 0 or c == float("inf"):
-            raise ValueError(f"costs: expected finite numbers >= 0, got {c!r} for cell {i}")
+    _check_costs(costs)
     load = [0.0] * world_size
     shares: list[list[int]] = [[] for _ in range(world_size)]
     for i in sorted(range(n_cells), key=lambda i: (-costs[i], i)):
@@ -174,6 +182,13 @@ def assign_cells(n_cells: int, world_size: int,
         shares[r].append(i)
         load[r] += costs[i]
     return shares
+
+
+def _check_costs(costs: Sequence[float], keys: Sequence[str] | None = None) -> None:
+    for i, c in enumerate(costs):
+        if not isinstance(c, (int, float)) or not c >= 0 or c == float("inf"):
+            where = f"cell {keys[i]!r}" if keys else f"cell {i}"
+            raise ValueError(f"costs: expected finite numbers >= 0, got {c!r} for {where}")
 
 
 def fingerprint(arguments: Any) -> str:
@@ -202,6 +217,13 @@ def write_atomic(path: str | Path, write: Callable[[Path], Any]) -> None:
     finally:
         if temporary.exists():
             temporary.unlink()
+
+
+def add_arguments(parser) -> None:
+    """``--keep-cells`` on an experiment's argparse parser (its value is ``keep_cells``)."""
+    parser.add_argument("--keep-cells", action="store_true",
+                        help="keep the cell store <out>.cells/ after the merged CSV is written "
+                             "(default: removed)")
 
 
 def _default_write_csv(frame: pd.DataFrame, path: Path) -> None:
@@ -390,7 +412,7 @@ class Sweep:
 
 
 def run_sweep(
-    cells: Sequence[Hashable],
+    cells: Sequence[Any],
     run_cell: Callable[[Any], pd.DataFrame],
     *,
     out: str | Path,
@@ -450,7 +472,8 @@ def run_sweep(
         raise ValueError(f"progress: expected seconds >= 0 or None, got {progress!r}")
     costs = None
     if cost is not None:
-        costs = [float(cost(c)) for c in cells]
+        costs = [cost(c) for c in cells]
+        _check_costs(costs, keys)
     out = Path(out)
     stream = sys.stderr if stream is None else stream
     print_fp = fingerprint(arguments)
@@ -462,47 +485,25 @@ def run_sweep(
         print(line, file=stream, flush=True)
 
     start = time.perf_counter()
-    peers, group = _Peers(), None
-    if ranks.launched:
-        coordination, group = _Session.start(ranks, timeout)
-        peers = _Peers(coordination)
     store = _CellStore(cell_store_path(out), say)
-
-    if ranks.launched:  # every rank must mean the same grid, or the merge mixes two runs
-        mine_print = (print_fp, fingerprint(keys))
-        prints = [None] * ranks.world_size
-        dist.all_gather_object(prints, mine_print, group=group)
-        differ = [r for r, p in enumerate(prints) if p != prints[0]]
-        if differ:
-            what = "arguments" if prints[differ[0]][0] != prints[0][0] else "cell keys"
-            raise ValueError(f"{what}: rank {differ[0]} has other {what} than rank 0 (leave "
-                             "per-rank values, such as the device cuda:LOCAL_RANK, out of "
-                             "arguments)")
-    # rank 0 reads the store; every rank learns which cells are done from it
-    done = store.load_done(keys, print_fp) if ranks.rank == 0 else {}
-    done_indices = sorted(done)
-    if ranks.launched:
-        box = [done_indices]
-        dist.broadcast_object_list(box, src=0, group=group)
-        done_indices = box[0]
-    if done_indices and ranks.rank == 0:
-        say(f"resuming: skipping {len(done_indices)} of {len(cells)} cells already in "
-            f"{store.folder}")
-    done_set = set(done_indices)
-    todo = [i for i in range(len(cells)) if i not in done_set]
-    shares = assign_cells(len(todo), ranks.world_size,
-                          None if costs is None else [costs[i] for i in todo])
-    mine = [todo[j] for j in shares[ranks.rank]]
-
+    peers, group = _Peers(), None
+    done: dict[int, tuple] = {}
+    mine: list[int] = []
     results: list[tuple[int, pd.DataFrame, float]] = []
     previous_term = None
     if threading.current_thread() is threading.main_thread():
         previous_term = signal.signal(signal.SIGTERM, _raise_terminated)
-    busy_start = time.perf_counter()
     try:
+        if ranks.launched:
+            coordination, group = _Session.start(ranks, timeout)
+            peers = _Peers(coordination)
+            _check_same_grid(ranks, group, print_fp, keys)
+        done, mine = _plan(ranks, group, store, keys, print_fp, costs, say)
+        busy_start = time.perf_counter()
         _run_share(cells, keys, mine, costs, run_cell, store, print_fp, peers, results,
                    ranks.rank, tag, progress, say)
         stopped_by = peers.finish(ranks.world_size)
+        busy = time.perf_counter() - busy_start
     except KeyboardInterrupt as error:
         what = "SIGTERM" if isinstance(error, _Terminated) else "Ctrl-C"
         peers.fail(f"rank {ranks.rank} stopped by {what}")
@@ -512,7 +513,6 @@ def run_sweep(
     finally:
         if previous_term is not None:
             signal.signal(signal.SIGTERM, previous_term)
-    busy = time.perf_counter() - busy_start
     if stopped_by:
         say(f"{tag}stopping after {len(results)} of {len(mine)} cells ({stopped_by})")
         raise SweepStopped(FAILED_STATUS)
@@ -527,22 +527,7 @@ def run_sweep(
     else:
         parts = [(part, results)]
 
-    frames: list[pd.DataFrame | None] = [None] * len(cells)
-    for i, (rows, _) in done.items():
-        frames[i] = rows
-    for _, rank_results in parts:
-        for i, rows, _ in rank_results:
-            frames[i] = rows
-    missing = [keys[i] for i, f in enumerate(frames) if f is None]
-    if missing:  # a bug in the engine, not a user error: no rank ran these cells
-        raise RuntimeError(f"no rows for the cells {missing[:3]} ({len(missing)} in all)")
-    frame = pd.concat(frames, ignore_index=True)
-    if sort_by is not None:
-        absent = [c for c in sort_by if c not in frame.columns]
-        if absent:
-            raise ValueError(f"sort_by: columns {absent} are not in the rows "
-                             f"(columns {list(frame.columns)})")
-        frame = frame.sort_values(list(sort_by), kind="mergesort", ignore_index=True)
+    frame = _merge(keys, done, [r for _, r in parts], sort_by)
     wall = time.perf_counter() - start
     record = _record(ranks, [p for p, _ in parts], len(cells), len(done), wall,
                      "longest-first" if costs is not None else "round-robin")
@@ -560,6 +545,58 @@ def run_sweep(
     if not keep_cells:
         store.remove()
     return Sweep(frame=frame, record=record, ranks=ranks)
+
+
+def _check_same_grid(ranks: Ranks, group, print_fp: str, keys: list[str]) -> None:
+    """Every rank must mean the same grid, or the merge would mix two runs."""
+    prints = [None] * ranks.world_size
+    dist.all_gather_object(prints, (print_fp, fingerprint(keys)), group=group)
+    differ = [r for r, p in enumerate(prints) if p != prints[0]]
+    if differ:
+        what = "arguments" if prints[differ[0]][0] != prints[0][0] else "cell keys"
+        raise ValueError(f"{what}: rank {differ[0]} has other {what} than rank 0 (leave "
+                         "per-rank values, such as the device cuda:LOCAL_RANK, out of "
+                         "arguments)")
+
+
+def _plan(ranks: Ranks, group, store: _CellStore, keys: list[str], print_fp: str,
+          costs: list[float] | None, say) -> tuple[dict[int, tuple], list[int]]:
+    """Rank 0 reads the store (``{index: (rows, seconds)}``, empty elsewhere) and tells every
+    rank which cells are done; the rest are assigned (`assign_cells`): this rank's share."""
+    done = store.load_done(keys, print_fp) if ranks.rank == 0 else {}
+    box = [sorted(done)]
+    if ranks.launched:
+        dist.broadcast_object_list(box, src=0, group=group)
+    if box[0] and ranks.rank == 0:
+        say(f"resuming: skipping {len(box[0])} of {len(keys)} cells already in {store.folder}")
+    skipped = set(box[0])
+    todo = [i for i in range(len(keys)) if i not in skipped]
+    shares = assign_cells(len(todo), ranks.world_size,
+                          None if costs is None else [costs[i] for i in todo])
+    return done, [todo[j] for j in shares[ranks.rank]]
+
+
+def _merge(keys: list[str], done: dict[int, tuple], ran: list[list[tuple]],
+           sort_by: Sequence[str] | None) -> pd.DataFrame:
+    """Every cell's rows in cell order, then the stable sort: the same frame whichever rank
+    ran a cell and whether it came from the store."""
+    frames: list[pd.DataFrame | None] = [None] * len(keys)
+    for i, (rows, _) in done.items():
+        frames[i] = rows
+    for rank_results in ran:
+        for i, rows, _ in rank_results:
+            frames[i] = rows
+    missing = [keys[i] for i, f in enumerate(frames) if f is None]
+    if missing:  # a bug in the engine, not a user error: no rank ran these cells
+        raise RuntimeError(f"no rows for the cells {missing[:3]} ({len(missing)} in all)")
+    frame = pd.concat(frames, ignore_index=True)
+    if sort_by is None:
+        return frame
+    absent = [c for c in sort_by if c not in frame.columns]
+    if absent:
+        raise ValueError(f"sort_by: columns {absent} are not in the rows "
+                         f"(columns {list(frame.columns)})")
+    return frame.sort_values(list(sort_by), kind="mergesort", ignore_index=True)
 
 
 def _run_share(cells, keys, mine, costs, run_cell, store, print_fp, peers, results, rank,

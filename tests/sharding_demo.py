@@ -20,7 +20,7 @@ import sys
 import numpy as np
 import pandas as pd
 
-from experiments.sharding import SweepStopped, run_sweep
+from experiments.sharding import HELP, SweepStopped, add_arguments, run_sweep
 
 
 def cells(n: int) -> list[int]:
@@ -49,14 +49,15 @@ def write_csv(frame: pd.DataFrame, path) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__, epilog=HELP,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True)
     parser.add_argument("--cells", type=int, default=7)
     parser.add_argument("--rows", type=int, default=5)
     parser.add_argument("--seed0", type=int, default=11)
     parser.add_argument("--scale", type=float, default=1.0)
     parser.add_argument("--cost", action="store_true", help="longest-first, cost = cell index")
-    parser.add_argument("--keep-cells", action="store_true")
+    add_arguments(parser)
     return parser
 
 
