@@ -482,7 +482,10 @@ def run_sweep(
     tag = f"rank {ranks.rank}: " if ranks.launched else ""
 
     def say(line: str) -> None:
-        print(line, file=stream, flush=True)
+        # one write per line: stderr is unbuffered, and print's separate "\n" lets another
+        # rank's line land in the middle of this one
+        stream.write(line + "\n")
+        stream.flush()
 
     start = time.perf_counter()
     store = _CellStore(cell_store_path(out), say)
