@@ -35,7 +35,11 @@ computes one cell's rows, and the output path; the engine
   every rank exits non-zero through `SweepStopped`; Ctrl-C or SIGTERM is one line as well.
 
 ``run_cell`` must return only complete rows: a cell that returns is stored as done. Times and
-host names go to the sharding record only, never into the CSV.
+host names go to the sharding record only, never into the CSV. The ranks must agree on the
+arguments and the cell keys (checked before the first cell), so a per-rank value such as the
+device ``cuda:LOCAL_RANK`` stays out of ``arguments``. Rank 0 alone reads the store: on several
+nodes, put ``--out`` on a filesystem they share, or a resume computes again the cells that
+other nodes ran.
 
     torchrun --nproc-per-node 4 -m experiments.error_growth --preset default   # 4 ranks
     python -m experiments.error_growth --preset default                          # 1 process
