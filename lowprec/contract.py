@@ -1,9 +1,10 @@
 """Check a kernel's stored checkpoint against the numerics contract, byte for byte.
 
-The contract (README.md here, last section): the copies a flush stores are a fixed function of
-the unrounded fp32 state ``S_new``, the seed and the counters. So a kernel that can also write
-its ``S_new`` (a debug output; every kernel of this kit has one, ``debug_state``) is checked
-without knowing how it summed:
+The contract (docs/design.md, "What is compared bit for bit"): the copies a flush stores are a
+fixed function of the unrounded fp32 state ``S_new``, the seed, the counters and the SR
+setting (random bits per element, Philox rounds). So a kernel that can also write its
+``S_new`` (a debug output; every kernel of this kit has one, ``debug_state``) is checked without
+knowing how it summed:
 
     from lowprec import contract
 
@@ -13,13 +14,13 @@ without knowing how it summed:
                                     "lo.global_scale": lo["global_scale"]}, want)
     assert not problems, "\\n".join(problems)
 
-``flush_copies`` is `lowprec.quantize` and `lowprec.philox` applied as DESIGN.md's flush applies
-them: the recurrence copy rounded (SR words ``random_words(seed, slot, flush, [h, d_v, d_k])``,
-``flush`` the slot's counter *before* this flush), the read copy RN, both packed as
-`lowprec.quantize.pack` lays them out (nvfp4: two E2M1 codes a byte, low nibble the even
-column; E4M3 block scales; an fp32 scale per head). A conventional step's every-token store
-in an element format (fp16, fp32) is the recurrence copy alone: ``lo_format=None``,
-``flushes`` the tokens stored before.
+``flush_copies`` is `lowprec.quantize` and `lowprec.philox` applied as a flush applies them
+(docs/design.md): the recurrence copy rounded (SR draws ``random_words(seed, slot, flush,
+[h, d_v, d_k], sr_bits=, philox_rounds=)``, ``flush`` the slot's counter *before* this flush),
+the read copy RN, both packed as `lowprec.quantize.pack` lays them out (nvfp4: two E2M1 codes a
+byte, low nibble the even column; E4M3 block scales; an fp32 scale per head). A conventional
+step's every-token store in an element format (fp16, fp32) is the recurrence copy alone:
+``lo_format=None``, ``flushes`` the tokens stored before.
 ``mismatches`` compares stored tensors of any dtype by their bits and names the first elements
 that differ.
 """
@@ -65,13 +66,18 @@ def flush_copies(
     seed: int = 0,
     slots=None,
     flushes=0,
+    sr_bits: int = philox.DEFAULT_SR_BITS,
+    philox_rounds: int = philox.DEFAULT_PHILOX_ROUNDS,
 ) -> dict[str, torch.Tensor]:
     """The bytes a flush must store for the unrounded fp32 ``state [slots, h, d_v, d_k]``.
 
     Pass the rows a flush wrote (a kernel leaves the other slots' copies alone), with
     ``slots`` their slot indices (the Philox field; default ``0 .. rows - 1``) and ``flushes``
     their flush counters *before* this flush (an int for all of them, or integers [rows]; a
-    kernel that advances the counters in place must be read before it runs). Returns
+    kernel that advances the counters in place must be read before it runs). ``sr_bits``
+    (8, 13, 16, 32) and ``philox_rounds`` (1..10) are the SR copy's random bits per element
+    and Philox rounds (docs/design.md, "Stochastic rounding: random bits and Philox rounds");
+    they keep their defaults with ``hi_rounding='rn'``. Returns
     ``{"hi": codes}`` (fp16: uint16 bits, fp32: uint32 bits) and, unless ``lo_format`` is None
     or "none", `lowprec.quantize.pack`'s tensors of the read copy: nvfp4 ``"lo.codes"``,
     ``"lo.scales"`` and ``"lo.global_scale"``; an element format (fp8_e4m3, fp16, fp32)
@@ -97,6 +103,15 @@ def flush_copies(
                          f"stored element by element), got {hi_format!r}")
     if hi_rounding not in ("rn", "sr"):
         raise ValueError(f"hi_rounding: expected 'rn' or 'sr', got {hi_rounding!r}")
+    sr_bits = philox.check_sr_bits(sr_bits)
+    philox_rounds = philox.check_philox_rounds(philox_rounds)
+    if hi_rounding == "rn":
+        for name, value, default in (("sr_bits", sr_bits, philox.DEFAULT_SR_BITS),
+                                     ("philox_rounds", philox_rounds,
+                                      philox.DEFAULT_PHILOX_ROUNDS)):
+            if value != default:
+                raise ValueError(f"{name}: expected the default {default} with hi_rounding="
+                                 f"'rn' (only SR draws random bits), got {value}")
     philox._check_seed(seed)
     rows = state.shape[0]
     slots = _check_counter("slots", torch.arange(rows) if slots is None else slots, rows, False,
@@ -104,8 +119,10 @@ def flush_copies(
     flushes = _check_counter("flushes", flushes, rows, True, philox.FLUSH_LIMIT)
     rand = None
     if hi_rounding == "sr":
-        rand = philox.random_words(seed, slots, flushes, tuple(state.shape[1:]))
-    copies = {"hi": q.pack(q.quantize(state, hi_fmt, hi_rounding, rand))["codes"]}
+        rand = philox.random_words(seed, slots, flushes, tuple(state.shape[1:]),
+                                   sr_bits=sr_bits, philox_rounds=philox_rounds)
+    hi = q.quantize(state, hi_fmt, hi_rounding, rand, sr_bits=sr_bits)
+    copies = {"hi": q.pack(hi)["codes"]}
     if lo_format not in (None, "none"):
         packed = q.pack(q.quantize(state, formats.get(lo_format), "rn"))
         copies.update({f"lo.{key}": value for key, value in packed.items()})

@@ -1,35 +1,48 @@
-"""Counter-based random words: Philox-4x32-10, word for word equal to Triton's `tl.randint4x`.
+"""Counter-based random bits for stochastic rounding: Philox-4x32, word for word equal to
+Triton's `tl.randint4x(seed, offset, n_rounds)`.
 
 Philox-4x32 (Salmon, Moraes, Dror, Shaw, "Parallel random numbers: as easy as 1, 2, 3",
 SC 2011) maps a 128-bit counter `(c0, c1, c2, c3)` and a 64-bit key `(k0, k1)` to four 32-bit
-words in 10 rounds of
+words in `R` rounds (`R = 10` is Philox-4x32-10, the default) of
 
     (c0, c1, c2, c3) <- (hi(B*c2) ^ c1 ^ k0,  lo(B*c2),  hi(A*c0) ^ c3 ^ k1,  lo(A*c0))
     (k0, k1)         <- (k0 + 0x9E3779B9, k1 + 0xBB67AE85)        (mod 2^32)
 
-with A = 0xD2511F53, B = 0xCD9E8D57. `tl.randint(seed, offset)` uses key
+with A = 0xD2511F53, B = 0xCD9E8D57. `tl.randint(seed, offset, n_rounds)` uses key
 `(seed & 0xffffffff, seed >> 32)`, counter `(offset & 0xffffffff, offset >> 32, 0, 0)` and
 returns the first word; `tl.randint4x` returns all four. `randint` and `randint4x` here do
-the same.
+the same for every `n_rounds` in [1, 10] (`PHILOX_ROUNDS`).
 
 Words are uint32 values held in int64 tensors (PyTorch has no full uint32 arithmetic); a
 32x32-bit product is formed from 16-bit halves so that nothing overflows int64.
 
-Each stored state element gets its own word (README.md, "Random words"): element `e` of a
-slot's state takes word `e % 4` of the counter at
+Which bits go to element `e` (docs/design.md, "Stochastic rounding: random bits and Philox
+rounds"). SR of one element takes `k = sr_bits` random bits, k in `SR_BITS` = (8, 13, 16, 32).
+A word is split into lanes of `W` bits, W = 8 for k <= 8, 16 for k <= 16, else 32, so a word
+has `n = 32 / W` lanes and a counter's four words serve `E = 4 n` consecutive elements
+(4, 8, 8, 16 for k = 32, 16, 13, 8). Element `e` (flat index of [..., nheads, headdim, dstate]
+inside one slot, e < 2^24) takes
 
-    offset  = (slot << 44) | (flush << 24) | (e // 4)       slot, flush < 2^20, e < 2^24
-    e       = flat index of [..., nheads, headdim, dstate] inside one slot
+    offset  = (slot << 44) | (flush << 24) | (e // E)        slot, flush < 2^20
+    words   = tl.randint4x(seed, offset, philox_rounds)
+    j, i    = (e % E) // n, e % n                            word j, lane i of that word
+    r_k(e)  = (words[j] >> (W * i)) & (2^k - 1)              the lane's low k bits
 
-that is, `tl.randint4x(seed, offset)` and its four words in order. Using all four words of a
-counter, not only the first, is what a kernel can afford: Philox-4x32-10 costs about 40
+that is, the counter's 128 bits read as `w0 | w1 << 32 | w2 << 64 | w3 << 96` and element
+`e % E` of the counter takes bits `[W (e % E), W (e % E) + k)`. For k = 32 this is word
+`e % 4` of the counter `e // 4`. A 13-bit draw (FP16's dropped width from FP32) is the low
+13 bits of a 16-bit lane: 13 bits do not fit three to a word, so it costs what 16 bits cost,
+and one mask takes it (and, with a complement, the add form of SR; docs/design.md).
+
+Using all bits of a counter is what a kernel can afford: Philox-4x32-10 costs about 40
 integer instructions per counter, which at one word per element is a quarter of the H200
 flush kernel's instructions (ptxas count, 2026-11-29).
 
 Offsets are 64-bit patterns held in int64: with `slot >= 2^19` the top bit is set and the
 int64 is negative. Triton reads an int64 offset the same way (its low and high 32-bit halves),
 so a kernel that computes `slot.to(tl.int64) << 44 | ...` (a wrapping shift) gets the same
-words. `random_words(seed, slot, flush, shape)` is the one way SR words are produced.
+words. `random_words(seed, slot, flush, shape, sr_bits=, philox_rounds=)` is the one way SR
+draws are produced.
 """
 
 from __future__ import annotations
@@ -53,6 +66,51 @@ FLUSH_LIMIT = 1 << 20
 ELEMENT_LIMIT = 1 << 24
 SEED_LIMIT = 1 << 64
 WORDS_PER_COUNTER = 4
+# random bits per element that SR supports: lanes of 8, 16 (also for 13) and 32 bits
+SR_BITS = (8, 13, 16, 32)
+DEFAULT_SR_BITS = 32
+# Philox rounds accepted; 10 is Philox-4x32-10, Random123's default and Triton's
+PHILOX_ROUNDS = tuple(range(1, 11))
+DEFAULT_PHILOX_ROUNDS = 10
+
+
+def _as_plain_int(value):
+    """``value`` as an int when it is an integer scalar (not a bool), else None."""
+    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def check_sr_bits(sr_bits, name: str = "sr_bits") -> int:
+    """``sr_bits`` as an int in `SR_BITS`, else ValueError naming ``name``."""
+    number = _as_plain_int(sr_bits)
+    if number not in SR_BITS:
+        raise ValueError(f"{name}: expected random bits per element in {list(SR_BITS)}, "
+                         f"got {sr_bits!r}")
+    return number
+
+
+def check_philox_rounds(rounds, name: str = "philox_rounds") -> int:
+    """``rounds`` as an int in [1, 10] (`PHILOX_ROUNDS`), else ValueError naming ``name``."""
+    number = _as_plain_int(rounds)
+    if number not in PHILOX_ROUNDS:
+        raise ValueError(f"{name}: expected Philox rounds in [{PHILOX_ROUNDS[0]}, "
+                         f"{PHILOX_ROUNDS[-1]}], got {rounds!r}")
+    return number
+
+
+def lane_bits(sr_bits: int) -> int:
+    """W, the width of the lane a `sr_bits`-bit draw is the low bits of: 8, 16 or 32."""
+    sr_bits = check_sr_bits(sr_bits)
+    return 8 if sr_bits <= 8 else 16 if sr_bits <= 16 else 32
+
+
+def elements_per_counter(sr_bits: int) -> int:
+    """E = 4 * (32 / W): the consecutive elements one counter's four words serve."""
+    return WORDS_PER_COUNTER * (32 // lane_bits(sr_bits))
 
 
 def _mul_hi_lo(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,12 +168,14 @@ def _as_words(value, name: str) -> torch.Tensor:
     return t
 
 
-def philox4x32(c0, c1, c2, c3, k0, k1, rounds: int = 10):
-    """Philox-4x32 of counter (c0..c3) and key (k0, k1): four int64 tensors of uint32 words.
+def philox4x32(c0, c1, c2, c3, k0, k1, rounds: int = DEFAULT_PHILOX_ROUNDS):
+    """Philox-4x32 of counter (c0..c3) and key (k0, k1) in `rounds` rounds (1..10): four int64
+    tensors of uint32 words.
 
     Arguments are ints or integer tensors of uint32 values, broadcast together (int keys stay
     Python ints, which is what makes the common scalar-seed case fast).
     """
+    rounds = check_philox_rounds(rounds, "rounds")
     names = ("c0", "c1", "c2", "c3")
     counter = [_as_words(v, n) for v, n in zip((c0, c1, c2, c3), names, strict=True)]
     k0, k1 = (k if isinstance(k, int) else _as_words(k, n) for k, n in ((k0, "k0"), (k1, "k1")))
@@ -161,28 +221,34 @@ def _check_seed(seed) -> int:
     return number
 
 
-def randint(seed: int, offset: torch.Tensor) -> torch.Tensor:
-    """`tl.randint(seed, offset)` word for word: int64 tensor of uint32 words, offset's shape.
+def randint(seed: int, offset: torch.Tensor,
+            n_rounds: int = DEFAULT_PHILOX_ROUNDS) -> torch.Tensor:
+    """`tl.randint(seed, offset, n_rounds)` word for word: int64 tensor of uint32 words,
+    offset's shape.
 
     offset: int64 tensor, read as a 64-bit pattern (a negative value has its top bit set).
     """
     seed = _check_seed(seed)
+    n_rounds = check_philox_rounds(n_rounds, "n_rounds")
     if not isinstance(offset, torch.Tensor) or offset.dtype != torch.int64:
         got = offset.dtype if isinstance(offset, torch.Tensor) else type(offset).__name__
         raise ValueError(f"offset: expected an int64 tensor, got {got}")
     low, high = offset & MASK32, (offset >> 32) & MASK32  # two's complement halves
-    word, _, _, _ = philox4x32(low, high, 0, 0, seed & MASK32, seed >> 32)
+    word, _, _, _ = philox4x32(low, high, 0, 0, seed & MASK32, seed >> 32, n_rounds)
     return word
 
 
-def randint4x(seed: int, offset: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """`tl.randint4x(seed, offset)` word for word: the four words of each offset's counter."""
+def randint4x(seed: int, offset: torch.Tensor,
+              n_rounds: int = DEFAULT_PHILOX_ROUNDS) -> tuple[torch.Tensor, ...]:
+    """`tl.randint4x(seed, offset, n_rounds)` word for word: the four words of each offset's
+    counter."""
     seed = _check_seed(seed)
+    n_rounds = check_philox_rounds(n_rounds, "n_rounds")
     if not isinstance(offset, torch.Tensor) or offset.dtype != torch.int64:
         got = offset.dtype if isinstance(offset, torch.Tensor) else type(offset).__name__
         raise ValueError(f"offset: expected an int64 tensor, got {got}")
     low, high = offset & MASK32, (offset >> 32) & MASK32
-    return philox4x32(low, high, 0, 0, seed & MASK32, seed >> 32)
+    return philox4x32(low, high, 0, 0, seed & MASK32, seed >> 32, n_rounds)
 
 
 def _counter(value, limit: int, name: str) -> torch.Tensor:
@@ -211,8 +277,8 @@ def _slot_flush_base(slot, flush) -> torch.Tensor:
 
 def _state_numel(shape) -> tuple[tuple[int, ...], int]:
     """`shape` as a tuple of ints and its element count; refused unless its dims are ints >= 0
-    and every element index is below 2^24, the range the contract gives `e` (README.md,
-    "Random words") and the kernels check. `()` is one element, element 0."""
+    and every element index is below 2^24, the range the contract gives `e` (module doc)
+    and the kernels check. `()` is one element, element 0."""
     try:
         dims = tuple(shape)
     except TypeError:
@@ -240,30 +306,49 @@ def _state_numel(shape) -> tuple[tuple[int, ...], int]:
     return dims, numel
 
 
-def state_offsets(slot, flush, shape) -> torch.Tensor:
+def state_offsets(slot, flush, shape, *, sr_bits: int = DEFAULT_SR_BITS) -> torch.Tensor:
     """The Philox offset of every element's counter in a state of per-slot `shape` (e.g.
-    [nheads, headdim, dstate]): `(slot << 44) | (flush << 24) | (element // 4)`.
+    [nheads, headdim, dstate]): `(slot << 44) | (flush << 24) | (element // E)`, with
+    E = `elements_per_counter(sr_bits)` (4 for 32 bits, 8 for 16 and 13, 16 for 8).
 
     slot, flush: ints or integer tensors (broadcast together, shape `batch`); the result has
     shape `batch + shape`, e.g. slot = arange(slots), flush = counts[slots] gives
-    [slots, nheads, headdim, dstate]. Element e uses word e % 4 of its counter.
+    [slots, nheads, headdim, dstate].
     """
+    per_counter = elements_per_counter(sr_bits)
     shape, numel = _state_numel(shape)
     base = _slot_flush_base(slot, flush)
-    counter = torch.arange(numel, dtype=torch.int64).reshape(shape) // WORDS_PER_COUNTER
+    counter = torch.arange(numel, dtype=torch.int64).reshape(shape) // per_counter
     # reshape takes the shapes as one tuple: unpacked, a 0-d base and shape () would call
     # reshape() with no size at all
     return base.reshape(tuple(base.shape) + (1,) * len(shape)) + counter
 
 
-def random_words(seed: int, slot, flush, shape) -> torch.Tensor:
-    """SR words for a state of per-slot `shape`: element e (flat index within the slot) gets
-    word e % 4 of `randint4x(seed, (slot << 44) | (flush << 24) | (e // 4))`. The result has
-    shape `batch + shape`; shape `()` is element 0 alone (its word, one per slot)."""
+def random_words(seed: int, slot, flush, shape, *, sr_bits: int = DEFAULT_SR_BITS,
+                 philox_rounds: int = DEFAULT_PHILOX_ROUNDS) -> torch.Tensor:
+    """SR draws for a state of per-slot `shape`: int64 values in [0, 2^sr_bits), shape
+    `batch + shape` (shape `()` is element 0 alone, one per slot).
+
+    Element e (flat index within the slot) takes the low `sr_bits` bits of lane `e % n` of
+    word `(e % E) // n` of `randint4x(seed, (slot << 44) | (flush << 24) | (e // E),
+    philox_rounds)`, with n = 32 / W lanes a word and E = 4 n (module doc). With the defaults
+    (32 bits, 10 rounds) element e takes word e % 4 of counter e // 4 whole.
+    """
+    sr_bits = check_sr_bits(sr_bits)
+    philox_rounds = check_philox_rounds(philox_rounds)
+    seed = _check_seed(seed)
     shape, numel = _state_numel(shape)
     base = _slot_flush_base(slot, flush)
-    counters = -(-numel // WORDS_PER_COUNTER)
+    width = lane_bits(sr_bits)
+    lanes = 32 // width
+    per_counter = WORDS_PER_COUNTER * lanes
+    counters = -(-numel // per_counter)
     offsets = base.reshape(*base.shape, 1) + torch.arange(counters, dtype=torch.int64)
-    words = torch.stack(randint4x(seed, offsets), dim=-1)  # batch + [counters, 4]
-    words = words.reshape(*base.shape, counters * WORDS_PER_COUNTER)[..., :numel]
+    words = torch.stack(randint4x(seed, offsets, philox_rounds), dim=-1)  # batch + [counters, 4]
+    if lanes > 1:
+        shifts = torch.arange(lanes, dtype=torch.int64) * width
+        words = words[..., None] >> shifts  # batch + [counters, 4, lanes]: lane i of word j
+    if sr_bits < 32:
+        words = words & ((1 << sr_bits) - 1)
+    words = words.reshape(*base.shape, counters * per_counter)[..., :numel]
     return words.reshape(tuple(base.shape) + shape)  # one tuple: shape () with a 0-d base

@@ -9,10 +9,11 @@ slot ``b`` and head ``h`` at once (state ``S [b, h, dv, dk]``, output ``y_t = S_
                                                               a [b, h, dk]
 
 A policy says where the state is rounded and who reads the rounded copy. ``Q`` below is
-``lowprec.quantize.fake_quantize`` with the policy's format and rounding; SR words come from
-``lowprec.philox.random_words(seed, slot=arange(batch), flush=counter, shape)`` with the
-counter of that copy's writes (README.md, "Random words"). Windows are ``L = policy.window``
-tokens long; a window's last token is its flush step.
+``lowprec.quantize.fake_quantize`` with the policy's format and rounding; SR draws come from
+``lowprec.philox.random_words(seed, slot=arange(batch), flush=counter, shape, sr_bits=,
+philox_rounds=)`` with the counter of that copy's writes and the policy's ``sr_bits`` random
+bits per element from ``philox_rounds``-round Philox (docs/design.md, "Random words").
+Windows are ``L = policy.window`` tokens long; a window's last token is its flush step.
 
 - ``exact``: the FP64 (``dtype``) recurrence; nothing is rounded.
 - ``conventional``: the state is stored every token, ``S_t <- Q(S_t)`` with the token counter
@@ -65,21 +66,24 @@ ARMS = {
 }
 
 
-def round_state(state, fmt, rounding, seed, slots, counter):
-    """``fake_quantize(state, fmt, rounding)`` of a state ``[slots, h, dv, dk]``, with the SR
-    words ``random_words(seed, slots, counter, [h, dv, dk])`` (one slot's shape): ``slots`` and
+def round_state(state, fmt, rounding, seed, slots, counter, *,
+                sr_bits=philox.DEFAULT_SR_BITS, philox_rounds=philox.DEFAULT_PHILOX_ROUNDS):
+    """``fake_quantize(state, fmt, rounding, sr_bits=sr_bits)`` of a state
+    ``[slots, h, dv, dk]``, with the SR draws ``random_words(seed, slots, counter, [h, dv, dk],
+    sr_bits=sr_bits, philox_rounds=philox_rounds)`` (one slot's shape): ``slots`` and
     ``counter`` are ints or int64 tensors ``[slots]``. ``fp64`` is the identity (no call is
     made)."""
     if fmt == "fp64":
         return state
-    rand = None
-    if rounding == "sr":
-        # an int is every slot's (one slot's words for all of them would be the wrong shape)
-        slots, counter = (torch.full((state.shape[0],), v, dtype=torch.int64)
-                          if isinstance(v, int) and not isinstance(v, bool) else v
-                          for v in (slots, counter))
-        rand = philox.random_words(seed, slots, counter, tuple(state.shape[1:]))
-    return quantize.fake_quantize(state, fmt, rounding=rounding, rand=rand)
+    if rounding != "sr":
+        return quantize.fake_quantize(state, fmt, rounding=rounding)
+    # an int is every slot's (one slot's draws for all of them would be the wrong shape)
+    slots, counter = (torch.full((state.shape[0],), v, dtype=torch.int64)
+                      if isinstance(v, int) and not isinstance(v, bool) else v
+                      for v in (slots, counter))
+    rand = philox.random_words(seed, slots, counter, tuple(state.shape[1:]), sr_bits=sr_bits,
+                               philox_rounds=philox_rounds)
+    return quantize.fake_quantize(state, fmt, rounding=rounding, rand=rand, sr_bits=sr_bits)
 
 
 def _check_seed(seed) -> int:
@@ -106,6 +110,8 @@ class Policy:
     hi_rounding: str = "rn"  # separate only: 'sr' for the FP16-SR recurrence copy
     window: int = 16  # L: tokens per window, the last one being the flush step (not conventional)
     seed: int = 0  # Philox seed for SR (only with an SR copy: rounding or hi_rounding 'sr')
+    sr_bits: int = philox.DEFAULT_SR_BITS  # random bits per SR element (only with an SR copy)
+    philox_rounds: int = philox.DEFAULT_PHILOX_ROUNDS  # rounds of SR's Philox (likewise)
 
     def __post_init__(self):
         _check_choice("kind", self.kind, KINDS)
@@ -121,6 +127,8 @@ class Policy:
         # numpy integers are stored as ints, so a Policy compares and prints the same
         object.__setattr__(self, "window", check_positive_int("window", self.window))
         object.__setattr__(self, "seed", _check_seed(self.seed))
+        object.__setattr__(self, "sr_bits", philox.check_sr_bits(self.sr_bits))
+        object.__setattr__(self, "philox_rounds", philox.check_philox_rounds(self.philox_rounds))
         self._check_unused_fields()
 
     def _check_unused_fields(self):
@@ -142,15 +150,20 @@ class Policy:
             if value != default:
                 raise ValueError(f"{name}: expected the default {default!r} for kind "
                                  f"{self.kind!r}, which does not use it ({reason}), got {value!r}")
-        if self.seed == _FIELD_DEFAULTS["seed"]:
-            return
-        if self.kind == "exact":
-            raise ValueError(f"seed: expected the default 0 for kind 'exact' ({nothing}), "
-                             f"got {self.seed}")
         name = "hi_rounding" if self.kind == "separate" else "rounding"
-        if getattr(self, name) != "sr":
-            raise ValueError(f"seed: expected the default 0 for kind {self.kind!r} with {name} "
-                             f"'rn' (the seed only draws SR words), got {self.seed}")
+        if self.kind != "exact" and getattr(self, name) == "sr":
+            return
+        for field, what in (("seed", "the seed only draws SR words"),
+                            ("sr_bits", "only SR draws random bits"),
+                            ("philox_rounds", "only SR draws Philox words")):
+            default, value = _FIELD_DEFAULTS[field], getattr(self, field)
+            if value == default:
+                continue
+            if self.kind == "exact":
+                raise ValueError(f"{field}: expected the default {default} for kind 'exact' "
+                                 f"({nothing}), got {value}")
+            raise ValueError(f"{field}: expected the default {default} for kind "
+                             f"{self.kind!r} with {name} 'rn' ({what}), got {value}")
 
     def check_state(self, dv: int, dk: int, dtype: torch.dtype) -> None:
         """ValueError unless this policy can round a state [..., dv, dk] of ``dtype``: an fp32
@@ -175,26 +188,36 @@ class Policy:
         if self.kind == "exact":
             return new_state, new_state
         if self.kind in ("conventional", "shared"):
-            stored = round_state(new_state, self.fmt, self.rounding, self.seed, slots, counter)
+            stored = round_state(new_state, self.fmt, self.rounding, self.seed, slots, counter,
+                                 **self._sr)
             return stored, stored
-        hi = round_state(new_state, self.hi_fmt, self.hi_rounding, self.seed, slots, counter)
+        hi = round_state(new_state, self.hi_fmt, self.hi_rounding, self.seed, slots, counter,
+                         **self._sr)
         return hi, round_state(new_state, self.fmt, "rn", self.seed, slots, counter)
+
+    @property
+    def _sr(self) -> dict:
+        return {"sr_bits": self.sr_bits, "philox_rounds": self.philox_rounds}
 
 
 _FIELD_DEFAULTS = {f.name: f.default for f in fields(Policy) if f.name != "kind"}
 
 
-def make_policy(arm: str, fmt: str, rounding: str = "rn", window=16, seed=0) -> Policy:
+def make_policy(arm: str, fmt: str, rounding: str = "rn", window=16, seed=0, *,
+                sr_bits=philox.DEFAULT_SR_BITS,
+                philox_rounds=philox.DEFAULT_PHILOX_ROUNDS) -> Policy:
     """The policy of an experiment arm.
 
     ``exact``: FP64, ``fmt`` ignored. ``every_step``: conventional, state in ``fmt`` with
     ``rounding``. ``shared``: one checkpoint in ``fmt`` with ``rounding``. ``separate_exact``:
     recurrence copy FP64, read copy ``fmt`` RN. ``separate_fp16sr``: recurrence copy FP16 SR,
-    read copy ``fmt`` RN (``rounding`` must be 'rn' for both separate arms).
+    read copy ``fmt`` RN (``rounding`` must be 'rn' for both separate arms). ``sr_bits`` and
+    ``philox_rounds`` set the SR copy's random bits per element and Philox rounds.
 
     Every arm takes the same arguments (the experiments make all of theirs with one call), so
     what an arm does not use is dropped here rather than refused by ``Policy``: ``window`` for
-    ``every_step`` (no windows), ``seed`` for an arm without an SR copy.
+    ``every_step`` (no windows), ``seed``, ``sr_bits`` and ``philox_rounds`` for an arm
+    without an SR copy.
     """
     _check_choice("arm", arm, ARMS)
     kind, hi_fmt, hi_rounding = ARMS[arm]
@@ -203,11 +226,16 @@ def make_policy(arm: str, fmt: str, rounding: str = "rn", window=16, seed=0) -> 
     # a dropped value is still checked: a bad one is the caller's error whatever the arm
     window = check_positive_int("window", window)
     seed = _check_seed(seed)
+    sr_bits = philox.check_sr_bits(sr_bits)
+    philox_rounds = philox.check_philox_rounds(philox_rounds)
     if kind == "conventional":
         window = _FIELD_DEFAULTS["window"]
     if (hi_rounding if kind == "separate" else rounding) != "sr":
         seed = _FIELD_DEFAULTS["seed"]
-    return Policy(kind, fmt, rounding, hi_fmt, hi_rounding, window, seed)
+        sr_bits = _FIELD_DEFAULTS["sr_bits"]
+        philox_rounds = _FIELD_DEFAULTS["philox_rounds"]
+    return Policy(kind, fmt, rounding, hi_fmt, hi_rounding, window, seed, sr_bits,
+                  philox_rounds)
 
 
 class Simulator:

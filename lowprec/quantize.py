@@ -1,19 +1,25 @@
 """Rounding, block scaling and packing: the definition every kernel reproduces bit for bit.
 
-Element rounding (`round_to`) follows README.md literally:
+Element rounding (`round_to`) follows docs/design.md ("Element formats") literally:
 
     e   = max(floor(log2 |x|), emin)      # from frexp: exact, no log2 rounding
     ulp = 2^(e - mbits)                   # built from its bits: exact
     m   = |x| / ulp                       # exact: division by a power of two
     RN: q = sign(x) * min(round_half_even(m) * ulp, max_finite)
-    SR: q = sign(x) * min((floor(m) + (r < floor((m - floor(m)) * 2^32))) * ulp, max_finite)
+    SR: q = sign(x) * min((floor(m) + (r < floor((m - floor(m)) * 2^k))) * ulp, max_finite)
+
+with `k = sr_bits` (32 by default) and `r` the element's k-bit draw in [0, 2^k). So x rounds
+away from zero with probability `floor(frac 2^k) / 2^k`, `frac = m - floor(m)`, and
+`E[q] - x = -sign(x) * (frac - floor(frac 2^k) / 2^k) * ulp` below max_finite: a bias toward
+zero of less than 2^-k ulp, none where frac has no bits below its top k (docs/design.md,
+"Stochastic rounding: random bits and Philox rounds").
 
 computed in x's own dtype (fp32 or fp64), as a kernel computes it in fp32 registers (fp16 and
 bf16 inputs are widened to fp32 first, exactly; see "Dtypes" below). Every
 step is exact: with `x = mant * 2^ex` (frexp), `m = |mant| * 2^(mbits + 1 - shift)` where
 `shift = max(emin + 1 - ex, 0)` is the subnormal shift, a product by a power of two that stays
 in the normal range (the shift is capped where `m` is already far below 2^-32 and rounds to 0
-either way); `floor`, `m - floor(m)` and the scaling by 2^32 are exact; `steps * ulp` is an
+either way); `floor`, `m - floor(m)` and the scaling by 2^k are exact; `steps * ulp` is an
 integer of at most `mbits + 2` bits times a power of two no smaller than the format's smallest
 subnormal, exact unless it overflows, which only happens past `max_finite`. So fp32 and fp64
 evaluations of the same fp32 input agree bit for bit (tested). `±inf` saturates to
@@ -77,13 +83,17 @@ values are fp32 products; fp16 into bf16 and back; fp32 and fp64). So no result 
 rounded a second time by a cast. `Quantized.elements` of a block format keep x's dtype (E2M1 and
 E4M3 values are exact in all four).
 
-Random words. SR takes either `rand` (int64 uint32 words, x's shape) or `seed`, from which the
-words are drawn as the kernels draw them (`lowprec.philox.random_words`): x is
+Random draws. SR takes either `rand` (int64 draws in [0, 2^sr_bits), x's shape: uint32 words
+for the default 32 bits) or `seed`, from which the draws are taken as the kernels take them
+(`lowprec.philox.random_words(seed, slot, flush, state, sr_bits=, philox_rounds=)`): x is
 `batch + state`, where `batch` is the shape of `slot` and `flush` broadcast together (both
 default 0, so by default x is one slot's state at flush 0), and element `e` (flat index inside
-its slot's state, `e < 2^24`) takes word `e % 4` of `randint4x(seed, (slot << 44) |
-(flush << 24) | (e // 4))`. `round_to(s, "fp16", "sr", seed=seed, slot=torch.arange(n),
-flush=f)` of a cache's `[n, h, d_v, d_k]` state is a flush's recurrence copy bit for bit.
+its slot's state, `e < 2^24`) takes the low `sr_bits` bits of its lane of
+`randint4x(seed, (slot << 44) | (flush << 24) | (e // E), philox_rounds)` (for 32 bits and 10
+rounds: word `e % 4` of counter `e // 4`; `lowprec.philox` gives the lanes).
+`round_to(s, "fp16", "sr", seed=seed, slot=torch.arange(n), flush=f)` of a cache's
+`[n, h, d_v, d_k]` state is a flush's recurrence copy bit for bit. `sr_bits` applies to
+`rand` and `seed` alike; `philox_rounds` only to `seed`; both only to SR.
 
 Gradients. Rounding has no useful derivative, and a straight-through estimator is a modelling
 choice the caller should make in the open: an input that requires grad (with grad mode on) is
@@ -112,7 +122,6 @@ ROUNDINGS = ("rn", "sr")
 INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # the dtypes the arithmetic runs in; fp16 and bf16 inputs are widened to fp32 (exactly)
 COMPUTE_DTYPES = (torch.float32, torch.float64)
-UINT32_LIMIT = 1 << 32
 
 _UNSIGNED = {8: torch.uint8, 16: torch.uint16, 32: torch.uint32, 64: torch.uint64}
 E8M0_BIAS = 127
@@ -164,7 +173,15 @@ def result_dtype(fmt: Format | str, dtype: torch.dtype) -> torch.dtype:
     return torch.float32
 
 
-def _check_rounding(rounding: str, rand, shape, device=None) -> None:
+def _draws(sr_bits: int) -> str:
+    """What `rand` holds, for messages: 'uint32 words' or '16-bit draws (sr_bits=16)'."""
+    if sr_bits == 32:
+        return "uint32 words"
+    return f"{sr_bits}-bit draws (sr_bits={sr_bits})"
+
+
+def _check_rounding(rounding: str, rand, shape, device=None,
+                    sr_bits: int = philox.DEFAULT_SR_BITS) -> None:
     if rounding not in ROUNDINGS:
         raise ValueError(f"rounding: expected one of {ROUNDINGS}, got {rounding!r}")
     if rounding == "rn":
@@ -173,8 +190,8 @@ def _check_rounding(rounding: str, rand, shape, device=None) -> None:
         return
     if rand is None:
         raise ValueError(
-            "rand: expected an int64 tensor of uint32 words for rounding='sr' (or seed=), "
-            "got None"
+            f"rand: expected an int64 tensor of {_draws(sr_bits)} for rounding='sr' (or "
+            f"seed=), got None"
         )
     if not isinstance(rand, torch.Tensor) or rand.dtype != torch.int64:
         got = rand.dtype if isinstance(rand, torch.Tensor) else type(rand).__name__
@@ -182,15 +199,32 @@ def _check_rounding(rounding: str, rand, shape, device=None) -> None:
     if tuple(rand.shape) != tuple(shape):
         raise ValueError(f"rand: expected shape {list(shape)}, got {list(rand.shape)}")
     check_device("rand", rand, device, "x's")
-    if rand.numel() and (int(rand.min()) < 0 or int(rand.max()) >= UINT32_LIMIT):
+    if rand.numel() and (int(rand.min()) < 0 or int(rand.max()) >= 1 << sr_bits):
         raise ValueError(
-            f"rand: expected uint32 words in [0, 2^32), got range [{int(rand.min())}, "
-            f"{int(rand.max())}]"
+            f"rand: expected {_draws(sr_bits)} in [0, 2^{sr_bits}), got range "
+            f"[{int(rand.min())}, {int(rand.max())}]"
         )
 
 
-def _seed_words(rounding, rand, seed, slot, flush, x: torch.Tensor):
-    """`rand` itself, or the words of `seed` for x (module doc, "Random words")."""
+def _sr_parameters(rounding, rand, seed, sr_bits, philox_rounds) -> tuple[int, int]:
+    """(sr_bits, philox_rounds) checked: values SR supports, and left at their defaults where
+    nothing reads them (RN draws nothing; `rand` is drawn already)."""
+    sr_bits = philox.check_sr_bits(sr_bits)
+    philox_rounds = philox.check_philox_rounds(philox_rounds)
+    if rounding != "sr" and sr_bits != philox.DEFAULT_SR_BITS:
+        raise ValueError(f"sr_bits: expected the default {philox.DEFAULT_SR_BITS} for "
+                         f"rounding={rounding!r} (only SR draws bits), got {sr_bits}")
+    if (rounding != "sr" or seed is None) and philox_rounds != philox.DEFAULT_PHILOX_ROUNDS:
+        why = "only SR draws words" if rounding != "sr" else "rand is drawn already; pass seed="
+        raise ValueError(f"philox_rounds: expected the default {philox.DEFAULT_PHILOX_ROUNDS} "
+                         f"without seed= ({why}), got {philox_rounds}")
+    return sr_bits, philox_rounds
+
+
+def _seed_words(rounding, rand, seed, slot, flush, x: torch.Tensor,
+                sr_bits: int = philox.DEFAULT_SR_BITS,
+                philox_rounds: int = philox.DEFAULT_PHILOX_ROUNDS):
+    """`rand` itself, or the draws of `seed` for x (module doc, "Random draws")."""
     if seed is None:
         if slot is not None or flush is not None:
             raise ValueError("seed: expected a seed with slot= or flush= (they place the "
@@ -214,7 +248,8 @@ def _seed_words(rounding, rand, seed, slot, flush, x: torch.Tensor):
         raise ValueError(f"x: expected at most 2^24 elements per slot for seed= (the words' "
                          f"element field), got a state {list(state)}; pass slot= a tensor "
                          f"over x's leading dim")
-    return philox.random_words(seed, slot, flush, state).to(x.device)
+    return philox.random_words(seed, slot, flush, state, sr_bits=sr_bits,
+                               philox_rounds=philox_rounds).to(x.device)
 
 
 def _element_of(element) -> ElementFormat:
@@ -270,8 +305,8 @@ def _is_identity(element: ElementFormat, dtype: torch.dtype) -> bool:
 
 
 # Far below the smallest subnormal `|x| / ulp` only has to stay below 2^-33, where RN and SR
-# (threshold floor(frac * 2^32) = 0) both give 0; capping the subnormal shift there keeps the
-# power-of-two factor normal, so the product below is exact.
+# (threshold floor(frac * 2^k) = 0 for k <= 32) both give 0; capping the subnormal shift
+# there keeps the power-of-two factor normal, so the product below is exact.
 _SHIFT_MARGIN = 40
 
 
@@ -284,13 +319,16 @@ def round_to(
     seed: int | None = None,
     slot=None,
     flush=None,
+    sr_bits: int = philox.DEFAULT_SR_BITS,
+    philox_rounds: int = philox.DEFAULT_PHILOX_ROUNDS,
 ) -> torch.Tensor:
     """Round `x` element-wise onto `element`'s grid (RN or SR, saturating); returns
     `result_dtype(element, x.dtype)` (x's dtype for fp32/fp64 input).
 
     element: an ElementFormat, an element name ('e2m1') or an element-only format ('fp16',
-    'fp8_e4m3'). SR needs one of rand (int64 tensor of uint32 words, shape of x) or seed
-    (words drawn per slot and flush, module doc "Random words").
+    'fp8_e4m3'). SR needs one of rand (int64 tensor of draws in [0, 2^sr_bits), shape of x)
+    or seed (draws per slot and flush in `philox_rounds` rounds, module doc "Random draws").
+    sr_bits: random bits per element, in `lowprec.philox.SR_BITS` (8, 13, 16, 32).
 
     With `x = mant * 2^ex` (frexp, 0.5 <= |mant| < 1) the binade is `ex - 1` and
 
@@ -300,14 +338,17 @@ def round_to(
     element = _element_of(element)
     if rounding not in ROUNDINGS:
         raise ValueError(f"rounding: expected one of {ROUNDINGS}, got {rounding!r}")
-    rand = _seed_words(rounding, rand, seed, slot, flush, x)
-    _check_rounding(rounding, rand, x.shape, x.device)
+    sr_bits, philox_rounds = _sr_parameters(rounding, rand, seed, sr_bits, philox_rounds)
+    rand = _seed_words(rounding, rand, seed, slot, flush, x, sr_bits, philox_rounds)
+    _check_rounding(rounding, rand, x.shape, x.device, sr_bits)
     if x.dtype not in COMPUTE_DTYPES:
-        return _round_to(x.float(), element, rounding, rand).to(result_dtype(element, x.dtype))
-    return _round_to(x, element, rounding, rand)
+        rounded = _round_to(x.float(), element, rounding, rand, sr_bits)
+        return rounded.to(result_dtype(element, x.dtype))
+    return _round_to(x, element, rounding, rand, sr_bits)
 
 
-def _round_to(x, element: ElementFormat, rounding: str, rand) -> torch.Tensor:
+def _round_to(x, element: ElementFormat, rounding: str, rand,
+              sr_bits: int = philox.DEFAULT_SR_BITS) -> torch.Tensor:
     """`round_to` of a checked fp32/fp64 `x`."""
     if _is_identity(element, x.dtype):
         # Only inf moves. The fp64 format's saturation value overflows fp32, so fp32 input
@@ -325,7 +366,7 @@ def _round_to(x, element: ElementFormat, rounding: str, rand) -> torch.Tensor:
         steps = torch.round(m)  # ties to even
     else:
         steps = torch.floor(m)
-        threshold = torch.floor((m - steps) * float(UINT32_LIMIT))
+        threshold = torch.floor((m - steps) * float(1 << sr_bits))  # top sr_bits of frac
         threshold = torch.where(threshold.isfinite(), threshold, 0.0).to(torch.int64)
         steps += rand < threshold
     ulp = pow2[ex.clamp_(min=element.emin + 1) - (element.mbits + 1 + k_min)]
@@ -477,17 +518,20 @@ def quantize(
     seed: int | None = None,
     slot=None,
     flush=None,
+    sr_bits: int = philox.DEFAULT_SR_BITS,
+    philox_rounds: int = philox.DEFAULT_PHILOX_ROUNDS,
 ) -> Quantized:
     """Quantise a state-shaped `x` ([..., d_v, d_k]) to `fmt`; RN or SR on elements only (SR
-    words from `rand` or `seed`, as in `round_to`)."""
+    draws of `sr_bits` bits from `rand` or `seed`, as in `round_to`)."""
     fmt = formats.get(fmt)
     _check_input(x)
     if rounding not in ROUNDINGS:
         raise ValueError(f"rounding: expected one of {ROUNDINGS}, got {rounding!r}")
-    rand = _seed_words(rounding, rand, seed, slot, flush, x)
-    _check_rounding(rounding, rand, x.shape, x.device)
+    sr_bits, philox_rounds = _sr_parameters(rounding, rand, seed, sr_bits, philox_rounds)
+    rand = _seed_words(rounding, rand, seed, slot, flush, x, sr_bits, philox_rounds)
+    _check_rounding(rounding, rand, x.shape, x.device, sr_bits)
     if fmt.block is None:
-        return Quantized(fmt, round_to(x, fmt.element, rounding, rand))
+        return Quantized(fmt, round_to(x, fmt.element, rounding, rand, sr_bits=sr_bits))
 
     block = fmt.block_length(x.shape)
     if fmt.two_level and x.shape[-2] == 0:  # no rows: no amax to take s_g from
@@ -499,7 +543,7 @@ def quantize(
     s_b, global_scale, divisor = _block_scales(amax_b, fmt)
     if rand is not None:
         rand = rand.reshape(blocked_shape)
-    codes = _round_to(xb / divisor[..., None], fmt.element, rounding, rand)
+    codes = _round_to(xb / divisor[..., None], fmt.element, rounding, rand, sr_bits)
     zero_block = ((amax_b == 0) | (divisor == 0))[..., None]
     codes = torch.where(zero_block, 0.0, codes)
     # E2M1 and E4M3 codes are exact in every input dtype
@@ -583,10 +627,13 @@ def fake_quantize(
     seed: int | None = None,
     slot=None,
     flush=None,
+    sr_bits: int = philox.DEFAULT_SR_BITS,
+    philox_rounds: int = philox.DEFAULT_PHILOX_ROUNDS,
 ) -> torch.Tensor:
     """`dequantize(quantize(x, fmt, ...))`: x's values after a store in `fmt`, as
     `result_dtype(fmt, x.dtype)`."""
-    return dequantize(quantize(x, fmt, rounding, rand, seed=seed, slot=slot, flush=flush))
+    return dequantize(quantize(x, fmt, rounding, rand, seed=seed, slot=slot, flush=flush,
+                               sr_bits=sr_bits, philox_rounds=philox_rounds))
 
 
 # --------------------------------------------------------------------------------------------
@@ -717,8 +764,10 @@ class _CallableModule(types.ModuleType):
     """This module, callable as its `quantize` function (module doc): `lowprec.quantize` is
     the submodule the import system binds, and calling it quantises."""
 
-    def __call__(self, x, fmt, rounding="rn", rand=None, *, seed=None, slot=None, flush=None):
-        return quantize(x, fmt, rounding, rand, seed=seed, slot=slot, flush=flush)
+    def __call__(self, x, fmt, rounding="rn", rand=None, *, seed=None, slot=None, flush=None,
+                 sr_bits=philox.DEFAULT_SR_BITS, philox_rounds=philox.DEFAULT_PHILOX_ROUNDS):
+        return quantize(x, fmt, rounding, rand, seed=seed, slot=slot, flush=flush,
+                        sr_bits=sr_bits, philox_rounds=philox_rounds)
 
 
 sys.modules[__name__].__class__ = _CallableModule

@@ -1,4 +1,5 @@
-"""Philox-4x32-10 words (README.md "Random words"): known answers, Triton equality, offsets."""
+"""Philox-4x32 words (docs/design.md, "Random words"): known answers, Triton equality, offsets.
+Fewer rounds and fewer bits per element: tests/test_sr_bits.py."""
 
 import json
 import os
@@ -99,13 +100,13 @@ import triton
 import triton.language as tl
 
 @triton.jit
-def words_kernel(offset_ptr, out_ptr, n, seed, BLOCK: tl.constexpr):
+def words_kernel(offset_ptr, out_ptr, n, seed, BLOCK: tl.constexpr, N_ROUNDS: tl.constexpr):
     o = tl.arange(0, BLOCK)
     mask = o < n
     offset = tl.load(offset_ptr + o, mask=mask, other=0)
-    word = tl.randint(seed, offset)
+    word = tl.randint(seed, offset, N_ROUNDS)
     tl.store(out_ptr + o, word.to(tl.int32, bitcast=True), mask=mask)
-    w0, w1, w2, w3 = tl.randint4x(seed, offset)
+    w0, w1, w2, w3 = tl.randint4x(seed, offset, N_ROUNDS)
     tl.store(out_ptr + n + 4 * o, w0.to(tl.int32, bitcast=True), mask=mask)
     tl.store(out_ptr + n + 4 * o + 1, w1.to(tl.int32, bitcast=True), mask=mask)
     tl.store(out_ptr + n + 4 * o + 2, w2.to(tl.int32, bitcast=True), mask=mask)
@@ -114,21 +115,23 @@ def words_kernel(offset_ptr, out_ptr, n, seed, BLOCK: tl.constexpr):
 request = json.loads(sys.stdin.read())
 offsets = torch.tensor(request["offsets"], dtype=torch.int64)
 result = {}
-for seed in request["seeds"]:
-    n = offsets.numel()
-    out = torch.empty(5 * n, dtype=torch.int32)
-    words_kernel[(1,)](offsets, out, n, seed, BLOCK=triton.next_power_of_2(n))
-    words = (out.to(torch.int64) & 0xFFFFFFFF).tolist()
-    result[str(seed)] = {"randint": words[:n], "randint4x": words[n:]}
+for rounds in request["rounds"]:
+    for seed in request["seeds"]:
+        n = offsets.numel()
+        out = torch.empty(5 * n, dtype=torch.int32)
+        words_kernel[(1,)](offsets, out, n, seed, BLOCK=triton.next_power_of_2(n),
+                           N_ROUNDS=rounds)
+        words = (out.to(torch.int64) & 0xFFFFFFFF).tolist()
+        result[f"{rounds} {seed}"] = {"randint": words[:n], "randint4x": words[n:]}
 print(json.dumps(result))
 """
 
 
 def test_words_equal_triton_randint_under_the_interpreter():
-    """tl.randint(seed, offset) and all four words of tl.randint4x(seed, offset) (the four
-    elements that share a counter) for int64 offsets with high words (slots >= 2^19 set the
-    top bit), run by a tiny kernel with TRITON_INTERPRET=1 in a subprocess so that the
-    variable does not leak into other tests."""
+    """tl.randint(seed, offset, n_rounds) and all four words of tl.randint4x(seed, offset,
+    n_rounds) (the four words of one counter) for int64 offsets with high words (slots >= 2^19
+    set the top bit) and 10, 7 and 4 rounds, run by a tiny kernel with TRITON_INTERPRET=1 in a
+    subprocess so that the variable does not leak into other tests."""
     pytest.importorskip("triton")
     slots = torch.tensor([0, 1, 2**19 - 1, 2**19, 2**20 - 1])
     flushes = torch.tensor([0, 7, 2**20 - 1, 3, 2**20 - 1])
@@ -137,7 +140,8 @@ def test_words_equal_triton_randint_under_the_interpreter():
     extra = torch.randint(-(2**63), 2**63 - 1, (46,), generator=g)
     offsets = torch.cat([offsets, extra, torch.tensor([0, 1, -1, 2**32])])
     seeds = [0, 1234, 2**32 + 99, 0x0123_4567_89AB_CDEF, 2**64 - 3]
-    request = json.dumps({"offsets": offsets.tolist(), "seeds": seeds})
+    rounds = [10, 7, 4]
+    request = json.dumps({"offsets": offsets.tolist(), "seeds": seeds, "rounds": rounds})
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
     run = subprocess.run(
         [sys.executable, "-c", TRITON_SCRIPT],
@@ -150,10 +154,14 @@ def test_words_equal_triton_randint_under_the_interpreter():
     )
     assert run.returncode == 0, run.stderr[-3000:]
     triton_words = json.loads(run.stdout)
-    for seed in seeds:
-        assert philox.randint(seed, offsets).tolist() == triton_words[str(seed)]["randint"], seed
-        four = torch.stack(philox.randint4x(seed, offsets), -1).flatten().tolist()
-        assert four == triton_words[str(seed)]["randint4x"], seed
+    for n_rounds in rounds:
+        for seed in seeds:
+            want = triton_words[f"{n_rounds} {seed}"]
+            if n_rounds == 10:  # the default is Triton's default
+                assert philox.randint(seed, offsets).tolist() == want["randint"], seed
+            assert philox.randint(seed, offsets, n_rounds).tolist() == want["randint"], seed
+            four = torch.stack(philox.randint4x(seed, offsets, n_rounds), -1).flatten().tolist()
+            assert four == want["randint4x"], (n_rounds, seed)
 
 
 # --------------------------------------------------------------------------------------------
@@ -233,8 +241,7 @@ def test_state_offsets_validate_the_field_ranges():
 def test_a_0d_state_shape_is_one_element_with_element_0s_word_and_offset():
     """shape () is one element, element 0: its word is the first word of element 0's counter
     (what shape (1,) and a larger state give element 0), its offset the slot and flush fields
-    alone; with a batch of slots the result has the batch's shape. It raised a TypeError from
-    reshape() before."""
+    alone; with a batch of slots the result has the batch's shape."""
     slots, flushes = torch.tensor([3, 5, 2**19 + 7]), torch.tensor([11, 0, 2**20 - 1])
     one = philox.random_words(41, 3, 11, ())
     assert one.shape == () and one.dtype == torch.int64
