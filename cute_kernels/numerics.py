@@ -55,27 +55,10 @@ import cutlass  # noqa: I001
 import cutlass.cute as cute
 import numpy as np
 from cutlass import Float32, Uint32
-from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T
 
 from cute_kernels import _compile  # noqa: F401  (sets the sm_90a target before cutlass)
-
-
-def inline_ptx(res, args, code, constraints, side_effects=False, loc=None, ip=None):
-    """One inline PTX statement (AT&T operand numbering). Pure register operations are
-    side-effect free, so LLVM may schedule them; loads and stores say otherwise."""
-    return llvm.inline_asm(
-        res,
-        args,
-        code,
-        constraints,
-        has_side_effects=side_effects,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc,
-        ip=ip,
-    )
-
+from cute_kernels.ptx import inline_ptx
 
 __all__ = [
     "PHILOX_ROUNDS",
