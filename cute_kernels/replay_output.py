@@ -243,24 +243,24 @@ class ReplayOutputConfig:
 
     def __post_init__(self):
         if self.lo_format not in LO_FORMATS:
-            _compile.fail("lo_format", f"one of {list(LO_FORMATS)}", repr(self.lo_format))
+            kv.fail("lo_format", f"one of {list(LO_FORMATS)}", repr(self.lo_format))
         for name in ("warps", "head_splits"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                _compile.fail(name, "a positive integer", repr(value))
+                kv.fail(name, "a positive integer", repr(value))
         if self.heads_per_group % (self.warps * self.head_splits):
-            _compile.fail("warps * head_splits", f"a divisor of nheads / ngroups = "
+            kv.fail("warps * head_splits", f"a divisor of nheads / ngroups = "
                           f"{self.heads_per_group}", self.warps * self.head_splits)
         if self.stage not in STAGES or (self.stage == "bulk" and (
                 self.lo_format != "nvfp4" or self.ring_stage != "smem" or not self.eager_loads)):
-            _compile.fail("stage", f"one of {list(STAGES)} ('bulk': nvfp4, ring_stage 'smem', "
+            kv.fail("stage", f"one of {list(STAGES)} ('bulk': nvfp4, ring_stage 'smem', "
                           "eager_loads)", repr(self.stage))
         if self.ring_stage not in RING_STAGES or (self.ring_stage == "smem" and not (
                 self.window >= 3 and self.ring_stage_fits)):
-            _compile.fail("ring_stage", f"one of {list(RING_STAGES)} ('smem': window >= 3 and "
+            kv.fail("ring_stage", f"one of {list(RING_STAGES)} ('smem': window >= 3 and "
                           "its stages within the shared-memory limit)", repr(self.ring_stage))
         if not isinstance(self.eager_loads, bool):
-            _compile.fail("eager_loads", "a bool", repr(self.eager_loads))
+            kv.fail("eager_loads", "a bool", repr(self.eager_loads))
 
     @property
     def ring_stage_bytes(self) -> int:
