@@ -262,7 +262,6 @@ def check_replay_cache(cache) -> CacheView:
     if not isinstance(hi, torch.Tensor) or hi.dim() != 4:
         fail("cache.hi", "a 4-d tensor [slots, nheads, headdim, dstate]",
              list(hi.shape) if isinstance(hi, torch.Tensor) else type(hi).__name__)
-    _check_device("cache.hi", hi)
     S, H, P, N = hi.shape
     device = hi.device
     check_tensor("cache.hi", hi, HI_FORMATS[cache.hi_format], hi.shape, device)
@@ -309,6 +308,7 @@ def check_replay_cache(cache) -> CacheView:
                     **{f"cache.{b}": tensors[b] for b in names[i + 1:]})
     check_philox_fields("cache.hi", S, H * P * N,
                         cache.hi_format == "fp16" and cache.hi_rounding == "sr")
+    _check_device("cache.hi", hi)  # (last: the checks above run on meta tensors)
     return CacheView(S, H, P, N, G, Lc, device, act,
                      {f"cache.{k}": v for k, v in tensors.items()})
 

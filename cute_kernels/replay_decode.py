@@ -79,6 +79,8 @@ def mamba2_replay_decode(cache: kv.ReplayCache, x, dt, A, B, C, D=None, z=None, 
                           has_debug=debug_state is not None)
     for name, flag in (("overlap_flush", overlap_flush), ("check_counters", check_counters)):
         kv.check_switch(name, flag)
+    if check_counters:
+        kv.check_counter_values(cache.cursors, cache.flushes, cache.window)
     # the non-flush kernel's checks too (its limits are narrower than the flush's), before the
     # flush is launched: a refusal after it would leave flushed slots whose cursors were not
     # reset
@@ -87,8 +89,6 @@ def mamba2_replay_decode(cache: kv.ReplayCache, x, dt, A, B, C, D=None, z=None, 
                          ro._sm_count(view.device))
     if flush_slots is not None:  # before the device check, so that it names the table
         flush_slots = _checked_table(flush_slots, cache, check_counters)
-    if check_counters:
-        kv.check_counter_values(cache.cursors, cache.flushes, cache.window)
     kv.require_cuda("cache.hi", cache.hi)
     if out is None:
         out = torch.empty_like(x)
