@@ -331,12 +331,13 @@ def check_state_cache(cache) -> CacheView:
     if not isinstance(state, torch.Tensor) or state.dim() != 4:
         fail("cache.state", "a 4-d tensor [slots, nheads, headdim, dstate]",
              list(state.shape) if isinstance(state, torch.Tensor) else type(state).__name__)
-    _check_device("cache.state", state)
     S, H, P, N = state.shape
     check_tensor("cache.state", state, HI_FORMATS[cache.format], state.shape, state.device)
     check_tensor("cache.tokens", cache.tokens, torch.int32, (S,), state.device)
     check_apart("cache.tokens", cache.tokens, **{"cache.state": state})
-    check_philox_fields("cache.state", S, H * P * N, cache.rounding == "sr")
+    if cache.rounding == "sr":  # RN draws no words: neither field applies
+        check_philox_fields("cache.state", S, H * P * N)
+    _check_device("cache.state", state)  # (last: the checks above run on meta tensors)
     return CacheView(S, H, P, N, 0, 0, state.device, None,
                      {"cache.state": state, "cache.tokens": cache.tokens})
 
