@@ -57,9 +57,9 @@ products meet in a shuffle reduction over its lanes.
 
 Counters. Every CTA of a slot reads `cursors[s]` (is this a flush?) and `flushes[s]` (its
 Philox words), so no CTA may change them while siblings may still read them. The flush kernel
-therefore only reads them; `replay_flush` then launches a one-thread-per-slot kernel that
+therefore only reads them; `mamba2_replay_flush` then launches a one-thread-per-slot kernel that
 resets the cursors and advances the flush counters of the slots that flushed. The decision
-input is a separate argument of the launch helper, so `replay_decode_step` can hand it a
+input is a separate argument of the launch helper, so `mamba2_replay_decode` can hand it a
 snapshot taken before the non-flush kernel advanced the other slots.
 """
 
@@ -102,17 +102,8 @@ CUTE_DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp32": Float3
 CHUNK = 8  # state elements per thread access: 16 B of fp16, 32 B of fp32, 4 B of nvfp4 codes
 # (FlushConfig.chunk: 16 gives a thread a whole NVFP4 block); the ring is staged in chunks of 8
 CHUNKS = (8, 16)
-ELEMENTS_PER_THREAD = 64  # registers held per thread for the head's amax (nvfp4); the layout
-# that fits every accepted shape. replay_flush defaults to 32 for an fp16 recurrence copy where
-# the shape allows it: measured on the H200 (2026-11-29, `python -m cute_kernels.bench_write`,
-# fp16-SR + nvfp4, Nemotron layer, L = 16): batch 256 1,452.8 -> 1,098.9 us, batch 8
-# 49.4 -> 43.4 us, batch 1 16.9 -> 9.4 us (256 threads at 79 registers: 24 warps resident per
-# SM, not 16). The fp32 single copy is faster at 64: 847.9 us against 928.9 us at batch 256.
-# Capping the 32 layout at 64 registers (FlushConfig.min_ctas_per_sm = 4, 3 spills) was
-# slower: 1,113.1 against 1,093.9 us (results/gpu_first_timing/bench_write_4.csv). With the
-# leaner NVFP4 encode (hardware E4M3 conversions) the default takes 1,035.0 us and the cap
-# 1,026.7 (bench_write_6.csv): within 1%, so the cap stayed off; with the direct fold it is on
-# (FlushConfig.min_ctas_per_sm).
+ELEMENTS_PER_THREAD = 64  # the layout that fits every accepted shape (the head's amax in
+# registers); default_elements_per_thread picks 32 where it fits an fp16 copy
 NVFP4_BLOCK = 16
 E2M1_E4M3_MAX = 2688.0  # 448 * 6
 E2M1_MAX = 6.0
@@ -120,10 +111,9 @@ E2M1_MAX = 6.0
 
 def default_elements_per_thread(headdim: int, dstate: int, hi_format: str = "fp16") -> int:
     """For an fp16 recurrence copy 32 where the head takes whole warps and at most 1024
-    threads that way (the direct fold's layout where it applies), else 64. The fp32 copy
-    takes 64 (the mma fold): in the benchmark (batch 256) it took 652.2 us there (run of
-    caae136) and 769.5 with the direct fold at 32 (run of da68876), though bench_write had
-    the direct fold ahead, 785.6 against 799.6 (bench_write_8c.csv)."""
+    threads that way (more warps resident: 1,452.8 -> 1,098.9 us at batch 256 on the H200),
+    else 64. The fp32 copy takes 64 (the mma fold: 652.2 us against 769.5 with the direct
+    fold at 32, batch 256; docs/performance.md)."""
     if hi_format == "fp32":
         return ELEMENTS_PER_THREAD
     fits = _layout_problem(headdim, dstate, 32) is None and headdim * dstate // 32 <= 1024
@@ -171,51 +161,32 @@ class FlushConfig:
     has_dt_bias: bool
     dt_softplus: bool
     has_debug: bool
-    # 32 halves the registers a thread holds (twice the threads per CTA): more warps resident
-    # per SM to hide the load-compute-store phases; replay_flush's default where it fits
-    # (default_elements_per_thread; timings at ELEMENTS_PER_THREAD).
+    # 32 or 64: 32 halves the registers a thread holds, more warps resident per SM
+    # (`default_elements_per_thread`)
     elements_per_thread: int = ELEMENTS_PER_THREAD
-    # resident CTAs per SM that ptxas must leave registers for (0: no cap; None: with the
-    # direct fold 1024 // threads, which caps it at 64 registers (4 CTAs at 256 threads, 2 at
-    # 512: uncapped that one asks for 87 and so runs 1 CTA an SM; measured at 256 only), else
-    # 0). Measured (bench_write_8.csv, batch 256, fp16-SR + nvfp4): direct fold 812.5 -> 794.1
-    # us with 4
+    # register cap as resident CTAs an SM (0: none; None: 1024 // threads with the direct
+    # fold, i.e. 64 registers: 812.5 -> 794.1 us at batch 256; else 0)
     min_ctas_per_sm: int | None = None
-    # a CTA loops over several slots (`decode_slot_ctas`), so that in a decode step where few
-    # slots flush the others cost no CTA (a CTA a slot and head: the staggered step at batch
-    # 256, L = 16, took 140 us against 114 for the same kernels on the flushing slots alone).
-    # replay_decode_step uses it for fp32 hi without a table: measured on the H200 with every slot
-    # flushing (scripts/flush_slot_loop_probe.py, batch 256), fp32 618 -> 579 us with one slot
-    # a CTA, 637 at one wave; fp16-SR + nvfp4 740 -> 1,277 us even with one slot a CTA, its
-    # SASS 58.9 -> 63.6 instructions an element at 32 a thread and 27 more spill accesses at
-    # the 64-register cap (why it is that much slower is not known).
+    # a CTA loops over several slots (`decode_slot_ctas`), so that slots that do not flush
+    # cost no CTA: the decode step's choice for fp32 hi without a table (618 -> 579 us with
+    # every slot flushing; the fp16-SR + nvfp4 kernel compiles to 1.7x slower code with it)
     slot_loop: bool = False
-    # a CTA's slot comes from a table of the flushing slots that the caller fills (grid: heads
-    # x table length), so that a decode step launches CTAs for those slots only
-    # (replay_decode_step's `flush_slots`); a slot in the table that does not flush is skipped
+    # a CTA's slot comes from the caller's table of flushing slots (the decode step's
+    # `flush_slots`): CTAs for those slots only; a listed slot that does not flush is skipped
     slot_table: bool = False
-    # how the ring is folded into the state: "fma" (each thread L FFMAs per element, B_j and
-    # x_j from fp32 shared memory), "mma" (tensor cores, `_fold_mma`, the result through
-    # shared memory into each thread's chunks; bf16 activations and the shapes
-    # `mma_fold_problem` accepts) or "direct" (tensor cores, transposed so that the
-    # accumulators are the thread's own elements, `_fold_direct`; `direct_fold_problem`);
-    # None: `default_fold`. H200, Nemotron layer, batch 256, L = 16 (`python -m
-    # cute_kernels.bench_write`): fp16-SR + nvfp4 flush FFMA fold 1,041.9 -> mma 990.1 us
-    # (bench_write_7.csv); mma 905.7 -> direct 812.5 us at 16-element chunks
-    # (bench_write_8.csv); fp32 single copy FFMA 849.8 -> mma 800.5 us (bench_write_7.csv),
-    # direct 849.7 at 32 elements a thread against mma 796.6 at 64 (bench_write_8.csv)
+    # how the ring is folded into the state: "fma" (L FFMAs an element), "mma" (tensor cores,
+    # `_fold_mma`, through shared memory) or "direct" (tensor cores, transposed so that the
+    # accumulators are the thread's own elements, `_fold_direct`); None: `default_fold`
+    # (fp16-SR + nvfp4 at batch 256: fma 1,041.9, mma 990.1, direct 812.5 us)
     fold: str | None = None
-    # state elements a thread loads, folds and stores as one piece: 8 (16 B of fp16; an NVFP4
-    # block is a lane pair's, its amax one shuffle) or 16 (a whole block a thread: the block's
-    # scale, reciprocal and code word once per 16 elements); None: 16 with the direct fold,
-    # and with the mma fold for an fp16 copy, where the head splits into 16s; else 8 (the
-    # FFMA fold at 16 took 1,715.3 against 1,011.3 us, bench_write_8b.csv). fp16-SR + nvfp4,
-    # mma fold: 955.4 -> 905.7 us (bench_write_8.csv; 66.4 -> 60.9 SASS instructions per
-    # element)
+    # state elements a thread handles as one piece: 8 (an NVFP4 block is a lane pair's) or 16
+    # (a whole block a thread); None: 16 with the direct fold, and with the mma fold for an
+    # fp16 copy (955.4 -> 905.7 us), else 8
     chunk: int | None = None
+
     def __post_init__(self):
-        # what replay_flush checks on its arguments, for configs built directly (compile_flush,
-        # bench_write, instruction_count): an unknown format compiled another one's kernel
+        # for configs built directly (compile_flush's key): an unknown format would compile
+        # another one's kernel
         for name, choices in (("hi_format", HI_FORMATS), ("hi_rounding", HI_ROUNDINGS),
                               ("lo_format", LO_FORMATS), ("act", tuple(CUTE_DTYPES)),
                               ("dt_dtype", tuple(CUTE_DTYPES))):
@@ -524,13 +495,11 @@ class ReplayFlush:
         sW = smem.allocate_tensor(Float32, cute.make_layout(64), 16)  # w_j; [L]: g_{0:L-1}
         sRed = smem.allocate_tensor(Float32, cute.make_layout(32), 16)
         # The CTA's slots: first_slot alone (replay_flush's launch, a CTA a slot and head);
-        # the table's entry first_slot (slot_table: replay_decode_step given `flush_slots`);
-        # or first_slot, first_slot + slot_ctas, ... (slot_loop: replay_decode_step's fp32
-        # flush without a table), whose decisions come in with one load a thread before the
-        # loop (the launch makes sure a CTA has at most `threads` slots). A CTA for every slot
-        # and head made a decode step with no slot flushing take 85.1 us at batch 256 against
-        # 62.5 with the table (results/README.md, "Staggered batches"). sDecision is only used
-        # by slot_loop.
+        # the table's entry first_slot (slot_table: the decode step given `flush_slots`); or
+        # first_slot, first_slot + slot_ctas, ... (slot_loop: the decode step's fp32 flush
+        # without a table), whose decisions come in with one load a thread before the loop
+        # (the launch makes sure a CTA has at most `threads` slots). sDecision is only used by
+        # slot_loop.
         sDecision = smem.allocate_tensor(Int32, cute.make_layout(T), 16)
         slots_here = Int32(1)
         if cutlass.const_expr(cfg.slot_loop):
@@ -654,8 +623,6 @@ class ReplayFlush:
                         _store_lo_chunk(cfg, lo_h, acc[i], p, col)
                 if cutlass.const_expr(nvfp4):
                     # the recurrence copy goes out before the barrier that the head's amax needs
-                    # (bench_write_8.csv, direct fold: 812.5 -> 809.1 us, and 794.1 -> 788.1 with
-                    # 4 CTAs an SM)
                     global_scale = _head_global_scale(T, sRed)
                     if tidx == 0:
                         lo_global[s, h] = global_scale
@@ -993,9 +960,7 @@ def _chunk_amax(values, W: cutlass.Constexpr):
 def _publish_warp_amax(block_amax, tidx, sRed):
     """The warp's amax(|S|) (thread, from its chunks' maxima, then warp maximum) to
     sRed[warp]. The chunks' maxima serve the block scales as well (_store_nvfp4_chunk): one
-    max an element instead of two (fp16-SR + nvfp4 flush, 32 elements a thread: 59.9 -> 58.9
-    SASS instructions per element; with the slot-placed E2M1 codes 773.5 -> 757.7 us on the
-    H200 at batch 256, results/gpu_first_timing/bench_write_11_{old,new}.csv)."""
+    max an element instead of two."""
     local = Float32(0.0)
     for i in cutlass.range_constexpr(len(block_amax)):
         local = cute.arch.fmax(local, block_amax[i])

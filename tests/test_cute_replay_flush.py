@@ -257,7 +257,7 @@ def test_every_element_enters_the_e2m1_pairs_margin_test(elements_per_thread):
     """With the E2M1 codes two at a time, each state element a thread holds gets its own
     margin against the decision points (one add of E2M1_PAIR_NEAR + 2^21 a value in the
     PTX), and the margins meet in unsigned minima: a signed minimum, or one folded against a
-    constant, would drop some (an earlier form lost each block's first pair that way)."""
+    constant, would drop some (each block's first pair)."""
     from cute_kernels import numerics as nm
 
     cfg = config(NEMOTRON, "fp16", "sr", "nvfp4", elements_per_thread=elements_per_thread)
@@ -486,7 +486,7 @@ def test_flush_counter_limit_keeps_every_flush_in_its_own_counter_field():
         (dict(fold="mma"), "fold: expected another fold here .'mma' needs bf16 activations"),
         (dict(fold="direct"), "fold: expected another fold here .'direct' needs bf16"),
         (dict(chunk=12), "chunk: expected one of"),
-        # a word was read with bool(): "no" ran the counter check (a sync) on the counters
+        # a word read with bool() would turn the counter check (a sync) on
         (dict(check_counters="no"), "check_counters: expected a bool, got 'no'"),
     ],
 )
@@ -1238,9 +1238,8 @@ def test_slot_table_kernel_compiles_like_the_one_slot_kernel_and_refuses_misuse(
 
 
 def test_cpu_tensors_pass_every_check_but_the_device_one():
-    """replay_flush and replay_decode_step on CPU tensors: every argument check passes and the
-    last one names the device (a CPU tensor used to pass them all and fail inside torch.cuda
-    after a compile, or reach the kernel as a host pointer)."""
+    """The flush and the decode step on CPU tensors: every argument check passes and the last
+    one names the device (a CPU tensor must never reach torch.cuda or the kernel)."""
 
     args, window = cpu_args(shape=dict(nheads=4, headdim=16, dstate=128, ngroups=2))
     for entry in (replay_flush, decode_step):
@@ -1257,9 +1256,9 @@ def test_cpu_tensors_pass_every_check_but_the_device_one():
 def test_decode_step_checks_both_kernels_before_launching_either(monkeypatch, shape, window,
                                                                   message):
     """What only the non-flush kernel refuses (its headdim, dstate and window limits are
-    narrower than the flush's) is refused before the flush is launched: the flush used to run
-    first, leaving flushed slots whose cursors were never reset. Stand-ins for the device
-    check and the launches show nothing was launched."""
+    narrower than the flush's) is refused before the flush is launched (else flushed slots
+    would keep cursors that were never reset). Stand-ins for the device check and the
+    launches show nothing was launched."""
     launched = []
     monkeypatch.setattr(kv, "require_cuda", lambda name, tensor: None)
     monkeypatch.setattr(rf, "launch_flush", lambda *a, **k: launched.append("flush"))
@@ -1305,7 +1304,7 @@ def test_flush_of_no_slots_launches_nothing(monkeypatch):
 
 @pytest.mark.parametrize("flag", ["overlap_flush", "check_counters"])
 def test_decode_step_switches_are_bools(flag):
-    """A switch given as a word ("no") was read with bool(): refused."""
+    """A switch given as a word ("no") is refused, not read with bool()."""
 
     args, window = cpu_args(shape=dict(nheads=4, headdim=16, dstate=128, ngroups=2))
     with pytest.raises(ValueError, match=f"{flag}: expected a bool, got 'no'"):
