@@ -414,13 +414,16 @@ def test_invalid_arguments_raise_value_errors_naming_them(cache_change, input_ch
 
 def test_cpu_and_meta_caches_are_refused_by_name():
     """Every other check passes on the CPU and the device check names the cache; a meta
-    cache is refused before anything else is looked at."""
+    cache is refused by name once its shapes pass, and tensors on two devices name the one
+    off the cache's device."""
     cache = _cpu_cache()
     with pytest.raises(ValueError, match="cache.hi: expected a CUDA tensor"):
         ro.mamba2_replay_output(cache, **_cpu_inputs(cache))
-    meta = _cpu_cache(hi=torch.empty(3, 4, 16, 128, dtype=torch.float16, device="meta"))
     with pytest.raises(ValueError, match="cache.hi: expected a tensor with storage"):
-        ro.mamba2_replay_output(meta, **_cpu_inputs(cache))
+        ReplayCache.empty(3, 4, 16, 128, ngroups=2, window=8, device="meta")
+    mixed = _cpu_cache(hi=torch.empty(3, 4, 16, 128, dtype=torch.float16, device="meta"))
+    with pytest.raises(ValueError, match="cache.ring_x: expected device meta"):
+        ro.mamba2_replay_output(mixed, **_cpu_inputs(cache))
 
 
 @pytest.mark.parametrize("knob, value, message", [
