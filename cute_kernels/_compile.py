@@ -1,4 +1,4 @@
-"""Small helpers shared by the CuTe DSL kernels: target, compile cache, PTX, pointers, stream.
+"""Small helpers shared by the CuTe DSL kernels: target, compile cache, pointers, stream.
 
 - Import this module before `cutlass` (every kernel module does): on a machine without a CUDA
   GPU it sets `CUTE_DSL_ARCH=sm_90a` (unless already set), so kernels compile for the H200 on a
@@ -9,11 +9,10 @@
 - `cute_argv()`: a context in which `sys.argv` holds only the program name and any
   `-diagnostic` argument. CuTe DSL parses `sys.argv` on every compile (its `-diagnostic`
   switch), and argparse reads an argument such as `--h` or `--he` as `--help`: the process
-  printed CuTe's usage and exited with status 0 (`python -m cute_kernels.bench_read --h 9`,
-  2026-11-30). Every compile of the kit goes through it.
+  would print CuTe's usage and exit with status 0. Every compile of the kit goes through it.
 - `compile_options(keep_ptx)`: the `cute.compile` options string. With `keep_ptx` the PTX text
   is kept (`compiled.__ptx__`) and its file goes to a private temporary directory, so tests can
-  grep it for the wide loads.
+  read it.
 - `gmem_ptr(tensor, dtype)` / `fake_ptr(dtype)`: 16-byte-aligned global pointers (a torch
   tensor's storage, or a placeholder for compiling without a GPU). Kernels build their tensors
   from pointers and static shapes, so a launch converts no tensors (cheap enough to call every
@@ -41,8 +40,6 @@ import cutlass.cute as cute  # noqa: E402
 import cutlass.runtime as cutlass_runtime  # noqa: E402
 from cutlass.cute.runtime import make_ptr  # noqa: E402
 
-from lowprec._checks import bytes_overlap  # noqa: E402
-
 __all__ = [
     "ALIGN",
     "TORCH_TO_CUTE",
@@ -54,8 +51,6 @@ __all__ = [
     "current_stream",
     "fake_stream",
     "on_gpu",
-    "fail",
-    "check_tensor",
 ]
 
 ALIGN = 16  # bytes: every tensor a kernel reads with 128-bit accesses starts 16-byte aligned
@@ -141,49 +136,3 @@ def current_stream():
 def fake_stream():
     """A placeholder stream for compiling without a GPU."""
     return cutlass_runtime.make_fake_stream()
-
-
-# validation shared by the public functions: ValueErrors naming the argument
-
-
-def fail(name, expected, got):
-    raise ValueError(f"{name}: expected {expected}, got {got}")
-
-
-def require_cuda(name, tensor) -> None:
-    """ValueError unless `tensor` (on the arguments' one device, as checked before) is on a
-    GPU: after every other check, so that the checks can be tested on the CPU (a CPU tensor
-    used to pass them and fail in torch.cuda, or reach the kernel as a host pointer)."""
-    if tensor.device.type != "cuda":
-        fail(name, "a CUDA tensor (every argument on one GPU)", tensor.device)
-
-
-def check_tensor(name, t, dtype, shape, device=None):
-    """`t` is a contiguous, 16-byte-aligned tensor of `dtype` (or one of a tuple) and `shape`
-    on `device`."""
-    if not isinstance(t, torch.Tensor):
-        fail(name, "a torch.Tensor", type(t).__name__)
-    dtypes = dtype if isinstance(dtype, tuple) else (dtype,)
-    if t.dtype not in dtypes:
-        fail(name, f"dtype {' or '.join(str(d) for d in dtypes)}", t.dtype)
-    if tuple(t.shape) != tuple(shape):
-        fail(name, f"shape {list(shape)}", list(t.shape))
-    if device is not None and t.device != device:
-        fail(name, f"device {device}", t.device)
-    if not t.is_contiguous():
-        fail(name, "a contiguous tensor", f"strides {t.stride()}")
-    if t.data_ptr() % ALIGN:
-        fail(name, f"a {ALIGN}-byte-aligned data pointer", hex(t.data_ptr()))
-
-
-def check_apart(name, tensor, **others):
-    """ValueError if `tensor` (an output, checked contiguous before) shares bytes with one of
-    `others` (None entries skipped): the kernels read some inputs after writing their outputs
-    (the record's append reads x after y is stored, the flush reads the state it rewrites),
-    so `out=x` would store y as the record. (The emulation's `check_out_apart` compares byte
-    ranges the same way, the cache's tensors included.)"""
-    if tensor is None:
-        return
-    for other_name, other in others.items():
-        if isinstance(other, torch.Tensor) and bytes_overlap(tensor, other):
-            fail(name, f"a tensor apart from {other_name}", f"one sharing {other_name}'s memory")

@@ -55,27 +55,10 @@ import cutlass  # noqa: I001
 import cutlass.cute as cute
 import numpy as np
 from cutlass import Float32, Uint32
-from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T
 
 from cute_kernels import _compile  # noqa: F401  (sets the sm_90a target before cutlass)
-
-
-def inline_ptx(res, args, code, constraints, side_effects=False, loc=None, ip=None):
-    """One inline PTX statement (AT&T operand numbering). Pure register operations are
-    side-effect free, so LLVM may schedule them; loads and stores say otherwise."""
-    return llvm.inline_asm(
-        res,
-        args,
-        code,
-        constraints,
-        has_side_effects=side_effects,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc,
-        ip=ip,
-    )
-
+from cute_kernels.ptx import inline_ptx
 
 __all__ = [
     "PHILOX_ROUNDS",
@@ -518,13 +501,9 @@ def e2m1_quotient_fast(x, recip, slot: int = 0):
     2^17) the caller divides. The sign is x's, which RN(x/d) has for d > 0 (-0 included). A
     subnormal v (no relative bound) is far below 0.25, where both codes are 0.
 
-    With it the fp16-RN + nvfp4 flush issues 71.8 instructions per element instead of 95.0
-    (`python -m cute_kernels.instruction_count`); the form below (magic constant from the
-    exponent field, exactness from one compare against a multiple of the grid step) took the
-    fp16-SR + nvfp4 flush (mma fold) from 64.1 to 60.9 per element at 16 elements a chunk
-    and from 69.9 to 66.4 at 8; reading the code off the rounded value scaled into fp32's
-    subnormals, shifted straight to its slot, took the direct fold's (32 a thread) from 60.9
-    to 59.9.
+    The form below takes the magic constant from the exponent field and exactness from one
+    compare against a multiple of the grid step; the code is read off the rounded value
+    scaled into fp32's subnormals, shifted straight to its slot.
     """
     if _is_np(x):
         x = np.asarray(x, np.float32)

@@ -57,14 +57,15 @@ products meet in a shuffle reduction over its lanes.
 
 Counters. Every CTA of a slot reads `cursors[s]` (is this a flush?) and `flushes[s]` (its
 Philox words), so no CTA may change them while siblings may still read them. The flush kernel
-therefore only reads them; `replay_flush` then launches a one-thread-per-slot kernel that
+therefore only reads them; `mamba2_replay_flush` then launches a one-thread-per-slot kernel that
 resets the cursors and advances the flush counters of the slots that flushed. The decision
-input is a separate argument of the launch helper, so `replay_decode_step` can hand it a
+input is a separate argument of the launch helper, so `mamba2_replay_decode` can hand it a
 snapshot taken before the non-flush kernel advanced the other slots.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import cutlass  # noqa: I001
@@ -74,15 +75,14 @@ from cutlass import Float32, Int32, Uint8, Uint32
 from cutlass.memory import SmemAllocator
 
 from cute_kernels import _compile
+from cute_kernels import cache as kv
 from cute_kernels import numerics as nm
 from cute_kernels import tensor_core as tc
-from cute_kernels._compile import require_cuda
-from lowprec.philox import ELEMENT_LIMIT, SLOT_LIMIT
-from lowprec.replay import check_counter_ranges
 
 __all__ = [
     "FlushConfig",
-    "replay_flush",
+    "mamba2_replay_flush",
+    "flush_config",
     "launch_flush",
     "launch_advance_counters",
     "compile_flush",
@@ -102,17 +102,8 @@ CUTE_DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp32": Float3
 CHUNK = 8  # state elements per thread access: 16 B of fp16, 32 B of fp32, 4 B of nvfp4 codes
 # (FlushConfig.chunk: 16 gives a thread a whole NVFP4 block); the ring is staged in chunks of 8
 CHUNKS = (8, 16)
-ELEMENTS_PER_THREAD = 64  # registers held per thread for the head's amax (nvfp4); the layout
-# that fits every accepted shape. replay_flush defaults to 32 for an fp16 recurrence copy where
-# the shape allows it: measured on the H200 (2026-11-29, `python -m cute_kernels.bench_write`,
-# fp16-SR + nvfp4, Nemotron layer, L = 16): batch 256 1,452.8 -> 1,098.9 us, batch 8
-# 49.4 -> 43.4 us, batch 1 16.9 -> 9.4 us (256 threads at 79 registers: 24 warps resident per
-# SM, not 16). The fp32 single copy is faster at 64: 847.9 us against 928.9 us at batch 256.
-# Capping the 32 layout at 64 registers (FlushConfig.min_ctas_per_sm = 4, 3 spills) was
-# slower: 1,113.1 against 1,093.9 us (results/gpu_first_timing/bench_write_4.csv). With the
-# leaner NVFP4 encode (hardware E4M3 conversions) the default takes 1,035.0 us and the cap
-# 1,026.7 (bench_write_6.csv): within 1%, so the cap stayed off; with the direct fold it is on
-# (FlushConfig.min_ctas_per_sm).
+ELEMENTS_PER_THREAD = 64  # the layout that fits every accepted shape (the head's amax in
+# registers); default_elements_per_thread picks 32 where it fits an fp16 copy
 NVFP4_BLOCK = 16
 E2M1_E4M3_MAX = 2688.0  # 448 * 6
 E2M1_MAX = 6.0
@@ -120,10 +111,9 @@ E2M1_MAX = 6.0
 
 def default_elements_per_thread(headdim: int, dstate: int, hi_format: str = "fp16") -> int:
     """For an fp16 recurrence copy 32 where the head takes whole warps and at most 1024
-    threads that way (the direct fold's layout where it applies), else 64. The fp32 copy
-    takes 64 (the mma fold): in the benchmark (batch 256) it took 652.2 us there (run of
-    caae136) and 769.5 with the direct fold at 32 (run of da68876), though bench_write had
-    the direct fold ahead, 785.6 against 799.6 (bench_write_8c.csv)."""
+    threads that way (more warps resident: 1,452.8 -> 1,098.9 us at batch 256 on the H200),
+    else 64. The fp32 copy takes 64 (the mma fold: 652.2 us against 769.5 with the direct
+    fold at 32, batch 256; docs/performance.md)."""
     if hi_format == "fp32":
         return ELEMENTS_PER_THREAD
     fits = _layout_problem(headdim, dstate, 32) is None and headdim * dstate // 32 <= 1024
@@ -171,122 +161,66 @@ class FlushConfig:
     has_dt_bias: bool
     dt_softplus: bool
     has_debug: bool
-    # 32 halves the registers a thread holds (twice the threads per CTA): more warps resident
-    # per SM to hide the load-compute-store phases; replay_flush's default where it fits
-    # (default_elements_per_thread; timings at ELEMENTS_PER_THREAD).
+    # 32 or 64: 32 halves the registers a thread holds, more warps resident per SM
+    # (`default_elements_per_thread`)
     elements_per_thread: int = ELEMENTS_PER_THREAD
-    # resident CTAs per SM that ptxas must leave registers for (0: no cap; None: with the
-    # direct fold 1024 // threads, which caps it at 64 registers (4 CTAs at 256 threads, 2 at
-    # 512: uncapped that one asks for 87 and so runs 1 CTA an SM; measured at 256 only), else
-    # 0). Measured (bench_write_8.csv, batch 256, fp16-SR + nvfp4): direct fold 812.5 -> 794.1
-    # us with 4
+    # register cap as resident CTAs an SM (0: none; None: 1024 // threads with the direct
+    # fold, i.e. 64 registers: 812.5 -> 794.1 us at batch 256; else 0)
     min_ctas_per_sm: int | None = None
-    # a CTA loops over several slots (`decode_slot_ctas`), so that in a decode step where few
-    # slots flush the others cost no CTA (a CTA a slot and head: the staggered step at batch
-    # 256, L = 16, took 140 us against 114 for the same kernels on the flushing slots alone).
-    # replay_decode_step uses it for fp32 hi without a table: measured on the H200 with every slot
-    # flushing (scripts/flush_slot_loop_probe.py, batch 256), fp32 618 -> 579 us with one slot
-    # a CTA, 637 at one wave; fp16-SR + nvfp4 740 -> 1,277 us even with one slot a CTA, its
-    # SASS 58.9 -> 63.6 instructions an element at 32 a thread and 27 more spill accesses at
-    # the 64-register cap (why it is that much slower is not known).
+    # a CTA loops over several slots (`decode_slot_ctas`), so that slots that do not flush
+    # cost no CTA: the decode step's choice for fp32 hi without a table (618 -> 579 us with
+    # every slot flushing; the fp16-SR + nvfp4 kernel compiles to 1.7x slower code with it)
     slot_loop: bool = False
-    # a CTA's slot comes from a table of the flushing slots that the caller fills (grid: heads
-    # x table length), so that a decode step launches CTAs for those slots only
-    # (replay_decode_step's `flush_slots`); a slot in the table that does not flush is skipped
+    # a CTA's slot comes from the caller's table of flushing slots (the decode step's
+    # `flush_slots`): CTAs for those slots only; a listed slot that does not flush is skipped
     slot_table: bool = False
-    # the shared-memory carveout asked of the driver, percent of the SM's unified L1/shared
-    # storage (-1: the driver's choice); a tuning knob: with the tensor-core fold a CTA holds
-    # about 44 KB of shared memory, and ncu found 3 CTAs an SM the limit of both registers
-    # (73) and shared memory (results/ncu/ncu_stalls_cute_flush_fp16sr_nvfp4.txt.gz). Measured
-    # (bench_write_occupancy_7.csv, batch 256, fp16-SR + nvfp4): default 986.3 us, carveout
-    # 100 983.5, min_ctas_per_sm=4 (64 registers, 5 spill loads) 965.5, both 965.2; the cap
-    # alone was 968.6 against 990.1 in an earlier call (bench_write_7.csv): about 2%; with the
-    # direct fold (9 KB of shared memory) the cap is the default (min_ctas_per_sm)
-    smem_carveout: int = -1
-    # how the ring is folded into the state: "fma" (each thread L FFMAs per element, B_j and
-    # x_j from fp32 shared memory), "mma" (tensor cores, `_fold_mma`, the result through
-    # shared memory into each thread's chunks; bf16 activations and the shapes
-    # `mma_fold_problem` accepts) or "direct" (tensor cores, transposed so that the
-    # accumulators are the thread's own elements, `_fold_direct`; `direct_fold_problem`);
-    # None: `default_fold`. H200, Nemotron layer, batch 256, L = 16 (`python -m
-    # cute_kernels.bench_write`): fp16-SR + nvfp4 flush FFMA fold 1,041.9 -> mma 990.1 us
-    # (bench_write_7.csv); mma 905.7 -> direct 812.5 us at 16-element chunks
-    # (bench_write_8.csv); fp32 single copy FFMA 849.8 -> mma 800.5 us (bench_write_7.csv),
-    # direct 849.7 at 32 elements a thread against mma 796.6 at 64 (bench_write_8.csv)
+    # how the ring is folded into the state: "fma" (L FFMAs an element), "mma" (tensor cores,
+    # `_fold_mma`, through shared memory) or "direct" (tensor cores, transposed so that the
+    # accumulators are the thread's own elements, `_fold_direct`); None: `default_fold`
+    # (fp16-SR + nvfp4 at batch 256: fma 1,041.9, mma 990.1, direct 812.5 us)
     fold: str | None = None
-    # state elements a thread loads, folds and stores as one piece: 8 (16 B of fp16; an NVFP4
-    # block is a lane pair's, its amax one shuffle) or 16 (a whole block a thread: the block's
-    # scale, reciprocal and code word once per 16 elements); None: 16 with the direct fold,
-    # and with the mma fold for an fp16 copy, where the head splits into 16s; else 8 (the
-    # FFMA fold at 16 took 1,715.3 against 1,011.3 us, bench_write_8b.csv). fp16-SR + nvfp4,
-    # mma fold: 955.4 -> 905.7 us (bench_write_8.csv; 66.4 -> 60.9 SASS instructions per
-    # element)
+    # state elements a thread handles as one piece: 8 (an NVFP4 block is a lane pair's) or 16
+    # (a whole block a thread); None: 16 with the direct fold, and with the mma fold for an
+    # fp16 copy (955.4 -> 905.7 us), else 8
     chunk: int | None = None
-    # issue every load that the ring staging needs (this thread's x and B chunks, warp 0's
-    # dt values) before any shared-memory store, so that a CTA waits out one round trip
-    # before its barrier; False: the earlier order (x chunks loaded and stored, then B's,
-    # then warp 0's dt loads), two to four round trips in turn. H200, batch 256, both with D
-    # and z loaded with the state (bench_write_9.csv): fp16-SR + nvfp4 779.6 -> 768.0 us (the
-    # flush is ALU-bound), fp32 single copy 669.9 -> 597.6 us (90% of copy)
-    ring_loads_first: bool = True
-    # NVFP4 codes two at a time (numerics.e2m1_pair_fast: elements e and e + 4 of a code
-    # word converted to fp16 by one truncating cvt, clamped by one packed min, the code and
-    # sign read off the bits) instead of one at a time (numerics.e2m1_quotient_fast: a magic
-    # add, a multiply and a nearness test an element). Either way the stored codes are
-    # lowprec's; the rare elements near a decision point take the division. fp16-SR + nvfp4
-    # SASS instructions an element on the fast paths (`python -m
-    # cute_kernels.instruction_count`): 55.3 -> 49.0 at 32 elements a thread, 46.7 -> 40.2 at
-    # 64; the encode's share (fp16-RN + nvfp4 less fp16-RN alone) 23.8 -> 16.7 at 32
-    e2m1_pairs: bool = True
-    # timing only (the outputs are wrong): "loads" makes every value the flush would load
-    # from global memory (the recurrence copy, the ring's x, B and dt records, this step's x,
-    # dt, B, C and z, A, D and dt_bias) out of the thread index instead, and keeps everything
-    # else: the staging in shared memory and its barrier, the fold, the output, every store.
-    # What is left of the time is the flush without its loads' round trips (and its read
-    # traffic): the bound of hiding them, e.g. by a CTA that walks a group's heads and loads
-    # the next head's state during this head's work. The cursor and the flush counter are
-    # still read (they decide whether the CTA flushes and which Philox words it takes).
-    ablate: tuple = ()
 
     def __post_init__(self):
-        # what replay_flush checks on its arguments, for configs built directly (compile_flush,
-        # bench_write, instruction_count): an unknown format compiled another one's kernel
+        # for configs built directly (compile_flush's key): an unknown format would compile
+        # another one's kernel
         for name, choices in (("hi_format", HI_FORMATS), ("hi_rounding", HI_ROUNDINGS),
                               ("lo_format", LO_FORMATS), ("act", tuple(CUTE_DTYPES)),
                               ("dt_dtype", tuple(CUTE_DTYPES))):
-            check_choice(name, getattr(self, name), choices)
+            if getattr(self, name) not in choices:
+                kv.fail(name, f"one of {choices}", repr(getattr(self, name)))
         if self.hi_format == "fp32" and self.hi_rounding != "rn":
-            _compile.fail("hi_rounding", "'rn' for an fp32 recurrence copy (its store is exact)",
+            kv.fail("hi_rounding", "'rn' for an fp32 recurrence copy (its store is exact)",
                           repr(self.hi_rounding))
         if not _is_int(self.window) or not 1 <= self.window <= 32:
-            _compile.fail("window", "an int in [1, 32]", repr(self.window))
+            kv.fail("window", "an int in [1, 32]", repr(self.window))
         if not _is_int(self.ring_len) or self.ring_len < self.window:
-            _compile.fail("ring_len", f"an int >= window={self.window}", repr(self.ring_len))
+            kv.fail("ring_len", f"an int >= window={self.window}", repr(self.ring_len))
         if not _is_int(self.ngroups) or self.ngroups < 1 or self.nheads % self.ngroups:
-            _compile.fail("ngroups", f"a divisor of nheads={self.nheads}", repr(self.ngroups))
+            kv.fail("ngroups", f"a divisor of nheads={self.nheads}", repr(self.ngroups))
         if self.elements_per_thread not in (32, 64) or isinstance(self.elements_per_thread, bool):
-            _compile.fail("elements_per_thread", "32 or 64", repr(self.elements_per_thread))
+            kv.fail("elements_per_thread", "32 or 64", repr(self.elements_per_thread))
         if self.dstate not in (16, 32, 64, 128, 256):
-            _compile.fail("dstate", "a power of two in [16, 256]", repr(self.dstate))
+            kv.fail("dstate", "a power of two in [16, 256]", repr(self.dstate))
         problem = _layout_problem(self.headdim, self.dstate, self.elements_per_thread)
         if problem is not None:  # (reported as "chunk: expected 8 here ..., got 8")
-            _compile.fail(f"headdim x dstate at {self.elements_per_thread} elements a thread",
+            kv.fail(f"headdim x dstate at {self.elements_per_thread} elements a thread",
                           problem[1], f"{self.headdim} x {self.dstate}")
         for name in ("has_D", "has_z", "has_dt_bias", "dt_softplus", "has_debug", "slot_loop",
-                     "slot_table", "ring_loads_first"):
+                     "slot_table"):
             if not isinstance(getattr(self, name), bool):
-                _compile.fail(name, "a bool", repr(getattr(self, name)))
+                kv.fail(name, "a bool", repr(getattr(self, name)))
         if self.min_ctas_per_sm is not None and (not _is_int(self.min_ctas_per_sm)
                                                  or not 0 <= self.min_ctas_per_sm <= 32):
-            _compile.fail("min_ctas_per_sm", "None or an int in [0, 32]",
+            kv.fail("min_ctas_per_sm", "None or an int in [0, 32]",
                           repr(self.min_ctas_per_sm))
-        if not _is_int(self.smem_carveout) or not -1 <= self.smem_carveout <= 100:
-            _compile.fail("smem_carveout", "-1 (the driver's choice) or a percent in [0, 100]",
-                          repr(self.smem_carveout))
         if self.fold is not None and self.fold not in FOLDS:
-            _compile.fail("fold", f"one of {FOLDS}", repr(self.fold))
+            kv.fail("fold", f"one of {FOLDS}", repr(self.fold))
         if self.chunk is not None and self.chunk not in CHUNKS:
-            _compile.fail("chunk", f"one of {CHUNKS}", repr(self.chunk))
+            kv.fail("chunk", f"one of {CHUNKS}", repr(self.chunk))
         if self.chunk is None:  # 16 with the direct fold, or the mma fold and an fp16 copy
             fits = _layout_problem(self.headdim, self.dstate, self.elements_per_thread, 16)
             object.__setattr__(self, "chunk", 16 if fits is None else CHUNK)
@@ -294,25 +228,19 @@ class FlushConfig:
             if fold == "fma" or (fold == "mma" and self.hi_format != "fp16"):
                 object.__setattr__(self, "chunk", CHUNK)
         if _layout_problem(self.headdim, self.dstate, self.elements_per_thread, self.chunk):
-            _compile.fail("chunk", f"8 here (the {self.headdim} x {self.dstate} head does not "
+            kv.fail("chunk", f"8 here (the {self.headdim} x {self.dstate} head does not "
                           f"split into {self.chunk}s a thread)", repr(self.chunk))
         if self.fold is None:
             object.__setattr__(self, "fold", default_fold(self))
         problem = {"mma": mma_fold_problem, "direct": direct_fold_problem}.get(self.fold)
         if problem is not None and problem(self) is not None:
-            _compile.fail("fold", f"another fold here ({self.fold!r} needs {problem(self)})",
+            kv.fail("fold", f"another fold here ({self.fold!r} needs {problem(self)})",
                           repr(self.fold))
         if self.min_ctas_per_sm is None:
             cap = max(1, 1024 // self.threads) if self.fold == "direct" else 0
             object.__setattr__(self, "min_ctas_per_sm", cap)
-        if not isinstance(self.e2m1_pairs, bool):
-            _compile.fail("e2m1_pairs", "a bool", repr(self.e2m1_pairs))
-        if (not isinstance(self.ablate, tuple) or not set(self.ablate) <= set(FLUSH_ABLATIONS)
-                or (self.ablate and not self.ring_loads_first)):
-            _compile.fail("ablate", f"a tuple of {FLUSH_ABLATIONS} (with ring_loads_first)",
-                          repr(self.ablate))
         if self.slot_loop and self.slot_table:
-            _compile.fail("slot_table", "False with slot_loop (a CTA takes one table entry)",
+            kv.fail("slot_table", "False with slot_loop (a CTA takes one table entry)",
                           "True")
 
     @property
@@ -357,7 +285,6 @@ def _is_int(value) -> bool:
 
 
 FOLDS = ("fma", "mma", "direct")
-FLUSH_ABLATIONS = ("loads",)  # FlushConfig.ablate: timing only
 
 
 def mma_fold_problem(cfg: FlushConfig):
@@ -495,7 +422,7 @@ class ReplayFlush:
             stream=stream,
             min_blocks_per_mp=cfg.min_ctas_per_sm,
             # -1: the driver's default, named so that compiling needs no GPU
-            preferred_smem_carveout=cfg.smem_carveout,
+            preferred_smem_carveout=-1,  # the driver's choice, named: compiles without a GPU
         )
 
     @cute.kernel
@@ -568,13 +495,11 @@ class ReplayFlush:
         sW = smem.allocate_tensor(Float32, cute.make_layout(64), 16)  # w_j; [L]: g_{0:L-1}
         sRed = smem.allocate_tensor(Float32, cute.make_layout(32), 16)
         # The CTA's slots: first_slot alone (replay_flush's launch, a CTA a slot and head);
-        # the table's entry first_slot (slot_table: replay_decode_step given `flush_slots`);
-        # or first_slot, first_slot + slot_ctas, ... (slot_loop: replay_decode_step's fp32
-        # flush without a table), whose decisions come in with one load a thread before the
-        # loop (the launch makes sure a CTA has at most `threads` slots). A CTA for every slot
-        # and head made a decode step with no slot flushing take 85.1 us at batch 256 against
-        # 62.5 with the table (results/README.md, "Staggered batches"). sDecision is only used
-        # by slot_loop.
+        # the table's entry first_slot (slot_table: the decode step given `flush_slots`); or
+        # first_slot, first_slot + slot_ctas, ... (slot_loop: the decode step's fp32 flush
+        # without a table), whose decisions come in with one load a thread before the loop
+        # (the launch makes sure a CTA has at most `threads` slots). sDecision is only used by
+        # slot_loop.
         sDecision = smem.allocate_tensor(Int32, cute.make_layout(T), 16)
         slots_here = Int32(1)
         if cutlass.const_expr(cfg.slot_loop):
@@ -595,13 +520,9 @@ class ReplayFlush:
                 # 1. the recurrence copy, all loads in flight before the ring is staged
                 acc = []
                 hi_frags = []
-                no_loads = "loads" in cfg.ablate
                 for i in cutlass.range_constexpr(pieces):
                     hi_frag = cute.make_rmem_tensor((W,), hi.element_type)
-                    if cutlass.const_expr(no_loads):  # timing only
-                        _fill_from_index(hi_frag, tidx + 64 * i)
-                    else:
-                        cute.autovec_copy(_chunk(hi_h, row0 + rows * i, col, W), hi_frag)
+                    cute.autovec_copy(_chunk(hi_h, row0 + rows * i, col, W), hi_frag)
                     hi_frags.append(hi_frag)
                     if cutlass.const_expr(not direct):
                         acc.append(hi_frag.load().to(Float32))
@@ -610,28 +531,17 @@ class ReplayFlush:
                 piece_rows = [row0 + rows * i for i in range(pieces)]
                 d_h, z_rows = _gate_inputs(cfg, s, h, piece_rows, D, z)
                 c_frag = cute.make_rmem_tensor((W,), C.element_type)
-                if cutlass.const_expr(no_loads):
-                    _fill_from_index(c_frag, col)
-                else:
-                    cute.autovec_copy(cute.local_tile(C[s, g, None], (W,), (col,)), c_frag)
+                cute.autovec_copy(cute.local_tile(C[s, g, None], (W,), (col,)), c_frag)
 
                 # 2. stage the ring in fp32 shared memory and append the current record
-                if cutlass.const_expr(cfg.ring_loads_first):
-                    # every load first (the ring's x and B chunks, warp 0's dt values), in flight
-                    # with the state's; then the shared-memory stores and warp 0's decay weights:
-                    # one round trip before the barrier instead of one for x, one for B and one
-                    # or two for warp 0's dt chain
-                    x_frags, b_frags = _load_ring(cfg, tidx, s, h, g, x, ring_x, B, ring_B)
-                    dt_in = _load_decay_inputs(cfg, tidx % 32, s, h, ring_dt, dt, A, dt_bias)
-                    _store_ring(cfg, tidx, s, h, g, x_frags, b_frags, ring_x, ring_B, sX, sB)
-                    if tidx < 32:
-                        _decay_weights(cfg, tidx, s, h, ring_dt, dt_in, sW)
-                else:
-                    _stage_ring_in_turn(cfg, tidx, s, h, g, x, ring_x, B, ring_B, sX, sB)
-                    if tidx < 32:
-                        _decay_weights(cfg, tidx, s, h, ring_dt,
-                                       _load_decay_inputs(cfg, tidx, s, h, ring_dt, dt, A, dt_bias),
-                                       sW)
+                # every load first (the ring's x and B chunks, warp 0's dt values), in flight
+                # with the state's; then the shared-memory stores and warp 0's decay weights:
+                # one round trip before the barrier
+                x_frags, b_frags = _load_ring(cfg, tidx, s, h, g, x, ring_x, B, ring_B)
+                dt_in = _load_decay_inputs(cfg, tidx % 32, s, h, ring_dt, dt, A, dt_bias)
+                _store_ring(cfg, tidx, s, h, g, x_frags, b_frags, ring_x, ring_B, sX, sB)
+                if tidx < 32:
+                    _decay_weights(cfg, tidx, s, h, ring_dt, dt_in, sW)
                 cute.arch.sync_threads()
 
                 # 3. S_new = g S_hi + sum_j (w_j x_j) B_j^T, fp32
@@ -713,15 +623,13 @@ class ReplayFlush:
                         _store_lo_chunk(cfg, lo_h, acc[i], p, col)
                 if cutlass.const_expr(nvfp4):
                     # the recurrence copy goes out before the barrier that the head's amax needs
-                    # (bench_write_8.csv, direct fold: 812.5 -> 809.1 us, and 794.1 -> 788.1 with
-                    # 4 CTAs an SM)
                     global_scale = _head_global_scale(T, sRed)
                     if tidx == 0:
                         lo_global[s, h] = global_scale
                     for i in cutlass.range_constexpr(pieces):
                         p = row0 + rows * i
                         _store_nvfp4_chunk(W, lo_h, scales_h, acc[i], block_amax[i], p, col,
-                                           global_scale, cfg.e2m1_pairs)
+                                           global_scale)
                 if k + 1 < slots_here:  # the next slot's staging reuses sX, sB, sW, sRed
                     cute.arch.sync_threads()
 
@@ -875,15 +783,12 @@ def _load_ring(cfg: cutlass.Constexpr, tidx, s, h, g, x, ring_x, B, ring_B):
         xj = x_chunk // (P // CHUNK)
         xc = x_chunk % (P // CHUNK)
         x_frag = cute.make_rmem_tensor((CHUNK,), x.element_type)
-        if cutlass.const_expr("loads" in cfg.ablate):  # timing only
-            _fill_from_index(x_frag, x_chunk)
-        else:
-            if x_chunk < L * P // CHUNK:
-                if xj == L - 1:
-                    cute.autovec_copy(cute.local_tile(x[s, h, None], (CHUNK,), (xc,)), x_frag)
-                else:
-                    cute.autovec_copy(
-                        cute.local_tile(ring_x[s, h, xj, None], (CHUNK,), (xc,)), x_frag)
+        if x_chunk < L * P // CHUNK:
+            if xj == L - 1:
+                cute.autovec_copy(cute.local_tile(x[s, h, None], (CHUNK,), (xc,)), x_frag)
+            else:
+                cute.autovec_copy(
+                    cute.local_tile(ring_x[s, h, xj, None], (CHUNK,), (xc,)), x_frag)
         x_frags.append(x_frag)
     b_rows = cfg.fold_k if cfg.fold != "fma" else L
     b_frags = []
@@ -892,18 +797,15 @@ def _load_ring(cfg: cutlass.Constexpr, tidx, s, h, g, x, ring_x, B, ring_B):
         bj = b_chunk // RB
         bc = b_chunk % RB
         b_frag = cute.make_rmem_tensor((CHUNK,), B.element_type)
-        if cutlass.const_expr("loads" in cfg.ablate):  # timing only
-            _fill_from_index(b_frag, b_chunk)
-        else:
-            if b_chunk < b_rows * RB:
-                if bj == L - 1:
-                    cute.autovec_copy(cute.local_tile(B[s, g, None], (CHUNK,), (bc,)), b_frag)
+        if b_chunk < b_rows * RB:
+            if bj == L - 1:
+                cute.autovec_copy(cute.local_tile(B[s, g, None], (CHUNK,), (bc,)), b_frag)
+            else:
+                if bj < L:
+                    cute.autovec_copy(
+                        cute.local_tile(ring_B[s, g, bj, None], (CHUNK,), (bc,)), b_frag)
                 else:
-                    if bj < L:
-                        cute.autovec_copy(
-                            cute.local_tile(ring_B[s, g, bj, None], (CHUNK,), (bc,)), b_frag)
-                    else:
-                        b_frag.fill(0.0)
+                    b_frag.fill(0.0)
         b_frags.append(b_frag)
     return x_frags, b_frags
 
@@ -956,63 +858,10 @@ def _stage_b_chunk(cfg: cutlass.Constexpr, b_frag, bj, bc, sB):
 
 
 @cute.jit
-def _stage_ring_in_turn(cfg: cutlass.Constexpr, tidx, s, h, g, x, ring_x, B, ring_B, sX, sB):
-    """The earlier staging order (``ring_loads_first=False``): each x chunk loaded and
-    stored, then each B chunk, so that a thread waits out one round trip for x and another
-    for B."""
-    L, P, T = cfg.window, cfg.headdim, cfg.threads
-    RB = cfg.dstate // CHUNK
-    for q in cutlass.range_constexpr((L * P // CHUNK + T - 1) // T):
-        x_chunk = tidx + T * q
-        if x_chunk < L * P // CHUNK:
-            xj = x_chunk // (P // CHUNK)
-            xc = x_chunk % (P // CHUNK)
-            x_frag = cute.make_rmem_tensor((CHUNK,), x.element_type)
-            x_slot = cute.local_tile(ring_x[s, h, xj, None], (CHUNK,), (xc,))
-            if xj == L - 1:
-                cute.autovec_copy(cute.local_tile(x[s, h, None], (CHUNK,), (xc,)), x_frag)
-                cute.autovec_copy(x_frag, x_slot)
-            else:
-                cute.autovec_copy(x_slot, x_frag)
-            x_staged = cute.make_rmem_tensor((CHUNK,), Float32)
-            x_staged.store(x_frag.load().to(Float32))
-            cute.autovec_copy(x_staged, cute.local_tile(sX[xj, None], (CHUNK,), (xc,)))
-    tc_fold = cfg.fold != "fma"
-    b_rows = cfg.fold_k if tc_fold else L  # tensor cores: rows L..K-1 zero-filled
-    for q in cutlass.range_constexpr((b_rows * RB + T - 1) // T):
-        b_chunk = tidx + T * q
-        if b_chunk < b_rows * RB:
-            bj = b_chunk // RB
-            bc = b_chunk % RB
-            b_frag = cute.make_rmem_tensor((CHUNK,), B.element_type)
-            b_row = cutlass.min(bj, L - 1) if tc_fold else bj
-            b_slot = cute.local_tile(ring_B[s, g, b_row, None], (CHUNK,), (bc,))
-            if bj == L - 1:
-                cute.autovec_copy(cute.local_tile(B[s, g, None], (CHUNK,), (bc,)), b_frag)
-                if h % cfg.heads_per_group == 0:
-                    cute.autovec_copy(b_frag, b_slot)
-            elif cutlass.const_expr(tc_fold):
-                if bj < L:
-                    cute.autovec_copy(b_slot, b_frag)
-                else:
-                    b_frag.fill(0.0)
-            else:
-                cute.autovec_copy(b_slot, b_frag)
-            _stage_b_chunk(cfg, b_frag, bj, bc, sB)
-
-
-@cute.jit
 def _load_decay_inputs(cfg: cutlass.Constexpr, lane, s, h, ring_dt, dt, A, dt_bias):
     """The decay weights' inputs, unconditionally (so that they can go out with the other
     loads): record ``lane``'s processed dt (index clamped; the record L-1 is this step's),
     this step's raw dt plus its bias, and A."""
-    if cutlass.const_expr("loads" in cfg.ablate):  # timing only
-        # dt in [0.27, 0.75] (and softplus of [-0.9, 1]) and A in [-0.24, -0.06]: the decay
-        # stays above 0.04, so the states keep clear of fp16's subnormals, where the SR takes
-        # its general path (a first form let A reach -1.9, and its flush took 661 us
-        # against 636 with the loads)
-        ring = Float32(0.5) + _index_value(lane) * Float32(0.25)
-        return ring, _index_value(h), Float32(-0.15) + Float32(0.1) * _index_value(s)
     ring = ring_dt[s, h, cutlass.min(lane, max(cfg.window - 2, 0))]
     raw = dt[s, h].to(Float32)
     if cutlass.const_expr(cfg.has_dt_bias):
@@ -1058,34 +907,11 @@ def _gate_inputs(cfg: cutlass.Constexpr, s, h, rows, D, z):
     would cost the output a round trip)."""
     d_h = Float32(0.0)
     if cutlass.const_expr(cfg.has_D):
-        d_h = _index_value(h) if cutlass.const_expr("loads" in cfg.ablate) else D[h]
+        d_h = D[h]
     z_rows = [Float32(0.0) for _ in rows]
     if cutlass.const_expr(cfg.has_z):
-        if cutlass.const_expr("loads" in cfg.ablate):
-            z_rows = [_index_value(p) for p in rows]
-        else:
-            z_rows = [z[s, h, p].to(Float32) for p in rows]
+        z_rows = [z[s, h, p].to(Float32) for p in rows]
     return d_h, z_rows
-
-
-def _index_value(i):
-    """A value made from an index, for the timing-only "loads" ablation: distinct per
-    thread, known only at run time, within every format's range."""
-    return Float32(Int32(i) % Int32(61)) * Float32(0.03125) - Float32(0.9)
-
-
-@cute.jit
-def _fill_from_index(frag, i):
-    """A register fragment (16- or 32-bit elements) filled instead of loaded, timing only:
-    each 32-bit word one XOR of a word made once from the index (about half an instruction
-    an element, as the loads' unpacking would cost). 16-bit elements lie in [0.5, 1) as fp16
-    and in [2^-15, 2^-7) as bf16, fp32 ones in [2^-15, 2^-7) too: finite, normal, away from
-    the fast paths' edges."""
-    words = cute.recast_tensor(frag, Uint32)
-    base = Uint32(i) & Uint32(0x3FF)
-    base = base | (base << Uint32(16)) | Uint32(0x38003800)
-    for w in cutlass.range_constexpr(cute.size(words)):
-        words[w] = base ^ Uint32((0x00150009 * (w + 1)) & 0x03FF03FF)
 
 
 @cute.jit
@@ -1134,9 +960,7 @@ def _chunk_amax(values, W: cutlass.Constexpr):
 def _publish_warp_amax(block_amax, tidx, sRed):
     """The warp's amax(|S|) (thread, from its chunks' maxima, then warp maximum) to
     sRed[warp]. The chunks' maxima serve the block scales as well (_store_nvfp4_chunk): one
-    max an element instead of two (fp16-SR + nvfp4 flush, 32 elements a thread: 59.9 -> 58.9
-    SASS instructions per element; with the slot-placed E2M1 codes 773.5 -> 757.7 us on the
-    H200 at batch 256, results/gpu_first_timing/bench_write_11_{old,new}.csv)."""
+    max an element instead of two."""
     local = Float32(0.0)
     for i in cutlass.range_constexpr(len(block_amax)):
         local = cute.arch.fmax(local, block_amax[i])
@@ -1158,7 +982,7 @@ def _head_global_scale(T: cutlass.Constexpr, sRed):
 
 @cute.jit
 def _store_nvfp4_chunk(W: cutlass.Constexpr, lo_h, scales_h, values, own, p, col,
-                       global_scale, pairs: cutlass.Constexpr):
+                       global_scale):
     """NVFP4 codes of one chunk (W = 8: half a block, the partner chunk is lane ^ 1; W = 16: a
     whole block; `own`: the chunk's max |S|, _chunk_amax), in lowprec's order: den = 6 s_g;
     s_b = RN_e4m3(amax_b / den) (0 for a zero block); divisor = s_b s_g; code =
@@ -1173,13 +997,10 @@ def _store_nvfp4_chunk(W: cutlass.Constexpr, lo_h, scales_h, values, own, p, col
     divisor = nm.e4m3_value(scale_byte) * global_scale
     zero_block = is_zero | (divisor == Float32(0.0))
     # x * RN(1/divisor) decides the code unless a quotient lies near a decision point (or
-    # the reciprocal is out of range); only then does this thread divide. The fp16-RN +
-    # nvfp4 flush went from 95.0 to 71.8 instructions per element with this, and from 43.0
-    # to 35.9 with the codes two at a time (`pairs`; `python -m
-    # cute_kernels.instruction_count`).
+    # the reciprocal is out of range); only then does this thread divide.
     recip = nm.div_rn(Float32(1.0), divisor)
     words = cute.make_rmem_tensor((W // 8,), Uint32)
-    exact = _e2m1_words(values, W, recip, pairs, words)
+    exact = _e2m1_words(values, W, recip, words)
     if not exact:
         for w in cutlass.range_constexpr(W // 8):
             word = Uint32(0)
@@ -1198,33 +1019,22 @@ def _store_nvfp4_chunk(W: cutlass.Constexpr, lo_h, scales_h, values, own, p, col
         scales_h[p, col] = scale_byte.to(Uint8)
 
 
-def _e2m1_words(values, W: int, recip, pairs: bool, words):
+def _e2m1_words(values, W: int, recip, words):
     """The E2M1 codes of values[0 .. W-1] / divisor (recip = RN(1/divisor)) into
-    words[0 .. W/8 - 1], eight a word (low nibble first); returns whether every one is
-    provably lowprec's (else the caller divides). ``pairs``: nibbles e and e + 4 of a word
-    at once (numerics.e2m1_pair_fast), else one at a time (numerics.e2m1_quotient_fast).
-    Traced into the caller (a plain function: its loops unroll)."""
-    if pairs:
-        recip14 = recip * Float32(nm.E2M1_PAIR_SCALE)  # exact: a power of two, both normal
-        margin = None
-        for w in range(W // 8):
-            word = Uint32(0)
-            for e in range(4):
-                pair, margin_e = nm.e2m1_pair_fast(values[8 * w + e], values[8 * w + e + 4],
-                                                   recip14, e)
-                word = word | pair
-                margin = margin_e if margin is None else nm.umin(margin, margin_e)
-            words[w] = word
-        return nm.recip14_usable(recip) & (margin >= Uint32(nm.E2M1_PAIR_MARGIN))
-    exact = nm.recip_usable(recip)
+    words[0 .. W/8 - 1], eight a word (low nibble first), nibbles e and e + 4 of a word at
+    once (numerics.e2m1_pair_fast); returns whether every one is provably lowprec's (else the
+    caller divides). Traced into the caller (a plain function: its loops unroll)."""
+    recip14 = recip * Float32(nm.E2M1_PAIR_SCALE)  # exact: a power of two, both normal
+    margin = None
     for w in range(W // 8):
         word = Uint32(0)
-        for v in range(8):
-            nibble, exact_v = nm.e2m1_quotient_fast(values[8 * w + v], recip, v)
-            word = word | nibble
-            exact = exact & exact_v
+        for e in range(4):
+            pair, margin_e = nm.e2m1_pair_fast(values[8 * w + e], values[8 * w + e + 4],
+                                               recip14, e)
+            word = word | pair
+            margin = margin_e if margin is None else nm.umin(margin, margin_e)
         words[w] = word
-    return exact
+    return nm.recip14_usable(recip) & (margin >= Uint32(nm.E2M1_PAIR_MARGIN))
 
 
 @cute.jit
@@ -1263,7 +1073,6 @@ def _advance_kernel(
     flushes: cute.Tensor,
     batch: Int32,
     window: cutlass.Constexpr,
-    advance_others: cutlass.Constexpr,
 ):
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
@@ -1273,8 +1082,6 @@ def _advance_kernel(
         if before == window - 1:
             cursors[s] = 0
             flushes[s] = flushes[s] + 1
-        elif cutlass.const_expr(advance_others):
-            cursors[s] = before + 1
 
 
 @cute.jit
@@ -1284,20 +1091,19 @@ def _advance_host(
     p_flushes: cute.Pointer,
     batch: Int32,
     window: cutlass.Constexpr,
-    advance_others: cutlass.Constexpr,
     stream,
 ):
     decision = cute.make_tensor(p_decision, cute.make_layout(batch))
     cursors = cute.make_tensor(p_cursors, cute.make_layout(batch))
     flushes = cute.make_tensor(p_flushes, cute.make_layout(batch))
-    _advance_kernel(decision, cursors, flushes, batch, window, advance_others).launch(
+    _advance_kernel(decision, cursors, flushes, batch, window).launch(
         grid=[(batch + 127) // 128, 1, 1], block=[128, 1, 1], stream=stream
     )
 
 
-def compile_advance(window: int, advance_others: bool, keep_ptx: bool = False):
+def compile_advance(window: int, keep_ptx: bool = False):
     """The counter kernel: slots whose decision cursor is window - 1 get cursor 0 and one more
-    flush; with `advance_others`, every other slot's cursor becomes decision + 1."""
+    flush; the others are left alone."""
 
     def build():
         ptr = _compile.fake_ptr(Int32)
@@ -1308,17 +1114,16 @@ def compile_advance(window: int, advance_others: bool, keep_ptx: bool = False):
             ptr,
             Int32(1),
             window,
-            advance_others,
             _compile.fake_stream(),
             options=_compile.compile_options(keep_ptx),
         )
 
-    return _compile.compile_cached(("advance", window, advance_others, keep_ptx), build)
+    return _compile.compile_cached(("advance", window, keep_ptx), build)
 
 
-def launch_advance_counters(decision, cursors, flushes, window: int, advance_others: bool):
+def launch_advance_counters(decision, cursors, flushes, window: int):
     """Launch the counter kernel on torch's current stream (tensors already validated)."""
-    kernel = compile_advance(window, advance_others)
+    kernel = compile_advance(window)
     kernel(
         _compile.gmem_ptr(decision),
         _compile.gmem_ptr(cursors),
@@ -1372,37 +1177,16 @@ def compile_flush(cfg: FlushConfig, keep_ptx: bool = False):
     return _compile.compile_cached(("flush", cfg, keep_ptx), build)
 
 
-def launch_flush(
-    cfg: FlushConfig,
-    hi,
-    lo,
-    ring_x,
-    ring_dt,
-    ring_B,
-    decision,
-    flushes,
-    x,
-    dt,
-    A,
-    B,
-    C,
-    D,
-    z,
-    dt_bias,
-    out,
-    debug_state,
-    seed: int,
-    slot_ctas: int | None = None,
-    slot_table=None,
-) -> None:
-    """Launch the flush kernel on torch's current stream (arguments already validated; `lo`
-    normalised to a dict, absent optional tensors None). Counters are only read.
+def launch_flush(cfg: FlushConfig, cache, decision, x, dt, A, B, C, D, z, dt_bias, out,
+                 debug_state, slot_ctas: int | None = None, slot_table=None) -> None:
+    """Launch the flush kernel on torch's current stream (arguments already checked). Counters
+    are only read; ``decision`` holds the cursors the step decides by.
 
     `slot_ctas`: CTAs along the slot axis, each taking every `slot_ctas`-th slot (default: one
     CTA a slot and head; fewer needs `cfg.slot_loop`, see `decode_slot_ctas`). `slot_table`:
     with `cfg.slot_table`, an int32 tensor of the slots to flush, a CTA per entry and head
     (none launched for an empty table)."""
-    batch = hi.shape[0]
+    batch = cache.hi.shape[0]
     if cfg.slot_table:
         if slot_table is None or slot_ctas is not None:
             raise ValueError("slot_table: a kernel with slot_table takes the table, not slot_ctas")
@@ -1419,20 +1203,17 @@ def launch_flush(
         raise ValueError(f"slot_ctas: expected 1..{batch} with at most {cfg.threads} slots a "
                          f"CTA, got {slot_ctas}")
     f32 = Float32
-    none = _compile.fake_ptr
-    lo_codes = lo.get("codes")
+    seed = cache.seed
     kernel(
-        _compile.gmem_ptr(hi, f32 if cfg.hi_format == "fp32" else cutlass.Float16),
-        none(Uint32)
-        if lo_codes is None
-        else _compile.gmem_ptr(lo_codes, f32 if cfg.lo_format == "fp32" else Uint32),
-        _optional_ptr(lo.get("scales"), Uint8),
-        _optional_ptr(lo.get("global_scale"), f32),
-        _compile.gmem_ptr(ring_x),
-        _compile.gmem_ptr(ring_dt),
-        _compile.gmem_ptr(ring_B),
+        _compile.gmem_ptr(cache.hi, f32 if cfg.hi_format == "fp32" else cutlass.Float16),
+        _optional_ptr(cache.lo, f32 if cfg.lo_format == "fp32" else Uint32),
+        _optional_ptr(cache.lo_scales, Uint8),
+        _optional_ptr(cache.lo_global, f32),
+        _compile.gmem_ptr(cache.ring_x),
+        _compile.gmem_ptr(cache.ring_dt),
+        _compile.gmem_ptr(cache.ring_B),
         _compile.gmem_ptr(decision),
-        _compile.gmem_ptr(flushes),
+        _compile.gmem_ptr(cache.flushes),
         _compile.gmem_ptr(x),
         _compile.gmem_ptr(dt),
         _compile.gmem_ptr(A),
@@ -1474,358 +1255,85 @@ def _optional_ptr(tensor, dtype):
 
 
 # --------------------------------------------------------------------------------------------
-# validation
+# configuration from a cache, and the public function
+
+TUNING_FIELDS = ("elements_per_thread", "fold", "chunk", "min_ctas_per_sm")
 
 
-def check_state_shape(name, t, elements_per_thread=ELEMENTS_PER_THREAD):
-    if not isinstance(t, torch.Tensor) or t.dim() != 4:
-        shape = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-        _compile.fail(name, "a 4-d tensor [slots, nheads, headdim, dstate]", shape)
-    slots, nheads, headdim, dstate = t.shape
-    if dstate not in (16, 32, 64, 128, 256):
-        _compile.fail(f"{name}.shape[3] (dstate)", "a power of two in [16, 256]", dstate)
-    problem = _layout_problem(headdim, dstate, elements_per_thread)
+def check_flush_shape(view: kv.CacheView, elements_per_thread: int) -> None:
+    """The flush kernel's limits on the head: dstate a power of two in [16, 256], and the
+    head splitting into whole warps of whole chunks at ``elements_per_thread``."""
+    P, N = view.headdim, view.dstate
+    if N not in (16, 32, 64, 128, 256):
+        kv.fail("cache.hi.shape[3] (dstate)", "a power of two in [16, 256]", N)
+    problem = _layout_problem(P, N, elements_per_thread)
     if problem is not None and problem[0] == "headdim":
-        _compile.fail(f"{name}.shape[2] (headdim)", problem[1], headdim)
+        kv.fail("cache.hi.shape[2] (headdim)", problem[1], P)
     if problem is not None:
-        threads = thread_count(headdim, dstate, elements_per_thread)
-        _compile.fail(f"{name}.shape[2:] (headdim x dstate)", problem[1],
-                      f"{headdim} x {dstate} ({threads} threads)")
-    return slots, nheads, headdim, dstate
+        kv.fail("cache.hi.shape[2:] (headdim x dstate)", problem[1],
+                f"{P} x {N} ({thread_count(P, N, elements_per_thread)} threads)")
 
 
-def check_mamba2_inputs(device, slots, nheads, headdim, dstate, x, dt, A, B, C, D, z, dt_bias, out):
-    """Validate the token inputs (out may be None); returns (act name, dt name, ngroups)."""
-    if not isinstance(x, torch.Tensor) or x.dtype not in ACT_DTYPES:
-        _compile.fail(
-            "x",
-            f"a tensor of dtype {' or '.join(map(str, ACT_DTYPES))}",
-            getattr(x, "dtype", type(x).__name__),
-        )
-    act = x.dtype
-    _compile.check_tensor("x", x, act, (slots, nheads, headdim), device)
-    _compile.check_tensor("dt", dt, tuple(ACT_DTYPES), (slots, nheads), device)
-    _compile.check_tensor("A", A, torch.float32, (nheads,), device)
-    if not isinstance(B, torch.Tensor) or B.dim() != 3:
-        _compile.fail(
-            "B",
-            "a 3-d tensor [slots, ngroups, dstate]",
-            list(B.shape) if isinstance(B, torch.Tensor) else type(B).__name__,
-        )
-    ngroups = B.shape[1]
-    if ngroups < 1 or nheads % ngroups:
-        _compile.fail("B.shape[1] (ngroups)", f"a divisor of nheads={nheads}", ngroups)
-    _compile.check_tensor("B", B, act, (slots, ngroups, dstate), device)
-    _compile.check_tensor("C", C, act, (slots, ngroups, dstate), device)
-    if D is not None:
-        _compile.check_tensor("D", D, torch.float32, (nheads,), device)
-    if z is not None:
-        _compile.check_tensor("z", z, act, (slots, nheads, headdim), device)
-    if dt_bias is not None:
-        _compile.check_tensor("dt_bias", dt_bias, torch.float32, (nheads,), device)
-    if out is not None:
-        _compile.check_tensor("out", out, act, (slots, nheads, headdim), device)
-    return ACT_DTYPES[act], ACT_DTYPES[dt.dtype], ngroups
-
-
-def check_counter_values(cursors, flushes, window: int) -> None:
-    """Raise ValueError unless every cursor lies in [0, window - 1] and every flush counter in
-    [0, 2^20 - 1) (lowprec.replay.check_counter_ranges and FLUSH_COUNTER_LIMIT, which the
-    emulation's cache check shares). One host read of four numbers (a stream sync): opt-in
-    (`check_counters=True`), for tests and debugging."""
-    check_counter_ranges(cursors, flushes, 0, window - 1, f"window {window}")
-
-
-def check_seed(seed):
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 1 << 64:
-        _compile.fail("seed", "an int in [0, 2^64)", repr(seed))
-
-
-def check_philox_fields(name, slots, slot_elements, draws_words=True):
-    """The state's slots within the Philox counter's slot field (fewer than 2^20) and, where
-    SR draws words, each slot's element indices within its element field (below 2^24,
-    lowprec.philox.ELEMENT_LIMIT, whose emulation refuses more): past them the counter's
-    fields overlap and elements silently share words."""
-    if slots >= SLOT_LIMIT:
-        _compile.fail(f"{name}.shape[0] (slots)", "fewer than 2^20 (Philox slot field)", slots)
-    if draws_words and slot_elements > ELEMENT_LIMIT:
-        _compile.fail(f"{name}.shape[1:] (nheads x headdim x dstate)",
-                      "at most 2^24 elements a slot (Philox element field, with SR)",
-                      slot_elements)
-
-
-def check_choice(name, value, choices):
-    if value not in choices:
-        _compile.fail(name, f"one of {choices}", repr(value))
-
-
-def normalise_lo(lo, lo_format, slots, nheads, headdim, dstate, device) -> dict:
-    """The read copy as {'codes'[, 'scales', 'global_scale']}, validated against `lo_format`.
-
-    Accepted (the same as replay_output): nvfp4 a dict with 'codes', 'scales' and
-    'global_scale' (or 'global'); element formats a dict with 'values' or 'codes' (raw bits
-    as lowprec.quantize.pack stores them are viewed as the storage dtype), or a bare tensor.
-    """
-    state = (slots, nheads, headdim, dstate)
-    if lo_format == "none":
-        if lo is not None:
-            _compile.fail("lo", "None for lo_format='none'", type(lo).__name__)
-        return {}
-    if isinstance(lo, torch.Tensor) and lo_format != "nvfp4":
-        lo = {"values": lo}
-    if not isinstance(lo, dict):
-        _compile.fail("lo", f"a dict of storage tensors for {lo_format}", type(lo).__name__)
-    if lo_format == "nvfp4":
-        g_key = "global" if "global" in lo else "global_scale"
-        if set(lo) != {"codes", "scales", g_key}:
-            _compile.fail("lo", "keys ['codes', 'global_scale', 'scales']", sorted(lo))
-        codes, scales, global_scale = lo["codes"], lo["scales"], lo[g_key]
-        _compile.check_tensor("lo['codes']", codes, torch.uint8, (*state[:3], dstate // 2), device)
-        _compile.check_tensor(
-            "lo['scales']", scales, torch.uint8, (*state[:3], dstate // NVFP4_BLOCK), device
-        )
-        _compile.check_tensor(f"lo[{g_key!r}]", global_scale, torch.float32, state[:2], device)
-        return {"codes": codes, "scales": scales, "global_scale": global_scale}
-    key = "values" if "values" in lo else "codes"
-    if set(lo) != {key}:
-        _compile.fail("lo", "a tensor or a dict with the key 'values' (or 'codes')", sorted(lo))
-    raw = {"fp8_e4m3": torch.uint8, "fp16": torch.float16, "fp32": torch.float32}[lo_format]
-    values = lo[key]
-    if (
-        isinstance(values, torch.Tensor)
-        and values.dtype != raw
-        and (values.element_size() == raw.itemsize and not values.dtype.is_floating_point)
-    ):
-        values = values.view(raw)  # raw bits, as lowprec.quantize.pack stores them
-    _compile.check_tensor(f"lo[{key!r}]", values, raw, state, device)
-    return {"codes": values}
-
-
-# --------------------------------------------------------------------------------------------
-# public function
-
-
-def replay_flush(
-    hi,
-    lo,
-    ring_x,
-    ring_dt,
-    ring_B,
-    cursors,
-    flushes,
-    x,
-    dt,
-    A,
-    B,
-    C,
-    D=None,
-    z=None,
-    dt_bias=None,
-    dt_softplus=True,
-    out=None,
-    *,
-    window=16,
-    hi_format="fp16",
-    hi_rounding="sr",
-    lo_format="nvfp4",
-    seed=0,
-    debug_state=None,
-    elements_per_thread=None,
-    fold=None,
-    chunk=None,
-    e2m1_pairs=None,
-    check_counters=False,
-):
-    """Flush every slot whose step is a flush (`cursors[s] + 1 == window`); see the module doc.
-
-    hi: fp16 or fp32 `[slots, nheads, headdim, dstate]`. lo: the read copy in `lo_format`
-    (nvfp4: dict codes uint8 [.., dstate/2], scales uint8 [.., dstate/16], global_scale fp32
-    [slots, nheads]; fp8_e4m3: uint8 codes; fp16/fp32: a tensor of that dtype; none: None).
-    ring_x [slots, nheads, Lcap, headdim], ring_dt fp32 [slots, nheads, Lcap], ring_B [slots,
-    ngroups, Lcap, dstate] (Lcap >= window), cursors and flushes int32 [slots]; x, z [slots,
-    nheads, headdim], dt [slots, nheads] (raw), B, C [slots, ngroups, dstate] in the act dtype
-    (x's: bf16, fp16 or fp32); A, D, dt_bias fp32 [nheads]. Values of cursors and flushes are
-    not checked unless `check_counters=True` (one host read: it synchronises, for tests and
-    debugging; check_counter_values): cursors must lie in [0, window - 1] and flushes in
-    [0, 2^20 - 1) (lowprec.replay.FLUSH_COUNTER_LIMIT), the Philox counter's flush field (at
-    2^20 flushes slot s would reuse the words of flush 0 of slot s | 1: the field overflows
-    into the slot's).
-
-    Writes hi, lo, the rings' last position, out (only rows of flushing slots; allocated when
-    None) and debug_state (fp32, state-shaped, optional); then resets the cursors and advances
-    `flushes` of the slots that flushed. Returns out. Runs on torch's current stream.
-    `elements_per_thread` (64, or 32 for twice the threads and about 80 registers each;
-    default 32 for fp16 hi where the head shape allows it, `default_elements_per_thread`) and
-    `fold` ("direct": the ring folded on the tensor cores, transposed so that its accumulators
-    are the thread's own elements, the default where `direct_fold_problem` allows it; "mma":
-    tensor cores, the default where only `mma_fold_problem` allows it; "fma" elsewhere;
-    `default_fold`) and `chunk` (8 or 16 state elements a thread
-    handles as one piece) and `e2m1_pairs` (NVFP4 codes two at a time; default True) are
-    tuning knobs (FlushConfig).
-    """
-    cfg, lo = _prepare_flush(
-        hi,
-        lo,
-        ring_x,
-        ring_dt,
-        ring_B,
-        cursors,
-        flushes,
-        x,
-        dt,
-        A,
-        B,
-        C,
-        D,
-        z,
-        dt_bias,
-        dt_softplus,
-        out,
-        window,
-        hi_format,
-        hi_rounding,
-        lo_format,
-        seed,
-        debug_state,
-        elements_per_thread,
-        fold,
-        chunk,
-        e2m1_pairs,
+def flush_config(cache: kv.ReplayCache, view: kv.CacheView, x, dt, D=None, z=None,
+                 dt_bias=None, *, dt_softplus=True, has_debug=False) -> FlushConfig:
+    """The flush kernel's configuration for a checked cache and step (defaults filled in:
+    `default_elements_per_thread`, `default_fold`, the chunk and the register cap)."""
+    kv.check_switch("dt_softplus", dt_softplus)
+    ept = default_elements_per_thread(view.headdim, view.dstate, cache.hi_format)
+    check_flush_shape(view, ept)
+    return FlushConfig(
+        nheads=view.nheads, headdim=view.headdim, dstate=view.dstate, ngroups=view.ngroups,
+        window=cache.window, ring_len=view.ring_len, act=kv.ACT_DTYPES[x.dtype],
+        dt_dtype=kv.ACT_DTYPES[dt.dtype], hi_format=cache.hi_format,
+        hi_rounding=cache.hi_rounding, lo_format=cache.lo_format, has_D=D is not None,
+        has_z=z is not None, has_dt_bias=dt_bias is not None, dt_softplus=dt_softplus,
+        has_debug=has_debug, elements_per_thread=ept,
     )
-    if not isinstance(check_counters, bool):  # as replay_decode_step's and state_update's
-        _compile.fail("check_counters", "a bool", repr(check_counters))
+
+
+def _tuned(cfg: FlushConfig, config) -> FlushConfig:
+    """``config`` where it differs from ``cfg`` only in TUNING_FIELDS, else a ValueError."""
+    if config is None:
+        return cfg
+    if not isinstance(config, FlushConfig):
+        kv.fail("config", "None or a FlushConfig", type(config).__name__)
+    for f in dataclasses.fields(FlushConfig):
+        if f.name not in TUNING_FIELDS and getattr(config, f.name) != getattr(cfg, f.name):
+            kv.fail(f"config.{f.name}", f"{getattr(cfg, f.name)!r} (these arguments')",
+                    repr(getattr(config, f.name)))
+    return config
+
+
+def mamba2_replay_flush(cache: kv.ReplayCache, x, dt, A, B, C, D=None, z=None, dt_bias=None, *,
+                        dt_softplus=True, out=None, debug_state=None, check_counters=False,
+                        config=None):
+    """Flush every slot whose step is a flush (``cursors[s] + 1 == window``; module doc);
+    returns out [slots, nheads, headdim] (x's dtype; only rows of flushing slots written).
+
+    ``cache``: a `cute_kernels.cache.ReplayCache`; token inputs as `mamba2_replay_output`.
+    Writes hi, lo, the rings' last position, out and ``debug_state`` (fp32, state-shaped,
+    optional: the unrounded new state); then resets the cursors and advances the flush
+    counters of the slots that flushed. Counter values are checked only with
+    ``check_counters=True`` (one host read: it synchronises): cursors in [0, window - 1],
+    flushes in [0, 2^20 - 1) (the Philox flush field). Runs on torch's current stream.
+    ``config``: None (the defaults), or `flush_config`'s result with its tuning fields
+    (TUNING_FIELDS) changed.
+    """
+    view = kv.check_replay_cache(cache)
+    kv.check_step(view, x, dt, A, B, C, D, z, dt_bias, out=out, debug_state=debug_state)
+    cfg = _tuned(flush_config(cache, view, x, dt, D, z, dt_bias, dt_softplus=dt_softplus,
+                              has_debug=debug_state is not None), config)
+    kv.check_switch("check_counters", check_counters)
     if check_counters:
-        check_counter_values(cursors, flushes, window)
-    require_cuda("hi", hi)
+        kv.check_counter_values(cache.cursors, cache.flushes, cache.window)
+    kv.require_cuda("cache.hi", cache.hi)
     if out is None:
         out = torch.empty_like(x)
-    if hi.shape[0] == 0:  # as the other entries: no compile, and no grid with a zero dimension
+    if view.slots == 0:  # no compile, and no grid with a zero dimension
         return out
-    launch_flush(
-        cfg,
-        hi,
-        lo,
-        ring_x,
-        ring_dt,
-        ring_B,
-        cursors,
-        flushes,
-        x,
-        dt,
-        A,
-        B,
-        C,
-        D,
-        z,
-        dt_bias,
-        out,
-        debug_state,
-        seed,
-    )
-    launch_advance_counters(cursors, cursors, flushes, window, advance_others=False)
+    launch_flush(cfg, cache, cache.cursors, x, dt, A, B, C, D, z, dt_bias, out, debug_state)
+    launch_advance_counters(cache.cursors, cache.cursors, cache.flushes, cache.window)
     return out
-
-
-def _prepare_flush(
-    hi,
-    lo,
-    ring_x,
-    ring_dt,
-    ring_B,
-    cursors,
-    flushes,
-    x,
-    dt,
-    A,
-    B,
-    C,
-    D,
-    z,
-    dt_bias,
-    dt_softplus,
-    out,
-    window,
-    hi_format,
-    hi_rounding,
-    lo_format,
-    seed,
-    debug_state,
-    elements_per_thread=None,
-    fold=None,
-    chunk=None,
-    e2m1_pairs=None,
-):
-    """Validate a flush call; returns (FlushConfig, lo as a dict)."""
-    if elements_per_thread is None and isinstance(hi, torch.Tensor) and hi.dim() == 4:
-        elements_per_thread = default_elements_per_thread(hi.shape[2], hi.shape[3], hi_format)
-    elif elements_per_thread is None:
-        elements_per_thread = ELEMENTS_PER_THREAD  # check_state_shape reports the bad hi
-    if elements_per_thread not in (32, 64):
-        _compile.fail("elements_per_thread", "32 or 64", repr(elements_per_thread))
-    check_choice("hi_format", hi_format, HI_FORMATS)
-    check_choice("hi_rounding", hi_rounding, HI_ROUNDINGS)
-    check_choice("lo_format", lo_format, LO_FORMATS)
-    check_seed(seed)
-    if not isinstance(dt_softplus, bool):
-        _compile.fail("dt_softplus", "a bool", repr(dt_softplus))
-    slots, nheads, headdim, dstate = check_state_shape("hi", hi, elements_per_thread)
-    device = hi.device
-    hi_dtype = torch.float16 if hi_format == "fp16" else torch.float32
-    _compile.check_tensor("hi", hi, hi_dtype, hi.shape, device)
-    if isinstance(window, bool) or not isinstance(window, int) or not 1 <= window <= 32:
-        _compile.fail("window", "an int in [1, 32]", repr(window))
-    act, dt_name, ngroups = check_mamba2_inputs(
-        device, slots, nheads, headdim, dstate, x, dt, A, B, C, D, z, dt_bias, out
-    )
-    if not isinstance(ring_x, torch.Tensor) or ring_x.dim() != 4:
-        _compile.fail(
-            "ring_x",
-            "a 4-d tensor [slots, nheads, Lcap, headdim]",
-            list(ring_x.shape) if isinstance(ring_x, torch.Tensor) else type(ring_x).__name__,
-        )
-    ring_len = ring_x.shape[2]
-    if ring_len < window:
-        _compile.fail("ring_x.shape[2] (Lcap)", f">= window={window}", ring_len)
-    _compile.check_tensor("ring_x", ring_x, x.dtype, (slots, nheads, ring_len, headdim), device)
-    _compile.check_tensor("ring_dt", ring_dt, torch.float32, (slots, nheads, ring_len), device)
-    _compile.check_tensor("ring_B", ring_B, x.dtype, (slots, ngroups, ring_len, dstate), device)
-    _compile.check_tensor("cursors", cursors, torch.int32, (slots,), device)
-    _compile.check_tensor("flushes", flushes, torch.int32, (slots,), device)
-    # the counter kernel resets one and advances the other: one buffer would do neither
-    _compile.check_apart("flushes", flushes, cursors=cursors)
-    if debug_state is not None:
-        _compile.check_tensor("debug_state", debug_state, torch.float32, hi.shape, device)
-    lo = normalise_lo(lo, lo_format, slots, nheads, headdim, dstate, device)
-    read = dict(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias, hi=hi, ring_x=ring_x,
-                ring_dt=ring_dt, ring_B=ring_B, cursors=cursors, flushes=flushes,
-                **{f"lo[{key!r}]": value for key, value in lo.items()})
-    _compile.check_apart("out", out, **read)
-    _compile.check_apart("debug_state", debug_state, out=out, **read)
-    check_philox_fields("hi", slots, nheads * headdim * dstate,
-                        hi_format == "fp16" and hi_rounding == "sr")
-    cfg = FlushConfig(
-        nheads=nheads,
-        headdim=headdim,
-        dstate=dstate,
-        ngroups=ngroups,
-        window=window,
-        ring_len=ring_len,
-        act=act,
-        dt_dtype=dt_name,
-        hi_format=hi_format,
-        hi_rounding=hi_rounding if hi_format == "fp16" else "rn",
-        lo_format=lo_format,
-        has_D=D is not None,
-        has_z=z is not None,
-        has_dt_bias=dt_bias is not None,
-        dt_softplus=dt_softplus,
-        has_debug=debug_state is not None,
-        elements_per_thread=elements_per_thread,
-        chunk=chunk,
-        fold=fold,  # FlushConfig checks both and fills in the defaults
-        e2m1_pairs=FlushConfig.e2m1_pairs if e2m1_pairs is None else e2m1_pairs,
-    )
-    return cfg, lo
 
 
 def traffic_bytes(cfg: FlushConfig, flushing_slots: int, act_bytes: int = 2) -> int:

@@ -7,7 +7,7 @@ denominator), so it is written for bandwidth as carefully as they are:
     S   = exp(dt A) S + dt x B^T           fp32 arithmetic on the loaded state
     y   = S C + D x, times silu(z)          from the new, unrounded state
     S  <- fp32, or fp16 RN, or fp16 SR with the words lowprec.philox.random_words(seed, slot,
-          counters[s]) (the per-slot token counter plays the flush counter; +1 per call)
+          tokens[s]) (the per-slot token counter plays the flush counter; +1 per SR call)
 
 Thread ownership (one CTA per (slot, head), 128 threads for a 64 x 128 head, 64 elements per
 thread, every state access one 128-bit load or store coalesced across the warp):
@@ -26,9 +26,9 @@ fp16 pairs in flight per thread). The output's row sums meet in a shuffle reduct
 row's lanes. Bytes per call: the state read and written once, plus x, dt, z, out per head and
 B, C per group (see `traffic_bytes`).
 
-Counters: every CTA of a slot reads `counters[s]` for its words, so the increment is a
-separate `counters += 1` on the same stream after the kernel (no CTA may change what a
-sibling still reads).
+Counters: every CTA of a slot reads `cache.tokens[s]` for its words, so the increment is a
+separate `tokens += 1` on the same stream after the kernel (no CTA may change what a sibling
+still reads). RN draws no words, and its steps leave `tokens` alone (no extra launch).
 """
 
 from __future__ import annotations
@@ -41,18 +41,12 @@ import torch
 from cutlass import Float32, Int32, Uint32
 
 from cute_kernels import _compile
+from cute_kernels import cache as kv
 from cute_kernels import numerics as nm
-from cute_kernels.replay_flush import (
-    CUTE_DTYPES,
-    check_mamba2_inputs,
-    check_philox_fields,
-    check_seed,
-    check_state_shape,
-    require_cuda,
-)
+from cute_kernels.replay_flush import CUTE_DTYPES, check_flush_shape
 from lowprec.replay import check_flush_field
 
-__all__ = ["StateUpdateConfig", "state_update", "compile_state_update", "traffic_bytes"]
+__all__ = ["StateUpdateConfig", "mamba2_state_update", "compile_state_update", "traffic_bytes"]
 
 ROUNDINGS = ("rn", "sr")
 STATE_DTYPES = {torch.float32: "fp32", torch.float16: "fp16"}
@@ -80,11 +74,11 @@ class StateUpdateConfig:
 
     def __post_init__(self):
         if self.state not in STATE_DTYPES.values():
-            _compile.fail("state", f"one of {tuple(STATE_DTYPES.values())}", repr(self.state))
+            kv.fail("state", f"one of {tuple(STATE_DTYPES.values())}", repr(self.state))
         if self.rounding not in ROUNDINGS or (self.state == "fp32" and self.rounding != "rn"):
-            _compile.fail("rounding", f"one of {ROUNDINGS} ('rn' for fp32)", repr(self.rounding))
+            kv.fail("rounding", f"one of {ROUNDINGS} ('rn' for fp32)", repr(self.rounding))
         if self.chunks_per_row > 32:
-            _compile.fail("dstate", f"at most {32 * self.vec} for an {self.state} state (a row's "
+            kv.fail("dstate", f"at most {32 * self.vec} for an {self.state} state (a row's "
                           "16-byte chunks within one warp: its output is a warp shuffle sum)",
                           self.dstate)
 
@@ -287,81 +281,47 @@ def compile_state_update(cfg: StateUpdateConfig, keep_ptx: bool = False):
     return _compile.compile_cached(("state_update", cfg, keep_ptx), build)
 
 
-def state_update(
-    state,
-    x,
-    dt,
-    A,
-    B,
-    C,
-    D=None,
-    z=None,
-    dt_bias=None,
-    dt_softplus=True,
-    out=None,
-    *,
-    rounding="rn",
-    seed=0,
-    counters=None,
-    debug_state=None,
-    check_counters=False,
-):
-    """One conventional decode step of every slot and head, in place on `state`; returns out.
+OUTPUT_FROM = ("unrounded",)  # y from the new state before its store is rounded
 
-    state: fp32 or fp16 `[slots, nheads, headdim, dstate]` (fp32: dstate at most 128, a row's
-    chunks within one warp); x, z `[slots, nheads, headdim]`,
-    dt `[slots, nheads]` (raw), B, C `[slots, ngroups, dstate]` in the act dtype (x's: bf16,
-    fp16 or fp32); A, D, dt_bias fp32 `[nheads]`. rounding: 'rn' or 'sr' for an fp16 state
-    ('rn' for fp32, where the store is exact). SR needs `counters` int32 `[slots]` (the token
-    counter: the Philox flush field), incremented by one after the kernel; its values, which
-    must lie in [0, 2^20 - 1), are checked only with `check_counters=True` (a stream sync,
-    as in the other kernels). debug_state: fp32, state-shaped, receives the unrounded new
-    state. Runs on torch's current stream.
+
+def mamba2_state_update(cache: kv.StateCache, x, dt, A, B, C, D=None, z=None, dt_bias=None, *,
+                        dt_softplus=True, output_from="unrounded", out=None, debug_state=None,
+                        check_counters=False):
+    """One conventional decode step of every slot and head, in place on ``cache.state``;
+    returns out [slots, nheads, headdim] (x's dtype).
+
+    ``cache``: a `cute_kernels.cache.StateCache` (format 'fp32', dstate at most 128, or
+    'fp16'; rounding 'rn', or 'sr' for fp16, whose words come from ``cache.tokens``, advanced
+    by one after the kernel). Token inputs as `emulation.state_update.mamba2_state_update`.
+    ``output_from``: 'unrounded' (y from the new state before its store is rounded; the
+    only form this kernel has). ``debug_state`` fp32, state-shaped, receives the unrounded
+    new state. ``check_counters=True`` checks the token counters lie in [0, 2^20 - 1) (a
+    stream sync). Runs on torch's current stream.
     """
-    if rounding not in ROUNDINGS:
-        _compile.fail("rounding", f"one of {ROUNDINGS}", repr(rounding))
-    check_seed(seed)
-    if not isinstance(dt_softplus, bool):
-        _compile.fail("dt_softplus", "a bool", repr(dt_softplus))
-    slots, nheads, headdim, dstate = check_state_shape("state", state)
-    device = state.device
-    if state.dtype not in STATE_DTYPES:
-        _compile.fail("state", "dtype torch.float32 or torch.float16", state.dtype)
-    _compile.check_tensor("state", state, state.dtype, state.shape, device)
-    if state.dtype == torch.float32 and rounding != "rn":
-        _compile.fail("rounding", "'rn' for an fp32 state (its store is exact)", repr(rounding))
-    if state.dtype == torch.float32 and dstate > 32 * ACCESS_BYTES // 4:
-        # a row of 64 fp32 chunks would span two warps, and y's shuffle sum stays in one: the
-        # kernel would write twice one warp's half of each row's sum (shfl.bfly 32 reads its own)
-        _compile.fail("state.shape[3] (dstate)", "at most 128 for an fp32 state", dstate)
-    act, dt_name, ngroups = check_mamba2_inputs(
-        device, slots, nheads, headdim, dstate, x, dt, A, B, C, D, z, dt_bias, out
-    )
-    if rounding == "sr":
-        _compile.check_tensor("counters", counters, torch.int32, (slots,), device)
-        check_philox_fields("state", slots, nheads * headdim * dstate)
-    elif counters is not None:
-        _compile.fail("counters", "None unless rounding='sr'", type(counters).__name__)
-    if debug_state is not None:
-        _compile.check_tensor("debug_state", debug_state, torch.float32, state.shape, device)
-    read = dict(state=state, x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias,
-                counters=counters)
-    _compile.check_apart("out", out, **read)
-    _compile.check_apart("debug_state", debug_state, out=out, **read)
-    if not isinstance(check_counters, bool):
-        _compile.fail("check_counters", "a bool", repr(check_counters))
-    if check_counters and counters is not None:
-        check_flush_field("counters", counters)
-    require_cuda("state", state)
+    view = kv.check_state_cache(cache)
+    if output_from not in OUTPUT_FROM:
+        kv.fail("output_from", f"one of {OUTPUT_FROM} (this kernel's)", repr(output_from))
+    kv.check_switch("dt_softplus", dt_softplus)
+    kv.check_switch("check_counters", check_counters)
+    check_flush_shape(view, ELEMENTS_PER_THREAD)
+    if cache.format == "fp32" and view.dstate > 32 * ACCESS_BYTES // 4:
+        # a row of 64 fp32 chunks would span two warps, and y's shuffle sum stays in one
+        kv.fail("cache.state.shape[3] (dstate)", "at most 128 for an fp32 state", view.dstate)
+    act, dt_name, ngroups = kv.check_step(view, x, dt, A, B, C, D, z, dt_bias, out=out,
+                                          debug_state=debug_state)
+    sr = cache.rounding == "sr"
+    if check_counters and sr:
+        check_flush_field("cache.tokens", cache.tokens)
+    kv.require_cuda("cache.state", cache.state)
     if out is None:
         out = torch.empty_like(x)
     cfg = StateUpdateConfig(
-        nheads=nheads,
-        headdim=headdim,
-        dstate=dstate,
+        nheads=view.nheads,
+        headdim=view.headdim,
+        dstate=view.dstate,
         ngroups=ngroups,
-        state=STATE_DTYPES[state.dtype],
-        rounding=rounding,
+        state=cache.format,
+        rounding=cache.rounding,
         act=act,
         dt_dtype=dt_name,
         has_D=D is not None,
@@ -370,14 +330,14 @@ def state_update(
         dt_softplus=dt_softplus,
         has_debug=debug_state is not None,
     )
-    if slots == 0:
+    if view.slots == 0:
         return out
     kernel = compile_state_update(cfg)
     f32, act_t = Float32, CUTE_DTYPES[act]
     opt = _optional_ptr
     kernel(
-        _compile.gmem_ptr(state),
-        opt(counters, Int32),
+        _compile.gmem_ptr(cache.state),
+        opt(cache.tokens if sr else None, Int32),
         _compile.gmem_ptr(x),
         _compile.gmem_ptr(dt),
         _compile.gmem_ptr(A),
@@ -388,13 +348,13 @@ def state_update(
         opt(dt_bias, f32),
         _compile.gmem_ptr(out),
         opt(debug_state, f32),
-        Int32(slots),
-        Uint32(seed & 0xFFFFFFFF),
-        Uint32(seed >> 32),
+        Int32(view.slots),
+        Uint32(cache.seed & 0xFFFFFFFF),
+        Uint32(cache.seed >> 32),
         _compile.current_stream(),
     )
-    if rounding == "sr":
-        counters.add_(1)
+    if sr:
+        cache.tokens.add_(1)
     return out
 
 

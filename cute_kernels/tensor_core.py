@@ -11,8 +11,8 @@
     split_bf16x3        an fp32 pair as three bf16 pairs whose sum is the pair exactly
                         (for |v| >= 2^-100; below, within 2^-133)
     st_shared_v2_f32    two fp32 values to a shared-memory byte address (8-byte aligned)
-    reg, unpack_struct  an inline-PTX operand and a multi-output statement's results (also
-                        replay_output's load and store helpers)
+
+The inline-PTX plumbing (operands, multi-output statements) is cute_kernels/ptx.py's.
 
 Fragment layout of m16n8k16 (PTX ISA, "Matrix Fragments for mma.m16n8k16"), lane (g, t):
 A registers hold A[g][2t..2t+1], A[g+8][2t..2t+1], A[g][2t+8..2t+9], A[g+8][2t+8..2t+9];
@@ -27,20 +27,10 @@ from cutlass import Float32, Int32, Uint32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from cute_kernels.numerics import bits_f32, inline_ptx
+from cute_kernels.numerics import bits_f32
+from cute_kernels.ptx import inline_ptx, reg, unpack_struct
 
-__all__ = ["mma_m16n8k16", "ldmatrix_x4_trans", "pack_16x2", "split_bf16x3", "st_shared_v2_f32",
-           "reg", "unpack_struct"]
-
-
-def reg(v, loc=None, ip=None):
-    """An inline-PTX operand: fp32 values as they are, anything else as a 32-bit word."""
-    return Uint32(v).ir_value(loc=loc, ip=ip) if not isinstance(v, Float32) else v.ir_value()
-
-
-def unpack_struct(res, n, ty, wrap, loc=None, ip=None):
-    """The ``n`` results of a multi-output inline-PTX statement, each wrapped in ``wrap``."""
-    return [wrap(llvm.extractvalue(ty, res, [i], loc=loc, ip=ip)) for i in range(n)]
+__all__ = ["mma_m16n8k16", "ldmatrix_x4_trans", "pack_16x2", "split_bf16x3", "st_shared_v2_f32"]
 
 
 @dsl_user_op

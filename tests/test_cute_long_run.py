@@ -41,7 +41,8 @@ def _rel_err(y_hat, y):
 
 
 def test_two_precision_kernels_match_the_lowprec_error_prediction_over_12_windows():
-    from cute_kernels.replay_decode import replay_decode_step
+    from cute_kernels.cache import ReplayCache
+    from cute_kernels.replay_decode import mamba2_replay_decode
     from lowprec.mamba2 import mamba2_step
     from lowprec.policies import make_policy
     from lowprec.replay import Mamba2Replay
@@ -55,20 +56,9 @@ def test_two_precision_kernels_match_the_lowprec_error_prediction_over_12_window
                               D=D.double(), dt_bias=dt_bias.double(), policy=policy)
     exact = torch.zeros(SLOTS, HEADS, HEADDIM, DSTATE, dtype=f64)
 
-    cache = dict(
-        hi=torch.zeros(SLOTS, HEADS, HEADDIM, DSTATE, dtype=torch.float16, device=dev),
-        lo=dict(
-            codes=torch.zeros(SLOTS, HEADS, HEADDIM, DSTATE // 2, dtype=torch.uint8, device=dev),
-            scales=torch.zeros(SLOTS, HEADS, HEADDIM, DSTATE // 16, dtype=torch.uint8,
-                               device=dev),
-            global_scale=torch.zeros(SLOTS, HEADS, dtype=torch.float32, device=dev),
-        ),
-        ring_x=torch.zeros(SLOTS, HEADS, WINDOW, HEADDIM, dtype=torch.bfloat16, device=dev),
-        ring_dt=torch.zeros(SLOTS, HEADS, WINDOW, dtype=torch.float32, device=dev),
-        ring_B=torch.zeros(SLOTS, GROUPS, WINDOW, DSTATE, dtype=torch.bfloat16, device=dev),
-        cursors=torch.zeros(SLOTS, dtype=torch.int32, device=dev),
-        flushes=torch.zeros(SLOTS, dtype=torch.int32, device=dev),
-    )
+    cache = ReplayCache.empty(SLOTS, HEADS, HEADDIM, DSTATE, ngroups=GROUPS, window=WINDOW,
+                              hi_format="fp16", hi_rounding="sr", lo_format="nvfp4", seed=SEED,
+                              device=dev)
     err_kernel, err_ref = [], []
     for t in range(steps):
         xt, dtt, Bt, Ct = x[t], dt[t], B[t], C[t]
@@ -76,17 +66,15 @@ def test_two_precision_kernels_match_the_lowprec_error_prediction_over_12_window
                                      Ct.double(), D=D.double(), dt_bias=dt_bias.double())
         y_ref = ref.step(xt.double(), dtt.double(), Bt.double(), Ct.double())
         out = torch.full((SLOTS, HEADS, HEADDIM), float("nan"), dtype=torch.bfloat16, device=dev)
-        y_kernel = replay_decode_step(
-            cache["hi"], cache["lo"], cache["ring_x"], cache["ring_dt"], cache["ring_B"],
-            cache["cursors"], cache["flushes"], xt.to(dev), dtt.to(dev), A.to(dev), Bt.to(dev),
-            Ct.to(dev), D=D.to(dev), dt_bias=dt_bias.to(dev), out=out, window=WINDOW,
-            hi_format="fp16", hi_rounding="sr", lo_format="nvfp4", seed=SEED)
+        y_kernel = mamba2_replay_decode(
+            cache, xt.to(dev), dtt.to(dev), A.to(dev), Bt.to(dev), Ct.to(dev), D=D.to(dev),
+            dt_bias=dt_bias.to(dev), out=out)
         y_kernel = y_kernel.double().cpu()
         assert not torch.isnan(y_kernel).any(), f"step {t}: unwritten output"
         err_kernel.append(_rel_err(y_kernel, y_exact))
         err_ref.append(_rel_err(y_ref.to(torch.bfloat16).double(), y_exact))
 
-    assert cache["flushes"].cpu().tolist() == [WINDOWS] * SLOTS
+    assert cache.flushes.cpu().tolist() == [WINDOWS] * SLOTS
     non_flush = [t for t in range(WINDOW, steps) if (t + 1) % WINDOW]
     worst = max(non_flush, key=lambda t: abs(err_kernel[t] - err_ref[t]) / err_ref[t])
     for t in non_flush:

@@ -6,8 +6,9 @@ that flush, the stored recurrence copy (fp16 bits), read copy (nibbles, scale by
 level scale) equal lowprec applied to the kernel's own unrounded state (`debug_state`) bit for
 bit, that state matches lowprec.mamba2.mamba2_replay_flush (fp64) to a derived fp32 bound,
 outputs match, the record is appended and the counters move; every other slot is untouched.
-A multi-window run drives replay_decode_step (non-flush + flush kernels) with slots at random
-ring positions.
+A multi-window run drives mamba2_replay_decode (non-flush + flush kernels) with slots at
+random ring positions. `replay_flush` and `decode_step` below pack the test's tensors into a
+`cute_kernels.cache.ReplayCache` and call the public functions.
 """
 
 import dataclasses
@@ -20,6 +21,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
+from cute_kernels import cache as kv  # noqa: E402
+from cute_kernels import replay_decode as rd  # noqa: E402
 from cute_kernels import replay_flush as rf  # noqa: E402
 from lowprec import contract, mamba2, philox  # noqa: E402
 from lowprec import quantize as q  # noqa: E402
@@ -40,6 +43,53 @@ VARIANTS = [
     for hi, rnd in (("fp16", "sr"), ("fp16", "rn"), ("fp32", "rn"))
     for lo in rf.LO_FORMATS
 ]
+
+
+def replay_cache(hi, lo, ring_x, ring_dt, ring_B, cursors, flushes, *, window=16,
+                 hi_format="fp16", hi_rounding="sr", lo_format="nvfp4", seed=0):
+    """The test's tensors as a ReplayCache (shared: the kernels update them in place); an
+    fp32 recurrence copy is stored exactly, so its rounding is 'rn'."""
+    lo_t = scales = global_scale = None
+    if lo_format == "nvfp4":
+        lo_t, scales = lo["codes"], lo["scales"]
+        global_scale = lo.get("global_scale", lo.get("global"))
+    elif lo_format != "none":
+        lo_t = lo.get("values", lo.get("codes")) if isinstance(lo, dict) else lo
+    return kv.ReplayCache(hi=hi, lo=lo_t, lo_scales=scales, lo_global=global_scale,
+                          ring_x=ring_x, ring_dt=ring_dt, ring_B=ring_B, cursors=cursors,
+                          flushes=flushes, hi_format=hi_format,
+                          hi_rounding=hi_rounding if hi_format == "fp16" else "rn",
+                          lo_format=lo_format, window=window, seed=seed)
+
+
+def _split(kwargs):
+    names = ("hi", "lo", "ring_x", "ring_dt", "ring_B", "cursors", "flushes")
+    config = ("window", "hi_format", "hi_rounding", "lo_format", "seed")
+    cache = replay_cache(**{k: kwargs.pop(k) for k in names},
+                         **{k: kwargs.pop(k) for k in config if k in kwargs})
+    return cache, kwargs
+
+
+def replay_flush(elements_per_thread=None, fold=None, chunk=None, **kwargs):
+    """rf.mamba2_replay_flush on the test's tensors, with the tuning knobs given (None: the
+    default)."""
+    cache, args = _split(kwargs)
+    config = None
+    if (elements_per_thread, fold, chunk) != (None, None, None):
+        base = rf.flush_config(cache, kv.check_replay_cache(cache), args["x"], args["dt"],
+                               args.get("D"), args.get("z"), args.get("dt_bias"),
+                               dt_softplus=args.get("dt_softplus", True),
+                               has_debug=args.get("debug_state") is not None)
+        config = dataclasses.replace(
+            base, elements_per_thread=elements_per_thread or base.elements_per_thread,
+            fold=fold, chunk=chunk, min_ctas_per_sm=None)
+    return rf.mamba2_replay_flush(cache, **args, config=config)
+
+
+def decode_step(**kwargs):
+    """rd.mamba2_replay_decode on the test's tensors."""
+    cache, args = _split(kwargs)
+    return rd.mamba2_replay_decode(cache, **args)
 
 
 def variant_id(v):
@@ -150,63 +200,6 @@ def test_direct_fold_compiles_to_three_mmas_per_column_tile_and_no_shared_round_
     assert ".local" not in ptx
 
 
-@pytest.mark.parametrize("fold, elements_per_thread", [("direct", 32), ("mma", 64),
-                                                      ("fma", 64)])
-def test_every_load_before_the_staging_barrier_goes_out_before_any_shared_store(
-    fold, elements_per_thread
-):
-    """ring_loads_first (the default): before the CTA's barrier, every global load (the
-    state, C, D, z, the ring's x and B chunks, warp 0's dt values) comes before the first
-    shared-memory store, so that a CTA waits out one round trip; the earlier order has loads
-    after stores (x, then B, then the dt chain)."""
-    base = dataclasses.replace(config(NEMOTRON, "fp16", "sr", "nvfp4", window=16, debug=False),
-                               elements_per_thread=elements_per_thread, fold=fold)
-
-    def loads_after_first_store(cfg):
-        ptx = rf.compile_flush(cfg, keep_ptx=True).__ptx__
-        body = ptx[ptx.index(".entry"):]
-        staging = body[:body.index("bar.sync")]
-        after = staging[staging.index("st.shared"):]
-        return staging.count("ld.global"), after.count("ld.global")
-
-    loads, late = loads_after_first_store(base)
-    assert loads >= 10 and late == 0
-    _, late_in_turn = loads_after_first_store(dataclasses.replace(base, ring_loads_first=False))
-    assert late_in_turn >= 3
-
-
-@pytest.mark.parametrize("hi, rounding, lo", [("fp16", "sr", "nvfp4"), ("fp32", "rn", "none")])
-def test_loads_ablation_drops_every_load_but_the_counters_and_keeps_the_work(hi, rounding, lo):
-    """Timing-only ablate=("loads",): the only global loads left are the cursor's and (for
-    SR) the flush counter's, every store and barrier stays, and the SASS has about as many
-    instructions (within 6%: the fills cost about what unpacking the loads did), so the time it
-    saves is the loads' round trips and read traffic, not work left out (the two-precision
-    flush 4,070 SASS instructions against 4,091; the fp32 one 748 against 787: its loads need
-    no unpacking, so their addresses were a larger share)."""
-    from cute_kernels import instruction_count as ic
-
-    def compiled(*ablate):
-        cfg = config(NEMOTRON, hi, rounding, lo, debug=False, elements_per_thread=32,
-                     ablate=ablate)
-        ptx = rf.compile_flush(cfg, keep_ptx=True).__ptx__
-        body = ptx[ptx.index(".entry"):]
-        return body, sum(ic.sass_histogram(ptx)[0].values())
-
-    (full, full_sass), (ablated, ablated_sass) = compiled(), compiled("loads")
-    assert full.count("ld.global") >= 12
-    counters = 2 if rounding == "sr" else 1  # the flush counter only for the Philox words
-    assert ablated.count("ld.global") == ablated.count("ld.global.b32") == counters
-    for op in ("st.global", "st.shared", "bar.sync", "mma.sync"):
-        assert ablated.count(op) == full.count(op) > 0, op
-    assert abs(ablated_sass - full_sass) <= 0.06 * full_sass
-    with pytest.raises(ValueError, match="ablate: expected a tuple of"):
-        config(NEMOTRON, hi, rounding, lo, ablate="loads")
-    with pytest.raises(ValueError, match="ablate: expected a tuple of"):
-        config(NEMOTRON, hi, rounding, lo, ablate=("state",))
-    with pytest.raises(ValueError, match="with ring_loads_first"):
-        config(NEMOTRON, hi, rounding, lo, ablate=("loads",), ring_loads_first=False)
-
-
 def test_direct_fold_column_order_puts_each_lane_group_on_16_whole_columns():
     """_direct_position is a permutation of the 128 columns, and lane group q's accumulator
     of m-tile mt (m = q + 8 e) is state column 16 q + 2 mt + e; per chunk of 8 it is a base
@@ -264,11 +257,10 @@ def test_every_element_enters_the_e2m1_pairs_margin_test(elements_per_thread):
     """With the E2M1 codes two at a time, each state element a thread holds gets its own
     margin against the decision points (one add of E2M1_PAIR_NEAR + 2^21 a value in the
     PTX), and the margins meet in unsigned minima: a signed minimum, or one folded against a
-    constant, would drop some (an earlier form lost each block's first pair that way)."""
+    constant, would drop some (each block's first pair)."""
     from cute_kernels import numerics as nm
 
-    cfg = config(NEMOTRON, "fp16", "sr", "nvfp4", elements_per_thread=elements_per_thread,
-                 e2m1_pairs=True)
+    cfg = config(NEMOTRON, "fp16", "sr", "nvfp4", elements_per_thread=elements_per_thread)
     ptx = rf.compile_flush(cfg, keep_ptx=True).__ptx__
     assert ptx.count(f", {nm.E2M1_PAIR_NEAR + 0x200000};") == elements_per_thread
     assert "min.s32" not in ptx
@@ -301,11 +293,14 @@ def test_state_shapes_that_need_a_partial_warp_are_refused():
     """A 24 x 128 head would take 48 threads (64 elements each): one and a half warps, which
     the warp shuffles cannot serve; 24 x 64 takes one whole warp (32 threads, fewer elements
     each) and passes; with 32 elements per thread 24 x 64 would need 48 and is refused."""
+    def view(P, N):
+        return kv.CacheView(1, 2, P, N, 1, 8, torch.device("cpu"), None, {})
+
     with pytest.raises(ValueError, match="multiple of 32"):
-        rf.check_state_shape("hi", torch.empty(1, 2, 24, 128))
-    assert rf.check_state_shape("hi", torch.empty(1, 2, 24, 64)) == (1, 2, 24, 64)
+        rf.check_flush_shape(view(24, 128), 64)
+    assert rf.check_flush_shape(view(24, 64), 64) is None
     with pytest.raises(ValueError, match="multiple of 32"):
-        rf.check_state_shape("hi", torch.empty(1, 2, 24, 64), 32)
+        rf.check_flush_shape(view(24, 64), 32)
 
 
 @pytest.mark.parametrize("hi, rounding, lo, changes, message", [
@@ -325,14 +320,11 @@ def test_state_shapes_that_need_a_partial_warp_are_refused():
      r"headdim x dstate at 64 elements a thread: expected .*multiple of 32.*, got 24 x 128"),
     ("fp16", "sr", "nvfp4", dict(slot_loop="yes"), "slot_loop: expected a bool"),
     ("fp16", "sr", "nvfp4", dict(min_ctas_per_sm=-1), "min_ctas_per_sm: expected None or"),
-    ("fp16", "sr", "nvfp4", dict(smem_carveout=200), "smem_carveout: expected -1"),
 ])
 def test_flush_config_refuses_what_replay_flush_refuses(hi, rounding, lo, changes, message):
-    """FlushConfig (compile_flush's key, built directly by bench_write and instruction_count)
-    accepted any format name, window or group count and compiled some other kernel (a bf16
-    recurrence copy as fp16, rounding 'up' as RN, an unknown read copy as fp8_e4m3) or failed
-    deep in the trace; a head that does not split over its threads was reported as 'chunk:
-    expected 8 here ..., got 8'. Now each is a ValueError naming the field, before a compile."""
+    """FlushConfig (compile_flush's key, which tools build directly) refuses a format name,
+    window, group count or head it has no kernel for with a ValueError naming the field,
+    before a compile, instead of compiling some other kernel or failing in the trace."""
     changes = {"window": 16, **changes}
     shape = {**ODD, **{k: changes.pop(k) for k in ("ngroups", "dstate", "headdim")
                        if k in changes}}
@@ -344,27 +336,28 @@ def test_flush_config_refuses_what_replay_flush_refuses(hi, rounding, lo, change
 
 
 @pytest.mark.parametrize("slots, shape, changes, message", [
-    (1 << 20, ODD, {}, r"hi.shape\[0\] \(slots\): expected fewer than 2\^20"),
+    (1 << 20, ODD, {}, r"cache.hi.shape\[0\] \(slots\): expected fewer than 2\^20"),
     (2, dict(nheads=1032, headdim=64, dstate=256, ngroups=8), {},
-     r"hi.shape\[1:\] \(nheads x headdim x dstate\): expected at most 2\^24 elements a slot"),
+     r"cache.hi.shape\[1:\] \(nheads x headdim x dstate\): expected at most 2\^24 elements"),
     (2, dict(nheads=1032, headdim=64, dstate=256, ngroups=8), dict(hi_rounding="rn"),
-     "hi: expected a CUDA tensor"),  # no words drawn: the element field does not apply
-    (2, dict(nheads=1024, headdim=64, dstate=256, ngroups=8), {}, "hi: expected a CUDA tensor"),
+     "cache.hi: expected a tensor with storage"),  # no words drawn: no element field
+    (2, dict(nheads=1024, headdim=64, dstate=256, ngroups=8), {},
+     "cache.hi: expected a tensor with storage"),
 ])
 def test_flush_refuses_states_past_the_philox_fields(slots, shape, changes, message):
     """Slot s's SR words come from the counter (s << 44 | flush << 24 | e / 4): 2^20 slots or
     more than 2^24 elements a slot would overlap its fields and silently share words (the
-    emulation, lowprec.philox, refused such shapes and said the kernels did; the flush checked
-    the slots only). Meta tensors: nothing allocated."""
+    emulation, lowprec.philox, refuses the same shapes). Meta tensors: nothing allocated, and
+    the cache refused as one once its shapes pass."""
     args, window = cpu_args(slots=slots, shape=shape, device="meta")
     args["lo"] = None
     with pytest.raises(ValueError, match=message):
-        rf.replay_flush(**args, window=window, lo_format="none", **changes)
+        replay_flush(**args, window=window, lo_format="none", **changes)
 
 
 def test_advance_kernel_compiles():
-    rf.compile_advance(16, advance_others=False)
-    rf.compile_advance(16, advance_others=True)
+    """The counter kernel (reset a flushing slot's cursor, advance its flush count)."""
+    assert ".target sm_90a" in rf.compile_advance(16, keep_ptx=True).__ptx__
 
 
 def cpu_args(slots=3, shape=ODD, window=8, act=torch.float32, device="cpu"):
@@ -396,24 +389,27 @@ def cpu_args(slots=3, shape=ODD, window=8, act=torch.float32, device="cpu"):
 @pytest.mark.parametrize(
     "name, bad, message",
     [
-        ("hi", lambda a: a["hi"].float(), "hi: expected dtype torch.float16"),
-        ("ring_x", lambda a: a["ring_x"][:, :, :4], "ring_x.shape[2] (Lcap): expected >= window"),
+        ("hi", lambda a: a["hi"].float(), "cache.hi: expected dtype torch.float16"),
+        ("ring_x", lambda a: a["ring_x"][:, :, :4],
+         "cache.ring_x.shape[2] (Lcap): expected >= window"),
         ("A", lambda a: a["A"].double(), "A: expected dtype torch.float32"),
-        ("cursors", lambda a: a["cursors"].long(), "cursors: expected dtype torch.int32"),
+        ("cursors", lambda a: a["cursors"].long(), "cache.cursors: expected dtype torch.int32"),
         (
             "B",
             lambda a: torch.zeros(3, 4, 64, dtype=a["B"].dtype),
-            "B.shape[1] (ngroups): expected a divisor",
+            "B: expected shape [3, 3, 64]",
         ),
         (
             "x",
             lambda a: a["x"].transpose(1, 2).contiguous().transpose(1, 2),
             "x: expected a contig",
         ),
-        ("lo", lambda a: {"codes": a["lo"]["codes"]}, "lo: expected keys"),
+        ("lo", lambda a: {**a["lo"], "codes": a["lo"]["codes"][..., :8].contiguous()},
+         "cache.lo: expected shape"),
         # the counter kernel would reset the cursor and then add one to it: cursor 1, and the
         # flush counter never advanced
-        ("flushes", lambda a: a["cursors"], "flushes: expected a tensor apart from cursors"),
+        ("flushes", lambda a: a["cursors"],
+         "cache.cursors: expected a tensor apart from cache.flushes"),
     ],
 )
 def test_bad_arguments_raise_value_errors_naming_them(name, bad, message):
@@ -426,7 +422,7 @@ def test_bad_arguments_raise_value_errors_naming_them(name, bad, message):
         .replace("[", r"\[")
         .replace("]", r"\]"),
     ):
-        rf.replay_flush(**args, window=window)
+        replay_flush(**args, window=window)
 
 
 @pytest.mark.parametrize(
@@ -444,15 +440,14 @@ def test_check_counters_refuses_counters_outside_the_philox_fields(cursors, flus
     would leave the Philox counter's 20-bit flush field (at 2^20 slot s would take the words
     of flush 0 of slot s | 1) or a cursor outside the window, in replay_flush and
     replay_decode_step, before any launch."""
-    from cute_kernels.replay_decode import replay_decode_step
 
     args, window = cpu_args()
     args["cursors"] = torch.tensor(cursors, dtype=torch.int32)
     args["flushes"] = torch.tensor(flushes, dtype=torch.int32)
     if message is None:
-        assert rf.check_counter_values(args["cursors"], args["flushes"], window) is None
+        assert kv.check_counter_values(args["cursors"], args["flushes"], window) is None
         return
-    for entry in (rf.replay_flush, replay_decode_step):
+    for entry in (replay_flush, decode_step):
         with pytest.raises(ValueError, match=message):
             entry(**args, window=window, check_counters=True)
 
@@ -491,8 +486,7 @@ def test_flush_counter_limit_keeps_every_flush_in_its_own_counter_field():
         (dict(fold="mma"), "fold: expected another fold here .'mma' needs bf16 activations"),
         (dict(fold="direct"), "fold: expected another fold here .'direct' needs bf16"),
         (dict(chunk=12), "chunk: expected one of"),
-        (dict(e2m1_pairs=1), "e2m1_pairs: expected a bool"),
-        # a word was read with bool(): "no" ran the counter check (a sync) on the counters
+        # a word read with bool() would turn the counter check (a sync) on
         (dict(check_counters="no"), "check_counters: expected a bool, got 'no'"),
     ],
 )
@@ -500,7 +494,7 @@ def test_bad_options_raise_value_errors(kwargs, message):
     args, window = cpu_args()
     kwargs = {"window": window, **kwargs}
     with pytest.raises(ValueError, match=message):
-        rf.replay_flush(**args, **kwargs)
+        replay_flush(**args, **kwargs)
 
 
 # --------------------------------------------------------------------------------------------
@@ -655,7 +649,7 @@ def check_flush(
     before = clone(cache)
     out = torch.full((slots, H, P), float("nan"), dtype=act, device=DEVICE)
     debug = torch.full((slots, H, P, N), float("nan"), device=DEVICE)
-    rf.replay_flush(
+    replay_flush(
         **cache,
         **tok,
         out=out,
@@ -833,9 +827,8 @@ def test_flush_with_16_element_chunks(variant, fold, window):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("e2m1_pairs", [True, False])
 @pytest.mark.parametrize("fold", ["direct", "mma"])
-def test_nvfp4_codes_at_and_near_every_e2m1_decision_point(e2m1_pairs, fold):
+def test_nvfp4_codes_at_and_near_every_e2m1_decision_point(fold):
     """With no ring (every dt 0: the decay is 1 and every weight 0) the flush's state is the
     recurrence copy itself, which is built here so that each block's quotients x / divisor
     land on E2M1's decision points (0.25, 0.75, ..., 5: ties, where the fast paths must hand
@@ -867,8 +860,8 @@ def test_nvfp4_codes_at_and_near_every_e2m1_decision_point(e2m1_pairs, fold):
     assert torch.equal(cache["hi"].float().cpu(), state)  # every value is an fp16 value
     cache_hi = cache["hi"].clone()
     debug = torch.full((slots, H, P, N), float("nan"), device=DEVICE)
-    rf.replay_flush(**cache, **tok, dt_softplus=False, window=window, seed=SEED,
-                    debug_state=debug, fold=fold, e2m1_pairs=e2m1_pairs)
+    replay_flush(**cache, **tok, dt_softplus=False, window=window, seed=SEED,
+                    debug_state=debug, fold=fold)
     torch.cuda.synchronize()
     state = debug.cpu()  # the kernel's own state: its zeros may have lost their signs
     assert torch.equal(state, cache_hi.float().cpu())  # the recurrence copy
@@ -964,7 +957,7 @@ def test_nvfp4_encode_at_e4m3_ties_and_every_scale_s_decision_points():
     state = nvfp4_tie_states()
     cache["hi"] = state.to(DEVICE)
     debug = torch.full(state.shape, float("nan"), device=DEVICE)
-    rf.replay_flush(**cache, **tok, dt_softplus=False, window=window, seed=SEED,
+    replay_flush(**cache, **tok, dt_softplus=False, window=window, seed=SEED,
                     hi_format="fp32", hi_rounding="rn", lo_format="nvfp4", debug_state=debug)
     torch.cuda.synchronize()
     kernel_state = debug.cpu()  # the kernel's own state: 1 * (-0) + 0 is +0, so its zeros
@@ -994,7 +987,7 @@ def test_nvfp4_scales_of_states_whose_divisor_underflows_are_lowprecs():
     total = torch.tensor([99.8, 95.0, 90.1])[:, None] + 0.3 * torch.arange(H)[None, :]
     tok["dt"] = (total.to(DEVICE) - tok["dt_bias"]).contiguous()  # no softplus
     debug = torch.full(cache["hi"].shape, float("nan"), device=DEVICE)
-    rf.replay_flush(**cache, **tok, dt_softplus=False, window=window, seed=SEED,
+    replay_flush(**cache, **tok, dt_softplus=False, window=window, seed=SEED,
                     debug_state=debug, check_counters=True)
     torch.cuda.synchronize()
     state = debug.cpu()
@@ -1046,7 +1039,6 @@ def test_decode_steps_over_several_windows(variant):
     S_new against the fp64 replay of the previous hi and the ring), the others produce
     lowprec.mamba2_replay_output's output from the read copy, and cursors and flush counters
     advance exactly once per step."""
-    from cute_kernels.replay_decode import replay_decode_step
 
     hi_format, hi_rounding, lo_format = variant
     shape, slots, window, act = DECODE, 9, 16, torch.float32
@@ -1071,7 +1063,7 @@ def test_decode_steps_over_several_windows(variant):
         }
         debug = torch.full((slots, H, P, N), float("nan"), device=DEVICE)
         out = torch.full((slots, H, P), float("nan"), dtype=act, device=DEVICE)
-        replay_decode_step(
+        decode_step(
             **cache,
             **tok,
             out=out,
@@ -1148,38 +1140,6 @@ def test_decode_steps_over_several_windows(variant):
     assert steps_seen_flush >= 3
 
 
-def _sass_tools() -> bool:
-    from cute_kernels import instruction_count as ic
-
-    return ic.tools_available()
-
-
-@pytest.mark.skipif(not _sass_tools(), reason="needs ptxas (CUDA 12.9+) and cuobjdump")
-def test_flush_instruction_budget_per_element():
-    """The fp16-SR + NVFP4 flush issues at most 41.5 SASS instructions per state element on
-    its fast paths at 64 elements a thread and at most 50 at the default 32 (direct fold, 64
-    registers), and the codes taken one at a time cost more. Measured 2026-11-30: 40.2 and
-    49.0 with the E2M1 codes two at a time (numerics.e2m1_pair_fast); 46.7 and 55.3 with the
-    SR of two elements finished by one truncating conversion (sr_fp16x2_fast); 50.7 and 58.9
-    with the E2M1 code placed in its nibble straight from the rounded value and one max |S|
-    an element; 52.5 and 60.8 (16-element chunks, the E2M1 exactness test against a multiple
-    of the grid step); 62.1 and 69.9 the session before (tensor-core fold), 79.2 with the FFMA
-    fold, 86.8 before the hardware E4M3 conversions and the E2M1 code from the magic add's
-    bits, 156.9 before the four-word Philox and the fast SR and E2M1 paths. The fallbacks only
-    add code that a thread rarely runs."""
-    from cute_kernels import instruction_count as ic
-
-    variants = (("fp16", "sr", "nvfp4"),)
-    ((_, fast, _, _),) = ic.count(False, variants)
-    ((_, shipped, _, _),) = ic.count(True, variants)
-    ((_, fast32, registers32, _),) = ic.count(False, variants, 32)
-    assert fast <= 41.5
-    assert fast32 <= 50.0 and registers32 <= 64
-    assert shipped > fast
-    ((_, single32, _, _),) = ic.count(False, variants, 32, knobs=dict(e2m1_pairs=False))
-    assert single32 > fast32 + 4  # fast paths both (55.3 against 49.0)
-
-
 @pytest.mark.parametrize("lo_format", ["nvfp4", "fp8_e4m3"])
 def test_emulation_comparison_accepts_lowprec_stores(lo_format):
     """The direct CuTe-vs-emulation check of the GPU test, run here on stores made by lowprec
@@ -1231,6 +1191,13 @@ def test_decode_step_flush_fills_at_most_one_wave_and_never_overfills_a_cta(batc
         assert slot_ctas == 4  # 512 of 528 resident CTAs on the H200
 
 
+class _HiOnly:
+    """A stand-in cache for launch_flush's argument checks (they read hi's slot count)."""
+
+    def __init__(self, hi):
+        self.hi = hi
+
+
 def test_slot_loop_compiles_and_leaves_the_one_slot_kernel_alone():
     """The looping kernel compiles for sm_90a with the slots' decisions staged in shared
     memory (one more barrier); the default kernel (one CTA a slot) reads its decision from
@@ -1244,7 +1211,7 @@ def test_slot_loop_compiles_and_leaves_the_one_slot_kernel_alone():
         "st.shared.u32") + plain.count("st.shared.b32")
     hi = torch.empty(8, 128, 64, 128, dtype=torch.float16)
     with pytest.raises(ValueError, match="one CTA a slot"):
-        rf.launch_flush(base, hi, {}, *([None] * 15), seed=0, slot_ctas=2)
+        rf.launch_flush(base, _HiOnly(hi), *([None] * 11), slot_ctas=2)
 
 
 def test_slot_table_kernel_compiles_like_the_one_slot_kernel_and_refuses_misuse():
@@ -1261,47 +1228,44 @@ def test_slot_table_kernel_compiles_like_the_one_slot_kernel_and_refuses_misuse(
         dataclasses.replace(base, slot_table=True, slot_loop=True)
     hi = torch.empty(8, 128, 64, 128, dtype=torch.float16)
     with pytest.raises(ValueError, match="takes the table"):
-        rf.launch_flush(tabled, hi, {}, *([None] * 15), seed=0)
+        rf.launch_flush(tabled, _HiOnly(hi), *([None] * 11))
     with pytest.raises(ValueError, match="needs FlushConfig.slot_table"):
-        rf.launch_flush(base, hi, {}, *([None] * 15), seed=0,
+        rf.launch_flush(base, _HiOnly(hi), *([None] * 11),
                         slot_table=torch.zeros(2, dtype=torch.int32))
     # an empty table launches nothing (and so needs no GPU)
-    rf.launch_flush(tabled, hi, {}, *([None] * 15), seed=0,
+    rf.launch_flush(tabled, _HiOnly(hi), *([None] * 11),
                     slot_table=torch.zeros(0, dtype=torch.int32))
 
 
 def test_cpu_tensors_pass_every_check_but_the_device_one():
-    """replay_flush and replay_decode_step on CPU tensors: every argument check passes and the
-    last one names the device (a CPU tensor used to pass them all and fail inside torch.cuda
-    after a compile, or reach the kernel as a host pointer)."""
-    from cute_kernels.replay_decode import replay_decode_step
+    """The flush and the decode step on CPU tensors: every argument check passes and the last
+    one names the device (a CPU tensor must never reach torch.cuda or the kernel)."""
 
     args, window = cpu_args(shape=dict(nheads=4, headdim=16, dstate=128, ngroups=2))
-    for entry in (rf.replay_flush, replay_decode_step):
-        with pytest.raises(ValueError, match="hi: expected a CUDA tensor"):
+    for entry in (replay_flush, decode_step):
+        with pytest.raises(ValueError, match="cache.hi: expected a CUDA tensor"):
             entry(**args, window=window)
 
 
 @pytest.mark.parametrize("shape, window, message", [
-    (ODD, 8, r"x: expected headdim \(last dim\) a multiple of 16, got 24"),
-    (dict(nheads=4, headdim=16, dstate=64, ngroups=2), 8, "C: expected dstate a multiple of 128"),
-    (dict(nheads=4, headdim=16, dstate=128, ngroups=2), 1, "window: expected an integer in"),
+    (ODD, 8, r"cache.hi.shape\[2\] \(headdim\): expected a multiple of 16, got 24"),
+    (dict(nheads=4, headdim=16, dstate=64, ngroups=2), 8,
+     r"cache.hi.shape\[3\] \(dstate\): expected a multiple of 128"),
+    (dict(nheads=4, headdim=16, dstate=128, ngroups=2), 1, "cache.window: expected an int in"),
 ])
 def test_decode_step_checks_both_kernels_before_launching_either(monkeypatch, shape, window,
                                                                   message):
     """What only the non-flush kernel refuses (its headdim, dstate and window limits are
-    narrower than the flush's) is refused before the flush is launched: the flush used to run
-    first, leaving flushed slots whose cursors were never reset. Stand-ins for the device
-    check and the launches show nothing was launched."""
-    from cute_kernels import replay_decode as rd
-
+    narrower than the flush's) is refused before the flush is launched (else flushed slots
+    would keep cursors that were never reset). Stand-ins for the device check and the
+    launches show nothing was launched."""
     launched = []
-    monkeypatch.setattr(rd, "require_cuda", lambda name, tensor: None)
-    monkeypatch.setattr(rd, "launch_flush", lambda *a, **k: launched.append("flush"))
-    monkeypatch.setattr(rd, "launch_advance_counters", lambda *a, **k: launched.append("adv"))
+    monkeypatch.setattr(kv, "require_cuda", lambda name, tensor: None)
+    monkeypatch.setattr(rf, "launch_flush", lambda *a, **k: launched.append("flush"))
+    monkeypatch.setattr(rf, "launch_advance_counters", lambda *a, **k: launched.append("adv"))
     args, _ = cpu_args(shape=shape, window=max(window, 2))
     with pytest.raises(ValueError, match=message):
-        rd.replay_decode_step(**args, window=window)  # overlap_flush: the flush goes first
+        decode_step(**args, window=window)  # overlap_flush: the flush goes first
     assert launched == []
 
 
@@ -1310,52 +1274,49 @@ def test_decode_step_checks_both_kernels_before_launching_either(monkeypatch, sh
     ([0], "flush_slots: expected a 1-D int32 tensor"),
     (torch.zeros(1, dtype=torch.int64), "flush_slots: expected int32 on cpu, got torch.int64"),
     (torch.zeros(4, dtype=torch.int32), "flush_slots: expected at most 3 entries"),
-    (torch.tensor([1], dtype=torch.int32), r"flush_slots: the slots at cursor 7 are \[\]"),
+    (torch.tensor([1], dtype=torch.int32),
+     r"flush_slots: expected the slots at cursor 7: \[\], got \[1\]"),
 ])
 def test_decode_step_checks_the_flush_table_before_the_device(table, message):
-    """A bad `flush_slots` is named on CPU tensors (it was checked after the device check, so
-    the call said 'hi: expected a CUDA tensor'; with zero slots on the GPU it was not checked
-    at all); with check_flush_slots the table is compared with the cursors there too."""
-    from cute_kernels.replay_decode import replay_decode_step
+    """A bad `flush_slots` is named on CPU tensors, before the device check; with
+    check_counters the table is compared with the cursors too."""
 
     args, window = cpu_args(shape=dict(nheads=4, headdim=16, dstate=128, ngroups=2))
     with pytest.raises(ValueError, match=message):
-        replay_decode_step(**args, window=window, flush_slots=table, check_flush_slots=True)
-    with pytest.raises(ValueError, match="hi: expected a CUDA tensor"):
-        replay_decode_step(**args, window=window, flush_slots=torch.zeros(0, dtype=torch.int32),
-                           check_flush_slots=True)
+        decode_step(**args, window=window, flush_slots=table, check_counters=True)
+    with pytest.raises(ValueError, match="cache.hi: expected a CUDA tensor"):
+        decode_step(**args, window=window, flush_slots=torch.zeros(0, dtype=torch.int32),
+                    check_counters=True)
 
 
 def test_flush_of_no_slots_launches_nothing(monkeypatch):
     """replay_flush with zero slots returns its (empty) output without a compile or a launch,
-    as replay_output, replay_decode_step and state_update do: it launched the flush on a
-    (nheads, 0) grid and the counter kernel on a grid of 0 CTAs, which CUDA refuses. Stand-ins
-    for the device check and the launches show what would have run."""
+    as the other entries do (a (nheads, 0) grid is refused by CUDA). Stand-ins for the device
+    check and the launches show what would have run."""
     launched = []
-    monkeypatch.setattr(rf, "require_cuda", lambda name, tensor: None)
+    monkeypatch.setattr(kv, "require_cuda", lambda name, tensor: None)
     monkeypatch.setattr(rf, "launch_flush", lambda *a, **k: launched.append("flush"))
     monkeypatch.setattr(rf, "launch_advance_counters", lambda *a, **k: launched.append("adv"))
     args, window = cpu_args(slots=0)
-    out = rf.replay_flush(**args, window=window)
+    out = replay_flush(**args, window=window)
     assert launched == [] and out.shape == args["x"].shape
 
 
-@pytest.mark.parametrize("flag", ["overlap_flush", "check_flush_slots", "check_counters"])
+@pytest.mark.parametrize("flag", ["overlap_flush", "check_counters"])
 def test_decode_step_switches_are_bools(flag):
-    """A switch given as a word ("no") was read with bool(): refused."""
-    from cute_kernels.replay_decode import replay_decode_step
+    """A switch given as a word ("no") is refused, not read with bool()."""
 
     args, window = cpu_args(shape=dict(nheads=4, headdim=16, dstate=128, ngroups=2))
     with pytest.raises(ValueError, match=f"{flag}: expected a bool, got 'no'"):
-        replay_decode_step(**args, window=window, **{flag: "no"})
+        decode_step(**args, window=window, **{flag: "no"})
 
 
 @pytest.mark.parametrize("name, output, message", [
     ("out", lambda a: a["x"], "out: expected a tensor apart from x, got one sharing x's memory"),
     ("out", lambda a: a["ring_x"][:, :, 0].contiguous(), None),  # a copy: apart
     ("out", lambda a: a["ring_x"].view(-1)[: a["x"].numel()].view(a["x"].shape),
-     "out: expected a tensor apart from ring_x"),
-    ("debug_state", lambda a: a["hi"], "debug_state: expected a tensor apart from hi"),
+     "out: expected a tensor apart from cache.ring_x"),
+    ("debug_state", lambda a: a["hi"], "debug_state: expected a tensor apart from cache.hi"),
 ])
 def test_an_output_sharing_an_input_s_memory_is_refused(name, output, message):
     """The flush appends x to the ring after storing y, and rewrites the state it reads: an
@@ -1367,5 +1328,5 @@ def test_an_output_sharing_an_input_s_memory_is_refused(name, output, message):
         args["hi"], args["lo"] = args["hi"].float(), None
         formats = dict(hi_format="fp32", hi_rounding="rn", lo_format="none")
     args[name] = output(args)
-    with pytest.raises(ValueError, match=re.escape(message or "expected a CUDA tensor")):
-        rf.replay_flush(**args, window=window, **formats)
+    with pytest.raises(ValueError, match=re.escape(message or "cache.hi: expected a CUDA")):
+        replay_flush(**args, window=window, **formats)

@@ -17,6 +17,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 from cute_kernels import state_update as su  # noqa: E402
+from cute_kernels.cache import StateCache  # noqa: E402
 from lowprec import mamba2, philox  # noqa: E402
 from lowprec import quantize as q  # noqa: E402
 from lowprec.formats import FP16  # noqa: E402
@@ -27,6 +28,22 @@ SEED = 0xC0FFEE_0042
 NEMOTRON = dict(nheads=128, headdim=64, dstate=128, ngroups=8)
 ODD = dict(nheads=6, headdim=24, dstate=64, ngroups=3)
 VARIANTS = [("fp32", "rn"), ("fp16", "rn"), ("fp16", "sr")]
+
+
+def state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=True,
+                 out=None, *, rounding="rn", seed=0, counters=None, debug_state=None,
+                 check_counters=False):
+    """su.mamba2_state_update on the test's tensors packed as a StateCache (shared: the step
+    updates them in place; without counters, a zero token counter)."""
+    if counters is None and isinstance(state, torch.Tensor):
+        counters = torch.zeros(state.shape[0], dtype=torch.int32, device=state.device)
+    fmt = {torch.float32: "fp32", torch.float16: "fp16"}.get(getattr(state, "dtype", None),
+                                                             str(getattr(state, "dtype", "")))
+    cache = StateCache(state=state, scales=None, global_scale=None, tokens=counters, format=fmt,
+                       rounding=rounding, seed=seed)
+    return su.mamba2_state_update(cache, x, dt, A, B, C, D, z, dt_bias, dt_softplus=dt_softplus,
+                                  out=out, debug_state=debug_state,
+                                  check_counters=check_counters)
 
 
 def config(state, rounding, shape=NEMOTRON):
@@ -74,12 +91,12 @@ def cpu_args(slots=3, shape=ODD):
 @pytest.mark.parametrize(
     "change, kwargs, message",
     [
-        (dict(state=torch.zeros(3, 6, 24, 64, dtype=torch.bfloat16)), {}, "state: expected dtype"),
-        ({}, dict(rounding="sr"), "rounding: expected 'rn' for an fp32 state"),
+        (dict(state=torch.zeros(3, 6, 24, 64, dtype=torch.bfloat16)), {}, "cache.format"),
+        ({}, dict(rounding="sr"), "'rn' for fp32: its store is exact"),
         (
             dict(state=torch.zeros(3, 6, 24, 64, dtype=torch.float16)),
-            dict(rounding="sr"),
-            "counters: expected a torch.Tensor",
+            dict(rounding="sr", counters=torch.zeros(3, dtype=torch.int64)),
+            "cache.tokens: expected dtype torch.int32",
         ),
         (dict(C=torch.zeros(3, 3, 32)), {}, r"C: expected shape \[3, 3, 64\]"),
         ({}, dict(rounding="up"), "rounding: expected one of"),
@@ -88,7 +105,7 @@ def cpu_args(slots=3, shape=ODD):
 def test_bad_arguments_raise_value_errors(change, kwargs, message):
     args = {**cpu_args(), **change}
     with pytest.raises(ValueError, match=message):
-        su.state_update(**args, **kwargs)
+        state_update(**args, **kwargs)
 
 
 def test_fp32_rows_wider_than_a_warp_are_refused_by_the_call_and_the_config():
@@ -102,10 +119,11 @@ def test_fp32_rows_wider_than_a_warp_are_refused_by_the_call_and_the_config():
                     C=torch.zeros(2, 1, N))
 
     for P in (64, 8):  # 8 x 256 gave no row a pass (ZeroDivisionError at the compile)
-        with pytest.raises(ValueError, match=r"state.shape\[3\] \(dstate\): expected at most 128"):
-            su.state_update(**args(torch.float32, P=P))
-    with pytest.raises(ValueError, match="state: expected a CUDA tensor"):
-        su.state_update(**args(torch.float16))
+        with pytest.raises(ValueError,
+                           match=r"cache.state.shape\[3\] \(dstate\): expected at most 128"):
+            state_update(**args(torch.float32, P=P))
+    with pytest.raises(ValueError, match="cache.state: expected a CUDA tensor"):
+        state_update(**args(torch.float16))
     with pytest.raises(ValueError, match="dstate: expected at most 128 for an fp32 state"):
         config("fp32", "rn", dict(NEMOTRON, dstate=256))
     assert config("fp16", "sr", dict(NEMOTRON, dstate=256)).chunks_per_row == 32
@@ -124,16 +142,16 @@ def test_config_refuses_formats_the_kernel_does_not_have(state, rounding, messag
 
 
 @pytest.mark.parametrize("slots, nheads, rounding, message", [
-    (1 << 20, 2, "sr", r"state.shape\[0\] \(slots\): expected fewer than 2\^20"),
-    (2, 1032, "sr", r"state.shape\[1:\] .*: expected at most 2\^24 elements a slot"),
-    (1 << 20, 2, "rn", "state: expected a CUDA tensor"),  # RN draws no words
-    (2, 1024, "sr", "state: expected a CUDA tensor"),  # 2^24 elements: e < 2^24
+    (1 << 20, 2, "sr", r"cache.state.shape\[0\] \(slots\): expected fewer than 2\^20"),
+    (2, 1032, "sr", r"cache.state.shape\[1:\] .*: expected at most 2\^24 elements a slot"),
+    (1 << 20, 2, "rn", "cache.state: expected a tensor with storage"),  # RN draws no words
+    (2, 1024, "sr", "cache.state: expected a tensor with storage"),  # e < 2^24
 ])
 def test_sr_refuses_states_past_the_philox_fields(slots, nheads, rounding, message):
     """SR takes slot s's words from the counter (s << 44 | counters[s] << 24 | e / 4): 2^20
     slots or more than 2^24 elements a slot overlap its fields, so elements would silently
-    share words (replay_flush refused the slots; state_update refused neither). Meta tensors:
-    nothing allocated."""
+    share words. Meta tensors: nothing allocated, and the cache refused as one once its shapes
+    pass."""
     m = dict(device="meta")
     P, N, G = 64, 256, 8 if nheads > 2 else 1
     args = dict(state=torch.empty(slots, nheads, P, N, dtype=torch.float16, **m),
@@ -142,7 +160,7 @@ def test_sr_refuses_states_past_the_philox_fields(slots, nheads, rounding, messa
                 C=torch.empty(slots, G, N, **m))
     counters = torch.empty(slots, dtype=torch.int32, **m) if rounding == "sr" else None
     with pytest.raises(ValueError, match=message):
-        su.state_update(**args, rounding=rounding, counters=counters)
+        state_update(**args, rounding=rounding, counters=counters)
 
 
 def random_inputs(slots, shape, state_dtype, act, gen):
@@ -175,7 +193,7 @@ def check_step(shape, slots, state_dtype, rounding, act, gen_seed=0):
     counters_before = None if counters is None else counters.cpu().clone()
     out = torch.full((slots, H, P), float("nan"), dtype=act, device=DEVICE)
     debug = torch.full((slots, H, P, N), float("nan"), device=DEVICE)
-    su.state_update(
+    state_update(
         **inp, out=out, rounding=rounding, seed=SEED, counters=counters, debug_state=debug
     )
     torch.cuda.synchronize()
@@ -241,21 +259,22 @@ def test_counters_are_checked_when_asked_and_the_device_last():
     every check but the device one, which names it."""
     args = {**cpu_args(), "state": torch.zeros(3, 6, 24, 64, dtype=torch.float16)}
     counters = torch.tensor([0, (1 << 20) - 1, 5], dtype=torch.int32)
-    with pytest.raises(ValueError, match=r"counters: expected values in \[0, 2\^20 - 1\)"):
-        su.state_update(**args, rounding="sr", counters=counters, check_counters=True)
+    with pytest.raises(ValueError, match=r"cache.tokens: expected values in \[0, 2\^20 - 1\)"):
+        state_update(**args, rounding="sr", counters=counters, check_counters=True)
     with pytest.raises(ValueError, match="check_counters: expected a bool"):
-        su.state_update(**args, rounding="sr", counters=counters, check_counters="yes")
+        state_update(**args, rounding="sr", counters=counters, check_counters="yes")
     counters[1] = (1 << 20) - 2
-    with pytest.raises(ValueError, match="state: expected a CUDA tensor"):
-        su.state_update(**args, rounding="sr", counters=counters, check_counters=True)
+    with pytest.raises(ValueError, match="cache.state: expected a CUDA tensor"):
+        state_update(**args, rounding="sr", counters=counters, check_counters=True)
 
 
 @pytest.mark.parametrize("name, output, message", [
     ("out", lambda a: a["x"], "out: expected a tensor apart from x, got one sharing x's memory"),
     ("out", lambda a: a["state"].view(-1)[: a["x"].numel()].view(a["x"].shape),
-     "out: expected a tensor apart from state, got one sharing state's memory"),
-    ("debug_state", lambda a: a["state"], "debug_state: expected a tensor apart from state"),
-    ("out", lambda a: torch.zeros_like(a["x"]), "state: expected a CUDA tensor"),  # apart
+     "out: expected a tensor apart from cache.state, got one sharing cache.state's memory"),
+    ("debug_state", lambda a: a["state"],
+     "debug_state: expected a tensor apart from cache.state"),
+    ("out", lambda a: torch.zeros_like(a["x"]), "cache.state: expected a CUDA tensor"),
 ])
 def test_an_output_sharing_an_input_s_memory_is_refused(name, output, message):
     """The kernel stores y and the state after reading the state it rewrites: an output over
@@ -263,4 +282,4 @@ def test_an_output_sharing_an_input_s_memory_is_refused(name, output, message):
     buffer passes and reaches the device check (CPU tensors)."""
     args = cpu_args()
     with pytest.raises(ValueError, match=re.escape(message)):
-        su.state_update(**args, **{name: output(args)})
+        state_update(**args, **{name: output(args)})
