@@ -1633,8 +1633,7 @@ def plot(csv_path: str | Path, png_path: str | Path) -> None:
         fontsize=8,
         frameon=False,
     )
-    title_inches = 0.1 + 0.17 * (title.count("\n") + 1)
-    fig.tight_layout(rect=(0, legend_inches / height, 1, 1 - title_inches / height))
+    fig.tight_layout(rect=(0, legend_inches / height, 1, 1))  # it makes room for the title
     save_small_png(fig, png_path, dpi=150, source=SOURCE)
     plt.close(fig)
 
