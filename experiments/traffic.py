@@ -580,7 +580,7 @@ def _plot_memory(df: pd.DataFrame, axes) -> None:
                      else f"SSM state at {context:,} tokens (no attention: no KV)" if no_kv
                      else f"SSM state + KV at {context:,} tokens")
         ax.grid(True, lw=0.3, alpha=0.5)
-        ax.legend(fontsize=6, loc="upper left")
+        ax.legend(fontsize=6, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.16))
     axes[0].set_ylabel("requests that fit")
 
 
@@ -599,7 +599,7 @@ def plot(csv: str | Path) -> Path:
         ncols = df.context.nunique()
     else:
         ncols = 2
-    height = {"window": 5.4, "spec": 4.9, "memory": 4.2}.get(sweep, 4.2)
+    height = {"window": 5.4, "spec": 4.9, "memory": 4.8}.get(sweep, 4.8)
     fig, axes = plt.subplots(1, ncols, figsize=(5.2 * ncols, height), squeeze=False)
     axes = list(axes[0])
     if sweep == "window":
