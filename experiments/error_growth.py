@@ -1150,11 +1150,13 @@ def merge_cells(config: Config, frames: dict[int, pd.DataFrame]) -> pd.DataFrame
     return pd.concat([frames[i] for i in order], ignore_index=True)
 
 
-def run(config: Config) -> pd.DataFrame:
+def run(config: Config, command: str | None = None) -> pd.DataFrame:
     """Run every cell of ``config`` in order, write the CSV to ``config.out`` (a stopped run:
-    to ``partial_path(config.out)``) and return the rows. ``attrs``: ``complete``,
-    ``cells_done``, ``steps_done`` (of the cell in progress when stopped)."""
+    to ``partial_path(config.out)``) and then its meta.json (``command`` the command line;
+    from Python, a note saying so), and return the rows. ``attrs``: ``complete``,
+    ``cells_done``, ``steps_done`` (of the cell in progress when stopped), ``written``."""
     c = config
+    start = time.perf_counter()
     grid = cells(c)
     batch = len(c.memory) * c.seeds
     bar = tqdm(
@@ -1181,11 +1183,19 @@ def run(config: Config) -> pd.DataFrame:
     finally:
         stop.restore()
     frame = merge_cells(c, frames)
-    complete = stop.requested is False and steps_done == c.steps
+    complete = steps_done == c.steps
     frame.attrs.update(complete=complete, steps_done=steps_done,
                        cells_done=sum(1 for f in frames.values()
                                       if f.attrs.get("steps_done") == c.steps))
-    write_csv(frame, c.out if complete else partial_path(c.out))
+    written = Path(c.out) if complete else partial_path(c.out)
+    write_csv(frame, written)
+    status = "complete" if complete else (
+        f"stopped after {frame.attrs['cells_done']} of {len(grid)} cells and step "
+        f"{steps_done} of the next")
+    write_meta(written, command or f"{PROG} (run() called from Python)",
+               time.perf_counter() - start, config_settings(c), device=c.device,
+               extra={"experiment": SOURCE, "status": status})
+    frame.attrs.update(written=str(written), status=status)
     return frame
 
 
@@ -1699,22 +1709,12 @@ def main(argv: list[str] | None = None) -> int:
                       f"summary end at step {whole}, the last whole window", file=sys.stderr)
         start = time.perf_counter()
         try:
-            frame = run(config)
+            frame = run(config, " ".join([PROG, *map(shlex.quote, argv)]))
         except OSError as error:  # the CSV is written at the end of the run
             parser.error(f"cannot write {config.out}: {error}")
         seconds = time.perf_counter() - start
         stopped = not frame.attrs["complete"]
-        written = partial_path(config.out) if stopped else Path(config.out)
-        status = "complete"
-        if stopped:
-            status = (f"stopped after {frame.attrs['cells_done']} of {len(cells(config))} "
-                      f"cells and step {frame.attrs['steps_done']} of the next")
-        command = " ".join([PROG, *map(shlex.quote, argv)])
-        try:
-            write_meta(written, command, seconds, config_settings(config),
-                       device=config.device, extra={"experiment": SOURCE, "status": status})
-        except OSError as error:
-            parser.error(f"cannot write the .meta.json of {written}: {error}")
+        written, status = frame.attrs["written"], frame.attrs["status"]
         if stopped:
             print(f"{PROG}: {status}: wrote the whole windows done to {written} "
                   f"({len(frame)} rows); {config.out} is unchanged", file=sys.stderr)

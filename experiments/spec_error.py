@@ -389,8 +389,10 @@ def _to_frame(c: Config, cell: Cell, errors: torch.Tensor) -> pd.DataFrame:
     return frame[list(CSV_COLUMNS)]
 
 
-def run(config: Config, progress: bool = True) -> pd.DataFrame:
-    """Run every cell in order and write the CSV to ``config.out`` atomically."""
+def run(config: Config, progress: bool = True, command: str | None = None) -> pd.DataFrame:
+    """Run every cell in order, write the CSV to ``config.out`` and then its meta.json
+    (``command``: the command line; from Python, a note saying so), each atomically."""
+    start = time.perf_counter()
     grid = cells(config)
     frames = []
     for cell in grid:
@@ -400,6 +402,17 @@ def run(config: Config, progress: bool = True) -> pd.DataFrame:
         frames.append(run_cell(config, cell))
     frame = pd.concat(frames, ignore_index=True)
     write_csv(frame, config.out, float_format=eg.FLOAT_FORMAT)
+    c = config
+    settings = {
+        "recurrence": c.recurrence, "dv": c.dv, "dk": c.dk, "heads": c.heads,
+        "seeds": c.seeds, "seed0": c.seed0, "tokens": c.tokens, "window": list(c.window),
+        "draft": list(c.draft), "acceptance": [a.label for a in c.acceptance],
+        "memory": [{"name": m.name, "low": m.low, "high": m.high} for m in c.memory],
+        "arms": [a.label for a in c.arms], "cells": len(grid),
+    }
+    write_meta(c.out, command or f"{PROG} (run() called from Python)",
+               time.perf_counter() - start, settings,
+               extra={"experiment": SOURCE, "status": "complete"})
     return frame
 
 
@@ -646,20 +659,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         start = time.perf_counter()
         try:
-            frame = run(config, progress=not args.no_progress)
-            settings = {
-                "recurrence": config.recurrence, "dv": config.dv, "dk": config.dk,
-                "heads": config.heads, "seeds": config.seeds, "seed0": config.seed0,
-                "tokens": config.tokens, "window": list(config.window),
-                "draft": list(config.draft),
-                "acceptance": [a.label for a in config.acceptance],
-                "memory": [{"name": m.name, "low": m.low, "high": m.high}
-                           for m in config.memory],
-                "arms": [a.label for a in config.arms], "cells": len(cells(config)),
-            }
-            write_meta(config.out, " ".join([PROG, *map(shlex.quote, argv)]),
-                       time.perf_counter() - start, settings,
-                       extra={"experiment": SOURCE, "status": "complete"})
+            frame = run(config, not args.no_progress, " ".join([PROG, *map(shlex.quote, argv)]))
         except OSError as error:
             parser.error(f"cannot write {config.out}: {error}")
         print(f"wrote {config.out} and its .meta.json ({len(frame)} rows) in "
