@@ -278,7 +278,8 @@ def runs_folder(experiment: str, what: list[str], root: str | Path = "runs") -> 
 
 def output_problem(path: str | Path, source: str, header: str | None = None) -> str | None:
     """Why writing ``path`` would replace a file that is not ``source``'s own output (None if
-    the path is free or holds one): a CSV whose first line is ``header``, a JSON whose
+    the path is free or holds one): a CSV whose first line is ``header`` or whose
+    ``<stem>.meta.json`` names ``source``, a JSON whose
     ``command`` runs ``python -m <source>``, a PNG whose text chunk or sibling
     ``<stem>.meta.json`` names ``source``. Callers refuse the run unless ``--force``."""
     path = Path(path)
@@ -286,10 +287,13 @@ def output_problem(path: str | Path, source: str, header: str | None = None) -> 
         return None  # a folder is file_problem's to name
     suffix = path.suffix.lower()
     try:
-        if suffix == ".csv" and header is not None:
-            with open(path, encoding="utf-8", errors="replace") as handle:
-                if handle.readline().rstrip("\n") == header:
-                    return None
+        if suffix == ".csv":
+            if header is not None:
+                with open(path, encoding="utf-8", errors="replace") as handle:
+                    if handle.readline().rstrip("\n") == header:
+                        return None
+            if meta_path(path).is_file() and _json_is_from(meta_path(path), source):
+                return None  # its own, in an older layout
         elif suffix == ".json" and _json_is_from(path, source):
             return None
         elif suffix == ".png":
