@@ -893,13 +893,13 @@ def config_from_args(args: argparse.Namespace, argv: list[str] | None = None) ->
     plot_path = args.plot or str(Path(out).with_suffix(".png"))
     if is_folder(out):
         raise ValueError(f"out: expected a CSV path, got the folder {out!r}")
-    if Path(out).suffix.lower() != ".csv":
-        raise ValueError(f"out: expected a path ending in .csv, got {out!r}")
     if plot_path.lower() != "none":
         _check_plot_path(plot_path)
         if Path(plot_path).resolve() in (Path(out).resolve(), meta_path(out).resolve()):
             raise ValueError(f"plot: {plot_path!r} is the CSV's own path (or its .meta.json): "
                              "give --out a .csv path or --plot another file")
+    if Path(out).suffix.lower() != ".csv":
+        raise ValueError(f"out: expected a path ending in .csv, got {out!r}")
     # writable outputs, checked before the run (a bad path would be a traceback after it)
     if not args.replot and (problem := file_problem(out)):
         raise ValueError(f"--out: cannot write {out}: {problem}")
@@ -1131,13 +1131,12 @@ def run_cell(config: Config, cell: Cell, stop: Callable[[], bool] | None = None,
                     bar.update()
         finally:
             inputs.close()
-    if done < int(steps_kept[-1]):  # stopped: keep the windows that were completed
+    stopped = done < int(steps_kept[-1])
+    if stopped:  # keep the windows that were completed
         whole = steps_kept <= done - done % cell.window
         steps_kept, errors = steps_kept[whole], errors[:, : int(whole.sum())]
-    elif bar is not None:
-        bar.update(c.steps - done)  # the steps past the last recorded one are not run
     frame = _to_frame(c, cell, steps_kept, errors)
-    frame.attrs["steps_done"] = done if done < int(steps_kept[-1]) else c.steps
+    frame.attrs["steps_done"] = done if stopped else c.steps
     return frame
 
 
