@@ -100,7 +100,8 @@ def test_separate_exact_error_never_exceeds_one_checkpoint_rounding(recurrence, 
     batch = len(c.memory) * c.seeds
     exact = Simulator(recurrence, make_policy("exact", "fp64"), batch, c.heads, c.dv, c.dk)
     sim = Simulator(
-        recurrence, make_policy("separate_exact", fmt, window=c.window[0]), batch, c.heads, c.dv, c.dk
+        recurrence, make_policy("separate_exact", fmt, window=c.window[0]), batch, c.heads,
+        c.dv, c.dk,
     )
     rounding_error = torch.zeros(batch, c.heads, c.dv, c.dk, dtype=torch.float64)
     checked = 0
