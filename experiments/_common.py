@@ -19,7 +19,9 @@
 from __future__ import annotations
 
 import argparse
+import csv
 import hashlib
+import io
 import json
 import os
 import platform
@@ -411,6 +413,11 @@ def read_table(path: str | Path, schema: Schema):
             ("; " if missing else "") + f"unexpected {extra}" if extra else "")
         raise BadFile(f"{path}: line 1: expected the columns {list(schema.names)}, got "
                       f"{got}" + (f" ({detail})" if detail else " (another order)"))
+    text = raw.decode("utf-8", errors="replace")
+    for number, fields in enumerate(csv.reader(io.StringIO(text)), start=1):
+        if fields and len(fields) != len(schema.columns):
+            raise BadFile(f"{path}: line {number}: expected {len(schema.columns)} fields, got "
+                          f"{len(fields)} (a row cut short or run together with another)")
     try:
         frame = pd.read_csv(path, dtype=str, keep_default_na=False, na_filter=False)
     except (pd.errors.ParserError, UnicodeDecodeError, ValueError) as error:
