@@ -539,7 +539,7 @@ def test_bad_arguments_give_one_line_and_exit_status_2(tmp_path, capsys, argv):
 def test_bad_output_paths_are_one_line_errors_before_the_run(tmp_path, capsys, where):
     """--out naming a folder or a path under a file (like /dev/null/x.csv), or --plot naming a
     folder, a path under a file or a file type matplotlib cannot write, is an argument error
-    before anything is simulated (it was a traceback after)."""
+    before anything is simulated."""
     (tmp_path / "file").write_text("")
     paths = {
         "out folder": ["--out", str(tmp_path)],
@@ -563,7 +563,7 @@ def test_bad_output_paths_are_one_line_errors_before_the_run(tmp_path, capsys, w
 
 def test_exact_arms_are_plotted_and_a_window_past_the_run_is_noted(tmp_path, capsys):
     """An arm at rel_err 0 everywhere is a result (fp64 rounds nothing; separate_exact never
-    flushes when L > steps): the log plot used to crash on it after the CSV was written."""
+    flushes when L > steps): the plot draws it on a linear zero line."""
     out = tmp_path / "exact.csv"
     argv = ["--arms", "every_step:fp64:sr,every_step:fp16:rn,separate_exact:fp16", "--steps",
             "23", "--window", "37", "--seeds", "2", "--dv", "3", "--dk", "5", "--memory", "short",
@@ -700,9 +700,8 @@ def test_custom_memory_ranges_keep_their_exact_bounds():
 
 
 def test_runs_too_large_for_the_machine_are_refused_before_they_start(capsys):
-    """A run whose states or errors cannot fit in memory is refused up front (it was an
-    allocation failure after the progress bar started); a huge --log-grid is capped by the
-    windows there are."""
+    """A run whose states or errors cannot fit in memory is refused up front, before the
+    progress bar starts; a huge --log-grid is capped by the windows there are."""
     err = _one_line_error(["--seeds", "524288", "--heads", "2", "--dv", "64", "--dk", "128",
                            "--steps", "1", "--no-progress"], capsys)
     assert "size: this run needs about" in err and "GiB of host memory" in err
@@ -758,8 +757,8 @@ def test_at_past_the_csv_is_refused(tmp_path, capsys):
 
 
 def test_seeds_past_int64_are_written_and_read_back(tmp_path, capsys):
-    """--seed0 takes any Philox key below 2^64: a seed past 2^63 - 1 was an OverflowError
-    after the whole run, with nothing written."""
+    """--seed0 takes any Philox key below 2^64: seeds past 2^63 - 1 are written as uint64 and
+    read back."""
     out = tmp_path / "big.csv"
     argv = ["--seed0", str(2**64 - 2), "--seeds", "2", "--steps", "16", "--arms", "shared:fp16",
             "--memory", "short", "--no-progress", "--plot", "none", "--out", str(out)]
@@ -796,8 +795,8 @@ def test_an_empty_output_path_is_refused(tmp_path, capsys, monkeypatch):
 
 
 def test_replot_refuses_the_settings_of_a_run(capsys):
-    """--replot draws the CSV as it was run: --steps, --memory, --arms ... given with it were
-    ignored (--steps 100 drew all 4,096 steps of the toy CSV)."""
+    """--replot draws the CSV as its run wrote it: --steps, --memory, --arms ... given with it
+    are refused rather than ignored."""
     for flag, value in (("--steps", "100"), ("--memory", "short"), ("--log-grid", "3")):
         err = _one_line_error(["--preset", "toy", "--replot", "--plot", "none", flag, value],
                               capsys)

@@ -89,8 +89,8 @@ def test_model_shape_has_a_kv_shape_exactly_when_it_has_attention_layers():
 ], ids=["misspelt", "upper-case", "element-name", "None", "block-not-dividing-d_k"])
 def test_ssm_shape_refuses_a_state_format_the_traffic_model_cannot_price(state_format, message):
     """state_format is a lowprec.formats name (the names lowprec.traffic prices) whose block
-    divides d_k; it was not checked, so a misspelt name made a shape that state_bytes refused
-    later, naming 'format' and not the shape's field."""
+    divides d_k, checked when the shape is made (naming the shape's field), not later by
+    state_bytes."""
     with pytest.raises(ValueError, match=message):
         models.SSMLayerShape(kind="mamba2", nheads=6, d_v=5, d_k=48, ngroups=3,
                              state_format=state_format)
@@ -169,9 +169,8 @@ def test_storage_table_agrees_with_lowprec_formats():
 
 
 def test_storage_table_prices_every_format_of_the_kit_and_fp64_elements_are_8_bytes():
-    """The table names exactly lowprec.formats' formats, in its order: fp64 (the reference's
-    exact arm) was missing, so an fp64 state was "format: expected one of [...]" here while
-    lowprec.formats and the policies took it."""
+    """The table names exactly lowprec.formats' formats, in its order, fp64 (the reference's
+    exact arm) included, so every state the policies take is priced."""
     from lowprec import formats
 
     assert list(tr.STORAGE) == formats.names()
@@ -183,8 +182,7 @@ def test_storage_table_prices_every_format_of_the_kit_and_fp64_elements_are_8_by
 def test_bad_format_layout_and_shape_raise_value_errors_naming_them():
     with pytest.raises(ValueError, match="format"):
         tr.state_bytes(TOY, "fp6")
-    # the names listed, fp64 among them; not a string is the same error (a list was a
-    # TypeError, "unhashable type")
+    # the names listed, fp64 among them; not a string is the same error
     for bad in ("FP32", ["fp32"], None):
         listed = r"format: expected one of \['fp64', 'fp32', 'fp16', .*'fp4_e2m1_b32'\], got "
         with pytest.raises(ValueError, match=listed + re.escape(repr(bad))):
@@ -538,7 +536,7 @@ def test_help_describes_the_options(capsys):
 
 
 def test_out_naming_a_file_is_a_one_line_error(tmp_path, capsys):
-    """--out is a folder; a file there was a traceback from mkdir."""
+    """--out is a folder; a file there is a one-line error."""
     (tmp_path / "a.csv").write_text("x\n")
     with pytest.raises(SystemExit) as info:
         experiment.main(["--out", str(tmp_path / "a.csv"), "--no-plot"])
@@ -550,9 +548,9 @@ def test_out_naming_a_file_is_a_one_line_error(tmp_path, capsys):
 @pytest.mark.parametrize("case", ["T past L", "out under a file", "window too long",
                                   "name too long"])
 def test_unusable_arguments_are_one_line_errors_naming_the_flag(tmp_path, capsys, case):
-    """T > L (lowprec.replay refuses it; was a silent 404 MiB/token), an --out under a file
-    (like /dev/null/x; was a NotADirectoryError), a window past MAX_WINDOW (10^9 ran for
-    hours) and a folder name past the file system's limit (a traceback) are refused before
+    """T > L (lowprec.replay refuses it), an --out under a file (like /dev/null/x), a window
+    past MAX_WINDOW (10^9 would run for hours) and a folder name past the file system's
+    limit are refused before
     anything is written."""
     (tmp_path / "file").write_text("")
     argv, flag = {
@@ -606,7 +604,7 @@ def test_run_writes_tidy_csvs_that_plot_reads(tmp_path):
 
 def test_speculative_traffic_keeps_t_within_the_window_and_models_go_by_name():
     """T > L is refused as lowprec.replay refuses it, and the model-wide functions take a
-    model's name as lowprec.models.get does (a name was an AttributeError)."""
+    model's name as lowprec.models.get does."""
     with pytest.raises(ValueError, match="verified: expected T <= the window L = 4, got 6"):
         tr.replay_spec(4, 6, 2, 100, 10_000)
     with pytest.raises(ValueError, match="verified: expected T <= the window L = 4"):
