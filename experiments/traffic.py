@@ -460,51 +460,46 @@ def _plain_log_y(ax) -> None:
     ax.grid(True, which="both", lw=0.3, alpha=0.5)
 
 
-def _plot_window(df: pd.DataFrame, ax_shared, ax_two) -> None:
+def _plot_window(df: pd.DataFrame, axes) -> None:
+    """One panel per format of the shared checkpoint (conventional, ReplaySSM with the
+    kernel's and the conservative record layout: three series), then one panel per record
+    layout of the two-precision pairs (conventional fp32 and the pairs), shared y axis."""
+    shared_formats = list(dict.fromkeys(df[df.scheme == "replay_shared"].read_format))
+    layouts = list(dict.fromkeys(df[df.scheme == "two_precision"].record_layout))
     conventional = df[df.scheme == "conventional"]
-    for fmt, rows in conventional.groupby("read_format", sort=False):
-        for ax in (ax_shared,) if fmt != "fp32" else (ax_shared, ax_two):
-            ax.plot(
-                rows.window,
-                rows.mib_per_token,
-                ":",
-                color=FORMAT_COLORS.get(fmt),
-                label=f"conventional {fmt}",
-            )
-    for (fmt, layout), rows in df[df.scheme == "replay_shared"].groupby(
-        ["read_format", "record_layout"], sort=False
-    ):
-        ax_shared.plot(
-            rows.window,
-            rows.mib_per_token,
-            LAYOUT_STYLES[layout],
-            color=FORMAT_COLORS.get(fmt),
-            label=f"ReplaySSM {fmt} ({layout})",
-        )
+
+    def least(ax, rows, color):
         best = rows.loc[rows.mib_per_token.idxmin()]
-        ax_shared.plot(best.window, best.mib_per_token, "o", color=FORMAT_COLORS.get(fmt), ms=3)
-    two = df[df.scheme == "two_precision"]
-    for (hi, lo, layout), rows in two.groupby(
-        ["recurrence_format", "read_format", "record_layout"], sort=False
-    ):
-        color = FORMAT_COLORS.get(lo) if hi == "fp16" else "black"
-        ax_two.plot(
-            rows.window,
-            rows.mib_per_token,
-            LAYOUT_STYLES[layout],
-            color=color,
-            label=f"{hi} + {lo} ({layout})",
-        )
-        best = rows.loc[rows.mib_per_token.idxmin()]
-        ax_two.plot(best.window, best.mib_per_token, "o", color=color, ms=3)
-    ax_shared.set_title("one shared checkpoint (format)")
-    ax_two.set_title("two precisions (recurrence + read copy)")
-    for ax in (ax_shared, ax_two):
+        ax.plot(best.window, best.mib_per_token, "o", color=color, ms=3)
+
+    for ax, fmt in zip(axes, shared_formats, strict=False):
+        color = FORMAT_COLORS.get(fmt)
+        rows = conventional[conventional.read_format == fmt]
+        ax.plot(rows.window, rows.mib_per_token, ":", color="0.4", label="conventional")
+        for layout, rows in df[(df.scheme == "replay_shared") & (df.read_format == fmt)].groupby(
+                "record_layout", sort=False):
+            ax.plot(rows.window, rows.mib_per_token, LAYOUT_STYLES[layout], color=color,
+                    label=f"ReplaySSM, {layout} records")
+            least(ax, rows, color)
+        ax.set_title(f"one shared checkpoint in {fmt}", fontsize=9)
+    for ax, layout in zip(axes[len(shared_formats):], layouts, strict=False):
+        rows = conventional[conventional.read_format == "fp32"]
+        ax.plot(rows.window, rows.mib_per_token, ":", color="0.4", label="conventional fp32")
+        two = df[(df.scheme == "two_precision") & (df.record_layout == layout)]
+        for (hi, lo), rows in two.groupby(["recurrence_format", "read_format"], sort=False):
+            color = FORMAT_COLORS.get(lo) if hi == "fp16" else "black"
+            ax.plot(rows.window, rows.mib_per_token, "-", color=color,
+                    label=f"recurrence {hi} + read {lo}")
+            least(ax, rows, color)
+        ax.set_title(f"two precisions, {layout} records", fontsize=9)
+    for i, ax in enumerate(axes):
         ax.axvline(16, color="0.8", lw=0.8, zorder=0)  # DESIGN.md's default window
-        ax.set_xlabel("window L (tokens per flush); dots: least traffic")
+        ax.set_xlabel("window L (tokens per flush)", fontsize=8)
         _plain_log_y(ax)
-        ax.legend(fontsize=6, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.16))
-    ax_shared.set_ylabel("MiB moved per token (per layer, per sequence)")
+        ax.tick_params(labelsize=7)
+        ax.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.2))
+        if i % 4 == 0:
+            ax.set_ylabel("MiB moved per token\n(per layer, per sequence)", fontsize=8)
 
 
 def _plot_spec(df: pd.DataFrame, ax_T, ax_acc) -> None:
@@ -595,16 +590,25 @@ def plot(csv: str | Path) -> Path:
     df = read_sweep(csv)
     sweep = df.sweep.iloc[0]
     model = df.model.iloc[0]
-    if sweep == "memory":
-        ncols = df.context.nunique()
-    else:
-        ncols = 2
-    height = {"window": 5.4, "spec": 4.9, "memory": 4.8}.get(sweep, 4.8)
-    fig, axes = plt.subplots(1, ncols, figsize=(5.2 * ncols, height), squeeze=False)
-    axes = list(axes[0])
     if sweep == "window":
-        _plot_window(df, *axes)
-        title = "State-cache traffic per token against the window (T = 1)"
+        panels = (df[df.scheme == "replay_shared"].read_format.nunique()
+                  + df[df.scheme == "two_precision"].record_layout.nunique())
+        nrows = -(-panels // 4)
+        fig, grid = plt.subplots(nrows, 4, figsize=(15, 3.9 * nrows), sharey=True,
+                                 squeeze=False)
+        axes = list(grid.flat)
+        for ax in axes[panels:]:
+            ax.set_visible(False)
+        _plot_window(df, axes[:panels])
+        title = ("State-cache traffic per token against the window L (T = 1): conventional "
+                 "vs ReplaySSM; dots mark the least traffic")
+    else:
+        ncols = df.context.nunique() if sweep == "memory" else 2
+        height = {"spec": 4.9, "memory": 4.8}.get(sweep, 4.8)
+        fig, axes = plt.subplots(1, ncols, figsize=(5.2 * ncols, height), squeeze=False)
+        axes = list(axes[0])
+    if sweep == "window":
+        pass
     elif sweep == "spec":
         _plot_spec(df, *axes)
         title = "Speculative decoding: traffic per committed token"
