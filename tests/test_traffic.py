@@ -160,9 +160,8 @@ def test_qwen3_next_shape_bytes():
 def test_storage_table_agrees_with_lowprec_formats():
     """The local table must give the bytes `lowprec.formats.Format.nbytes` gives, scales
     included, for every format and shape used here."""
-    formats = pytest.importorskip(
-        "lowprec.formats", reason="lowprec.formats is not written yet: nothing to agree with"
-    )
+    from lowprec import formats
+
     for name in tr.STORAGE:
         for ssm in (TOY, TOY_GDN, NEMOTRON.ssm, QWEN.ssm):
             assert tr.state_bytes(ssm, name) == formats.get(name).nbytes(ssm.state_shape), name
@@ -170,7 +169,8 @@ def test_storage_table_agrees_with_lowprec_formats():
 
 def test_storage_table_prices_every_format_of_the_kit_and_fp64_elements_are_8_bytes():
     """The table names exactly lowprec.formats' formats, in its order, fp64 (the reference's
-    exact arm) included, so every state the policies take is priced."""
+    exact arm) included: the traffic model prices every state lowprec.formats and the
+    policies take."""
     from lowprec import formats
 
     assert list(tr.STORAGE) == formats.names()
