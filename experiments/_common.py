@@ -1,15 +1,36 @@
-"""Provenance shared by the experiment scripts: the git commit, the device, and a sidecar
-``<csv stem>.meta.json`` that records how a CSV was made (the CSV itself keeps only its tidy
-columns, so that a fresh run can be compared with the committed file byte for byte)."""
+"""What the experiment scripts share: provenance, atomic output files, checked input files.
+
+- Provenance: the git commit, the device, and a sidecar ``<csv stem>.meta.json`` that records
+  how a CSV was made (the CSV itself keeps only its tidy columns, so that a fresh run can be
+  compared with the committed file byte for byte). The sidecar also records the CSV's row
+  count and sha256, which the readers compare with the file.
+- Atomic outputs: every file is written under a temporary name in its own folder and renamed
+  into place once complete (``atomic_file``, ``write_text``, ``write_csv``, ``write_meta``,
+  ``save_small_png``), so a run stopped at any point leaves either no file or a complete one
+  under the final name.
+- Where outputs go (``output_problem``, ``runs_folder``): committed results change only on an
+  explicit request; an existing file that is not the experiment's own is not overwritten
+  without ``--force``.
+- Checked readers (``Column``, ``Schema``, ``read_table``): a CSV is refused, in one line
+  naming the file and the line, when it is incomplete, has other columns, a value of the
+  wrong type or out of range, or a key twice.
+"""
 
 from __future__ import annotations
 
 import argparse
+import csv
+import hashlib
+import io
 import json
 import os
 import platform
+import re
 import subprocess
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -19,15 +40,31 @@ import torch
 from lowprec._paths import file_problem, folder_problem, is_file, is_folder
 
 __all__ = [
-    "git_commit",
-    "device_name",
-    "meta_path",
-    "write_meta",
-    "folder_problem",
-    "file_problem",
+    "FLOAT_6E",
+    "INT",
+    "BadFile",
+    "Column",
     "OneLineParser",
-    "is_folder",
+    "Schema",
+    "atomic_file",
+    "check_against_meta",
+    "check_rows",
+    "device_name",
+    "file_problem",
+    "file_sha256",
+    "folder_problem",
+    "git_commit",
     "is_file",
+    "is_folder",
+    "meta_path",
+    "output_problem",
+    "read_meta",
+    "read_table",
+    "runs_folder",
+    "save_small_png",
+    "write_csv",
+    "write_meta",
+    "write_text",
 ]
 
 
@@ -96,10 +133,63 @@ def meta_path(csv_path: str | Path) -> Path:
     return csv_path.with_name(csv_path.stem + ".meta.json")
 
 
+# --------------------------------------------------------------------------------------------
+# atomic outputs
+
+
+@contextmanager
+def atomic_file(path: str | Path, mode: str = "w") -> Iterator:
+    """Open a temporary file beside ``path`` (``.<name>.<pid>.tmp``, same folder, so the
+    rename stays on one filesystem); on a clean exit flush it to disk and rename it to
+    ``path``, on any exception (Ctrl-C included) remove it. The folder is created if need
+    be. ``mode`` is ``'w'`` (text, ``\\n`` line ends) or ``'wb'``."""
+    if mode not in ("w", "wb"):
+        raise ValueError(f"mode: expected 'w' or 'wb', got {mode!r}")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, mode, **({} if "b" in mode else {"newline": "\n"})) as handle:
+            yield handle
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_text(path: str | Path, text: str) -> Path:
+    """Write ``text`` to ``path`` atomically."""
+    with atomic_file(path) as handle:
+        handle.write(text)
+    return Path(path)
+
+
+def write_csv(frame, path: str | Path, float_format: str | None = None) -> Path:
+    """Write a DataFrame as a CSV atomically: no index, ``\\n`` line ends, NaN as ``nan``,
+    floats with ``float_format`` (``'%.6e'``, ``'%.10g'``) so a rerun reproduces the bytes."""
+    text = frame.to_csv(index=False, float_format=float_format, na_rep="nan",
+                        lineterminator="\n")
+    return write_text(path, text)
+
+
+def file_sha256(path: str | Path) -> str:
+    """The hex sha256 of a file's bytes."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def write_meta(
-    csv_path: str | Path, command: str, seconds: float, config: dict, device: str = "cpu"
+    csv_path: str | Path, command: str, seconds: float, config: dict, device: str = "cpu",
+    *, extra: dict | None = None
 ) -> Path:
-    """Write the sidecar of ``csv_path``: command line, commit, wall time, versions, config."""
+    """Write the sidecar of ``csv_path`` atomically: command line, commit, wall time,
+    versions, config, ``extra`` (a run's status, for one), and, if ``csv_path`` exists, its
+    row count and sha256 under ``"csv"`` (what the readers check the CSV against)."""
     path = meta_path(csv_path)
     meta = {
         "command": command,
@@ -109,10 +199,28 @@ def write_meta(
         "torch": torch.__version__,
         "python": platform.python_version(),
         "config": config,
+        **(extra or {}),
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(meta, indent=2) + "\n")
+    if Path(csv_path).is_file():
+        with open(csv_path, "rb") as handle:
+            rows = sum(1 for _ in handle) - 1  # less the header
+        meta["csv"] = {"name": Path(csv_path).name, "rows": rows,
+                       "sha256": file_sha256(csv_path)}
+    write_text(path, json.dumps(meta, indent=2) + "\n")
     return path
+
+
+def read_meta(path: str | Path) -> dict:
+    """A ``.meta.json`` as a dict; ``BadFile`` (one line naming it) if it is not one."""
+    try:
+        meta = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise BadFile(f"{path}: not found") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise BadFile(f"{path}: not a meta.json ({_one_line(error)})") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("command"), str):
+        raise BadFile(f"{path}: not a meta.json (no 'command')")
+    return meta
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -130,15 +238,277 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
-def save_small_png(fig, png) -> None:
-    """Save at dpi 110 with a 128-colour palette: a third of the RGBA size (about 100 KB for
-    a traffic plot), no visible change for line plots."""
+PNG_SOURCE_KEY = "Source"  # the PNG text chunk naming the command that drew the figure
+
+
+def save_small_png(fig, png, dpi: int = 110, source: str | None = None) -> None:
+    """Save atomically with a 128-colour palette: a third of the RGBA size (about 100 KB for
+    a traffic plot at dpi 110), no visible change for line plots. ``source`` (the experiment,
+    ``experiments.traffic``) goes into a PNG text chunk, so a later run recognises its own
+    figure (``output_problem``)."""
     import io
 
     from PIL import Image
+    from PIL.PngImagePlugin import PngInfo
 
     buffer = io.BytesIO()
-    fig.savefig(buffer, dpi=110, format="png")
+    fig.savefig(buffer, dpi=dpi, format="png")
     buffer.seek(0)
-    with Image.open(buffer) as image:
-        image.convert("RGB").quantize(colors=128).save(png, optimize=True)
+    info = PngInfo()
+    if source:
+        info.add_text(PNG_SOURCE_KEY, f"lowprec-ssm {source}")
+    with Image.open(buffer) as image, atomic_file(png, "wb") as handle:
+        image.convert("RGB").quantize(colors=128).save(handle, format="PNG", optimize=True,
+                                                       pnginfo=info)
+
+
+# --------------------------------------------------------------------------------------------
+# where outputs go
+
+
+def runs_folder(experiment: str, what: list[str], root: str | Path = "runs") -> Path:
+    """``runs/<experiment>_<what ran>``: the folder of a run that does not regenerate the
+    committed results. ``what`` are its settings as ``name-value`` words; a name past 100
+    characters keeps its start and a hash of the whole."""
+    words = [re.sub(r"[^A-Za-z0-9.=+-]+", "-", w).strip("-") for w in what]
+    name = "_".join([experiment, *[w for w in words if w]])
+    if len(name) > 100:
+        digest = hashlib.sha256(name.encode()).hexdigest()[:10]
+        name = name[:88].rstrip("_-") + "_" + digest
+    return Path(root) / name
+
+
+def output_problem(path: str | Path, source: str, header: str | None = None) -> str | None:
+    """Why writing ``path`` would replace a file that is not ``source``'s own output (None if
+    the path is free or holds one): a CSV whose first line is ``header`` or whose
+    ``<stem>.meta.json`` names ``source``, a JSON whose
+    ``command`` runs ``python -m <source>``, a PNG whose text chunk or sibling
+    ``<stem>.meta.json`` names ``source``. Callers refuse the run unless ``--force``."""
+    path = Path(path)
+    if not path.exists() or path.is_dir():
+        return None  # a folder is file_problem's to name
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".csv":
+            if header is not None:
+                with open(path, encoding="utf-8", errors="replace") as handle:
+                    if handle.readline().rstrip("\n") == header:
+                        return None
+            if meta_path(path).is_file() and _json_is_from(meta_path(path), source):
+                return None  # its own, in an older layout
+        elif suffix == ".json" and _json_is_from(path, source):
+            return None
+        elif suffix == ".png":
+            from PIL import Image
+
+            with Image.open(path) as image:
+                if image.info.get(PNG_SOURCE_KEY) == f"lowprec-ssm {source}":
+                    return None
+            sibling = meta_path(path.with_suffix(".csv"))
+            if sibling.is_file() and _json_is_from(sibling, source):
+                return None
+    except Exception:  # an unreadable or foreign file is foreign: the message below
+        pass
+    return (f"{path} exists and is not an output of {source} (pass --force to replace it, or "
+            "choose another --out)")
+
+
+def _json_is_from(path: Path, source: str) -> bool:
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(meta, dict) and (
+        str(meta.get("command", "")).startswith(f"python -m {source}")
+        or meta.get("experiment") == source)
+
+
+# --------------------------------------------------------------------------------------------
+# checked readers
+
+
+class BadFile(ValueError):
+    """An input file the reader refuses; the message is one line naming the file (and the
+    line of the first bad row, counting the header as line 1)."""
+
+
+@dataclass(frozen=True)
+class Column:
+    """One column of a ``Schema``.
+
+    ``kind`` is ``int``, ``float`` or ``str``; ``pattern`` a regular expression every cell
+    must match in full (the writer's number format: ``FLOAT_6E`` for ``'%.6e'``, so a value
+    rewritten as ``1.01993`` or ``1.0e-1`` is refused rather than read as another number);
+    ``minimum``/``maximum`` bound the values (inclusive); ``choices`` lists the allowed
+    values; ``nonfinite`` allows ``nan``, ``inf`` and ``-inf`` in a float column (a bound still
+    refuses an infinity past it)."""
+
+    name: str
+    kind: type = str
+    pattern: str | None = None
+    minimum: float | None = None
+    maximum: float | None = None
+    choices: tuple | None = None
+    nonfinite: bool = False
+
+    def __post_init__(self):
+        if self.kind not in (int, float, str):
+            raise TypeError(f"kind: expected int, float or str, got {self.kind!r}")
+
+
+@dataclass(frozen=True)
+class Schema:
+    """A CSV's exact columns, in order, and the columns that identify a row (``keys``: no two
+    rows may share their values)."""
+
+    columns: tuple[Column, ...]
+    keys: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        names = [c.name for c in self.columns]
+        if len(set(names)) != len(names):
+            raise ValueError(f"columns: expected distinct names, got {names}")
+        if missing := [k for k in self.keys if k not in names]:
+            raise ValueError(f"keys: expected column names, got {missing}")
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(c.name for c in self.columns)
+
+    @property
+    def header(self) -> str:
+        return ",".join(self.names)
+
+
+FLOAT_6E = r"-?\d\.\d{6}e[+-]\d{2,3}"  # what '%.6e' writes
+INT = r"-?\d+"
+
+
+def read_table(path: str | Path, schema: Schema):
+    """Read the CSV at ``path`` and check it against ``schema``; a DataFrame with int, float
+    and str columns. Raises ``BadFile`` with one line naming the file and the first bad line:
+    missing or unreadable, empty, cut short (no line end after its last row), other columns,
+    a row with too many or too few fields, a value that does not match its column's pattern,
+    type, range or choices, or a key twice."""
+    import numpy as np
+    import pandas as pd
+
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as error:
+        raise BadFile(f"{path}: cannot read it ({error.strerror or error})") from None
+    if not raw:
+        raise BadFile(f"{path}: empty file")
+    lines = raw.count(b"\n")
+    if not raw.endswith(b"\n"):
+        raise BadFile(f"{path}: line {lines + 1}: incomplete (no line end after the last row: "
+                      "the file was cut short)")
+    header = raw.split(b"\n", 1)[0].decode("utf-8", errors="replace").rstrip("\r")
+    if header != schema.header:
+        got = header.split(",")
+        missing = [c for c in schema.names if c not in got]
+        extra = [c for c in got if c not in schema.names]
+        detail = (f"missing {missing}" if missing else "") + (
+            ("; " if missing else "") + f"unexpected {extra}" if extra else "")
+        raise BadFile(f"{path}: line 1: expected the columns {list(schema.names)}, got "
+                      f"{got}" + (f" ({detail})" if detail else " (another order)"))
+    text = raw.decode("utf-8", errors="replace")
+    for number, fields in enumerate(csv.reader(io.StringIO(text)), start=1):
+        if fields and len(fields) != len(schema.columns):
+            raise BadFile(f"{path}: line {number}: expected {len(schema.columns)} fields, got "
+                          f"{len(fields)} (a row cut short or run together with another)")
+    try:
+        frame = pd.read_csv(path, dtype=str, keep_default_na=False, na_filter=False)
+    except (pd.errors.ParserError, UnicodeDecodeError, ValueError) as error:
+        raise BadFile(f"{path}: not a CSV of these columns ({_one_line(error)})") from None
+    if frame.empty:
+        raise BadFile(f"{path}: no rows (the header alone)")
+    if lines - 1 != len(frame):  # blank lines are skipped by the parser
+        raise BadFile(f"{path}: {lines - 1 - len(frame)} blank or unreadable line(s) among "
+                      "the rows")
+    out = {}
+    for column in schema.columns:
+        cells = frame[column.name]
+        check_rows(path, cells.isna(), f"no value in the column {column.name!r} (too few "
+                   "fields)")
+        cells = cells.astype(str)
+        if column.pattern is not None:
+            allowed = column.pattern + ("|nan|inf|-inf" if column.nonfinite else "")
+            check_rows(path, ~cells.str.fullmatch(allowed), f"{column.name}: expected values "
+                       f"written as /{allowed}/", cells)
+        if column.kind is str:
+            values = cells
+        else:
+            values = pd.to_numeric(cells, errors="coerce")
+            if column.kind is int:
+                check_rows(path, ~cells.str.fullmatch(INT), f"{column.name}: expected an "
+                           "integer", cells)
+                values = _as_int(cells)
+            else:
+                nan = cells == "nan"
+                check_rows(path, values.isna() & ~nan, f"{column.name}: expected a number",
+                           cells)
+        if column.kind is not str:
+            finite = values.astype(float)
+            if column.kind is float and not column.nonfinite:
+                check_rows(path, ~np.isfinite(finite), f"{column.name}: expected a finite "
+                           "number", cells)
+            if column.minimum is not None:
+                check_rows(path, finite < column.minimum, f"{column.name}: expected values "
+                           f">= {column.minimum:g}", cells)
+            if column.maximum is not None:
+                check_rows(path, finite > column.maximum, f"{column.name}: expected values "
+                           f"<= {column.maximum:g}", cells)
+        if column.choices is not None:
+            check_rows(path, ~values.isin(column.choices), f"{column.name}: expected one of "
+                       f"{list(column.choices)}", cells)
+        out[column.name] = values
+    table = pd.DataFrame(out)
+    if schema.keys:
+        check_rows(path, table.duplicated(list(schema.keys)), "the same "
+                   f"({', '.join(schema.keys)}) as an earlier row")
+    return table
+
+
+def _as_int(cells):
+    """Integer cells as int64, or uint64 where a value passes int64 (Philox seeds)."""
+    import numpy as np
+
+    values = [int(c) for c in cells]
+    kind = np.uint64 if values and min(values) >= 0 and max(values) >= 2**63 else np.int64
+    try:
+        return cells.map(int).astype(kind)
+    except OverflowError:
+        raise BadFile("integer column out of range") from None
+
+
+def check_rows(path: str | Path, bad, reason: str, cells=None) -> None:
+    """``BadFile`` naming the first row where the boolean Series ``bad`` holds (by its line in
+    the file: the header is line 1, the row at index ``i`` line ``i + 2``), with ``reason``
+    and, given ``cells``, the value found there."""
+    if not bool(bad.any()):
+        return
+    index = bad.index[bad.to_numpy().nonzero()[0][0]]
+    count = int(bad.sum())
+    value = "" if cells is None else f", got {str(cells.loc[index])[:40]!r}"
+    more = f" ({count - 1} more row(s) like it)" if count > 1 else ""
+    raise BadFile(f"{path}: line {index + 2}: {reason}{value}{more}")
+
+
+def check_against_meta(path: str | Path, meta: dict) -> None:
+    """``BadFile`` unless the CSV at ``path`` has the sha256 its meta.json recorded (a file
+    changed, cut or mixed with another run's after it was written)."""
+    recorded = meta.get("csv")
+    if not isinstance(recorded, dict) or "sha256" not in recorded:
+        raise BadFile(f"{meta_path(path)}: records no sha256 of {Path(path).name}; rerun the "
+                      "command in its 'command' to rewrite both")
+    if file_sha256(path) != recorded["sha256"]:
+        raise BadFile(f"{path}: its bytes differ from those its meta.json recorded "
+                      f"({recorded.get('rows')} rows, sha256 {recorded['sha256'][:12]}...): "
+                      "changed or cut after it was written")
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split())[:200]
+

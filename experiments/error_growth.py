@@ -7,21 +7,31 @@ recorded step the error of the layer output of one sequence is
 
     rel_err_t = ||y_hat_t - y_t||_2 / ||y_t||_2        norms over heads and d_v
 
-Arms (the CSV's ``arm``; ``format`` is the format being ablated):
+Arms (``--arms``; the grammar, with the CSV's ``arm`` column holding the canonical form):
 
-    every_step       conventional: the state is stored in ``format`` every token
-    shared           one checkpoint in ``format``, rounded once per window of L tokens,
-                     read by the window's steps and by the next flush
-    separate_exact   recurrence copy exact FP64, read copy in ``format`` (RN)
-    separate_fp16sr  recurrence copy FP16 with SR, read copy in ``format`` (RN): the kit's
-                     two-precision scheme (format nvfp4 by default)
+    every_step:<format>[:<rounding>]      conventional: the state is stored in the format
+                                          every token (rounding rn or sr)
+    shared:<format>[:<rounding>]          one checkpoint in the format, rounded once per
+                                          window of L tokens, read by the window's steps and by
+                                          the next flush
+    separate:<hi format>[:<rounding>]:<read format>
+                                          two copies written at each flush: the recurrence
+                                          copy in <hi format> with <rounding> (default rn),
+                                          the read copy in <read format>, always RN; e.g.
+                                          separate:fp16:sr:nvfp4, separate:bf16:sr:nvfp4,
+                                          separate:fp8_e4m3:sr:nvfp4, separate:fp64:nvfp4
+    separate_exact:<read format>          alias of separate:fp64:rn:<read format>
+    separate_fp16sr:<read format>         alias of separate:fp16:sr:<read format>: the kit's
+                                          two-precision scheme
 
-``rounding`` is the rounding of ``format``: ``--rounding`` for every_step and shared, and
-always ``rn`` for the separate arms (their read copy is RN by design; the FP16 recurrence copy
-of separate_fp16sr is SR by definition of the arm). Windows are L tokens long; step ``t``
-(counting from 1) is a flush step when ``t % L == 0``, and a flush step's output reads the
-unrounded new state. So before the first flush the windowed arms are exact, and at every
-flush step separate_exact is exact again: its error lives on the L - 1 other steps.
+A missing format expands over ``--formats`` and a missing rounding of every_step and shared
+over ``--rounding``. The CSV spells each arm out: ``arm`` (canonical, ``separate:fp16:sr:nvfp4``),
+``hi_format``/``hi_rounding`` (the recurrence copy; the stored state for every_step and shared)
+and ``lo_format``/``lo_rounding`` (the copy the window's steps read; the same for every_step
+and shared). Windows are L tokens long (``--window`` takes a list: one run, a ``window``
+column); step ``t`` (counting from 1) is a flush step when ``t % L == 0``, and a flush step's
+output reads the unrounded new state. So before the first flush the windowed arms are exact,
+and at every flush step separate:fp64 is exact again: its error lives on the L - 1 other steps.
 
 Inputs, per sequence (seed) and head, a fresh draw every step, seeded by a `torch.Generator`
 per seed (so a seed's inputs do not depend on the other seeds or on ``--steps``):
@@ -47,10 +57,12 @@ mean* of rel_err (over the L steps of the window holding a step), median over se
 Backends (``--backend``; the exact run is the FP64 ``Simulator`` on ``--device`` for both, and
 the CSV has the same rows and columns for both):
 
-    reference   ``lowprec.policies.Simulator`` in FP64, every recurrence (the default)
+    reference   ``lowprec.policies.Simulator`` in FP64, every recurrence (the default); needs
+                neither Triton nor CuTe DSL
     emulation   the Triton kernels of ``emulation/`` (fp32 containers holding values of the
                 format; Mamba-2 only), on a GPU compiled, on a CPU under TRITON_INTERPRET=1
-                (about 0.15 s per arm and step at the test size: tiny runs only)
+                (about 0.15 s per arm and step at the test size: tiny runs only); imported
+                only for this backend
 
 The emulation runs the generic step through the Mamba-2 kernel arguments exactly
 (``mamba2_kernel_inputs``): per head ``A = -1`` and the processed ``dt = -log(a)``
@@ -59,25 +71,50 @@ The emulation runs the generic step through the Mamba-2 kernel arguments exactly
 are the simulator's batch in the same order and the Philox seed is ``--seed0``, so SR draws
 the same words as the reference. Arms: every_step is ``emulation.state_update`` with the
 format and rounding, the output reading the stored state (as the reference defines the arm);
-the other arms are ``emulation.replay_decode`` with window L: separate_fp16sr keeps hi FP16 SR
-and lo the format RN; separate_exact keeps an fp32 recurrence copy (the kernels' exact
-arm; the CSV name stays ``separate_exact``), so its flush steps carry an fp32 error (about
-1e-7) instead of 0; shared keeps hi = lo = the format, which is the shared policy only for
-element formats with RN (the kernels' read copy is always RN and the recurrence copy holds no
-block scales). fp64 is not a kernel format. Otherwise the two backends differ by fp32
-arithmetic only, which now and then flips an FP16 rounding (tests/test_error_growth.py
-compares the two CSVs).
+the other arms are ``emulation.replay_decode`` with window L and the arm's recurrence and read
+copies; a recurrence copy in fp64 (separate:fp64) is kept in fp32 (the kernels' exact copy),
+so its flush steps carry an fp32 error (about 1e-7) instead of 0; shared keeps hi = lo = the
+format, which is the shared policy only for element formats with RN (the kernels' read copy
+is always RN and the recurrence copy holds no block scales). fp64 is not a kernel format.
+Otherwise the two backends differ by fp32 arithmetic only, which at times flips an FP16
+rounding (tests/test_error_growth.py compares the two CSVs).
 
-Outputs: a tidy CSV, one row per (arm, format, rounding, memory, window, seed, step), columns
-exactly ``CSV_COLUMNS``, floats written ``%.6e`` so a rerun reproduces the file byte for byte;
-a sidecar ``<csv stem>.meta.json`` (command, commit, seconds, versions, config); a PNG read
-back from the CSV only (``plot``); a summary table printed to stdout (``summarize``).
+The grid. A run is a list of independent cells (``cells(config)``), one per (window, arm) in
+that order; ``run_cell(config, cell)`` returns the cell's rows (every memory profile and seed:
+they are the simulator's batch, whose slot numbers key the SR words), computed from the
+cell's own inputs and the exact outputs (``exact_outputs``, computed once per window and
+process). ``run`` writes the cells' rows in cell order, so rows computed apart (another
+process, another rank) and concatenated in that order give the same bytes.
+
+Outputs: a tidy CSV, one row per (window, arm, memory, seed, step), columns exactly
+``CSV_COLUMNS``, floats written ``%.6e`` so a rerun reproduces the file byte for byte; a
+sidecar ``<csv stem>.meta.json`` (command, commit, seconds, versions, config, the CSV's row
+count and sha256); a PNG read back from the CSV only (``plot``); a summary table printed to
+stdout (``summarize``). Every file is written under a temporary name and renamed when
+complete. Where they go:
+
+    --preset NAME alone          results/error_growth_NAME.{csv,meta.json,png}: the preset's
+                                 regenerate command, the only run that replaces committed files
+    --out PATH.csv               PATH.csv, PATH.meta.json and PATH.png, whatever the current
+                                 folder (--plot elsewhere or none)
+    anything else                runs/error_growth_<preset or custom>_<flags>/error_growth.*
+                                 (git-ignored), named by the flags given
+
+A file at an output path that is not this experiment's own (another header, another meta,
+another PNG) is not replaced without ``--force``. A run stopped by Ctrl-C or SIGTERM writes
+the whole windows done to ``<stem>.partial.csv`` (and its meta), never to the final name,
+and exits with status 130. ``--replot`` refuses, in one line naming the file and the line, a
+CSV that differs from what its meta.json recorded, is cut short, has other columns, a value of
+the wrong type, a negative error, a step off the recorded grid, or a row twice.
 
     python -m experiments.error_growth --preset toy                    # ~10 s, 2-core CPU
-    python -m experiments.error_growth --preset default               # ~5 min on a 2-core CPU
+    python -m experiments.error_growth --preset default               # ~6 min on a 2-core CPU
     python -m experiments.error_growth --preset default --replot       # redraw from the CSV
     python -m experiments.error_growth --preset default --replot --plot none --at 112,192
                                                   # the summary at the windows of other steps
+    python -m experiments.error_growth --preset toy --window 8,16,32 \
+        --arms separate:bf16:sr:fp8_e4m3_row,separate:fp8_e4m3:sr:fp8_e4m3_row
+                                                  # writes under runs/
     python -m experiments.error_growth --help
     python -m experiments.error_growth --backend emulation --device cuda --dv 64 --dk 128 \
         --heads 128 --seeds 2 --steps 131072 --log-grid 48 \
@@ -93,6 +130,11 @@ preset is where RN and SR of the conventional state are compared.
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # Ctrl-C from the first import on: one line, status 130
+    from experiments._interrupt import exit_on_interrupt
+
+    exit_on_interrupt("python -m experiments.error_growth")
+
 import argparse
 import math
 import os
@@ -102,9 +144,10 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -112,11 +155,30 @@ import pandas as pd
 import torch
 from tqdm import tqdm
 
-from experiments._common import OneLineParser, file_problem, is_folder, meta_path, write_meta
+from experiments._common import (
+    FLOAT_6E,
+    BadFile,
+    Column,
+    OneLineParser,
+    Schema,
+    check_against_meta,
+    check_rows,
+    file_problem,
+    is_folder,
+    meta_path,
+    output_problem,
+    read_meta,
+    read_table,
+    runs_folder,
+    save_small_png,
+    write_meta,
+)
+from experiments._common import write_csv as write_table
+from experiments._interrupt import INTERRUPTED_STATUS
 from lowprec import formats, philox
 from lowprec._checks import check_float, check_ndim, check_shape
 from lowprec.metrics import rel_err
-from lowprec.policies import Simulator, make_policy
+from lowprec.policies import Policy, Simulator, make_policy
 
 __all__ = [
     "ARMS",
@@ -124,24 +186,36 @@ __all__ = [
     "CSV_COLUMNS",
     "MEMORY_PROFILES",
     "PRESETS",
+    "SCHEMA",
     "ArmSpec",
+    "Cell",
     "Config",
     "Memory",
+    "cells",
     "config_from_args",
+    "exact_outputs",
     "main",
     "make_inputs",
     "mamba2_kernel_inputs",
+    "merge_cells",
+    "parse_arm",
     "parse_arms",
     "parse_memory",
     "plot",
+    "read_csv",
     "recorded_steps",
     "run",
+    "run_cell",
     "summarize",
     "window_means",
 ]
 
-ARMS = ("every_step", "shared", "separate_exact", "separate_fp16sr")
-SEPARATE_ARMS = ("separate_exact", "separate_fp16sr")
+SOURCE = "experiments.error_growth"
+PROG = "python -m " + SOURCE
+SCHEMES = ("every_step", "shared", "separate")
+# alias -> (recurrence copy format, its rounding) of a separate arm
+ALIASES = {"separate_exact": ("fp64", "rn"), "separate_fp16sr": ("fp16", "sr")}
+ARMS = (*SCHEMES, *ALIASES)
 RECURRENCES = ("mamba2", "gdn", "kda")
 BACKENDS = ("reference", "emulation")
 ROUNDINGS = ("rn", "sr")
@@ -149,13 +223,33 @@ MEMORY_PROFILES = {"long": (0.9995, 0.99999), "short": (0.9, 0.95)}
 CSV_COLUMNS = (
     "recurrence",
     "arm",
-    "format",
-    "rounding",
+    "hi_format",
+    "hi_rounding",
+    "lo_format",
+    "lo_rounding",
     "memory",
     "window",
     "seed",
     "step",
     "rel_err",
+)
+KEYS = ("recurrence", "arm", "memory", "window", "seed", "step")
+SCHEMA = Schema(
+    (
+        Column("recurrence", choices=RECURRENCES),
+        Column("arm", pattern=r"[a-z_]+(:[a-z0-9_]+)+"),
+        Column("hi_format", choices=tuple(formats.names())),
+        Column("hi_rounding", choices=ROUNDINGS),
+        Column("lo_format", choices=tuple(formats.names())),
+        Column("lo_rounding", choices=ROUNDINGS),
+        Column("memory", pattern=r"long|short|[0-9.e+-]+\.\.[0-9.e+-]+"),
+        Column("window", int, minimum=1),
+        Column("seed", int, minimum=0, maximum=philox.SEED_LIMIT - 1),
+        Column("step", int, minimum=1, maximum=philox.FLUSH_LIMIT),
+        # NaN and inf are results (a format that overflows), a negative error is not
+        Column("rel_err", float, pattern=FLOAT_6E + "|inf", minimum=0.0, nonfinite=True),
+    ),
+    keys=KEYS,
 )
 SUMMARY_STEPS = (64, 1024, 4096)
 FLOAT_FORMAT = "%.6e"
@@ -164,16 +258,13 @@ FLOAT_FORMAT = "%.6e"
 INPUT_CHUNK = 256
 # every_step uses the token counter as Philox's write counter, which has 20 bits.
 MAX_STEPS = philox.FLUSH_LIMIT
-STOPPED_STATUS = 130  # exit status of a run stopped by SIGINT or SIGTERM (its windows kept)
+STOPPED_STATUS = INTERRUPTED_STATUS  # a run stopped by SIGINT or SIGTERM (its windows kept)
 # The emulation's state update refuses a counter of 2^20 - 1 before its call, so one step less.
 MAX_EMULATION_STEPS = philox.FLUSH_LIMIT - 1
-# The emulation's recurrence copy (format, rounding) per windowed arm; shared: the arm's own.
-EMULATION_HI_COPY = {"separate_exact": ("fp32", "rn"), "separate_fp16sr": ("fp16", "sr")}
 EMULATION_ARMS_TEXT = (
-    "the emulation backend runs every_step with any format but fp64 (rn or sr), "
-    "separate_exact (its recurrence copy fp32) and separate_fp16sr with any read-copy format "
-    "but fp64, and shared only with rn and an element format but fp64 (fp32, fp16, bf16, "
-    "fp8_e4m3, fp8_e5m2)"
+    "the emulation backend runs every_step with any format but fp64 (rn or sr), separate "
+    "with any read-copy format but fp64 (a recurrence copy in fp64 is kept in fp32), and "
+    "shared only with rn and an element format but fp64 (fp32, fp16, bf16, fp8_e4m3, fp8_e5m2)"
 )
 
 
@@ -183,17 +274,44 @@ EMULATION_ARMS_TEXT = (
 
 @dataclass(frozen=True)
 class ArmSpec:
-    """One simulated policy: arm, the format it ablates, and that format's rounding."""
+    """One simulated policy: its scheme, the recurrence copy (``hi``: the stored state for
+    every_step and shared) and the read copy (``lo``), each a format and a rounding."""
 
-    arm: str
-    fmt: str
-    rounding: str
+    scheme: str
+    lo_format: str
+    lo_rounding: str
+    hi_format: str
+    hi_rounding: str
+
+    @classmethod
+    def single(cls, scheme: str, fmt: str, rounding: str) -> ArmSpec:
+        """every_step or shared: one copy in ``fmt`` with ``rounding``."""
+        return cls(scheme, fmt, rounding, fmt, rounding)
+
+    @classmethod
+    def separate(cls, hi_format: str, hi_rounding: str, lo_format: str) -> ArmSpec:
+        return cls("separate", lo_format, "rn", hi_format, hi_rounding)
 
     @property
     def label(self) -> str:
-        if self.arm in SEPARATE_ARMS:
-            return f"{self.arm}:{self.fmt}"
-        return f"{self.arm}:{self.fmt}:{self.rounding}"
+        """The canonical arm: ``every_step:fp16:rn``, ``separate:fp16:sr:nvfp4``."""
+        if self.scheme == "separate":
+            return f"separate:{self.hi_format}:{self.hi_rounding}:{self.lo_format}"
+        return f"{self.scheme}:{self.lo_format}:{self.lo_rounding}"
+
+    @property
+    def sr(self) -> bool:
+        """Whether a copy of the arm draws SR words."""
+        return "sr" in (self.lo_rounding, self.hi_rounding)
+
+    def policy(self, window: int, seed: int) -> Policy:
+        """The `lowprec.policies.Policy` of the arm with windows of ``window`` tokens."""
+        if self.scheme == "separate":
+            return Policy("separate", fmt=self.lo_format, rounding="rn",
+                          hi_fmt=self.hi_format, hi_rounding=self.hi_rounding, window=window,
+                          seed=seed if self.hi_rounding == "sr" else 0)
+        return make_policy(self.scheme, self.lo_format, self.lo_rounding, window=window,
+                           seed=seed)
 
 
 @dataclass(frozen=True)
@@ -206,8 +324,20 @@ class Memory:
 
 
 @dataclass(frozen=True)
+class Cell:
+    """One independent piece of a run: one arm at one window, over every memory profile and
+    seed of the config (the simulator's batch). ``index`` is its place in ``cells(config)``,
+    which is the order of its rows in the CSV."""
+
+    index: int
+    window: int
+    arm: ArmSpec
+
+
+@dataclass(frozen=True)
 class Config:
-    """Everything a run depends on (``out``, ``plot`` and ``progress`` do not change numbers)."""
+    """Everything a run depends on (``out``, ``plot`` and ``progress`` do not change numbers).
+    ``window`` is one L or a tuple of them (stored as a tuple)."""
 
     recurrence: str = "mamba2"
     dv: int = 8
@@ -216,14 +346,15 @@ class Config:
     seeds: int = 4
     seed0: int = 0
     steps: int = 4096
-    window: int = 16
+    window: tuple[int, ...] = (16,)
     memory: tuple[Memory, ...] = tuple(Memory(n, *r) for n, r in MEMORY_PROFILES.items())
     arms: tuple[ArmSpec, ...] = field(
-        default_factory=lambda: parse_arms(",".join(ARMS), "fp8_e4m3_row", "sr")
+        default_factory=lambda: parse_arms("every_step,shared,separate_exact,separate_fp16sr",
+                                           "fp8_e4m3_row", "sr")
     )
     log_grid: int = 0
-    out: str = "results/error_growth_custom.csv"
-    plot: str | None = "results/error_growth_custom.png"
+    out: str = "runs/error_growth_custom/error_growth.csv"
+    plot: str | None = "runs/error_growth_custom/error_growth.png"
     progress: bool = True
     device: str = "cpu"
     threads: int = 1
@@ -234,7 +365,16 @@ class Config:
             raise ValueError(
                 f"recurrence: expected one of {list(RECURRENCES)}, got {self.recurrence!r}"
             )
-        for name in ("dv", "dk", "heads", "seeds", "steps", "window"):
+        windows = (self.window,) if isinstance(self.window, int) else self.window
+        if not isinstance(windows, tuple) or not windows:
+            raise ValueError(f"window: expected an int or a non-empty tuple of ints, got "
+                             f"{self.window!r}")
+        for w in windows:
+            _check_int("window", w, 1)
+        if len(set(windows)) != len(windows):
+            raise ValueError(f"window: expected distinct windows, got {list(windows)}")
+        object.__setattr__(self, "window", windows)
+        for name in ("dv", "dk", "heads", "seeds", "steps"):
             _check_int(name, getattr(self, name), 1)
         _check_int("seed0", self.seed0, 0)
         _check_int("log_grid", self.log_grid, 0)
@@ -249,7 +389,7 @@ class Config:
         if not self.memory:
             raise ValueError("memory: expected at least one decay range, got none")
         names = [m.name for m in self.memory]
-        # by bounds: 'short' and '0.9,0.95' are one range under two names (it ran twice)
+        # by bounds: 'short' and '0.9,0.95' are one range under two names (it would run twice)
         if len({(m.low, m.high) for m in self.memory}) != len(names):
             raise ValueError(f"memory: expected distinct ranges, got {names}")
         for m in self.memory:
@@ -277,20 +417,21 @@ class Config:
 
 def memory_estimate(c: Config) -> tuple[int, int]:
     """(bytes on the run's device, bytes in host memory), roughly: four fp64 copies of the
-    state a simulated arm (the exact one included: its state, a recurrence and a read copy,
-    a temporary), and the fp64 errors of every arm, sequence and recorded step (host)."""
+    state for the arm of a cell and for the exact run, the exact outputs at the recorded steps
+    (on the device), and the fp64 errors of every arm, sequence and recorded step (host)."""
     batch = len(c.memory) * c.seeds
-    states = (len(c.arms) + 1) * batch * c.heads * c.dv * c.dk * 8 * 4
-    n_windows = math.ceil(c.steps / c.window)
+    states = 2 * batch * c.heads * c.dv * c.dk * 8 * 4
+    n_windows = math.ceil(c.steps / min(c.window))
     recorded = c.steps if c.log_grid == 0 else min(
-        c.steps, (min(c.log_grid, n_windows) + len(SUMMARY_STEPS) + 1) * c.window)
-    errors = len(c.arms) * batch * recorded * 8
-    return (states, errors) if c.device != "cpu" else (0, states + errors)
+        c.steps, (min(c.log_grid, n_windows) + len(SUMMARY_STEPS) + 1) * max(c.window))
+    exact = recorded * batch * c.heads * c.dv * 8
+    errors = len(c.arms) * len(c.window) * batch * recorded * 8 * 4  # and the frame's columns
+    return (states + exact, errors) if c.device != "cpu" else (0, states + exact + errors)
 
 
 def _check_memory_use(c: Config) -> None:
-    """Refuse a run that cannot fit (it used to fail in an allocation, or thrash, after the
-    progress bar had started): host memory here, and the GPU's for a cuda device."""
+    """Refuse a run that cannot fit, before the progress bar starts (not an allocation failure
+    or thrashing later): host memory here, and the GPU's for a cuda device."""
     device_bytes, host_bytes = memory_estimate(c)
     try:
         host_total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -326,10 +467,12 @@ def _check_emulation(c: Config) -> None:
             f"backend, got {len(c.memory) * c.seeds}"
         )
     for spec in c.arms:
-        fmt = formats.get(spec.fmt)
-        supported = fmt.element.bits <= 32
-        if spec.arm == "shared":
-            supported = supported and fmt.block is None and spec.rounding == "rn"
+        supported = formats.get(spec.lo_format).element.bits <= 32
+        if spec.scheme == "every_step" or spec.scheme == "shared":
+            supported = supported and formats.get(spec.hi_format).element.bits <= 32
+        if spec.scheme == "shared":
+            fmt = formats.get(spec.lo_format)
+            supported = supported and fmt.block is None and spec.lo_rounding == "rn"
         if not supported:
             raise ValueError(f"arms: {EMULATION_ARMS_TEXT}; got {spec.label}")
 
@@ -356,20 +499,30 @@ def _check_memory(low: float, high: float) -> None:
 
 
 def _check_arm(spec: ArmSpec, dv: int, dk: int) -> None:
-    if spec.arm not in ARMS:
-        raise ValueError(f"arms: expected arms among {list(ARMS)}, got {spec.arm!r}")
-    if spec.fmt not in formats.names():
-        raise ValueError(f"formats: expected formats among {formats.names()}, got {spec.fmt!r}")
-    if spec.rounding not in ROUNDINGS:
-        raise ValueError(f"rounding: expected one of {list(ROUNDINGS)}, got {spec.rounding!r}")
-    if spec.arm in SEPARATE_ARMS and spec.rounding != "rn":
-        raise ValueError(
-            f"rounding: the read copy of {spec.arm} is always RN, got {spec.rounding!r} "
-            f"in {spec.label}"
-        )
-    fmt = formats.get(spec.fmt)
-    if fmt.block is not None:
-        fmt.block_length((dv, dk))  # raises ValueError naming the shape and the block
+    if spec.scheme not in SCHEMES:
+        raise ValueError(f"arms: expected schemes among {list(SCHEMES)}, got {spec.scheme!r}")
+    for name in ("lo_format", "hi_format"):
+        if getattr(spec, name) not in formats.names():
+            raise ValueError(f"arms: expected formats among {formats.names()}, got "
+                             f"{getattr(spec, name)!r} in {spec.label}")
+    for name in ("lo_rounding", "hi_rounding"):
+        if getattr(spec, name) not in ROUNDINGS:
+            raise ValueError(f"rounding: expected one of {list(ROUNDINGS)}, got "
+                             f"{getattr(spec, name)!r} in {spec.label}")
+    if spec.scheme == "separate" and spec.lo_rounding != "rn":
+        raise ValueError(f"rounding: the read copy of a separate arm is always RN, got "
+                         f"{spec.lo_rounding!r} in {spec.label}")
+    if spec.scheme != "separate" and (spec.hi_format, spec.hi_rounding) != (
+            spec.lo_format, spec.lo_rounding):
+        raise ValueError(f"arms: {spec.scheme} keeps one copy, got hi {spec.hi_format} "
+                         f"{spec.hi_rounding} and lo {spec.lo_format} {spec.lo_rounding}")
+    if spec.scheme == "separate" and spec.hi_format == "fp64" and spec.hi_rounding != "rn":
+        raise ValueError(f"rounding: a recurrence copy in fp64 is exact (nothing to round), "
+                         f"got {spec.hi_rounding!r} in {spec.label}")
+    for name in {spec.lo_format, spec.hi_format}:
+        fmt = formats.get(name)
+        if fmt.block is not None:
+            fmt.block_length((dv, dk))  # raises ValueError naming the shape and the block
 
 
 def parse_memory(text: str) -> Memory:
@@ -387,17 +540,49 @@ def parse_memory(text: str) -> Memory:
     return Memory(f"{low!r}..{high!r}", low, high)  # repr: exact (%g kept 6 digits)
 
 
+def parse_arm(item: str, fmts: list[str], roundings: list[str]) -> list[ArmSpec]:
+    """The arms of one ``--arms`` item (see the module docstring's grammar); a missing format
+    expands over ``fmts``, a missing rounding of every_step or shared over ``roundings``.
+
+    ``separate:fp16:sr:nvfp4`` -> one arm; ``separate:bf16:nvfp4`` -> the recurrence copy
+    RN; ``separate:fp16:sr`` -> read copies over ``fmts``; ``separate_fp16sr:nvfp4`` ->
+    ``separate:fp16:sr:nvfp4``."""
+    parts = item.split(":")
+    if not all(parts):
+        raise ValueError(f"arms: expected items without empty fields, got {item!r}")
+    scheme, rest = parts[0], parts[1:]
+    if scheme not in ARMS:
+        raise ValueError(f"arms: expected arms among {list(ARMS)}, got {scheme!r} in {item!r}")
+    if scheme in ALIASES:
+        if len(rest) > 2 or (len(rest) == 2 and rest[1] != "rn"):
+            raise ValueError(f"arms: expected {scheme}[:READ_FORMAT] (its read copy is RN), "
+                             f"got {item!r}")
+        hi_format, hi_rounding = ALIASES[scheme]
+        return [ArmSpec.separate(hi_format, hi_rounding, f) for f in (rest[:1] or fmts)]
+    if scheme == "separate":
+        if not rest or len(rest) > 3:
+            raise ValueError("arms: expected separate:HI_FORMAT[:ROUNDING][:READ_FORMAT], got "
+                             f"{item!r}")
+        hi_format, rest = rest[0], rest[1:]
+        hi_rounding = rest.pop(0) if rest and rest[0] in ROUNDINGS else "rn"
+        if len(rest) > 1:
+            raise ValueError(f"arms: expected separate:HI_FORMAT[:ROUNDING][:READ_FORMAT], got "
+                             f"{item!r} ({rest[0]!r} is not a rounding)")
+        return [ArmSpec.separate(hi_format, hi_rounding, f) for f in (rest or fmts)]
+    if len(rest) > 2:
+        raise ValueError(f"arms: expected {scheme}[:FORMAT[:ROUNDING]], got {item!r}")
+    item_fmts = rest[:1] or fmts
+    item_roundings = rest[1:2] or roundings
+    return [ArmSpec.single(scheme, f, r) for f in item_fmts for r in item_roundings]
+
+
 def parse_arms(arms: str, fmts: str, rounding: str) -> tuple[ArmSpec, ...]:
     """Arm specs from ``--arms``, ``--formats`` and ``--rounding`` (all comma-separated).
-
-    An item of ``arms`` is ``ARM[:FORMAT[:ROUNDING]]``; a missing FORMAT expands over ``fmts``
-    and a missing ROUNDING over ``rounding`` (every_step, shared) or to ``rn`` (separate arms,
-    whose read copy is RN). ``every_step,shared`` with ``fmts='fp16,nvfp4'`` gives four arms.
-    Duplicates are dropped, the first occurrence keeping its place.
-    """
+    ``every_step,shared`` with ``fmts='fp16,nvfp4'`` gives four arms. Duplicates (an alias and
+    its canonical form included) are dropped, the first occurrence keeping its place."""
     default_fmts = _split("formats", fmts)
     default_roundings = _split("rounding", rounding)
-    # checked when no arm uses them too (--formats fp7 beside --arms shared:fp16 passed)
+    # checked when no arm uses them too (--formats fp7 beside --arms shared:fp16 is an error)
     for fmt in default_fmts:
         if fmt not in formats.names():
             raise ValueError(f"formats: expected formats among {formats.names()}, got {fmt!r}")
@@ -406,25 +591,23 @@ def parse_arms(arms: str, fmts: str, rounding: str) -> tuple[ArmSpec, ...]:
             raise ValueError(f"rounding: expected one of {list(ROUNDINGS)}, got {r!r}")
     specs: list[ArmSpec] = []
     for item in _split("arms", arms):
-        parts = item.split(":")
-        if len(parts) > 3 or not all(parts):
-            raise ValueError(f"arms: expected items ARM[:FORMAT[:ROUNDING]], got {item!r}")
-        arm = parts[0]
-        if arm not in ARMS:
-            raise ValueError(f"arms: expected arms among {list(ARMS)}, got {arm!r}")
-        item_fmts = [parts[1]] if len(parts) > 1 else default_fmts
-        if len(parts) > 2:
-            item_roundings = [parts[2]]
-        elif arm in SEPARATE_ARMS:
-            item_roundings = ["rn"]
-        else:
-            item_roundings = default_roundings
-        for fmt in item_fmts:
-            for r in item_roundings:
-                spec = ArmSpec(arm, fmt, r)
-                if spec not in specs:
-                    specs.append(spec)
+        for spec in parse_arm(item, default_fmts, default_roundings):
+            _check_arm_names(spec)
+            if spec not in specs:
+                specs.append(spec)
     return tuple(specs)
+
+
+def _check_arm_names(spec: ArmSpec) -> None:
+    """Formats and roundings by name (the shape checks wait for the config)."""
+    for name in ("lo_format", "hi_format"):
+        if getattr(spec, name) not in formats.names():
+            raise ValueError(f"formats: expected formats among {formats.names()}, got "
+                             f"{getattr(spec, name)!r} in {spec.label}")
+    for name in ("lo_rounding", "hi_rounding"):
+        if getattr(spec, name) not in ROUNDINGS:
+            raise ValueError(f"rounding: expected one of {list(ROUNDINGS)}, got "
+                             f"{getattr(spec, name)!r} in {spec.label}")
 
 
 def _split(name: str, text: str) -> list[str]:
@@ -448,9 +631,9 @@ BASE_DEFAULTS = {
     "seeds": 4,
     "seed0": 0,
     "steps": 4096,
-    "window": 16,
+    "window": "16",
     "memory": ["long", "short"],
-    "arms": ",".join(ARMS),
+    "arms": "every_step,shared,separate_exact,separate_fp16sr",
     "formats": "fp8_e4m3_row",
     "rounding": "sr",
     "log_grid": 0,
@@ -467,7 +650,7 @@ PRESETS = {
         "heads": 1,
         "seeds": 8,
         "steps": 4096,
-        "window": 16,
+        "window": "16",
         "memory": ["long", "short"],
         "arms": "every_step:fp8_e4m3_row:rn,every_step:fp8_e4m3_row:sr,shared,separate_exact",
         "formats": "fp8_e4m3_row",
@@ -485,7 +668,7 @@ PRESETS = {
         "heads": 2,
         "seeds": 2,
         "steps": 16384,
-        "window": 16,
+        "window": "16",
         "memory": ["long", "short"],
         "arms": "every_step:fp16:rn,every_step:fp8_e4m3:rn,every_step:nvfp4:rn,"
         "every_step:mxfp4:rn,shared,separate_exact,separate_fp16sr",
@@ -507,12 +690,16 @@ _HELP = {
     "depend on a seed modulo 2^32 only (torch's CPU generator): --seed0 2^32 draws the inputs "
     "of --seed0 0",
     "steps": f"decode steps (tokens), 1 .. {MAX_STEPS}",
-    "window": "L: tokens per window; step t is a flush step when t %% L == 0",
+    "window": "L: tokens per window, or a comma-separated list of them (one run, a window "
+    "column); step t is a flush step when t %% L == 0",
     "memory": "one or more decay ranges, a ~ U[LO, HI): long (0.9995,0.99999), "
     "short (0.9,0.95) or LO,HI with 0 < LO <= HI < 1; e.g. --memory long 0.99,0.999",
-    "arms": "comma-separated ARM[:FORMAT[:ROUNDING]], ARM in every_step, shared, "
-    "separate_exact, separate_fp16sr; a missing FORMAT expands over --formats, a missing "
-    "ROUNDING over --rounding (separate arms: always rn)",
+    "arms": "comma-separated arms: every_step[:FORMAT[:ROUNDING]], shared[:FORMAT[:ROUNDING]], "
+    "separate:HI_FORMAT[:ROUNDING][:READ_FORMAT] (the recurrence copy in HI_FORMAT with "
+    "ROUNDING, default rn; the read copy RN), and the aliases separate_exact[:READ_FORMAT] "
+    "(= separate:fp64:rn:READ_FORMAT) and separate_fp16sr[:READ_FORMAT] (= "
+    "separate:fp16:sr:READ_FORMAT); a missing FORMAT or READ_FORMAT expands over --formats, a "
+    "missing ROUNDING of every_step and shared over --rounding",
     "formats": "comma-separated formats for arms given without one: " + ", ".join(formats.names()),
     "rounding": "comma-separated roundings (rn, sr) of every_step and shared arms given without "
     "one; e.g. rn,sr runs both",
@@ -529,7 +716,7 @@ _HELP = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    epilog = "presets (explicit flags override them):\n" + "\n".join(
+    epilog = OUTPUT_RULE + "\n\npresets (explicit flags override them):\n" + "\n".join(
         f"  {name}: " + " ".join(f"--{k.replace('_', '-')} {_show(v)}" for k, v in values.items())
         for name, values in PRESETS.items()
     )
@@ -544,7 +731,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--preset",
         choices=sorted(PRESETS),
-        help="start from a preset; output paths default to results/error_growth_<preset>.*",
+        help="start from a preset; the preset alone (no setting flag) writes "
+        "results/error_growth_<preset>.*, its regenerate command",
     )
     kinds = {
         "dv": int,
@@ -553,7 +741,6 @@ def build_parser() -> argparse.ArgumentParser:
         "seeds": int,
         "seed0": int,
         "steps": int,
-        "window": int,
         "log_grid": int,
         "threads": int,
     }
@@ -570,13 +757,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--out",
         default=None,
-        help="CSV path (default: results/error_growth_<preset or custom>.csv); the sidecar "
-        "<stem>.meta.json is written beside it",
+        help="CSV path; its <stem>.meta.json and (unless --plot says otherwise) <stem>.png go "
+        "beside it, whatever the current folder (default: see 'where outputs go' below)",
     )
     parser.add_argument(
         "--plot",
         default=None,
         help="PNG path, or 'none' for no plot (default: the CSV path with .png)",
+    )
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="replace output files that are not this experiment's own (another CSV header, "
+        "meta.json or PNG); without it such a file is an error",
     )
     parser.add_argument(
         "--replot",
@@ -594,6 +787,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     return parser
+
+
+def _parse_windows(text: str) -> list[int]:
+    """--window's list: positive integers, each once."""
+    windows = []
+    for part in _split("window", text):
+        if not part.isdigit() or int(part) < 1:
+            raise ValueError(f"window: expected integers >= 1, got {part!r}")
+        if int(part) in windows:
+            raise ValueError(f"window: {part} given twice")
+        windows.append(int(part))
+    return windows
 
 
 def parse_steps(text: str) -> list[int]:
@@ -627,10 +832,52 @@ def _check_plot_path(path: str) -> None:
         )
 
 
-def config_from_args(args: argparse.Namespace) -> Config:
-    """Base defaults, then the preset's values, then the flags given; raises ValueError."""
+OUTPUT_RULE = """where outputs go (paths relative to the current folder):
+  --preset NAME alone   results/error_growth_NAME.{csv,meta.json,png}: the preset's
+                        regenerate command, the only run that replaces committed results
+  --out PATH.csv        PATH.csv, PATH.meta.json and PATH.png (--plot: elsewhere or none)
+  anything else         runs/error_growth_<preset or custom>_<flags given>/error_growth.*
+                        (git-ignored); the output line says where
+  a file there that is not this experiment's output is replaced only with --force; a run
+  stopped by Ctrl-C or SIGTERM writes <stem>.partial.csv and exits with status 130"""
+
+
+def default_out(args: argparse.Namespace, argv_settings: list[str]) -> str:
+    """The CSV path of a run without --out: results/ for a preset alone, else a runs/ folder
+    named by the preset and the setting flags given (``argv_settings``, as typed)."""
+    if args.preset and not argv_settings:
+        return f"results/error_growth_{args.preset}.csv"
+    folder = runs_folder("error_growth", [args.preset or "custom", *argv_settings])
+    return str(folder / "error_growth.csv")
+
+
+def _setting_words(argv: list[str]) -> list[str]:
+    """The setting flags of ``argv`` and their values as words (``--window 8,16`` ->
+    ``window-8,16``), the preset and output flags left out."""
+    skip = {"--preset", "--out", "--plot", "--at"}
+    flags = {"--replot", "--force", "--no-progress"}
+    words, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        name, _, value = arg.partition("=")
+        if name in flags:
+            i += 1
+            continue
+        values = [value] if value else []
+        i += 1
+        while not value and i < len(argv) and not argv[i].startswith("--"):
+            values.append(argv[i])
+            i += 1
+        if name not in skip and name.startswith("--"):
+            words.append(name[2:] + "-" + "+".join(values))
+    return words
+
+
+def config_from_args(args: argparse.Namespace, argv: list[str] | None = None) -> Config:
+    """Base defaults, then the preset's values, then the flags given; raises ValueError.
+    ``argv`` (the command line as typed) names the runs/ folder of a custom run."""
     given = [k for k, v in vars(args).items() if k in BASE_DEFAULTS and v is not None]
-    if args.replot and given:  # the CSV holds its run: --steps 100 drew all 4,096, silently
+    if args.replot and given:  # the CSV holds its run: --steps 100 would draw all 4,096
         raise ValueError(f"--replot: --{given[0].replace('_', '-')} sets up a run; a replot "
                          "draws the CSV as it was run (--out, --plot, --at and --preset only)")
     values = dict(BASE_DEFAULTS)
@@ -640,7 +887,9 @@ def config_from_args(args: argparse.Namespace) -> Config:
     for name in ("out", "plot"):  # an unset shell variable: not the default path, silently
         if getattr(args, name) is not None and not getattr(args, name).strip():
             raise ValueError(f"--{name}: expected a path, got {getattr(args, name)!r}")
-    out = args.out or f"results/error_growth_{args.preset or 'custom'}.csv"
+    if argv is None:  # from Python: the settings given, in a fixed order
+        argv = [w for k in given for w in (f"--{k.replace('_', '-')}", _show(vars(args)[k]))]
+    out = args.out or default_out(args, _setting_words(argv) if given else [])
     plot_path = args.plot or str(Path(out).with_suffix(".png"))
     if is_folder(out):
         raise ValueError(f"out: expected a CSV path, got the folder {out!r}")
@@ -649,11 +898,23 @@ def config_from_args(args: argparse.Namespace) -> Config:
         if Path(plot_path).resolve() in (Path(out).resolve(), meta_path(out).resolve()):
             raise ValueError(f"plot: {plot_path!r} is the CSV's own path (or its .meta.json): "
                              "give --out a .csv path or --plot another file")
-    # writable outputs, checked before the run (a bad path was a traceback after it)
+    if Path(out).suffix.lower() != ".csv":
+        raise ValueError(f"out: expected a path ending in .csv, got {out!r}")
+    # writable outputs, checked before the run (a bad path would be a traceback after it)
     if not args.replot and (problem := file_problem(out)):
         raise ValueError(f"--out: cannot write {out}: {problem}")
     if plot_path.lower() != "none" and (problem := file_problem(plot_path)):
         raise ValueError(f"--plot: cannot write {plot_path}: {problem}")
+    if not args.force:
+        written = [] if args.replot else [(out, SCHEMA.header), (str(meta_path(out)), None)]
+        if plot_path.lower() != "none":
+            written.append((plot_path, None))
+        for path, header in written:
+            if problem := output_problem(path, SOURCE, header):
+                raise ValueError(f"--out: {problem}")
+    windows = values["window"]
+    if isinstance(windows, str):
+        windows = tuple(_parse_windows(windows))
     return Config(
         recurrence=values["recurrence"],
         dv=values["dv"],
@@ -662,7 +923,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         seeds=values["seeds"],
         seed0=values["seed0"],
         steps=values["steps"],
-        window=values["window"],
+        window=windows,
         memory=tuple(parse_memory(m) for m in values["memory"]),
         arms=parse_arms(values["arms"], values["formats"], values["rounding"]),
         log_grid=values["log_grid"],
@@ -780,74 +1041,182 @@ def make_inputs(config: Config, steps: int) -> list[tuple]:
     return [stream.next() for _ in range(steps)]
 
 
-def run(config: Config) -> pd.DataFrame:
-    """Simulate every arm of ``config``, write the CSV to ``config.out`` and return it."""
+def cells(config: Config) -> list[Cell]:
+    """The run's independent cells, one per (window, arm), windows outer, in the config's
+    order: the order of the CSV's rows."""
+    pairs = [(w, arm) for w in config.window for arm in config.arms]
+    return [Cell(i, w, arm) for i, (w, arm) in enumerate(pairs)]
+
+
+_EXACT_CACHE: dict = {}
+
+
+def exact_outputs(config: Config, window: int, stop: Callable[[], bool] | None = None,
+                  bar=None) -> tuple[np.ndarray, torch.Tensor]:
+    """``(steps_kept, y)``: the recorded steps of ``window`` and the exact FP64 outputs there,
+    ``y [len(steps_kept), memories * seeds, heads, dv]`` on the run's device. Computed once
+    per (config, window) and process; a run stopped by ``stop`` returns only the steps done
+    and is not kept."""
+    c = config
+    key = (c.recurrence, c.dv, c.dk, c.heads, c.seeds, c.seed0, c.steps, c.memory, c.log_grid,
+           c.device, window)
+    if key in _EXACT_CACHE:
+        return _EXACT_CACHE[key]
+    batch = len(c.memory) * c.seeds
+    steps_kept = recorded_steps(c.steps, window, c.log_grid)
+    keep = np.zeros(c.steps + 1, dtype=bool)
+    keep[steps_kept] = True
+    ys, done = [], 0
+    with _on_device(c), _cpu_threads(c.threads), torch.no_grad():
+        exact = Simulator(c.recurrence, make_policy("exact", "fp64", window=window), batch,
+                          c.heads, c.dv, c.dk, dtype=torch.float64)
+        inputs = _Inputs(c)
+        try:
+            for t in range(1, c.steps + 1):
+                if stop is not None and stop():
+                    break
+                y = exact.step(*inputs.next())
+                if keep[t]:
+                    ys.append(y)
+                done = t
+                if bar is not None:
+                    bar.update()
+        finally:
+            inputs.close()
+    result = (steps_kept[: len(ys)], torch.stack(ys) if ys else torch.empty(0))
+    if done == c.steps:
+        _EXACT_CACHE.clear()  # one entry: a sweep over windows needs one at a time
+        _EXACT_CACHE[key] = result
+    return result
+
+
+def run_cell(config: Config, cell: Cell, stop: Callable[[], bool] | None = None,
+             bar=None) -> pd.DataFrame:
+    """The rows of one cell (``CSV_COLUMNS``; memory, seed, step order), from the cell's own
+    input stream and the exact outputs: the same rows wherever and with whatever other cells
+    it runs. With ``stop``, a stopped cell keeps the whole windows done; ``attrs['steps_done']``
+    says how far it got."""
     c = config
     batch = len(c.memory) * c.seeds
-    steps_kept = recorded_steps(c.steps, c.window, c.log_grid)
+    steps_kept, y_exact = exact_outputs(c, cell.window, stop, bar)
+    if len(steps_kept) == 0 or (stop is not None and stop()):
+        frame = _to_frame(c, cell, steps_kept[:0], torch.empty(batch, 0, dtype=torch.float64))
+        frame.attrs["steps_done"] = 0
+        return frame
     keep = np.zeros(c.steps + 1, dtype=bool)
     keep[steps_kept] = True
     emulated = c.backend == "emulation"
-
-    def simulator(arm, fmt, rounding):
-        policy = make_policy(arm, fmt, rounding, window=c.window, seed=c.seed0)
-        return Simulator(c.recurrence, policy, batch, c.heads, c.dv, c.dk, dtype=torch.float64)
-
-    def arm_step(spec):
+    errors = torch.full((batch, len(steps_kept)), float("nan"), dtype=torch.float64)
+    column, done = 0, 0
+    with _on_device(c), _cpu_threads(c.threads), torch.no_grad():
         if emulated:
-            return _emulation_step(c, spec, batch)
-        return simulator(spec.arm, spec.fmt, spec.rounding).step
+            step = _emulation_step(c, cell.arm, cell.window, batch)
+        else:
+            step = Simulator(c.recurrence, cell.arm.policy(cell.window, c.seed0), batch,
+                             c.heads, c.dv, c.dk, dtype=torch.float64).step
+        inputs = _Inputs(c)
+        try:
+            for t in range(1, min(c.steps, int(steps_kept[-1])) + 1):
+                if stop is not None and stop():
+                    break
+                a, v, k, q, beta = inputs.next()
+                # the reference arms take the generic inputs, the emulation's the kernel's
+                y_hat = step(*(mamba2_kernel_inputs(a, v, k, q) if emulated
+                               else (a, v, k, q, beta)))
+                if keep[t]:
+                    errors[:, column] = rel_err(y_hat, y_exact[column]).cpu()
+                    column += 1
+                done = t
+                if bar is not None:
+                    bar.update()
+        finally:
+            inputs.close()
+    stopped = done < int(steps_kept[-1])
+    if stopped:  # keep the windows that were completed
+        whole = steps_kept <= done - done % cell.window
+        steps_kept, errors = steps_kept[whole], errors[:, : int(whole.sum())]
+    frame = _to_frame(c, cell, steps_kept, errors)
+    frame.attrs["steps_done"] = done if stopped else c.steps
+    return frame
 
-    column = 0
+
+def merge_cells(config: Config, frames: dict[int, pd.DataFrame]) -> pd.DataFrame:
+    """The run's rows from the frames of its cells (``{cell.index: run_cell(...)}``, computed
+    anywhere): concatenated in cell order, so the CSV is the same bytes as one process's."""
+    order = [cell.index for cell in cells(config) if cell.index in frames]
+    if not order:
+        return pd.DataFrame(columns=list(CSV_COLUMNS))
+    return pd.concat([frames[i] for i in order], ignore_index=True)
+
+
+def run(config: Config, command: str | None = None) -> pd.DataFrame:
+    """Run every cell of ``config`` in order, write the CSV to ``config.out`` (a stopped run:
+    to ``partial_path(config.out)``) and then its meta.json (``command`` the command line;
+    from Python, a note saying so), and return the rows. ``attrs``: ``complete``,
+    ``cells_done``, ``steps_done`` (of the cell in progress when stopped), ``written``."""
+    c = config
+    start = time.perf_counter()
+    grid = cells(c)
+    batch = len(c.memory) * c.seeds
     bar = tqdm(
-        total=c.steps,
-        desc=f"error_growth {c.recurrence} {c.backend} ({len(c.arms)} arms x {batch} seqs)",
+        total=c.steps * (len(grid) + len(c.window)),
+        desc=f"error_growth {c.recurrence} {c.backend} ({len(grid)} cells x {batch} seqs)",
         unit="step",
         file=sys.stderr,
         disable=not c.progress,
         mininterval=0.5,
     )
-    # lowprec's factory calls (zeros, arange) follow the default device; the device context
-    # intercepts every torch call (measured: half of a GPU run's host time), so it is entered
-    # only for a GPU.
-    on_device = torch.device(c.device) if c.device != "cpu" else nullcontext()
+    frames: dict[int, pd.DataFrame] = {}
     stop = _StopRequest()
-    with bar, torch.no_grad(), on_device, _cpu_threads(c.threads):
-        exact = simulator("exact", "fp64", "rn")
-        arm_steps = [arm_step(spec) for spec in c.arms]
-        errors = torch.full(
-            (len(arm_steps), batch, len(steps_kept)), float("nan"), dtype=torch.float64
-        )
-        inputs = _Inputs(c)
-        done = 0
-        for t in range(1, c.steps + 1):
-            if stop.requested:
-                break
-            a, v, k, q, beta = inputs.next()
-            y = exact.step(a, v, k, q, beta)
-            # the reference arms take the generic inputs, the emulation's the kernel arguments
-            arm_inputs = mamba2_kernel_inputs(a, v, k, q) if emulated else (a, v, k, q, beta)
-            for i, step in enumerate(arm_steps):
-                y_hat = step(*arm_inputs)
-                if keep[t]:
-                    errors[i, :, column] = rel_err(y_hat, y)
-            column += int(keep[t])
-            done = t
-            bar.update()
-        inputs.close()
-    stop.restore()
-    if done < c.steps:  # stopped by SIGTERM/SIGINT: keep the windows that were completed
-        whole = steps_kept <= done - done % c.window
-        steps_kept, errors = steps_kept[whole], errors[:, :, : int(whole.sum())]
-    frame = _to_frame(c, steps_kept, errors.cpu())
-    frame.attrs["steps_done"] = done
-    write_csv(frame, c.out)
+    steps_done = c.steps
+    try:
+        with bar:
+            for cell in grid:
+                frame = run_cell(c, cell, stop=lambda: stop.requested, bar=bar)
+                if frame.attrs["steps_done"] < c.steps:
+                    steps_done = frame.attrs["steps_done"]
+                    if len(frame):
+                        frames[cell.index] = frame
+                    break
+                frames[cell.index] = frame
+    finally:
+        stop.restore()
+    frame = merge_cells(c, frames)
+    complete = steps_done == c.steps
+    frame.attrs.update(complete=complete, steps_done=steps_done,
+                       cells_done=sum(1 for f in frames.values()
+                                      if f.attrs.get("steps_done") == c.steps))
+    written = Path(c.out) if complete else partial_path(c.out)
+    write_csv(frame, written)
+    status = "complete" if complete else (
+        f"stopped after {frame.attrs['cells_done']} of {len(grid)} cells and step "
+        f"{steps_done} of the next")
+    write_meta(written, command or f"{PROG} (run() called from Python)",
+               time.perf_counter() - start, config_settings(c), device=c.device,
+               extra={"experiment": SOURCE, "status": status})
+    frame.attrs.update(written=str(written), status=status)
     return frame
 
 
+def partial_path(out: str | Path) -> Path:
+    """Where a stopped run's rows go: ``x.csv`` -> ``x.partial.csv``."""
+    out = Path(out)
+    return out.with_name(out.stem + ".partial.csv")
+
+
+@contextmanager
+def _on_device(c: Config):
+    """lowprec's factory calls (zeros, arange) follow the default device; the device context
+    intercepts every torch call (half of a GPU run's host time), so it is entered only for a
+    GPU."""
+    with torch.device(c.device) if c.device != "cpu" else nullcontext():
+        yield
+
+
 class _StopRequest:
-    """SIGTERM or SIGINT during run(): finish the current step, then write what was done (a
-    `timeout` on a long GPU run still leaves a CSV). Outside the main thread: not installed."""
+    """SIGTERM or SIGINT during run(): finish the current step, then write the whole windows
+    done to the partial CSV (a `timeout` on a long GPU run still leaves its rows). Outside the
+    main thread: not installed."""
 
     def __init__(self):
         self.requested = False
@@ -889,14 +1258,14 @@ def mamba2_kernel_inputs(a, v, k, q, dtype=torch.float32) -> tuple[torch.Tensor,
     return x, dt, A, k.to(dtype), q.to(dtype)
 
 
-def _emulation_step(c: Config, spec: ArmSpec, batch: int):
+def _emulation_step(c: Config, spec: ArmSpec, window: int, batch: int):
     """A function ``(x, dt, A, B, C) -> y_hat`` that advances one arm's emulation cache by one
     token: every_step on a ``StateCache`` (the output reads the stored state), the windowed
-    arms on a ``ReplayCache`` whose recurrence copy is ``EMULATION_HI_COPY`` (shared: the
-    format itself) and read copy the format (RN). Slot b of the cache is slot b of the
-    reference's batch and the seed is ``seed0``, so SR uses the same Philox words."""
-    # Imported here: emulation.numerics switches Triton's interpreter on without CUDA, which
-    # the reference backend has no need of.
+    arms on a ``ReplayCache`` with the arm's recurrence copy (fp64 kept in fp32) and read copy
+    (RN). Slot b of the cache is slot b of the reference's batch and the seed is ``seed0``,
+    so SR uses the same Philox words."""
+    # Imported here: the reference backend needs neither Triton nor the emulation (and
+    # emulation.numerics switches Triton's interpreter on without CUDA).
     from emulation.replay_decode import ReplayCache, mamba2_replay_decode
     from emulation.state_update import StateCache, mamba2_state_update
 
@@ -905,9 +1274,10 @@ def _emulation_step(c: Config, spec: ArmSpec, batch: int):
     # stay in range: on a GPU the per-call range check (a stream sync that stops the host from
     # running ahead) is skipped; on the CPU it costs nothing and stays.
     check = c.device == "cpu"
-    if spec.arm == "every_step":
+    if spec.scheme == "every_step":
         cache = StateCache.empty(
-            *shape, format=spec.fmt, rounding=spec.rounding, seed=c.seed0, device=c.device
+            *shape, format=spec.lo_format, rounding=spec.lo_rounding, seed=c.seed0,
+            device=c.device
         )
 
         def step(x, dt, A, B, C):
@@ -917,14 +1287,14 @@ def _emulation_step(c: Config, spec: ArmSpec, batch: int):
             )
 
         return step
-    hi_format, hi_rounding = EMULATION_HI_COPY.get(spec.arm, (spec.fmt, spec.rounding))
+    hi_format = "fp32" if spec.hi_format == "fp64" else spec.hi_format
     cache = ReplayCache.empty(
         *shape,
         ngroups=c.heads,
-        window=c.window,
+        window=window,
         hi_format=hi_format,
-        hi_rounding=hi_rounding,
-        lo_format=spec.fmt,
+        hi_rounding=spec.hi_rounding,
+        lo_format=spec.lo_format,
         seed=c.seed0,
         act_dtype=torch.float32,
         device=c.device,
@@ -947,26 +1317,28 @@ def _cpu_threads(n: int):
         torch.set_num_threads(previous)
 
 
-def _to_frame(c: Config, steps_kept: np.ndarray, errors: torch.Tensor) -> pd.DataFrame:
-    """Rows ordered by arm, memory, seed, step (``errors [arm, memory * seed, step]``)."""
-    n_arms, n_mem, n_steps = len(c.arms), len(c.memory), len(steps_kept)
-    per_arm = n_mem * c.seeds * n_steps
-    arm_idx = np.repeat(np.arange(n_arms), per_arm)
-    mem_idx = np.tile(np.repeat(np.arange(n_mem), c.seeds * n_steps), n_arms)
-    # seeds reach 2^64 - 1 (Philox keys): past int64, uint64 (it overflowed after the run)
+def _to_frame(c: Config, cell: Cell, steps_kept: np.ndarray, errors: torch.Tensor
+              ) -> pd.DataFrame:
+    """A cell's rows ordered by memory, seed, step (``errors [memory * seed, step]``)."""
+    n_mem, n_steps = len(c.memory), len(steps_kept)
+    mem_idx = np.repeat(np.arange(n_mem), c.seeds * n_steps)
+    # seeds reach 2^64 - 1 (Philox keys): past int64, uint64
     kind = np.int64 if c.seed0 + c.seeds <= 2**63 else np.uint64
-    seed = np.tile(np.repeat(np.arange(c.seeds, dtype=kind), n_steps), n_arms * n_mem)
+    seed = np.tile(np.repeat(np.arange(c.seeds, dtype=kind), n_steps), n_mem)
     seed += kind(c.seed0)
+    arm = cell.arm
     frame = pd.DataFrame(
         {
             "recurrence": c.recurrence,
-            "arm": np.array([s.arm for s in c.arms])[arm_idx],
-            "format": np.array([s.fmt for s in c.arms])[arm_idx],
-            "rounding": np.array([s.rounding for s in c.arms])[arm_idx],
-            "memory": np.array([m.name for m in c.memory])[mem_idx],
-            "window": c.window,
+            "arm": arm.label,
+            "hi_format": arm.hi_format,
+            "hi_rounding": arm.hi_rounding,
+            "lo_format": arm.lo_format,
+            "lo_rounding": arm.lo_rounding,
+            "memory": np.array([m.name for m in c.memory], dtype=object)[mem_idx],
+            "window": cell.window,
             "seed": seed,
-            "step": np.tile(steps_kept, n_arms * n_mem * c.seeds),
+            "step": np.tile(steps_kept, n_mem * c.seeds),
             "rel_err": errors.reshape(-1).numpy(),
         }
     )
@@ -974,33 +1346,60 @@ def _to_frame(c: Config, steps_kept: np.ndarray, errors: torch.Tensor) -> pd.Dat
 
 
 def write_csv(frame: pd.DataFrame, path: str | Path) -> None:
-    """The tidy CSV, floats as ``%.6e`` and NaN as ``nan``, ``\\n`` line ends."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    frame.to_csv(path, index=False, float_format=FLOAT_FORMAT, na_rep="nan", lineterminator="\n")
+    """The tidy CSV, atomically: floats as ``%.6e``, NaN as ``nan``, ``\\n`` line ends."""
+    write_table(frame, path, float_format=FLOAT_FORMAT)
 
 
 def read_csv(path: str | Path) -> pd.DataFrame:
-    """A CSV written by ``run``, checked for the exact column list."""
-    frame = pd.read_csv(path, keep_default_na=False, na_values=["nan"])
-    if tuple(frame.columns) != CSV_COLUMNS:
-        raise ValueError(f"{path}: expected columns {list(CSV_COLUMNS)}, got {list(frame.columns)}")
-    if frame.empty:
-        raise ValueError(f"{path}: no rows")
-    for column in ("window", "seed", "step", "rel_err"):
-        if not pd.api.types.is_numeric_dtype(frame[column]):
-            raise ValueError(f"{path}: expected numbers in the column {column!r}")
-    for column in ("recurrence", "window"):  # the plot and summary describe one run
-        if frame[column].nunique() > 1:
-            raise ValueError(f"{path}: expected one {column} (one run), got "
-                             f"{sorted(frame[column].astype(str).unique())}")
+    """A complete CSV written by ``run``, checked against ``SCHEMA`` and its meta.json: the
+    run finished, every step is on the run's recorded grid, every arm's columns spell its
+    label, the bytes are those the meta.json recorded. ``BadFile`` (a ValueError) otherwise,
+    one line naming the file and the line."""
+    path = Path(path)
+    meta = read_meta(meta_path(path))
+    if not meta["command"].startswith(PROG):
+        raise BadFile(f"{meta_path(path)}: not a meta.json of {SOURCE} (command "
+                      f"{meta['command'][:60]!r})")
+    if meta.get("status", "complete") != "complete":
+        raise BadFile(f"{path}: a stopped run ({meta.get('status')}): rerun its command")
+    frame = read_table(path, SCHEMA)
+    config = meta.get("config", {})
+    try:
+        steps, log_grid = int(config["steps"]), int(config["log_grid"])
+        windows = [int(w) for w in config["window"]]
+    except (KeyError, TypeError, ValueError):
+        raise BadFile(f"{meta_path(path)}: no steps, log_grid and window in its config") from None
+    check_rows(path, ~frame["window"].isin(windows), f"window: expected one of {windows} "
+               "(the run's)", frame["window"])
+    check_rows(path, frame["step"] > steps, f"step: expected at most the run's {steps} steps",
+               frame["step"])
+    for w in windows:
+        grid = recorded_steps(steps, w, log_grid)
+        check_rows(path, (frame["window"] == w) & ~frame["step"].isin(grid),
+                   f"step: not on the run's recorded grid (--steps {steps}, --window {w}, "
+                   f"--log-grid {log_grid})", frame["step"])
+    for label in frame["arm"].unique():
+        try:
+            (spec,) = parse_arm(label, [], [])
+        except ValueError:
+            spec = None
+        rows = frame["arm"] == label
+        if spec is None or spec.label != label:
+            check_rows(path, rows, "arm: expected a canonical arm (every_step:FORMAT:ROUNDING, "
+                       "shared:FORMAT:ROUNDING or separate:HI:ROUNDING:READ)", frame["arm"])
+        for name in ("hi_format", "hi_rounding", "lo_format", "lo_rounding"):
+            check_rows(path, rows & (frame[name] != getattr(spec, name)),
+                       f"{name}: expected {getattr(spec, name)!r} for the arm {label}",
+                       frame[name])
+    check_against_meta(path, meta)
     return frame
 
 
 # --------------------------------------------------------------------------------------------
 # summary and plot, from the CSV's rows only
 
-SERIES = ["recurrence", "arm", "format", "rounding", "memory", "window"]
+SERIES = ["recurrence", "arm", "hi_format", "hi_rounding", "lo_format", "lo_rounding", "memory",
+          "window"]
 
 
 def window_means(frame: pd.DataFrame) -> pd.DataFrame:
@@ -1014,7 +1413,7 @@ def window_means(frame: pd.DataFrame) -> pd.DataFrame:
     )
     # a run whose steps are not a multiple of L ends in a partial window, whose mean leaves
     # out the flush and the window's late steps (45% above the whole windows' in one
-    # separate_exact run): dropped, unless no window is whole
+    # separate:fp64 run): dropped, unless no window is whole
     whole = per_seed["n"] == per_seed.index.get_level_values("window")
     if whole.any():
         per_seed = per_seed[whole]
@@ -1031,8 +1430,11 @@ def window_means(frame: pd.DataFrame) -> pd.DataFrame:
 def summarize(frame: pd.DataFrame, at: list[int] | None = None) -> pd.DataFrame:
     """Window-mean rel_err (median over seeds) of the windows holding steps 64, 1,024, 4,096
     and the last step of the last whole window (or, with `at`, those holding these steps;
-    NaN where the CSV did not record that window): one row per series, one column per
-    step."""
+    NaN where the CSV did not record that window): one row per (arm, memory), one column per
+    step. ``frame`` holds one window L (``summaries`` splits a run over several)."""
+    if frame["window"].nunique() != 1:
+        raise ValueError(f"frame: expected rows of one window, got windows "
+                         f"{sorted(frame['window'].unique())} (use summaries)")
     means = window_means(frame)
     last = int(means["last_step"].max())  # the last window kept (a partial one is not)
     window = int(frame["window"].iloc[0])
@@ -1044,7 +1446,14 @@ def summarize(frame: pd.DataFrame, at: list[int] | None = None) -> pd.DataFrame:
         columns[name] = held.set_index(SERIES)["median"]
     table = pd.DataFrame(columns)
     order = frame.drop_duplicates(SERIES).set_index(SERIES).index
-    return table.reindex(order).droplevel(["recurrence", "window"])
+    return table.reindex(order).droplevel(
+        ["recurrence", "hi_format", "hi_rounding", "lo_format", "lo_rounding", "window"])
+
+
+def summaries(frame: pd.DataFrame, at: list[int] | None = None) -> str:
+    """The printed summary: one table per window L of the run."""
+    return "\n\n".join(format_summary(summarize(rows, at), int(w))
+                       for w, rows in frame.groupby("window", sort=False))
 
 
 def format_summary(table: pd.DataFrame, window: int) -> str:
@@ -1055,15 +1464,29 @@ def format_summary(table: pd.DataFrame, window: int) -> str:
     return head + "\n" + table.to_string(float_format=lambda x: f"{x:.2e}", na_rep="-")
 
 
-# Colours per arm (and rounding); the separate arms read an RN copy, so one colour each.
-_STYLE = {
-    ("every_step", "rn"): ("#d62728", "--"),
-    ("every_step", "sr"): ("#d62728", "-"),
-    ("shared", "rn"): ("#ff7f0e", "--"),
-    ("shared", "sr"): ("#ff7f0e", "-"),
-    ("separate_exact", "rn"): ("#1f77b4", "-"),
-    ("separate_fp16sr", "rn"): ("#2ca02c", "-"),
-}
+# Colours per scheme, and per recurrence copy for separate; dashes for RN, solid for SR.
+_SCHEME_COLOURS = {"every_step": "#d62728", "shared": "#ff7f0e"}
+_HI_COLOURS = {"fp64": "#1f77b4", "fp32": "#9467bd", "fp16": "#2ca02c", "bf16": "#17becf",
+               "fp8_e4m3": "#8c564b", "fp8_e5m2": "#e377c2"}
+
+
+def _arm_style(hi_format: str, hi_rounding: str, scheme: str) -> tuple[str, str]:
+    """(colour, line style) of an arm."""
+    if scheme in _SCHEME_COLOURS:
+        return _SCHEME_COLOURS[scheme], "--" if hi_rounding == "rn" else "-"
+    colour = _HI_COLOURS.get(hi_format, "#7f7f7f")
+    return colour, "-" if hi_rounding == "sr" or hi_format == "fp64" else "--"
+
+
+def _arm_legend(scheme: str, hi_format: str, hi_rounding: str) -> str:
+    """An arm as the legend names it (its read format is the panel's)."""
+    if scheme == "every_step":
+        return f"every step ({hi_rounding.upper()})"
+    if scheme == "shared":
+        return f"shared checkpoint ({hi_rounding.upper()})"
+    if hi_format == "fp64":
+        return "separate, exact recurrence copy"
+    return f"separate, {hi_format} {hi_rounding.upper()} recurrence copy"
 
 
 DECADES, ONE_TWO_FIVE, EVERY_MANTISSA = (1.0,), (1.0, 2.0, 5.0), tuple(map(float, range(1, 10)))
@@ -1084,13 +1507,14 @@ def log_subs(low: float, high: float, coarsest: tuple[float, ...] = DECADES) -> 
 
 
 def plot(csv_path: str | Path, png_path: str | Path) -> None:
-    """Log-log rel_err against step, one panel per (format, memory profile), panels of a
-    format sharing the y axis: the window-mean error (median over seeds, band = min..max over
-    seeds) of each arm, and the format's unit roundoff u as a dotted line. Windows whose
-    median is 0 (the windowed arms before their first flush) have no point on a log axis; an
-    arm that is 0 at every step of a panel is not drawn there but named in a note in the
-    panel, and a format whose error is 0 everywhere (fp64, or windowed arms that never flush)
-    gets a linear axis with its curves on the zero line. Reads only ``csv_path``."""
+    """Log-log rel_err against step, one panel per (read format, window L, memory profile),
+    panels of a row sharing the y axis: the window-mean error (median over seeds, band =
+    min..max over seeds) of each arm, and the format's unit roundoff u as a dotted line.
+    Windows whose median is 0 (the windowed arms before their first flush) have no point on a
+    log axis; an arm that is 0 at every step of a panel is not drawn there but named in a
+    note in the panel, and a format whose error is 0 everywhere (fp64, or windowed arms that
+    never flush) gets a linear axis with its curves on the zero line. Reads only
+    ``csv_path``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -1100,15 +1524,15 @@ def plot(csv_path: str | Path, png_path: str | Path) -> None:
 
     frame = read_csv(csv_path)
     means = window_means(frame)
-    fmts = list(dict.fromkeys(frame["format"]))
+    rows = list(dict.fromkeys(zip(frame["lo_format"], frame["window"], strict=True)))
     mems = list(dict.fromkeys(frame["memory"]))
     recurrence = frame["recurrence"].iloc[0]
-    window = int(frame["window"].iloc[0])
+    windows = sorted(frame["window"].unique())
     n_seeds = frame["seed"].nunique()
-    legend_inches = 0.45
-    height = 2.9 * len(fmts) + 0.5 + legend_inches
+    legend_inches = 0.55
+    height = 2.9 * len(rows) + 0.6 + legend_inches
     fig, axes = plt.subplots(
-        len(fmts),
+        len(rows),
         len(mems),
         figsize=(max(4.4 * len(mems), 7.0), height),  # one memory: wide enough for the title
         sharex=True,
@@ -1119,17 +1543,19 @@ def plot(csv_path: str | Path, png_path: str | Path) -> None:
     steps = means["last_step"]
     x_span = (steps[steps > 0].min(), steps.max())  # the panels share x
     handles = {}
-    for row, fmt in enumerate(fmts):
-        in_row = means[means["format"] == fmt]
+    for row, (fmt, window) in enumerate(rows):
+        in_row = means[(means["lo_format"] == fmt) & (means["window"] == window)]
         # no positive error in the whole row (the panels share y): nothing for a log axis
         exact_row = not (in_row["median"] > 0).any()
         for col, mem in enumerate(mems):
             ax = axes[row][col]
             panel = in_row[in_row["memory"] == mem]
             zero = []  # arms at 0 on every step of a log panel: named, not drawn
-            for (arm, rounding), curve in panel.groupby(["arm", "rounding"], sort=False):
-                colour, dash = _STYLE.get((arm, rounding), ("#7f7f7f", ":"))
-                label = arm if arm in SEPARATE_ARMS else f"{arm} ({rounding.upper()})"
+            for (arm, hi, hi_r), curve in panel.groupby(["arm", "hi_format", "hi_rounding"],
+                                                         sort=False):
+                scheme = arm.split(":")[0]
+                colour, dash = _arm_style(hi, hi_r, scheme)
+                label = _arm_legend(scheme, hi, hi_r)
                 if not exact_row:
                     curve = curve[curve["median"] > 0]
                     if curve.empty:
@@ -1193,32 +1619,31 @@ def plot(csv_path: str | Path, png_path: str | Path) -> None:
                 ax.yaxis.set_minor_formatter(NullFormatter())
             ax.tick_params(labelsize=7)
             ax.grid(True, which="major", alpha=0.3)
-            title = f"{fmt} | memory {_memory_label(mem)}"
+            title = f"read copy {fmt}, L = {window} | memory {_memory_label(mem)}"
             if zero:
                 title += "\n" + textwrap.fill(
                     "rel_err = 0 at every step, not drawn: " + ", ".join(zero), 60)
             ax.set_title(title, fontsize=8)
-            if row == len(fmts) - 1:
-                ax.set_xlabel("step (end of window)", fontsize=8)
+            if row == len(rows) - 1:
+                ax.set_xlabel("decode step (end of window)", fontsize=8)
             if col == 0:
                 ax.set_ylabel("rel_err, window mean", fontsize=8)
-    fig.suptitle(
-        f"{recurrence}: output error against decode length (L = {window}; median over "
-        f"{n_seeds} seeds, band = min..max over seeds)",
-        fontsize=9,
-    )
+    names = {"mamba2": "Mamba-2", "gdn": "Gated DeltaNet", "kda": "KDA"}
+    title = (f"{names.get(recurrence, recurrence)}: output error against decode length, "
+             f"conventional vs checkpointed states (L = {', '.join(map(str, windows))}; median "
+             f"over {n_seeds} seeds, band = min..max; dotted: unit roundoff u)")
+    title = textwrap.fill(title, int(fig.get_figwidth() * 13))
+    fig.suptitle(title, fontsize=9)
     fig.legend(
         handles.values(),
         handles.keys(),
         loc="lower center",
-        ncol=min(len(handles), 6),
+        ncol=min(len(handles), 3),
         fontsize=8,
         frameon=False,
     )
-    fig.tight_layout(rect=(0, legend_inches / height, 1, 1 - 0.3 / height))
-    png_path = Path(png_path)
-    png_path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png_path, dpi=80)
+    fig.tight_layout(rect=(0, legend_inches / height, 1, 1))  # it makes room for the title
+    save_small_png(fig, png_path, dpi=150, source=SOURCE)
     plt.close(fig)
 
 
@@ -1240,53 +1665,64 @@ def _memory_label(name: str) -> str:
 # entry point
 
 
+def config_settings(config: Config) -> dict:
+    """The config as its meta.json records it (``read_csv`` reads steps, window and log_grid
+    back): arms by their canonical labels, memory profiles with their bounds."""
+    c = config
+    return {
+        "recurrence": c.recurrence, "dv": c.dv, "dk": c.dk, "heads": c.heads,
+        "seeds": c.seeds, "seed0": c.seed0, "steps": c.steps, "window": list(c.window),
+        "memory": [{"name": m.name, "low": m.low, "high": m.high} for m in c.memory],
+        "arms": [a.label for a in c.arms], "log_grid": c.log_grid, "device": c.device,
+        "threads": c.threads, "backend": c.backend, "cells": len(cells(c)),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        config = config_from_args(args)
+        config = config_from_args(args, argv)
         at = None if args.at is None else parse_steps(args.at)
     except ValueError as error:
         parser.error(str(error))
     if at is not None and not args.replot and max(at) > config.steps:
         parser.error(f"--at: step {max(at)} is past --steps {config.steps}")
+    stopped = False
     if args.replot:
         try:
             frame = read_csv(config.out)
         except (OSError, ValueError) as error:
-            parser.error(f"--replot: cannot read {config.out}: {error}")
+            parser.error(f"--replot: {error}")
     else:
-        if config.window > config.steps:
-            print(f"note: --window {config.window} is longer than --steps {config.steps}: no "
-                  "flush happens (the windowed arms never round a checkpoint) and the plot and "
-                  "summary average over one partial window", file=sys.stderr)
-        elif config.steps % config.window:
-            whole = config.steps - config.steps % config.window
-            print(f"note: --steps {config.steps} is not a multiple of --window "
-                  f"{config.window}: the CSV keeps steps {whole + 1}-{config.steps}, but the "
-                  f"plot and summary end at step {whole}, the last whole window", file=sys.stderr)
+        for window in config.window:
+            if window > config.steps:
+                print(f"note: --window {window} is longer than --steps {config.steps}: no "
+                      "flush happens (the windowed arms never round a checkpoint) and the plot "
+                      "and summary average over one partial window", file=sys.stderr)
+            elif config.steps % window:
+                whole = config.steps - config.steps % window
+                print(f"note: --steps {config.steps} is not a multiple of --window {window}: "
+                      f"the CSV keeps steps {whole + 1}-{config.steps}, but the plot and "
+                      f"summary end at step {whole}, the last whole window", file=sys.stderr)
         start = time.perf_counter()
         try:
-            frame = run(config)
+            frame = run(config, " ".join([PROG, *map(shlex.quote, argv)]))
         except OSError as error:  # the CSV is written at the end of the run
             parser.error(f"cannot write {config.out}: {error}")
         seconds = time.perf_counter() - start
-        settings = asdict(config)
-        del settings["out"], settings["plot"], settings["progress"]
-        stopped = frame.attrs["steps_done"] < config.steps
+        stopped = not frame.attrs["complete"]
+        written, status = frame.attrs["written"], frame.attrs["status"]
         if stopped:
-            settings["stopped_after_step"] = frame.attrs["steps_done"]
-            print(f"stopped after step {frame.attrs['steps_done']} of {config.steps}: the CSV "
-                  "holds the whole windows done", file=sys.stderr)
-        command = " ".join(["python -m experiments.error_growth", *map(shlex.quote, argv)])
-        try:
-            write_meta(config.out, command, seconds, settings, device=config.device)
-        except OSError as error:
-            parser.error(f"cannot write the .meta.json of {config.out}: {error}")
-        print(f"wrote {config.out} ({len(frame)} rows) in {seconds:.1f} s", file=sys.stderr)
-        if frame.empty:  # stopped before the first window ended
+            print(f"{PROG}: {status}: wrote the whole windows done to {written} "
+                  f"({len(frame)} rows); {config.out} is unchanged", file=sys.stderr)
             return STOPPED_STATUS
+        for stale in (partial_path(config.out), meta_path(partial_path(config.out))):
+            if stale.is_file() and not output_problem(stale, SOURCE, SCHEMA.header):
+                stale.unlink()  # a finished run supersedes its stopped attempt
+        print(f"wrote {config.out} and its .meta.json ({len(frame)} rows) in {seconds:.1f} s",
+              file=sys.stderr)
     last = int(window_means(frame)["last_step"].max())
     if at is not None and (past := [t for t in at if t > last]):  # before the plot is drawn
         parser.error(f"--at: step {past[0]} is past the last whole window of {config.out} "
@@ -1297,9 +1733,8 @@ def main(argv: list[str] | None = None) -> int:
         except OSError as error:
             parser.error(f"cannot write {config.plot}: {error}")
         print(f"wrote {config.plot}", file=sys.stderr)
-    print(format_summary(summarize(frame, at), int(frame["window"].iloc[0])))
-    # a stopped run is not a finished one, for a script that chains the next step on success
-    return STOPPED_STATUS if not args.replot and stopped else 0
+    print(summaries(frame, at))
+    return 0
 
 
 if __name__ == "__main__":

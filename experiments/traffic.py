@@ -1,7 +1,7 @@
 """Memory traffic and capacity of SSM decoding schemes: bytes per committed token (CPU only).
 
 Evaluates the accounting rules of `lowprec.traffic` at one model shape of `lowprec.models` and
-writes, under `--out` (default `results/`):
+writes, under the output folder (see "Where outputs go"):
 
     traffic_window_<model>.csv/.png   bytes per token against the window L (T = 1), for
                                       conventional decoding, ReplaySSM with one shared
@@ -11,35 +11,107 @@ writes, under `--out` (default `results/`):
     traffic_memory_<model>.csv/.png   requests that fit against memory
     traffic_summary_<model>.json      the `--summary` object
 
-Every CSV row is one configuration (tidy), with the git commit in a column. `plot(csv)` reads
-only the CSV. All numbers are per layer and per sequence unless a column says otherwise
-(`per_request_bytes` covers the whole model); MiB = 2^20 bytes.
+    traffic_<model>.meta.json         command, commit, device, config, and each CSV's rows
+                                      and sha256
+
+Every CSV row is one configuration (tidy); provenance lives in the meta.json only, so an
+unchanged tree regenerates the CSVs byte for byte. `plot(csv)` reads only the CSV. All numbers
+are per layer and per sequence unless a column says otherwise (`per_request_bytes` covers the
+whole model); MiB = 2^20 bytes. Every file is written under a temporary name and renamed when
+complete.
+
+Where outputs go (paths relative to the current folder): a model whose results are committed
+(``REGENERATE_MODELS``) at the default --window and --spec-verified writes ``results/`` (its
+regenerate command); any other run writes ``runs/traffic_<model>_<flags>/``; ``--out DIR``
+writes DIR. A file there that is not this experiment's output is replaced only with --force.
+``--plot-only`` redraws the PNGs from the CSVs, refusing (one line naming the file and the
+line) a CSV that is cut short, has other columns or values, a row twice, or bytes other than
+its meta.json recorded.
 
     python -m experiments.traffic                          # nemotron3-super, CSVs and plots
     python -m experiments.traffic --model qwen3-next-80b
     python -m experiments.traffic --model mamba2-2.7b      # no attention: KV entries null
+    python -m experiments.traffic --plot-only              # redraw from results/'s CSVs
     python -m experiments.traffic --summary                # one JSON object on stdout, no files
 """
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # Ctrl-C from the first import on: one line, status 130
+    from experiments._interrupt import exit_on_interrupt
+
+    exit_on_interrupt("python -m experiments.traffic")
+
 import argparse
 import json
-import subprocess
+import shlex
 import sys
-from dataclasses import dataclass
+import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import pandas as pd
 from tqdm import tqdm
 
-from experiments._common import OneLineParser, folder_problem, is_file, save_small_png
+from experiments._common import (
+    BadFile,
+    Column,
+    OneLineParser,
+    Schema,
+    check_rows,
+    file_sha256,
+    folder_problem,
+    is_file,
+    output_problem,
+    read_meta,
+    read_table,
+    runs_folder,
+    save_small_png,
+    write_csv,
+    write_meta,
+    write_text,
+)
 from lowprec import models
 from lowprec import traffic as tr
 
+SOURCE = "experiments.traffic"
+PROG = "python -m " + SOURCE
 GIB = 2**30
-REPO = Path(__file__).resolve().parent.parent
 DEVICE = "cpu (arithmetic only)"
+SWEEPS = ("window", "spec", "memory")
+# models whose sweeps are committed under results/: their default run regenerates them
+REGENERATE_MODELS = ("nemotron3-super", "qwen3-next-80b")
+FLOAT_FORMAT = "%.10g"
+NUMBER = r"-?(\d+(\.\d*)?|\.\d+)(e[+-]?\d+)?"  # what '%.10g' writes
+
+
+def _schema(sweep: str) -> Schema:
+    """The columns of a sweep's CSV, their types and ranges, and its key."""
+    text = tuple(Column(n) for n in ("model", "scheme", "read_format", "recurrence_format",
+                                     "record_layout"))
+    head = (Column("sweep", choices=(sweep,)), *text, Column("window", int, minimum=0),
+            Column("verified", int, minimum=1))
+    flow = tuple(Column(n, float, pattern=NUMBER, minimum=0.0) for n in (
+        "bytes_per_token", "mib_per_token", "state_read_per_token", "state_write_per_token",
+        "record_read_per_token", "record_write_per_token", "steps_per_token"))
+    names = ("scheme", "read_format", "recurrence_format", "record_layout")
+    if sweep == "window":
+        return Schema((*head, Column("committed", int, minimum=1), *flow,
+                       Column("ratio_to_conventional", float, pattern=NUMBER, minimum=0.0)),
+                      keys=(*names, "window"))
+    if sweep == "spec":
+        return Schema((*head, Column("committed", int, minimum=1),
+                       Column("acceptance", float, pattern=NUMBER, minimum=0.0, maximum=1.0),
+                       *flow), keys=(*names, "verified", "committed"))
+    return Schema((*head, Column("context", int, minimum=0),
+                   Column("per_layer_bytes", int, minimum=1),
+                   Column("per_request_bytes", int, minimum=1),
+                   Column("memory_gib", float, pattern=NUMBER, minimum=0.0),
+                   Column("requests", int, minimum=0)),
+                  keys=(*names, "verified", "context", "memory_gib"))
+
+
+SCHEMAS = {sweep: _schema(sweep) for sweep in SWEEPS}
 
 
 @dataclass(frozen=True)
@@ -47,7 +119,7 @@ class Config:
     """What to evaluate. Defaults reproduce the committed results."""
 
     model: str = "nemotron3-super"
-    out_dir: Path = REPO / "results"
+    out_dir: Path = Path("results")
     windows: tuple[int, ...] = tuple(range(1, 65))
     # Formats of the one shared checkpoint / the conventional state.
     shared_formats: tuple[str, ...] = ("fp32", "fp16", "fp8_e4m3", "mxfp4", "nvfp4")
@@ -66,24 +138,6 @@ class Config:
     contexts: tuple[int, ...] = (0, 32768)
     summary_only: bool = False
     make_plots: bool = True
-
-
-def git_commit() -> str:
-    """Short hash of HEAD, `+dirty` when the tree has changes; "unknown" outside a commit."""
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return head + ("+dirty" if dirty else "")
 
 
 # --------------------------------------------------------------------------------------------
@@ -309,20 +363,69 @@ def summary(config: Config) -> dict:
     }
 
 
-def run(config: Config) -> pd.DataFrame:
-    """Write the three CSVs (and the summary JSON) for `config.model`; return all rows."""
-    out = Path(config.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    commit = git_commit()
+def csv_path(config: Config, sweep: str) -> Path:
+    return Path(config.out_dir) / f"traffic_{sweep}_{config.model}.csv"
+
+
+def summary_path(config: Config) -> Path:
+    return Path(config.out_dir) / f"traffic_summary_{config.model}.json"
+
+
+def meta_file(config: Config) -> Path:
+    return Path(config.out_dir) / f"traffic_{config.model}.meta.json"
+
+
+def outputs(config: Config) -> list[Path]:
+    """Every file a run writes, plots included when asked for."""
+    files = [csv_path(config, s) for s in SWEEPS] + [summary_path(config), meta_file(config)]
+    if config.make_plots:
+        files += [csv_path(config, s).with_suffix(".png") for s in SWEEPS]
+    return files
+
+
+def run(config: Config, command: str = PROG) -> pd.DataFrame:
+    """Write the three CSVs, the summary JSON and the meta.json for `config.model`, each
+    atomically; return all rows."""
+    start = time.perf_counter()
     frames = []
     for name, sweep in (("window", window_sweep), ("spec", spec_sweep), ("memory", memory_sweep)):
-        frame = sweep(config).assign(git_commit=commit, device=DEVICE)
-        frame.to_csv(out / f"traffic_{name}_{config.model}.csv", index=False, float_format="%.10g")
+        frame = sweep(config)
+        write_csv(frame, csv_path(config, name), float_format=FLOAT_FORMAT)
         frames.append(frame)
-    with open(out / f"traffic_summary_{config.model}.json", "w") as f:
-        json.dump({**summary(config), "git_commit": commit}, f, indent=2)
-        f.write("\n")
+    write_text(summary_path(config), json.dumps(summary(config), indent=2) + "\n")
+    settings = {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(config).items()
+                if k not in ("out_dir", "summary_only", "make_plots")}
+    files = {}
+    for name in SWEEPS:
+        path = csv_path(config, name)
+        files[path.name] = {"rows": len(frames[SWEEPS.index(name)]), "sha256": file_sha256(path)}
+    # one meta for the run's files; write_meta names it after its first argument
+    write_meta(meta_file(config).with_name(f"traffic_{config.model}.csv"), command,
+               time.perf_counter() - start, settings, device="cpu",
+               extra={"experiment": SOURCE, "device": DEVICE, "files": files})
     return pd.concat(frames, ignore_index=True)
+
+
+def read_sweep(csv: str | Path) -> pd.DataFrame:
+    """A sweep CSV written by ``run``, checked against its sweep's schema and the sha256 its
+    meta.json recorded; ``BadFile`` (one line naming the file and the line) otherwise."""
+    csv = Path(csv)
+    sweep = next((s for s in SWEEPS if csv.name.startswith(f"traffic_{s}_")), None)
+    if sweep is None or csv.suffix != ".csv":
+        raise BadFile(f"{csv}: expected a traffic_{{window,spec,memory}}_<model>.csv")
+    model = csv.stem[len(f"traffic_{sweep}_"):]
+    frame = read_table(csv, SCHEMAS[sweep])
+    check_rows(csv, frame["model"] != model, f"model: expected {model!r} (the file's name)",
+               frame["model"])
+    meta_json = csv.with_name(f"traffic_{model}.meta.json")
+    meta = read_meta(meta_json)
+    recorded = meta.get("files", {}).get(csv.name)
+    if not meta["command"].startswith(PROG) or not isinstance(recorded, dict):
+        raise BadFile(f"{meta_json}: records no {csv.name} of {SOURCE}")
+    if file_sha256(csv) != recorded.get("sha256"):
+        raise BadFile(f"{csv}: its bytes differ from those {meta_json.name} recorded "
+                      f"({recorded.get('rows')} rows): changed or cut after it was written")
+    return frame
 
 
 # --------------------------------------------------------------------------------------------
@@ -357,51 +460,46 @@ def _plain_log_y(ax) -> None:
     ax.grid(True, which="both", lw=0.3, alpha=0.5)
 
 
-def _plot_window(df: pd.DataFrame, ax_shared, ax_two) -> None:
+def _plot_window(df: pd.DataFrame, axes) -> None:
+    """One panel per format of the shared checkpoint (conventional, ReplaySSM with the
+    kernel's and the conservative record layout: three series), then one panel per record
+    layout of the two-precision pairs (conventional fp32 and the pairs), shared y axis."""
+    shared_formats = list(dict.fromkeys(df[df.scheme == "replay_shared"].read_format))
+    layouts = list(dict.fromkeys(df[df.scheme == "two_precision"].record_layout))
     conventional = df[df.scheme == "conventional"]
-    for fmt, rows in conventional.groupby("read_format", sort=False):
-        for ax in (ax_shared,) if fmt != "fp32" else (ax_shared, ax_two):
-            ax.plot(
-                rows.window,
-                rows.mib_per_token,
-                ":",
-                color=FORMAT_COLORS.get(fmt),
-                label=f"conventional {fmt}",
-            )
-    for (fmt, layout), rows in df[df.scheme == "replay_shared"].groupby(
-        ["read_format", "record_layout"], sort=False
-    ):
-        ax_shared.plot(
-            rows.window,
-            rows.mib_per_token,
-            LAYOUT_STYLES[layout],
-            color=FORMAT_COLORS.get(fmt),
-            label=f"ReplaySSM {fmt} ({layout})",
-        )
+
+    def least(ax, rows, color):
         best = rows.loc[rows.mib_per_token.idxmin()]
-        ax_shared.plot(best.window, best.mib_per_token, "o", color=FORMAT_COLORS.get(fmt), ms=3)
-    two = df[df.scheme == "two_precision"]
-    for (hi, lo, layout), rows in two.groupby(
-        ["recurrence_format", "read_format", "record_layout"], sort=False
-    ):
-        color = FORMAT_COLORS.get(lo) if hi == "fp16" else "black"
-        ax_two.plot(
-            rows.window,
-            rows.mib_per_token,
-            LAYOUT_STYLES[layout],
-            color=color,
-            label=f"{hi} + {lo} ({layout})",
-        )
-        best = rows.loc[rows.mib_per_token.idxmin()]
-        ax_two.plot(best.window, best.mib_per_token, "o", color=color, ms=3)
-    ax_shared.set_title("one shared checkpoint (format)")
-    ax_two.set_title("two precisions (recurrence + read copy)")
-    for ax in (ax_shared, ax_two):
+        ax.plot(best.window, best.mib_per_token, "o", color=color, ms=3)
+
+    for ax, fmt in zip(axes, shared_formats, strict=False):
+        color = FORMAT_COLORS.get(fmt)
+        rows = conventional[conventional.read_format == fmt]
+        ax.plot(rows.window, rows.mib_per_token, ":", color="0.4", label="conventional")
+        for layout, rows in df[(df.scheme == "replay_shared") & (df.read_format == fmt)].groupby(
+                "record_layout", sort=False):
+            ax.plot(rows.window, rows.mib_per_token, LAYOUT_STYLES[layout], color=color,
+                    label=f"ReplaySSM, {layout} records")
+            least(ax, rows, color)
+        ax.set_title(f"one shared checkpoint in {fmt}", fontsize=9)
+    for ax, layout in zip(axes[len(shared_formats):], layouts, strict=False):
+        rows = conventional[conventional.read_format == "fp32"]
+        ax.plot(rows.window, rows.mib_per_token, ":", color="0.4", label="conventional fp32")
+        two = df[(df.scheme == "two_precision") & (df.record_layout == layout)]
+        for (hi, lo), rows in two.groupby(["recurrence_format", "read_format"], sort=False):
+            color = FORMAT_COLORS.get(lo) if hi == "fp16" else "black"
+            ax.plot(rows.window, rows.mib_per_token, "-", color=color,
+                    label=f"recurrence {hi} + read {lo}")
+            least(ax, rows, color)
+        ax.set_title(f"two precisions, {layout} records", fontsize=9)
+    for i, ax in enumerate(axes):
         ax.axvline(16, color="0.8", lw=0.8, zorder=0)  # DESIGN.md's default window
-        ax.set_xlabel("window L (tokens per flush); dots: least traffic")
+        ax.set_xlabel("window L (tokens per flush)", fontsize=8)
         _plain_log_y(ax)
-        ax.legend(fontsize=6, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.16))
-    ax_shared.set_ylabel("MiB moved per token (per layer, per sequence)")
+        ax.tick_params(labelsize=7)
+        ax.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.2))
+        if i % 4 == 0:
+            ax.set_ylabel("MiB moved per token\n(per layer, per sequence)", fontsize=8)
 
 
 def _plot_spec(df: pd.DataFrame, ax_T, ax_acc) -> None:
@@ -477,7 +575,7 @@ def _plot_memory(df: pd.DataFrame, axes) -> None:
                      else f"SSM state at {context:,} tokens (no attention: no KV)" if no_kv
                      else f"SSM state + KV at {context:,} tokens")
         ax.grid(True, lw=0.3, alpha=0.5)
-        ax.legend(fontsize=6, loc="upper left")
+        ax.legend(fontsize=6, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.16))
     axes[0].set_ylabel("requests that fit")
 
 
@@ -489,21 +587,28 @@ def plot(csv: str | Path) -> Path:
     import matplotlib.pyplot as plt
 
     csv = Path(csv)
-    df = pd.read_csv(csv)
-    if df.empty or "sweep" not in df.columns:  # another CSV was an AttributeError
-        raise ValueError(f"csv: expected a traffic_{{window,spec,memory}} CSV, got {csv}")
+    df = read_sweep(csv)
     sweep = df.sweep.iloc[0]
     model = df.model.iloc[0]
-    if sweep == "memory":
-        ncols = df.context.nunique()
-    else:
-        ncols = 2
-    height = {"window": 5.4, "spec": 4.9, "memory": 4.2}.get(sweep, 4.2)
-    fig, axes = plt.subplots(1, ncols, figsize=(5.2 * ncols, height), squeeze=False)
-    axes = list(axes[0])
     if sweep == "window":
-        _plot_window(df, *axes)
-        title = "State-cache traffic per token against the window (T = 1)"
+        panels = (df[df.scheme == "replay_shared"].read_format.nunique()
+                  + df[df.scheme == "two_precision"].record_layout.nunique())
+        nrows = -(-panels // 4)
+        fig, grid = plt.subplots(nrows, 4, figsize=(15, 3.9 * nrows), sharey=True,
+                                 squeeze=False)
+        axes = list(grid.flat)
+        for ax in axes[panels:]:
+            ax.set_visible(False)
+        _plot_window(df, axes[:panels])
+        title = ("State-cache traffic per token against the window L (T = 1): conventional "
+                 "vs ReplaySSM; dots mark the least traffic")
+    else:
+        ncols = df.context.nunique() if sweep == "memory" else 2
+        height = {"spec": 4.9, "memory": 4.8}.get(sweep, 4.8)
+        fig, axes = plt.subplots(1, ncols, figsize=(5.2 * ncols, height), squeeze=False)
+        axes = list(axes[0])
+    if sweep == "window":
+        pass
     elif sweep == "spec":
         _plot_spec(df, *axes)
         title = "Speculative decoding: traffic per committed token"
@@ -512,10 +617,10 @@ def plot(csv: str | Path) -> Path:
         title = "Requests whose decode cache fits in memory (whole model)"
     else:
         raise ValueError(f"csv: expected a traffic_{{window,spec,memory}} CSV, got sweep {sweep!r}")
-    fig.suptitle(f"{title} - {model} (commit {df.git_commit.iloc[0]})", fontsize=9)
+    fig.suptitle(f"{title} - {model}", fontsize=9)
     fig.tight_layout()
     png = csv.with_suffix(".png")
-    save_small_png(fig, png)
+    save_small_png(fig, png, dpi=150, source=SOURCE)
     plt.close(fig)
     return png
 
@@ -528,45 +633,71 @@ def plot(csv: str | Path) -> Path:
 MAX_WINDOW = 65536  # --window's limit: it took 15 s here (2026-12-01), the time linear in L
 
 
+OUTPUT_RULE = f"""where outputs go (paths relative to the current folder):
+  --model in {", ".join(REGENERATE_MODELS)}, default --window and --spec-verified:
+                 results/ (the committed results' regenerate command)
+  --out DIR      DIR, every file of the run
+  anything else  runs/traffic_<model>_<settings>/ (git-ignored); the output line says where
+  a file there that is not this experiment's output is replaced only with --force"""
+
+
 def _folder(text: str) -> Path:
-    """--out's folder; an empty one (an unset shell variable) was the current folder."""
+    """--out's folder; an empty one (an unset shell variable) would be the current folder."""
     if not text.strip():
         raise argparse.ArgumentTypeError(f"expected a folder, got {text!r}")
     return Path(text)
 
 
+def default_folder(model: str, window: int, spec_verified: int) -> Path:
+    """results/ for a committed model at the default settings, else a runs/ folder named by
+    the settings."""
+    if model in REGENERATE_MODELS and (window, spec_verified) == (
+            Config.window, Config.spec_verified):
+        return Path("results")
+    words = [model] + ([f"window-{window}"] if window != Config.window else []) + (
+        [f"spec-verified-{spec_verified}"] if spec_verified != Config.spec_verified else [])
+    return runs_folder("traffic", words)
+
+
 def parse_args(argv: list[str] | None = None) -> Config:
+    return _parse(argv)[0]
+
+
+def _parse(argv: list[str] | None = None):
+    """(config, parser, whether --plot-only was given)."""
     parser = OneLineParser(
-        prog="python -m experiments.traffic",
+        prog=PROG,
         description=(
             "Memory traffic and capacity of SSM decoding: bytes per committed token for "
             "conventional decoding, ReplaySSM (shared checkpoint or two precisions) and "
             "speculative decoding (snapshots vs ReplaySSM), per layer and per sequence. "
-            "Writes traffic_{window,spec,memory}_<model>.csv/.png and "
-            "traffic_summary_<model>.json under --out."
+            "Writes traffic_{window,spec,memory}_<model>.csv/.png, "
+            "traffic_summary_<model>.json and traffic_<model>.meta.json."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog=OUTPUT_RULE,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
         "--model",
         default=Config.model,
         choices=models.names(),
-        help="model shape (lowprec/models.py)",
+        help=f"model shape (lowprec/models.py; default {Config.model})",
     )
-    parser.add_argument("--out", type=_folder, default=Config.out_dir, help="output folder")
+    parser.add_argument("--out", type=_folder, default=None,
+                        help="output folder (default: see 'where outputs go' below)")
     parser.add_argument(
         "--window",
         type=int,
         default=Config.window,
         help="ReplaySSM window L for the speculative and memory sweeps and the summary (the "
-        "speculative sweep's T runs up to 8 or L, whichever is smaller)",
+        f"speculative sweep's T runs up to 8 or L, whichever is smaller; default {Config.window})",
     )
     parser.add_argument(
         "--spec-verified",
         type=int,
         default=Config.spec_verified,
         help="tokens verified per step T for the summary's 'spec' entry and the memory sweep; "
-        "at most --window",
+        f"at most --window (default {Config.spec_verified})",
     )
     parser.add_argument(
         "--summary",
@@ -574,6 +705,11 @@ def parse_args(argv: list[str] | None = None) -> Config:
         help="print the summary as one JSON object on stdout and write nothing",
     )
     parser.add_argument("--no-plot", action="store_true", help="write the CSVs only")
+    parser.add_argument("--plot-only", action="store_true",
+                        help="compute nothing: redraw the PNGs from the output folder's CSVs, "
+                        "refusing a CSV that is not complete and unchanged")
+    parser.add_argument("--force", action="store_true",
+                        help="replace files that are not this experiment's output")
     args = parser.parse_args(argv)
     if not 1 <= args.window <= MAX_WINDOW:  # the speculative cycles take time linear in L
         parser.error(f"--window: expected an integer in [1, {MAX_WINDOW}], got {args.window}")
@@ -584,39 +720,59 @@ def parse_args(argv: list[str] | None = None) -> Config:
         # replay_spec cycle and its closed form assume
         parser.error(f"--spec-verified: expected T <= the window L = {args.window} (--window), "
                      f"got {args.spec_verified}")
-    if not args.summary and is_file(args.out):
-        parser.error(f"--out: expected a folder, got the file {args.out}")
-    if not args.summary and (problem := folder_problem(args.out)):
-        parser.error(f"--out: cannot write under {args.out}: {problem}")
-    return Config(
+    if args.plot_only and (args.summary or args.no_plot):
+        parser.error("--plot-only: draws the plots; not with --summary or --no-plot")
+    out = args.out if args.out is not None else default_folder(
+        args.model, args.window, args.spec_verified)
+    if not args.summary and is_file(out):
+        parser.error(f"--out: expected a folder, got the file {out}")
+    if not args.summary and (problem := folder_problem(out)):
+        parser.error(f"--out: cannot write under {out}: {problem}")
+    config = Config(
         model=args.model,
-        out_dir=args.out,
+        out_dir=out,
         verified=tuple(T for T in Config.verified if T <= args.window),  # T <= L as above
         window=args.window,
         spec_verified=args.spec_verified,
         summary_only=args.summary,
         make_plots=not args.no_plot,
     )
+    if not args.summary and not args.force:
+        written = outputs(config)
+        if args.plot_only:
+            written = [p for p in written if p.suffix == ".png"]
+        for path in written:
+            header = SCHEMAS[path.stem.split("_")[1]].header if path.suffix == ".csv" else None
+            if problem := output_problem(path, SOURCE, header):
+                parser.error(f"--out: {problem}")
+    return config, parser, args.plot_only
 
 
 def main(argv: list[str] | None = None) -> None:
-    config = parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    config, parser, plot_only = _parse(argv)
     if config.summary_only:
         json.dump(summary(config), sys.stdout)
         sys.stdout.write("\n")
         return
     try:  # the checks before (os.access) say yes to root for paths it cannot write
-        run(config)
-        if config.make_plots:
-            for name in ("window", "spec", "memory"):
-                plot(Path(config.out_dir) / f"traffic_{name}_{config.model}.csv")
+        if plot_only:
+            for name in SWEEPS:
+                plot(csv_path(config, name))
+        else:
+            run(config, " ".join([PROG, *map(shlex.quote, argv)]))
+            if config.make_plots:
+                for name in SWEEPS:
+                    plot(csv_path(config, name))
     except OSError as error:
-        print(f"python -m experiments.traffic: error: cannot write under {config.out_dir}: "
-              f"{error}", file=sys.stderr)
-        sys.exit(2)
-    kinds = "{csv,png}" if config.make_plots else "csv"
-    print(f"wrote traffic_{{window,spec,memory}}_{config.model}.{kinds} and "
-          f"traffic_summary_{config.model}.json under {config.out_dir}", file=sys.stderr)
+        parser.exit(2, f"{PROG}: error: cannot write under {config.out_dir}: {error}\n")
+    except BadFile as error:
+        parser.exit(2, f"{PROG}: error: --plot-only: {error}\n")
+    kinds = "png" if plot_only else "{csv,png}" if config.make_plots else "csv"
+    extra = "" if plot_only else (f", traffic_summary_{config.model}.json and "
+                                  f"traffic_{config.model}.meta.json")
+    print(f"wrote traffic_{{window,spec,memory}}_{config.model}.{kinds}{extra} under "
+          f"{config.out_dir}", file=sys.stderr)
 
 
 if __name__ == "__main__":

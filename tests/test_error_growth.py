@@ -67,7 +67,7 @@ def test_separate_exact_is_exact_before_the_first_flush_and_at_every_flush(tmp_p
     arms = eg.parse_arms("separate_exact", "fp8_e4m3_row,nvfp4", "rn")
     c = _config(tmp_path, recurrence=recurrence, arms=arms, dk=32, steps=80, window=16)
     frame = eg.run(c)
-    exact_steps = (frame["step"] <= c.window) | (frame["step"] % c.window == 0)
+    exact_steps = (frame["step"] <= c.window[0]) | (frame["step"] % c.window[0] == 0)
     assert (frame.loc[exact_steps, "rel_err"] == 0.0).all()
     assert (frame.loc[~exact_steps, "rel_err"] > 0.0).all()
 
@@ -94,13 +94,14 @@ def test_separate_exact_error_never_exceeds_one_checkpoint_rounding(recurrence, 
         steps=90,
         window=16,
         memory=(eg.parse_memory("long"), eg.parse_memory("short")),
-        arms=(eg.ArmSpec("separate_exact", fmt, "rn"),),
+        arms=(eg.ArmSpec.separate("fp64", "rn", fmt),),
         progress=False,
     )
     batch = len(c.memory) * c.seeds
     exact = Simulator(recurrence, make_policy("exact", "fp64"), batch, c.heads, c.dv, c.dk)
     sim = Simulator(
-        recurrence, make_policy("separate_exact", fmt, window=c.window), batch, c.heads, c.dv, c.dk
+        recurrence, make_policy("separate_exact", fmt, window=c.window[0]), batch, c.heads,
+        c.dv, c.dk,
     )
     rounding_error = torch.zeros(batch, c.heads, c.dv, c.dk, dtype=torch.float64)
     checked = 0
@@ -132,7 +133,7 @@ def test_every_step_rn_fp16_short_memory_stays_near_unit_roundoff(tmp_path):
     c = _config(
         tmp_path,
         memory=(eg.parse_memory("short"),),
-        arms=(eg.ArmSpec("every_step", "fp16", "rn"),),
+        arms=(eg.ArmSpec.single("every_step", "fp16", "rn"),),
         steps=2000,
     )
     err = eg.run(c).set_index(["seed", "step"])["rel_err"] / FP16_U
@@ -152,9 +153,10 @@ def test_long_memory_orders_the_arms_as_the_design_says(tmp_path):
     c = _config(tmp_path, memory=(eg.parse_memory("long"),), arms=arms, dk=32, steps=1024)
     means = eg.window_means(eg.run(c)).set_index(["arm", "window_index"])["median"]
     first, last = 4, 63  # windows of steps 65..80 and 1009..1024
-    assert means[("every_step", last)] > 2 * means[("every_step", first)]
-    assert means[("separate_exact", last)] < 2 * means[("separate_exact", first)]
-    assert means[("every_step", last)] > means[("shared", last)] > means[("separate_exact", last)]
+    every, shared, separate = (a.label for a in arms)
+    assert means[(every, last)] > 2 * means[(every, first)]
+    assert means[(separate, last)] < 2 * means[(separate, first)]
+    assert means[(every, last)] > means[(shared, last)] > means[(separate, last)]
 
 
 def test_inputs_of_a_seed_do_not_depend_on_other_seeds_or_memory(tmp_path):
@@ -263,8 +265,8 @@ def _compare(reference, emulation, window):
     """The reference's rows with the emulation's rel_err beside them and each row's class."""
     frame = reference.assign(emulated=emulation["rel_err"])
     flush = frame["step"] % window == 0
-    fp16_limited = ((frame["arm"] == "every_step") & (frame["format"] == "fp16")) | (
-        (frame["arm"] == "separate_fp16sr") & flush
+    fp16_limited = (frame["arm"] == "every_step:fp16:rn") | (
+        frame["arm"].str.startswith("separate:fp16:sr:") & flush
     )
     return frame.assign(exact=frame["rel_err"] == 0, fp16_limited=fp16_limited)
 
@@ -315,9 +317,9 @@ def test_emulation_is_exact_to_fp32_where_the_reference_is_exact(backend_csvs):
     x 4 sequences); the emulation's is fp32 arithmetic (and an fp32 recurrence copy), below
     FP32_FLOOR."""
     reference, emulation, c = backend_csvs
-    frame = _compare(reference, emulation, c.window)
+    frame = _compare(reference, emulation, c.window[0])
     exact = frame[frame["exact"]]
-    assert len(exact) == 3 * 4 * c.window + 11 * 4
+    assert len(exact) == 3 * 4 * c.window[0] + 11 * 4
     assert exact["emulated"].max() <= FP32_FLOOR, exact.nlargest(3, "emulated")
 
 
@@ -326,7 +328,7 @@ def test_emulation_matches_coarse_format_errors_step_by_step(backend_csvs):
     """Where a coarse format sets the error (nvfp4 and fp8 read copies, the nvfp4 SR state),
     every row agrees: |emulated - reference| <= COARSE_RTOL * reference + FP32_FLOOR."""
     reference, emulation, c = backend_csvs
-    frame = _compare(reference, emulation, c.window)
+    frame = _compare(reference, emulation, c.window[0])
     coarse = frame[~frame["exact"] & ~frame["fp16_limited"]]
     assert len(coarse) == 4 * 48 + 3 * 4 * 33  # every_step nvfp4; non-flush steps after L
     gap = (coarse["emulated"] - coarse["rel_err"]).abs()
@@ -340,9 +342,9 @@ def test_emulation_matches_fp16_limited_errors_on_average(backend_csvs):
     single values may differ by a flipped rounding, so the mean rel_err of each arm, format
     and memory agrees within FP16_MEAN_RTOL."""
     reference, emulation, c = backend_csvs
-    frame = _compare(reference, emulation, c.window)
+    frame = _compare(reference, emulation, c.window[0])
     limited = frame[~frame["exact"] & frame["fp16_limited"]]
-    means = limited.groupby(["arm", "format", "memory"])[["rel_err", "emulated"]].mean()
+    means = limited.groupby(["arm", "memory"])[["rel_err", "emulated"]].mean()
     assert len(means) == 3 * 2
     ratio = means["emulated"] / means["rel_err"]
     assert ((ratio - 1).abs() <= FP16_MEAN_RTOL).all(), ratio
@@ -363,22 +365,29 @@ def test_emulation_backend_refuses_gdn_in_one_line(capsys):
 
 
 def test_csv_has_exactly_the_tidy_columns_and_one_row_per_step(tmp_path):
-    """Header line exactly CSV_COLUMNS; one row per (arm, format, rounding, memory, window,
-    seed, step); separate arms' rounding is 'rn'; memory 'LO,HI' is written 'LO..HI'."""
+    """Header line exactly CSV_COLUMNS; one row per (arm, memory, window, seed, step); the
+    arm column is canonical and the hi/lo columns spell it out (a separate arm's read copy
+    'rn'); memory 'LO,HI' is written 'LO..HI'."""
     arms = eg.parse_arms("every_step,separate_fp16sr", "fp16,mxfp4", "rn,sr")
     memory = (eg.parse_memory("short"), eg.parse_memory("0.99,0.999"))
     c = _config(tmp_path, arms=arms, memory=memory, dk=64, steps=37, seed0=5)
     eg.run(c)
     text = Path(c.out).read_text()
     assert text.splitlines()[0] == ",".join(eg.CSV_COLUMNS)
-    assert text.splitlines()[0] == "recurrence,arm,format,rounding,memory,window,seed,step,rel_err"
+    assert text.splitlines()[0] == ("recurrence,arm,hi_format,hi_rounding,lo_format,lo_rounding,"
+                                    "memory,window,seed,step,rel_err")
     frame = pd.read_csv(c.out)
     assert len(frame) == 6 * 2 * 3 * 37  # 6 arms: every_step x 2 formats x 2 roundings + 2
-    keys = ["arm", "format", "rounding", "memory", "window", "seed", "step"]
+    keys = ["arm", "memory", "window", "seed", "step"]
     assert not frame.duplicated(keys).any()
+    assert set(frame["arm"]) == {"every_step:fp16:rn", "every_step:fp16:sr", "every_step:mxfp4:rn",
+                                 "every_step:mxfp4:sr", "separate:fp16:sr:fp16",
+                                 "separate:fp16:sr:mxfp4"}
+    sep = frame[frame["arm"] == "separate:fp16:sr:mxfp4"]
+    assert set(zip(sep["hi_format"], sep["hi_rounding"], sep["lo_format"], sep["lo_rounding"],
+                   strict=True)) == {("fp16", "sr", "mxfp4", "rn")}
     assert set(frame["memory"]) == {"short", "0.99..0.999"}
     assert set(frame["seed"]) == {5, 6, 7}
-    assert set(frame.loc[frame["arm"] == "separate_fp16sr", "rounding"]) == {"rn"}
     assert frame["step"].min() == 1 and frame["step"].max() == 37
     assert (frame["recurrence"] == "mamba2").all() and (frame["window"] == 16).all()
     assert frame["rel_err"].dtype == float and frame["rel_err"].notna().all()
@@ -423,9 +432,9 @@ def test_plot_and_summary_read_the_csv(tmp_path):
     assert list(table.columns) == ["t=64", "t=96 (last)"]
     assert len(table) == 3 * 2
     means = eg.window_means(frame)
-    at64 = means[(means["arm"] == "every_step") & (means["memory"] == "long")]
+    at64 = means[(means["arm"] == "every_step:fp16:sr") & (means["memory"] == "long")]
     at64 = at64[at64["window_index"] == 3]["median"].item()
-    assert table.loc[("every_step", "fp16", "sr", "long"), "t=64"] == at64
+    assert table.loc[("every_step:fp16:sr", "long"), "t=64"] == at64
 
 
 def test_short_runs_keep_labelled_ticks_on_both_log_axes():
@@ -460,21 +469,23 @@ def test_presets_match_the_issue():
         8,
         32,
         4096,
-        16,
+        (16,),
     )
     assert [m.name for m in toy.memory] == ["long", "short"]
     assert [a.label for a in toy.arms] == [
         "every_step:fp8_e4m3_row:rn",
         "every_step:fp8_e4m3_row:sr",
         "shared:fp8_e4m3_row:sr",
-        "separate_exact:fp8_e4m3_row",
+        "separate:fp64:rn:fp8_e4m3_row",
     ]
     assert toy.out == "results/error_growth_toy.csv" and toy.plot == "results/error_growth_toy.png"
     default = eg.config_from_args(parser.parse_args(["--preset", "default", "--steps", "99"]))
     assert (default.dv, default.dk, default.steps) == (64, 128, 99)
     assert default.heads > 1 and default.seeds > 1
-    assert {a.arm for a in default.arms} == set(eg.ARMS)
-    assert {a.fmt for a in default.arms} == {"fp16", "fp8_e4m3", "nvfp4", "mxfp4"}
+    assert {a.scheme for a in default.arms} == set(eg.SCHEMES)
+    assert {(a.hi_format, a.hi_rounding) for a in default.arms if a.scheme == "separate"} == {
+        ("fp64", "rn"), ("fp16", "sr")}
+    assert {a.lo_format for a in default.arms} == {"fp16", "fp8_e4m3", "nvfp4", "mxfp4"}
     assert len(default.arms) == 16
 
 
@@ -528,7 +539,7 @@ def test_bad_arguments_give_one_line_and_exit_status_2(tmp_path, capsys, argv):
 def test_bad_output_paths_are_one_line_errors_before_the_run(tmp_path, capsys, where):
     """--out naming a folder or a path under a file (like /dev/null/x.csv), or --plot naming a
     folder, a path under a file or a file type matplotlib cannot write, is an argument error
-    before anything is simulated (it was a traceback after)."""
+    before anything is simulated."""
     (tmp_path / "file").write_text("")
     paths = {
         "out folder": ["--out", str(tmp_path)],
@@ -552,14 +563,14 @@ def test_bad_output_paths_are_one_line_errors_before_the_run(tmp_path, capsys, w
 
 def test_exact_arms_are_plotted_and_a_window_past_the_run_is_noted(tmp_path, capsys):
     """An arm at rel_err 0 everywhere is a result (fp64 rounds nothing; separate_exact never
-    flushes when L > steps): the log plot used to crash on it after the CSV was written."""
+    flushes when L > steps): the plot draws it on a linear zero line."""
     out = tmp_path / "exact.csv"
     argv = ["--arms", "every_step:fp64:sr,every_step:fp16:rn,separate_exact:fp16", "--steps",
             "23", "--window", "37", "--seeds", "2", "--dv", "3", "--dk", "5", "--memory", "short",
             "--no-progress", "--out", str(out)]
     assert eg.main(argv) == 0
     frame = eg.read_csv(out)
-    exact = frame["format"].eq("fp64") | frame["arm"].eq("separate_exact")
+    exact = frame["lo_format"].eq("fp64") | frame["arm"].eq("separate:fp64:rn:fp16")
     assert (frame.loc[exact, "rel_err"] == 0).all() and (frame.loc[~exact, "rel_err"] > 0).all()
     assert (tmp_path / "exact.png").stat().st_size > 10_000
     notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note:")]
@@ -688,29 +699,9 @@ def test_custom_memory_ranges_keep_their_exact_bounds():
             eg.Config(memory=tuple(map(eg.parse_memory, ranges)), steps=4)
 
 
-def test_replot_refuses_a_csv_that_is_not_one_run(tmp_path, capsys):
-    """--replot of a CSV with no rows, a non-number, or two runs' rows (two windows) is a
-    one-line error (they were a traceback, or a plot titled with the first row's L)."""
-    good = tmp_path / "good.csv"
-    assert eg.main(["--steps", "32", "--seeds", "2", "--arms", "shared:fp16", "--memory",
-                    "short", "--no-progress", "--plot", "none", "--out", str(good)]) == 0
-    frame = eg.read_csv(good)
-    capsys.readouterr()
-    bad = {"empty": frame.iloc[:0],
-           "text": frame.astype({"rel_err": object}).assign(rel_err="abc"),
-           "two runs": pd.concat([frame, frame.assign(window=8)])}
-    for name, part in bad.items():
-        path = tmp_path / f"{name}.csv"
-        part.to_csv(path, index=False)
-        err = _one_line_error(["--replot", "--out", str(path), "--plot", "none"], capsys)
-        assert {"empty": "no rows", "text": "numbers in the column 'rel_err'",
-                "two runs": "expected one window"}[name] in err, err
-
-
 def test_runs_too_large_for_the_machine_are_refused_before_they_start(capsys):
-    """A run whose states or errors cannot fit in memory is refused up front (it was an
-    allocation failure after the progress bar started); a huge --log-grid is capped by the
-    windows there are."""
+    """A run whose states or errors cannot fit in memory is refused up front, before the
+    progress bar starts; a huge --log-grid is capped by the windows there are."""
     err = _one_line_error(["--seeds", "524288", "--heads", "2", "--dv", "64", "--dk", "128",
                            "--steps", "1", "--no-progress"], capsys)
     assert "size: this run needs about" in err and "GiB of host memory" in err
@@ -718,40 +709,24 @@ def test_runs_too_large_for_the_machine_are_refused_before_they_start(capsys):
     assert steps.tolist() == sorted(set(steps.tolist())) and steps[0] == 1 and steps[-1] == 100
 
 
+FP16_SR = dict(hi_format="fp16", hi_rounding="sr", lo_format="fp16", lo_rounding="sr")
+
+
 def test_summary_columns_name_distinct_windows():
     """A summary step in the last window would repeat its column: with L = 1000 and 5,000
     steps, t = 4,096 lies in the window of step 5,000, so only t = 64, 1,024 and the last."""
-    rows = [dict(recurrence="mamba2", arm="shared", format="fp16", rounding="sr", memory="short",
+    rows = [dict(recurrence="mamba2", arm="shared:fp16:sr", **FP16_SR, memory="short",
                  window=1000, seed=0, step=t, rel_err=1e-3 * (1 + t / 5000))
             for t in range(1, 5001)]
     table = eg.summarize(pd.DataFrame(rows, columns=list(eg.CSV_COLUMNS)))
     assert list(table.columns) == ["t=64", "t=1024", "t=5000 (last)"]
 
 
-def test_a_stopped_run_exits_nonzero(tmp_path, monkeypatch, capsys):
-    """A run stopped by SIGINT/SIGTERM keeps its whole windows, plots and summarises them, and
-    exits with 130, so that a script chaining the next step does not take it for done."""
-    real_run = eg.run
-
-    def stopped_run(config):
-        frame = real_run(dataclasses.replace(config, steps=32))
-        frame.attrs["steps_done"] = 32
-        return frame
-
-    monkeypatch.setattr(eg, "run", stopped_run)
-    out = tmp_path / "s.csv"
-    status = eg.main(["--steps", "64", "--seeds", "2", "--arms", "shared:fp16", "--memory",
-                      "short", "--no-progress", "--out", str(out)])
-    assert status == eg.STOPPED_STATUS == 130
-    assert "stopped after step 32 of 64" in capsys.readouterr().err
-    assert (tmp_path / "s.png").exists()
-
-
 def test_at_prints_the_windows_holding_the_steps_asked_for(capsys):
     """--at 112,192 gives the window means of those windows (the medians over seeds that
     window_means computes), in the order asked; a step the log grid did not record reads
     '-'; a step past the last whole window, 0, or a repeat is a one-line error."""
-    rows = [dict(recurrence="mamba2", arm="shared", format="fp16", rounding="sr", memory="long",
+    rows = [dict(recurrence="mamba2", arm="shared:fp16:sr", **FP16_SR, memory="long",
                  window=16, seed=seed, step=t, rel_err=1e-3 * (1 + seed) * (1 + t / 7))
             for seed in range(3) for t in [*range(1, 33), *range(97, 113), *range(177, 209)]]
     frame = pd.DataFrame(rows, columns=list(eg.CSV_COLUMNS))
@@ -782,14 +757,14 @@ def test_at_past_the_csv_is_refused(tmp_path, capsys):
 
 
 def test_seeds_past_int64_are_written_and_read_back(tmp_path, capsys):
-    """--seed0 takes any Philox key below 2^64: a seed past 2^63 - 1 was an OverflowError
-    after the whole run, with nothing written."""
+    """--seed0 takes any Philox key below 2^64: seeds past 2^63 - 1 are written as uint64 and
+    read back."""
     out = tmp_path / "big.csv"
     argv = ["--seed0", str(2**64 - 2), "--seeds", "2", "--steps", "16", "--arms", "shared:fp16",
             "--memory", "short", "--no-progress", "--plot", "none", "--out", str(out)]
     assert eg.main(argv) == 0
     printed = capsys.readouterr().out
-    seeds = {int(line.split(",")[6]) for line in out.read_text().splitlines()[1:]}
+    seeds = {int(line.split(",")[8]) for line in out.read_text().splitlines()[1:]}
     assert seeds == {2**64 - 2, 2**64 - 1}
     assert eg.main(["--replot", "--out", str(out), "--plot", "none"]) == 0
     assert capsys.readouterr().out == printed
@@ -820,9 +795,291 @@ def test_an_empty_output_path_is_refused(tmp_path, capsys, monkeypatch):
 
 
 def test_replot_refuses_the_settings_of_a_run(capsys):
-    """--replot draws the CSV as it was run: --steps, --memory, --arms ... given with it were
-    ignored (--steps 100 drew all 4,096 steps of the toy CSV)."""
+    """--replot draws the CSV as its run wrote it: --steps, --memory, --arms ... given with it
+    are refused rather than ignored."""
     for flag, value in (("--steps", "100"), ("--memory", "short"), ("--log-grid", "3")):
         err = _one_line_error(["--preset", "toy", "--replot", "--plot", "none", flag, value],
                               capsys)
         assert f"--replot: {flag} sets up a run" in err
+
+
+# --------------------------------------------------------------------------------------------
+# arms grammar, window lists, cells
+
+
+def test_arm_grammar_spells_every_recurrence_copy_and_keeps_the_aliases():
+    """separate:HI[:R]:READ pairs any recurrence copy with any read copy (RN); the aliases
+    are the same arms, dropped as duplicates; a missing read format expands over --formats."""
+    arms = eg.parse_arms("separate:bf16:sr:nvfp4,separate:fp8_e4m3:sr:nvfp4,separate:fp32:nvfp4,"
+                         "separate_fp16sr:nvfp4,separate:fp16:sr:nvfp4,separate_exact,"
+                         "separate:bf16:rn", "nvfp4,fp16", "sr")
+    assert [a.label for a in arms] == [
+        "separate:bf16:sr:nvfp4", "separate:fp8_e4m3:sr:nvfp4", "separate:fp32:rn:nvfp4",
+        "separate:fp16:sr:nvfp4", "separate:fp64:rn:nvfp4", "separate:fp64:rn:fp16",
+        "separate:bf16:rn:nvfp4", "separate:bf16:rn:fp16"]
+    policy = arms[0].policy(window=8, seed=3)
+    assert (policy.kind, policy.hi_fmt, policy.hi_rounding, policy.fmt, policy.rounding,
+            policy.window, policy.seed) == ("separate", "bf16", "sr", "nvfp4", "rn", 8, 3)
+    assert arms[2].policy(window=8, seed=3).seed == 0  # an RN recurrence copy draws no words
+    for item, message in (("separate", "HI_FORMAT"), ("separate:fp16:sr:nvfp4:x", "HI_FORMAT"),
+                          ("separate:fp16:xx:nvfp4", "not a rounding"),
+                          ("separate_fp16sr:nvfp4:sr", "RN"), ("every_step:fp16:rn:x", "FORMAT"),
+                          ("separate:fp7:sr:nvfp4", "fp7")):
+        with pytest.raises(ValueError, match=message):
+            eg.parse_arms(item, "nvfp4", "sr")
+
+
+def test_the_issue_command_runs_with_three_windows_in_one_csv(tmp_path, capsys):
+    """--arms separate:bf16:sr:nvfp4,separate:fp8_e4m3:sr:nvfp4 --window 8,16,32: one CSV
+    with a window column, each window on its own recorded grid, a summary per window."""
+    out = tmp_path / "w.csv"
+    assert eg.main(["--arms", "separate:bf16:sr:nvfp4,separate:fp8_e4m3:sr:nvfp4", "--window",
+                    "8,16,32", "--steps", "40", "--seeds", "2", "--memory", "long",
+                    "--no-progress", "--out", str(out)]) == 0
+    frame = eg.read_csv(out)
+    assert sorted(frame["window"].unique()) == [8, 16, 32]
+    assert len(frame) == 3 * 2 * 2 * 40
+    assert set(frame["hi_format"]) == {"bf16", "fp8_e4m3"} and set(frame["lo_format"]) == {
+        "nvfp4"}
+    printed = capsys.readouterr().out
+    assert all(f"mean over the {w}-step window" in printed for w in (8, 16, 32))
+    assert (tmp_path / "w.png").stat().st_size > 10_000
+
+
+def test_cells_computed_apart_and_merged_give_the_same_bytes(tmp_path):
+    """run_cell of each cell of cells(config), computed in reverse order with the exact
+    outputs recomputed, and merged by merge_cells, writes the CSV run() writes, byte for
+    byte (the sharding contract)."""
+    arms = eg.parse_arms("every_step:nvfp4:sr,shared:fp16:sr,separate_fp16sr:nvfp4", "nvfp4",
+                         "sr")
+    c = _config(tmp_path, arms=arms, dk=32, steps=37, window=(8, 16), log_grid=2)
+    eg.run(c)
+    grid = eg.cells(c)
+    assert [(cell.window, cell.arm.label) for cell in grid] == [
+        (w, a.label) for w in (8, 16) for a in arms]
+    frames = {}
+    for cell in reversed(grid):
+        eg._EXACT_CACHE.clear()
+        frames[cell.index] = eg.run_cell(c, cell)
+    eg.write_csv(eg.merge_cells(c, frames), tmp_path / "merged.csv")
+    assert (tmp_path / "merged.csv").read_bytes() == Path(c.out).read_bytes()
+
+
+# --------------------------------------------------------------------------------------------
+# reliability: atomic files, checked readers, output places
+
+
+def _good_run(tmp_path, *extra):
+    out = tmp_path / "good.csv"
+    assert eg.main(["--steps", "48", "--seeds", "2", "--arms", "shared:fp16:sr", "--memory",
+                    "short", "--log-grid", "2", "--no-progress", "--plot", "none", "--out",
+                    str(out), *extra]) == 0
+    return out
+
+
+CORRUPTIONS = {
+    # name: (edit of the CSV text, what the one-line error says)
+    "cut mid-number": (lambda t: t[:-6], "incomplete"),
+    "negative error": (lambda t: _edit_field(t, 2, -1, "-1.000000e-02"), "line 2: rel_err"),
+    "step past the run": (lambda t: _edit_field(t, 3, 9, "999"), "line 3: step"),
+    # --steps 48 --log-grid 2 records windows 1 and 3: step 20 lies in window 2
+    "step off the grid": (lambda t: _edit_field(t, 3, 9, "20"), "recorded grid"),
+    "row twice": (lambda t: t + t.splitlines()[1] + "\n", "the same"),
+    "exponent rewritten": (lambda t: _edit_field(t, 2, -1, "0.1019935"), "line 2: rel_err"),
+    "column missing": (lambda t: "\n".join(",".join(r.split(",")[:-1]) for r in
+                                           t.splitlines()) + "\n", "line 1: expected"),
+    "a word for a number": (lambda t: _edit_field(t, 4, 8, "five"), "line 4: seed"),
+    "arm and columns disagree": (lambda t: _edit_field(t, 2, 2, "bf16"), "line 2: hi_format"),
+    "a value changed": (lambda t: _edit_field(t, 2, -1, "9.999999e-01"), "differ"),
+    "empty": (lambda t: "", "empty"),
+}
+
+
+def _edit_field(text, line, column, value):
+    rows = text.splitlines()
+    fields = rows[line - 1].split(",")
+    fields[column] = value
+    rows[line - 1] = ",".join(fields)
+    return "\n".join(rows) + "\n"
+
+
+@pytest.mark.parametrize("name", CORRUPTIONS, ids=CORRUPTIONS)
+def test_replot_refuses_each_corruption_in_one_line_naming_file_and_line(tmp_path, capsys,
+                                                                          name):
+    """Each corruption of a good CSV is refused by --replot with exit status 2 and one line
+    that names the file (and the line where there is one); the good CSV replots."""
+    out = _good_run(tmp_path)
+    capsys.readouterr()
+    assert eg.main(["--replot", "--out", str(out), "--plot", "none"]) == 0
+    edit, message = CORRUPTIONS[name]
+    out.write_text(edit(out.read_text()))
+    capsys.readouterr()
+    err = _one_line_error(["--replot", "--out", str(out), "--plot", "none"], capsys)
+    assert str(out) in err and message in err, err
+
+
+def test_replot_refuses_a_stopped_run_and_a_csv_without_its_meta(tmp_path, capsys):
+    """A CSV whose meta.json says the run stopped, or that has no meta.json, is refused."""
+    out = _good_run(tmp_path)
+    capsys.readouterr()
+    meta = out.with_name("good.meta.json")
+    meta.write_text(meta.read_text().replace('"status": "complete"', '"status": "stopped"'))
+    assert "a stopped run" in _one_line_error(["--replot", "--out", str(out), "--plot", "none"],
+                                              capsys)
+    meta.unlink()
+    assert "not found" in _one_line_error(["--replot", "--out", str(out), "--plot", "none"],
+                                          capsys)
+
+
+def test_a_write_error_mid_write_leaves_the_previous_file_whole(tmp_path, capsys, monkeypatch):
+    """A write that fails after half its bytes (a full disk) leaves the final name as it was
+    (here: the previous complete CSV) and no temporary file; the command says so in one
+    line."""
+    from experiments import _common
+
+    out = _good_run(tmp_path)
+    capsys.readouterr()
+    before = out.read_bytes()
+    real_open = open
+
+    class HalfWriter:
+        def __init__(self, handle):
+            self.handle = handle
+
+        def write(self, text):
+            self.handle.write(text[: len(text) // 2])
+            raise OSError(28, "No space left on device")
+
+        def __getattr__(self, name):
+            return getattr(self.handle, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return self.handle.__exit__(*exc)
+
+    monkeypatch.setattr(_common, "open", lambda *a, **k: HalfWriter(real_open(*a, **k)),
+                        raising=False)
+    err = _one_line_error(["--steps", "48", "--seeds", "2", "--arms", "shared:fp16:sr",
+                           "--memory", "short", "--no-progress", "--plot", "none", "--out",
+                           str(out), "--seed0", "7"], capsys)
+    assert "No space left" in err
+    assert out.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["good.csv", "good.meta.json"]
+
+
+def test_a_stopped_run_writes_a_partial_csv_never_the_final_name(tmp_path, capsys,
+                                                                 monkeypatch):
+    """SIGINT during the run: the whole windows done go to <stem>.partial.csv with a meta
+    that says the run stopped, the final name is untouched, the exit status is 130."""
+    class StopAfter:
+        def __init__(self):
+            self.checks = 0
+
+        @property
+        def requested(self):
+            self.checks += 1
+            return self.checks > 150  # the exact run (64 steps), then 86 steps of cells
+
+        def restore(self):
+            pass
+
+    monkeypatch.setattr(eg, "_StopRequest", StopAfter)
+    out = tmp_path / "s.csv"
+    status = eg.main(["--steps", "64", "--seeds", "2", "--arms", "shared:fp16,every_step:fp16",
+                      "--memory", "short", "--no-progress", "--out", str(out)])
+    assert status == eg.STOPPED_STATUS == 130
+    assert "stopped after 1 of 2 cells" in capsys.readouterr().err
+    assert not out.exists() and not (tmp_path / "s.png").exists()
+    partial = eg.read_table(tmp_path / "s.partial.csv", eg.SCHEMA)
+    assert set(partial["arm"]) == {"shared:fp16:sr", "every_step:fp16:sr"}
+    last = partial.groupby("arm")["step"].max()
+    assert last["shared:fp16:sr"] == 64  # the first cell whole
+    assert last["every_step:fp16:sr"] == 16  # the second cell's whole windows: 16 of 20 steps
+    assert '"status": "stopped' in (tmp_path / "s.partial.meta.json").read_text()
+
+
+def _python(code_or_args, cwd, **kwargs):
+    return subprocess.Popen([sys.executable, *code_or_args], cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            env={**__import__("os").environ, "PYTHONPATH": str(REPO)}, **kwargs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("when", ["imports", "run"])
+def test_ctrl_c_at_any_point_exits_130_with_one_line(tmp_path, when):
+    """SIGINT while torch is being imported, or during the run: exit status 130, one line on
+    stderr, and no file under the final name."""
+    import signal
+    import time as clock
+
+    out = tmp_path / "c.csv"
+    proc = _python(["-m", "experiments.error_growth", "--steps", "4096", "--seeds", "8",
+                    "--no-progress", "--out", str(out)], tmp_path)
+    # 0.3 s: inside `import torch`; 8 s: in the run on a loaded 2-core machine (a signal
+    # that still lands in the imports must give the same answer)
+    clock.sleep(0.3 if when == "imports" else 8)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert not out.exists()
+
+
+def test_a_custom_run_leaves_the_committed_results_alone(tmp_path, capsys, monkeypatch):
+    """--preset toy --recurrence gdn writes under runs/<name by what ran>/, not over
+    results/error_growth_toy.*; the output line says where."""
+    monkeypatch.chdir(tmp_path)
+    results = tmp_path / "results"
+    results.mkdir()
+    for name in ("error_growth_toy.csv", "error_growth_toy.meta.json", "error_growth_toy.png"):
+        (results / name).write_bytes((REPO / "results" / name).read_bytes())
+    before = {p.name: p.read_bytes() for p in results.iterdir()}
+    assert eg.main(["--preset", "toy", "--recurrence", "gdn", "--steps", "32", "--seeds", "2",
+                    "--no-progress"]) == 0
+    assert {p.name: p.read_bytes() for p in results.iterdir()} == before
+    folder = tmp_path / "runs" / "error_growth_toy_recurrence-gdn_steps-32_seeds-2"
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "error_growth.csv", "error_growth.meta.json", "error_growth.png"]
+    assert str(Path("runs") / folder.name / "error_growth.csv") in capsys.readouterr().err
+
+
+def test_out_puts_every_artefact_in_its_folder_whatever_the_current_one(tmp_path, monkeypatch):
+    """--out elsewhere/x.csv: x.csv, x.meta.json and x.png there, nothing in the current
+    folder."""
+    here, there = tmp_path / "here", tmp_path / "there"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    assert eg.main(["--steps", "16", "--seeds", "1", "--arms", "shared:fp16", "--memory",
+                    "short", "--no-progress", "--out", str(there / "x.csv")]) == 0
+    assert sorted(p.name for p in there.iterdir()) == ["x.csv", "x.meta.json", "x.png"]
+    assert not list(here.iterdir())
+
+
+@pytest.mark.parametrize("foreign", ["x.csv", "x.meta.json", "x.png"])
+def test_a_foreign_file_is_replaced_only_with_force(tmp_path, capsys, foreign):
+    """A file at an output path that is not this experiment's (another header, another JSON,
+    a PNG of nobody's) is refused in one line, left as it was; --force replaces it."""
+    (tmp_path / foreign).write_bytes(b"not ours\n")
+    argv = ["--steps", "16", "--seeds", "1", "--arms", "shared:fp16", "--memory", "short",
+            "--no-progress", "--out", str(tmp_path / "x.csv")]
+    err = _one_line_error(argv, capsys)
+    assert "is not an output of experiments.error_growth" in err and "--force" in err
+    assert (tmp_path / foreign).read_bytes() == b"not ours\n"
+    assert eg.main([*argv, "--force"]) == 0
+    assert eg.main(argv) == 0  # now its own: a rerun needs no --force
+
+
+@pytest.mark.slow
+def test_the_toy_run_needs_neither_triton_nor_cutlass(tmp_path):
+    """`pip install .` without extras: a toy-sized reference run with triton and cutlass
+    unimportable (sys.modules entries None) writes its CSV and plot."""
+    code = ("import sys, runpy; sys.modules['triton'] = None; sys.modules['cutlass'] = None; "
+            f"sys.argv = ['eg', '--preset', 'toy', '--steps', '64', '--no-progress', '--out', "
+            f"{str(tmp_path / 't.csv')!r}]; "
+            "runpy.run_module('experiments.error_growth', run_name='__main__')")
+    proc = _python(["-c", code], tmp_path)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    assert (tmp_path / "t.csv").is_file() and (tmp_path / "t.png").is_file()

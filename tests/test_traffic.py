@@ -10,6 +10,7 @@ import json
 import math
 import re
 from fractions import Fraction
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -88,8 +89,8 @@ def test_model_shape_has_a_kv_shape_exactly_when_it_has_attention_layers():
 ], ids=["misspelt", "upper-case", "element-name", "None", "block-not-dividing-d_k"])
 def test_ssm_shape_refuses_a_state_format_the_traffic_model_cannot_price(state_format, message):
     """state_format is a lowprec.formats name (the names lowprec.traffic prices) whose block
-    divides d_k; it was not checked, so a misspelt name made a shape that state_bytes refused
-    later, naming 'format' and not the shape's field."""
+    divides d_k, checked when the shape is made (naming the shape's field), not later by
+    state_bytes."""
     with pytest.raises(ValueError, match=message):
         models.SSMLayerShape(kind="mamba2", nheads=6, d_v=5, d_k=48, ngroups=3,
                              state_format=state_format)
@@ -181,8 +182,7 @@ def test_storage_table_prices_every_format_of_the_kit_and_fp64_elements_are_8_by
 def test_bad_format_layout_and_shape_raise_value_errors_naming_them():
     with pytest.raises(ValueError, match="format"):
         tr.state_bytes(TOY, "fp6")
-    # the names listed, fp64 among them; not a string is the same error (a list was a
-    # TypeError, "unhashable type")
+    # the names listed, fp64 among them; not a string is the same error
     for bad in ("FP32", ["fp32"], None):
         listed = r"format: expected one of \['fp64', 'fp32', 'fp16', .*'fp4_e2m1_b32'\], got "
         with pytest.raises(ValueError, match=listed + re.escape(repr(bad))):
@@ -536,7 +536,7 @@ def test_help_describes_the_options(capsys):
 
 
 def test_out_naming_a_file_is_a_one_line_error(tmp_path, capsys):
-    """--out is a folder; a file there was a traceback from mkdir."""
+    """--out is a folder; a file there is a one-line error."""
     (tmp_path / "a.csv").write_text("x\n")
     with pytest.raises(SystemExit) as info:
         experiment.main(["--out", str(tmp_path / "a.csv"), "--no-plot"])
@@ -548,9 +548,9 @@ def test_out_naming_a_file_is_a_one_line_error(tmp_path, capsys):
 @pytest.mark.parametrize("case", ["T past L", "out under a file", "window too long",
                                   "name too long"])
 def test_unusable_arguments_are_one_line_errors_naming_the_flag(tmp_path, capsys, case):
-    """T > L (lowprec.replay refuses it; was a silent 404 MiB/token), an --out under a file
-    (like /dev/null/x; was a NotADirectoryError), a window past MAX_WINDOW (10^9 ran for
-    hours) and a folder name past the file system's limit (a traceback) are refused before
+    """T > L (lowprec.replay refuses it), an --out under a file (like /dev/null/x), a window
+    past MAX_WINDOW (10^9 would run for hours) and a folder name past the file system's
+    limit are refused before
     anything is written."""
     (tmp_path / "file").write_text("")
     argv, flag = {
@@ -583,7 +583,9 @@ def test_run_writes_tidy_csvs_that_plot_reads(tmp_path):
     frame = experiment.run(config)
     assert {"window", "spec", "memory"} == set(frame.sweep)
     window = pd.read_csv(tmp_path / "traffic_window_nemotron3-super.csv")
-    assert "git_commit" in window.columns and window.git_commit.notna().all()
+    assert "git_commit" not in window.columns and "device" not in window.columns
+    meta = json.loads((tmp_path / "traffic_nemotron3-super.meta.json").read_text())
+    assert meta["commit"] and meta["experiment"] == "experiments.traffic"
     row = window[(window.scheme == "replay_shared") & (window.read_format == "fp32")
                  & (window.record_layout == "kernel") & (window.window == 16)]
     assert row.bytes_per_token.item() == pytest.approx(tr.replay(16, 18944, 4 * tr.MIB).per_token,
@@ -602,7 +604,7 @@ def test_run_writes_tidy_csvs_that_plot_reads(tmp_path):
 
 def test_speculative_traffic_keeps_t_within_the_window_and_models_go_by_name():
     """T > L is refused as lowprec.replay refuses it, and the model-wide functions take a
-    model's name as lowprec.models.get does (a name was an AttributeError)."""
+    model's name as lowprec.models.get does."""
     with pytest.raises(ValueError, match="verified: expected T <= the window L = 4, got 6"):
         tr.replay_spec(4, 6, 2, 100, 10_000)
     with pytest.raises(ValueError, match="verified: expected T <= the window L = 4"):
@@ -642,14 +644,15 @@ def test_every_unscaled_format_is_a_kv_and_activation_format_and_prices():
 
 
 def test_plot_refuses_a_csv_that_is_not_a_traffic_sweep(tmp_path):
-    """plot() of another CSV (error_growth's, or a sweep's header alone) is the ValueError its
-    message names (it was an AttributeError, or an IndexError), and draws nothing."""
+    """plot() of another CSV (error_growth's, or a sweep's header alone) is a ValueError
+    naming the file, and draws nothing."""
     other = tmp_path / "other.csv"
     other.write_text("recurrence,arm,step,rel_err\nmamba2,shared,1,0.5\n")
-    empty = tmp_path / "empty.csv"
+    empty = tmp_path / "traffic_window_x.csv"
     empty.write_text("sweep,model,window\n")
-    for csv in (other, empty):
-        with pytest.raises(ValueError, match="expected a traffic_{window,spec,memory} CSV"):
+    for csv, message in ((other, "expected a traffic_{window,spec,memory}_<model>.csv"),
+                         (empty, "line 1: expected the columns")):
+        with pytest.raises(ValueError, match=re.escape(f"{csv}: {message}")):
             experiment.plot(csv)
     assert not list(tmp_path.glob("*.png"))
 
@@ -690,3 +693,73 @@ def test_a_long_window_shows_the_speculative_sweeps_progress(capsys):
         frame = experiment.spec_sweep(experiment.Config(window=window, verified=(1, 2)))
         assert set(frame.window) == {0, window} and len(frame) > 0
         assert ("speculative cycles" in capsys.readouterr().err) == shown
+
+
+# --------------------------------------------------------------------------------------------
+# outputs: provenance in meta.json, output places, checked --plot-only
+
+
+def test_an_unchanged_tree_regenerates_the_csvs_byte_for_byte(tmp_path):
+    """No commit or device in the rows: two runs write the same CSV and summary bytes."""
+    config = experiment.Config(out_dir=tmp_path / "a", windows=(1, 7), verified=(1, 2),
+                               memory_gib=(2.0,))
+    experiment.run(config)
+    experiment.run(experiment.Config(**{**config.__dict__, "out_dir": tmp_path / "b"}))
+    for name in ("traffic_window_nemotron3-super.csv", "traffic_spec_nemotron3-super.csv",
+                 "traffic_memory_nemotron3-super.csv", "traffic_summary_nemotron3-super.json"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+
+
+def test_a_custom_run_writes_under_runs_and_the_default_run_under_results(tmp_path, capsys,
+                                                                          monkeypatch):
+    """--window 8 (not the committed setting) goes to runs/traffic_<model>_window-8/; the
+    default run of a committed model to results/; a model without committed results to
+    runs/. Paths are relative to the current folder."""
+    monkeypatch.chdir(tmp_path)
+    experiment.main(["--window", "8", "--spec-verified", "2", "--no-plot"])
+    assert "runs/traffic_nemotron3-super_window-8_spec-verified-2" in capsys.readouterr().err
+    assert (tmp_path / "runs" / "traffic_nemotron3-super_window-8_spec-verified-2" /
+            "traffic_nemotron3-super.meta.json").is_file()
+    assert not (tmp_path / "results").exists()
+    assert experiment.default_folder("qwen3-next-80b", 16, 4) == Path("results")
+    assert experiment.default_folder("mamba2-2.7b", 16, 4) == Path(
+        "runs/traffic_mamba2-2.7b")
+
+
+def test_plot_only_redraws_and_refuses_a_changed_csv_in_one_line(tmp_path, capsys):
+    """--plot-only redraws the PNGs from the CSVs; a CSV changed after its run (a value, a
+    row cut off) is refused with exit status 2 and one line naming the file."""
+    experiment.main(["--out", str(tmp_path), "--window", "4", "--spec-verified", "2",
+                     "--no-plot"])
+    experiment.main(["--out", str(tmp_path), "--window", "4", "--spec-verified", "2",
+                     "--plot-only"])
+    assert len(list(tmp_path.glob("*.png"))) == 3
+    capsys.readouterr()
+    spec = tmp_path / "traffic_spec_nemotron3-super.csv"
+    for edit, message in ((lambda t: t[:-3], "incomplete"),
+                          (lambda t: t.replace("snapshot", "snapshoT", 1), "differ"),
+                          (lambda t: t + t.splitlines()[1] + "\n", "the same")):
+        original = spec.read_text()
+        spec.write_text(edit(original))
+        with pytest.raises(SystemExit) as info:
+            experiment.main(["--out", str(tmp_path), "--window", "4", "--spec-verified", "2",
+                             "--plot-only"])
+        assert info.value.code == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and str(spec) in err and message in err, err
+        spec.write_text(original)
+
+
+def test_a_foreign_file_in_the_output_folder_needs_force(tmp_path, capsys):
+    """A file named like an output but not written by this experiment is refused in one line
+    and left alone; --force replaces it."""
+    foreign = tmp_path / "traffic_summary_nemotron3-super.json"
+    foreign.write_text('{"mine": true}\n')
+    argv = ["--out", str(tmp_path), "--window", "4", "--spec-verified", "2", "--no-plot"]
+    with pytest.raises(SystemExit) as info:
+        experiment.main(argv)
+    assert info.value.code == 2
+    assert "not an output of experiments.traffic" in capsys.readouterr().err
+    assert foreign.read_text() == '{"mine": true}\n'
+    experiment.main([*argv, "--force"])
+    assert "model" in json.loads(foreign.read_text())
