@@ -134,14 +134,14 @@ def test_mismatches_limit_is_checked():
 
 
 def test_the_readme_recipe_runs_and_tells_a_faithful_kernel_from_a_faulty_one(capsys):
-    """lowprec/README.md's last section, run as written on the buffers of a stand-in kernel
-    (the emulation's stores) and again with one scale byte off."""
+    """docs/design.md's recipe ("Checking a kernel of your own"), run as written on the buffers
+    of a stand-in kernel (the emulation's stores) and again with one scale byte off."""
     from pathlib import Path
 
     from emulation import numerics as em
 
-    text = (Path(__file__).resolve().parents[1] / "lowprec" / "README.md").read_text()
-    section = text.split("## Checking your own kernel")[1]
+    text = (Path(__file__).resolve().parents[1] / "docs" / "design.md").read_text()
+    section = text.split("### Checking a kernel of your own")[1]
     code = re.search(r"\n\n((?:    .*\n|\n)+)", section)[1]  # the first indented block
     recipe = "\n".join(line[4:] for line in code.splitlines())
     assert recipe.startswith("from lowprec import contract")
@@ -162,7 +162,7 @@ def test_the_readme_recipe_runs_and_tells_a_faithful_kernel_from_a_faulty_one(ca
 
 
 def test_a_conventional_sr_store_is_checked_with_the_token_counter_as_flushes():
-    """The every-token SR store (lowprec/README: the token counter is the Philox `flush`
+    """The every-token SR store (docs/design.md: the token counter is the Philox `flush`
     field) is flush_copies' recurrence copy with `flushes` the tokens stored before: checked
     here on the emulation's conventional step, three tokens in."""
     from emulation.state_update import StateCache, mamba2_state_update
