@@ -48,7 +48,7 @@ import torch.nn.functional as F
 
 from experiments import kjv_corpus
 from experiments import mamba2_lm as lm
-from experiments._common import OneLineParser, write_meta
+from experiments._common import OneLineParser, save_small_png, write_meta
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "results" / "model_drift"
@@ -344,7 +344,7 @@ def plot_loss(csv_path, png) -> None:
     ax.legend(loc="upper right")
     ax.set_title("byte-level Mamba-2 on the King James Bible")
     fig.tight_layout()
-    fig.savefig(png, dpi=150)
+    save_small_png(fig, png, dpi=150, source="experiments.train_lm")
     plt.close(fig)
 
 
@@ -372,12 +372,14 @@ def plot_spectrum(csv_path, png) -> None:
         ax.text(0, k * 1.1, f"{n} heads >= {k:,} tokens", fontsize=7, color="grey")
     ax.set_yscale("log")
     ax.set_xlabel("head (sorted by tau)")
-    ax.set_ylabel("tau = -1/(A dt) [tokens]  (dot: median dt; bar: 90th..10th pct)")
-    ax.set_title("learned decay time constants on held-out text")
+    ax.set_ylabel("tau = -1/(A dt)  [tokens]")
+    ax.set_title("learned decay time constants on held-out text\n"
+                 "(dot: tau at the median dt; bar: tau at the 90th..10th percentile of dt)",
+                 fontsize=10)
     ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8)
     ax.grid(alpha=0.3, which="both")
     fig.tight_layout()
-    fig.savefig(png, dpi=150)
+    save_small_png(fig, png, dpi=150, source="experiments.train_lm")
     plt.close(fig)
 
 
