@@ -57,7 +57,8 @@ def _gdn_replay_verify_kernel(
     p_q, p_k, p_v, p_g, p_beta, p_y, p_debug,
     seed, nheads, dv, dk, lcap, n_blocks,
     T: tl.constexpr, WINDOW: tl.constexpr, PER_CHANNEL: tl.constexpr, HI: tl.constexpr,
-    HI_SR: tl.constexpr, SR_BITS: tl.constexpr, ROUNDS: tl.constexpr, LO: tl.constexpr, HAS_DEBUG: tl.constexpr,
+    HI_SR: tl.constexpr, SR_BITS: tl.constexpr, ROUNDS: tl.constexpr, LO: tl.constexpr,
+    HAS_DEBUG: tl.constexpr,
     BV: tl.constexpr, BK: tl.constexpr, BL: tl.constexpr, NC: tl.constexpr,
 ):
     i_h = tl.program_id(0)
