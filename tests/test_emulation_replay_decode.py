@@ -84,13 +84,14 @@ def make_token(gen, slots, shape, act_dtype, device):
 
 
 def filled_cache(gen, slots, shape, hi, lo, act_dtype, device, cursors, flushes,
-                 window=WINDOW):
+                 window=WINDOW, **sr):
     """A cache with random copies (exactly representable in their formats), records at ring
-    positions < cursors and NaN past them, and the given counters."""
+    positions < cursors and NaN past them, and the given counters (`sr`: the cache's
+    sr_bits / philox_rounds)."""
     h, p, n, g = shape["nheads"], shape["headdim"], shape["dstate"], shape["ngroups"]
     cache = ReplayCache.empty(
         slots, h, p, n, ngroups=g, window=window, hi_format=hi[0], hi_rounding=hi[1],
-        lo_format=lo, seed=SEED, act_dtype=act_dtype, device=device,
+        lo_format=lo, seed=SEED, act_dtype=act_dtype, device=device, **sr,
     )
     state = torch.randn(slots, h, p, n, generator=gen)
     cache.hi.copy_(lq.round_to(state, formats.get(hi[0]).element))
@@ -180,7 +181,8 @@ def run_and_check_step(cache, token, params, hi, lo):
     assert_within(debug[fl], S_ref[fl], S_bound[fl], "unrounded new state")
 
     # stored copies: lowprec applied to the emulation's own unrounded state, bit for bit
-    hi_ref = round_state(debug[fl], hi[0], hi[1], cache.seed, fl, before["flushes"][fl].long())
+    hi_ref = round_state(debug[fl], hi[0], hi[1], cache.seed, fl, before["flushes"][fl].long(),
+                         sr_bits=cache.sr_bits, philox_rounds=cache.philox_rounds)
     assert_bits_equal(cache.hi.cpu()[fl], hi_ref, f"hi copy ({hi[0]} {hi[1]})")
     q = lq.quantize(debug[fl], lo)
     assert_bits_equal(cache.lo.cpu()[fl], lq.dequantize(q), f"lo copy ({lo})")

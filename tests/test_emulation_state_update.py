@@ -80,11 +80,13 @@ def run_and_check(cache, token, params, output_from="stored"):
 
     debug = debug.cpu()
     slot_ids = torch.arange(slots)
-    stored = round_state(debug, cache.format, cache.rounding, SEED, slot_ids, tokens)
+    sr = dict(sr_bits=cache.sr_bits, philox_rounds=cache.philox_rounds)
+    stored = round_state(debug, cache.format, cache.rounding, SEED, slot_ids, tokens, **sr)
     assert_bits_equal(cache.state.cpu().float(), stored, f"state ({cache.format})")
     if cache.scales is not None:
         q = lq.quantize(debug, cache.format, cache.rounding, None if cache.rounding == "rn"
-                        else _words(slot_ids, tokens, debug.shape[1:]))
+                        else _words(slot_ids, tokens, debug.shape[1:], **sr),
+                        sr_bits=cache.sr_bits)
         assert_bits_equal(cache.scales.cpu(), q.scales, "block scales")
         if q.global_scale is not None:
             assert_bits_equal(cache.global_scale.cpu(), q.global_scale, "s_g")
@@ -100,17 +102,19 @@ def run_and_check(cache, token, params, output_from="stored"):
     return y
 
 
-def _words(slots, tokens, shape):
+def _words(slots, tokens, shape, **sr):
     from lowprec import philox
 
-    return philox.random_words(SEED, slots, tokens, shape)
+    return philox.random_words(SEED, slots, tokens, shape, **sr)
 
 
-def filled_cache(gen, fmt, rounding, device, tokens):
+def filled_cache(gen, fmt, rounding, device, tokens, **sr):
+    """A random state exactly representable in `fmt` at the given token counters (`sr`: the
+    cache's sr_bits / philox_rounds)."""
     h, p, n = SHAPE["nheads"], SHAPE["headdim"], SHAPE["dstate"]
     slots = len(tokens)
     cache = StateCache.empty(slots, h, p, n, format=fmt, rounding=rounding, seed=SEED,
-                             device=device)
+                             device=device, **sr)
     q = lq.quantize(torch.randn(slots, h, p, n, generator=gen), fmt)
     cache.state.copy_(lq.dequantize(q))
     if q.scales is not None:
