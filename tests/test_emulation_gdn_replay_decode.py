@@ -29,6 +29,7 @@ from gdn_emulation_cases import (  # noqa: E402
     CPU_ONLY,
     DEVICES,
     SEED,
+    SR_FAST,
     SR_SETTINGS,
     filled_cache,
     make_token,
@@ -120,7 +121,8 @@ def test_windows_multiple_flushes_from_random_positions(per_channel, device):
 
 # every setting on the CPU; on the GPU one lane split per width class (13 bits: a masked
 # 16-bit lane at 10 rounds; 8 bits: four lanes a word at 4 rounds)
-SR_CASES = [pytest.param(k, r, "cpu", id=f"cpu-{k}b-{r}r", marks=CPU_ONLY)
+SR_CASES = [pytest.param(k, r, "cpu", id=f"cpu-{k}b-{r}r",
+                         marks=(CPU_ONLY,) if (k, r) in SR_FAST else (CPU_ONLY, pytest.mark.slow))
             for k, r in SR_SETTINGS] + [
     pytest.param(13, 10, "cuda", id="cuda-13b-10r", marks=pytest.mark.gpu),
     pytest.param(8, 4, "cuda", id="cuda-8b-4r", marks=pytest.mark.gpu),

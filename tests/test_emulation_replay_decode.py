@@ -286,6 +286,44 @@ def test_hi_copy_in_fp16_dtype_holds_the_same_bits(device):
     assert_bits_equal(caches[1].hi.float(), caches[0].hi, "fp16 tensor vs fp32 container")
 
 
+# SR settings (sr_bits, philox_rounds): every width at 10 rounds, 7 and 4 rounds at 32 and 8
+# bits; the fast ones cover each lane width (32, 16, 13 masked, 8) and 10, 7 and 4 rounds
+SR_SETTINGS = [(32, 10), (16, 10), (13, 10), (8, 10), (32, 7), (8, 7), (32, 4), (8, 4)]
+SR_FAST = {(16, 10), (13, 10), (8, 7), (32, 4)}
+SR_CASES = [pytest.param(k, r, "cpu", id=f"cpu-{k}b-{r}r", marks=(
+    pytest.mark.skipif(not INTERPRETED, reason="compiled Triton: GPU"),
+    *(() if (k, r) in SR_FAST else (pytest.mark.slow,)))) for k, r in SR_SETTINGS] + [
+    pytest.param(13, 7, "cuda", id="cuda-13b-7r", marks=pytest.mark.gpu),
+    pytest.param(8, 4, "cuda", id="cuda-8b-4r", marks=pytest.mark.gpu),
+]
+
+
+@pytest.mark.parametrize("sr_bits, philox_rounds, device", SR_CASES)
+def test_flush_hi_words_every_sr_setting(sr_bits, philox_rounds, device):
+    """An FP16-SR recurrence copy with `sr_bits` random bits per element from
+    `philox_rounds`-round Philox: at slots flushing with counters 0, 2^19 + 5 and 3 (beside
+    one that does not) the hi words are lowprec's `round_state(S_new, 'fp16', 'sr', ...,
+    sr_bits=, philox_rounds=)` bit for bit (h 3, headdim 5, dstate 24: a head's 120 elements
+    end mid-counter for 8 and 16 bits). A twin cache at (32, 10) stores other hi words from
+    the same step and the same read copy."""
+    shape = dict(nheads=3, headdim=5, dstate=24, ngroups=1)
+    hi, lo = ("fp16", "sr"), "fp8_e4m3_row"
+    cursors, flushes = [WINDOW - 1, WINDOW - 1, 1, WINDOW - 1], [0, 2**19 + 5, 1, 3]
+    cache = filled_cache(torch.Generator().manual_seed(13), 4, shape, hi, lo, torch.float32,
+                         device, cursors, flushes, sr_bits=sr_bits, philox_rounds=philox_rounds)
+    twin = filled_cache(torch.Generator().manual_seed(13), 4, shape, hi, lo, torch.float32,
+                        device, cursors, flushes)
+    gen = torch.Generator().manual_seed(14)
+    params = {k: v.to(device) for k, v in make_params(gen, shape["nheads"]).items()}
+    token = make_token(gen, 4, shape, torch.float32, device)
+    run_and_check_step(cache, token, params, hi, lo)
+    mamba2_replay_decode(twin, **token, **params)
+    fl = torch.tensor([0, 1, 3])
+    assert torch.equal(cache.lo.cpu(), twin.lo.cpu())
+    if (sr_bits, philox_rounds) != (32, 10):
+        assert not torch.equal(cache.hi.cpu()[fl], twin.hi.cpu()[fl])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("lo", ["nvfp4", "mxfp4"])
 def test_nemotron_layer_size_step_bit_exact(lo):
