@@ -18,8 +18,9 @@ same kernels, `PER_CHANNEL` a compile-time flag). One call of `gdn_replay_decode
     flush     (c = L-1)  S = S_hi; for j = 0..L-1: S <- S diag(a_j); u = beta_j (v_j - S k_j);
                          S <- S + u k_j^T   (every u recomputed from the recurrence copy and
                          the raw v: the cached u, which read the read copy, are not trusted)
-                         y = S_new q;  hi <- ROUND_hi(S_new) (SR words random_words(seed, s,
-                         flushes[s], element), as the Mamba-2 path), lo <- RN_lo(S_new) in any
+                         y = S_new q;  hi <- ROUND_hi(S_new) (SR draws random_words(seed, s,
+                         flushes[s], element, sr_bits, philox_rounds), as the Mamba-2
+                         path), lo <- RN_lo(S_new) in any
                          lowprec format but fp64; cursors[s] = 0, flushes[s] += 1
 
 `G_{i:c} = exp(cum_c - cum_{i-1})` from cumulative sums of the log-decays, the order of
@@ -77,12 +78,14 @@ from emulation.replay_decode import (
     check_cache_apart,
     check_inputs_apart,
     check_out_apart,
+    check_sr_parameters,
     check_switch,
     cache_tensors,
     launch_config,
     store_copies,
     zero_block_scale,
 )
+from lowprec import philox
 from lowprec.replay import check_counter_ranges
 
 __all__ = [
@@ -120,7 +123,8 @@ class GDNReplayCache:
         flushes    int32 [slots]   checkpoint writes so far (the Philox flush counter)
 
     Config: `hi_format` / `hi_rounding`, `lo_format` (RN), `window` L, `draft` T (speculative
-    decoding; Lcap = L + T), Philox `seed`, and `per_channel` (True: KDA's decay per channel).
+    decoding; Lcap = L + T), Philox `seed`, `per_channel` (True: KDA's decay per channel), and
+    SR's `sr_bits` (8, 13, 16, 32) and `philox_rounds` (1..10), (32, 10) for an RN copy.
     """
 
     hi: torch.Tensor
@@ -141,6 +145,8 @@ class GDNReplayCache:
     draft: int = 0
     seed: int = 0
     per_channel: bool = False
+    sr_bits: int = philox.DEFAULT_SR_BITS
+    philox_rounds: int = philox.DEFAULT_PHILOX_ROUNDS
     # speculative decoding (host side): a verify awaits its commit
     pending: bool = False
 
@@ -162,6 +168,8 @@ class GDNReplayCache:
         hi_dtype: torch.dtype = torch.float32,
         act_dtype: torch.dtype = torch.float32,
         device=None,
+        sr_bits: int = philox.DEFAULT_SR_BITS,
+        philox_rounds: int = philox.DEFAULT_PHILOX_ROUNDS,
     ) -> "GDNReplayCache":
         """A cache at the zero state with empty rings (ring entries NaN, so that a read of an
         unwritten record shows)."""
@@ -169,6 +177,8 @@ class GDNReplayCache:
                                  ("dk", dk, 1), ("window", window, 1), ("draft", draft, 0)):
             _expect_int(name, value, low)  # before anything is allocated
         check_switch("per_channel", per_channel)
+        sr_bits, philox_rounds = check_sr_parameters(sr_bits, philox_rounds, hi_rounding,
+                                                     "hi_rounding")
         if act_dtype not in ACT_DTYPES:
             raise ValueError(f"act_dtype: expected one of {list(ACT_DTYPES)}, got {act_dtype}")
         lo_fmt = check_kernel_format("lo_format", lo_format, dk)
@@ -202,6 +212,8 @@ class GDNReplayCache:
             draft=draft,
             seed=seed,
             per_channel=per_channel,
+            sr_bits=sr_bits,
+            philox_rounds=philox_rounds,
         )
         check_gdn_cache(cache)
         return cache
@@ -247,6 +259,8 @@ def check_gdn_cache(cache: GDNReplayCache, per_channel: bool | None = None) -> N
         )
     if cache.hi_rounding not in ROUNDINGS:
         raise ValueError(f"cache.hi_rounding: expected 'rn' or 'sr', got {cache.hi_rounding!r}")
+    check_sr_parameters(cache.sr_bits, cache.philox_rounds, cache.hi_rounding, "hi_rounding",
+                        "cache.")
     _expect("cache.hi", hi, hi.shape, {torch.float32, HI_DTYPES.get(hi_fmt.name, torch.float32)},
             device)
     lo_fmt = check_kernel_format("cache.lo_format", cache.lo_format, dk)
@@ -420,7 +434,7 @@ def _gdn_replay_decode_kernel(
     p_q, p_k, p_v, p_g, p_beta, p_y, p_debug,
     seed, nheads, dv, dk, lcap, n_blocks,
     WINDOW: tl.constexpr, PER_CHANNEL: tl.constexpr, HI: tl.constexpr, HI_SR: tl.constexpr,
-    LO: tl.constexpr, HAS_DEBUG: tl.constexpr,
+    SR_BITS: tl.constexpr, ROUNDS: tl.constexpr, LO: tl.constexpr, HAS_DEBUG: tl.constexpr,
     BV: tl.constexpr, BK: tl.constexpr, BL: tl.constexpr, NC: tl.constexpr,
 ):
     i_h = tl.program_id(0)
@@ -457,7 +471,7 @@ def _gdn_replay_decode_kernel(
             b_S, p_hi + p_state, p_lo + p_state, p_lo_scales + i_sh * dv * n_blocks,
             p_lo_global + i_sh, p_debug + p_state,
             seed, i_s, i_h, flush, dv, dk, n_blocks,
-            HI, HI_SR, LO, HAS_DEBUG, BV, BK,
+            HI, HI_SR, SR_BITS, ROUNDS, LO, HAS_DEBUG, BV, BK,
         )
     else:
         # non-flush: the read copy and the ring's cached u, no state
@@ -570,7 +584,8 @@ def _replay_decode(cache, q, k, v, g, beta, out, debug_state, check_counters, pe
             q, k, v, g, beta, out, debug_state if debug_state is not None else unused,
             cache.seed, nheads, dv, dk, lcap, n_blocks,
             WINDOW=cache.window, PER_CHANNEL=cache.per_channel, HI=format_spec(cache.hi_format),
-            HI_SR=cache.hi_rounding == "sr", LO=format_spec(lo_fmt),
+            HI_SR=cache.hi_rounding == "sr", SR_BITS=cache.sr_bits,
+            ROUNDS=cache.philox_rounds, LO=format_spec(lo_fmt),
             HAS_DEBUG=debug_state is not None,
             **gdn_launch_config(cache),
         )

@@ -57,7 +57,8 @@ def _gdn_replay_verify_kernel(
     p_q, p_k, p_v, p_g, p_beta, p_y, p_debug,
     seed, nheads, dv, dk, lcap, n_blocks,
     T: tl.constexpr, WINDOW: tl.constexpr, PER_CHANNEL: tl.constexpr, HI: tl.constexpr,
-    HI_SR: tl.constexpr, LO: tl.constexpr, HAS_DEBUG: tl.constexpr,
+    HI_SR: tl.constexpr, SR_BITS: tl.constexpr, ROUNDS: tl.constexpr, LO: tl.constexpr,
+    HAS_DEBUG: tl.constexpr,
     BV: tl.constexpr, BK: tl.constexpr, BL: tl.constexpr, NC: tl.constexpr,
 ):
     i_h = tl.program_id(0)
@@ -89,7 +90,7 @@ def _gdn_replay_verify_kernel(
             b_base, p_hi + p_state, p_lo + p_state, p_lo_scales + i_sh * dv * n_blocks,
             p_lo_global + i_sh, p_debug + p_state,
             seed, i_s, i_h, flush, dv, dk, n_blocks,
-            HI, HI_SR, LO, HAS_DEBUG, BV, BK,
+            HI, HI_SR, SR_BITS, ROUNDS, LO, HAS_DEBUG, BV, BK,
         )
     else:
         b_base = tl.load(p_lo + p_state + o_vk, mask=m_vk, other=0.0)
@@ -137,6 +138,7 @@ def _replay_verify(cache, q, k, v, g, beta, out, debug_state, per_channel):
             cache.seed, nheads, dv, dk, lcap, n_blocks,
             T=T, WINDOW=cache.window, PER_CHANNEL=cache.per_channel,
             HI=format_spec(cache.hi_format), HI_SR=cache.hi_rounding == "sr",
+            SR_BITS=cache.sr_bits, ROUNDS=cache.philox_rounds,
             LO=format_spec(cache.lo_format), HAS_DEBUG=debug_state is not None,
             **gdn_launch_config(cache),
         )

@@ -9,9 +9,10 @@ experiments' `every_step` arm). One call advances every slot by one token:
                                        defines the conventional arm ('stored'), or from the
                                        unrounded one ('unrounded')
 
-ROUND is any lowprec format but fp64, RN or SR; SR words are `random_words(seed, slot,
-tokens[slot], element)`, the per-slot token counter in the flush counter's place (as
-`lowprec.policies.Simulator` draws them), and the call increments `tokens`. The cache is
+ROUND is any lowprec format but fp64, RN or SR; SR draws are `random_words(seed, slot,
+tokens[slot], element, cache.sr_bits, cache.philox_rounds)`, the per-slot token counter in the
+flush counter's place (as `lowprec.policies.Simulator` draws them), and the call increments
+`tokens`. The cache is
 `emulation.state_update.StateCache` ([slots, nheads, headdim = d_v, dstate = d_k]).
 """
 
@@ -44,7 +45,7 @@ def _gdn_state_update_kernel(
     p_q, p_k, p_v, p_g, p_beta, p_y, p_debug,
     seed, nheads, dv, dk, n_blocks,
     PER_CHANNEL: tl.constexpr, F: tl.constexpr, USE_SR: tl.constexpr,
-    HAS_DEBUG: tl.constexpr, READ_STORED: tl.constexpr,
+    SR_BITS: tl.constexpr, ROUNDS: tl.constexpr, HAS_DEBUG: tl.constexpr, READ_STORED: tl.constexpr,
     BV: tl.constexpr, BK: tl.constexpr, NC: tl.constexpr,
 ):
     i_h = tl.program_id(0)
@@ -66,8 +67,11 @@ def _gdn_state_update_kernel(
     b_S = delta_step(b_S, b_k, b_v, b_g, beta)
     if HAS_DEBUG:
         tl.store(p_debug + i_sh * dv * dk + o_vk, b_S, mask=m_vk)
-    b_r = random_words(seed, i_s, token, i_h * dv * dk + o_vk) if USE_SR else o_vk
-    b_st, b_scale, s_g = quantize_tile(b_S, b_r, F, USE_SR, BV, BK)
+    if USE_SR:
+        b_r = random_words(seed, i_s, token, i_h * dv * dk + o_vk, SR_BITS, ROUNDS)
+    else:
+        b_r = o_vk
+    b_st, b_scale, s_g = quantize_tile(b_S, b_r, F, USE_SR, BV, BK, SR_BITS)
     tl.store(p_S, b_st.to(p_state.dtype.element_ty), mask=m_vk)
     if F.block != 0:
         NB: tl.constexpr = BK // (BK if F.block == -1 else F.block)
@@ -121,6 +125,7 @@ def _state_update(cache, q, k, v, g, beta, output_from, out, debug_state, check_
             q, k, v, g, beta, out, debug_state if debug_state is not None else unused,
             cache.seed, nheads, dv, dk, n_blocks,
             PER_CHANNEL=per_channel, F=format_spec(cache.format), USE_SR=cache.rounding == "sr",
+            SR_BITS=cache.sr_bits, ROUNDS=cache.philox_rounds,
             HAS_DEBUG=debug_state is not None, READ_STORED=output_from == "stored",
             NC=cfg["BK"] if per_channel else 1, **cfg,
         )

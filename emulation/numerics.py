@@ -8,7 +8,7 @@ random words. Why each step is exact (also on the GPU, where Triton emits plain 
 
     element   a = min(|x|, max_finite);  e = max(binade(a), emin);  m = a * 2^(mbits - e)
               RN: q = round_half_even(m) * 2^(e - mbits)       SR: q = (floor(m) + up) * 2^(...)
-              up = r < uint32(frac(m) * 2^32)                   sign copied from x, NaN kept
+              up = r < uint32(frac(m) * 2^k)   (k = sr_bits)    sign copied from x, NaN kept
     nvfp4     s_g = amax / 2688;  s_b = RN_e4m3(amax_b / (6 s_g));  code = ROUND(x / (s_b s_g))
     mxfp4     s_b = 2^clamp(binade(amax_b) - 2, -127, 127);      code = ROUND(x / s_b)
     ideal     s   = amax_b / max_finite (fp32, unrounded);        code = ROUND(x / s)
@@ -17,10 +17,14 @@ Formats are data: the kernels take a `FormatSpec` (a NamedTuple built from a `lo
 by `format_spec`) as one `tl.constexpr` argument and read its fields; the only branches are on
 those fields (is there a block scale, is it a power of two, is there a second level).
 
-Random words: `random_words(seed, slot, flush, element)` is word `element % 4` of
-`tl.randint4x(seed, offset)` with `offset = (slot << 44) | (flush << 24) | (element // 4)`,
-`lowprec.philox.random_words` word for word (`tl.randint` forms the same four words and keeps
-the first, so selecting one costs nothing extra).
+Random draws: `random_words(seed, slot, flush, element, SR_BITS, ROUNDS)` is
+`lowprec.philox.random_words(..., sr_bits=SR_BITS, philox_rounds=ROUNDS)` draw for draw: the
+low k = SR_BITS bits of lane `element % n` of word `(element % E) // n` of
+`tl.randint4x(seed, (slot << 44) | (flush << 24) | (element // E), ROUNDS)` (lanes of W = 32,
+16, 16, 8 bits for k = 32, 16, 13, 8; n = 32 / W, E = 4 n). With the defaults (32, 10) that is
+word `element % 4` of counter `element // 4` (`tl.randint` forms the same four words and keeps
+the first, so selecting one costs nothing extra). Both are compile-time constants of every
+kernel that stores an SR copy, taken from the cache's `sr_bits` / `philox_rounds`.
 
 Host wrappers `round_to`, `quantize` and `random_words_host` run these device functions over
 whole tensors; the tests compare them with `lowprec` on every format and special value.
@@ -47,7 +51,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-from lowprec import formats  # noqa: E402
+from lowprec import formats, philox  # noqa: E402
 from lowprec.quantize import Quantized  # noqa: E402
 from lowprec.quantize import round_to as lowprec_round_to  # noqa: E402
 
@@ -199,10 +203,26 @@ def binade(a):
 
 
 @triton.jit
-def round_element(x, r, E: tl.constexpr, USE_SR: tl.constexpr):
-    """Round fp32 `x` onto element format `E`'s grid, saturating; `r` uint32 words for SR.
+def sr_threshold(frac, SR_BITS: tl.constexpr):
+    """floor(frac * 2^SR_BITS) as uint32 for frac in [0, 1): the top SR_BITS bits of the
+    fraction (the product is exact, a power-of-two scaling; the cast truncates)."""
+    if SR_BITS == 32:
+        scaled = frac * 4294967296.0  # <= 2^32 - 256: exact in uint32
+    elif SR_BITS == 16:
+        scaled = frac * 65536.0
+    elif SR_BITS == 13:
+        scaled = frac * 8192.0
+    else:
+        scaled = frac * 256.0
+    return scaled.to(tl.uint32)
 
-    RN ties to even; SR rounds away from zero iff r < floor(frac(m) * 2^32). -0 stays -0,
+
+@triton.jit
+def round_element(x, r, E: tl.constexpr, USE_SR: tl.constexpr, SR_BITS: tl.constexpr = 32):
+    """Round fp32 `x` onto element format `E`'s grid, saturating; `r` uint32 draws in
+    [0, 2^SR_BITS) for SR.
+
+    RN ties to even; SR rounds away from zero iff r < floor(frac(m) * 2^SR_BITS). -0 stays -0,
     NaN stays NaN (the input's bits), +-inf saturates to +-max_finite.
     """
     if E.identity:
@@ -217,7 +237,7 @@ def round_element(x, r, E: tl.constexpr, USE_SR: tl.constexpr):
         fl = tl.floor(m)
         frac = m - fl  # exact: fl and m share a binade or fl is 0
         if USE_SR:
-            up = r < (frac * 4294967296.0).to(tl.uint32)  # frac * 2^32 <= 2^32 - 256: exact
+            up = r < sr_threshold(frac, SR_BITS)
         else:
             odd = (fl.to(tl.int32) & 1) == 1
             up = (frac > 0.5) | ((frac == 0.5) & odd)
@@ -231,22 +251,25 @@ def round_element(x, r, E: tl.constexpr, USE_SR: tl.constexpr):
 
 @triton.jit
 def quantize_tile(
-    b_x, b_r, F: tl.constexpr, USE_SR: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr
+    b_x, b_r, F: tl.constexpr, USE_SR: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr,
+    SR_BITS: tl.constexpr = 32,
 ):
     """Quantise one state tile `b_x [BV, BK]` (padding must be 0) in format `F`.
 
     Returns `(b_q [BV, BK], b_scale [BV, BK // block], s_g)`: the dequantised values
     `(code * s_b) * s_g`, the block scales `s_b` and the second-level scale (1.0 where the
     format has none; `b_scale` is a [BV, 1] dummy of ones for element-only formats). `b_r`:
-    uint32 words [BV, BK] for SR (element rounding only; scales are always RN).
+    uint32 draws [BV, BK] in [0, 2^SR_BITS) for SR (element rounding only; scales are always
+    RN).
     """
-    b_q, _, b_scale, s_g = quantize_tile_codes(b_x, b_r, F, USE_SR, BV, BK)
+    b_q, _, b_scale, s_g = quantize_tile_codes(b_x, b_r, F, USE_SR, BV, BK, SR_BITS)
     return b_q, b_scale, s_g
 
 
 @triton.jit
 def quantize_tile_codes(
-    b_x, b_r, F: tl.constexpr, USE_SR: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr
+    b_x, b_r, F: tl.constexpr, USE_SR: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr,
+    SR_BITS: tl.constexpr = 32,
 ):
     """`quantize_tile` that also returns the element codes: `(b_q, b_code [BV, BK], b_scale,
     s_g)` (`b_code` is `b_q` for element-only formats)."""
@@ -254,7 +277,7 @@ def quantize_tile_codes(
     ELEM: tl.constexpr = F.element
     SCALE: tl.constexpr = F.scale
     if F.block == 0:
-        b_q = round_element(b_x, b_r, ELEM, USE_SR)
+        b_q = round_element(b_x, b_r, ELEM, USE_SR, SR_BITS)
         b_code = b_q
         b_scale = tl.full([BV, 1], 1.0, tl.float32)
         s_g = tl.full([], 1.0, tl.float32)
@@ -289,7 +312,7 @@ def quantize_tile_codes(
         b_safe = tl.where(b_zero, 1.0, b_div)
         b_rb = tl.reshape(b_r, [BV, NB, BLOCK])
         b_code = round_element(
-            tl.math.div_rn(b_xb, b_safe[:, :, None]), b_rb, ELEM, USE_SR
+            tl.math.div_rn(b_xb, b_safe[:, :, None]), b_rb, ELEM, USE_SR, SR_BITS
         )
         b_code = tl.where(b_zero[:, :, None], 0.0, b_code)
         b_qb = b_code * b_scale[:, :, None]
@@ -301,17 +324,41 @@ def quantize_tile_codes(
 
 
 @triton.jit
-def random_words(seed, slot, flush, element):
-    """uint32 SR words of state elements: word `element % 4` of tl.randint4x at
-    (slot << 44) | (flush << 24) | (element // 4)."""
+def random_words(seed, slot, flush, element, SR_BITS: tl.constexpr = 32,
+                 ROUNDS: tl.constexpr = 10):
+    """uint32 SR draws in [0, 2^SR_BITS) of state elements (`lowprec.philox` module doc): the
+    low SR_BITS bits of lane `element % n` of word `(element % E) // n` of
+    `tl.randint4x(seed, (slot << 44) | (flush << 24) | (element // E), ROUNDS)`, with lanes of
+    W = 32, 16, 16, 8 bits for SR_BITS = 32, 16, 13, 8, n = 32 / W and E = 4 n."""
+    if SR_BITS == 32:
+        r = _lane_draws(seed, slot, flush, element, 0, ROUNDS)
+    elif SR_BITS == 8:
+        r = _lane_draws(seed, slot, flush, element, 2, ROUNDS)
+    else:
+        r = _lane_draws(seed, slot, flush, element, 1, ROUNDS)
+    if SR_BITS == 13:
+        r = r & 0x1FFF  # the low 13 bits of a 16-bit lane
+    return r
+
+
+@triton.jit
+def _lane_draws(seed, slot, flush, element, LOG_LANES: tl.constexpr, ROUNDS: tl.constexpr):
+    """Lane `element % 2^LOG_LANES` (of 32 >> LOG_LANES bits) of word
+    `(element >> LOG_LANES) % 4` of the counter `element >> (LOG_LANES + 2)`, as uint32."""
     # tl.cast, not .to: Triton passes an int argument equal to 1 as a constant, not a tensor.
+    e = tl.cast(element, tl.int64)
     offset = (
         (tl.cast(slot, tl.int64) << 44) | (tl.cast(flush, tl.int64) << 24)
-        | (tl.cast(element, tl.int64) >> 2)
+        | (e >> (LOG_LANES + 2))
     )
-    w0, w1, w2, w3 = tl.randint4x(seed, offset)
-    which = element & 3
-    return tl.where(which == 0, w0, tl.where(which == 1, w1, tl.where(which == 2, w2, w3)))
+    w0, w1, w2, w3 = tl.randint4x(seed, offset, ROUNDS)
+    which = (e >> LOG_LANES) & 3
+    w = tl.where(which == 0, w0, tl.where(which == 1, w1, tl.where(which == 2, w2, w3)))
+    if LOG_LANES > 0:
+        WIDTH: tl.constexpr = 32 >> LOG_LANES
+        shift = ((e & ((1 << LOG_LANES) - 1)) * WIDTH).to(tl.uint32)
+        w = (w >> shift) & ((1 << WIDTH) - 1)
+    return w
 
 
 # --------------------------------------------------------------------------------------------
@@ -322,19 +369,21 @@ ROUND_BLOCK = 1024
 
 @triton.jit
 def _round_to_kernel(
-    p_x, p_r, p_q, n, E: tl.constexpr, USE_SR: tl.constexpr, BLOCK: tl.constexpr
+    p_x, p_r, p_q, n, E: tl.constexpr, USE_SR: tl.constexpr, SR_BITS: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     o_x = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m_x = o_x < n
     b_x = tl.load(p_x + o_x, mask=m_x, other=0.0)
     b_r = tl.load(p_r + o_x, mask=m_x, other=0).to(tl.uint32) if USE_SR else o_x
-    tl.store(p_q + o_x, round_element(b_x, b_r, E, USE_SR), mask=m_x)
+    tl.store(p_q + o_x, round_element(b_x, b_r, E, USE_SR, SR_BITS), mask=m_x)
 
 
 @triton.jit
 def _quantize_kernel(
     p_x, p_r, p_q, p_code, p_scale, p_global, dv, dk, n_blocks,
-    F: tl.constexpr, USE_SR: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr,
+    F: tl.constexpr, USE_SR: tl.constexpr, SR_BITS: tl.constexpr,
+    BV: tl.constexpr, BK: tl.constexpr,
 ):
     i_s = tl.program_id(0).to(tl.int64)  # one state [dv, dk] per program
     o_v = tl.arange(0, BV)
@@ -343,7 +392,7 @@ def _quantize_kernel(
     o_vk = i_s * dv * dk + o_v[:, None] * dk + o_k[None, :]  # [BV, BK]
     b_x = tl.load(p_x + o_vk, mask=m_vk, other=0.0)
     b_r = tl.load(p_r + o_vk, mask=m_vk, other=0).to(tl.uint32) if USE_SR else o_vk
-    b_q, b_code, b_scale, s_g = quantize_tile_codes(b_x, b_r, F, USE_SR, BV, BK)
+    b_q, b_code, b_scale, s_g = quantize_tile_codes(b_x, b_r, F, USE_SR, BV, BK, SR_BITS)
     tl.store(p_q + o_vk, b_q, mask=m_vk)
     tl.store(p_code + o_vk, b_code, mask=m_vk)
     if F.block != 0:
@@ -357,13 +406,20 @@ def _quantize_kernel(
 
 
 @triton.jit
-def _random_words_kernel(p_w, seed, slot, flush, n, BLOCK: tl.constexpr):
+def _random_words_kernel(
+    p_w, seed, slot, flush, n, SR_BITS: tl.constexpr, ROUNDS: tl.constexpr, BLOCK: tl.constexpr
+):
     o_e = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    b_w = random_words(seed, slot, flush, o_e)
+    b_w = random_words(seed, slot, flush, o_e, SR_BITS, ROUNDS)
     tl.store(p_w + o_e, b_w.to(tl.int64), mask=o_e < n)
 
 
-def _check_words(rand, rounding: str, x: torch.Tensor) -> None:
+def _draws(sr_bits: int) -> str:
+    """What `rand` holds, for messages: 'uint32 words' or '16-bit draws (sr_bits=16)'."""
+    return "uint32 words" if sr_bits == 32 else f"{sr_bits}-bit draws (sr_bits={sr_bits})"
+
+
+def _check_words(rand, rounding: str, x: torch.Tensor, sr_bits: int) -> None:
     if rounding not in ("rn", "sr"):
         raise ValueError(f"rounding: expected 'rn' or 'sr', got {rounding!r}")
     if rounding == "rn":
@@ -372,19 +428,28 @@ def _check_words(rand, rounding: str, x: torch.Tensor) -> None:
         return
     if not isinstance(rand, torch.Tensor) or rand.dtype != torch.int64:
         got = rand.dtype if isinstance(rand, torch.Tensor) else type(rand).__name__
-        raise ValueError(f"rand: expected an int64 tensor of uint32 words, got {got}")
+        raise ValueError(f"rand: expected an int64 tensor of {_draws(sr_bits)}, got {got}")
     if rand.shape != x.shape or rand.device != x.device:
         raise ValueError(
             f"rand: expected shape {list(x.shape)} on {x.device}, got {list(rand.shape)} on "
             f"{rand.device}"
         )
-    # the kernels read words as uint32 (wrapping), so a word outside [0, 2^32) would round with
-    # some other word where lowprec refuses it: refuse it here too
-    if rand.numel() and (int(rand.min()) < 0 or int(rand.max()) >= 1 << 32):
+    # the kernels read draws as uint32 (wrapping), so a draw outside [0, 2^sr_bits) would
+    # round with some other draw where lowprec refuses it: refuse it here too
+    if rand.numel() and (int(rand.min()) < 0 or int(rand.max()) >= 1 << sr_bits):
         raise ValueError(
-            f"rand: expected uint32 words in [0, 2^32), got range [{int(rand.min())}, "
-            f"{int(rand.max())}]"
+            f"rand: expected {_draws(sr_bits)} in [0, 2^{sr_bits}), got range "
+            f"[{int(rand.min())}, {int(rand.max())}]"
         )
+
+
+def _check_sr_bits(sr_bits, rounding: str) -> int:
+    """`sr_bits` checked as lowprec checks it: in `SR_BITS`, and the default for RN."""
+    sr_bits = philox.check_sr_bits(sr_bits)
+    if rounding != "sr" and sr_bits != philox.DEFAULT_SR_BITS:
+        raise ValueError(f"sr_bits: expected the default {philox.DEFAULT_SR_BITS} for "
+                         f"rounding={rounding!r} (only SR draws bits), got {sr_bits}")
+    return sr_bits
 
 
 def _check_fp32(name: str, x) -> None:
@@ -395,8 +460,10 @@ def _check_fp32(name: str, x) -> None:
         raise ValueError(f"{name}: expected a tensor with data, got one on the meta device")
 
 
-def round_to(x: torch.Tensor, element, rounding: str = "rn", rand=None) -> torch.Tensor:
-    """`lowprec.quantize.round_to` in a Triton kernel: fp32 `x`, an ElementFormat (or name)."""
+def round_to(x: torch.Tensor, element, rounding: str = "rn", rand=None, *,
+             sr_bits: int = philox.DEFAULT_SR_BITS) -> torch.Tensor:
+    """`lowprec.quantize.round_to` in a Triton kernel: fp32 `x`, an ElementFormat (or name);
+    for SR `rand` holds int64 draws in [0, 2^sr_bits), x's shape."""
     _check_fp32("x", x)
     if isinstance(element, str):
         element = formats.ELEMENTS.get(element, element)
@@ -404,20 +471,23 @@ def round_to(x: torch.Tensor, element, rounding: str = "rn", rand=None) -> torch
         names = [n for n, e in formats.ELEMENTS.items() if e.bits <= 32]
         raise ValueError(f"element: expected an ElementFormat of <= 32 bits or one of {names}, "
                          f"got {element!r}")
-    _check_words(rand, rounding, x)
+    _check_words(rand, rounding, x, _check_sr_bits(sr_bits, rounding))
     x = x.contiguous()
     q = torch.empty_like(x)
     n = x.numel()
     if n:
         words = rand.contiguous() if rounding == "sr" else x
         _round_to_kernel[(triton.cdiv(n, ROUND_BLOCK),)](
-            x, words, q, n, E=element_spec(element), USE_SR=rounding == "sr", BLOCK=ROUND_BLOCK
+            x, words, q, n, E=element_spec(element), USE_SR=rounding == "sr", SR_BITS=sr_bits,
+            BLOCK=ROUND_BLOCK,
         )
     return q
 
 
-def quantize(x: torch.Tensor, fmt, rounding: str = "rn", rand=None) -> Quantized:
-    """`lowprec.quantize.quantize` in a Triton kernel for a state-shaped fp32 `x [..., dv, dk]`.
+def quantize(x: torch.Tensor, fmt, rounding: str = "rn", rand=None, *,
+             sr_bits: int = philox.DEFAULT_SR_BITS) -> Quantized:
+    """`lowprec.quantize.quantize` in a Triton kernel for a state-shaped fp32 `x [..., dv, dk]`
+    (SR: `rand` int64 draws in [0, 2^sr_bits), x's shape).
 
     Returns a `Quantized` whose `elements` are the code values the kernel rounded (its
     `b_code`, stored beside the dequantised values; for element-only formats the values).
@@ -430,7 +500,7 @@ def quantize(x: torch.Tensor, fmt, rounding: str = "rn", rand=None) -> Quantized
         # no rows: no amax to take s_g from, and no kernel runs to write it (lowprec refuses)
         raise ValueError(f"x: expected dv >= 1 for {fmt.name!r} (its per-state scale), got "
                          f"shape {list(x.shape)}")
-    _check_words(rand, rounding, x)
+    _check_words(rand, rounding, x, _check_sr_bits(sr_bits, rounding))
     dv, dk = x.shape[-2:]
     lead = x.shape[:-2]
     n_states = math.prod(lead)
@@ -446,7 +516,7 @@ def quantize(x: torch.Tensor, fmt, rounding: str = "rn", rand=None) -> Quantized
         words = rand.contiguous() if rounding == "sr" else x
         _quantize_kernel[(n_states,)](
             x, words, q, codes, scales, global_scale, dv, dk, n_blocks,
-            F=format_spec(fmt), USE_SR=rounding == "sr",
+            F=format_spec(fmt), USE_SR=rounding == "sr", SR_BITS=sr_bits,
             BV=triton.next_power_of_2(dv), BK=triton.next_power_of_2(dk),
         )
     if fmt.block is None:
@@ -495,8 +565,13 @@ def codes_of(values: torch.Tensor, fmt, scales: torch.Tensor, global_scale=None)
     return lowprec_round_to(codes, fmt.element).reshape(shape).float().to(values.device)
 
 
-def random_words_host(seed: int, slot: int, flush: int, numel: int, device="cpu") -> torch.Tensor:
-    """`lowprec.philox.random_words(seed, slot, flush, [numel])` from the Triton generator."""
+def random_words_host(seed: int, slot: int, flush: int, numel: int, device="cpu", *,
+                      sr_bits: int = philox.DEFAULT_SR_BITS,
+                      philox_rounds: int = philox.DEFAULT_PHILOX_ROUNDS) -> torch.Tensor:
+    """`lowprec.philox.random_words(seed, slot, flush, [numel], sr_bits=sr_bits,
+    philox_rounds=philox_rounds)` from the Triton generator: int64 draws in [0, 2^sr_bits)."""
+    sr_bits = philox.check_sr_bits(sr_bits)
+    philox_rounds = philox.check_philox_rounds(philox_rounds)
     # the ranges lowprec.philox refuses outside: past them the offset's fields overlap or wrap
     # (slot 2^20 gives slot 0's words) and Triton reads a negative seed as another one
     for name, value, high in (("seed", seed, 64), ("slot", slot, 20), ("flush", flush, 20),
@@ -510,6 +585,7 @@ def random_words_host(seed: int, slot: int, flush: int, numel: int, device="cpu"
     words = torch.empty(numel, dtype=torch.int64, device=device)
     if numel:
         _random_words_kernel[(triton.cdiv(numel, ROUND_BLOCK),)](
-            words, seed, slot, flush, numel, BLOCK=ROUND_BLOCK
+            words, seed, slot, flush, numel, SR_BITS=sr_bits, ROUNDS=philox_rounds,
+            BLOCK=ROUND_BLOCK,
         )
     return words

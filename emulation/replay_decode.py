@@ -7,8 +7,9 @@ of the batch by one token, each slot at its own ring position `h - 1 = cursors[s
                         no state is formed or written
     flush     (h = L)   S_new = g_{0:L} S_hi + sum_{j<L} g_{j+1:L} dt_j x_j B_j^T     (fp32)
                         y = S_new C + D x                   (from the unrounded new state)
-                        hi <- ROUND_hi(S_new)   fp32 exact, or e.g. fp16 SR with the words
-                                                random_words(seed, s, flushes[s], element)
+                        hi <- ROUND_hi(S_new)   fp32 exact, or e.g. fp16 SR with the draws
+                                                random_words(seed, s, flushes[s], element,
+                                                sr_bits, philox_rounds)
                         lo <- RN_lo(S_new)      any lowprec format, scales as lowprec computes
                         the ring restarts (cursors[s] = 0), flushes[s] += 1
 
@@ -42,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lowprec import formats
+from lowprec import formats, philox
 from lowprec._checks import bytes_overlap
 from lowprec import quantize as lq
 from lowprec.replay import check_counter_ranges
@@ -75,7 +76,9 @@ class ReplayCache:
 
     Config: `hi_format` / `hi_rounding` (an element format of at most 32 bits, 'rn' or 'sr'),
     `lo_format` (any lowprec format but fp64; always RN), `window` L, `draft` T (speculative
-    decoding; Lcap = L + T) and the Philox `seed`.
+    decoding; Lcap = L + T), the Philox `seed`, and SR's `sr_bits` (random bits per element,
+    8, 13, 16 or 32) and `philox_rounds` (1..10), both left at (32, 10) for an RN copy
+    (docs/design.md, "Stochastic rounding: random bits and Philox rounds").
     """
 
     hi: torch.Tensor
@@ -93,6 +96,8 @@ class ReplayCache:
     window: int = 16
     draft: int = 0
     seed: int = 0
+    sr_bits: int = philox.DEFAULT_SR_BITS
+    philox_rounds: int = philox.DEFAULT_PHILOX_ROUNDS
     # speculative decoding (host side): a mamba2_replay_verify awaits its mamba2_replay_commit
     pending: bool = False
 
@@ -114,6 +119,8 @@ class ReplayCache:
         hi_dtype: torch.dtype = torch.float32,
         act_dtype: torch.dtype = torch.bfloat16,
         device=None,
+        sr_bits: int = philox.DEFAULT_SR_BITS,
+        philox_rounds: int = philox.DEFAULT_PHILOX_ROUNDS,
     ) -> "ReplayCache":
         """A cache at the zero state with empty rings (ring entries NaN, so that a read of an
         unwritten record shows)."""
@@ -122,6 +129,8 @@ class ReplayCache:
                                  ("ngroups", ngroups, 1), ("window", window, 1),
                                  ("draft", draft, 0)):
             _expect_int(name, value, low)  # before anything is allocated
+        sr_bits, philox_rounds = check_sr_parameters(sr_bits, philox_rounds, hi_rounding,
+                                                     "hi_rounding")
         if act_dtype not in ACT_DTYPES:
             raise ValueError(f"act_dtype: expected one of {list(ACT_DTYPES)}, got {act_dtype}")
         lo_fmt = check_kernel_format("lo_format", lo_format, dstate)
@@ -151,6 +160,8 @@ class ReplayCache:
             window=window,
             draft=draft,
             seed=seed,
+            sr_bits=sr_bits,
+            philox_rounds=philox_rounds,
         )
         check_cache(cache)
         return cache
@@ -160,6 +171,24 @@ class ReplayCache:
         """(slots, nheads, headdim, dstate, ngroups, Lcap)."""
         slots, nheads, headdim, dstate = self.hi.shape
         return slots, nheads, headdim, dstate, self.ring_B.shape[1], self.ring_x.shape[2]
+
+
+def check_sr_parameters(sr_bits, philox_rounds, rounding, rounding_name: str,
+                        prefix: str = "") -> tuple[int, int]:
+    """(sr_bits, philox_rounds) as ints SR supports (`lowprec.philox.check_sr_bits` /
+    `check_philox_rounds`), and the defaults (32, 10) unless `rounding` is 'sr' (as lowprec
+    refuses them: only SR draws random bits); messages name `prefix + 'sr_bits'` etc."""
+    sr_bits = philox.check_sr_bits(sr_bits, prefix + "sr_bits")
+    philox_rounds = philox.check_philox_rounds(philox_rounds, prefix + "philox_rounds")
+    if rounding != "sr":
+        for name, value, default in (("sr_bits", sr_bits, philox.DEFAULT_SR_BITS),
+                                     ("philox_rounds", philox_rounds,
+                                      philox.DEFAULT_PHILOX_ROUNDS)):
+            if value != default:
+                raise ValueError(f"{prefix}{name}: expected the default {default} with "
+                                 f"{prefix}{rounding_name}={rounding!r} (only SR draws random "
+                                 f"bits), got {value}")
+    return sr_bits, philox_rounds
 
 
 def zero_block_scale(fmt) -> float:
@@ -280,6 +309,8 @@ def check_cache(cache: ReplayCache) -> None:
         )
     if cache.hi_rounding not in ROUNDINGS:
         raise ValueError(f"cache.hi_rounding: expected 'rn' or 'sr', got {cache.hi_rounding!r}")
+    check_sr_parameters(cache.sr_bits, cache.philox_rounds, cache.hi_rounding, "hi_rounding",
+                        "cache.")
     hi_dtypes = {torch.float32, HI_DTYPES.get(hi_fmt.name, torch.float32)}
     _expect("cache.hi", hi, hi.shape, hi_dtypes, device)
     lo_fmt = check_kernel_format("cache.lo_format", cache.lo_format, dstate)
@@ -388,12 +419,13 @@ def gate_output(b_y, b_x, D, b_z, HAS_Z: tl.constexpr):
 def store_copies(
     b_S, p_hi, p_lo, p_lo_scales, p_lo_global, p_debug,
     seed, i_s, i_h, flush, headdim, dstate, n_blocks,
-    HI: tl.constexpr, HI_SR: tl.constexpr, LO: tl.constexpr, HAS_DEBUG: tl.constexpr,
-    BV: tl.constexpr, BK: tl.constexpr,
+    HI: tl.constexpr, HI_SR: tl.constexpr, SR_BITS: tl.constexpr, ROUNDS: tl.constexpr,
+    LO: tl.constexpr, HAS_DEBUG: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr,
 ):
     """Write both copies of one (slot, head) state from the unrounded fp32 `b_S [BV, BK]`.
 
-    hi: ROUND_hi with SR words at (seed, slot, flush, element); lo: RN_lo with its scales.
+    hi: ROUND_hi with SR draws of SR_BITS bits from ROUNDS-round Philox at (seed, slot,
+    flush, element); lo: RN_lo with its scales.
     Pointers are the (slot, head) bases of [headdim, dstate] (scales [headdim, n_blocks]).
     """
     o_v = tl.arange(0, BV)
@@ -402,8 +434,11 @@ def store_copies(
     o_vk = o_v[:, None] * dstate + o_k[None, :]  # [BV, BK]
     if HAS_DEBUG:
         tl.store(p_debug + o_vk, b_S, mask=m_vk)
-    b_r = random_words(seed, i_s, flush, i_h * headdim * dstate + o_vk) if HI_SR else o_vk
-    b_hi, _, _ = quantize_tile(b_S, b_r, HI, HI_SR, BV, BK)
+    if HI_SR:
+        b_r = random_words(seed, i_s, flush, i_h * headdim * dstate + o_vk, SR_BITS, ROUNDS)
+    else:
+        b_r = o_vk
+    b_hi, _, _ = quantize_tile(b_S, b_r, HI, HI_SR, BV, BK, SR_BITS)
     tl.store(p_hi + o_vk, b_hi.to(p_hi.dtype.element_ty), mask=m_vk)
     b_lo, b_scale, s_g = quantize_tile(b_S, o_vk, LO, False, BV, BK)
     tl.store(p_lo + o_vk, b_lo, mask=m_vk)
@@ -426,8 +461,8 @@ def _mamba2_replay_decode_kernel(
     p_ring_x, p_ring_dt, p_ring_B, p_cursors, p_flushes,
     p_x, p_dt, p_A, p_B, p_C, p_D, p_z, p_dt_bias, p_y, p_debug,
     seed, nheads, headdim, dstate, ngroups, lcap, window, n_blocks,
-    HI: tl.constexpr, HI_SR: tl.constexpr, LO: tl.constexpr,
-    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+    HI: tl.constexpr, HI_SR: tl.constexpr, SR_BITS: tl.constexpr, ROUNDS: tl.constexpr,
+    LO: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
     DT_SOFTPLUS: tl.constexpr, HAS_DEBUG: tl.constexpr,
     BV: tl.constexpr, BK: tl.constexpr, BL: tl.constexpr,
 ):
@@ -485,7 +520,7 @@ def _mamba2_replay_decode_kernel(
             p_lo_scales + i_sh * headdim * n_blocks, p_lo_global + i_sh,
             p_debug + i_sh * headdim * dstate,
             seed, i_s, i_h, flush, headdim, dstate, n_blocks,
-            HI, HI_SR, LO, HAS_DEBUG, BV, BK,
+            HI, HI_SR, SR_BITS, ROUNDS, LO, HAS_DEBUG, BV, BK,
         )
     else:
         # non-flush: the read copy and the ring, no state
@@ -609,7 +644,7 @@ def mamba2_replay_decode(
             debug_state if debug_state is not None else unused,
             cache.seed, nheads, headdim, dstate, ngroups, lcap, cache.window, n_blocks,
             HI=format_spec(cache.hi_format), HI_SR=cache.hi_rounding == "sr",
-            LO=format_spec(lo_fmt),
+            SR_BITS=cache.sr_bits, ROUNDS=cache.philox_rounds, LO=format_spec(lo_fmt),
             HAS_D=D is not None, HAS_Z=z is not None, HAS_DT_BIAS=dt_bias is not None,
             DT_SOFTPLUS=bool(dt_softplus), HAS_DEBUG=debug_state is not None,
             **cfg,

@@ -60,7 +60,8 @@ def _mamba2_replay_verify_kernel(
     p_ring_x, p_ring_dt, p_ring_B, p_cursors, p_flushes,
     p_x, p_dt, p_A, p_B, p_C, p_D, p_z, p_dt_bias, p_y, p_debug,
     seed, nheads, headdim, dstate, ngroups, lcap, window, n_blocks,
-    T: tl.constexpr, HI: tl.constexpr, HI_SR: tl.constexpr, LO: tl.constexpr,
+    T: tl.constexpr, HI: tl.constexpr, HI_SR: tl.constexpr, SR_BITS: tl.constexpr,
+    ROUNDS: tl.constexpr, LO: tl.constexpr,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
     DT_SOFTPLUS: tl.constexpr, HAS_DEBUG: tl.constexpr,
     BV: tl.constexpr, BK: tl.constexpr, BL: tl.constexpr, BT: tl.constexpr,
@@ -108,7 +109,7 @@ def _mamba2_replay_verify_kernel(
             p_lo_scales + i_sh * headdim * n_blocks, p_lo_global + i_sh,
             p_debug + i_sh * headdim * dstate,
             seed, i_s, i_h, flush, headdim, dstate, n_blocks,
-            HI, HI_SR, LO, HAS_DEBUG, BV, BK,
+            HI, HI_SR, SR_BITS, ROUNDS, LO, HAS_DEBUG, BV, BK,
         )
     else:
         b_base = tl.load(p_lo + i_sh * headdim * dstate + o_vk, mask=m_vk, other=0.0)
@@ -247,7 +248,7 @@ def mamba2_replay_verify(
             debug_state if debug_state is not None else unused,
             cache.seed, nheads, headdim, dstate, ngroups, lcap, cache.window, n_blocks,
             T=T, HI=format_spec(cache.hi_format), HI_SR=cache.hi_rounding == "sr",
-            LO=format_spec(cache.lo_format),
+            SR_BITS=cache.sr_bits, ROUNDS=cache.philox_rounds, LO=format_spec(cache.lo_format),
             HAS_D=D is not None, HAS_Z=z is not None, HAS_DT_BIAS=dt_bias is not None,
             DT_SOFTPLUS=bool(dt_softplus), HAS_DEBUG=debug_state is not None,
             BT=max(16, triton.next_power_of_2(T)),

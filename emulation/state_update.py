@@ -10,8 +10,9 @@ The baseline that ReplaySSM is measured against (the `every_step` arm of the exp
                                             or from the unrounded one, as cute_kernels'
                                             state_update and mamba_ssm do ('unrounded')
 
-SR words are `random_words(seed, slot, tokens[slot], element)`: the per-slot token counter plays
-the flush counter's part, so each token's store uses fresh words; the call increments `tokens`.
+SR draws are `random_words(seed, slot, tokens[slot], element, sr_bits, philox_rounds)`: the
+per-slot token counter plays the flush counter's part, so each token's store uses fresh draws;
+the call increments `tokens`.
 The state lives in an fp32 container holding exactly representable values (or in the format's
 own dtype, e.g. float16), with block scales and nvfp4's second-level scale in fp32 containers
 beside it, as the ReplaySSM read copy in `replay_decode.py`.
@@ -40,12 +41,14 @@ from emulation.replay_decode import (
     check_cache_apart,
     check_inputs_apart,
     check_out_apart,
+    check_sr_parameters,
     check_switch,
     gate_output,
     launch_config,
     process_dt,
     zero_block_scale,
 )
+from lowprec import philox
 from lowprec.replay import check_flush_field
 
 __all__ = ["StateCache", "mamba2_state_update"]
@@ -62,7 +65,8 @@ class StateCache:
         global_scale  fp32 [slots, nheads]                              nvfp4, else None
         tokens        int32 [slots]   tokens stored so far (the Philox counter of the next store)
 
-    Config: `format` (any lowprec format but fp64), `rounding` ('rn' or 'sr'), Philox `seed`.
+    Config: `format` (any lowprec format but fp64), `rounding` ('rn' or 'sr'), Philox `seed`,
+    and SR's `sr_bits` (8, 13, 16, 32) and `philox_rounds` (1..10), (32, 10) for RN.
     """
 
     state: torch.Tensor
@@ -72,6 +76,8 @@ class StateCache:
     format: str = "fp16"
     rounding: str = "rn"
     seed: int = 0
+    sr_bits: int = philox.DEFAULT_SR_BITS
+    philox_rounds: int = philox.DEFAULT_PHILOX_ROUNDS
 
     @classmethod
     def empty(
@@ -86,11 +92,15 @@ class StateCache:
         seed: int = 0,
         state_dtype: torch.dtype = torch.float32,
         device=None,
+        sr_bits: int = philox.DEFAULT_SR_BITS,
+        philox_rounds: int = philox.DEFAULT_PHILOX_ROUNDS,
     ) -> "StateCache":
         """A zero state with its token counters at 0."""
         for name, value, low in (("slots", slots, 0), ("nheads", nheads, 1),
                                  ("headdim", headdim, 1), ("dstate", dstate, 1)):
             _expect_int(name, value, low)  # before anything is allocated
+        sr_bits, philox_rounds = check_sr_parameters(sr_bits, philox_rounds, rounding,
+                                                     "rounding")
         fmt = check_kernel_format("format", format, dstate)
         f32 = dict(dtype=torch.float32, device=device)
         scales = global_scale = None
@@ -107,6 +117,8 @@ class StateCache:
             format=fmt.name,
             rounding=rounding,
             seed=seed,
+            sr_bits=sr_bits,
+            philox_rounds=philox_rounds,
         )
         check_state_cache(cache)
         return cache
@@ -130,6 +142,7 @@ def check_state_cache(cache: StateCache) -> None:
     fmt = check_kernel_format("cache.format", cache.format, dstate)
     if cache.rounding not in ROUNDINGS:
         raise ValueError(f"cache.rounding: expected 'rn' or 'sr', got {cache.rounding!r}")
+    check_sr_parameters(cache.sr_bits, cache.philox_rounds, cache.rounding, "rounding", "cache.")
     _expect_int("cache.seed", cache.seed, 0, 1 << 64)
     if slots >= 1 << 20 or nheads * headdim * dstate > 1 << 24:
         raise ValueError(
@@ -158,7 +171,7 @@ def _mamba2_state_update_kernel(
     p_state, p_scales, p_global, p_tokens,
     p_x, p_dt, p_A, p_B, p_C, p_D, p_z, p_dt_bias, p_y, p_debug,
     seed, nheads, headdim, dstate, ngroups, n_blocks,
-    F: tl.constexpr, USE_SR: tl.constexpr,
+    F: tl.constexpr, USE_SR: tl.constexpr, SR_BITS: tl.constexpr, ROUNDS: tl.constexpr,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
     DT_SOFTPLUS: tl.constexpr, HAS_DEBUG: tl.constexpr, READ_STORED: tl.constexpr,
     BV: tl.constexpr, BK: tl.constexpr,
@@ -189,8 +202,11 @@ def _mamba2_state_update_kernel(
     b_S = tl.exp(dt * A) * b_S + (dt * b_x)[:, None] * b_B[None, :]
     if HAS_DEBUG:
         tl.store(p_debug + i_sh * headdim * dstate + o_vk, b_S, mask=m_vk)
-    b_r = random_words(seed, i_s, token, i_h * headdim * dstate + o_vk) if USE_SR else o_vk
-    b_q, b_scale, s_g = quantize_tile(b_S, b_r, F, USE_SR, BV, BK)
+    if USE_SR:
+        b_r = random_words(seed, i_s, token, i_h * headdim * dstate + o_vk, SR_BITS, ROUNDS)
+    else:
+        b_r = o_vk
+    b_q, b_scale, s_g = quantize_tile(b_S, b_r, F, USE_SR, BV, BK, SR_BITS)
     tl.store(p_S, b_q.to(p_state.dtype.element_ty), mask=m_vk)
     if F.block != 0:
         NB: tl.constexpr = BK // (BK if F.block == -1 else F.block)
@@ -292,6 +308,7 @@ def mamba2_state_update(
             debug_state if debug_state is not None else unused,
             cache.seed, nheads, headdim, dstate, ngroups, n_blocks,
             F=format_spec(cache.format), USE_SR=cache.rounding == "sr",
+            SR_BITS=cache.sr_bits, ROUNDS=cache.philox_rounds,
             HAS_D=D is not None, HAS_Z=z is not None, HAS_DT_BIAS=dt_bias is not None,
             DT_SOFTPLUS=bool(dt_softplus), HAS_DEBUG=debug_state is not None,
             READ_STORED=output_from == "stored",

@@ -5,10 +5,15 @@ models normalise q and k before the recurrence), beta = sigmoid(randn) in (0, 1)
 log-decays g = -exp(randn) / tau with a memory time scale tau drawn log-uniform in [1, 1000]
 per head (KDA: per channel), so a batch holds short memory (a ~ e^-2 per token) beside long
 memory (a ~ 0.999).
+
+Every helper takes a `device`: "cpu" runs the kernels in Triton's interpreter, "cuda" compiled;
+the lowprec reference always runs on the CPU.
 """
 
 import math
+import os
 
+import pytest
 import torch
 import torch.nn.functional as F
 from checks import assert_bits_equal, assert_within
@@ -20,6 +25,14 @@ from lowprec.policies import Policy
 from lowprec.replay import GDNReplay, KDAReplay
 
 SEED = 2**33 + 7  # above 2^32: the key's high word is used
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+# the interpreter on a machine without CUDA; compiled Triton on a GPU
+CPU_ONLY = pytest.mark.skipif(not INTERPRETED, reason="CPU interpreter test (compiled: GPU)")
+DEVICES = [pytest.param("cpu", marks=CPU_ONLY), pytest.param("cuda", marks=pytest.mark.gpu)]
+# SR settings (sr_bits, philox_rounds): every width at 10 rounds, 7 and 4 rounds at 32 and 8
+# bits; the fast ones cover each lane width (32, 16, 13 masked, 8) and 10, 7 and 4 rounds
+SR_SETTINGS = [(32, 10), (16, 10), (13, 10), (8, 10), (32, 7), (8, 7), (32, 4), (8, 4)]
+SR_FAST = {(16, 10), (13, 10), (8, 7), (32, 4)}
 
 
 def log_decay(gen, shape):
@@ -28,25 +41,29 @@ def log_decay(gen, shape):
     return -torch.exp(0.5 * torch.randn(shape, generator=gen)) / tau
 
 
-def make_token(gen, slots, nheads, dv, dk, per_channel, ndraft=None, act_dtype=torch.float32):
-    """One token (or `ndraft` drafts) per slot: q, k, v, g, beta."""
+def make_token(gen, slots, nheads, dv, dk, per_channel, ndraft=None, act_dtype=torch.float32,
+               device="cpu"):
+    """One token (or `ndraft` drafts) per slot: q, k, v, g, beta (drawn on the CPU)."""
     t = () if ndraft is None else (ndraft,)
-    return dict(
+    token = dict(
         q=F.normalize(torch.randn(slots, nheads, *t, dk, generator=gen), dim=-1).to(act_dtype),
         k=F.normalize(torch.randn(slots, nheads, *t, dk, generator=gen), dim=-1).to(act_dtype),
         v=torch.randn(slots, nheads, *t, dv, generator=gen).to(act_dtype),
         g=log_decay(gen, (slots, nheads, *t, dk) if per_channel else (slots, nheads, *t)),
         beta=torch.sigmoid(torch.randn(slots, nheads, *t, generator=gen)),
     )
+    return {name: value.to(device) for name, value in token.items()}
 
 
 def filled_cache(gen, slots, nheads, dv, dk, hi, lo, per_channel, cursors, flushes, window,
-                 draft=0, act_dtype=torch.float32):
+                 draft=0, act_dtype=torch.float32, device="cpu", **sr):
     """A cache with random copies (exactly representable in their formats), records at ring
-    positions < cursors (u drawn as a cached u would be: of v's size) and NaN past them."""
+    positions < cursors (u drawn as a cached u would be: of v's size) and NaN past them
+    (`sr`: the cache's sr_bits / philox_rounds)."""
     cache = GDNReplayCache.empty(
         slots, nheads, dv, dk, per_channel=per_channel, window=window, draft=draft,
         hi_format=hi[0], hi_rounding=hi[1], lo_format=lo, seed=SEED, act_dtype=act_dtype,
+        device=device, **sr,
     )
     state = torch.randn(slots, nheads, dv, dk, generator=gen)
     cache.hi.copy_(lq.round_to(state, formats.get(hi[0]).element))
@@ -86,7 +103,8 @@ def policy_of(cache):
     sr = cache.hi_rounding == "sr"
     return Policy("separate", fmt=cache.lo_format, hi_fmt=cache.hi_format,
                   hi_rounding=cache.hi_rounding, window=cache.window,
-                  seed=cache.seed if sr else 0)
+                  seed=cache.seed if sr else 0, sr_bits=cache.sr_bits,
+                  philox_rounds=cache.philox_rounds)
 
 
 def lowprec_write_copies(cache, before, new_state, mask):
@@ -142,10 +160,12 @@ def run_and_check_step(cache, token, decode):
     before = snapshot(cache)
     slots, nheads, dv, dk, lcap = cache.shape
     pc = cache.per_channel
-    y = torch.full((slots, nheads, dv), math.nan)
-    debug = torch.full(cache.hi.shape, math.nan)
+    device = cache.hi.device
+    y = torch.full((slots, nheads, dv), math.nan, device=device)
+    debug = torch.full(cache.hi.shape, math.nan, device=device)
     decode(cache, **token, out=y, debug_state=debug)
-    t64 = {k: v.double() for k, v in token.items()}
+    y, debug = y.cpu(), debug.cpu()
+    t64 = {k: v.cpu().double() for k, v in token.items()}
     cur = before["cursors"].long()
     held = cur + 1
     is_flush = held == cache.window
@@ -153,7 +173,7 @@ def run_and_check_step(cache, token, decode):
     lo, hi, q = before["lo"].double(), before["hi"].double(), t64["q"]
     # the emulation's u for the current record, checked, then used by the reference output
     s_idx, h_idx = torch.arange(slots)[:, None], torch.arange(nheads)[None, :]
-    u_emu = cache.ring_u[s_idx, h_idx, cur[:, None]].double()  # [slots, h, dv]
+    u_emu = cache.ring_u.cpu()[s_idx, h_idx, cur[:, None]].double()  # [slots, h, dv]
     u_ref = gdn._replay_u(lo, r["ring_u"], r["ring_v"], r["ring_k"], r["ring_g"],
                           r["ring_beta"], held, pc)
     r["ring_u"][s_idx, h_idx, cur[:, None]] = torch.where(is_flush[:, None, None], u_ref, u_emu)
@@ -176,7 +196,7 @@ def run_and_check_step(cache, token, decode):
     for name in ("ring_v", "ring_k", "ring_g", "ring_beta"):
         after = getattr(cache, name).cpu().double()
         assert torch.equal(after.nan_to_num(7.0), r[name].nan_to_num(7.0)), name
-    assert cache.cursors.tolist() == torch.where(is_flush, 0, held).tolist()
+    assert cache.cursors.cpu().tolist() == torch.where(is_flush, 0, held).tolist()
     ratio = torch.cat([((y - torch.where(f3, y_f, y_w)).abs()
                         / torch.where(f3, y_bound_f, y_bound_w)).flatten(),
                        ((u_emu[nf] - u_ref[nf]).abs() / u_bound[nf]).flatten()])

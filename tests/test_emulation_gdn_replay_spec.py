@@ -9,6 +9,7 @@ Properties:
 - with random acceptance per slot the pointers and flush counters follow
   `lowprec.replay.GDNReplay` / `KDAReplay`, and with fp32 copies the outputs stay within 1e-5
   relative RMS of lowprec's fp64 verify.
+Tests with a `cuda` variant run the compiled kernels on a GPU with the same checks.
 """
 
 import math
@@ -22,6 +23,8 @@ if not torch.cuda.is_available():  # Triton cannot compile for a CPU: interpret 
 
 from checks import assert_within  # noqa: E402
 from gdn_emulation_cases import (  # noqa: E402
+    CPU_ONLY,
+    DEVICES,
     RING,
     SEED,
     check_copies,
@@ -45,9 +48,6 @@ from lowprec import gdn  # noqa: E402
 from lowprec.policies import Policy  # noqa: E402
 from lowprec.replay import GDNReplay, KDAReplay  # noqa: E402
 
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                reason="CPU interpreter tests (compiled Triton needs a GPU)")
-
 VERIFY = {False: gdn_replay_verify, True: kda_replay_verify}
 COMMIT = {False: gdn_replay_commit, True: kda_replay_commit}
 RECURRENCES = [pytest.param(False, id="gdn"), pytest.param(True, id="kda")]
@@ -60,9 +60,12 @@ def run_and_check_verify(cache, drafts):
     before = snapshot(cache)
     slots = cache.hi.shape[0]
     T, pc = cache.draft, cache.per_channel
-    y = torch.full((slots, H, T, DV), math.nan)
-    debug = torch.full(cache.hi.shape, math.nan)
+    device = cache.hi.device
+    y = torch.full((slots, H, T, DV), math.nan, device=device)
+    debug = torch.full(cache.hi.shape, math.nan, device=device)
     VERIFY[pc](cache, **drafts, out=y, debug_state=debug)
+    y, debug = y.cpu(), debug.cpu()
+    drafts = {name: value.cpu() for name, value in drafts.items()}
     h = before["cursors"].long()
     is_flush = h + T > cache.window
     r = {n: before[n].double() for n in RING}
@@ -80,7 +83,7 @@ def run_and_check_verify(cache, drafts):
     start = torch.where(is_flush, 0, h)
     base = torch.where(is_flush[:, None, None, None], debug.double(), before["lo"].double())
     s_idx, h_idx = torch.arange(slots)[:, None], torch.arange(H)[None, :]
-    after_u = cache.ring_u.double()
+    after_u = cache.ring_u.cpu().double()
     ring = {n: r[n].clone() for n in RING}
     for t in range(T):
         p = start + t
@@ -104,13 +107,14 @@ def run_and_check_verify(cache, drafts):
         drafted &= torch.arange(cache.ring_v.shape[2])[None, :] < (start + T)[:, None]
         shape = drafted.shape[:1] + (1,) + drafted.shape[1:] + (1,) * (ring[name].dim() - 3)
         m = drafted.view(shape).expand_as(ring[name])
-        assert torch.equal(getattr(cache, name).double()[m], ring[name][m]), name
-    assert cache.cursors.tolist() == start.tolist() and cache.pending
+        assert torch.equal(getattr(cache, name).cpu().double()[m], ring[name][m]), name
+    assert cache.cursors.cpu().tolist() == start.tolist() and cache.pending
     return y
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("per_channel", RECURRENCES)
-def test_verify_commit_rounds_match_lowprec_on_own_cache(per_channel):
+def test_verify_commit_rounds_match_lowprec_on_own_cache(per_channel, device):
     """Six verify/commit rounds, random acceptance per slot, slots starting at random ring
     positions (L = 5, T = 3: flushes whenever h > 2): every verify matches lowprec on the
     emulation's own cache, copies bit for bit (FP16-SR recurrence copy, NVFP4 / MXFP4 read
@@ -119,22 +123,24 @@ def test_verify_commit_rounds_match_lowprec_on_own_cache(per_channel):
     lo = "mxfp4" if per_channel else "nvfp4"
     cursors = torch.randint(0, WINDOW + 1, (3,), generator=gen).tolist()
     cache = filled_cache(gen, 3, H, DV, DK, ("fp16", "sr"), lo, per_channel, cursors=cursors,
-                         flushes=[0, 4, 1], window=WINDOW, draft=DRAFT)
-    flushes0 = cache.flushes.clone()
+                         flushes=[0, 4, 1], window=WINDOW, draft=DRAFT, device=device)
+    flushes0 = cache.flushes.cpu().clone()
     expected_flushes = torch.zeros(3, dtype=torch.int64)
     for _ in range(6):
-        h = cache.cursors.long()
+        h = cache.cursors.cpu().long()
         expected_flushes += (h + DRAFT > WINDOW).long()
-        run_and_check_verify(cache, make_token(gen, 3, H, DV, DK, per_channel, ndraft=DRAFT))
+        run_and_check_verify(cache, make_token(gen, 3, H, DV, DK, per_channel, ndraft=DRAFT,
+                                               device=device))
         accepted = torch.randint(0, DRAFT + 1, (3,), generator=gen, dtype=torch.int32)
-        start = cache.cursors.clone()
-        COMMIT[per_channel](cache, accepted)
-        assert cache.cursors.tolist() == (start + accepted).tolist()
+        start = cache.cursors.cpu().clone()
+        COMMIT[per_channel](cache, accepted.to(device))
+        assert cache.cursors.cpu().tolist() == (start + accepted).tolist()
         assert not cache.pending
-    assert (cache.flushes - flushes0).tolist() == expected_flushes.tolist()
+    assert (cache.flushes.cpu() - flushes0).tolist() == expected_flushes.tolist()
     assert int(expected_flushes.min()) >= 1
 
 
+@CPU_ONLY
 @pytest.mark.parametrize("per_channel", RECURRENCES)
 def test_verify_commit_follow_lowprec_replay_fp64(per_channel):
     """From the zero state with fp32 copies, six rounds of verify + random commit beside
@@ -163,6 +169,7 @@ def test_verify_commit_follow_lowprec_replay_fp64(per_channel):
     assert err <= 1e-5, f"relative RMS error {err:.3e}"
 
 
+@CPU_ONLY
 def test_commit_refuses_without_verify_and_the_other_recurrence():
     """A commit with no verify pending, a KDA commit of a GDN cache and an acceptance past T
     raise a ValueError naming what was expected."""

@@ -188,3 +188,39 @@ def test_meta_caches_and_inputs_are_refused_by_name():
         numerics.quantize(x, "nvfp4")
     with pytest.raises(ValueError, match="device: expected a device with memory"):
         numerics.random_words_host(0, 0, 0, 8, device="meta")
+
+
+@pytest.mark.parametrize("make, rounding_name", [
+    (lambda **kw: ReplayCache.empty(1, H, P, N, **kw), "hi_rounding"),
+    (lambda **kw: GDNReplayCache.empty(1, H, P, N, **kw), "hi_rounding"),
+    (lambda **kw: StateCache.empty(1, H, P, N, **kw), "rounding"),
+], ids=["mamba2-replay", "gdn-replay", "state"])
+def test_caches_refuse_sr_settings_by_name(make, rounding_name):
+    """Every cache takes sr_bits in {8, 13, 16, 32} and philox_rounds in [1, 10] (13 and 7 make
+    a cache), refuses others by name at .empty and on a call after a field is changed, and keeps
+    the defaults (32, 10) for an RN copy, as lowprec does."""
+    sr = {rounding_name: "sr"}
+    cache = make(sr_bits=13, philox_rounds=7, **sr)
+    assert (cache.sr_bits, cache.philox_rounds) == (13, 7)
+    with pytest.raises(ValueError, match=r"sr_bits: expected random bits per element in "
+                                         r"\[8, 13, 16, 32\], got 12"):
+        make(sr_bits=12, **sr)
+    with pytest.raises(ValueError, match=r"philox_rounds: expected Philox rounds in \[1, 10\], "
+                                         r"got 11"):
+        make(philox_rounds=11, **sr)
+    with pytest.raises(ValueError, match=f"sr_bits: expected the default 32 with "
+                                         f"{rounding_name}='rn'"):
+        make(sr_bits=8, **{rounding_name: "rn"})
+    with pytest.raises(ValueError, match=f"philox_rounds: expected the default 10 with "
+                                         f"{rounding_name}='rn'"):
+        make(philox_rounds=7, **{rounding_name: "rn"})
+    cache.philox_rounds = 0
+    with pytest.raises(ValueError, match=r"cache.philox_rounds: expected Philox rounds in"):
+        if isinstance(cache, ReplayCache):
+            mamba2_replay_decode(cache, **mamba2_token(1))
+        elif isinstance(cache, GDNReplayCache):
+            gdn_replay_decode(cache, **make_token(torch.Generator().manual_seed(0), 1, H, P, N,
+                                                  False))
+        else:
+            gdn_state_update(cache, **make_token(torch.Generator().manual_seed(0), 1, H, P, N,
+                                                 False))

@@ -288,6 +288,74 @@ def test_random_words_equal_lowprec_philox(seed, slot, flush, device):
     assert torch.equal(words.cpu(), philox.random_words(seed, slot, flush, [n]))
 
 
+SR_SETTINGS = [(32, 10), (16, 10), (13, 10), (8, 10), (32, 7), (8, 7), (32, 4), (8, 4),
+               (16, 1)]
+# every setting in the interpreter; compiled, one per lane width with 7, 4, 1 and 10 rounds
+SR_GPU = {(32, 7), (16, 1), (13, 10), (8, 4)}
+SR_DRAW_CASES = [pytest.param(k, r, device.values[0], id=f"{k}b-{r}r-{device.values[0]}",
+                              marks=device.marks)
+                 for k, r in SR_SETTINGS for device in DEVICES
+                 if device.values[0] == "cpu" or (k, r) in SR_GPU]
+
+
+@pytest.mark.parametrize("sr_bits, philox_rounds, device", SR_DRAW_CASES)
+def test_random_draws_every_sr_setting_equal_lowprec(sr_bits, philox_rounds, device):
+    """The kernels' draws of k = sr_bits bits from R-round Philox are lowprec.philox's, draw for
+    draw (1037 elements: the last counter partly used for every lane width; slot 2^19 + 3 sets
+    the offset's top bit), each below 2^k; a different k or R gives other draws."""
+    seed, slot, flush, n = 2**33 + 7, 2**19 + 3, 77, 1037
+    draws = numerics.random_words_host(seed, slot, flush, n, device=device, sr_bits=sr_bits,
+                                       philox_rounds=philox_rounds).cpu()
+    expected = philox.random_words(seed, slot, flush, [n], sr_bits=sr_bits,
+                                   philox_rounds=philox_rounds)
+    assert torch.equal(draws, expected)
+    assert int(draws.max()) < 2**sr_bits and int(draws.max()) >= 2**(sr_bits - 1)
+    if (sr_bits, philox_rounds) != (32, 10):
+        assert not torch.equal(draws, philox.random_words(seed, slot, flush, [n]) % 2**sr_bits)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("sr_bits", [8, 13])
+def test_k_bit_sr_rounds_up_for_exactly_floor_frac_2k_draws(sr_bits, device):
+    """Every k-bit draw (exhaustive, 2^k of them) at FP16 values 1 + f ulp with f = j / 2^13:
+    the round-ups number floor(f 2^k) (j >> 5 for k = 8, j for k = 13), the draws below that
+    threshold, and the results equal lowprec's bit for bit. For k = 8 and j not a multiple of
+    32 that is the bias of k-bit SR: the fraction's bits below its top 8 never round up."""
+    ulp = 2.0**-10
+    j = torch.tensor([0, 1, 31, 32, 33, 4095, 4096, 5000, 8191])
+    x = (1 + j.double() / 2**13 * ulp).float()  # 1 + f ulp: 23 fraction bits, exact in fp32
+    draws = torch.arange(2**sr_bits)
+    xs, rs = x[:, None].expand(-1, draws.numel()).contiguous(), draws.expand(x.numel(), -1)
+    rs = rs.contiguous()
+    actual = numerics.round_to(xs.to(device), "fp16", "sr", rs.to(device),
+                               sr_bits=sr_bits).cpu()
+    assert_bits_equal(actual, lq.round_to(xs, "fp16", "sr", rs, sr_bits=sr_bits).float(),
+                      f"k={sr_bits} vs lowprec")
+    ups = (actual > 1.0).sum(dim=1)
+    threshold = j >> (13 - sr_bits)
+    assert ups.tolist() == threshold.tolist()
+    assert torch.equal(actual > 1.0, rs < threshold[:, None])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt, sr_bits", [("nvfp4", 8), ("mxfp4", 13), ("fp16", 16),
+                                          ("fp8_e4m3", 8)])
+def test_quantize_k_bit_sr_equals_lowprec(fmt, sr_bits, device):
+    """quantize_tile with k-bit SR draws (random_words(..., sr_bits=k, philox_rounds=7)) stores
+    lowprec's values, codes and scales bit for bit (dstate 32: zero blocks, outliers and
+    subnormal states, as the RN/SR test)."""
+    x = block_test_states(32, seed=7)
+    rand = philox.random_words(5, torch.arange(3), 2, x.shape[1:], sr_bits=sr_bits,
+                               philox_rounds=7)
+    expected = lq.quantize(x, fmt, "sr", rand, sr_bits=sr_bits)
+    actual = numerics.quantize(x.to(device), fmt, "sr", rand.to(device), sr_bits=sr_bits)
+    what = f"{fmt} SR k={sr_bits}"
+    assert_bits_equal(lq.dequantize(actual), lq.dequantize(expected), what + " values")
+    assert_bits_equal(actual.elements, expected.elements, what + " codes")
+    if expected.scales is not None:
+        assert_bits_equal(actual.scales, expected.scales, what + " scales")
+
+
 def test_format_spec_is_format_data():
     """The kernel data of a format is read from lowprec.formats (no table of names here)."""
     nvfp4 = numerics.format_spec("nvfp4")
@@ -330,12 +398,25 @@ def test_format_spec_is_format_data():
         # a name the kernels do not round to lists the names they do
         (lambda: numerics.round_to(torch.zeros(3), "fp7"),
          r"element: .* or one of \['fp32', 'fp16', 'bf16', 'e4m3', 'e5m2', 'e2m1'\], got 'fp7'"),
+        (lambda: numerics.round_to(torch.ones(2), "fp16", "sr", torch.tensor([0, 256]),
+                                   sr_bits=8),
+         r"rand: expected 8-bit draws \(sr_bits=8\) in \[0, 2\^8\), got range \[0, 256\]"),
+        (lambda: numerics.round_to(torch.ones(2), "fp16", sr_bits=8),
+         "sr_bits: expected the default 32 for rounding='rn'"),
+        (lambda: numerics.quantize(torch.ones(1, 16), "nvfp4", "sr", torch.zeros(1, 16,
+                                   dtype=torch.int64), sr_bits=12),
+         r"sr_bits: expected random bits per element in \[8, 13, 16, 32\], got 12"),
+        (lambda: numerics.random_words_host(0, 0, 0, 8, philox_rounds=0),
+         r"philox_rounds: expected Philox rounds in \[1, 10\], got 0"),
+        (lambda: numerics.random_words_host(0, 0, 0, 8, sr_bits=True),
+         "sr_bits: expected random bits per element"),
     ],
     ids=["dtype", "fp64-element", "sr-without-words", "rounding", "block", "fp64", "ndim",
          "negative-word", "word-past-2^32", "nvfp4-no-rows", "slot-2^20", "flush-negative",
          "seed-negative", "numel-past-2^24", "numel-float", "codes-of-without-s_g",
          "codes-of-extra-s_g", "codes-of-scales-shape", "codes-of-element-format",
-         "unknown-element-name"],
+         "unknown-element-name", "draw-past-2^k", "sr-bits-with-rn", "sr-bits-12",
+         "rounds-0", "sr-bits-bool"],
 )
 def test_invalid_inputs_raise_value_error(call, match):
     """Bad inputs are refused with a ValueError naming the argument."""

@@ -84,13 +84,14 @@ def make_token(gen, slots, shape, act_dtype, device):
 
 
 def filled_cache(gen, slots, shape, hi, lo, act_dtype, device, cursors, flushes,
-                 window=WINDOW):
+                 window=WINDOW, **sr):
     """A cache with random copies (exactly representable in their formats), records at ring
-    positions < cursors and NaN past them, and the given counters."""
+    positions < cursors and NaN past them, and the given counters (`sr`: the cache's
+    sr_bits / philox_rounds)."""
     h, p, n, g = shape["nheads"], shape["headdim"], shape["dstate"], shape["ngroups"]
     cache = ReplayCache.empty(
         slots, h, p, n, ngroups=g, window=window, hi_format=hi[0], hi_rounding=hi[1],
-        lo_format=lo, seed=SEED, act_dtype=act_dtype, device=device,
+        lo_format=lo, seed=SEED, act_dtype=act_dtype, device=device, **sr,
     )
     state = torch.randn(slots, h, p, n, generator=gen)
     cache.hi.copy_(lq.round_to(state, formats.get(hi[0]).element))
@@ -180,7 +181,8 @@ def run_and_check_step(cache, token, params, hi, lo):
     assert_within(debug[fl], S_ref[fl], S_bound[fl], "unrounded new state")
 
     # stored copies: lowprec applied to the emulation's own unrounded state, bit for bit
-    hi_ref = round_state(debug[fl], hi[0], hi[1], cache.seed, fl, before["flushes"][fl].long())
+    hi_ref = round_state(debug[fl], hi[0], hi[1], cache.seed, fl, before["flushes"][fl].long(),
+                         sr_bits=cache.sr_bits, philox_rounds=cache.philox_rounds)
     assert_bits_equal(cache.hi.cpu()[fl], hi_ref, f"hi copy ({hi[0]} {hi[1]})")
     q = lq.quantize(debug[fl], lo)
     assert_bits_equal(cache.lo.cpu()[fl], lq.dequantize(q), f"lo copy ({lo})")
@@ -282,6 +284,44 @@ def test_hi_copy_in_fp16_dtype_holds_the_same_bits(device):
     for cache in caches:
         mamba2_replay_decode(cache, **token, **params)
     assert_bits_equal(caches[1].hi.float(), caches[0].hi, "fp16 tensor vs fp32 container")
+
+
+# SR settings (sr_bits, philox_rounds): every width at 10 rounds, 7 and 4 rounds at 32 and 8
+# bits; the fast ones cover each lane width (32, 16, 13 masked, 8) and 10, 7 and 4 rounds
+SR_SETTINGS = [(32, 10), (16, 10), (13, 10), (8, 10), (32, 7), (8, 7), (32, 4), (8, 4)]
+SR_FAST = {(16, 10), (13, 10), (8, 7), (32, 4)}
+SR_CASES = [pytest.param(k, r, "cpu", id=f"cpu-{k}b-{r}r", marks=(
+    pytest.mark.skipif(not INTERPRETED, reason="compiled Triton: GPU"),
+    *(() if (k, r) in SR_FAST else (pytest.mark.slow,)))) for k, r in SR_SETTINGS] + [
+    pytest.param(13, 7, "cuda", id="cuda-13b-7r", marks=pytest.mark.gpu),
+    pytest.param(8, 4, "cuda", id="cuda-8b-4r", marks=pytest.mark.gpu),
+]
+
+
+@pytest.mark.parametrize("sr_bits, philox_rounds, device", SR_CASES)
+def test_flush_hi_words_every_sr_setting(sr_bits, philox_rounds, device):
+    """An FP16-SR recurrence copy with `sr_bits` random bits per element from
+    `philox_rounds`-round Philox: at slots flushing with counters 0, 2^19 + 5 and 3 (beside
+    one that does not) the hi words are lowprec's `round_state(S_new, 'fp16', 'sr', ...,
+    sr_bits=, philox_rounds=)` bit for bit (h 3, headdim 5, dstate 24: a head's 120 elements
+    end mid-counter for 8 and 16 bits). A twin cache at (32, 10) stores other hi words from
+    the same step and the same read copy."""
+    shape = dict(nheads=3, headdim=5, dstate=24, ngroups=1)
+    hi, lo = ("fp16", "sr"), "fp8_e4m3_row"
+    cursors, flushes = [WINDOW - 1, WINDOW - 1, 1, WINDOW - 1], [0, 2**19 + 5, 1, 3]
+    cache = filled_cache(torch.Generator().manual_seed(13), 4, shape, hi, lo, torch.float32,
+                         device, cursors, flushes, sr_bits=sr_bits, philox_rounds=philox_rounds)
+    twin = filled_cache(torch.Generator().manual_seed(13), 4, shape, hi, lo, torch.float32,
+                        device, cursors, flushes)
+    gen = torch.Generator().manual_seed(14)
+    params = {k: v.to(device) for k, v in make_params(gen, shape["nheads"]).items()}
+    token = make_token(gen, 4, shape, torch.float32, device)
+    run_and_check_step(cache, token, params, hi, lo)
+    mamba2_replay_decode(twin, **token, **params)
+    fl = torch.tensor([0, 1, 3])
+    assert torch.equal(cache.lo.cpu(), twin.lo.cpu())
+    if (sr_bits, philox_rounds) != (32, 10):
+        assert not torch.equal(cache.hi.cpu()[fl], twin.hi.cpu()[fl])
 
 
 @pytest.mark.gpu

@@ -80,11 +80,13 @@ def run_and_check(cache, token, params, output_from="stored"):
 
     debug = debug.cpu()
     slot_ids = torch.arange(slots)
-    stored = round_state(debug, cache.format, cache.rounding, SEED, slot_ids, tokens)
+    sr = dict(sr_bits=cache.sr_bits, philox_rounds=cache.philox_rounds)
+    stored = round_state(debug, cache.format, cache.rounding, SEED, slot_ids, tokens, **sr)
     assert_bits_equal(cache.state.cpu().float(), stored, f"state ({cache.format})")
     if cache.scales is not None:
         q = lq.quantize(debug, cache.format, cache.rounding, None if cache.rounding == "rn"
-                        else _words(slot_ids, tokens, debug.shape[1:]))
+                        else _words(slot_ids, tokens, debug.shape[1:], **sr),
+                        sr_bits=cache.sr_bits)
         assert_bits_equal(cache.scales.cpu(), q.scales, "block scales")
         if q.global_scale is not None:
             assert_bits_equal(cache.global_scale.cpu(), q.global_scale, "s_g")
@@ -100,17 +102,19 @@ def run_and_check(cache, token, params, output_from="stored"):
     return y
 
 
-def _words(slots, tokens, shape):
+def _words(slots, tokens, shape, **sr):
     from lowprec import philox
 
-    return philox.random_words(SEED, slots, tokens, shape)
+    return philox.random_words(SEED, slots, tokens, shape, **sr)
 
 
-def filled_cache(gen, fmt, rounding, device, tokens):
+def filled_cache(gen, fmt, rounding, device, tokens, **sr):
+    """A random state exactly representable in `fmt` at the given token counters (`sr`: the
+    cache's sr_bits / philox_rounds)."""
     h, p, n = SHAPE["nheads"], SHAPE["headdim"], SHAPE["dstate"]
     slots = len(tokens)
     cache = StateCache.empty(slots, h, p, n, format=fmt, rounding=rounding, seed=SEED,
-                             device=device)
+                             device=device, **sr)
     q = lq.quantize(torch.randn(slots, h, p, n, generator=gen), fmt)
     cache.state.copy_(lq.dequantize(q))
     if q.scales is not None:
@@ -130,6 +134,39 @@ def test_stored_state_bit_exact_every_format(fmt, rounding, device):
     gen = torch.Generator().manual_seed(21)
     cache = filled_cache(gen, fmt, rounding, device, tokens=[0, 7, 3])
     run_and_check(cache, make_token(gen, 3), make_params(gen, SHAPE["nheads"]))
+
+
+# SR settings (sr_bits, philox_rounds): every width at 10 rounds, 7 and 4 rounds at 32 and 8
+# bits; the fast ones cover each lane width (32, 16, 13 masked, 8) and 10, 7 and 4 rounds
+SR_SETTINGS = [(32, 10), (16, 10), (13, 10), (8, 10), (32, 7), (8, 7), (32, 4), (8, 4)]
+SR_FAST = {(16, 10), (13, 10), (8, 7), (32, 4)}
+SR_CASES = [pytest.param(k, r, "cpu", id=f"cpu-{k}b-{r}r", marks=(
+    pytest.mark.skipif(not INTERPRETED, reason="compiled Triton: GPU"),
+    *(() if (k, r) in SR_FAST else (pytest.mark.slow,)))) for k, r in SR_SETTINGS] + [
+    pytest.param(8, 7, "cuda", id="cuda-8b-7r", marks=pytest.mark.gpu),
+]
+
+
+@pytest.mark.parametrize("sr_bits, philox_rounds, device", SR_CASES)
+@pytest.mark.parametrize("fmt", ["fp16", "mxfp4"])
+def test_stored_state_every_sr_setting(fmt, sr_bits, philox_rounds, device):
+    """The conventional state stored by SR with `sr_bits` random bits per element from
+    `philox_rounds`-round Philox, at token counters 0, 2^19 + 5 and 3: lowprec's `round_state(
+    S, fmt, 'sr', ..., sr_bits=, philox_rounds=)` bit for bit over two tokens (FP16 elements,
+    and MXFP4 codes in blocks of 32, whose SR steps are E2M1 ulps); a twin at (32, 10) stores
+    another state from the first token."""
+    gen = torch.Generator().manual_seed(23)
+    sr = dict(sr_bits=sr_bits, philox_rounds=philox_rounds)
+    cache = filled_cache(gen, fmt, "sr", device, tokens=[0, 2**19 + 5, 3], **sr)
+    twin = StateCache(cache.state.clone(), None if cache.scales is None else cache.scales.clone(),
+                      None, cache.tokens.clone(), fmt, "sr", SEED)
+    params = make_params(gen, SHAPE["nheads"])
+    token = make_token(gen, 3)
+    run_and_check(cache, token, params)
+    mamba2_state_update(twin, **to(token, device), **to(params, device))
+    if (sr_bits, philox_rounds) != (32, 10):
+        assert not torch.equal(cache.state.cpu(), twin.state.cpu())
+    run_and_check(cache, make_token(gen, 3), params)
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "fp4_e2m1_b32"])
