@@ -19,6 +19,8 @@ import torch
 
 from cute_kernels import _compile
 from cute_kernels import replay_output as ro
+from cute_kernels import replay_output_config as roc
+from cute_kernels import replay_output_warp as row
 from cute_kernels.cache import ReplayCache
 from lowprec.mamba2 import mamba2_process_dt, mamba2_replay_output
 from lowprec.quantize import dequantize, pack, quantize
@@ -57,7 +59,7 @@ def test_every_variant_compiles_for_sm90a_with_128bit_state_loads(fmt, shape):
     assert ".target sm_90a" in ptx
     _, H, P, N, G, _, _ = SHAPES[shape]
     heads_per_warp = H // G // cfg.warps
-    state_bytes = P * N * ro._BYTES_PER_ELEMENT[fmt] * heads_per_warp
+    state_bytes = P * N * roc._BYTES_PER_ELEMENT[fmt] * heads_per_warp
     wide = ptx.count("ld.global.nc.L1::no_allocate.v4.u32")
     assert wide * 16 * 32 == state_bytes  # per warp: every state byte once, 16 per access
     assert "ld.local" not in ptx and "st.local" not in ptx
@@ -79,7 +81,7 @@ def test_head_splits_compile_with_a_share_of_the_heads_per_cta(fmt):
     ptx = ro.compile_replay_output(cfg, keep_ptx=True).__ptx__
     _, H, P, N, G, _, _ = SHAPES["nemotron"]
     heads_per_warp = H // G // 4 // warps
-    state_bytes = P * N * ro._BYTES_PER_ELEMENT[fmt] * heads_per_warp
+    state_bytes = P * N * roc._BYTES_PER_ELEMENT[fmt] * heads_per_warp
     assert ptx.count("ld.global.nc.L1::no_allocate.v4.u32") * 16 * 32 == state_bytes
     assert "ld.local" not in ptx and "st.local" not in ptx
 
@@ -212,7 +214,7 @@ def test_ring_stage_default_is_smem_where_a_warp_walks_several_nvfp4_heads(knobs
     choice is a pure function of the configuration."""
     knobs = dict(knobs)
     cfg = _config(knobs.pop("lo_format", "nvfp4"), "nemotron")
-    cfg = ro._with(cfg, **knobs)
+    cfg = roc._with(cfg, **knobs)
     assert ro.default_ring_stage(cfg) == expected
 
 
@@ -266,7 +268,7 @@ def _model_config(nheads, ngroups, window, batch, **knobs):
         lo_format="nvfp4", act="bf16", dt_dtype="bf16", nheads=nheads, headdim=64, dstate=128,
         ngroups=ngroups, ring_capacity=window, window=window, has_D=True, has_z=True,
         has_dt_bias=True, dt_softplus=True, warps=4, head_splits=splits)
-    return ro._with(cfg, **knobs)
+    return roc._with(cfg, **knobs)
 
 
 def test_cta_shared_bytes_match_what_ncu_read():
@@ -333,7 +335,7 @@ def test_nvfp4_e4m3_repack_is_exact_for_every_nibble():
         noise = rng.integers(0, 2**32, size=nibble.shape, dtype=np.uint64).astype(np.uint32)
         keep = np.uint32(~(0xF << (4 * position)) & 0xFFFFFFFF)
         word = (noise & keep) | (nibble << np.uint32(4 * position))
-        even, odd = ro._nvfp4_as_e4m3(word)
+        even, odd = row._nvfp4_as_e4m3(word)
         packed = (odd if position % 2 else even).astype(np.uint32)
         byte = ((packed >> np.uint32(8 * (position // 2))) & np.uint32(0xFF)).astype(np.uint8)
         decoded = byte.view(ml_dtypes.float8_e4m3fn).astype(np.float64)
@@ -437,7 +439,7 @@ def test_a_config_that_does_not_fit_the_arguments_is_refused(knob, value, messag
     args = _cpu_inputs(cache)
     cfg = ro.output_config(cache, args["x"], args["dt"])
     with pytest.raises(ValueError, match=message):
-        bad = ro._with(cfg, **{knob: value})
+        bad = roc._with(cfg, **{knob: value})
         if knob != "dstate":
             bad = dataclasses.replace(bad)  # the config's own checks
         ro.mamba2_replay_output(cache, **args, config=bad)
@@ -771,7 +773,7 @@ def test_default_bulk_stage_on_a_many_wave_grid_keeps_the_results(monkeypatch):
     Nemotron layer on a GPU taken to have 2 SMs, so that 40 slots make 320 CTAs, 40 waves),
     replay_output runs it when no stage is asked for, and the step is the reference's, with
     the records and cursors of the registers stage bit for bit."""
-    monkeypatch.setitem(ro._SM_COUNT, torch.cuda.current_device(), 2)
+    monkeypatch.setitem(roc._SM_COUNT, torch.cuda.current_device(), 2)
     shape = "nemotron40"
     S, H, _, _, G, _, window = MANY_SLOTS[shape]
     monkeypatch.setitem(SHAPES, shape, MANY_SLOTS[shape])
@@ -925,7 +927,7 @@ def test_eager_loads_default_on_one_wave_grids_of_nvfp4_and_fp32(batch, fmt, kno
     SM), not where a warp walks more than 2 heads with the ring records through registers
     (Mamba-2 2.7B at L = 8, batch 256: 10 heads a warp, 35% slower), and only where the other
     knobs allow them."""
-    cfg = ro._with(_config(fmt, "nemotron"), **knobs)
+    cfg = roc._with(_config(fmt, "nemotron"), **knobs)
     assert ro.default_eager_loads(cfg, batch, 132) is expected
 
 

@@ -24,7 +24,7 @@ one in Triton's wheel. `--ncu` alone compiles nothing. docs/performance.md lists
 measured for each default and the commits that changed them.
 """
 
-from __future__ import annotations
+from __future__ import annotations  # noqa: I001  (_compile must precede cutlass)
 
 import argparse
 import collections
@@ -37,7 +37,7 @@ import tempfile
 
 import torch
 
-from cute_kernels import _compile  # noqa: I001  (sm_90a target before cutlass)
+from cute_kernels import _compile  # (sm_90a target before cutlass)
 
 import cutlass  # noqa: E402
 
@@ -523,8 +523,9 @@ def ncu_launches(path: str) -> list[dict]:
 
 
 def print_ncu(path: str, batch: int = 256) -> float:
-    """Per profiled launch of an ncu raw-page report (Nemotron layer at `batch`): the executed instructions per element by pipe and the issue
-    floor they set. Returns the first launch's floor."""
+    """Per profiled launch of an ncu raw-page report (Nemotron layer at `batch`): the executed
+    instructions per element by pipe and the issue floor they set. Returns the first launch's
+    floor."""
     elements = batch * 128 * 64 * 128
     launches = ncu_launches(path)
     rows = [(k, ncu_per_element(k, elements)) for k in launches]  # all checked before printing
