@@ -524,7 +524,7 @@ def ncu_launches(path: str) -> list[dict]:
 
 def print_ncu(path: str, batch: int = 256) -> float:
     """Per profiled launch of an ncu raw-page report (Nemotron layer at `batch`): the executed
-    instructions per element by pipe and the issue floor they set. Returns the first launch's
+    instructions per element by pipe and the floor they set on the issue rate. Returns the first launch's
     floor."""
     elements = batch * 128 * 64 * 128
     launches = ncu_launches(path)
@@ -578,7 +578,7 @@ def main(argv=None) -> int:
         metavar="REPORT",
         help="instead: executed instructions per element by pipe, from a report of "
         "`scripts/gpu.sh profile` (ncu's raw page at batch 256, trimmed; "
-        "plain or .gz), and the issue floor they set; with --pipes and a report whose first "
+        "plain or .gz), and the floor they set on the issue rate; with --pipes and a report whose first "
         "launch is the flush, the goals at that floor too",
     )
     args = parser.parse_args(argv)
