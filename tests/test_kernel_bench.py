@@ -87,7 +87,7 @@ def test_bad_argument_is_one_line_error(argv, word, capsys):
 
 def test_output_paths_of_the_wrong_kind_are_one_line_errors(tmp_path, capsys):
     """--out naming a folder, or --plot-dir naming a file, is an argument error before any
-    CSV is read or written (both were tracebacks, --merge's after the merge)."""
+    CSV is read or written."""
     (tmp_path / "f.png").write_text("")
     for argv in (["--merge", str(REPO / "results" / "kernel_bench.csv"), "--out", str(tmp_path)],
                  ["--plot-only", str(REPO / "results" / "kernel_bench.csv"), "--plot-dir",
@@ -697,3 +697,20 @@ def test_every_panel_draws_at_most_six_series_and_names_them_outside_the_axes(tm
             if legend is not None:
                 assert legend.get_bbox_to_anchor().x0 > ax.get_window_extent().x1 - 1
             assert " us" not in ax.get_ylabel() and "issue" not in ax.get_title()
+
+
+def test_plot_only_with_out_draws_beside_out_and_leaves_the_read_csv_alone(tmp_path, capsys):
+    """--plot-only CSV --out X puts the PNGs in X's folder (not beside the CSV read, which
+    may be the committed one); the CSV read keeps its bytes."""
+    source = tmp_path / "in" / "bench.csv"
+    source.parent.mkdir()
+    _synthetic_frame().to_csv(source, index=False)
+    before = source.read_bytes()
+    out = tmp_path / "out" / "kb.csv"
+    out.parent.mkdir()
+    assert kb.main(["--plot-only", str(source), "--out", str(out)]) == 0
+    capsys.readouterr()
+    drawn = list(out.parent.iterdir())
+    assert drawn and all(p.suffix == ".png" for p in drawn)
+    assert [p.name for p in source.parent.iterdir()] == ["bench.csv"]
+    assert source.read_bytes() == before
