@@ -524,8 +524,8 @@ def ncu_launches(path: str) -> list[dict]:
 
 def print_ncu(path: str, batch: int = 256) -> float:
     """Per profiled launch of an ncu raw-page report (Nemotron layer at `batch`): the executed
-    instructions per element by pipe and the floor they set on the issue rate. Returns the first launch's
-    floor."""
+    instructions per element by pipe and the floor they set on the issue rate. Returns the
+    first launch's floor."""
     elements = batch * 128 * 64 * 128
     launches = ncu_launches(path)
     rows = [(k, ncu_per_element(k, elements)) for k in launches]  # all checked before printing
@@ -578,8 +578,8 @@ def main(argv=None) -> int:
         metavar="REPORT",
         help="instead: executed instructions per element by pipe, from a report of "
         "`scripts/gpu.sh profile` (ncu's raw page at batch 256, trimmed; "
-        "plain or .gz), and the floor they set on the issue rate; with --pipes and a report whose first "
-        "launch is the flush, the goals at that floor too",
+        "plain or .gz), and the floor they set on the issue rate; with --pipes and a report "
+        "whose first launch is the flush, the goals at that floor too",
     )
     args = parser.parse_args(argv)
     if args.csv is not None and not args.pipes:
