@@ -102,11 +102,6 @@ def tools_available() -> bool:
     return tools_problem() is None
 
 
-def sass_text(ptx: str) -> str:
-    """The SASS listing (cuobjdump -sass) that ptxas makes of `ptx` for sm_90a."""
-    return _compile_sass(ptx)[0]
-
-
 def sass_histogram(ptx: str) -> tuple[collections.Counter, int]:
     """(opcode -> count, registers per thread) of the SASS that ptxas makes of `ptx` for
     sm_90a."""
