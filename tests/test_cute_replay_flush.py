@@ -24,6 +24,7 @@ if not torch.cuda.is_available():
 from cute_kernels import cache as kv  # noqa: E402
 from cute_kernels import replay_decode as rd  # noqa: E402
 from cute_kernels import replay_flush as rf  # noqa: E402
+from cute_kernels import replay_flush_config as rfc  # noqa: E402
 from cute_kernels import replay_flush_fold as rff  # noqa: E402
 from lowprec import contract, mamba2, philox  # noqa: E402
 from lowprec import quantize as q  # noqa: E402
@@ -42,7 +43,7 @@ NARROW = dict(nheads=6, headdim=24, dstate=128, ngroups=2)  # 96 threads, 3 head
 VARIANTS = [
     (hi, rnd, lo)
     for hi, rnd in (("fp16", "sr"), ("fp16", "rn"), ("fp32", "rn"))
-    for lo in rf.LO_FORMATS
+    for lo in rfc.LO_FORMATS
 ]
 
 

@@ -32,7 +32,7 @@ SHAPES = {
 }
 # many slots: a grid of many waves when the GPU is taken to have 2 SMs
 MANY_SLOTS = {"nemotron40": (40, 128, 64, 128, 8, 16, 16)}
-FORMATS = ro.LO_FORMATS
+FORMATS = roc.LO_FORMATS
 E2M1_VALUES = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 
 
@@ -115,11 +115,11 @@ def test_default_head_splits_minimise_waves_times_heads_a_warp():
                     continue
                 per_warp = hpg // warps
                 k = ro.default_head_splits(batch, groups, hpg, warps, sms)
-                assert per_warp % k == 0 and per_warp // k <= ro.MAX_HEADS_PER_WARP
+                assert per_warp % k == 0 and per_warp // k <= roc.MAX_HEADS_PER_WARP
 
                 resident = sms * max(1, 16 // warps)
                 allowed = [s for s in range(1, per_warp + 1)
-                           if per_warp % s == 0 and per_warp // s <= ro.MAX_HEADS_PER_WARP]
+                           if per_warp % s == 0 and per_warp // s <= roc.MAX_HEADS_PER_WARP]
                 cost = {s: -(-batch * groups * s // resident) * (per_warp // s + 1)
                         for s in allowed}
                 assert cost[k] == min(cost.values())
@@ -281,7 +281,7 @@ def test_cta_shared_bytes_match_what_ncu_read():
     assert ro.cta_shared_bytes(default) == 19_648
     mamba_bulk = _model_config(80, 1, 16, 256, stage="bulk", ring_stage="smem", eager_loads=True)
     assert mamba_bulk.head_splits == 2 and ro.cta_shared_bytes(mamba_bulk) - 64 == 58_304
-    per_sm = ro.SM_SHARED_BYTES // 4 - ro.CTA_RESERVED_BYTES
+    per_sm = roc.SM_SHARED_BYTES // 4 - roc.CTA_RESERVED_BYTES
     for window, fits in ((16, True), (32, False)):
         bulk = _model_config(128, 8, window, 256, stage="bulk", ring_stage="smem",
                              eager_loads=True)
@@ -716,7 +716,7 @@ def test_ring_stage_keeps_the_results(fmt, shape, act, knobs):
     builds they came out up to 5e-6 relative apart, 2026-11-30, cause not pinned down.)"""
     window = SHAPES[shape][-1]
     lo, lo64, t = _inputs(fmt, shape, act, seed=59)
-    results = _step_per_knob_value(lo, t, fmt, window, "ring_stage", ro.RING_STAGES, knobs)
+    results = _step_per_knob_value(lo, t, fmt, window, "ring_stage", roc.RING_STAGES, knobs)
     (t_new, out_new), (t_old, out_old) = results["smem"], results["registers"]
     _check_step(lo64, t, t_new, out_new, window, act)
     _check_step(lo64, t, t_old, out_old, window, act)
