@@ -21,10 +21,10 @@ call overhead), and states its equivalence to `lowprec`:
     rn_fp16x2                   two rn_fp16_bits with cvt.rn.satfinite.f16x2.f32 (fast path)
     e4m3_value                  decode_bits(byte, E4M3) for a block scale: exact
     div_rn                      one correctly rounded fp32 division (PTX div.rn.f32)
-    e2m1_quotient_fast          rn_e2m1_nibble(div_rn(x, d)) from x * RN(1/d) when provably
-                                equal, else a flag asking for the division (derivation there)
-    e2m1_pair_fast              two of them, nibbles e and e + 4 of a word, by one fp16
-                                conversion and one packed min (the flush's fast path)
+    e2m1_pair_fast              two rn_e2m1_nibble(div_rn(x, d)), nibbles e and e + 4 of a
+                                word, from x * RN(1/d) by one fp16 conversion and one packed
+                                min when provably equal, else a flag asking for the division
+                                (the flush's fast path)
     saturate_f32                lowprec's fp32 "rounding" of fp32: identity, +-inf -> +-FLT_MAX
 
 Why integers are exact. For an fp32 input with significand `F` (the hidden bit included; 23
@@ -82,7 +82,6 @@ __all__ = [
     "rn_e2m1_nibble",
     "e4m3_value",
     "div_rn",
-    "e2m1_quotient_fast",
     "recip_usable",
     "e2m1_pair_fast",
     "e2m1_margin",
@@ -452,13 +451,6 @@ def div_rn(a, b):
     return _f32_ptx("div.rn.f32", a, b)
 
 
-def _add_rn(a, b):
-    """a + b rounded to nearest even, kept as one add (never reassociated or fused)."""
-    if _is_np(a) or _is_np(b):
-        return (np.float32(a) + np.float32(b)).astype(np.float32)
-    return _f32_ptx("add.rn.f32", a, b)
-
-
 def _f32_ptx(op: str, a, b) -> Float32:
     """The fp32 PTX instruction `op` on a and b, exactly as written (LLVM cannot rewrite it)."""
     result = inline_ptx(
@@ -476,63 +468,10 @@ def _fabs(a):
     return np.abs(a).astype(np.float32) if _is_np(a) else cute.math.absf(a)
 
 
-def _fmax(a, b):
-    if _is_np(a):
-        return np.fmax(a, np.float32(b)).astype(np.float32)
-    return cute.arch.fmax(a, Float32(b))
-
-
 def recip_usable(recip, smallest: float = 2.0**-125):
     """True where `recip` = RN(1/d) is at least `smallest` (normal) and below 2^126, so that
-    x * recip carries the relative error e2m1_quotient_fast assumes (False for NaN and inf)."""
+    x * recip carries a relative error of at most 2^-23 + 2^-48 (False for NaN and inf)."""
     return (recip >= _f(smallest, recip)) & (recip < _f(2.0**126, recip))
-
-
-def e2m1_quotient_fast(x, recip, slot: int = 0):
-    """(nibble << 4 slot, exact): the E2M1 nibble `s e1 e0 m` of RN_e2m1(x * recip), placed
-    at nibble `slot` (0..7) of a word, and whether it is provably lowprec's nibble
-    RN_e2m1(RN(x / d)) for recip = RN(1 / d), recip_usable(recip).
-
-    Why it is exact when `exact`: v = RN(|x| recip) = |x/d| (1 + e) with |e| <= 2^-23 + 2^-48,
-    and RN(x/d) is within 2^-24 |x/d| of x/d, so both lie within about 2^-22 v of v. RN_e2m1
-    is constant between its decision points (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5), so when v
-    is farther than 2^-20 v from each of them the two quotients have one code. `exact` asks
-    for more than that (below), is False for NaN, and where it is False (about one element in
-    2^17) the caller divides. The sign is x's, which RN(x/d) has for d > 0 (-0 included). A
-    subnormal v (no relative bound) is far below 0.25, where both codes are 0.
-
-    The form below takes the magic constant from the exponent field and exactness from one
-    compare against a multiple of the grid step; the code is read off the rounded value
-    scaled into fp32's subnormals, shifted straight to its slot.
-    """
-    if _is_np(x):
-        x = np.asarray(x, np.float32)
-        v = (np.abs(x) * np.float32(recip)).astype(np.float32)
-    else:
-        v = cute.math.absf(Float32(x)) * Float32(recip)
-    vc = _fmin_nan(v, 6.0)  # past 6 saturates; a NaN stays NaN and fails `exact` below
-    # E2M1's grid step on vc's binade: s = 2^(j-1), j = 0 below 2, 1 on [2, 4), 2 from 4
-    # (vc <= 6); magic = 1.5 * 2^(22 + j) has ulp s, so one add rounds vc to a multiple k s
-    # (ties to even: E2M1's even code in every binade). magic's exponent field is vc's,
-    # clamped below at 1.0's (j = 0), plus 22.
-    vbits = f32_bits(vc)
-    exponent = _umax(vbits & _u(0x7F800000, vbits), _u(0x3F800000, vbits))
-    magic_bits = exponent + _u(0x4AC00000 - 0x3F800000, vbits)  # 1.5 * 2^(22 + j)
-    magic = bits_f32(magic_bits)
-    total = _add_rn(vc, magic)  # kept as one add (never reassociated or fused)
-    rounded = _add_rn(total, -magic)  # k s, exactly: 0, 0.5, 1, 1.5, 2, 3, 4 or 6
-    # rounded 2^-126 is exact in fp32 (0.5 and 1 land on 2^-127, a subnormal, and 2^-126, the
-    # smallest normal), and its bits are the E2M1 code << 22: fp32 from 2^-127 up has E2M1's
-    # layout (subnormal step, then exponent and leading mantissa bit) shifted left 22
-    code = f32_bits(_mul_rn(rounded, 2.0**-126))
-    # exact when |vc - rounded| < s (1/2 - 2^-17): every decision point near vc is rounded
-    # +- s/2, so the nearest is then more than s 2^-17 > vc 2^-20 away (vc < 4 s). The bound,
-    # 2^(j-2) (1 - 2^-16), is magic's bits less a constant.
-    bound = bits_f32(magic_bits - _u(0x4AC00000 - (0x3E800000 - 0x80), vbits))
-    exact = _fabs(vc - rounded) < bound  # False for NaN
-    # code and x's sign bit shifted straight to the slot (one shift each)
-    sign = _shift_to(f32_bits(x), 31, 4 * slot + 3) & _u(8 << (4 * slot), vbits)
-    return _shift_to(code, 22, 4 * slot) | sign, exact
 
 
 # e2m1_pair_fast's quotients are taken times 2^-14: E2M1's grid 0, 0.5, 1, ..., 6 is then
@@ -601,7 +540,7 @@ def e2m1_pair_fast(a, b, recip14, slot: int):
 
     Per element: two multiplies, half a conversion, half a min, half an add, a shift and a
     mask for the code and one each for the sign (two of each a pair), and the margin (an
-    add, a mask, a min); e2m1_quotient_fast spends about 15."""
+    add, a mask, a min)."""
     ua, ub = _mul_rn(a, recip14), _mul_rn(b, recip14)  # as written: never refolded
     c = _cvt_rz_f16x2_min6(ua, ub)
     r = c + _u(0x01000100, c)  # half up at bit 9 of each half (magnitudes <= 0x0F00: no carry)
@@ -647,13 +586,6 @@ def _mul_rn(a, b):
     if _is_np(a) or _is_np(b):
         return (np.float32(a) * np.float32(b)).astype(np.float32)
     return _f32_ptx("mul.rn.f32", a, b)
-
-
-def _fmin_nan(a, b):
-    """min(a, b) that returns NaN when either is NaN (PTX min.NaN.f32, sm_80 and later)."""
-    if _is_np(a):
-        return np.minimum(a, np.float32(b)).astype(np.float32)
-    return _f32_ptx("min.NaN.f32", a, b)
 
 
 def saturate_f32(x):

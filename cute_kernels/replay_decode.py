@@ -43,6 +43,7 @@ import torch
 from cute_kernels import cache as kv
 from cute_kernels import replay_flush as rf
 from cute_kernels import replay_output as ro
+from cute_kernels import replay_output_config as roc
 
 __all__ = ["mamba2_replay_decode"]
 
@@ -84,9 +85,9 @@ def mamba2_replay_decode(cache: kv.ReplayCache, x, dt, A, B, C, D=None, z=None, 
     # the non-flush kernel's checks too (its limits are narrower than the flush's), before the
     # flush is launched: a refusal after it would leave flushed slots whose cursors were not
     # reset
-    fmt, _ = ro.read_copy(cache)
-    out_cfg = ro._config(view, fmt, cache.window, x, dt, D, z, dt_bias, dt_softplus,
-                         ro._sm_count(view.device))
+    fmt, _ = roc.read_copy(cache)
+    out_cfg = roc._config(view, fmt, cache.window, x, dt, D, z, dt_bias, dt_softplus,
+                         roc._sm_count(view.device))
     if flush_slots is not None:  # before the device check, so that it names the table
         flush_slots = _checked_table(flush_slots, cache, check_counters)
     kv.require_cuda("cache.hi", cache.hi)
@@ -102,7 +103,7 @@ def mamba2_replay_decode(cache: kv.ReplayCache, x, dt, A, B, C, D=None, z=None, 
         # step); the fp16-SR + nvfp4 kernel compiles to 1.7x slower code with the loop, so it
         # keeps one CTA a slot and head
         cfg = dataclasses.replace(cfg, slot_loop=True)
-        slot_ctas = rf.decode_slot_ctas(cfg, view.slots, ro._sm_count(view.device))
+        slot_ctas = rf.decode_slot_ctas(cfg, view.slots, roc._sm_count(view.device))
     decision = cache.cursors.clone()
 
     def flush():

@@ -65,9 +65,6 @@ snapshot taken before the non-flush kernel advanced the other slots.
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
-
 import cutlass  # noqa: I001
 import cutlass.cute as cute
 import torch
@@ -77,250 +74,35 @@ from cutlass.memory import SmemAllocator
 from cute_kernels import _compile
 from cute_kernels import cache as kv
 from cute_kernels import numerics as nm
-from cute_kernels import tensor_core as tc
+from cute_kernels.replay_flush_config import (
+    CHUNK,
+    E2M1_E4M3_MAX,
+    E2M1_MAX,
+    NVFP4_BLOCK,
+    TUNING_FIELDS,
+    FlushConfig,
+    _tuned,
+    check_flush_shape,
+    decode_slot_ctas,
+    default_elements_per_thread,
+    default_fold,
+    direct_fold_problem,
+    flush_config,
+    mma_fold_problem,
+    resident_ctas_per_sm,
+    thread_count,
+)
+from cute_kernels.replay_flush_fold import _direct_position, _fold_direct, _fold_mma
 
 __all__ = [
-    "FlushConfig",
-    "mamba2_replay_flush",
-    "flush_config",
-    "launch_flush",
-    "launch_advance_counters",
-    "compile_flush",
-    "traffic_bytes",
-    "default_elements_per_thread",
-    "default_fold",
-    "mma_fold_problem",
-    "direct_fold_problem",
+    "FlushConfig", "mamba2_replay_flush", "flush_config", "launch_flush",
+    "launch_advance_counters", "compile_flush", "compile_advance", "traffic_bytes",
+    "default_elements_per_thread", "default_fold", "mma_fold_problem", "direct_fold_problem",
+    "check_flush_shape", "decode_slot_ctas", "resident_ctas_per_sm", "thread_count",
+    "TUNING_FIELDS",
 ]
 
-HI_FORMATS = ("fp16", "fp32")
-HI_ROUNDINGS = ("sr", "rn")
-LO_FORMATS = ("nvfp4", "fp8_e4m3", "fp16", "fp32", "none")
-ACT_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 CUTE_DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp32": Float32}
-
-CHUNK = 8  # state elements per thread access: 16 B of fp16, 32 B of fp32, 4 B of nvfp4 codes
-# (FlushConfig.chunk: 16 gives a thread a whole NVFP4 block); the ring is staged in chunks of 8
-CHUNKS = (8, 16)
-ELEMENTS_PER_THREAD = 64  # the layout that fits every accepted shape (the head's amax in
-# registers); default_elements_per_thread picks 32 where it fits an fp16 copy
-NVFP4_BLOCK = 16
-E2M1_E4M3_MAX = 2688.0  # 448 * 6
-E2M1_MAX = 6.0
-
-
-def default_elements_per_thread(headdim: int, dstate: int, hi_format: str = "fp16") -> int:
-    """For an fp16 recurrence copy 32 where the head takes whole warps and at most 1024
-    threads that way (more warps resident: 1,452.8 -> 1,098.9 us at batch 256 on the H200),
-    else 64. The fp32 copy takes 64 (the mma fold: 652.2 us against 769.5 with the direct
-    fold at 32, batch 256; docs/performance.md)."""
-    if hi_format == "fp32":
-        return ELEMENTS_PER_THREAD
-    fits = _layout_problem(headdim, dstate, 32) is None and headdim * dstate // 32 <= 1024
-    return 32 if fits else ELEMENTS_PER_THREAD
-
-
-def _layout_problem(headdim: int, dstate: int, elements_per_thread: int, chunk: int = CHUNK):
-    """None if the head splits over `thread_count` threads as the kernel assumes, else
-    (which dimensions, what they must be): every thread a whole number of chunks, whole
-    warps (the shuffles assume them)."""
-    threads = thread_count(headdim, dstate, elements_per_thread)
-    if headdim % 8 or (headdim * (dstate // chunk)) % threads:
-        return "headdim", f"a multiple of 8 and of {threads * chunk // dstate}"
-    if threads % 32:
-        return "headdim x dstate", (
-            f"headdim * dstate / {elements_per_thread} threads, a multiple of 32 (or 32 at "
-            f"most {32 * elements_per_thread} elements)"
-        )
-    return None
-
-
-def thread_count(headdim: int, dstate: int, elements_per_thread: int = ELEMENTS_PER_THREAD) -> int:
-    """Threads per CTA: `elements_per_thread` state elements each (64 by default), at least
-    one warp, at most 1024."""
-    return min(max(headdim * dstate // elements_per_thread, 32), 1024)
-
-
-@dataclass(frozen=True)
-class FlushConfig:
-    """Static parameters of one compiled flush kernel (the compile-cache key)."""
-
-    nheads: int
-    headdim: int
-    dstate: int
-    ngroups: int
-    window: int
-    ring_len: int  # positions in the ring buffers (window, or window + T for speculation)
-    act: str  # dtype of x, B, C, z, ring_x, ring_B and out: 'bf16', 'fp16' or 'fp32'
-    dt_dtype: str
-    hi_format: str
-    hi_rounding: str
-    lo_format: str
-    has_D: bool
-    has_z: bool
-    has_dt_bias: bool
-    dt_softplus: bool
-    has_debug: bool
-    # 32 or 64: 32 halves the registers a thread holds, more warps resident per SM
-    # (`default_elements_per_thread`)
-    elements_per_thread: int = ELEMENTS_PER_THREAD
-    # register cap as resident CTAs an SM (0: none; None: 1024 // threads with the direct
-    # fold, i.e. 64 registers: 812.5 -> 794.1 us at batch 256; else 0)
-    min_ctas_per_sm: int | None = None
-    # a CTA loops over several slots (`decode_slot_ctas`), so that slots that do not flush
-    # cost no CTA: the decode step's choice for fp32 hi without a table (618 -> 579 us with
-    # every slot flushing; the fp16-SR + nvfp4 kernel compiles to 1.7x slower code with it)
-    slot_loop: bool = False
-    # a CTA's slot comes from the caller's table of flushing slots (the decode step's
-    # `flush_slots`): CTAs for those slots only; a listed slot that does not flush is skipped
-    slot_table: bool = False
-    # how the ring is folded into the state: "fma" (L FFMAs an element), "mma" (tensor cores,
-    # `_fold_mma`, through shared memory) or "direct" (tensor cores, transposed so that the
-    # accumulators are the thread's own elements, `_fold_direct`); None: `default_fold`
-    # (fp16-SR + nvfp4 at batch 256: fma 1,041.9, mma 990.1, direct 812.5 us)
-    fold: str | None = None
-    # state elements a thread handles as one piece: 8 (an NVFP4 block is a lane pair's) or 16
-    # (a whole block a thread); None: 16 with the direct fold, and with the mma fold for an
-    # fp16 copy (955.4 -> 905.7 us), else 8
-    chunk: int | None = None
-
-    def __post_init__(self):
-        # for configs built directly (compile_flush's key): an unknown format would compile
-        # another one's kernel
-        for name, choices in (("hi_format", HI_FORMATS), ("hi_rounding", HI_ROUNDINGS),
-                              ("lo_format", LO_FORMATS), ("act", tuple(CUTE_DTYPES)),
-                              ("dt_dtype", tuple(CUTE_DTYPES))):
-            if getattr(self, name) not in choices:
-                kv.fail(name, f"one of {choices}", repr(getattr(self, name)))
-        if self.hi_format == "fp32" and self.hi_rounding != "rn":
-            kv.fail("hi_rounding", "'rn' for an fp32 recurrence copy (its store is exact)",
-                          repr(self.hi_rounding))
-        if not _is_int(self.window) or not 1 <= self.window <= 32:
-            kv.fail("window", "an int in [1, 32]", repr(self.window))
-        if not _is_int(self.ring_len) or self.ring_len < self.window:
-            kv.fail("ring_len", f"an int >= window={self.window}", repr(self.ring_len))
-        if not _is_int(self.ngroups) or self.ngroups < 1 or self.nheads % self.ngroups:
-            kv.fail("ngroups", f"a divisor of nheads={self.nheads}", repr(self.ngroups))
-        if self.elements_per_thread not in (32, 64) or isinstance(self.elements_per_thread, bool):
-            kv.fail("elements_per_thread", "32 or 64", repr(self.elements_per_thread))
-        if self.dstate not in (16, 32, 64, 128, 256):
-            kv.fail("dstate", "a power of two in [16, 256]", repr(self.dstate))
-        problem = _layout_problem(self.headdim, self.dstate, self.elements_per_thread)
-        if problem is not None:  # (reported as "chunk: expected 8 here ..., got 8")
-            kv.fail(f"headdim x dstate at {self.elements_per_thread} elements a thread",
-                          problem[1], f"{self.headdim} x {self.dstate}")
-        for name in ("has_D", "has_z", "has_dt_bias", "dt_softplus", "has_debug", "slot_loop",
-                     "slot_table"):
-            if not isinstance(getattr(self, name), bool):
-                kv.fail(name, "a bool", repr(getattr(self, name)))
-        if self.min_ctas_per_sm is not None and (not _is_int(self.min_ctas_per_sm)
-                                                 or not 0 <= self.min_ctas_per_sm <= 32):
-            kv.fail("min_ctas_per_sm", "None or an int in [0, 32]",
-                          repr(self.min_ctas_per_sm))
-        if self.fold is not None and self.fold not in FOLDS:
-            kv.fail("fold", f"one of {FOLDS}", repr(self.fold))
-        if self.chunk is not None and self.chunk not in CHUNKS:
-            kv.fail("chunk", f"one of {CHUNKS}", repr(self.chunk))
-        if self.chunk is None:  # 16 with the direct fold, or the mma fold and an fp16 copy
-            fits = _layout_problem(self.headdim, self.dstate, self.elements_per_thread, 16)
-            object.__setattr__(self, "chunk", 16 if fits is None else CHUNK)
-            fold = self.fold or default_fold(self)
-            if fold == "fma" or (fold == "mma" and self.hi_format != "fp16"):
-                object.__setattr__(self, "chunk", CHUNK)
-        if _layout_problem(self.headdim, self.dstate, self.elements_per_thread, self.chunk):
-            kv.fail("chunk", f"8 here (the {self.headdim} x {self.dstate} head does not "
-                          f"split into {self.chunk}s a thread)", repr(self.chunk))
-        if self.fold is None:
-            object.__setattr__(self, "fold", default_fold(self))
-        problem = {"mma": mma_fold_problem, "direct": direct_fold_problem}.get(self.fold)
-        if problem is not None and problem(self) is not None:
-            kv.fail("fold", f"another fold here ({self.fold!r} needs {problem(self)})",
-                          repr(self.fold))
-        if self.min_ctas_per_sm is None:
-            cap = max(1, 1024 // self.threads) if self.fold == "direct" else 0
-            object.__setattr__(self, "min_ctas_per_sm", cap)
-        if self.slot_loop and self.slot_table:
-            kv.fail("slot_table", "False with slot_loop (a CTA takes one table entry)",
-                          "True")
-
-    @property
-    def threads(self) -> int:
-        return thread_count(self.headdim, self.dstate, self.elements_per_thread)
-
-    @property
-    def chunks_per_row(self) -> int:
-        return self.dstate // self.chunk
-
-    @property
-    def rows_per_pass(self) -> int:
-        return self.threads // self.chunks_per_row
-
-    @property
-    def passes(self) -> int:
-        return self.headdim // self.rows_per_pass
-
-    @property
-    def heads_per_group(self) -> int:
-        return self.nheads // self.ngroups
-
-    @property
-    def rows_per_warp(self) -> int:
-        """State rows whose chunks one warp's threads hold (whole rows when a row's chunks
-        fit in a warp)."""
-        return 32 * self.headdim // self.threads
-
-    @property
-    def pieces(self) -> int:
-        """Chunks a thread holds: one a pass, or two rows' (fold="direct")."""
-        return 2 if self.fold == "direct" else self.passes
-
-    @property
-    def fold_k(self) -> int:
-        """The window padded to the mma's k (16)."""
-        return 16 * ((self.window + 15) // 16)
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-FOLDS = ("fma", "mma", "direct")
-
-
-def mma_fold_problem(cfg: FlushConfig):
-    """None if the tensor-core fold applies to ``cfg``, else why not: bf16 activations (x_j
-    and B_j are then exact mma operands), a row's chunks within one warp (dstate a power of
-    two from 16 to 256), and 8 or 16 rows a warp (one mma m-tile)."""
-    if cfg.act != "bf16":
-        return "bf16 activations"
-    R = cfg.chunks_per_row
-    if cfg.dstate % 16 or 32 % R:
-        return "dstate 16, 32, 64, 128 or 256"
-    if cfg.rows_per_warp not in (8, 16):
-        return "8 or 16 state rows a warp (headdim * 32 / threads)"
-    return None
-
-
-def direct_fold_problem(cfg: FlushConfig):
-    """None if the transposed tensor-core fold applies (``fold="direct"``), else why not: bf16
-    activations, dstate 128 (eight 16-column tiles, one a lane group), 16-element chunks and
-    32 elements a thread (each warp 8 state rows, so headdim a multiple of 8, at most 256)."""
-    if cfg.act != "bf16":
-        return "bf16 activations"
-    if cfg.dstate != 128:
-        return "dstate 128"
-    if cfg.chunk != 16 or cfg.elements_per_thread != 32:
-        return "chunk=16 and elements_per_thread=32"
-    if cfg.headdim % 8 or cfg.headdim > 256:
-        return "headdim a multiple of 8, at most 256"
-    return None
-
-
-def default_fold(cfg: FlushConfig) -> str:
-    """"direct" where it applies, else "mma" where it applies, else "fma"."""
-    if direct_fold_problem(cfg) is None:
-        return "direct"
-    return "mma" if mma_fold_problem(cfg) is None else "fma"
 
 
 class ReplayFlush:
@@ -636,121 +418,6 @@ class ReplayFlush:
 
 def _add(a, b):
     return a + b
-
-
-def _weighted(cfg, sX, sW, warp, m, j):
-    """A[m][j] of the mma fold: w_j x_j[state row of the warp's local row m], 0 past the
-    window (j is clamped for the read)."""
-    L, rpw = cfg.window, 32 // cfg.chunks_per_row  # rows a warp holds per pass
-    row = warp * rpw + m % rpw + cfg.rows_per_pass * (m // rpw)
-    jc = cutlass.min(j, L - 1)
-    return nm._sel(j < L, sX[jc, row] * sW[jc], Float32(0.0))
-
-
-@cute.jit
-def _fold_mma(cfg: cutlass.Constexpr, tidx, sX, sW, sB, sD):
-    """sD[rows of this warp] = sum_j (w_j x_j[row]) B_j^T, fp32, on the tensor cores.
-
-    The warp's 8 or 16 rows (those its threads hold, local row m = pass * 32/R + lane // R)
-    are the mma's m (rows 8-15 zero when there are 8), the window is k (padded to 16 with
-    zero rows of B and zero weights), the state's columns are n. A = w_j x_j (fp32) is split
-    into three bf16 parts whose sum is it exactly (`split_bf16x3`); B = B_j is bf16 already,
-    so every product is exact and only the tensor cores' sums round. The smallest parts go
-    first so that the accumulator is small while they are added. B fragments come from the
-    k-major bf16 rows with ldmatrix.trans, two n-tiles a load."""
-    N, K, RW = cfg.dstate, cfg.fold_k, cfg.rows_per_warp
-    warp = tidx // 32
-    lane = tidx % 32
-    g = lane // 4
-    t = lane % 4
-    a_parts = []  # per k-step: three A operands (hi, mid, lo), four registers each
-    for ks in cutlass.range_constexpr(K // 16):
-        regs = []  # a0..a3: (row g | g + 8) x (k 2t, 2t+1 | 2t+8, 2t+9)
-        for kh in cutlass.range_constexpr(2):
-            for mh in cutlass.range_constexpr(2):
-                j = 16 * ks + 8 * kh + 2 * t
-                if cutlass.const_expr(mh == 1 and RW == 8):
-                    regs.append([Uint32(0)] * 3)
-                else:
-                    m = g + 8 * mh
-                    regs.append(tc.split_bf16x3(_weighted(cfg, sX, sW, warp, m, j),
-                                                _weighted(cfg, sX, sW, warp, m, j + 1)))
-        a_parts.append([[regs[r][p] for r in range(4)] for p in range(3)])
-
-    # ldmatrix: lane l gives row l % 8 of tile l // 8; tiles (k 0-7 | 8-15) x (n-tile 0 | 1)
-    q = lane // 8
-    lane_row = (8 * (q % 2) + lane % 8) * (N + 8) + 8 * (q // 2)
-    b_base = sB.iterator.toint() + 2 * lane_row
-    d_base = sD.iterator.toint()
-    for npair in cutlass.range_constexpr(N // 16):
-        d = [[Float32(0.0)] * 4, [Float32(0.0)] * 4]
-        for ks in cutlass.range_constexpr(K // 16):
-            b = tc.ldmatrix_x4_trans(b_base + 2 * (16 * ks * (N + 8) + 16 * npair))
-            for u in cutlass.range_constexpr(2):
-                for part in (2, 1, 0):  # lo, mid, hi
-                    d[u] = tc.mma_m16n8k16(a_parts[ks][part], [b[2 * u], b[2 * u + 1]], d[u],
-                                           "bf16")
-        for u in cutlass.range_constexpr(2):
-            n = 16 * npair + 8 * u + 2 * t
-            tc.st_shared_v2_f32(d_base + 4 * ((warp * RW + g) * (N + 8) + n), d[u][0], d[u][1])
-            if cutlass.const_expr(RW == 16):
-                tc.st_shared_v2_f32(d_base + 4 * ((warp * RW + g + 8) * (N + 8) + n), d[u][2],
-                                    d[u][3])
-
-
-def _direct_position(c):
-    """Where state column c (dstate 128) sits in the direct fold's shared B rows: column
-    16 q + 2 mt + e is m = q + 8 e of m-tile mt, so that lane group q's accumulators over the
-    eight m-tiles are its columns 16 q .. 16 q + 15 in order. For c = 8 b + v (v < 8) it is
-    the position of 8 b plus that of v, so a chunk's eight cost one computed base."""
-    q = c // 16
-    rem = c % 16
-    return 16 * (rem // 2) + q + 8 * (rem % 2)
-
-
-@cute.jit
-def _fold_direct(cfg: cutlass.Constexpr, tidx, sX, sW, sB, hi_frags, decay, acc_frags):
-    """acc_frags[i][v] = decay hi_frags[i][v] + sum_j (w_j x_j[row]) B_j[col] for this thread's
-    elements (row 8w + 2t + i, column 16 q + v), the sum on the tensor cores, transposed: the
-    mma's m is the state column (eight 16-column tiles, columns permuted by
-    _direct_position), n the warp's 8 rows, k the window (padded to 16 with zero rows of B and
-    zero weights). A = B_j^T comes from
-    the k-major bf16 rows with ldmatrix.trans; B = w_j x_j, split into three bf16 parts whose
-    sum is it exactly (`split_bf16x3`), smallest first, so every product is exact and only the
-    tensor cores' sums round (as in `_fold_mma`). Each tile's four sums are added to the state
-    as soon as they are made, so that at most one tile's are held."""
-    N, K, L = cfg.dstate, cfg.fold_k, cfg.window
-    warp = tidx // 32
-    lane = tidx % 32
-    q = lane // 4
-    t = lane % 4
-    row = 8 * warp + q  # the mma's n = q selects this state row for the B operand
-    b_parts = []  # per k-step: three B operands (hi, mid, lo), two registers each
-    for ks in cutlass.range_constexpr(K // 16):
-        regs = []
-        for kh in cutlass.range_constexpr(2):
-            j = 16 * ks + 8 * kh + 2 * t
-            regs.append(tc.split_bf16x3(_wx(sX, sW, L, row, j), _wx(sX, sW, L, row, j + 1)))
-        b_parts.append([[regs[0][p], regs[1][p]] for p in range(3)])
-    # ldmatrix: lane l gives row l % 8 of tile l // 8: tiles (m 0-7 | 8-15) x (k 0-7 | 8-15)
-    tile = lane // 8
-    lane_row = (8 * (tile // 2) + lane % 8) * (N + 8) + 8 * (tile % 2)
-    b_base = sB.iterator.toint() + 2 * lane_row
-    for mt in cutlass.range_constexpr(N // 16):
-        d = [Float32(0.0)] * 4
-        for ks in cutlass.range_constexpr(K // 16):
-            a = tc.ldmatrix_x4_trans(b_base + 2 * (16 * ks * (N + 8) + 16 * mt))
-            for part in (2, 1, 0):  # lo, mid, hi
-                d = tc.mma_m16n8k16(a, b_parts[ks][part], d, "bf16")
-        # d0, d1: m = q (column 16 q + 2 mt), n = 2t, 2t + 1; d2, d3: m = q + 8 (column + 1)
-        for i, v, k in ((0, 2 * mt, 0), (1, 2 * mt, 1), (0, 2 * mt + 1, 2), (1, 2 * mt + 1, 3)):
-            acc_frags[i][v] = Float32(hi_frags[i][v]) * decay + d[k]
-
-
-def _wx(sX, sW, L, row, j):
-    """w_j x_j[row], 0 past the window (j is clamped for the read)."""
-    jc = cutlass.min(j, L - 1)
-    return nm._sel(j < L, sX[jc, row] * sW[jc], Float32(0.0))
 
 
 def _chunk(t2d, row, col, width=CHUNK):
@@ -1233,75 +900,12 @@ def launch_flush(cfg: FlushConfig, cache, decision, x, dt, A, B, C, D, z, dt_bia
     )
 
 
-def resident_ctas_per_sm(cfg: FlushConfig) -> int:
-    """CTAs an SM holds: the register cap where there is one, else what 64 registers a thread
-    would allow (an estimate: uncapped kernels ask for more)."""
-    return cfg.min_ctas_per_sm or max(1, 1024 // cfg.threads)
-
-
-def decode_slot_ctas(cfg: FlushConfig, batch: int, sm_count: int) -> int:
-    """CTAs along the slot axis for a decode step's flush launch, where any number of slots
-    (often none, in a staggered batch about one in `window`) flush: as many as fill one wave
-    with the heads (`sm_count * min_ctas_per_sm` resident CTAs), so that a slot that does not
-    flush costs a shared-memory read, not a CTA; never fewer than `threads` slots a CTA allows.
-    A step where every slot flushes then runs in one wave of CTAs that loop over their slots
-    (at batch 256 on the Nemotron layer 4 CTAs a head, 512 of 528 resident)."""
-    per_wave = max(1, sm_count * resident_ctas_per_sm(cfg) // cfg.nheads)
-    return max(min(batch, per_wave), -(-batch // cfg.threads))
-
-
 def _optional_ptr(tensor, dtype):
     return _compile.fake_ptr(dtype) if tensor is None else _compile.gmem_ptr(tensor, dtype)
 
 
 # --------------------------------------------------------------------------------------------
-# configuration from a cache, and the public function
-
-TUNING_FIELDS = ("elements_per_thread", "fold", "chunk", "min_ctas_per_sm")
-
-
-def check_flush_shape(view: kv.CacheView, elements_per_thread: int) -> None:
-    """The flush kernel's limits on the head: dstate a power of two in [16, 256], and the
-    head splitting into whole warps of whole chunks at ``elements_per_thread``."""
-    P, N = view.headdim, view.dstate
-    if N not in (16, 32, 64, 128, 256):
-        kv.fail("cache.hi.shape[3] (dstate)", "a power of two in [16, 256]", N)
-    problem = _layout_problem(P, N, elements_per_thread)
-    if problem is not None and problem[0] == "headdim":
-        kv.fail("cache.hi.shape[2] (headdim)", problem[1], P)
-    if problem is not None:
-        kv.fail("cache.hi.shape[2:] (headdim x dstate)", problem[1],
-                f"{P} x {N} ({thread_count(P, N, elements_per_thread)} threads)")
-
-
-def flush_config(cache: kv.ReplayCache, view: kv.CacheView, x, dt, D=None, z=None,
-                 dt_bias=None, *, dt_softplus=True, has_debug=False) -> FlushConfig:
-    """The flush kernel's configuration for a checked cache and step (defaults filled in:
-    `default_elements_per_thread`, `default_fold`, the chunk and the register cap)."""
-    kv.check_switch("dt_softplus", dt_softplus)
-    ept = default_elements_per_thread(view.headdim, view.dstate, cache.hi_format)
-    check_flush_shape(view, ept)
-    return FlushConfig(
-        nheads=view.nheads, headdim=view.headdim, dstate=view.dstate, ngroups=view.ngroups,
-        window=cache.window, ring_len=view.ring_len, act=kv.ACT_DTYPES[x.dtype],
-        dt_dtype=kv.ACT_DTYPES[dt.dtype], hi_format=cache.hi_format,
-        hi_rounding=cache.hi_rounding, lo_format=cache.lo_format, has_D=D is not None,
-        has_z=z is not None, has_dt_bias=dt_bias is not None, dt_softplus=dt_softplus,
-        has_debug=has_debug, elements_per_thread=ept,
-    )
-
-
-def _tuned(cfg: FlushConfig, config) -> FlushConfig:
-    """``config`` where it differs from ``cfg`` only in TUNING_FIELDS, else a ValueError."""
-    if config is None:
-        return cfg
-    if not isinstance(config, FlushConfig):
-        kv.fail("config", "None or a FlushConfig", type(config).__name__)
-    for f in dataclasses.fields(FlushConfig):
-        if f.name not in TUNING_FIELDS and getattr(config, f.name) != getattr(cfg, f.name):
-            kv.fail(f"config.{f.name}", f"{getattr(cfg, f.name)!r} (these arguments')",
-                    repr(getattr(config, f.name)))
-    return config
+# the public function
 
 
 def mamba2_replay_flush(cache: kv.ReplayCache, x, dt, A, B, C, D=None, z=None, dt_bias=None, *,

@@ -43,7 +43,8 @@ from cutlass import Float32, Int32, Uint32
 from cute_kernels import _compile
 from cute_kernels import cache as kv
 from cute_kernels import numerics as nm
-from cute_kernels.replay_flush import CUTE_DTYPES, check_flush_shape
+from cute_kernels.replay_flush import CUTE_DTYPES
+from cute_kernels.replay_flush_config import check_flush_shape
 from lowprec.replay import check_flush_field
 
 __all__ = ["StateUpdateConfig", "mamba2_state_update", "compile_state_update", "traffic_bytes"]

@@ -254,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "needs it)")
     p.add_argument("--plot-dir", default=None,
                    help="folder for the PNGs, or 'none' (default: the folder of the CSV "
-                   "written, or of --plot-only's CSV)")
+                   "written, or of --plot-only's CSV, or of --out given with --plot-only)")
     p.add_argument("--quick", action="store_true",
                    help="small grid: batches 1,256, L = 16, 5 replays (explicit flags win)")
     p.add_argument("--budget-s", type=float, default=None,
@@ -682,7 +682,7 @@ def _finish(frame: pd.DataFrame, csv: Path, plot_dir: Path | None) -> None:
     print(format_summary(frame))
 
 
-def _merge_or_plot(parser, args, config: BenchConfig, out: Path) -> int:
+def _merge_or_plot(parser, args, config: BenchConfig, out: Path, plot_dir: Path | None) -> int:
     sources = [args.plot_only] if args.plot_only else args.merge
     try:
         frames = [read_csv(path) for path in sources]
@@ -701,7 +701,7 @@ def _merge_or_plot(parser, args, config: BenchConfig, out: Path) -> int:
         if args.merge:
             harness.write_csv(frame, out)
             print(f"wrote {out} ({len(frame)} rows)", file=sys.stderr)
-        _finish(frame, csv, _plot_dir(config, csv))
+        _finish(frame, csv, plot_dir)
     except OSError as error:
         parser.error(f"cannot write the results: {error}")
     return 0
@@ -741,11 +741,13 @@ def main(argv: list[str] | None = None) -> int:
                          f"{BenchConfig.out} to replace the committed one)")
     if not args.plot_only and (problem := file_problem(out)):  # --merge and a run write --out
         parser.error(f"--out: cannot write {out}: {problem}")
-    plot_dir = _plot_dir(config, Path(args.plot_only) if args.plot_only else out)
+    # --plot-only puts its PNGs beside the CSV it reads, or beside an --out given with it
+    plot_base = Path(args.plot_only) if args.plot_only and args.out is None else out
+    plot_dir = _plot_dir(config, plot_base)
     if plot_dir is not None and (problem := folder_problem(plot_dir)):
         parser.error(f"--plot-dir: {problem}")
     if args.plot_only or args.merge:
-        return _merge_or_plot(parser, args, config, out)
+        return _merge_or_plot(parser, args, config, out, plot_dir)
     try:
         frame = run(config, log=lambda text: print(text, file=sys.stderr, flush=True))
     except RuntimeError as error:

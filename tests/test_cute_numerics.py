@@ -178,10 +178,6 @@ def _flagged(value, flag, bit):
     return value.astype(np.uint32) | (flag.astype(np.uint32) << np.uint32(bit))
 
 
-def _exact_or_zero(nibble, exact):
-    return np.where(exact, nibble.astype(np.uint32) | np.uint32(16), np.uint32(0))
-
-
 def test_philox_words_equal_lowprec_randint4x():
     """All four words of the counter (offset lo, offset hi, 0, 0), in Triton's order."""
     offsets = torch.cat(
@@ -259,34 +255,13 @@ def _near_e2m1_points(rng, d):
     return x
 
 
-def test_e2m1_quotient_fast_equals_the_division_wherever_it_claims_to():
-    """x * RN(1/d) gives lowprec's E2M1 code of RN(x / d) wherever it says it is exact, for
-    divisors over 2^-60 .. 2^60 and quotients placed on, and 1-3 ulps from, every decision
-    point, every code value, 0 and past saturation; away from decision points it is exact."""
-    rng = np.random.default_rng(6)
-    n = 600_000
-    d = (rng.uniform(0.5, 2, n) * np.exp2(rng.integers(-60, 60, n))).astype(np.float32)
-    points = E2M1_POINTS
-    x = _near_e2m1_points(rng, d)
-    recip = (np.float32(1) / d).astype(np.float32)
-    assert nm.recip_usable(recip).all()
-    nibble, exact = nm.e2m1_quotient_fast(x, recip)
-    want = nm.rn_e2m1_nibble((x / d).astype(np.float32))
-    assert np.array_equal(nibble[exact], want[exact])
-    for slot in range(1, 8):  # placed at nibble `slot` of a word, nothing spilling over
-        placed, exact_slot = nm.e2m1_quotient_fast(x, recip, slot)
-        assert np.array_equal(exact_slot, exact)
-        assert np.array_equal(placed[exact], want[exact] << np.uint32(4 * slot))
-    quotient = np.abs(x / d)
-    far = np.min(np.abs(quotient[:, None] - points[None, :7]), axis=1) > 1e-5 * quotient
-    assert exact[far].all()
-    assert 0.3 < exact.mean() < 0.95  # both paths are exercised
-    special = np.array([np.nan, -np.nan, np.inf, -np.inf, 0.0, -0.0, 1e-45, 3e38], np.float32)
-    nibble, exact = nm.e2m1_quotient_fast(special, np.float32(0.75))
-    assert not exact[:2].any()  # NaN: the caller divides
-    assert exact[2:].all()
-    assert list(nibble[2:]) == [7, 15, 0, 8, 0, 7]  # +-6 saturated, +-0, tiny -> 0, large -> 6
-    assert not nm.recip_usable(np.array([np.inf, np.nan, 2.0**127, 2.0**-127], np.float32)).any()
+def test_recip_usable_refuses_non_finite_and_extreme_reciprocals():
+    """recip_usable (behind recip14_usable) is False for inf, NaN, 2^127 and the subnormal
+    2^-127, True for normal reciprocals between."""
+    bad = np.array([np.inf, np.nan, 2.0**127, 2.0**-127], np.float32)
+    good = np.array([2.0**-125, 0.75, 1.0 / 3.0, 2.0**125], np.float32)
+    assert not nm.recip_usable(bad).any()
+    assert nm.recip_usable(good).all()
 
 
 def test_e2m1_pair_fast_equals_the_division_wherever_it_claims_to():
@@ -365,7 +340,6 @@ OUTPUTS = (
     "div_rn",
     "e4m3_value",
     "sr_fp16_fast",  # bits | exact << 16
-    "e2m1_fast",  # nibble | 16 where exact, else 0; quotient x * RN(1 / y)
     "philox_w3",  # the last of the four words (the first is "philox")
     "sr_fp16x2_fast",  # SR of (x, y) with words (w, w ^ 0x9E3779B9) where exact, else 0
     "sr_fp16x2_exact",  # 1 where exact
@@ -405,19 +379,15 @@ def _probe_kernel(
         out[i, 7] = nm.f32_bits(nm.e4m3_value(r & Uint32(0x7F)))
         fast, exact = nm.sr_fp16_bits_fast(v, r)
         out[i, 8] = fast | (nm._sel(exact, Uint32(1), Uint32(0)) << Uint32(16))
-        # the nibble means something only where exact (elsewhere the caller divides; for a
-        # NaN quotient it carries the NaN's payload, which the device canonicalises)
-        nibble, exact = nm.e2m1_quotient_fast(v, nm.div_rn(Float32(1.0), y[i]))
-        out[i, 9] = nm._sel(exact, nibble | Uint32(16), Uint32(0))
-        out[i, 10] = nm.philox_words(r, nm.f32_bits(y[i]), keys)[3]
+        out[i, 9] = nm.philox_words(r, nm.f32_bits(y[i]), keys)[3]
         pair, exact = nm.sr_fp16x2_fast(v, y[i], r, r ^ Uint32(0x9E3779B9))
-        out[i, 11] = nm._sel(exact, pair, Uint32(0))
-        out[i, 12] = nm._sel(exact, Uint32(1), Uint32(0))
+        out[i, 10] = nm._sel(exact, pair, Uint32(0))
+        out[i, 11] = nm._sel(exact, Uint32(1), Uint32(0))
         word, margin = nm.e2m1_pair_fast(v, y[i], Float32(PROBE_RECIP14), 3)
-        out[i, 13] = word
-        out[i, 14] = margin
+        out[i, 12] = word
+        out[i, 13] = margin
         for k, part in enumerate(tc.split_bf16x3(v, y[i])):
-            out[i, 15 + k] = part
+            out[i, 14 + k] = part
 
 
 @cute.jit
@@ -526,7 +496,6 @@ def test_probe_kernel_equals_numpy_backend_and_lowprec():
             "div_rn": (x / y).astype(np.float32).view(np.uint32),  # IEEE, correctly rounded
             "e4m3_value": nm.e4m3_value(words & np.uint32(0x7F)).view(np.uint32),
             "sr_fp16_fast": _flagged(*nm.sr_fp16_bits_fast(x, words), 16),
-            "e2m1_fast": _exact_or_zero(*nm.e2m1_quotient_fast(x, (1 / y).astype(np.float32))),
             "philox_w3": nm.philox_words(words, y.view(np.uint32), keys)[3],
         }
         pair, exact = nm.sr_fp16x2_fast(x, y, words, words ^ np.uint32(0x9E3779B9))

@@ -24,6 +24,8 @@ if not torch.cuda.is_available():
 from cute_kernels import cache as kv  # noqa: E402
 from cute_kernels import replay_decode as rd  # noqa: E402
 from cute_kernels import replay_flush as rf  # noqa: E402
+from cute_kernels import replay_flush_config as rfc  # noqa: E402
+from cute_kernels import replay_flush_fold as rff  # noqa: E402
 from lowprec import contract, mamba2, philox  # noqa: E402
 from lowprec import quantize as q  # noqa: E402
 from lowprec.formats import FP16  # noqa: E402
@@ -41,7 +43,7 @@ NARROW = dict(nheads=6, headdim=24, dstate=128, ngroups=2)  # 96 threads, 3 head
 VARIANTS = [
     (hi, rnd, lo)
     for hi, rnd in (("fp16", "sr"), ("fp16", "rn"), ("fp32", "rn"))
-    for lo in rf.LO_FORMATS
+    for lo in rfc.LO_FORMATS
 ]
 
 
@@ -204,7 +206,7 @@ def test_direct_fold_column_order_puts_each_lane_group_on_16_whole_columns():
     """_direct_position is a permutation of the 128 columns, and lane group q's accumulator
     of m-tile mt (m = q + 8 e) is state column 16 q + 2 mt + e; per chunk of 8 it is a base
     plus a constant."""
-    position = [rf._direct_position(c) for c in range(128)]
+    position = [rff._direct_position(c) for c in range(128)]
     assert sorted(position) == list(range(128))
     for group in range(8):
         for mt in range(8):
@@ -212,7 +214,7 @@ def test_direct_fold_column_order_puts_each_lane_group_on_16_whole_columns():
                 assert position[16 * group + 2 * mt + e] == 16 * mt + group + 8 * e
     for b in range(16):
         for v in range(8):
-            assert position[8 * b + v] == position[8 * b] + rf._direct_position(v)
+            assert position[8 * b + v] == position[8 * b] + rff._direct_position(v)
 
 
 def test_default_knobs_are_the_measured_fastest_where_they_apply():

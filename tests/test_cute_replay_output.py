@@ -19,6 +19,8 @@ import torch
 
 from cute_kernels import _compile
 from cute_kernels import replay_output as ro
+from cute_kernels import replay_output_config as roc
+from cute_kernels import replay_output_warp as row
 from cute_kernels.cache import ReplayCache
 from lowprec.mamba2 import mamba2_process_dt, mamba2_replay_output
 from lowprec.quantize import dequantize, pack, quantize
@@ -30,7 +32,7 @@ SHAPES = {
 }
 # many slots: a grid of many waves when the GPU is taken to have 2 SMs
 MANY_SLOTS = {"nemotron40": (40, 128, 64, 128, 8, 16, 16)}
-FORMATS = ro.LO_FORMATS
+FORMATS = roc.LO_FORMATS
 E2M1_VALUES = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 
 
@@ -57,7 +59,7 @@ def test_every_variant_compiles_for_sm90a_with_128bit_state_loads(fmt, shape):
     assert ".target sm_90a" in ptx
     _, H, P, N, G, _, _ = SHAPES[shape]
     heads_per_warp = H // G // cfg.warps
-    state_bytes = P * N * ro._BYTES_PER_ELEMENT[fmt] * heads_per_warp
+    state_bytes = P * N * roc._BYTES_PER_ELEMENT[fmt] * heads_per_warp
     wide = ptx.count("ld.global.nc.L1::no_allocate.v4.u32")
     assert wide * 16 * 32 == state_bytes  # per warp: every state byte once, 16 per access
     assert "ld.local" not in ptx and "st.local" not in ptx
@@ -79,7 +81,7 @@ def test_head_splits_compile_with_a_share_of_the_heads_per_cta(fmt):
     ptx = ro.compile_replay_output(cfg, keep_ptx=True).__ptx__
     _, H, P, N, G, _, _ = SHAPES["nemotron"]
     heads_per_warp = H // G // 4 // warps
-    state_bytes = P * N * ro._BYTES_PER_ELEMENT[fmt] * heads_per_warp
+    state_bytes = P * N * roc._BYTES_PER_ELEMENT[fmt] * heads_per_warp
     assert ptx.count("ld.global.nc.L1::no_allocate.v4.u32") * 16 * 32 == state_bytes
     assert "ld.local" not in ptx and "st.local" not in ptx
 
@@ -113,11 +115,11 @@ def test_default_head_splits_minimise_waves_times_heads_a_warp():
                     continue
                 per_warp = hpg // warps
                 k = ro.default_head_splits(batch, groups, hpg, warps, sms)
-                assert per_warp % k == 0 and per_warp // k <= ro.MAX_HEADS_PER_WARP
+                assert per_warp % k == 0 and per_warp // k <= roc.MAX_HEADS_PER_WARP
 
                 resident = sms * max(1, 16 // warps)
                 allowed = [s for s in range(1, per_warp + 1)
-                           if per_warp % s == 0 and per_warp // s <= ro.MAX_HEADS_PER_WARP]
+                           if per_warp % s == 0 and per_warp // s <= roc.MAX_HEADS_PER_WARP]
                 cost = {s: -(-batch * groups * s // resident) * (per_warp // s + 1)
                         for s in allowed}
                 assert cost[k] == min(cost.values())
@@ -212,7 +214,7 @@ def test_ring_stage_default_is_smem_where_a_warp_walks_several_nvfp4_heads(knobs
     choice is a pure function of the configuration."""
     knobs = dict(knobs)
     cfg = _config(knobs.pop("lo_format", "nvfp4"), "nemotron")
-    cfg = ro._with(cfg, **knobs)
+    cfg = roc._with(cfg, **knobs)
     assert ro.default_ring_stage(cfg) == expected
 
 
@@ -266,7 +268,7 @@ def _model_config(nheads, ngroups, window, batch, **knobs):
         lo_format="nvfp4", act="bf16", dt_dtype="bf16", nheads=nheads, headdim=64, dstate=128,
         ngroups=ngroups, ring_capacity=window, window=window, has_D=True, has_z=True,
         has_dt_bias=True, dt_softplus=True, warps=4, head_splits=splits)
-    return ro._with(cfg, **knobs)
+    return roc._with(cfg, **knobs)
 
 
 def test_cta_shared_bytes_match_what_ncu_read():
@@ -279,7 +281,7 @@ def test_cta_shared_bytes_match_what_ncu_read():
     assert ro.cta_shared_bytes(default) == 19_648
     mamba_bulk = _model_config(80, 1, 16, 256, stage="bulk", ring_stage="smem", eager_loads=True)
     assert mamba_bulk.head_splits == 2 and ro.cta_shared_bytes(mamba_bulk) - 64 == 58_304
-    per_sm = ro.SM_SHARED_BYTES // 4 - ro.CTA_RESERVED_BYTES
+    per_sm = roc.SM_SHARED_BYTES // 4 - roc.CTA_RESERVED_BYTES
     for window, fits in ((16, True), (32, False)):
         bulk = _model_config(128, 8, window, 256, stage="bulk", ring_stage="smem",
                              eager_loads=True)
@@ -333,7 +335,7 @@ def test_nvfp4_e4m3_repack_is_exact_for_every_nibble():
         noise = rng.integers(0, 2**32, size=nibble.shape, dtype=np.uint64).astype(np.uint32)
         keep = np.uint32(~(0xF << (4 * position)) & 0xFFFFFFFF)
         word = (noise & keep) | (nibble << np.uint32(4 * position))
-        even, odd = ro._nvfp4_as_e4m3(word)
+        even, odd = row._nvfp4_as_e4m3(word)
         packed = (odd if position % 2 else even).astype(np.uint32)
         byte = ((packed >> np.uint32(8 * (position // 2))) & np.uint32(0xFF)).astype(np.uint8)
         decoded = byte.view(ml_dtypes.float8_e4m3fn).astype(np.float64)
@@ -437,7 +439,7 @@ def test_a_config_that_does_not_fit_the_arguments_is_refused(knob, value, messag
     args = _cpu_inputs(cache)
     cfg = ro.output_config(cache, args["x"], args["dt"])
     with pytest.raises(ValueError, match=message):
-        bad = ro._with(cfg, **{knob: value})
+        bad = roc._with(cfg, **{knob: value})
         if knob != "dstate":
             bad = dataclasses.replace(bad)  # the config's own checks
         ro.mamba2_replay_output(cache, **args, config=bad)
@@ -714,7 +716,7 @@ def test_ring_stage_keeps_the_results(fmt, shape, act, knobs):
     builds they came out up to 5e-6 relative apart, 2026-11-30, cause not pinned down.)"""
     window = SHAPES[shape][-1]
     lo, lo64, t = _inputs(fmt, shape, act, seed=59)
-    results = _step_per_knob_value(lo, t, fmt, window, "ring_stage", ro.RING_STAGES, knobs)
+    results = _step_per_knob_value(lo, t, fmt, window, "ring_stage", roc.RING_STAGES, knobs)
     (t_new, out_new), (t_old, out_old) = results["smem"], results["registers"]
     _check_step(lo64, t, t_new, out_new, window, act)
     _check_step(lo64, t, t_old, out_old, window, act)
@@ -771,7 +773,7 @@ def test_default_bulk_stage_on_a_many_wave_grid_keeps_the_results(monkeypatch):
     Nemotron layer on a GPU taken to have 2 SMs, so that 40 slots make 320 CTAs, 40 waves),
     replay_output runs it when no stage is asked for, and the step is the reference's, with
     the records and cursors of the registers stage bit for bit."""
-    monkeypatch.setitem(ro._SM_COUNT, torch.cuda.current_device(), 2)
+    monkeypatch.setitem(roc._SM_COUNT, torch.cuda.current_device(), 2)
     shape = "nemotron40"
     S, H, _, _, G, _, window = MANY_SLOTS[shape]
     monkeypatch.setitem(SHAPES, shape, MANY_SLOTS[shape])
@@ -925,7 +927,7 @@ def test_eager_loads_default_on_one_wave_grids_of_nvfp4_and_fp32(batch, fmt, kno
     SM), not where a warp walks more than 2 heads with the ring records through registers
     (Mamba-2 2.7B at L = 8, batch 256: 10 heads a warp, 35% slower), and only where the other
     knobs allow them."""
-    cfg = ro._with(_config(fmt, "nemotron"), **knobs)
+    cfg = roc._with(_config(fmt, "nemotron"), **knobs)
     assert ro.default_eager_loads(cfg, batch, 132) is expected
 
 

@@ -87,7 +87,7 @@ def test_bad_argument_is_one_line_error(argv, word, capsys):
 
 def test_output_paths_of_the_wrong_kind_are_one_line_errors(tmp_path, capsys):
     """--out naming a folder, or --plot-dir naming a file, is an argument error before any
-    CSV is read or written (both were tracebacks, --merge's after the merge)."""
+    CSV is read or written."""
     (tmp_path / "f.png").write_text("")
     for argv in (["--merge", str(REPO / "results" / "kernel_bench.csv"), "--out", str(tmp_path)],
                  ["--plot-only", str(REPO / "results" / "kernel_bench.csv"), "--plot-dir",
@@ -140,7 +140,7 @@ def test_targets_come_from_the_first_run_whatever_the_merge_order(tmp_path, caps
     frame = _synthetic_frame()
     a, b = tmp_path / "a.csv", tmp_path / "b.csv"
     frame.to_csv(a, index=False)
-    frame.assign(run="B", time_us=frame["time_us"] * 1.5, frac_copy=frame["frac_copy"] / 1.5
+    frame.assign(run="h200", time_us=frame["time_us"] * 1.5, frac_copy=frame["frac_copy"] / 1.5
                  ).to_csv(b, index=False)
     printed = []
     for order in ((a, b), (b, a)):
@@ -149,8 +149,8 @@ def test_targets_come_from_the_first_run_whatever_the_merge_order(tmp_path, caps
                         "none"]) == 0
         printed.append(capsys.readouterr().out)
         summary = kb.summarize(kb.read_csv(out))
-        assert set(summary["run"]) == {"A"}, summary
-    assert printed[0] == printed[1] and "(run A)" in printed[0]
+        assert set(summary["run"]) == {"h100"}, summary
+    assert printed[0] == printed[1] and "(run h100)" in printed[0]
 
 
 def test_profile_launches_each_set_once_inside_the_profilers_window(monkeypatch, capsys):
@@ -332,7 +332,7 @@ def _synthetic_frame() -> pd.DataFrame:
         nbytes = kb.kernel_bytes(spec, shape, batch, cursor)
         gbps = nbytes / us / 1e3
         rows.append(dict(
-            run="A", kernel=kernel, impl=spec.impl, step=spec.step, scheme="",
+            run="h100", kernel=kernel, impl=spec.impl, step=spec.step, scheme="",
             shape=shape.name, batch=batch, window=16, cursor=cursor, time_us=us,
             time_us_p10=0.9 * us, time_us_p90=1.1 * us, bytes=nbytes, gbps=gbps,
             frac_copy=gbps / 4000, frac_read=gbps / 4200, copy_gbps=4000.0, read_gbps=4200.0,
@@ -390,7 +390,7 @@ def test_plot_and_merge_read_only_the_csv(tmp_path):
     frame = _synthetic_frame()
     a, b = tmp_path / "a.csv", tmp_path / "b.csv"
     frame.to_csv(a, index=False)
-    frame.assign(run="B", time_us=frame["time_us"] * 2).to_csv(b, index=False)
+    frame.assign(run="h200", time_us=frame["time_us"] * 2).to_csv(b, index=False)
     paths = kb.plot(a, tmp_path / "plots")
     assert [p.name for p in paths] == ["a_time.png", "a_speedup.png", "a_formats.png"]
     assert all(p.stat().st_size > 10_000 for p in paths)
@@ -398,25 +398,25 @@ def test_plot_and_merge_read_only_the_csv(tmp_path):
     assert kb.main(["--merge", str(a), str(b), "--out", str(merged), "--plot-dir", "none"]) == 0
     out = kb.read_csv(merged)
     # 4 schemes (two-precision, fp32-replay, conventional fp32, vLLM fp32) x 2 batches x 2 runs
-    assert set(out["run"]) == {"A", "B"} and (out["step"] == "token").sum() == 4 * 2 * 2
+    assert set(out["run"]) == {"h100", "h200"} and (out["step"] == "token").sum() == 4 * 2 * 2
     assert kb.speedups(out)["same_run"].all()
 
 
 def test_merge_refuses_one_run_label_in_two_files(tmp_path, capsys):
-    """Merged runs are kept apart by their run label: two files that both hold run A (a copy
+    """Merged runs are kept apart by their run label: two files that both hold run h100 (a copy
     under another name, or two runs left on the default label) would have their rows counted
     together in the per-token rows, so the merge refuses them, naming the label and files."""
     frame = _synthetic_frame()
     a, b = tmp_path / "a.csv", tmp_path / "b.csv"
     frame.to_csv(a, index=False)
-    frame.assign(time_us=frame["time_us"] * 3).to_csv(b, index=False)  # run A again
+    frame.assign(time_us=frame["time_us"] * 3).to_csv(b, index=False)  # run h100 again
     merged = tmp_path / "merged.csv"
     with pytest.raises(SystemExit) as exit_:
         kb.main(["--merge", str(a), str(b), "--out", str(merged), "--plot-dir", "none"])
     assert exit_.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1
-    assert "run label 'A' is in both" in err and str(a) in err and str(b) in err
+    assert "run label 'h100' is in both" in err and str(a) in err and str(b) in err
     assert not merged.exists()
 
 
@@ -697,3 +697,20 @@ def test_every_panel_draws_at_most_six_series_and_names_them_outside_the_axes(tm
             if legend is not None:
                 assert legend.get_bbox_to_anchor().x0 > ax.get_window_extent().x1 - 1
             assert " us" not in ax.get_ylabel() and "issue" not in ax.get_title()
+
+
+def test_plot_only_with_out_draws_beside_out_and_leaves_the_read_csv_alone(tmp_path, capsys):
+    """--plot-only CSV --out X puts the PNGs in X's folder (not beside the CSV read, which
+    may be the committed one); the CSV read keeps its bytes."""
+    source = tmp_path / "in" / "bench.csv"
+    source.parent.mkdir()
+    _synthetic_frame().to_csv(source, index=False)
+    before = source.read_bytes()
+    out = tmp_path / "out" / "kb.csv"
+    out.parent.mkdir()
+    assert kb.main(["--plot-only", str(source), "--out", str(out)]) == 0
+    capsys.readouterr()
+    drawn = list(out.parent.iterdir())
+    assert drawn and all(p.suffix == ".png" for p in drawn)
+    assert [p.name for p in source.parent.iterdir()] == ["bench.csv"]
+    assert source.read_bytes() == before

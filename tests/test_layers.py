@@ -1,8 +1,8 @@
 """The kit's packages stack in one direction: lowprec (the definition) imports none of the
-others; emulation and cute_kernels build on lowprec and not on each other or on the
-experiments; experiments may use them all. A kernel module that imported experiments would
-pull pandas and matplotlib into every kernel import (and a cycle waits there: kernel_bench
-imports cute_kernels)."""
+others; emulation and cute_kernels build on lowprec and not on each other, the experiments
+or the diagnostics in tools; experiments and tools may use them all. A kernel module that
+imported experiments would pull pandas and matplotlib into every kernel import (and a cycle
+waits there: kernel_bench imports cute_kernels)."""
 
 import ast
 from pathlib import Path
@@ -12,10 +12,11 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 # package -> kit packages it must not import
 FORBIDDEN = {
-    "lowprec": {"emulation", "cute_kernels", "experiments", "tests"},
-    "emulation": {"cute_kernels", "experiments", "tests"},
-    "cute_kernels": {"emulation", "experiments", "tests"},
+    "lowprec": {"emulation", "cute_kernels", "experiments", "tools", "tests"},
+    "emulation": {"cute_kernels", "experiments", "tools", "tests"},
+    "cute_kernels": {"emulation", "experiments", "tools", "tests"},
     "experiments": {"tests"},
+    "tools": {"tests"},
 }
 
 
@@ -42,6 +43,6 @@ def test_each_package_imports_only_the_layers_below_it(package):
 def test_the_import_reader_sees_nested_and_aliased_imports(tmp_path):
     module = tmp_path / "m.py"
     module.write_text("import os\n\ndef f():\n    from experiments import _common as c\n"
-                      "    import cute_kernels.bench_read, numpy as np\n"
+                      "    import cute_kernels.replay_output, numpy as np\n"
                       "from . import sibling\n")
     assert kit_imports(module) == {"os", "experiments", "cute_kernels", "numpy"}

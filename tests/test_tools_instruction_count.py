@@ -140,14 +140,14 @@ def test_nonflush_fraction_needed_grows_with_the_flush_and_is_inf_past_the_budge
 
 
 def test_ncu_pipes_script_keeps_every_line_the_reader_needs():
-    """scripts/ncu_pipes.sh trims ncu's report to the kernel headers and NCU_METRICS: every
-    metric the reader uses survives its grep, and an instanced line of another metric does
-    not (the trimmed file is what results/ keeps)."""
+    """`scripts/gpu.sh profile` trims ncu's report to the kernel headers and NCU_METRICS:
+    every metric the reader uses survives its grep, and an instanced line of another metric
+    does not (the trimmed file is what results/ keeps)."""
     import re
     from pathlib import Path
 
-    script = Path(__file__).resolve().parent.parent / "scripts" / "ncu_pipes.sh"
-    keep = re.search(r"^keep='(.*)'$", script.read_text(), re.M)[1]
+    script = Path(__file__).resolve().parent.parent / "scripts" / "gpu.sh"
+    keep = re.search(r"^\s*keep='(.*)'$", script.read_text(), re.M)[1]
     pattern = re.compile(keep)  # grep -E's syntax, the same as Python's for this pattern
     for name in ic.NCU_METRICS:
         assert pattern.search(f"  {name}          %          63.63"), name
@@ -267,3 +267,33 @@ def test_ptxas_is_never_triton_s_too_old_one(tmp_path, monkeypatch):
     assert "toolkit" in ic.tools_problem() and not ic.tools_available()
     triton = pytest.importorskip("triton")
     assert ic._tool("cuobjdump").startswith(os.path.dirname(triton.__file__))
+
+
+@pytest.mark.parametrize("pair", [("fp16", "sr", "nvfp4"), ("fp32", "rn", "none")])
+def test_the_counted_flush_is_the_one_mamba2_replay_flush_runs(pair):
+    """The tool counts `rf.flush_config`'s choice for the Nemotron head: the public defaults
+    (elements per thread, fold), not a hand-built configuration."""
+    from cute_kernels import replay_flush as rf
+
+    cfg = ic.flush_config(*pair)
+    assert (cfg.hi_format, cfg.hi_rounding, cfg.lo_format) == pair
+    assert (cfg.nheads, cfg.headdim, cfg.dstate, cfg.ngroups, cfg.window) == (128, 64, 128, 8, 16)
+    assert cfg.elements_per_thread == rf.default_elements_per_thread(64, 128, pair[0])
+    assert cfg.has_D and cfg.has_dt_bias and not cfg.has_z and not cfg.has_debug
+
+
+@pytest.mark.parametrize("lo_format", ["nvfp4", "fp32"])
+def test_the_counted_nonflush_kernel_is_the_one_output_config_selects(lo_format):
+    """At batch 3 (a cache small enough for the CPU) the tool's configuration equals what
+    `ro.output_config` picks for a Nemotron-layer cache with the same token inputs."""
+    import torch
+
+    from cute_kernels import replay_output as ro
+    from cute_kernels.cache import ReplayCache
+
+    cache = ReplayCache.empty(3, 128, 64, 128, ngroups=8, window=16, lo_format=lo_format)
+    x = torch.randn(3, 128, 64).to(torch.bfloat16)
+    dt, per_head = torch.randn(3, 128), torch.randn(128)
+    chosen = ro.output_config(cache, x, dt, D=per_head, dt_bias=per_head,
+                              sm_count=ic._compile.H200_SM_COUNT)
+    assert ic.nonflush_config(lo_format, batch=3) == chosen

@@ -5,7 +5,7 @@ kernels in their default configurations, compiled for sm_90a on the CPU.
     python -m tools.instruction_count --with-fallbacks
     python -m tools.instruction_count --pipes    # by Hopper pipe, floors, per-token budgets
     python -m tools.instruction_count --ncu REPORT  # what ncu counted executed
-        # (REPORT: a raw-page report of scripts/ncu_pipes.sh)
+        # (REPORT: the trimmed raw page `scripts/gpu.sh profile` writes)
 
 The flush kernel is unrolled (its elements per thread, no loops but the CTA's ring staging), so
 the number of SASS instructions in the compiled kernel divided by the elements a thread owns is
@@ -24,7 +24,7 @@ one in Triton's wheel. `--ncu` alone compiles nothing. docs/performance.md lists
 measured for each default and the commits that changed them.
 """
 
-from __future__ import annotations
+from __future__ import annotations  # noqa: I001  (_compile must precede cutlass)
 
 import argparse
 import collections
@@ -35,9 +35,13 @@ import subprocess
 import sys
 import tempfile
 
-import cutlass  # noqa: E402, I001
+import torch
 
-from cute_kernels import _compile  # noqa: E402  (sm_90a target before cutlass)
+from cute_kernels import _compile  # (sm_90a target before cutlass)
+
+import cutlass  # noqa: E402
+
+from cute_kernels.cache import ReplayCache, check_replay_cache  # noqa: E402
 from cute_kernels import numerics as nm  # noqa: E402
 from cute_kernels import replay_flush as rf  # noqa: E402
 from cute_kernels import replay_output as ro  # noqa: E402
@@ -54,6 +58,7 @@ FLUSH_FORMATS = (
 # The non-flush kernel's read-copy formats.
 NONFLUSH_FORMATS = ("nvfp4", "fp8_e4m3", "fp16", "fp32")
 NEMOTRON = dict(nheads=128, headdim=64, dstate=128, ngroups=8, window=16)
+HEADLINE_BATCH = 256  # the batch of the headline benchmark point
 
 
 def _tool(name: str) -> str:
@@ -97,11 +102,6 @@ def tools_available() -> bool:
     return tools_problem() is None
 
 
-def sass_text(ptx: str) -> str:
-    """The SASS listing (cuobjdump -sass) that ptxas makes of `ptx` for sm_90a."""
-    return _compile_sass(ptx)[0]
-
-
 def sass_histogram(ptx: str) -> tuple[collections.Counter, int]:
     """(opcode -> count, registers per thread) of the SASS that ptxas makes of `ptx` for
     sm_90a."""
@@ -135,13 +135,17 @@ def _compile_sass(ptx: str) -> tuple[str, str]:
 
 
 def flush_config(hi: str, rounding: str, lo: str) -> rf.FlushConfig:
-    """The flush at the Nemotron-3-Super head (bf16 activations, fp32 dt, D and dt_bias, no z,
-    no debug output), every other field FlushConfig's default."""
-    return rf.FlushConfig(
-        **NEMOTRON, ring_len=NEMOTRON["window"], act="bf16", dt_dtype="fp32", hi_format=hi,
-        hi_rounding=rounding, lo_format=lo, has_D=True, has_z=False, has_dt_bias=True,
-        dt_softplus=True, has_debug=False,
-    )  # fmt: skip
+    """The configuration `mamba2_replay_flush` runs at the Nemotron-3-Super head (bf16
+    activations, fp32 dt, D and dt_bias, no z, no debug output): `rf.flush_config`'s defaults
+    for a one-slot cache on the CPU (the flush's configuration does not depend on the batch)."""
+    cache = ReplayCache.empty(1, NEMOTRON["nheads"], NEMOTRON["headdim"], NEMOTRON["dstate"],
+                              ngroups=NEMOTRON["ngroups"], window=NEMOTRON["window"],
+                              hi_format=hi, hi_rounding=rounding, lo_format=lo)
+    view = check_replay_cache(cache)
+    x = torch.empty(1, NEMOTRON["nheads"], NEMOTRON["headdim"], dtype=torch.bfloat16)
+    dt = torch.empty(1, NEMOTRON["nheads"], dtype=torch.float32)
+    per_head = torch.empty(NEMOTRON["nheads"], dtype=torch.float32)
+    return rf.flush_config(cache, view, x, dt, D=per_head, z=None, dt_bias=per_head)
 
 
 def histograms(with_fallbacks: bool, formats=FLUSH_FORMATS
@@ -180,18 +184,27 @@ def count(with_fallbacks: bool, formats=FLUSH_FORMATS
 # per read-copy element, prologue and epilogue included.
 
 
-def count_nonflush(formats=NONFLUSH_FORMATS) -> list[tuple[str, float, int]]:
+def nonflush_config(lo_format: str, batch: int = HEADLINE_BATCH) -> ro.ReplayOutputConfig:
+    """The configuration `mamba2_replay_output` runs at the Nemotron-3-Super layer on an H200
+    for ``batch`` slots (bf16 activations, fp32 dt, D and dt_bias, no z): `ro.default_config`,
+    the rule `ro.output_config` applies."""
+    problem = dict(lo_format=lo_format, act="bf16", dt_dtype="fp32", **NEMOTRON,
+                   ring_capacity=NEMOTRON["window"], has_D=True, has_z=False, has_dt_bias=True,
+                   dt_softplus=True)
+    return ro.default_config(problem, batch, _compile.H200_SM_COUNT)
+
+
+def count_nonflush(formats=NONFLUSH_FORMATS, batch: int = HEADLINE_BATCH
+                   ) -> list[tuple[str, float, int]]:
     """Per read-copy format: (format, SASS instructions per element and lane, registers per
-    thread) of the non-flush kernel's default configuration at the Nemotron-3-Super layer."""
+    thread) of the non-flush kernel's default configuration at the Nemotron-3-Super layer and
+    ``batch`` slots."""
     rows = []
     for lo_format in formats:
-        cfg = ro.ReplayOutputConfig(
-            lo_format=lo_format, act="bf16", dt_dtype="fp32", **NEMOTRON,
-            ring_capacity=NEMOTRON["window"], has_D=True, has_z=False, has_dt_bias=True,
-            dt_softplus=True,
-        )  # fmt: skip
+        cfg = nonflush_config(lo_format, batch)
         ops, registers = sass_histogram(ro.compile_replay_output(cfg, keep_ptx=True).__ptx__)
-        per_lane = cfg.heads_per_group // cfg.warps * cfg.headdim * cfg.dstate // 32
+        per_lane = cfg.heads_per_group // (cfg.warps * cfg.head_splits) * cfg.headdim \
+            * cfg.dstate // 32
         rows.append((lo_format, sum(ops.values()) / per_lane, registers))
     return rows
 
@@ -206,7 +219,7 @@ def count_nonflush(formats=NONFLUSH_FORMATS) -> list[tuple[str, float, int]]:
 # holds the pipe 2 cycles; fp32 arithmetic goes to whichever half is free, so heavy-only work
 # plus fp32 work share one warp instruction a cycle; MUFU (XU) takes 4. The half-rate ALU is
 # measured: ncu counts 1.50 ALU instructions an element executed by the non-flush step
-# (`--ncu` on scripts/ncu_pipes.sh's report of cute:nonflush:nvfp4), its SASS 1.51.
+# (`--ncu` on `scripts/gpu.sh profile`'s report of cute:nonflush:nvfp4), its SASS 1.51.
 # VIADD, new in sm_90, is placed on the heavy half; ncu does not settle it. Static counts leave
 # out the ring staging loop's repeats and count each rare path once.
 PIPES = {
@@ -399,10 +412,10 @@ def nonflush_frac_needed(budget: dict, flush_us: float) -> float:
     return budget["nonflush_bytes"] / left / budget["copy_bytes_per_us"]
 
 
-# Metrics that `--ncu` reads from ncu's raw page; scripts/ncu_pipes.sh keeps their lines (and
-# the kernel headers) in its .trim.txt files, which a test checks. scripts/ncu_flush_stages.sh
-# keeps the issue rate as `smsp__issue_active.avg.per_cycle_active` instead (ISSUE_METRICS):
-# the reader takes either, and prints "-" for a pipe a report lacks.
+# Metrics that `--ncu` reads from ncu's raw page; `scripts/gpu.sh profile` keeps their lines
+# (and the kernel headers) in its .trim.txt files, which a test checks. A report may give the
+# issue rate as `smsp__issue_active.avg.per_cycle_active` instead (ISSUE_METRICS): the reader
+# takes either, and prints "-" for a pipe a report lacks.
 NCU_METRICS = (
     "gpu__time_duration.sum",
     "smsp__inst_executed.sum",
@@ -487,9 +500,9 @@ def ncu_per_element(k: dict, elements: int) -> dict:
 
 
 def ncu_launches(path: str) -> list[dict]:
-    """The profiled launches over 10 us of a report of scripts/ncu_pipes.sh or
-    scripts/ncu_flush_stages.sh (the helpers between them, such as the cursors' advance, are
-    shorter); a ValueError says why a file is not such a report."""
+    """The profiled launches over 10 us of an ncu raw-page report (`scripts/gpu.sh profile`'s
+    .trim.txt; the helpers between them, such as the cursors' advance, are shorter); a
+    ValueError says why a file is not such a report."""
     try:
         kernels = read_ncu_raw(path)
     except (OSError, EOFError, UnicodeDecodeError) as error:  # gzip's errors included
@@ -505,9 +518,9 @@ def ncu_launches(path: str) -> list[dict]:
 
 
 def print_ncu(path: str, batch: int = 256) -> float:
-    """Per profiled launch of a scripts/ncu_pipes.sh or ncu_flush_stages.sh report
-    (Nemotron layer at `batch`): the executed instructions per element by pipe and the issue
-    floor they set. Returns the first launch's floor."""
+    """Per profiled launch of an ncu raw-page report (Nemotron layer at `batch`): the executed
+    instructions per element by pipe and the floor they set on the issue rate. Returns the
+    first launch's floor."""
     elements = batch * 128 * 64 * 128
     launches = ncu_launches(path)
     rows = [(k, ncu_per_element(k, elements)) for k in launches]  # all checked before printing
@@ -559,9 +572,9 @@ def main(argv=None) -> int:
         "--ncu",
         metavar="REPORT",
         help="instead: executed instructions per element by pipe, from a report of "
-        "scripts/ncu_pipes.sh or scripts/ncu_flush_stages.sh (ncu's raw page at batch 256; "
-        "plain or .gz), and the issue floor they set; with --pipes and a report whose first "
-        "launch is the flush, the goals at that floor too",
+        "`scripts/gpu.sh profile` (ncu's raw page at batch 256, trimmed; "
+        "plain or .gz), and the floor they set on the issue rate; with --pipes and a report "
+        "whose first launch is the flush, the goals at that floor too",
     )
     args = parser.parse_args(argv)
     if args.csv is not None and not args.pipes:
@@ -588,7 +601,7 @@ def main(argv=None) -> int:
             for k in launches:
                 ncu_per_element(k, 1)
         except ValueError as error:
-            parser.error(f"--ncu: {error} (see scripts/ncu_pipes.sh)")
+            parser.error(f"--ncu: {error} (see scripts/gpu.sh profile)")
         first = launches[0]
         if args.pipes and "ReplayFlush" not in first["kernel"]:  # its floor prices the flush
             parser.error(f"--ncu with --pipes: the report's first launch is not the flush "
