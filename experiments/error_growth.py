@@ -707,7 +707,7 @@ PRESETS = {
         "arms": "every_step:fp8_e4m3_row:rn,every_step:fp8_e4m3_row:sr,shared,separate_exact",
         "formats": "fp8_e4m3_row",
         "rounding": "sr",
-        "log_grid": 16,  # 16 windows: the CSV stays under 1 MiB (22 gave 21 windows, 1.3 MB)
+        "log_grid": 3,  # the windows holding steps 16, 64, 256, 1024, 4096: a 0.5 MB CSV
     },
     "default": {
         "recurrence": "mamba2",
@@ -749,8 +749,10 @@ PRESETS = {
 # GDN and KDA at a head of their models (INPUTS_TEXT says how the inputs are drawn)
 _DELTA_ARMS = ("every_step:fp16:rn,every_step:bf16:rn,every_step:nvfp4:rn,shared:nvfp4:rn,"
                "shared:fp16:rn,separate_exact:nvfp4,separate_fp16sr:nvfp4")
-# at the layer's shape through the emulation on a GPU: the arms the claim needs
-_GPU_ARMS = "separate_fp16sr:nvfp4,every_step:fp16:rn,every_step:bf16:rn,shared:fp16:rn"
+# at the layer's shape through the emulation on a GPU: the arms the claim needs (each arm and
+# the exact run cost about 1 ms a step on an H100, bound by the host: 2^15 steps keep the three
+# layers, run as concurrent processes, near 6 minutes; scripts/gpu.sh error-growth)
+_GPU_ARMS = "separate_fp16sr:nvfp4,every_step:bf16:rn,shared:fp16:rn"
 for _name, _recurrence in (("gdn", "gdn"), ("kda", "kda")):
     PRESETS[_name] = {  # Qwen3-Next's GDN head, Kimi Linear's KDA head: d_k = d_v = 128
         "recurrence": _recurrence, "dv": 128, "dk": 128, "heads": 1, "seeds": 2,
@@ -765,8 +767,8 @@ for _name, _recurrence in (("gdn", "gdn"), ("kda", "kda")):
     }
     PRESETS[f"{_name}-gpu"] = {  # the whole layer: 32 heads of 128 x 128 (both models)
         "recurrence": _recurrence, "dv": 128, "dk": 128, "heads": 32, "seeds": 1,
-        "steps": 131072, "window": "16", "memory": ["long", "short"], "arms": _GPU_ARMS,
-        "formats": "nvfp4", "rounding": "rn", "log_grid": 24, "backend": "emulation",
+        "steps": 32768, "window": "16", "memory": ["long", "short"], "arms": _GPU_ARMS,
+        "formats": "nvfp4", "rounding": "rn", "log_grid": 20, "backend": "emulation",
         "device": "cuda",
     }
 PRESETS["emulation-gpu"] = {  # the Nemotron-3-Super Mamba-2 layer: 128 heads of 64 x 128
@@ -824,7 +826,8 @@ _HELP = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    epilog = OUTPUT_RULE + "\n\n" + SHARDING_HELP + "\n\n" + INPUTS_TEXT + "\n\npresets (explicit flags override them):\n" + "\n".join(
+    epilog = "\n\n".join([OUTPUT_RULE, SHARDING_HELP, INPUTS_TEXT, ""]) + (
+        "presets (explicit flags override them):\n") + "\n".join(
         f"  {name}: " + " ".join(f"--{k.replace('_', '-')} {_show(v)}" for k, v in values.items())
         for name, values in PRESETS.items()
     )
@@ -1553,8 +1556,8 @@ def read_csv(path: str | Path) -> pd.DataFrame:
 # --------------------------------------------------------------------------------------------
 # summary and plot, from the CSV's rows only
 
-SERIES = ["recurrence", "arm", "hi_format", "hi_rounding", "lo_format", "lo_rounding", "memory",
-          "window"]
+SERIES = ["recurrence", "arm", "hi_format", "hi_rounding", "lo_format", "lo_rounding",
+          "sr_bits", "philox_rounds", "memory", "window"]
 
 
 def window_means(frame: pd.DataFrame) -> pd.DataFrame:
@@ -1601,14 +1604,90 @@ def summarize(frame: pd.DataFrame, at: list[int] | None = None) -> pd.DataFrame:
         columns[name] = held.set_index(SERIES)["median"]
     table = pd.DataFrame(columns)
     order = frame.drop_duplicates(SERIES).set_index(SERIES).index
-    return table.reindex(order).droplevel(
-        ["recurrence", "hi_format", "hi_rounding", "lo_format", "lo_rounding", "window"])
+    dropped = ["recurrence", "hi_format", "hi_rounding", "lo_format", "lo_rounding", "window"]
+    if len(frame[["sr_bits", "philox_rounds"]].drop_duplicates()) == 1:
+        dropped += ["sr_bits", "philox_rounds"]
+    return table.reindex(order).droplevel(dropped)
 
 
 def summaries(frame: pd.DataFrame, at: list[int] | None = None) -> str:
-    """The printed summary: one table per window L of the run."""
-    return "\n\n".join(format_summary(summarize(rows, at), int(w))
-                       for w, rows in frame.groupby("window", sort=False))
+    """The printed summary: one table per window L of the run, the growth table, and with
+    several SR settings the SR table (`sr_table`)."""
+    parts = [format_summary(summarize(rows, at), int(w))
+             for w, rows in frame.groupby("window", sort=False)]
+    parts.append(format_growth(growth_table(frame)))
+    if frame[["sr_bits", "philox_rounds"]].drop_duplicates().shape[0] > 1:
+        parts.append(format_sr_table(sr_table(frame)))
+    return "\n\n".join(parts)
+
+
+def growth_table(frame: pd.DataFrame) -> pd.DataFrame:
+    """Per series (recurrence, arm, SR setting, memory, window): the window-mean rel_err
+    (median over seeds) of the first recorded window after the first flush (``early``, at
+    step ``early_step``, its last step), of the last whole window (``last``, at
+    ``last_step``), and ``growth = last / early``: flat is about 1."""
+    means = window_means(frame)
+    rows = []
+    for key, series in means.groupby(SERIES, sort=False):
+        series = series.sort_values("window_index")
+        after = series[series["window_index"] >= 1]
+        early = after.iloc[0] if len(after) else series.iloc[0]
+        last = series.iloc[-1]
+        rows.append({**dict(zip(SERIES, key, strict=True)),
+                     "early_step": int(early["last_step"]), "early": early["median"],
+                     "last_step": int(last["last_step"]), "last": last["median"],
+                     "growth": last["median"] / early["median"] if early["median"] > 0
+                     else float("nan")})
+    return pd.DataFrame(rows)
+
+
+def format_growth(table: pd.DataFrame) -> str:
+    shown = table.drop(columns=["hi_format", "hi_rounding", "lo_format", "lo_rounding"])
+    if set(zip(shown["sr_bits"], shown["philox_rounds"], strict=True)) == {(
+            philox.DEFAULT_SR_BITS, philox.DEFAULT_PHILOX_ROUNDS)}:
+        shown = shown.drop(columns=["sr_bits", "philox_rounds"])
+    head = ("growth: window-mean rel_err (median over seeds) after one flush (early) and at the "
+            "last whole window (last); growth = last / early (flat: about 1)")
+    return head + "\n" + shown.to_string(index=False, float_format=lambda x: f"{x:.3g}")
+
+
+def sr_table(frame: pd.DataFrame, draws: int = 2000, seed: int = 0) -> pd.DataFrame:
+    """Each SR setting against 32 bits, 10 rounds, per (arm, memory, window): ``ratio`` =
+    mean over seeds of the per-seed mean rel_err over the last octave of recorded steps
+    (steps > last / 2) divided by the same for 32/10, with a 95% bootstrap interval
+    (``low``, ``high``: seeds resampled with replacement, each setting on its own,
+    ``draws`` times). ``departs`` is True where the interval excludes 1."""
+    gen = np.random.default_rng(seed)
+    keys = ["recurrence", "arm", "memory", "window"]
+    last = frame["step"].max()
+    tail = frame[frame["step"] > last / 2]
+    per_seed = tail.groupby([*keys, "sr_bits", "philox_rounds", "seed"], sort=False)[
+        "rel_err"].mean()
+    rows = []
+    for key, group in per_seed.groupby(level=keys, sort=False):
+        group = group.droplevel(keys)
+        try:
+            base = group.loc[(philox.DEFAULT_SR_BITS, philox.DEFAULT_PHILOX_ROUNDS)].to_numpy()
+        except KeyError:
+            continue
+        for (bits, rounds), values in group.groupby(level=["sr_bits", "philox_rounds"],
+                                                    sort=False):
+            values = values.to_numpy()
+            ratio = values.mean() / base.mean()
+            boot = (gen.choice(values, (draws, len(values))).mean(1)
+                    / gen.choice(base, (draws, len(base))).mean(1))
+            low, high = np.quantile(boot, [0.025, 0.975])
+            rows.append({**dict(zip(keys, key, strict=True)), "sr_bits": bits,
+                         "philox_rounds": rounds, "seeds": len(values), "ratio": ratio,
+                         "low": low, "high": high, "departs": not low <= 1.0 <= high})
+    return pd.DataFrame(rows)
+
+
+def format_sr_table(table: pd.DataFrame) -> str:
+    head = ("SR settings against 32 bits, 10 rounds: mean rel_err over the last octave of "
+            "recorded steps, ratio to 32/10 with a 95% bootstrap interval over seeds")
+    return head + "\n" + table.drop(columns=["recurrence"]).to_string(
+        index=False, float_format=lambda x: f"{x:.3f}")
 
 
 def format_summary(table: pd.DataFrame, window: int) -> str:
@@ -1644,6 +1723,8 @@ def _arm_legend(scheme: str, hi_format: str, hi_rounding: str) -> str:
     return f"separate, {hi_format} {hi_rounding.upper()} recurrence copy"
 
 
+_SR_COLOURS = ("#000000", "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b",
+               "#e377c2", "#7f7f7f", "#bcbd22", "#17becf", "#aec7e8")
 DECADES, ONE_TWO_FIVE, EVERY_MANTISSA = (1.0,), (1.0, 2.0, 5.0), tuple(map(float, range(1, 10)))
 
 
@@ -1679,6 +1760,7 @@ def plot(csv_path: str | Path, png_path: str | Path) -> None:
 
     frame = read_csv(csv_path)
     means = window_means(frame)
+    settings = list(dict.fromkeys(zip(frame["sr_bits"], frame["philox_rounds"], strict=True)))
     rows = list(dict.fromkeys(zip(frame["lo_format"], frame["window"], strict=True)))
     mems = list(dict.fromkeys(frame["memory"]))
     recurrence = frame["recurrence"].iloc[0]
@@ -1706,11 +1788,14 @@ def plot(csv_path: str | Path, png_path: str | Path) -> None:
             ax = axes[row][col]
             panel = in_row[in_row["memory"] == mem]
             zero = []  # arms at 0 on every step of a log panel: named, not drawn
-            for (arm, hi, hi_r), curve in panel.groupby(["arm", "hi_format", "hi_rounding"],
-                                                         sort=False):
+            for (arm, hi, hi_r, bits, rounds), curve in panel.groupby(
+                    ["arm", "hi_format", "hi_rounding", "sr_bits", "philox_rounds"], sort=False):
                 scheme = arm.split(":")[0]
                 colour, dash = _arm_style(hi, hi_r, scheme)
                 label = _arm_legend(scheme, hi, hi_r)
+                if len(settings) > 1 and "sr" in (hi_r,):  # one colour per SR setting
+                    colour = _SR_COLOURS[settings.index((bits, rounds)) % len(_SR_COLOURS)]
+                    label += f", SR {bits} bits, {rounds} rounds"
                 if not exact_row:
                     curve = curve[curve["median"] > 0]
                     if curve.empty:
