@@ -1169,3 +1169,60 @@ def test_the_toy_run_needs_neither_triton_nor_cutlass(tmp_path):
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err
     assert (tmp_path / "t.csv").is_file() and (tmp_path / "t.png").is_file()
+
+
+# --------------------------------------------------------------------------------------------
+# several ranks (torchrun, gloo on the CPU)
+
+SWEEP_ARGS = ["--steps", "32", "--seeds", "2", "--memory", "short", "--arms",
+              "shared:fp16:rn,every_step:fp16:rn,separate_fp16sr:fp16", "--sr-bits", "32,8",
+              "--no-progress", "--plot", "none"]
+# ends the process at once (a killed rank) when the cell named by the environment starts
+KILLER = """import os, sys
+from experiments import error_growth as eg
+real = eg.run_cell
+def run_cell(config, cell, **kwargs):
+    if cell.key == os.environ.get("KILL_CELL"):
+        os._exit(3)
+    return real(config, cell, **kwargs)
+eg.run_cell = run_cell
+sys.exit(eg.main(sys.argv[1:]))
+"""
+
+
+def _torchrun(tmp_path, out, **env):
+    """The command under ``torch.distributed.run --standalone`` (its agent binds a free port);
+    a hang fails the test through the timeout."""
+    script = tmp_path / "killer.py"
+    script.write_text(KILLER)
+    environment = {**__import__("os").environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
+                   "CUDA_VISIBLE_DEVICES": "", **env}
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        environment.pop(name, None)
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone",
+         str(script), *SWEEP_ARGS, "--out", str(out)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=180, env=environment)
+
+
+@pytest.mark.slow
+def test_two_ranks_write_the_one_process_bytes_and_a_killed_rank_resumes(tmp_path, capsys):
+    """torchrun --nproc-per-node 2 (gloo): the merged CSV is the single process's bytes and its
+    meta.json records world size 2 and the cells of each rank; a rank killed in its second
+    cell leaves the finished cells in the store, and the same command skips them and writes
+    the same bytes."""
+    single = tmp_path / "single.csv"
+    assert eg.main([*SWEEP_ARGS, "--out", str(single)]) == 0
+    sharded = tmp_path / "sharded.csv"
+    done = _torchrun(tmp_path, sharded)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert sharded.read_bytes() == single.read_bytes()
+    record = __import__("json").loads((tmp_path / "sharded.meta.json").read_text())["sharding"]
+    assert record["world_size"] == 2 and sum(r["cells"] for r in record["ranks"]) == 4
+    resumed = tmp_path / "resumed.csv"
+    killed = _torchrun(tmp_path, resumed, KILL_CELL="L16/every_step:fp16:rn/sr32x10")
+    assert killed.returncode != 0 and not resumed.exists()
+    rerun = _torchrun(tmp_path, resumed)
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    assert "resuming: skipping" in rerun.stderr
+    assert resumed.read_bytes() == single.read_bytes()
