@@ -136,13 +136,11 @@ if __name__ == "__main__":  # Ctrl-C from the first import on: one line, status 
     exit_on_interrupt("python -m experiments.error_growth")
 
 import argparse
+import dataclasses
 import math
 import os
 import shlex
-import signal
 import sys
-import textwrap
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -170,11 +168,12 @@ from experiments._common import (
     read_meta,
     read_table,
     runs_folder,
-    save_small_png,
     write_meta,
 )
 from experiments._common import write_csv as write_table
 from experiments._interrupt import INTERRUPTED_STATUS
+from experiments.sharding import HELP as SHARDING_HELP
+from experiments.sharding import add_arguments as add_sharding_arguments
 from lowprec import formats, philox
 from lowprec._checks import check_float, check_ndim, check_shape
 from lowprec.metrics import rel_err
@@ -227,13 +226,15 @@ CSV_COLUMNS = (
     "hi_rounding",
     "lo_format",
     "lo_rounding",
+    "sr_bits",
+    "philox_rounds",
     "memory",
     "window",
     "seed",
     "step",
     "rel_err",
 )
-KEYS = ("recurrence", "arm", "memory", "window", "seed", "step")
+KEYS = ("recurrence", "arm", "sr_bits", "philox_rounds", "memory", "window", "seed", "step")
 SCHEMA = Schema(
     (
         Column("recurrence", choices=RECURRENCES),
@@ -242,6 +243,9 @@ SCHEMA = Schema(
         Column("hi_rounding", choices=ROUNDINGS),
         Column("lo_format", choices=tuple(formats.names())),
         Column("lo_rounding", choices=ROUNDINGS),
+        Column("sr_bits", int, minimum=min(philox.SR_BITS), maximum=max(philox.SR_BITS)),
+        Column("philox_rounds", int, minimum=min(philox.PHILOX_ROUNDS),
+               maximum=max(philox.PHILOX_ROUNDS)),
         Column("memory", pattern=r"long|short|[0-9.e+-]+\.\.[0-9.e+-]+"),
         Column("window", int, minimum=1),
         Column("seed", int, minimum=0, maximum=philox.SEED_LIMIT - 1),
@@ -304,14 +308,20 @@ class ArmSpec:
         """Whether a copy of the arm draws SR words."""
         return "sr" in (self.lo_rounding, self.hi_rounding)
 
-    def policy(self, window: int, seed: int) -> Policy:
-        """The `lowprec.policies.Policy` of the arm with windows of ``window`` tokens."""
+    def policy(self, window: int, seed: int, sr_bits: int = philox.DEFAULT_SR_BITS,
+               philox_rounds: int = philox.DEFAULT_PHILOX_ROUNDS) -> Policy:
+        """The `lowprec.policies.Policy` of the arm with windows of ``window`` tokens and SR
+        words of ``sr_bits`` bits from ``philox_rounds``-round Philox (an arm without SR
+        takes the defaults)."""
         if self.scheme == "separate":
+            sr = self.hi_rounding == "sr"
             return Policy("separate", fmt=self.lo_format, rounding="rn",
                           hi_fmt=self.hi_format, hi_rounding=self.hi_rounding, window=window,
-                          seed=seed if self.hi_rounding == "sr" else 0)
+                          seed=seed if sr else 0,
+                          sr_bits=sr_bits if sr else philox.DEFAULT_SR_BITS,
+                          philox_rounds=philox_rounds if sr else philox.DEFAULT_PHILOX_ROUNDS)
         return make_policy(self.scheme, self.lo_format, self.lo_rounding, window=window,
-                           seed=seed)
+                           seed=seed, sr_bits=sr_bits, philox_rounds=philox_rounds)
 
 
 @dataclass(frozen=True)
@@ -325,13 +335,21 @@ class Memory:
 
 @dataclass(frozen=True)
 class Cell:
-    """One independent piece of a run: one arm at one window, over every memory profile and
-    seed of the config (the simulator's batch). ``index`` is its place in ``cells(config)``,
-    which is the order of its rows in the CSV."""
+    """One independent piece of a run: one arm at one window and one SR setting (an arm
+    without SR has the defaults 32 bits, 10 rounds, which it does not use), over every memory
+    profile and seed of the config (the simulator's batch). ``index`` is its place in
+    ``cells(config)``, which is the order of its rows in the CSV."""
 
     index: int
     window: int
     arm: ArmSpec
+    sr_bits: int = philox.DEFAULT_SR_BITS
+    philox_rounds: int = philox.DEFAULT_PHILOX_ROUNDS
+
+    @property
+    def key(self) -> str:
+        """Unique per cell of a run and stable across runs: the cell store's key."""
+        return f"L{self.window}/{self.arm.label}/sr{self.sr_bits}x{self.philox_rounds}"
 
 
 @dataclass(frozen=True)
@@ -359,6 +377,8 @@ class Config:
     device: str = "cpu"
     threads: int = 1
     backend: str = "reference"
+    sr_bits: tuple[int, ...] = (philox.DEFAULT_SR_BITS,)
+    philox_rounds: tuple[int, ...] = (philox.DEFAULT_PHILOX_ROUNDS,)
 
     def __post_init__(self):
         if self.recurrence not in RECURRENCES:
@@ -374,6 +394,17 @@ class Config:
         if len(set(windows)) != len(windows):
             raise ValueError(f"window: expected distinct windows, got {list(windows)}")
         object.__setattr__(self, "window", windows)
+        for name, check in (("sr_bits", philox.check_sr_bits),
+                            ("philox_rounds", philox.check_philox_rounds)):
+            values = getattr(self, name)
+            values = (values,) if isinstance(values, int) else values
+            if not isinstance(values, tuple) or not values:
+                raise ValueError(f"{name}: expected an int or a non-empty tuple of ints, got "
+                                 f"{getattr(self, name)!r}")
+            values = tuple(check(v) for v in values)
+            if len(set(values)) != len(values):
+                raise ValueError(f"{name}: expected distinct values, got {list(values)}")
+            object.__setattr__(self, name, values)
         for name in ("dv", "dk", "heads", "seeds", "steps"):
             _check_int(name, getattr(self, name), 1)
         _check_int("seed0", self.seed0, 0)
@@ -451,11 +482,13 @@ def _check_memory_use(c: Config) -> None:
 
 def _check_emulation(c: Config) -> None:
     """The limits of the emulation kernels, beyond those of the reference."""
-    if c.recurrence != "mamba2":
-        raise ValueError(
-            f"backend: the emulation backend implements Mamba-2 only, got recurrence "
-            f"{c.recurrence!r} (use --backend reference)"
-        )
+    if (c.sr_bits, c.philox_rounds) != ((philox.DEFAULT_SR_BITS,),
+                                        (philox.DEFAULT_PHILOX_ROUNDS,)):
+        missing = _emulation_without_sr_settings()
+        if missing:
+            raise ValueError(f"sr_bits: the installed emulation's {missing} takes no sr_bits "
+                             "and philox_rounds: the emulation backend runs 32 bits, 10 rounds "
+                             "only (use --backend reference)")
     if c.steps > MAX_EMULATION_STEPS:
         raise ValueError(
             f"steps: expected at most {MAX_EMULATION_STEPS} with the emulation backend (Philox "
@@ -475,6 +508,21 @@ def _check_emulation(c: Config) -> None:
             supported = supported and fmt.block is None and spec.lo_rounding == "rn"
         if not supported:
             raise ValueError(f"arms: {EMULATION_ARMS_TEXT}; got {spec.label}")
+
+
+def _emulation_without_sr_settings() -> str | None:
+    """The first emulation cache whose ``empty`` lacks ``sr_bits``/``philox_rounds``, or None."""
+    import inspect
+
+    from emulation.gdn_replay_decode import GDNReplayCache
+    from emulation.replay_decode import ReplayCache
+    from emulation.state_update import StateCache
+
+    for cls in (ReplayCache, StateCache, GDNReplayCache):
+        parameters = inspect.signature(cls.empty).parameters
+        if not {"sr_bits", "philox_rounds"} <= set(parameters):
+            return f"{cls.__name__}.empty"
+    return None
 
 
 def _check_int(name: str, value, minimum: int) -> None:
@@ -640,6 +688,8 @@ BASE_DEFAULTS = {
     "device": "cpu",
     "threads": 1,
     "backend": "reference",
+    "sr_bits": "32",
+    "philox_rounds": "10",
 }
 
 PRESETS = {
@@ -655,7 +705,7 @@ PRESETS = {
         "arms": "every_step:fp8_e4m3_row:rn,every_step:fp8_e4m3_row:sr,shared,separate_exact",
         "formats": "fp8_e4m3_row",
         "rounding": "sr",
-        "log_grid": 16,  # 16 windows: the CSV stays under 1 MiB (22 gave 21 windows, 1.3 MB)
+        "log_grid": 3,  # the windows holding steps 16, 64, 256, 1024, 4096: a 0.5 MB CSV
     },
     "default": {
         "recurrence": "mamba2",
@@ -676,7 +726,62 @@ PRESETS = {
         "rounding": "sr",
         "log_grid": 12,
     },
+    # the SR ablation: the recurrence copy and a conventional SR state at each setting
+    "sr-toy": {
+        "recurrence": "mamba2",
+        "dv": 8,
+        "dk": 32,
+        "heads": 1,
+        "seeds": 8,
+        "steps": 4096,
+        "window": "16",
+        "memory": ["long", "short"],
+        "arms": "separate:fp16:sr:nvfp4,every_step:fp16:sr",
+        "formats": "nvfp4",
+        "rounding": "sr",
+        # the windows holding steps 16, 64, 1024 and 4096; 8 bits (13 and 16 lie between) and
+        # 7 and 4 rounds: six settings keep the CSV near 1 MB
+        "log_grid": 1,
+        "sr_bits": "32,8",
+        "philox_rounds": "10,7,4",
+    },
 }
+# GDN and KDA at a head of their models (INPUTS_TEXT says how the inputs are drawn)
+_DELTA_ARMS = ("every_step:fp16:rn,every_step:bf16:rn,every_step:nvfp4:rn,shared:nvfp4:rn,"
+               "shared:fp16:rn,separate_exact:nvfp4,separate_fp16sr:nvfp4")
+# at the layer's shape through the emulation on a GPU: the arms the claim needs (each arm and
+# the exact run cost about 1 ms a step on an H100, bound by the host: 2^15 steps keep the three
+# layers, run as concurrent processes, near 6 minutes; scripts/gpu.sh error-growth)
+_GPU_ARMS = "separate_fp16sr:nvfp4,every_step:bf16:rn,shared:fp16:rn"
+for _name, _recurrence in (("gdn", "gdn"), ("kda", "kda")):
+    PRESETS[_name] = {  # Qwen3-Next's GDN head, Kimi Linear's KDA head: d_k = d_v = 128
+        "recurrence": _recurrence, "dv": 128, "dk": 128, "heads": 1, "seeds": 2,
+        "steps": 8192, "window": "16", "memory": ["long", "short"], "arms": _DELTA_ARMS,
+        "formats": "nvfp4", "rounding": "rn", "log_grid": 10,
+    }
+    PRESETS[f"{_name}-tiny"] = {  # the emulation interpreted on a CPU, in seconds
+        "recurrence": _recurrence, "dv": 8, "dk": 16, "heads": 1, "seeds": 1, "steps": 48,
+        "window": "8", "memory": ["long", "short"],
+        "arms": "separate_fp16sr:nvfp4,every_step:fp16:rn,shared:fp16:rn", "formats": "nvfp4",
+        "rounding": "rn", "log_grid": 0, "backend": "emulation",
+    }
+    PRESETS[f"{_name}-gpu"] = {  # the whole layer: 32 heads of 128 x 128 (both models)
+        "recurrence": _recurrence, "dv": 128, "dk": 128, "heads": 32, "seeds": 1,
+        "steps": 32768, "window": "16", "memory": ["long", "short"], "arms": _GPU_ARMS,
+        "formats": "nvfp4", "rounding": "rn", "log_grid": 20, "backend": "emulation",
+        "device": "cuda",
+    }
+PRESETS["emulation-gpu"] = {  # the Nemotron-3-Super Mamba-2 layer: 128 heads of 64 x 128
+    **PRESETS["gdn-gpu"], "recurrence": "mamba2", "dv": 64, "dk": 128, "heads": 128,
+}
+
+INPUTS_TEXT = """inputs (a fresh draw every step, per sequence and head; --memory sets the decay):
+  v ~ N(0, I)   k, q ~ N(0, I) (Mamba-2's B and C)   a ~ U[LO, HI) per head (KDA: per head
+  and channel of d_k) from --memory: long = [0.9995, 0.99999) (time constants 2,000 to 100,000
+  tokens), short = [0.9, 0.95) (10 to 20 tokens), as the log-decays g = log a of trained
+  layers span both; GDN and KDA as Qwen3-Next and Kimi Linear draw theirs: k and q
+  L2-normalised per head, beta = sigmoid(N(0, 1)) (the models' beta is a sigmoid of a
+  projection)"""
 
 _HELP = {
     "recurrence": "state recurrence: mamba2 (S = a S + v k^T), gdn (delta rule), kda (delta rule, "
@@ -709,14 +814,20 @@ _HELP = {
     "sums, hence the CSV's bytes, depend on the device)",
     "threads": "torch CPU threads during the run (restored after); one is fastest for these "
     "small per-step operations and keeps the sums' order fixed",
-    "backend": "reference (lowprec.policies in FP64, every recurrence) or emulation (the Triton "
-    "kernels of emulation/ with fp32 containers; Mamba-2 only; needs CUDA for real sizes, "
-    "runs interpreted on a CPU)",
+    "backend": "reference (lowprec.policies in FP64) or emulation (the Triton kernels of "
+    "emulation/ with fp32 containers); both run every recurrence; the emulation needs CUDA for "
+    "real sizes and runs interpreted on a CPU",
+    "sr_bits": "random bits per element of the SR copies, or a comma-separated list of them "
+    f"({', '.join(map(str, philox.SR_BITS))}); one cell per setting of each arm with an SR "
+    "copy, a CSV column sr_bits (an arm without SR runs once, at the default)",
+    "philox_rounds": "rounds of the Philox generator behind the SR words (1-10), or a "
+    "comma-separated list; with --sr-bits, every pair of values; a CSV column philox_rounds",
 }
 
 
 def build_parser() -> argparse.ArgumentParser:
-    epilog = OUTPUT_RULE + "\n\npresets (explicit flags override them):\n" + "\n".join(
+    epilog = "\n\n".join([OUTPUT_RULE, SHARDING_HELP, INPUTS_TEXT, ""]) + (
+        "presets (explicit flags override them):\n") + "\n".join(
         f"  {name}: " + " ".join(f"--{k.replace('_', '-')} {_show(v)}" for k, v in values.items())
         for name, values in PRESETS.items()
     )
@@ -786,6 +897,7 @@ def build_parser() -> argparse.ArgumentParser:
         "'-' where the log grid did not record the window)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    add_sharding_arguments(parser)
     return parser
 
 
@@ -799,6 +911,20 @@ def _parse_windows(text: str) -> list[int]:
             raise ValueError(f"window: {part} given twice")
         windows.append(int(part))
     return windows
+
+
+def _parse_list(name: str, text) -> list[int]:
+    """--sr-bits' and --philox-rounds' lists: integers, each once (range checks: Config)."""
+    if isinstance(text, int):
+        return [text]
+    values = []
+    for part in _split(name, str(text)):
+        if not part.isdigit():
+            raise ValueError(f"{name}: expected integers, got {part!r}")
+        if int(part) in values:
+            raise ValueError(f"{name}: {part} given twice")
+        values.append(int(part))
+    return values
 
 
 def parse_steps(text: str) -> list[int]:
@@ -846,7 +972,7 @@ def default_out(args: argparse.Namespace, argv_settings: list[str]) -> str:
     """The CSV path of a run without --out: results/ for a preset alone, else a runs/ folder
     named by the preset and the setting flags given (``argv_settings``, as typed)."""
     if args.preset and not argv_settings:
-        return f"results/error_growth_{args.preset}.csv"
+        return f"results/error_growth_{args.preset.replace('-', '_')}.csv"
     folder = runs_folder("error_growth", [args.preset or "custom", *argv_settings])
     return str(folder / "error_growth.csv")
 
@@ -855,7 +981,7 @@ def _setting_words(argv: list[str]) -> list[str]:
     """The setting flags of ``argv`` and their values as words (``--window 8,16`` ->
     ``window-8,16``), the preset and output flags left out."""
     skip = {"--preset", "--out", "--plot", "--at"}
-    flags = {"--replot", "--force", "--no-progress"}
+    flags = {"--replot", "--force", "--no-progress", "--keep-cells"}
     words, i = [], 0
     while i < len(argv):
         arg = argv[i]
@@ -915,7 +1041,11 @@ def config_from_args(args: argparse.Namespace, argv: list[str] | None = None) ->
     windows = values["window"]
     if isinstance(windows, str):
         windows = tuple(_parse_windows(windows))
+    sr_bits = tuple(_parse_list("sr_bits", values["sr_bits"]))
+    philox_rounds = tuple(_parse_list("philox_rounds", values["philox_rounds"]))
     return Config(
+        sr_bits=sr_bits,
+        philox_rounds=philox_rounds,
         recurrence=values["recurrence"],
         dv=values["dv"],
         dk=values["dk"],
@@ -1029,7 +1159,7 @@ def _draw_seed(gen: torch.Generator, c: Config) -> tuple:
     u = draw(INPUT_CHUNK, c.heads, *((c.dk,) if c.recurrence == "kda" else ()), uniform=True)
     if c.recurrence == "mamba2":
         return v, k, q, u, None
-    beta = draw(INPUT_CHUNK, c.heads, uniform=True)
+    beta = torch.sigmoid(draw(INPUT_CHUNK, c.heads))
     k = k / torch.linalg.vector_norm(k, dim=-1, keepdim=True)
     q = q / torch.linalg.vector_norm(q, dim=-1, keepdim=True)
     return v, k, q, u, beta
@@ -1041,22 +1171,29 @@ def make_inputs(config: Config, steps: int) -> list[tuple]:
     return [stream.next() for _ in range(steps)]
 
 
+def sr_settings(config: Config) -> list[tuple[int, int]]:
+    """The (sr_bits, philox_rounds) settings of the run: every bits value with every rounds
+    value, bits outer."""
+    return [(b, r) for b in config.sr_bits for r in config.philox_rounds]
+
+
 def cells(config: Config) -> list[Cell]:
-    """The run's independent cells, one per (window, arm), windows outer, in the config's
-    order: the order of the CSV's rows."""
-    pairs = [(w, arm) for w in config.window for arm in config.arms]
-    return [Cell(i, w, arm) for i, (w, arm) in enumerate(pairs)]
+    """The run's independent cells, windows outer, then arms in the config's order, then the
+    SR settings (``sr_settings``) of an arm with an SR copy (an arm without one: one cell, at
+    the defaults): the order of the CSV's rows."""
+    default = [(philox.DEFAULT_SR_BITS, philox.DEFAULT_PHILOX_ROUNDS)]
+    grid = [(w, arm, bits, rounds) for w in config.window for arm in config.arms
+            for bits, rounds in (sr_settings(config) if arm.sr else default)]
+    return [Cell(i, *item) for i, item in enumerate(grid)]
 
 
 _EXACT_CACHE: dict = {}
 
 
-def exact_outputs(config: Config, window: int, stop: Callable[[], bool] | None = None,
-                  bar=None) -> tuple[np.ndarray, torch.Tensor]:
+def exact_outputs(config: Config, window: int, bar=None) -> tuple[np.ndarray, torch.Tensor]:
     """``(steps_kept, y)``: the recorded steps of ``window`` and the exact FP64 outputs there,
     ``y [len(steps_kept), memories * seeds, heads, dv]`` on the run's device. Computed once
-    per (config, window) and process; a run stopped by ``stop`` returns only the steps done
-    and is not kept."""
+    per (config, window) and process."""
     c = config
     key = (c.recurrence, c.dv, c.dk, c.heads, c.seeds, c.seed0, c.steps, c.memory, c.log_grid,
            c.device, window)
@@ -1066,78 +1203,67 @@ def exact_outputs(config: Config, window: int, stop: Callable[[], bool] | None =
     steps_kept = recorded_steps(c.steps, window, c.log_grid)
     keep = np.zeros(c.steps + 1, dtype=bool)
     keep[steps_kept] = True
-    ys, done = [], 0
+    ys = []
     with _on_device(c), _cpu_threads(c.threads), torch.no_grad():
         exact = Simulator(c.recurrence, make_policy("exact", "fp64", window=window), batch,
                           c.heads, c.dv, c.dk, dtype=torch.float64)
         inputs = _Inputs(c)
         try:
             for t in range(1, c.steps + 1):
-                if stop is not None and stop():
-                    break
                 y = exact.step(*inputs.next())
                 if keep[t]:
                     ys.append(y)
-                done = t
                 if bar is not None:
                     bar.update()
         finally:
             inputs.close()
-    result = (steps_kept[: len(ys)], torch.stack(ys) if ys else torch.empty(0))
-    if done == c.steps:
-        _EXACT_CACHE.clear()  # one entry: a sweep over windows needs one at a time
-        _EXACT_CACHE[key] = result
+    result = (steps_kept, torch.stack(ys))
+    _EXACT_CACHE.clear()  # one entry: a sweep over windows needs one at a time
+    _EXACT_CACHE[key] = result
     return result
 
 
-def run_cell(config: Config, cell: Cell, stop: Callable[[], bool] | None = None,
-             bar=None) -> pd.DataFrame:
+def run_cell(config: Config, cell: Cell, bar=None,
+             on_stop: Callable[[pd.DataFrame], None] | None = None) -> pd.DataFrame:
     """The rows of one cell (``CSV_COLUMNS``; memory, seed, step order), from the cell's own
     input stream and the exact outputs: the same rows wherever and with whatever other cells
-    it runs. With ``stop``, a stopped cell keeps the whole windows done; ``attrs['steps_done']``
-    says how far it got."""
+    it runs. A cell returns only complete rows: Ctrl-C or SIGTERM (a KeyboardInterrupt) in
+    its step loop is raised again, after ``on_stop`` was given the whole windows done (a
+    frame whose ``attrs['steps_done']`` says how far it got)."""
     c = config
     batch = len(c.memory) * c.seeds
-    steps_kept, y_exact = exact_outputs(c, cell.window, stop, bar)
-    if len(steps_kept) == 0 or (stop is not None and stop()):
-        frame = _to_frame(c, cell, steps_kept[:0], torch.empty(batch, 0, dtype=torch.float64))
-        frame.attrs["steps_done"] = 0
-        return frame
+    steps_kept, y_exact = exact_outputs(c, cell.window, bar=bar)
     keep = np.zeros(c.steps + 1, dtype=bool)
     keep[steps_kept] = True
-    emulated = c.backend == "emulation"
     errors = torch.full((batch, len(steps_kept)), float("nan"), dtype=torch.float64)
     column, done = 0, 0
     with _on_device(c), _cpu_threads(c.threads), torch.no_grad():
-        if emulated:
-            step = _emulation_step(c, cell.arm, cell.window, batch)
+        if c.backend == "emulation":
+            step = _emulation_step(c, cell, batch)
         else:
-            step = Simulator(c.recurrence, cell.arm.policy(cell.window, c.seed0), batch,
-                             c.heads, c.dv, c.dk, dtype=torch.float64).step
+            policy = cell.arm.policy(cell.window, c.seed0, cell.sr_bits, cell.philox_rounds)
+            step = Simulator(c.recurrence, policy, batch, c.heads, c.dv, c.dk,
+                             dtype=torch.float64).step
         inputs = _Inputs(c)
         try:
             for t in range(1, min(c.steps, int(steps_kept[-1])) + 1):
-                if stop is not None and stop():
-                    break
-                a, v, k, q, beta = inputs.next()
-                # the reference arms take the generic inputs, the emulation's the kernel's
-                y_hat = step(*(mamba2_kernel_inputs(a, v, k, q) if emulated
-                               else (a, v, k, q, beta)))
+                y_hat = step(*inputs.next())
                 if keep[t]:
                     errors[:, column] = rel_err(y_hat, y_exact[column]).cpu()
                     column += 1
                 done = t
                 if bar is not None:
                     bar.update()
+        except KeyboardInterrupt:
+            if on_stop is not None:  # the whole windows done
+                whole = steps_kept <= done - done % cell.window
+                frame = _to_frame(c, cell, steps_kept[whole], errors[:, : int(whole.sum())])
+                frame.attrs["steps_done"] = done
+                on_stop(frame)
+            raise
         finally:
             inputs.close()
-    stopped = done < int(steps_kept[-1])
-    if stopped:  # keep the windows that were completed
-        whole = steps_kept <= done - done % cell.window
-        steps_kept, errors = steps_kept[whole], errors[:, : int(whole.sum())]
-    frame = _to_frame(c, cell, steps_kept, errors)
-    frame.attrs["steps_done"] = done if stopped else c.steps
-    return frame
+    return _to_frame(c, cell, steps_kept, errors)
 
 
 def merge_cells(config: Config, frames: dict[int, pd.DataFrame]) -> pd.DataFrame:
@@ -1149,52 +1275,90 @@ def merge_cells(config: Config, frames: dict[int, pd.DataFrame]) -> pd.DataFrame
     return pd.concat([frames[i] for i in order], ignore_index=True)
 
 
-def run(config: Config, command: str | None = None) -> pd.DataFrame:
-    """Run every cell of ``config`` in order, write the CSV to ``config.out`` (a stopped run:
-    to ``partial_path(config.out)``) and then its meta.json (``command`` the command line;
-    from Python, a note saying so), and return the rows. ``attrs``: ``complete``,
-    ``cells_done``, ``steps_done`` (of the cell in progress when stopped), ``written``."""
+def sweep_arguments(config: Config) -> dict:
+    """What determines the rows, for the cell store's fingerprint: the config without its
+    output paths and without the device's number (``cuda:LOCAL_RANK`` differs per rank)."""
+    settings = config_settings(config)
+    settings["device"] = torch.device(config.device).type
+    return settings
+
+
+def run(config: Config, command: str | None = None, *, keep_cells: bool = False
+        ) -> pd.DataFrame:
+    """Run every cell of ``config`` through `experiments.sharding.run_sweep` (in this process,
+    or split over the ranks under ``torchrun``), write the CSV to ``config.out`` and then its
+    meta.json (``command`` the command line; from Python, a note saying so), and return the
+    rows on the writing rank (None elsewhere). A rerun with the same ``out`` and config skips
+    the cells finished before (kept in ``<out>.cells/`` until the CSV is written, or for good
+    with ``keep_cells``). A plain process stopped by Ctrl-C or SIGTERM writes the finished
+    cells and the whole windows of the cell in flight to ``partial_path(config.out)``.
+    ``attrs`` of the frame: ``complete``, ``cells_done``, ``written``, ``status``."""
+    from experiments.sharding import (
+        SweepStopped,
+        _CellStore,
+        cell_store_path,
+        fingerprint,
+        ranks_from_env,
+        run_sweep,
+    )
+
     c = config
     start = time.perf_counter()
     grid = cells(c)
+    ranks = ranks_from_env()
     batch = len(c.memory) * c.seeds
+    command = command or f"{PROG} (run() called from Python)"
     bar = tqdm(
         total=c.steps * (len(grid) + len(c.window)),
         desc=f"error_growth {c.recurrence} {c.backend} ({len(grid)} cells x {batch} seqs)",
         unit="step",
         file=sys.stderr,
-        disable=not c.progress,
+        disable=not c.progress or ranks.launched,  # under torchrun: the engine's lines
         mininterval=0.5,
     )
-    frames: dict[int, pd.DataFrame] = {}
-    stop = _StopRequest()
-    steps_done = c.steps
+    in_flight: dict[int, pd.DataFrame] = {}
+    arguments = sweep_arguments(c)
+
+    def one_cell(cell: Cell) -> pd.DataFrame:
+        return run_cell(c, cell, bar=bar,
+                        on_stop=lambda frame: in_flight.__setitem__(cell.index, frame))
+
+    def meta(out: Path, seconds: float, record: dict) -> None:
+        write_meta(out, command, seconds, config_settings(c), device=c.device,
+                   extra={"experiment": SOURCE, "status": "complete", "sharding": record})
+
     try:
         with bar:
-            for cell in grid:
-                frame = run_cell(c, cell, stop=lambda: stop.requested, bar=bar)
-                if frame.attrs["steps_done"] < c.steps:
-                    steps_done = frame.attrs["steps_done"]
-                    if len(frame):
-                        frames[cell.index] = frame
-                    break
-                frames[cell.index] = frame
-    finally:
-        stop.restore()
-    frame = merge_cells(c, frames)
-    complete = steps_done == c.steps
-    frame.attrs.update(complete=complete, steps_done=steps_done,
-                       cells_done=sum(1 for f in frames.values()
-                                      if f.attrs.get("steps_done") == c.steps))
-    written = Path(c.out) if complete else partial_path(c.out)
-    write_csv(frame, written)
-    status = "complete" if complete else (
-        f"stopped after {frame.attrs['cells_done']} of {len(grid)} cells and step "
-        f"{steps_done} of the next")
-    write_meta(written, command or f"{PROG} (run() called from Python)",
-               time.perf_counter() - start, config_settings(c), device=c.device,
-               extra={"experiment": SOURCE, "status": status})
-    frame.attrs.update(written=str(written), status=status)
+            sweep = run_sweep(grid, one_cell, out=c.out, arguments=arguments,
+                              key=lambda cell: cell.key, write_csv=write_csv, write_meta=meta,
+                              keep_cells=keep_cells, progress=10.0 if c.progress else None)
+    except SweepStopped as stopped:
+        if ranks.launched or stopped.code != STOPPED_STATUS:
+            raise
+        finished = _CellStore(cell_store_path(c.out), lambda line: None).load_done(
+            [cell.key for cell in grid], fingerprint(arguments))
+        frames = {i: rows for i, (rows, _) in finished.items()}
+        for index, frame in in_flight.items():
+            if len(frame):
+                frames[index] = frame
+        frame = merge_cells(c, frames)
+        written = partial_path(c.out)
+        write_csv(frame, written)
+        status = (f"stopped after {len(finished)} of {len(grid)} cells (kept in "
+                  f"{cell_store_path(c.out)}: the same command resumes)")
+        if in_flight:
+            status += f" and step {max(f.attrs['steps_done'] for f in in_flight.values())} of " \
+                      "the next"
+        write_meta(written, command, time.perf_counter() - start, config_settings(c),
+                   device=c.device, extra={"experiment": SOURCE, "status": status})
+        frame.attrs.update(complete=False, cells_done=len(finished), written=str(written),
+                           status=status)
+        return frame
+    if not sweep.is_writer:
+        return None
+    frame = sweep.frame
+    frame.attrs.update(complete=True, cells_done=len(grid), written=str(c.out),
+                       status="complete", sharding=sweep.record)
     return frame
 
 
@@ -1211,26 +1375,6 @@ def _on_device(c: Config):
     GPU."""
     with torch.device(c.device) if c.device != "cpu" else nullcontext():
         yield
-
-
-class _StopRequest:
-    """SIGTERM or SIGINT during run(): finish the current step, then write the whole windows
-    done to the partial CSV (a `timeout` on a long GPU run still leaves its rows). Outside the
-    main thread: not installed."""
-
-    def __init__(self):
-        self.requested = False
-        self.previous = {}
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                self.previous[sig] = signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame):
-        self.requested = True
-
-    def restore(self) -> None:
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
 
 
 def mamba2_kernel_inputs(a, v, k, q, dtype=torch.float32) -> tuple[torch.Tensor, ...]:
@@ -1258,50 +1402,62 @@ def mamba2_kernel_inputs(a, v, k, q, dtype=torch.float32) -> tuple[torch.Tensor,
     return x, dt, A, k.to(dtype), q.to(dtype)
 
 
-def _emulation_step(c: Config, spec: ArmSpec, window: int, batch: int):
-    """A function ``(x, dt, A, B, C) -> y_hat`` that advances one arm's emulation cache by one
-    token: every_step on a ``StateCache`` (the output reads the stored state), the windowed
-    arms on a ``ReplayCache`` with the arm's recurrence copy (fp64 kept in fp32) and read copy
-    (RN). Slot b of the cache is slot b of the reference's batch and the seed is ``seed0``,
-    so SR uses the same Philox words."""
+def _emulation_step(c: Config, cell: Cell, batch: int):
+    """A function ``(a, v, k, q, beta) -> y_hat`` (the generic inputs) that advances one
+    cell's emulation cache by one token: every_step on a ``StateCache`` (the output reads the
+    stored state), the windowed arms on a ``ReplayCache`` (Mamba-2) or ``GDNReplayCache``
+    (GDN, KDA: per-channel decay) with the arm's recurrence copy (fp64 kept in fp32) and read
+    copy (RN). Slot b of the cache is slot b of the reference's batch and the seed is
+    ``seed0``, so SR uses the same Philox words; the cell's SR setting is passed to the cache
+    only where it differs from 32 bits, 10 rounds."""
     # Imported here: the reference backend needs neither Triton nor the emulation (and
     # emulation.numerics switches Triton's interpreter on without CUDA).
+    from emulation.gdn_replay_decode import GDNReplayCache, gdn_generic_step, kda_generic_step
     from emulation.replay_decode import ReplayCache, mamba2_replay_decode
     from emulation.state_update import StateCache, mamba2_state_update
 
+    spec, window = cell.arm, cell.window
     shape = (batch, c.heads, c.dv, c.dk)
+    sr = {}
+    if spec.sr and (cell.sr_bits, cell.philox_rounds) != (philox.DEFAULT_SR_BITS,
+                                                          philox.DEFAULT_PHILOX_ROUNDS):
+        sr = {"sr_bits": cell.sr_bits, "philox_rounds": cell.philox_rounds}
     # Every slot advances in lockstep and _check_emulation bounds the steps, so the counters
     # stay in range: on a GPU the per-call range check (a stream sync that stops the host from
     # running ahead) is skipped; on the CPU it costs nothing and stays.
     check = c.device == "cpu"
+    hi_format = "fp32" if spec.hi_format == "fp64" else spec.hi_format
     if spec.scheme == "every_step":
-        cache = StateCache.empty(
-            *shape, format=spec.lo_format, rounding=spec.lo_rounding, seed=c.seed0,
-            device=c.device
-        )
+        cache = StateCache.empty(*shape, format=spec.lo_format, rounding=spec.lo_rounding,
+                                 seed=c.seed0, device=c.device, **sr)
+    elif c.recurrence == "mamba2":
+        cache = ReplayCache.empty(*shape, ngroups=c.heads, window=window, hi_format=hi_format,
+                                  hi_rounding=spec.hi_rounding, lo_format=spec.lo_format,
+                                  seed=c.seed0, act_dtype=torch.float32, device=c.device, **sr)
+    else:
+        cache = GDNReplayCache.empty(*shape, per_channel=c.recurrence == "kda", window=window,
+                                     hi_format=hi_format, hi_rounding=spec.hi_rounding,
+                                     lo_format=spec.lo_format, seed=c.seed0,
+                                     act_dtype=torch.float32, device=c.device, **sr)
+    if c.recurrence != "mamba2":
+        generic = kda_generic_step if c.recurrence == "kda" else gdn_generic_step
 
-        def step(x, dt, A, B, C):
-            return mamba2_state_update(
-                cache, x, dt, A, B, C, dt_softplus=False, output_from="stored",
-                check_counters=check,
-            )
+        def step(a, v, k, q, beta):
+            return generic(cache, a, v, k, q, beta, check_counters=check)
 
         return step
-    hi_format = "fp32" if spec.hi_format == "fp64" else spec.hi_format
-    cache = ReplayCache.empty(
-        *shape,
-        ngroups=c.heads,
-        window=window,
-        hi_format=hi_format,
-        hi_rounding=spec.hi_rounding,
-        lo_format=spec.lo_format,
-        seed=c.seed0,
-        act_dtype=torch.float32,
-        device=c.device,
-    )
+    if spec.scheme == "every_step":
 
-    def step(x, dt, A, B, C):
-        return mamba2_replay_decode(cache, x, dt, A, B, C, dt_softplus=False, check_counters=check)
+        def step(a, v, k, q, beta):
+            return mamba2_state_update(cache, *mamba2_kernel_inputs(a, v, k, q),
+                                       dt_softplus=False, output_from="stored",
+                                       check_counters=check)
+
+        return step
+
+    def step(a, v, k, q, beta):
+        return mamba2_replay_decode(cache, *mamba2_kernel_inputs(a, v, k, q), dt_softplus=False,
+                                    check_counters=check)
 
     return step
 
@@ -1335,6 +1491,8 @@ def _to_frame(c: Config, cell: Cell, steps_kept: np.ndarray, errors: torch.Tenso
             "hi_rounding": arm.hi_rounding,
             "lo_format": arm.lo_format,
             "lo_rounding": arm.lo_rounding,
+            "sr_bits": cell.sr_bits,
+            "philox_rounds": cell.philox_rounds,
             "memory": np.array([m.name for m in c.memory], dtype=object)[mem_idx],
             "window": cell.window,
             "seed": seed,
@@ -1398,8 +1556,8 @@ def read_csv(path: str | Path) -> pd.DataFrame:
 # --------------------------------------------------------------------------------------------
 # summary and plot, from the CSV's rows only
 
-SERIES = ["recurrence", "arm", "hi_format", "hi_rounding", "lo_format", "lo_rounding", "memory",
-          "window"]
+SERIES = ["recurrence", "arm", "hi_format", "hi_rounding", "lo_format", "lo_rounding",
+          "sr_bits", "philox_rounds", "memory", "window"]
 
 
 def window_means(frame: pd.DataFrame) -> pd.DataFrame:
@@ -1446,14 +1604,90 @@ def summarize(frame: pd.DataFrame, at: list[int] | None = None) -> pd.DataFrame:
         columns[name] = held.set_index(SERIES)["median"]
     table = pd.DataFrame(columns)
     order = frame.drop_duplicates(SERIES).set_index(SERIES).index
-    return table.reindex(order).droplevel(
-        ["recurrence", "hi_format", "hi_rounding", "lo_format", "lo_rounding", "window"])
+    dropped = ["recurrence", "hi_format", "hi_rounding", "lo_format", "lo_rounding", "window"]
+    if len(frame[["sr_bits", "philox_rounds"]].drop_duplicates()) == 1:
+        dropped += ["sr_bits", "philox_rounds"]
+    return table.reindex(order).droplevel(dropped)
 
 
 def summaries(frame: pd.DataFrame, at: list[int] | None = None) -> str:
-    """The printed summary: one table per window L of the run."""
-    return "\n\n".join(format_summary(summarize(rows, at), int(w))
-                       for w, rows in frame.groupby("window", sort=False))
+    """The printed summary: one table per window L of the run, the growth table, and with
+    several SR settings the SR table (`sr_table`)."""
+    parts = [format_summary(summarize(rows, at), int(w))
+             for w, rows in frame.groupby("window", sort=False)]
+    parts.append(format_growth(growth_table(frame)))
+    if frame[["sr_bits", "philox_rounds"]].drop_duplicates().shape[0] > 1:
+        parts.append(format_sr_table(sr_table(frame)))
+    return "\n\n".join(parts)
+
+
+def growth_table(frame: pd.DataFrame) -> pd.DataFrame:
+    """Per series (recurrence, arm, SR setting, memory, window): the window-mean rel_err
+    (median over seeds) of the first recorded window after the first flush (``early``, at
+    step ``early_step``, its last step), of the last whole window (``last``, at
+    ``last_step``), and ``growth = last / early``: flat is about 1."""
+    means = window_means(frame)
+    rows = []
+    for key, series in means.groupby(SERIES, sort=False):
+        series = series.sort_values("window_index")
+        after = series[series["window_index"] >= 1]
+        early = after.iloc[0] if len(after) else series.iloc[0]
+        last = series.iloc[-1]
+        rows.append({**dict(zip(SERIES, key, strict=True)),
+                     "early_step": int(early["last_step"]), "early": early["median"],
+                     "last_step": int(last["last_step"]), "last": last["median"],
+                     "growth": last["median"] / early["median"] if early["median"] > 0
+                     else float("nan")})
+    return pd.DataFrame(rows)
+
+
+def format_growth(table: pd.DataFrame) -> str:
+    shown = table.drop(columns=["hi_format", "hi_rounding", "lo_format", "lo_rounding"])
+    if set(zip(shown["sr_bits"], shown["philox_rounds"], strict=True)) == {(
+            philox.DEFAULT_SR_BITS, philox.DEFAULT_PHILOX_ROUNDS)}:
+        shown = shown.drop(columns=["sr_bits", "philox_rounds"])
+    head = ("growth: window-mean rel_err (median over seeds) after one flush (early) and at the "
+            "last whole window (last); growth = last / early (flat: about 1)")
+    return head + "\n" + shown.to_string(index=False, float_format=lambda x: f"{x:.3g}")
+
+
+def sr_table(frame: pd.DataFrame, draws: int = 2000, seed: int = 0) -> pd.DataFrame:
+    """Each SR setting against 32 bits, 10 rounds, per (arm, memory, window): ``ratio`` =
+    mean over seeds of the per-seed mean rel_err over the last octave of recorded steps
+    (steps > last / 2) divided by the same for 32/10, with a 95% bootstrap interval
+    (``low``, ``high``: seeds resampled with replacement, each setting on its own,
+    ``draws`` times). ``departs`` is True where the interval excludes 1."""
+    gen = np.random.default_rng(seed)
+    keys = ["recurrence", "arm", "memory", "window"]
+    last = frame["step"].max()
+    tail = frame[frame["step"] > last / 2]
+    per_seed = tail.groupby([*keys, "sr_bits", "philox_rounds", "seed"], sort=False)[
+        "rel_err"].mean()
+    rows = []
+    for key, group in per_seed.groupby(level=keys, sort=False):
+        group = group.droplevel(keys)
+        try:
+            base = group.loc[(philox.DEFAULT_SR_BITS, philox.DEFAULT_PHILOX_ROUNDS)].to_numpy()
+        except KeyError:
+            continue
+        for (bits, rounds), values in group.groupby(level=["sr_bits", "philox_rounds"],
+                                                    sort=False):
+            values = values.to_numpy()
+            ratio = values.mean() / base.mean()
+            boot = (gen.choice(values, (draws, len(values))).mean(1)
+                    / gen.choice(base, (draws, len(base))).mean(1))
+            low, high = np.quantile(boot, [0.025, 0.975])
+            rows.append({**dict(zip(keys, key, strict=True)), "sr_bits": bits,
+                         "philox_rounds": rounds, "seeds": len(values), "ratio": ratio,
+                         "low": low, "high": high, "departs": not low <= 1.0 <= high})
+    return pd.DataFrame(rows)
+
+
+def format_sr_table(table: pd.DataFrame) -> str:
+    head = ("SR settings against 32 bits, 10 rounds: mean rel_err over the last octave of "
+            "recorded steps, ratio to 32/10 with a 95% bootstrap interval over seeds")
+    return head + "\n" + table.drop(columns=["recurrence"]).to_string(
+        index=False, float_format=lambda x: f"{x:.3f}")
 
 
 def format_summary(table: pd.DataFrame, window: int) -> str:
@@ -1462,31 +1696,6 @@ def format_summary(table: pd.DataFrame, window: int) -> str:
         "median over seeds"
     )
     return head + "\n" + table.to_string(float_format=lambda x: f"{x:.2e}", na_rep="-")
-
-
-# Colours per scheme, and per recurrence copy for separate; dashes for RN, solid for SR.
-_SCHEME_COLOURS = {"every_step": "#d62728", "shared": "#ff7f0e"}
-_HI_COLOURS = {"fp64": "#1f77b4", "fp32": "#9467bd", "fp16": "#2ca02c", "bf16": "#17becf",
-               "fp8_e4m3": "#8c564b", "fp8_e5m2": "#e377c2"}
-
-
-def _arm_style(hi_format: str, hi_rounding: str, scheme: str) -> tuple[str, str]:
-    """(colour, line style) of an arm."""
-    if scheme in _SCHEME_COLOURS:
-        return _SCHEME_COLOURS[scheme], "--" if hi_rounding == "rn" else "-"
-    colour = _HI_COLOURS.get(hi_format, "#7f7f7f")
-    return colour, "-" if hi_rounding == "sr" or hi_format == "fp64" else "--"
-
-
-def _arm_legend(scheme: str, hi_format: str, hi_rounding: str) -> str:
-    """An arm as the legend names it (its read format is the panel's)."""
-    if scheme == "every_step":
-        return f"every step ({hi_rounding.upper()})"
-    if scheme == "shared":
-        return f"shared checkpoint ({hi_rounding.upper()})"
-    if hi_format == "fp64":
-        return "separate, exact recurrence copy"
-    return f"separate, {hi_format} {hi_rounding.upper()} recurrence copy"
 
 
 DECADES, ONE_TWO_FIVE, EVERY_MANTISSA = (1.0,), (1.0, 2.0, 5.0), tuple(map(float, range(1, 10)))
@@ -1506,159 +1715,14 @@ def log_subs(low: float, high: float, coarsest: tuple[float, ...] = DECADES) -> 
     return EVERY_MANTISSA
 
 
+
 def plot(csv_path: str | Path, png_path: str | Path) -> None:
-    """Log-log rel_err against step, one panel per (read format, window L, memory profile),
-    panels of a row sharing the y axis: the window-mean error (median over seeds, band =
-    min..max over seeds) of each arm, and the format's unit roundoff u as a dotted line.
-    Windows whose median is 0 (the windowed arms before their first flush) have no point on a
-    log axis; an arm that is 0 at every step of a panel is not drawn there but named in a
-    note in the panel, and a format whose error is 0 everywhere (fp64, or windowed arms that
-    never flush) gets a linear axis with its curves on the zero line. Reads only
-    ``csv_path``."""
-    import matplotlib
+    """The figure of ``csv_path`` at ``png_path`` (`experiments.error_growth_plot.plot`),
+    from the CSV alone."""
+    from experiments.error_growth_plot import plot as draw
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.lines import Line2D
-    from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter
+    draw(csv_path, png_path)
 
-    frame = read_csv(csv_path)
-    means = window_means(frame)
-    rows = list(dict.fromkeys(zip(frame["lo_format"], frame["window"], strict=True)))
-    mems = list(dict.fromkeys(frame["memory"]))
-    recurrence = frame["recurrence"].iloc[0]
-    windows = sorted(frame["window"].unique())
-    n_seeds = frame["seed"].nunique()
-    legend_inches = 0.55
-    height = 2.9 * len(rows) + 0.6 + legend_inches
-    fig, axes = plt.subplots(
-        len(rows),
-        len(mems),
-        figsize=(max(4.4 * len(mems), 7.0), height),  # one memory: wide enough for the title
-        sharex=True,
-        sharey="row",
-        squeeze=False,
-    )
-    plain = FuncFormatter(lambda value, _: f"{value:g}")
-    steps = means["last_step"]
-    x_span = (steps[steps > 0].min(), steps.max())  # the panels share x
-    handles = {}
-    for row, (fmt, window) in enumerate(rows):
-        in_row = means[(means["lo_format"] == fmt) & (means["window"] == window)]
-        # no positive error in the whole row (the panels share y): nothing for a log axis
-        exact_row = not (in_row["median"] > 0).any()
-        for col, mem in enumerate(mems):
-            ax = axes[row][col]
-            panel = in_row[in_row["memory"] == mem]
-            zero = []  # arms at 0 on every step of a log panel: named, not drawn
-            for (arm, hi, hi_r), curve in panel.groupby(["arm", "hi_format", "hi_rounding"],
-                                                         sort=False):
-                scheme = arm.split(":")[0]
-                colour, dash = _arm_style(hi, hi_r, scheme)
-                label = _arm_legend(scheme, hi, hi_r)
-                if not exact_row:
-                    curve = curve[curve["median"] > 0]
-                    if curve.empty:
-                        zero.append(label)
-                        handles.setdefault(label, Line2D([], [], ls=dash, color=colour, lw=1.4))
-                        continue
-                curve = curve.sort_values("last_step")
-                (line,) = ax.plot(
-                    curve["last_step"],
-                    curve["median"],
-                    dash,
-                    color=colour,
-                    lw=1.4,
-                    label=label,
-                    marker="o" if len(curve) == 1 else None,  # one window: a dot, not a line
-                    ms=3,
-                )
-                ax.fill_between(
-                    curve["last_step"], curve["low"], curve["high"], color=colour, alpha=0.15, lw=0
-                )
-                handles.setdefault(label, line)
-            if exact_row:
-                ax.set_ylim(-1.0, 1.0)
-                ax.set_yticks([0.0])
-                ax.text(
-                    0.5,
-                    0.6,
-                    "rel_err = 0 at every step: exact",
-                    transform=ax.transAxes,
-                    ha="center",
-                    fontsize=8,
-                )
-            u = None if exact_row else _unit_roundoff(fmt)
-            if u is not None:
-                ax.axhline(u, color="k", ls=":", lw=0.8)
-                ax.annotate(
-                    f"$u = 2^{{{round(math.log2(u))}}}$",
-                    (0.98, u),
-                    xycoords=("axes fraction", "data"),
-                    ha="right",
-                    va="bottom",
-                    fontsize=7,
-                )
-            ax.set_xscale("log")
-            if x_span[1] < 10 * x_span[0]:  # within a decade: whole steps, linearly spaced
-                if x_span[0] == x_span[1]:  # one window: room around its point
-                    ax.set_xlim(x_span[0] / 2, x_span[1] * 2)
-                ax.xaxis.set_major_locator(MaxNLocator(nbins=6, integer=True))
-            else:
-                ax.xaxis.set_major_locator(LogLocator(base=10, subs=log_subs(*x_span)))
-            ax.xaxis.set_major_formatter(plain)
-            ax.xaxis.set_minor_formatter(NullFormatter())
-            if not exact_row:
-                ax.set_yscale("log")
-                # 1-2-5 labels over a few decades; past three decades they would overlap
-                low, high = ax.get_ylim()
-                coarsest = ONE_TWO_FIVE if high / low <= 1e3 else DECADES
-                ax.yaxis.set_major_locator(
-                    LogLocator(base=10, subs=log_subs(low, high, coarsest)))
-                ax.yaxis.set_major_formatter(plain)
-                ax.yaxis.set_minor_formatter(NullFormatter())
-            ax.tick_params(labelsize=7)
-            ax.grid(True, which="major", alpha=0.3)
-            title = f"read copy {fmt}, L = {window} | memory {_memory_label(mem)}"
-            if zero:
-                title += "\n" + textwrap.fill(
-                    "rel_err = 0 at every step, not drawn: " + ", ".join(zero), 60)
-            ax.set_title(title, fontsize=8)
-            if row == len(rows) - 1:
-                ax.set_xlabel("decode step (end of window)", fontsize=8)
-            if col == 0:
-                ax.set_ylabel("rel_err, window mean", fontsize=8)
-    names = {"mamba2": "Mamba-2", "gdn": "Gated DeltaNet", "kda": "KDA"}
-    title = (f"{names.get(recurrence, recurrence)}: output error against decode length, "
-             f"conventional vs checkpointed states (L = {', '.join(map(str, windows))}; median "
-             f"over {n_seeds} seeds, band = min..max; dotted: unit roundoff u)")
-    title = textwrap.fill(title, int(fig.get_figwidth() * 13))
-    fig.suptitle(title, fontsize=9)
-    fig.legend(
-        handles.values(),
-        handles.keys(),
-        loc="lower center",
-        ncol=min(len(handles), 3),
-        fontsize=8,
-        frameon=False,
-    )
-    fig.tight_layout(rect=(0, legend_inches / height, 1, 1))  # it makes room for the title
-    save_small_png(fig, png_path, dpi=150, source=SOURCE)
-    plt.close(fig)
-
-
-def _unit_roundoff(fmt_name: str) -> float | None:
-    """2^-(mbits+1) of the format's element, if the format is known (None for fp64)."""
-    if fmt_name not in formats.names() or fmt_name == "fp64":
-        return None
-    return 2.0 ** -(formats.get(fmt_name).element.mbits + 1)
-
-
-def _memory_label(name: str) -> str:
-    if name in MEMORY_PROFILES:
-        low, high = MEMORY_PROFILES[name]
-        return f"{name} (a in [{low:g}, {high:g}))"
-    return f"a in [{name.replace('..', ', ')})"
 
 
 # --------------------------------------------------------------------------------------------
@@ -1674,7 +1738,8 @@ def config_settings(config: Config) -> dict:
         "seeds": c.seeds, "seed0": c.seed0, "steps": c.steps, "window": list(c.window),
         "memory": [{"name": m.name, "low": m.low, "high": m.high} for m in c.memory],
         "arms": [a.label for a in c.arms], "log_grid": c.log_grid, "device": c.device,
-        "threads": c.threads, "backend": c.backend, "cells": len(cells(c)),
+        "threads": c.threads, "backend": c.backend, "sr_bits": list(c.sr_bits),
+        "philox_rounds": list(c.philox_rounds), "cells": len(cells(c)),
     }
 
 
@@ -1689,14 +1754,17 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(error))
     if at is not None and not args.replot and max(at) > config.steps:
         parser.error(f"--at: step {max(at)} is past --steps {config.steps}")
-    stopped = False
     if args.replot:
         try:
             frame = read_csv(config.out)
         except (OSError, ValueError) as error:
             parser.error(f"--replot: {error}")
     else:
-        for window in config.window:
+        from experiments.sharding import SweepStopped, is_main_rank, local_device
+
+        # under torchrun each rank on its own GPU (the CSV records the device's kind only)
+        config = dataclasses.replace(config, device=local_device(config.device))
+        for window in config.window if is_main_rank() else ():
             if window > config.steps:
                 print(f"note: --window {window} is longer than --steps {config.steps}: no "
                       "flush happens (the windowed arms never round a checkpoint) and the plot "
@@ -1708,9 +1776,14 @@ def main(argv: list[str] | None = None) -> int:
                       f"summary end at step {whole}, the last whole window", file=sys.stderr)
         start = time.perf_counter()
         try:
-            frame = run(config, " ".join([PROG, *map(shlex.quote, argv)]))
+            frame = run(config, " ".join([PROG, *map(shlex.quote, argv)]),
+                        keep_cells=args.keep_cells)
         except OSError as error:  # the CSV is written at the end of the run
             parser.error(f"cannot write {config.out}: {error}")
+        except SweepStopped as stopped:  # a cell failed, or a rank under torchrun stopped
+            return stopped.code
+        if frame is None:  # a rank other than 0: rank 0 writes, plots and summarises
+            return 0
         seconds = time.perf_counter() - start
         stopped = not frame.attrs["complete"]
         written, status = frame.attrs["written"], frame.attrs["status"]

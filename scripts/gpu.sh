@@ -17,8 +17,10 @@
 #                                tools.instruction_count --ncu; at the headline point (Nemotron-3-
 #                                Super layer, batch 256, L = 16); kernels are kernel_bench's
 #                                names (default: the two-precision non-flush step and flush)
-#   error-growth                 the Triton emulation's error at the real layer shape (128 heads
-#                                of 64 x 128, 131,072 steps, about 7 minutes on an H200)
+#   error-growth                 the Triton emulation's error at the real layer shapes, Mamba-2
+#                                (128 heads of 64 x 128), GDN and KDA (32 heads of 128 x 128),
+#                                32,768 steps, three concurrent processes: about 6.5 minutes on
+#                                an H100
 #
 #   --dry-run                    print the commands, run nothing
 #
@@ -161,10 +163,22 @@ case "$target" in
     ;;
   error-growth)
     [ $# -eq 0 ] || { echo "gpu.sh error-growth: takes no arguments (got: $*)" >&2; exit 2; }
-    run "$py" -m experiments.error_growth --backend emulation --device cuda \
-      --dv 64 --dk 128 --heads 128 --seeds 2 --steps 131072 --log-grid 48 \
-      --arms separate_fp16sr:nvfp4,every_step:fp16:rn --memory long \
-      --out "$out/error_growth_emulation_gpu.csv" --plot "$out/error_growth_emulation_gpu.png"
+    # The three layers as concurrent processes on the one GPU (their presets emulation-gpu,
+    # gdn-gpu, kda-gpu); each summary goes to its .txt, then the growth tables are printed.
+    pids=()
+    for preset in emulation-gpu gdn-gpu kda-gpu; do
+      name=error_growth_${preset//-/_}
+      run_to "$out/$name.txt" "$py" -m experiments.error_growth --preset "$preset" \
+        --no-progress --out "$out/$name.csv" --plot "$out/$name.png" &
+      pids+=("$!")
+    done
+    for pid in "${pids[@]}"; do wait "$pid"; record $?; done
+    if [ "$dry" = 0 ]; then
+      for preset in emulation-gpu gdn-gpu kda-gpu; do
+        name=error_growth_${preset//-/_}
+        [ -f "$out/$name.txt" ] && sed -n '/^growth:/,$p' "$out/$name.txt" | tee -a "$log"
+      done
+    fi
     ;;
 esac
 if [ "$dry" = 0 ]; then
