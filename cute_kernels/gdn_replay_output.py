@@ -1,0 +1,306 @@
+"""Gated DeltaNet ReplaySSM non-flush kernel (CuTe DSL): one pass over the read copy yields both
+S k and S q, the record's corrected value u and the output y; no state is formed or written.
+
+For every slot `s` with `c = cursors[s] < window - 1` (records 0 .. c-1 in the ring, record c
+the call's inputs; other slots exit at once), per head `h` (one CTA a (slot, head)), in the
+order of operations of `lowprec.gdn._read` (the emulation's `replay_record`):
+
+    cum_j   = g_0 + ... + g_j  (sequential fp32, records 0 .. c)
+    w_j     = exp(cum_c - cum_j)            G_c = exp(cum_c)
+    kk_j    = sum_d (k_j[d] w_j) k_c[d]     kq_j = sum_d (k_j[d] w_j) q[d]     (j <= c)
+    u_c     = beta_c (v_c - [S_lo (G_c k_c) + sum_{j<c} u_j kk_j])
+    y       = S_lo (G_c q) + sum_{j<c} u_j kq_j + u_c kq_c
+    ring    u_c, v_c, k_c, g_c, beta_c at position c
+
+S_lo is the read copy: NVFP4 values `(code * s_b) * s_g` in fp32 exactly as
+`lowprec.quantize.dequantize` forms them (an E2M1 nibble becomes an f16 `2^-14 code` by bit
+placement, one conversion to fp32, times the exact `2^14 s_b`, times `s_g`), or, with
+lo_format 'none', the fp32 recurrence copy itself (the single-copy FP32 ReplaySSM baseline).
+The kernel differs from lowprec only in the order of the sums over d_k and the ring (the
+emulation's output bound covers any order).
+
+Thread ownership: the flush kernel's (`gdn_replay_flush`), dv dk / 64 threads, each the
+16-column chunk `t % R` (R = dk / 16) of rows `t // R + (T / R) i`: its chunk of a row is one
+NVFP4 block (8 code bytes, 1 scale byte: one 64-bit and one 8-bit load), or 64 B of fp32. All
+of a thread's state loads are issued before the first use. Its rows' two dot products meet in
+shuffle sums over the row's R lanes, each lane adding the ring terms of records `t % R + R m`
+first (so the ring's u are read by every lane, not by one). The per-record dots kk_j, kq_j
+are warp sums (warp w: records w, w + T/32, ...) staged in shared memory.
+
+Bytes per non-flush (slot, head) (`traffic_bytes`): the read copy (dv dk / 2 codes + dv dk / 16
+scales + 4 global for nvfp4; 4 dv dk for fp32), the ring's c records (u fp32, k in the
+activation dtype, g), q, k, v, g, beta read, y written, the record appended (u, v, k, g, beta).
+"""
+
+from __future__ import annotations
+
+import cutlass  # noqa: I001
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Uint32
+from cutlass.memory import SmemAllocator
+
+from cute_kernels import _compile
+from cute_kernels import numerics as nm
+from cute_kernels import ptx
+from cute_kernels.gdn_replay_flush import (
+    ACT_BYTES,
+    CUTE_DTYPES,
+    W,
+    GDNConfig,
+    add,
+    append_record,
+    chunk_of,
+    load_vector_chunk,
+    optional_ptr,
+)
+
+__all__ = ["compile_gdn_output", "launch_gdn_output", "traffic_bytes"]
+
+TWO_POW_14 = 16384.0
+
+
+def _e2m1_pair_f16x2(word, e: int):
+    """Nibbles 2e and 2e + 1 of `word` as f16x2 `2^-14 code` (sign to bit 15 / 31, the three
+    magnitude bits to the exponent's low bits and the mantissa's top bit): exact for every
+    E2M1 code, subnormal codes included (0.5 -> the f16 subnormal 2^-15)."""
+    x = word >> Uint32(8 * e)
+    return (((x & Uint32(0x7)) << Uint32(9)) | ((x & Uint32(0x8)) << Uint32(12))
+            | ((x & Uint32(0x70)) << Uint32(21)) | ((x & Uint32(0x80)) << Uint32(24)))
+
+
+def _nvfp4_values(frag, words, scale_byte, global_scale):
+    """The 16 fp32 read-copy values `(code * s_b) * s_g` of one block into `frag`."""
+    sb14 = nm.e4m3_value(Uint32(scale_byte)) * Float32(TWO_POW_14)  # exact: a power of two
+    for w in range(W // 8):
+        for e in range(4):
+            lo, hi = ptx.f16x2_to_f32x2(_e2m1_pair_f16x2(words[w], e))
+            frag[8 * w + 2 * e] = (lo * sb14) * global_scale
+            frag[8 * w + 2 * e + 1] = (hi * sb14) * global_scale
+
+
+class GDNOutput:
+    def __init__(self, config: GDNConfig):
+        self.cfg = config
+
+    @cute.jit
+    def __call__(
+        self,
+        p_hi: cute.Pointer,
+        p_lo: cute.Pointer,
+        p_lo_scales: cute.Pointer,
+        p_lo_global: cute.Pointer,
+        p_ring_u: cute.Pointer,
+        p_ring_v: cute.Pointer,
+        p_ring_k: cute.Pointer,
+        p_ring_g: cute.Pointer,
+        p_ring_beta: cute.Pointer,
+        p_cursors: cute.Pointer,
+        p_q: cute.Pointer,
+        p_k: cute.Pointer,
+        p_v: cute.Pointer,
+        p_g: cute.Pointer,
+        p_beta: cute.Pointer,
+        p_out: cute.Pointer,
+        batch: Int32,
+        stream,
+    ):
+        cfg = self.cfg
+        H, P, N, L = cfg.nheads, cfg.dv, cfg.dk, cfg.window
+        hi = cute.make_tensor(p_hi, cute.make_layout((batch, H, P, N),
+                                                     stride=(H * P * N, P * N, N, 1)))
+        codes = cute.make_tensor(p_lo, cute.make_layout(
+            (batch, H, P, N // 8), stride=(H * P * N // 8, P * N // 8, N // 8, 1)))
+        scales = cute.make_tensor(p_lo_scales, cute.make_layout(
+            (batch, H, P, N // W), stride=(H * P * N // W, P * N // W, N // W, 1)))
+        per_head = cute.make_layout((batch, H), stride=(H, 1))
+        lo_global = cute.make_tensor(p_lo_global, per_head)
+        value_ring = cute.make_layout((batch, H, L, P), stride=(H * L * P, L * P, P, 1))
+        ring_u = cute.make_tensor(p_ring_u, value_ring)
+        ring_v = cute.make_tensor(p_ring_v, value_ring)
+        ring_k = cute.make_tensor(p_ring_k, cute.make_layout(
+            (batch, H, L, N), stride=(H * L * N, L * N, N, 1)))
+        ring_rows = cute.make_layout((batch, H, L), stride=(H * L, L, 1))
+        ring_g = cute.make_tensor(p_ring_g, ring_rows)
+        ring_beta = cute.make_tensor(p_ring_beta, ring_rows)
+        cursors = cute.make_tensor(p_cursors, cute.make_layout(batch))
+        keys_rows = cute.make_layout((batch, H, N), stride=(H * N, N, 1))
+        q = cute.make_tensor(p_q, keys_rows)
+        k = cute.make_tensor(p_k, keys_rows)
+        value_rows = cute.make_layout((batch, H, P), stride=(H * P, P, 1))
+        v = cute.make_tensor(p_v, value_rows)
+        out = cute.make_tensor(p_out, value_rows)
+        g = cute.make_tensor(p_g, per_head)
+        beta = cute.make_tensor(p_beta, per_head)
+        self.kernel(hi, codes, scales, lo_global, ring_u, ring_v, ring_k, ring_g, ring_beta,
+                    cursors, q, k, v, g, beta, out).launch(
+            grid=[H, batch, 1], block=[cfg.threads, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(
+        self,
+        hi: cute.Tensor,
+        codes: cute.Tensor,
+        scales: cute.Tensor,
+        lo_global: cute.Tensor,
+        ring_u: cute.Tensor,
+        ring_v: cute.Tensor,
+        ring_k: cute.Tensor,
+        ring_g: cute.Tensor,
+        ring_beta: cute.Tensor,
+        cursors: cute.Tensor,
+        q: cute.Tensor,
+        k: cute.Tensor,
+        v: cute.Tensor,
+        g: cute.Tensor,
+        beta: cute.Tensor,
+        out: cute.Tensor,
+    ):
+        cfg = self.cfg
+        N, L, T = cfg.dk, cfg.window, cfg.threads
+        R, step = cfg.lanes_per_row, cfg.rows_per_pass
+        nvfp4 = cfg.lo_format == "nvfp4"
+        tidx, _, _ = cute.arch.thread_idx()
+        h, s, _ = cute.arch.block_idx()
+        lane = tidx % 32
+        warp = tidx // 32
+        col = tidx % R
+        row0 = tidx // R
+        rows = [row0 + step * i for i in range(cfg.passes)]
+        smem = SmemAllocator()
+        sW = smem.allocate_tensor(Float32, cute.make_layout(32), 16)  # w_j
+        sKK = smem.allocate_tensor(Float32, cute.make_layout(32), 16)  # kk_j
+        sKQ = smem.allocate_tensor(Float32, cute.make_layout(32), 16)  # kq_j
+
+        c = cursors[s]
+        if (c >= 0) & (c < L - 1):
+            # the read copy first: every state load in flight before the ring's arithmetic
+            word_frags = []
+            scale_bytes = []
+            if cutlass.const_expr(nvfp4):
+                codes_h = codes[s, h, None, None]
+                for i in cutlass.range_constexpr(cfg.passes):
+                    frag = cute.make_rmem_tensor((W // 8,), Uint32)
+                    cute.autovec_copy(chunk_of(codes_h, rows[i], col, W // 8), frag)
+                    word_frags.append(frag)
+                    scale_bytes.append(scales[s, h, rows[i], col])
+                global_scale = lo_global[s, h]
+            else:
+                hi_h = hi[s, h, None, None]
+                for i in cutlass.range_constexpr(cfg.passes):
+                    frag = cute.make_rmem_tensor((W,), Float32)
+                    cute.autovec_copy(chunk_of(hi_h, rows[i], col), frag)
+                    word_frags.append(frag)
+
+            # cumulative log-decays: every thread cum_c; thread t < L also cum_t -> w_t
+            g_c = g[s, h]
+            cum_c = Float32(0.0)
+            cum_t = Float32(0.0)
+            for i in cutlass.range_constexpr(L):
+                g_i = nm._sel(Int32(i) < c, ring_g[s, h, i],
+                              nm._sel(Int32(i) == c, g_c, Float32(0.0)))
+                cum_c = cum_c + g_i
+                cum_t = cum_t + nm._sel(Int32(i) <= tidx, g_i, Float32(0.0))
+            decay_c = cute.math.exp(cum_c)
+            if tidx < L:
+                sW[tidx] = cute.math.exp(cum_c - cum_t)
+            cute.arch.sync_threads()
+
+            # kk_j, kq_j: warp w takes records w, w + T/32, ...; a lane dk / 32 columns
+            E = N // 32
+            k_lane = []
+            q_lane = []
+            for e in cutlass.range_constexpr(E):
+                k_lane.append(k[s, h, lane * E + e].to(Float32))
+                q_lane.append(q[s, h, lane * E + e].to(Float32))
+            for m in cutlass.range_constexpr((L + T // 32 - 1) // (T // 32)):
+                j = warp + (T // 32) * m
+                if j <= c:
+                    j_ring = nm._sel(j < L, j, Int32(0))
+                    w_j = sW[j]
+                    kk = Float32(0.0)
+                    kq = Float32(0.0)
+                    for e in cutlass.range_constexpr(E):
+                        k_je = nm._sel(j < c, ring_k[s, h, j_ring, lane * E + e].to(Float32),
+                                       k_lane[e])
+                        kw = k_je * w_j
+                        kk = kk + kw * k_lane[e]
+                        kq = kq + kw * q_lane[e]
+                    kk = cute.arch.warp_reduction(kk, add)
+                    kq = cute.arch.warp_reduction(kq, add)
+                    if lane == 0:
+                        sKK[j] = kk
+                        sKQ[j] = kq
+            cute.arch.sync_threads()
+
+            # one pass over the read copy, two products, plus the ring's terms
+            k_vec = load_vector_chunk(k[s, h, None], col) * decay_c
+            q_vec = load_vector_chunk(q[s, h, None], col) * decay_c
+            beta_c = beta[s, h]
+            kq_c = sKQ[c]
+            for i in cutlass.range_constexpr(cfg.passes):
+                p = rows[i]
+                if cutlass.const_expr(nvfp4):
+                    vals = cute.make_rmem_tensor((W,), Float32)
+                    _nvfp4_values(vals, word_frags[i], scale_bytes[i], global_scale)
+                    values = vals.load()
+                else:
+                    values = word_frags[i].load()
+                part_k = (values * k_vec).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                part_q = (values * q_vec).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                for m in cutlass.range_constexpr((L - 1 + R - 1) // R):
+                    j = col + R * m
+                    held = j < c
+                    j_ring = nm._sel(held, j, Int32(0))
+                    u_j = ring_u[s, h, j_ring, p]
+                    part_k = part_k + nm._sel(held, u_j * sKK[j_ring], Float32(0.0))
+                    part_q = part_q + nm._sel(held, u_j * sKQ[j_ring], Float32(0.0))
+                total_k = cute.arch.warp_reduction(part_k, add, threads_in_group=R)
+                total_q = cute.arch.warp_reduction(part_q, add, threads_in_group=R)
+                u = beta_c * (v[s, h, p].to(Float32) - total_k)
+                if col == 0:
+                    ring_u[s, h, c, p] = u
+                    out[s, h, p] = (total_q + u * kq_c).to(out.element_type)
+            append_record(cfg, tidx, c, s, h, k, v, g, beta, ring_k, ring_v, ring_g, ring_beta)
+
+
+def compile_gdn_output(cfg: GDNConfig, keep_ptx: bool = False):
+    """The compiled non-flush kernel of `cfg` (cached); `keep_ptx` keeps its PTX text."""
+
+    def build():
+        f = _compile.fake_ptr
+        act = CUTE_DTYPES[cfg.act]
+        hi_t = Float32 if cfg.hi_format == "fp32" else cutlass.Float16
+        args = (f(hi_t), f(Uint32), f(cutlass.Uint8), f(Float32),
+                f(Float32), f(act), f(act), f(Float32), f(Float32), f(Int32),
+                f(act), f(act), f(act), f(Float32), f(Float32), f(act),
+                Int32(1), _compile.fake_stream())
+        return cute.compile(GDNOutput(cfg), *args, options=_compile.compile_options(keep_ptx))
+
+    return _compile.compile_cached(("gdn_output", cfg, keep_ptx), build)
+
+
+def launch_gdn_output(cfg: GDNConfig, cache, q, k, v, g, beta, out):
+    """Launch the non-flush kernel on torch's current stream (everything already validated):
+    slots whose cursor is below window - 1 advance their output and record, the others are
+    left alone. Reads the cursors, never writes them."""
+    kernel = compile_gdn_output(cfg)
+    gp = _compile.gmem_ptr
+    kernel(gp(cache.hi), optional_ptr(cache.lo, Uint32),
+           optional_ptr(cache.lo_scales, cutlass.Uint8), optional_ptr(cache.lo_global, Float32),
+           gp(cache.ring_u), gp(cache.ring_v), gp(cache.ring_k), gp(cache.ring_g),
+           gp(cache.ring_beta), gp(cache.cursors), gp(q), gp(k), gp(v), gp(g), gp(beta),
+           gp(out), Int32(cache.hi.shape[0]), _compile.current_stream())
+
+
+def traffic_bytes(lo_format: str, act: str, slots: int, nheads: int, dv: int, dk: int,
+                  records: int) -> int:
+    """Bytes one non-flush step moves for `slots` slots holding `records` ring records each
+    (the cursor c), each read once and each write once: the read copy; the ring's u (fp32),
+    k (act) and g; q, k, v, g, beta read; y written; the record (u, v, k, g, beta)
+    appended."""
+    a = ACT_BYTES[act]
+    copy = dv * dk // 2 + dv * dk // W + 4 if lo_format == "nvfp4" else 4 * dv * dk
+    ring = records * (4 * dv + a * dk + 4)
+    inputs = (2 * dk + dv) * a + 8
+    record = 4 * dv + (dv + dk) * a + 8
+    return slots * nheads * (copy + ring + inputs + dv * a + record)
