@@ -39,14 +39,13 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint32
 from cutlass.memory import SmemAllocator
 
-from cute_kernels import _compile
+from cute_kernels import _compile, ptx
 from cute_kernels import numerics as nm
-from cute_kernels import ptx
 from cute_kernels.gdn_replay_flush import (
     ACT_BYTES,
     CUTE_DTYPES,
-    W,
     GDNConfig,
+    W,
     add,
     append_record,
     chunk_of,

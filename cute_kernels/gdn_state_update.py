@@ -30,8 +30,8 @@ from cute_kernels.cache import check_switch, fail
 from cute_kernels.gdn_replay_flush import (
     ACT_BYTES,
     CUTE_DTYPES,
-    W,
     GDNConfig,
+    W,
     chunk_of,
     delta_step,
     load_vector_chunk,
