@@ -99,7 +99,8 @@ def test_gdn_flush_kernel_compiles_for_sm90a_with_128_bit_state_accesses(pairing
 
 @pytest.mark.slow
 @pytest.mark.parametrize("shape, window",
-                         [(ODD, 5), (WIDE, 3), (dict(nheads=1, dv=16, dk=512), 32)], ids=["dv48-dk128-L5", "dv32-dk256-L3", "dv16-dk512-L32"])
+                         [(ODD, 5), (WIDE, 3), (dict(nheads=1, dv=16, dk=512), 32)],
+                         ids=["dv48-dk128-L5", "dv32-dk256-L3", "dv16-dk512-L32"])
 def test_gdn_kernels_compile_at_other_head_shapes_and_windows(shape, window):
     """Both kernels and both pairings compile where the thread layout changes: 96 threads,
     16 and 32 lanes a row, windows shorter and longer than a row's lanes."""
