@@ -12,6 +12,7 @@ import re
 
 import pytest
 import torch
+from checks import assert_within
 
 if not torch.cuda.is_available():
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
@@ -121,8 +122,6 @@ def test_gdn_state_update_matches_lowprec_and_stores_the_rounded_state(fmt, shap
         s_bound, y_bound = output_bound_flush(before, ring["v"], ring["k"], ring["g"],
                                               ring["beta"], torch.ones(S, dtype=torch.long),
                                               t64["q"], False)
-        from checks import assert_within
-
         assert_within(debug, s_ref, s_bound, f"unrounded new state ({fmt})")
         assert_within(y.float(), y_ref, y_bound, f"y ({fmt})")
         want = debug.to(cache.state.dtype)
