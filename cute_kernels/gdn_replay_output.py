@@ -21,10 +21,10 @@ emulation's output bound covers any order).
 
 Thread ownership: the flush kernel's (`gdn_replay_flush`), dv dk / 64 threads, each the
 16-column chunk `t % R` (R = dk / 16) of rows `t // R + (T / R) i`: its chunk of a row is one
-NVFP4 block (8 code bytes, 1 scale byte: one 64-bit and one 8-bit load), or 64 B of fp32. All
-of a thread's state loads are issued before the first use. Its rows' two dot products meet in
-shuffle sums over the row's R lanes, each lane adding the ring terms of records `t % R + R m`
-first (so the ring's u are read by every lane, not by one). The per-record dots kk_j, kq_j
+NVFP4 block (8 code bytes, 1 scale byte: one 64-bit and one 8-bit load), or 64 B of fp32.
+All of a thread's state loads, and its rows' ring u and v, are issued before the first use.
+Its rows' two dot products meet in shuffle sums over the row's R lanes, each lane adding the
+ring terms of records `t % R + R m` first (so the ring's u are spread over the row's lanes). The per-record dots kk_j, kq_j
 are warp sums (warp w: records w, w + T/32, ...) staged in shared memory.
 
 Bytes per non-flush (slot, head) (`traffic_bytes`): the read copy (dv dk / 2 codes + dv dk / 16
@@ -189,6 +189,18 @@ class GDNOutput:
                     frag = cute.make_rmem_tensor((W,), Float32)
                     cute.autovec_copy(chunk_of(hi_h, rows[i], col), frag)
                     word_frags.append(frag)
+            # the ring's u of records col + R m and the rows' v: loaded before the barriers
+            ring_terms = (L - 1 + R - 1) // R
+            held = []
+            u_ring = []
+            v_rows = []
+            for i in cutlass.range_constexpr(cfg.passes):
+                v_rows.append(v[s, h, rows[i]].to(Float32))
+                for m in cutlass.range_constexpr(ring_terms):
+                    j = col + R * m
+                    if cutlass.const_expr(i == 0):
+                        held.append(j < c)
+                    u_ring.append(ring_u[s, h, nm._sel(held[m], j, Int32(0)), rows[i]])
 
             # cumulative log-decays: every thread cum_c; thread t < L also cum_t -> w_t
             g_c = g[s, h]
@@ -246,16 +258,14 @@ class GDNOutput:
                     values = word_frags[i].load()
                 part_k = (values * k_vec).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
                 part_q = (values * q_vec).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-                for m in cutlass.range_constexpr((L - 1 + R - 1) // R):
-                    j = col + R * m
-                    held = j < c
-                    j_ring = nm._sel(held, j, Int32(0))
-                    u_j = ring_u[s, h, j_ring, p]
-                    part_k = part_k + nm._sel(held, u_j * sKK[j_ring], Float32(0.0))
-                    part_q = part_q + nm._sel(held, u_j * sKQ[j_ring], Float32(0.0))
+                for m in cutlass.range_constexpr(ring_terms):
+                    j_ring = nm._sel(held[m], col + R * m, Int32(0))
+                    u_j = u_ring[i * ring_terms + m]
+                    part_k = part_k + nm._sel(held[m], u_j * sKK[j_ring], Float32(0.0))
+                    part_q = part_q + nm._sel(held[m], u_j * sKQ[j_ring], Float32(0.0))
                 total_k = cute.arch.warp_reduction(part_k, add, threads_in_group=R)
                 total_q = cute.arch.warp_reduction(part_q, add, threads_in_group=R)
-                u = beta_c * (v[s, h, p].to(Float32) - total_k)
+                u = beta_c * (v_rows[i] - total_k)
                 if col == 0:
                     ring_u[s, h, c, p] = u
                     out[s, h, p] = (total_q + u * kq_c).to(out.element_type)
