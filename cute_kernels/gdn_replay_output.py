@@ -24,8 +24,9 @@ Thread ownership: the flush kernel's (`gdn_replay_flush`), dv dk / 64 threads, e
 NVFP4 block (8 code bytes, 1 scale byte: one 64-bit and one 8-bit load), or 64 B of fp32.
 All of a thread's state loads, and its rows' ring u and v, are issued before the first use.
 Its rows' two dot products meet in shuffle sums over the row's R lanes, each lane adding the
-ring terms of records `t % R + R m` first (so the ring's u are spread over the row's lanes). The per-record dots kk_j, kq_j
-are warp sums (warp w: records w, w + T/32, ...) staged in shared memory.
+ring terms of records `t % R + R m` first (so the ring's u are spread over the row's lanes).
+The per-record dots kk_j, kq_j are warp sums (warp w: records w, w + T/32, ...) staged in
+shared memory.
 
 Bytes per non-flush (slot, head) (`traffic_bytes`): the read copy (dv dk / 2 codes + dv dk / 16
 scales + 4 global for nvfp4; 4 dv dk for fp32), the ring's c records (u fp32, k in the
