@@ -13,8 +13,9 @@ order of operations of `lowprec.gdn._read` (the emulation's `replay_record`):
     ring    u_c, v_c, k_c, g_c, beta_c at position c
 
 S_lo is the read copy: NVFP4 values `(code * s_b) * s_g` in fp32 exactly as
-`lowprec.quantize.dequantize` forms them (an E2M1 nibble becomes an f16 `2^-14 code` by bit
-placement, one conversion to fp32, times the exact `2^14 s_b`, times `s_g`), or, with
+`lowprec.quantize.dequantize` forms them (an E2M1 nibble re-packed as the E4M3 byte of
+`2^-6 code`, two a hardware conversion to f16x2, f16 to fp32, times the exact `2^6 s_b`,
+times `s_g`), or, with
 lo_format 'none', the fp32 recurrence copy itself (the single-copy FP32 ReplaySSM baseline).
 The kernel differs from lowprec only in the order of the sums over d_k and the ring (the
 emulation's output bound covers any order).
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import cutlass  # noqa: I001
 import cutlass.cute as cute
+import numpy as np
 from cutlass import Float32, Int32, Uint32
 from cutlass.memory import SmemAllocator
 
@@ -56,26 +58,33 @@ from cute_kernels.gdn_replay_flush import (
 
 __all__ = ["compile_gdn_output", "launch_gdn_output", "traffic_bytes"]
 
-TWO_POW_14 = 16384.0
+E2M1_AS_E4M3 = 64.0  # the re-packed codes are E2M1 x 2^-6
 
 
-def _e2m1_pair_f16x2(word, e: int):
-    """Nibbles 2e and 2e + 1 of `word` as f16x2 `2^-14 code` (sign to bit 15 / 31, the three
-    magnitude bits to the exponent's low bits and the mantissa's top bit): exact for every
-    E2M1 code, subnormal codes included (0.5 -> the f16 subnormal 2^-15)."""
-    x = word >> Uint32(8 * e)
-    return (((x & Uint32(0x7)) << Uint32(9)) | ((x & Uint32(0x8)) << Uint32(12))
-            | ((x & Uint32(0x70)) << Uint32(21)) | ((x & Uint32(0x80)) << Uint32(24)))
+def e2m1_as_e4m3(word):
+    """The 8 E2M1 nibbles of `word` as E4M3 bytes of E2M1 x 2^-6, exactly: (even, odd), byte
+    b of `even` from nibble 2b (element 2b), of `odd` from nibble 2b + 1. A nibble `s e1 e0 m`
+    becomes the byte `s 0 0 e1 e0 m 0 0`: exponent field `e1 e0`, mantissa `m 0 0`, so
+    2^(e-7) (1 + m/2) for e >= 1 and the subnormal 2^-6 m/2 for e = 0. Also runs on numpy
+    uint32 arrays (the CPU tests check it against lowprec for every nibble)."""
+    u = np.uint32 if isinstance(word, (np.ndarray, np.generic)) else Uint32
+    even = ((word << u(4)) & u(0x80808080)) | ((word << u(2)) & u(0x1C1C1C1C))
+    odd = (word & u(0x80808080)) | ((word >> u(2)) & u(0x1C1C1C1C))
+    return even, odd
 
 
 def _nvfp4_values(frag, words, scale_byte, global_scale):
-    """The 16 fp32 read-copy values `(code * s_b) * s_g` of one block into `frag`."""
-    sb14 = nm.e4m3_value(Uint32(scale_byte)) * Float32(TWO_POW_14)  # exact: a power of two
+    """The 16 fp32 read-copy values `(code * s_b) * s_g` of one block into `frag`: codes
+    re-packed as E4M3 (e2m1_as_e4m3), two a `cvt.rn.f16x2.e4m3x2`, two f16 -> fp32 (exact),
+    times the exact 2^6 s_b, times s_g (lowprec's one rounding)."""
+    sb6 = nm.e4m3_value(Uint32(scale_byte)) * Float32(E2M1_AS_E4M3)  # exact: a power of two
     for w in range(W // 8):
-        for e in range(4):
-            lo, hi = ptx.f16x2_to_f32x2(_e2m1_pair_f16x2(words[w], e))
-            frag[8 * w + 2 * e] = (lo * sb14) * global_scale
-            frag[8 * w + 2 * e + 1] = (hi * sb14) * global_scale
+        for first, packed in enumerate(e2m1_as_e4m3(words[w])):
+            for half in range(2):
+                a, b = ptx.f16x2_to_f32x2(ptx.e4m3x2_to_f16x2(packed, half))
+                e = 8 * w + 4 * half + first  # bytes 2 half, 2 half + 1: elements e, e + 2
+                frag[e] = (a * sb6) * global_scale
+                frag[e + 2] = (b * sb6) * global_scale
 
 
 class GDNOutput:

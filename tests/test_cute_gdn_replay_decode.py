@@ -21,6 +21,7 @@ import math
 import os
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -32,7 +33,7 @@ from cute_kernels import gdn_replay_decode as gd  # noqa: E402
 from cute_kernels import gdn_replay_flush as gf  # noqa: E402
 from cute_kernels import gdn_replay_output as go  # noqa: E402
 from lowprec import quantize as lq  # noqa: E402
-from lowprec.formats import FP16  # noqa: E402
+from lowprec.formats import E2M1, E4M3, FP16  # noqa: E402
 
 DEVICE = torch.device("cuda")
 TWO_COPY = ("fp16", "sr", "nvfp4")
@@ -127,6 +128,27 @@ def test_gdn_thread_layout_covers_the_head_once():
                 owned[row0 + cfg.rows_per_pass * i, 16 * col:16 * col + 16] += 1
         assert bool((owned == 1).all()), shape
         assert cfg.threads % 32 == 0 and 32 % cfg.lanes_per_row == 0
+
+
+def test_nvfp4_repack_gives_every_code_as_e4m3_of_its_value_over_64():
+    """Every nibble at every position of a word (the others random): the re-packed byte,
+    decoded as E4M3 by lowprec, is the nibble's E2M1 value x 2^-6 exactly, signed zeros
+    included (nibble 0b1011 = -1.5 -> byte 0b10001100 = -1.5 / 64)."""
+    rng = np.random.default_rng(0)
+    nibbles = np.arange(16, dtype=np.uint32)
+    e2m1 = lq.decode_bits(torch.tensor(nibbles.astype(np.int64)), E2M1)
+    for position in range(8):
+        rest = rng.integers(0, 2**32, 16, dtype=np.uint64).astype(np.uint32)
+        words = (rest & np.uint32(~(0xF << (4 * position)) & 0xFFFFFFFF)) | (
+            nibbles << np.uint32(4 * position))
+        even, odd = go.e2m1_as_e4m3(words)
+        packed = even if position % 2 == 0 else odd
+        byte = (packed >> np.uint32(8 * (position // 2))) & np.uint32(0xFF)
+        got = lq.decode_bits(torch.tensor(byte.astype(np.int64)), E4M3)
+        want = e2m1 / 64.0
+        assert torch.equal(got.double(), want.double()), position
+        assert torch.equal(torch.signbit(got), torch.signbit(want)), position
+    assert int(go.e2m1_as_e4m3(np.uint32(0xB))[0]) == 0b10001100
 
 
 # --------------------------------------------------------------------------------------------
