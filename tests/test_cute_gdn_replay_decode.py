@@ -384,7 +384,7 @@ def run_windows(pairing, shape, window, slots, tokens, seed, act=torch.float32):
     step = CuteStep(twin, pairing, act)
     worst = 0.0
     for _ in range(tokens):
-        before = step.cache.cursors.cpu()
+        before = step.cache.cursors.cpu().clone()
         token = make_token(gen, slots, shape["nheads"], shape["dv"], shape["dk"], False,
                            act_dtype=act)
         _, ratio = run_and_check_step(twin, token, step)
