@@ -176,7 +176,7 @@ class GDNOutput:
         row0 = tidx // R
         rows = [row0 + step * i for i in range(cfg.passes)]
         smem = SmemAllocator()
-        sW = smem.allocate_tensor(Float32, cute.make_layout(32), 16)  # w_j
+        sW = smem.allocate_tensor(Float32, cute.make_layout(33), 16)  # w_j; [32]: G_c
         sKK = smem.allocate_tensor(Float32, cute.make_layout(32), 16)  # kk_j
         sKQ = smem.allocate_tensor(Float32, cute.make_layout(32), 16)  # kq_j
 
@@ -212,19 +212,22 @@ class GDNOutput:
                         held.append(j < c)
                     u_ring.append(ring_u[s, h, nm._sel(held[m], j, Int32(0)), rows[i]])
 
-            # cumulative log-decays: every thread cum_c; thread t < L also cum_t -> w_t
-            g_c = g[s, h]
-            cum_c = Float32(0.0)
-            cum_t = Float32(0.0)
-            for i in cutlass.range_constexpr(L):
-                g_i = nm._sel(Int32(i) < c, ring_g[s, h, i],
-                              nm._sel(Int32(i) == c, g_c, Float32(0.0)))
-                cum_c = cum_c + g_i
-                cum_t = cum_t + nm._sel(Int32(i) <= tidx, g_i, Float32(0.0))
-            decay_c = cute.math.exp(cum_c)
-            if tidx < L:
-                sW[tidx] = cute.math.exp(cum_c - cum_t)
+            # cumulative log-decays by warp 0: lane t < L cum_t -> w_t; G_c to sW[32]
+            if warp == 0:
+                g_c = g[s, h]
+                cum_c = Float32(0.0)
+                cum_t = Float32(0.0)
+                for i in cutlass.range_constexpr(L):
+                    g_i = nm._sel(Int32(i) < c, ring_g[s, h, i],
+                                  nm._sel(Int32(i) == c, g_c, Float32(0.0)))
+                    cum_c = cum_c + g_i
+                    cum_t = cum_t + nm._sel(Int32(i) <= lane, g_i, Float32(0.0))
+                if lane < L:
+                    sW[lane] = cute.math.exp(cum_c - cum_t)
+                if lane == 0:
+                    sW[32] = cute.math.exp(cum_c)
             cute.arch.sync_threads()
+            decay_c = sW[32]
 
             # kk_j, kq_j: warp w takes records w, w + T/32, ...; a lane dk / 32 columns
             E = N // 32
