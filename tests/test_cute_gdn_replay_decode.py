@@ -266,8 +266,9 @@ class CuteStep:
     """Runs the CuTe step on a packed GPU cache and mirrors the result into an
     emulation-shaped CPU twin, so `gdn_emulation_cases.run_and_check_step` checks it."""
 
-    def __init__(self, twin, pairing, act):
+    def __init__(self, twin, pairing, act, half=None):
         self.pairing = pairing
+        self.half = half  # None: gdn_replay_decode; 'output' or 'flush': that half alone
         hi, rounding, lo = pairing
         slots, nheads, dv, dk, window = twin.shape
         self.cache = gc.GDNReplayCache.empty(slots, nheads, dv, dk, window=window,
@@ -312,7 +313,13 @@ class CuteStep:
         y = torch.full(out.shape, math.nan, dtype=v.dtype, device=DEVICE)
         debug = torch.full(debug_state.shape, math.nan, dtype=torch.float32, device=DEVICE)
         self.before_lo = None if self.cache.lo is None else self.cache.lo.clone()
-        gd.gdn_replay_decode(self.cache, **dev, out=y, debug_state=debug, check_counters=True)
+        if self.half == "output":
+            gd.gdn_replay_output(self.cache, **dev, out=y, check_counters=True)
+        elif self.half == "flush":
+            gd.gdn_replay_flush(self.cache, **dev, out=y, debug_state=debug, check_counters=True)
+        else:
+            gd.gdn_replay_decode(self.cache, **dev, out=y, debug_state=debug,
+                                 check_counters=True)
         out.copy_(y.float().cpu())
         debug_state.copy_(debug.cpu())
         self.debug = debug
@@ -394,6 +401,26 @@ def run_windows(pairing, shape, window, slots, tokens, seed, act=torch.float32):
         worst = max(worst, ratio)
     done = (step.cache.flushes.cpu() - torch.tensor(flushes, dtype=torch.int32)).tolist()
     return done, [(c + tokens) // window for c in cursors], worst
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pairing", PAIRINGS[::2])
+@pytest.mark.parametrize("half, cursors", [("output", [0, 1, 4, 6]), ("flush", [7, 7, 7, 7])])
+def test_gdn_kernel_alone_matches_lowprec_in_one_step(pairing, half, cursors):
+    """One step of the non-flush kernel alone (`gdn_replay_output`: slots at cursors 0, 1, 4
+    and 6 of L = 8, the first with an empty ring) or of the flush kernel alone
+    (`gdn_replay_flush`, every slot at L - 1): u, y and the stored copies as lowprec's (the
+    simplest cases, to tell the two kernels apart when the windows test fails)."""
+    from gdn_emulation_cases import filled_cache, make_token, run_and_check_step
+
+    gen = torch.Generator().manual_seed(21)
+    hi, rounding, lo = pairing
+    twin = filled_cache(gen, 4, 3, 48, 128, (hi, rounding), "fp32" if lo == "none" else lo,
+                        False, cursors=cursors, flushes=[0, 1, 2, 3], window=8)
+    step = CuteStep(twin, pairing, torch.float32, half=half)
+    is_flush = torch.tensor(cursors) == 7
+    run_and_check_step(twin, make_token(gen, 4, 3, 48, 128, False), step)
+    packed_codes_equal_lowprec(step, is_flush)
 
 
 @pytest.mark.gpu
