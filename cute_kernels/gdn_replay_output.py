@@ -36,6 +36,8 @@ activation dtype, g), q, k, v, g, beta read, y written, the record appended (u, 
 
 from __future__ import annotations
 
+import dataclasses
+
 import cutlass  # noqa: I001
 import cutlass.cute as cute
 import numpy as np
@@ -305,7 +307,8 @@ def launch_gdn_output(cfg: GDNConfig, cache, q, k, v, g, beta, out):
     """Launch the non-flush kernel on torch's current stream (everything already validated):
     slots whose cursor is below window - 1 advance their output and record, the others are
     left alone. Reads the cursors, never writes them."""
-    kernel = compile_gdn_output(cfg)
+    # the read path does not depend on the store's rounding or the debug output: one kernel
+    kernel = compile_gdn_output(dataclasses.replace(cfg, hi_rounding="rn", has_debug=False))
     gp = _compile.gmem_ptr
     kernel(gp(cache.hi), optional_ptr(cache.lo, Uint32),
            optional_ptr(cache.lo_scales, cutlass.Uint8), optional_ptr(cache.lo_global, Float32),
