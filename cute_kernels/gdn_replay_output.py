@@ -12,13 +12,14 @@ order of operations of `lowprec.gdn._read` (the emulation's `replay_record`):
     y       = S_lo (G_c q) + sum_{j<c} u_j kq_j + u_c kq_c
     ring    u_c, v_c, k_c, g_c, beta_c at position c
 
-S_lo is the read copy: NVFP4 values `(code * s_b) * s_g` in fp32 exactly as
-`lowprec.quantize.dequantize` forms them (an E2M1 nibble re-packed as the E4M3 byte of
-`2^-6 code`, two a hardware conversion to f16x2, f16 to fp32, times the exact `2^6 s_b`,
-times `s_g`), or, with
-lo_format 'none', the fp32 recurrence copy itself (the single-copy FP32 ReplaySSM baseline).
-The kernel differs from lowprec only in the order of the sums over d_k and the ring (the
-emulation's output bound covers any order).
+S_lo is the read copy. NVFP4: each block's 16 codes enter exactly as E2M1 x 2^-6 in fp32 (a
+nibble re-packed as the E4M3 byte of `2^-6 code`, two a hardware conversion to f16x2, f16 to
+fp32), the products with `G_c k_c` and `G_c q` are summed over the block, and the block's sums
+are multiplied by `(2^6 s_b) s_g` (one rounding): lowprec's values `(code s_b) s_g` carry
+that rounding per element instead, so a term differs by at most 3 roundings from lowprec's,
+and a row's sums here have 16 + log2(dk / 16) + c + 3 sequential roundings a term, far fewer
+than the d_k + L the emulation's bound (`emulation.gdn_replay_decode`) allows. With lo_format
+'none', the fp32 recurrence copy itself (the single-copy FP32 ReplaySSM baseline).
 
 Thread ownership: the flush kernel's (`gdn_replay_flush`), dv dk / 64 threads, each the
 16-column chunk `t % R` (R = dk / 16) of rows `t // R + (T / R) i`: its chunk of a row is one
@@ -75,18 +76,21 @@ def e2m1_as_e4m3(word):
     return even, odd
 
 
-def _nvfp4_values(frag, words, scale_byte, global_scale):
-    """The 16 fp32 read-copy values `(code * s_b) * s_g` of one block into `frag`: codes
-    re-packed as E4M3 (e2m1_as_e4m3), two a `cvt.rn.f16x2.e4m3x2`, two f16 -> fp32 (exact),
-    times the exact 2^6 s_b, times s_g (lowprec's one rounding)."""
-    sb6 = nm.e4m3_value(Uint32(scale_byte)) * Float32(E2M1_AS_E4M3)  # exact: a power of two
+def _nvfp4_codes(frag, words):
+    """The 16 E2M1 values x 2^-6 of one block into `frag` (fp32, exact): codes re-packed as
+    E4M3 (e2m1_as_e4m3), two a `cvt.rn.f16x2.e4m3x2`, f16 -> fp32."""
     for w in range(W // 8):
         for first, packed in enumerate(e2m1_as_e4m3(words[w])):
             for half in range(2):
                 a, b = ptx.f16x2_to_f32x2(ptx.e4m3x2_to_f16x2(packed, half))
                 e = 8 * w + 4 * half + first  # bytes 2 half, 2 half + 1: elements e, e + 2
-                frag[e] = (a * sb6) * global_scale
-                frag[e + 2] = (b * sb6) * global_scale
+                frag[e] = a
+                frag[e + 2] = b
+
+
+def _block_scale(scale_byte, global_scale):
+    """(2^6 s_b) s_g: the factor of a block's partial sums of E2M1 x 2^-6 (2^6 s_b exact)."""
+    return (nm.e4m3_value(Uint32(scale_byte)) * Float32(E2M1_AS_E4M3)) * global_scale
 
 
 class GDNOutput:
@@ -267,12 +271,16 @@ class GDNOutput:
                 p = rows[i]
                 if cutlass.const_expr(nvfp4):
                     vals = cute.make_rmem_tensor((W,), Float32)
-                    _nvfp4_values(vals, word_frags[i], scale_bytes[i], global_scale)
+                    _nvfp4_codes(vals, word_frags[i])
                     values = vals.load()
                 else:
                     values = word_frags[i].load()
                 part_k = (values * k_vec).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
                 part_q = (values * q_vec).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                if cutlass.const_expr(nvfp4):
+                    scale = _block_scale(scale_bytes[i], global_scale)
+                    part_k = part_k * scale
+                    part_q = part_q * scale
                 for m in cutlass.range_constexpr(ring_terms):
                     j_ring = nm._sel(held[m], col + R * m, Int32(0))
                     u_j = u_ring[i * ring_terms + m]
