@@ -1,0 +1,549 @@
+"""cute_kernels/gdn_replay_{output,flush,decode}.py: the GDN ReplaySSM kernels against lowprec
+and the emulation.
+
+CPU: each kernel (non-flush `gdn_output`, `gdn_flush`, the counter kernel) compiles for sm_90a
+in both pairings (fp16 SR + nvfp4, fp32 + none) with the state accesses the design relies on;
+bad arguments raise ValueErrors naming them; the byte counts are the ones stated.
+
+GPU (marker `gpu`): every step of several windows, from slots at random ring positions (so
+flushes happen at different steps), is checked against lowprec on the CuTe cache it started
+from by the emulation tests' own checker (`gdn_emulation_cases.run_and_check_step`, the
+packed cache mirrored into an emulation-shaped twin): u and y within the emulation's derived
+fp32 bounds, the unrounded new state within the flush bound, and at flush slots the stored
+fp16 hi bits, NVFP4 codes, scale bytes and s_g equal lowprec's from the kernel's own
+unrounded state (`debug_state`); the record at the slot's own ring position, counters moved.
+The emulation's quantiser and Philox words (Triton, on the GPU) give the same bytes from that
+state, and the emulation's own step stores the same codes wherever its unrounded state has
+the same bits.
+"""
+
+import math
+import os
+import re
+
+import numpy as np
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+from cute_kernels import gdn_cache as gc  # noqa: E402
+from cute_kernels import gdn_replay_decode as gd  # noqa: E402
+from cute_kernels import gdn_replay_flush as gf  # noqa: E402
+from cute_kernels import gdn_replay_output as go  # noqa: E402
+from lowprec import quantize as lq  # noqa: E402
+from lowprec.formats import E2M1, E4M3, FP16  # noqa: E402
+
+DEVICE = torch.device("cuda")
+TWO_COPY = ("fp16", "sr", "nvfp4")
+PAIRINGS = [pytest.param(TWO_COPY, id="fp16sr-nvfp4"),
+            pytest.param(("fp16", "rn", "nvfp4"), id="fp16rn-nvfp4"),
+            pytest.param(("fp32", "rn", "none"), id="fp32-single-copy")]
+QWEN = dict(nheads=32, dv=128, dk=128)  # Qwen3-Next GDN layer (one key per value head)
+ODD = dict(nheads=3, dv=48, dk=128)  # 96 threads, 12 rows a pass
+WIDE = dict(nheads=2, dv=32, dk=256)  # a row is 16 lanes
+ACTS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def config(shape, pairing, window=16, act="bf16", debug=False):
+    hi, rounding, lo = pairing
+    return gf.GDNConfig(nheads=shape["nheads"], dv=shape["dv"], dk=shape["dk"], window=window,
+                        hi_format=hi, hi_rounding=rounding, lo_format=lo, act=act,
+                        has_debug=debug)
+
+
+def ptx_counts(ptx: str) -> dict:
+    counts = {}
+    for m in re.finditer(r"^\s*(?:@!?%p\d+\s+)?([a-z]+\.[a-z0-9.]+)", ptx, re.M):
+        counts[m.group(1)] = counts.get(m.group(1), 0) + 1
+    return counts
+
+
+# --------------------------------------------------------------------------------------------
+# CPU: compile checks
+
+
+@pytest.mark.parametrize("pairing", PAIRINGS[::2])
+def test_gdn_output_kernel_compiles_for_sm90a_with_one_load_per_block(pairing):
+    """Non-flush kernel at the Qwen3-Next head (256 threads, 4 passes): nvfp4 reads each
+    thread's block as one 64-bit code load and one scale byte (4 of each); the fp32 single
+    copy reads 64 B a pass as four 128-bit loads (16); no state store."""
+    cfg = config(QWEN, pairing)
+    ptx = go.compile_gdn_output(cfg, keep_ptx=True).__ptx__
+    n = ptx_counts(ptx)
+    if pairing[2] == "nvfp4":
+        assert n.get("ld.global.v2.b32", 0) >= cfg.passes, n
+        assert n.get("ld.global.b8", 0) == cfg.passes, n
+    else:
+        assert n.get("ld.global.v4.b32", 0) >= 4 * cfg.passes, n
+    assert n.get("st.global.v4.b32", 0) == 0, "the non-flush kernel stores no state"
+
+
+@pytest.mark.parametrize("pairing", PAIRINGS[::2])
+def test_gdn_flush_kernel_compiles_for_sm90a_with_128_bit_state_accesses(pairing):
+    """Flush kernel at the Qwen3-Next head: hi read and written as 128-bit accesses (fp16: 2
+    a pass each way, fp32: 4), nvfp4 codes one 64-bit store a block, correctly rounded
+    divisions only (div.rn; the E2M1 quotients' exact fallback)."""
+    cfg = config(QWEN, pairing, debug=True)
+    ptx = gf.compile_gdn_flush(cfg, keep_ptx=True).__ptx__
+    n = ptx_counts(ptx)
+    per_pass = 2 if pairing[0] == "fp16" else 4
+    debug_stores = 4 * cfg.passes
+    assert n.get("st.global.v4.b32", 0) == per_pass * cfg.passes + debug_stores, n
+    assert n.get("ld.global.v4.b32", 0) >= per_pass * cfg.passes, n
+    if pairing[2] == "nvfp4":
+        assert n.get("st.global.v2.b32", 0) == cfg.passes, n
+        assert n.get("st.global.b8", 0) == cfg.passes, n
+    assert "div.approx" not in ptx and "div.full" not in ptx
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape, window",
+                         [(ODD, 5), (WIDE, 3), (dict(nheads=1, dv=16, dk=512), 32)],
+                         ids=["dv48-dk128-L5", "dv32-dk256-L3", "dv16-dk512-L32"])
+def test_gdn_kernels_compile_at_other_head_shapes_and_windows(shape, window):
+    """Both kernels and both pairings compile where the thread layout changes: 96 threads,
+    16 and 32 lanes a row, windows shorter and longer than a row's lanes."""
+    for pairing in (TWO_COPY, ("fp32", "rn", "none")):
+        cfg = config(shape, pairing, window=window, act="fp32", debug=True)
+        go.compile_gdn_output(cfg)
+        gf.compile_gdn_flush(cfg)
+
+
+def test_gdn_counter_kernels_compile():
+    """The decode step's counter kernel and the two halves' (non-flush only, flush only)."""
+    for nonflush, flush in ((True, True), (True, False), (False, True)):
+        gd.compile_advance(16, nonflush, flush)
+
+
+def test_gdn_thread_layout_covers_the_head_once():
+    """dv dk / 64 threads, each 4 passes of one 16-column chunk: every element exactly once."""
+    for shape in (QWEN, ODD, WIDE):
+        cfg = config(shape, TWO_COPY)
+        owned = torch.zeros(cfg.dv, cfg.dk, dtype=torch.int32)
+        for t in range(cfg.threads):
+            col, row0 = t % cfg.lanes_per_row, t // cfg.lanes_per_row
+            for i in range(cfg.passes):
+                owned[row0 + cfg.rows_per_pass * i, 16 * col:16 * col + 16] += 1
+        assert bool((owned == 1).all()), shape
+        assert cfg.threads % 32 == 0 and 32 % cfg.lanes_per_row == 0
+
+
+def test_nvfp4_repack_gives_every_code_as_e4m3_of_its_value_over_64():
+    """Every nibble at every position of a word (the others random): the re-packed byte,
+    decoded as E4M3 by lowprec, is the nibble's E2M1 value x 2^-6 exactly, signed zeros
+    included (nibble 0b1011 = -1.5 -> byte 0b10001100 = -1.5 / 64)."""
+    rng = np.random.default_rng(0)
+    nibbles = np.arange(16, dtype=np.uint32)
+    e2m1 = lq.decode_bits(torch.tensor(nibbles.astype(np.int64)), E2M1)
+    for position in range(8):
+        rest = rng.integers(0, 2**32, 16, dtype=np.uint64).astype(np.uint32)
+        words = (rest & np.uint32(~(0xF << (4 * position)) & 0xFFFFFFFF)) | (
+            nibbles << np.uint32(4 * position))
+        even, odd = go.e2m1_as_e4m3(words)
+        packed = even if position % 2 == 0 else odd
+        byte = (packed >> np.uint32(8 * (position // 2))) & np.uint32(0xFF)
+        got = lq.decode_bits(torch.tensor(byte.astype(np.int64)), E4M3)
+        want = e2m1 / 64.0
+        assert torch.equal(got.double(), want.double()), position
+        assert torch.equal(torch.signbit(got), torch.signbit(want)), position
+    assert int(go.e2m1_as_e4m3(np.uint32(0xB))[0]) == 0b10001100
+
+
+# --------------------------------------------------------------------------------------------
+# CPU: argument checks
+
+
+def cpu_cache(pairing=TWO_COPY, slots=3, shape=ODD, window=8, act=torch.float32):
+    hi, rounding, lo = pairing
+    return gc.GDNReplayCache.empty(slots, shape["nheads"], shape["dv"], shape["dk"],
+                                   window=window, hi_format=hi, hi_rounding=rounding,
+                                   lo_format=lo, act_dtype=act, seed=5)
+
+
+def cpu_token(slots=3, shape=ODD, act=torch.float32):
+    gen = torch.Generator().manual_seed(1)
+    S, H = slots, shape["nheads"]
+    return dict(q=torch.randn(S, H, shape["dk"], generator=gen).to(act),
+                k=torch.randn(S, H, shape["dk"], generator=gen).to(act),
+                v=torch.randn(S, H, shape["dv"], generator=gen).to(act),
+                g=-torch.rand(S, H, generator=gen), beta=torch.rand(S, H, generator=gen))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(dk=96), "dk: expected one of (128, 256, 512)"),
+    (dict(dk=384), "dk: expected one of (128, 256, 512)"),
+    (dict(dv=40), "dv: expected a positive multiple of 16"),
+    (dict(dv=256, dk=512), "dv * dk: expected at most 65536"),
+    (dict(lo_format="fp8_e4m3"), "(hi_format, hi_rounding, lo_format): expected one of"),
+    (dict(hi_format="fp32", hi_rounding="sr", lo_format="none"), "expected one of"),
+    (dict(hi_dtype=torch.float32), "hi_dtype: expected None or torch.float16"),
+    (dict(act_dtype=torch.int8), "act_dtype: expected one of"),
+    (dict(slots=-1), "slots: expected an int >= 0"),
+])
+def test_gdn_cache_empty_refuses_shapes_and_formats_the_kernels_lack(kwargs, message):
+    """Shapes outside the thread layout and pairings the kernels do not have, by name."""
+    args = dict(slots=2, nheads=2, dv=32, dk=128)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        gc.GDNReplayCache.empty(args.pop("slots"), args.pop("nheads"), args.pop("dv"),
+                                args.pop("dk"), **args)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda c: setattr(c, "per_channel", True), "cache.per_channel: expected False"),
+    (lambda c: setattr(c, "window", 33), "cache.window: expected an int in [1, 32]"),
+    (lambda c: setattr(c, "draft", 2), "cache.draft: expected 0"),
+    (lambda c: setattr(c, "seed", -1), "seed: expected an int in [0, 2^64)"),
+    (lambda c: setattr(c, "lo", c.lo[..., :-1]), "cache.lo: expected shape"),
+    (lambda c: setattr(c, "lo_scales", c.lo_scales.float()), "cache.lo_scales: expected dtype"),
+    (lambda c: setattr(c, "ring_u", c.ring_u.to(torch.float16)), "cache.ring_u: expected dtype"),
+    (lambda c: setattr(c, "ring_k", c.ring_k[:, :, :-1]), "cache.ring_k: expected shape"),
+    (lambda c: setattr(c, "flushes", c.cursors), "cache.cursors: expected a tensor apart"),
+    (lambda c: setattr(c, "cursors", c.cursors.long()), "cache.cursors: expected dtype"),
+])
+def test_gdn_cache_checks_name_the_bad_field(change, message):
+    cache = cpu_cache()
+    change(cache)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        gd.gdn_replay_decode(cache, **cpu_token())
+
+
+@pytest.mark.parametrize("name, bad, message", [
+    ("q", lambda t: t["q"][..., :-16], "q: expected shape"),
+    ("k", lambda t: t["k"].to(torch.float16), "k: expected dtype torch.float32"),
+    ("v", lambda t: t["v"].to(torch.bfloat16), "v: expected dtype torch.float32 (the ring's)"),
+    ("g", lambda t: t["g"].double(), "g: expected dtype torch.float32"),
+    ("beta", lambda t: t["beta"][:, :1], "beta: expected shape"),
+])
+def test_gdn_step_inputs_are_checked_by_name(name, bad, message):
+    token = cpu_token()
+    token[name] = bad(token)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        gd.gdn_replay_decode(cpu_cache(), **token)
+
+
+def test_gdn_inputs_and_outputs_sharing_cache_memory_are_refused():
+    """An input inside the cache, or an output inside an input, would be overwritten before
+    it is read."""
+    cache = cpu_cache()
+    token = cpu_token()
+    token["g"] = cache.ring_g[:, :, 0]
+    with pytest.raises(ValueError, match=r"g: expected a tensor apart from cache.ring_g|g: "
+                                         r"expected a contiguous"):
+        gd.gdn_replay_decode(cache, **token)
+    token = cpu_token()
+    with pytest.raises(ValueError, match=re.escape("out: expected a tensor apart from v")):
+        gd.gdn_replay_decode(cache, **token, out=token["v"])
+
+
+@pytest.mark.parametrize("fn", [gd.gdn_replay_decode, gd.gdn_replay_output,
+                                gd.gdn_replay_flush])
+def test_gdn_cpu_tensors_pass_every_check_but_the_device_one(fn):
+    """Every check runs on CPU tensors; the last refuses the CPU device by name."""
+    with pytest.raises(ValueError, match=re.escape("cache.hi: expected a CUDA tensor")):
+        fn(cpu_cache(), **cpu_token())
+
+
+def test_gdn_traffic_bytes_are_the_stated_counts():
+    """Qwen3-Next head, bf16 activations, a slot and head. Non-flush nvfp4 with c records:
+    8,192 code + 1,024 scale + 4 global B, c (512 u + 256 k + 4 g), inputs 776 (q, k, v, g,
+    beta), y 256, record 1,032 (u 512, v 256, k 256, g, beta). Flush fp16 + nvfp4: hi 2 x
+    32,768, lo 9,220, 15 ring records of 520, inputs 776, y 256, record 520."""
+    assert go.traffic_bytes("nvfp4", "bf16", 1, 1, 128, 128, 0) == 9220 + 776 + 256 + 1032
+    assert go.traffic_bytes("nvfp4", "bf16", 1, 1, 128, 128, 7) == 11284 + 7 * 772
+    assert go.traffic_bytes("none", "bf16", 2, 3, 128, 128, 0) == 6 * (65536 + 2064)
+    expected = 2 * 32768 + 9220 + 15 * 520 + 776 + 256 + 520
+    assert gf.traffic_bytes("fp16", "nvfp4", "bf16", 1, 1, 128, 128, 16) == expected
+
+
+# --------------------------------------------------------------------------------------------
+# GPU: the packed cache mirrored into an emulation-shaped twin, checked by the emulation tests
+
+
+class CuteStep:
+    """Runs the CuTe step on a packed GPU cache and mirrors the result into an
+    emulation-shaped CPU twin, so `gdn_emulation_cases.run_and_check_step` checks it."""
+
+    def __init__(self, twin, pairing, act, half=None):
+        self.pairing = pairing
+        self.half = half  # None: gdn_replay_decode; 'output' or 'flush': that half alone
+        hi, rounding, lo = pairing
+        slots, nheads, dv, dk, window = twin.shape
+        self.cache = gc.GDNReplayCache.empty(slots, nheads, dv, dk, window=window,
+                                             hi_format=hi, hi_rounding=rounding, lo_format=lo,
+                                             seed=twin.seed, act_dtype=act, device=DEVICE)
+        c = self.cache
+        c.hi.copy_(twin.hi.to(c.hi.dtype))
+        if lo == "nvfp4":
+            quant = lq.quantize(twin.lo, "nvfp4")
+            twin.lo.copy_(lq.dequantize(quant))
+            twin.lo_scales.copy_(quant.scales)
+            twin.lo_global.copy_(quant.global_scale)
+            packed = lq.pack(quant)
+            c.lo.copy_(packed["codes"])
+            c.lo_scales.copy_(packed["scales"])
+            c.lo_global.copy_(packed["global_scale"])
+        else:
+            twin.lo.copy_(twin.hi)  # one copy: the read copy is the recurrence copy
+        for name in ("ring_u", "ring_v", "ring_k", "ring_g", "ring_beta", "cursors",
+                     "flushes"):
+            getattr(c, name).copy_(getattr(twin, name))
+        self.debug = None
+
+    def mirror(self, twin):
+        c = self.cache
+        twin.hi.copy_(c.hi.float().cpu())
+        if c.lo_format == "nvfp4":
+            packed = {"codes": c.lo.cpu(), "scales": c.lo_scales.cpu(),
+                      "global_scale": c.lo_global.cpu()}
+            quant = lq.unpack(packed, "nvfp4", tuple(c.hi.shape))
+            twin.lo.copy_(lq.dequantize(quant))
+            twin.lo_scales.copy_(quant.scales)
+            twin.lo_global.copy_(quant.global_scale)
+        else:
+            twin.lo.copy_(twin.hi)
+        for name in ("ring_u", "ring_v", "ring_k", "ring_g", "ring_beta", "cursors",
+                     "flushes"):
+            getattr(twin, name).copy_(getattr(c, name).cpu())
+
+    def __call__(self, twin, q, k, v, g, beta, out, debug_state):
+        dev = {n: t.to(DEVICE) for n, t in dict(q=q, k=k, v=v, g=g, beta=beta).items()}
+        y = torch.full(out.shape, math.nan, dtype=v.dtype, device=DEVICE)
+        debug = torch.full(debug_state.shape, math.nan, dtype=torch.float32, device=DEVICE)
+        self.before_lo = None if self.cache.lo is None else self.cache.lo.clone()
+        if self.half == "output":
+            gd.gdn_replay_output(self.cache, **dev, out=y, check_counters=True)
+        elif self.half == "flush":
+            gd.gdn_replay_flush(self.cache, **dev, out=y, debug_state=debug, check_counters=True)
+        else:
+            gd.gdn_replay_decode(self.cache, **dev, out=y, debug_state=debug,
+                                 check_counters=True)
+        out.copy_(y.float().cpu())
+        debug_state.copy_(debug.cpu())
+        self.debug = debug
+        self.mirror(twin)
+
+
+def clone_cache(cache, act=None):
+    """A copy of a packed cache (its rings in `act`, default the cache's)."""
+    fields = {n: (t.clone() if isinstance(t, torch.Tensor) else t) for n, t in vars(cache).items()}
+    if act is not None:
+        fields["ring_v"] = fields["ring_v"].to(act)
+        fields["ring_k"] = fields["ring_k"].to(act)
+    return gc.GDNReplayCache(**fields)
+
+
+def packed_codes_equal_lowprec(step, is_flush):
+    """At flush slots the packed bytes (codes, scale bytes, s_g) equal lowprec.quantize.pack
+    of the kernel's unrounded state."""
+    c = step.cache
+    fl = is_flush.nonzero()[:, 0]
+    if c.lo_format != "nvfp4" or fl.numel() == 0:
+        return
+    want = lq.pack(lq.quantize(step.debug.cpu()[fl], "nvfp4"))
+    assert torch.equal(c.lo.cpu()[fl], want["codes"]), "nvfp4 code bytes differ from lowprec"
+    assert torch.equal(c.lo_scales.cpu()[fl], want["scales"]), "E4M3 scale bytes differ"
+    assert torch.equal(c.lo_global.cpu()[fl].view(torch.int32),
+                       want["global_scale"].view(torch.int32)), "s_g bits differ"
+
+
+def emulation_quantiser_gives_the_same_bytes(step, is_flush):
+    """The third implementation: the Triton emulation's Philox words and quantiser applied to
+    the CuTe kernel's unrounded state give the CuTe kernel's stored bytes."""
+    from emulation import numerics as em
+
+    c = step.cache
+    fl = is_flush.nonzero()[:, 0].tolist()
+    if not fl or c.hi_format != "fp16":
+        return
+    H, P, N = c.hi.shape[1:]
+    state = step.debug[fl]
+    rand = None
+    if c.hi_rounding == "sr":
+        rand = torch.stack([em.random_words_host(c.seed, s, int(c.flushes[s]) - 1, H * P * N,
+                                                 DEVICE) for s in fl]).reshape(state.shape)
+    want = lq.encode_bits(em.round_to(state, "fp16", c.hi_rounding, rand).cpu(), FP16)
+    got = c.hi[fl].cpu().view(torch.int16).long() & 0xFFFF
+    assert torch.equal(want, got), "emulation and CuTe fp16 recurrence copies differ"
+    quant = em.quantize(state, "nvfp4", "rn")
+    quant = lq.Quantized(quant.fmt, quant.elements.cpu(), quant.scales.cpu(),
+                         quant.global_scale.cpu())
+    packed = lq.pack(quant)
+    assert torch.equal(packed["codes"], c.lo[fl].cpu()), "emulation and CuTe codes differ"
+    assert torch.equal(packed["scales"], c.lo_scales[fl].cpu()), "emulation scales differ"
+
+
+def run_windows(pairing, shape, window, slots, tokens, seed, act=torch.float32):
+    """`tokens` CuTe decode steps from slots at random ring positions (flush counters far
+    apart), every one checked against lowprec on the cache it started from; returns the
+    flushes done, the flushes expected and the worst error / bound."""
+    from gdn_emulation_cases import filled_cache, make_token, run_and_check_step
+
+    gen = torch.Generator().manual_seed(seed)
+    cursors = torch.randint(0, window, (slots,), generator=gen).tolist()
+    flushes = torch.randint(0, 1000, (slots,), generator=gen).tolist()
+    hi, rounding, lo = pairing
+    twin = filled_cache(gen, slots, shape["nheads"], shape["dv"], shape["dk"], (hi, rounding),
+                        "fp32" if lo == "none" else lo, False, cursors=cursors,
+                        flushes=flushes, window=window, act_dtype=act)
+    step = CuteStep(twin, pairing, act)
+    worst = 0.0
+    for _ in range(tokens):
+        before = step.cache.cursors.cpu().clone()
+        token = make_token(gen, slots, shape["nheads"], shape["dv"], shape["dk"], False,
+                           act_dtype=act)
+        _, ratio = run_and_check_step(twin, token, step)
+        is_flush = before == window - 1
+        packed_codes_equal_lowprec(step, is_flush)
+        emulation_quantiser_gives_the_same_bytes(step, is_flush)
+        worst = max(worst, ratio)
+    done = (step.cache.flushes.cpu() - torch.tensor(flushes, dtype=torch.int32)).tolist()
+    return done, [(c + tokens) // window for c in cursors], worst
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pairing", PAIRINGS[::2])
+@pytest.mark.parametrize("half, cursors", [("output", [0, 1, 4, 6]), ("flush", [7, 7, 7, 7])])
+def test_gdn_kernel_alone_matches_lowprec_in_one_step(pairing, half, cursors):
+    """One step of the non-flush kernel alone (`gdn_replay_output`: slots at cursors 0, 1, 4
+    and 6 of L = 8, the first with an empty ring) or of the flush kernel alone
+    (`gdn_replay_flush`, every slot at L - 1): u, y and the stored copies as lowprec's (the
+    simplest cases, to tell the two kernels apart when the windows test fails)."""
+    from gdn_emulation_cases import filled_cache, make_token, run_and_check_step
+
+    gen = torch.Generator().manual_seed(21)
+    hi, rounding, lo = pairing
+    twin = filled_cache(gen, 4, 3, 48, 128, (hi, rounding), "fp32" if lo == "none" else lo,
+                        False, cursors=cursors, flushes=[0, 1, 2, 3], window=8)
+    step = CuteStep(twin, pairing, torch.float32, half=half)
+    is_flush = torch.tensor(cursors) == 7
+    run_and_check_step(twin, make_token(gen, 4, 3, 48, 128, False), step)
+    packed_codes_equal_lowprec(step, is_flush)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pairing", PAIRINGS)
+def test_gdn_decode_matches_lowprec_over_windows_from_random_ring_positions(pairing):
+    """Odd head (dv 48, 96 threads), L = 8, 19 tokens, 5 slots at random ring positions: two
+    or three flushes a slot at different steps; every step's u, y and unrounded state within
+    the emulation's bounds of lowprec on the same cache, the stored copies lowprec's bit for
+    bit."""
+    done, expected, worst = run_windows(pairing, ODD, 8, 5, 19, seed=3)
+    assert done == expected and min(done) >= 2
+    assert worst <= 1.0
+
+
+@pytest.mark.gpu
+def test_gdn_decode_at_the_qwen3_next_head():
+    """dv = dk = 128, 32 heads, L = 16, 3 slots, 18 tokens (each slot flushes once or twice)."""
+    done, expected, worst = run_windows(TWO_COPY, QWEN, 16, 3, 18, seed=11)
+    assert done == expected and min(done) >= 1
+    assert worst <= 1.0
+
+
+@pytest.mark.gpu
+def test_gdn_decode_with_256_column_keys_and_a_short_window():
+    """dk = 256 (16 lanes a row), L = 3: the ring terms of records past a row's lanes."""
+    done, expected, _ = run_windows(TWO_COPY, WIDE, 3, 4, 7, seed=5)
+    assert done == expected
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("act", ["bf16", "fp16"])
+def test_gdn_16_bit_activations_give_the_fp32_kernels_results(act):
+    """With q, k, v (and the ring) holding 16-bit values, the 16-bit kernel computes in fp32
+    exactly as the fp32 kernel on the same values: equal ring u, copies and counters, and y
+    the fp32 kernel's y rounded to the 16-bit format."""
+    from gdn_emulation_cases import filled_cache, make_token
+
+    dtype = ACTS[act]
+    gen = torch.Generator().manual_seed(7)
+    window, slots = 6, 4
+    cursors = [0, 3, 5, 5]
+    twin = filled_cache(gen, slots, 2, 32, 128, ("fp16", "sr"), "nvfp4", False,
+                        cursors=cursors, flushes=[1, 2, 3, 4], window=window, act_dtype=dtype)
+    half = CuteStep(twin, TWO_COPY, dtype).cache
+    wide = clone_cache(half, torch.float32)
+    for _ in range(8):
+        token = make_token(gen, slots, 2, 32, 128, False, act_dtype=dtype)
+        y16 = gd.gdn_replay_decode(half, **{n: t.to(DEVICE) for n, t in token.items()})
+        y32 = gd.gdn_replay_decode(wide, **{n: t.to(DEVICE).float() if t.dtype == dtype
+                                            else t.to(DEVICE) for n, t in token.items()})
+        assert torch.equal(y16, y32.to(dtype)), "y differs from the fp32 kernel's, rounded"
+        for name in ("hi", "lo", "lo_scales", "lo_global", "ring_u", "cursors", "flushes"):
+            a, b = getattr(half, name), getattr(wide, name)
+            assert torch.equal(a.nan_to_num(7.0) if a.is_floating_point() else a,
+                               b.nan_to_num(7.0) if b.is_floating_point() else b), name
+
+
+@pytest.mark.gpu
+def test_gdn_output_then_flush_is_one_decode_step():
+    """gdn_replay_output then gdn_replay_flush leave the cache and out exactly as one
+    gdn_replay_decode; each leaves the other's slots (and out rows) alone."""
+    from gdn_emulation_cases import filled_cache, make_token
+
+    gen = torch.Generator().manual_seed(9)
+    twin = filled_cache(gen, 4, 3, 48, 128, ("fp16", "sr"), "nvfp4", False,
+                        cursors=[7, 0, 7, 4], flushes=[0, 3, 9, 1], window=8)
+    a = CuteStep(twin, TWO_COPY, torch.float32).cache
+    b = clone_cache(a)
+    token = {n: t.to(DEVICE) for n, t in make_token(gen, 4, 3, 48, 128, False).items()}
+    y_a = torch.full((4, 3, 48), math.nan, device=DEVICE)
+    y_b = y_a.clone()
+    gd.gdn_replay_decode(a, **token, out=y_a)
+    gd.gdn_replay_output(b, **token, out=y_b)
+    flush_rows = torch.tensor([True, False, True, False], device=DEVICE)
+    assert bool(y_b[flush_rows].isnan().all()), "the non-flush kernel wrote a flush slot's y"
+    assert b.cursors.tolist() == [7, 1, 7, 5] and b.flushes.tolist() == [0, 3, 9, 1]
+    gd.gdn_replay_flush(b, **token, out=y_b)
+    assert torch.equal(y_a, y_b)
+    for name in ("hi", "lo", "lo_scales", "lo_global", "ring_u", "ring_v", "ring_k", "ring_g",
+                 "ring_beta", "cursors", "flushes"):
+        x, z = getattr(a, name), getattr(b, name)
+        if x.is_floating_point():
+            x, z = x.nan_to_num(7.0), z.nan_to_num(7.0)
+        assert torch.equal(x, z), name
+
+
+@pytest.mark.gpu
+def test_gdn_emulation_step_stores_the_same_codes_where_its_state_has_the_same_bits():
+    """The Triton emulation's own step (on the GPU) from the same cache: the same ring and
+    counters; y within twice the bound of each other's; at flush slots, wherever the two
+    unrounded states hold the same fp32 bits, the same fp16 words (and, block by block, the
+    same NVFP4 codes where a whole head agrees)."""
+    from gdn_emulation_cases import filled_cache, make_token
+
+    from emulation.gdn_replay_decode import gdn_replay_decode as emu_decode
+
+    gen = torch.Generator().manual_seed(13)
+    slots = 4
+    twin = filled_cache(gen, slots, 3, 48, 128, ("fp16", "sr"), "nvfp4", False,
+                        cursors=[7, 2, 7, 6], flushes=[5, 0, 77, 3], window=8)
+    step = CuteStep(twin, TWO_COPY, torch.float32)
+    emu = {n: (t.to(DEVICE) if isinstance(t, torch.Tensor) else t)
+           for n, t in vars(twin).items()}
+    emu = type(twin)(**emu)
+    token = {n: t.to(DEVICE) for n, t in make_token(gen, slots, 3, 48, 128, False).items()}
+    d_cute = torch.full(twin.hi.shape, math.nan, device=DEVICE)
+    d_emu = d_cute.clone()
+    y_c = gd.gdn_replay_decode(step.cache, **token, debug_state=d_cute)
+    y_e = emu_decode(emu, **token, debug_state=d_emu)
+    for name in ("ring_v", "ring_k", "ring_g", "ring_beta", "cursors", "flushes"):
+        x, z = getattr(step.cache, name), getattr(emu, name)
+        if x.is_floating_point():
+            x, z = x.float().nan_to_num(7.0), z.float().nan_to_num(7.0)
+        assert torch.equal(x, z), name
+    scale = y_e.abs().amax() + 1e-30
+    assert float((y_c - y_e).abs().amax() / scale) < 1e-4, "outputs disagree"
+    fl = [0, 2]
+    same = d_cute[fl].view(torch.int32) == d_emu[fl].view(torch.int32)
+    hi_c = step.cache.hi[fl].view(torch.int16)
+    hi_e = emu.hi[fl].to(torch.float16).view(torch.int16)
+    assert torch.equal(hi_c[same], hi_e[same]), "fp16 words differ where the states agree"
+    head_same = same.flatten(2).all(dim=2)  # [2, H]
+    if bool(head_same.any()):
+        got = step.cache.lo[fl][head_same]
+        want = lq.pack(lq.quantize(d_emu[fl][head_same].cpu(), "nvfp4"))["codes"]
+        assert torch.equal(got.cpu(), want), "codes differ where a whole head agrees"
