@@ -141,6 +141,8 @@ class Mamba2Config:
 
     @classmethod
     def from_dict(cls, data: dict) -> Mamba2Config:
+        """A config from a config.json's object (transformers' Mamba2Config keys); other keys
+        are kept in ``extra``."""
         if not isinstance(data, dict):
             raise ValueError(f"config: expected a JSON object, got {type(data).__name__}")
         known = {f.name for f in fields(cls)} - {"extra"}
@@ -154,7 +156,7 @@ class Mamba2Config:
         kwargs = {k: v for k, v in data.items() if k in known}
         extra = {k: v for k, v in data.items() if k not in known}
         if "time_step_limit" in kwargs and kwargs["time_step_limit"] is not None:
-            kwargs["time_step_limit"] = tuple(kwargs["time_step_limit"])
+            kwargs["time_step_limit"] = tuple(_json_float(v) for v in kwargs["time_step_limit"])
         elif "time_step_limit" in kwargs:
             kwargs["time_step_limit"] = _TIME_STEP_LIMIT_DEFAULT
         config = cls(**kwargs, extra=extra)
@@ -162,6 +164,14 @@ class Mamba2Config:
             raise ValueError(f"config.intermediate_size: expected expand * hidden_size = "
                              f"{config.intermediate_size}, got {extra['intermediate_size']}")
         return config
+
+
+def _json_float(value):
+    """A number of a config.json: transformers writes infinity as ``{"__float__": "Infinity"}``
+    (JSON has no literal for it)."""
+    if isinstance(value, dict) and set(value) == {"__float__"}:
+        return float(value["__float__"])
+    return value
 
 
 # --------------------------------------------------------------------------------------------
