@@ -66,6 +66,6 @@ editable=(--no-build-isolation -e)
 pip_step "the core: numpy, torch (CPU), pandas, matplotlib, tqdm" "${editable[@]}" .
 pip_step "the Triton emulation: triton" "${editable[@]}" ".[emulation]"
 pip_step "the CuTe DSL kernels: nvidia-cutlass-dsl" "${editable[@]}" ".[cute]"
-pip_step "the test tools: pytest, hypothesis, ruff, ml_dtypes, safetensors" "${editable[@]}" ".[dev]"
+pip_step "the test tools: pytest, hypothesis, ruff, ml_dtypes, safetensors, transformers" "${editable[@]}" ".[dev]"
 echo "$want" > "$stamp"
 echo "setup: done; .venv/bin/python has the kit (editable) and every extra"
