@@ -448,7 +448,7 @@ def read_table(path: str | Path, columns: dict[str, str], key: list[str] | None 
             values = pd.to_numeric(text.replace({"": "nan"}), errors="coerce")
             bad = values.isna() & ~text.str.lower().isin(["nan", ""])
             if kind == "int":
-                bad |= ~text.str.fullmatch(r"[+-]?\d{1,18}")
+                bad |= ~text.str.fullmatch(r"[+-]?\d{1,18}(\.0*)?")  # 16.0: an int column with gaps
         if bad.any():
             row = int(np.flatnonzero(bad.to_numpy())[0])
             raise ValueError(f"{label}: line {row + 2}: column {column}: expected "
