@@ -128,3 +128,23 @@ def test_gpu_run_readers_return_the_frame_or_refuse_in_one_line(tmp_path, module
     (tmp_path / Path(name).parent).mkdir(exist_ok=True)
     csv = _with_run_meta(tmp_path, name, module)
     _property(read, csv)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("module", ["experiments.kernel_bench", "experiments.copy_sizes"])
+def test_ctrl_c_during_imports_exits_130_with_one_line(module):
+    """SIGINT while the command imports torch/pandas: status 130 and one line on stderr."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", module, "--help"], cwd=REPO, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
