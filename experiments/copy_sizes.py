@@ -24,6 +24,11 @@ against bytes, the kernels' sizes marked, read from the CSV. On the H200 the gri
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # Ctrl-C from the first import on: one line, status 130
+    from experiments._interrupt import exit_on_interrupt
+
+    exit_on_interrupt("python -m experiments.copy_sizes")
+
 import argparse
 import sys
 import time

@@ -44,6 +44,11 @@ at the headline point, printed last.
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # Ctrl-C from the first import on: one line, status 130
+    from experiments._interrupt import exit_on_interrupt
+
+    exit_on_interrupt("python -m experiments.kernel_bench")
+
 import argparse
 import math
 import sys
@@ -682,7 +687,8 @@ def _finish(frame: pd.DataFrame, csv: Path, plot_dir: Path | None) -> None:
     print(format_summary(frame))
 
 
-def _merge_or_plot(parser, args, config: BenchConfig, out: Path, plot_dir: Path | None) -> int:
+def _merge_or_plot(parser, args, config: BenchConfig, out: Path, plot_dir: Path | None,
+                   argv) -> int:
     sources = [args.plot_only] if args.plot_only else args.merge
     try:
         frames = [read_csv(path) for path in sources]
@@ -700,6 +706,9 @@ def _merge_or_plot(parser, args, config: BenchConfig, out: Path, plot_dir: Path 
     try:  # os.access (the checks before) says yes to root for paths it cannot write
         if args.merge:
             harness.write_csv(frame, out)
+            # a meta.json beside it records its bytes (read_csv checks them) and its sources
+            harness.write_run_meta(out, "experiments.kernel_bench", argv, 0.0,
+                                   {"merged": [str(path) for path in sources]})
             print(f"wrote {out} ({len(frame)} rows)", file=sys.stderr)
         _finish(frame, csv, plot_dir)
     except OSError as error:
@@ -747,7 +756,7 @@ def main(argv: list[str] | None = None) -> int:
     if plot_dir is not None and (problem := folder_problem(plot_dir)):
         parser.error(f"--plot-dir: {problem}")
     if args.plot_only or args.merge:
-        return _merge_or_plot(parser, args, config, out, plot_dir)
+        return _merge_or_plot(parser, args, config, out, plot_dir, argv)
     try:
         frame = run(config, log=lambda text: print(text, file=sys.stderr, flush=True))
     except RuntimeError as error:

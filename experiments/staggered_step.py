@@ -61,6 +61,11 @@ token of the batch, the unit of `kernel_bench`'s token rows.
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # Ctrl-C from the first import on: one line, status 130
+    from experiments._interrupt import exit_on_interrupt
+
+    exit_on_interrupt("python -m experiments.staggered_step")
+
 import argparse
 import math
 import sys

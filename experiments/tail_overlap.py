@@ -26,6 +26,11 @@ bar plot of the fraction of the large copy, read from the CSV.
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # Ctrl-C from the first import on: one line, status 130
+    from experiments._interrupt import exit_on_interrupt
+
+    exit_on_interrupt("python -m experiments.tail_overlap")
+
 import argparse
 import sys
 import time

@@ -30,6 +30,11 @@ and a plot of the time against the replay, read from the CSV.
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # Ctrl-C from the first import on: one line, status 130
+    from experiments._interrupt import exit_on_interrupt
+
+    exit_on_interrupt("python -m experiments.warm_transient")
+
 import argparse
 import statistics
 import sys

@@ -650,8 +650,8 @@ def test_the_committed_csv_reads_back_unchanged():
 
 def test_merge_writes_its_pngs_beside_the_merged_csv_whatever_the_folder(tmp_path,
                                                                          monkeypatch):
-    """--merge ... --out elsewhere/m.csv writes m.csv and its three PNGs in elsewhere/, and
-    nothing in the current folder."""
+    """--merge ... --out elsewhere/m.csv writes m.csv, its meta.json (the bytes read_csv
+    checks) and its three PNGs in elsewhere/, and nothing in the current folder."""
     frame = _synthetic_frame()
     a = tmp_path / "a.csv"
     frame.to_csv(a, index=False)
@@ -661,8 +661,9 @@ def test_merge_writes_its_pngs_beside_the_merged_csv_whatever_the_folder(tmp_pat
     out = tmp_path / "elsewhere" / "m.csv"
     assert kb.main(["--merge", str(a), "--out", str(out)]) == 0
     assert sorted(p.name for p in out.parent.iterdir()) == [
-        "m.csv", "m_formats.png", "m_speedup.png", "m_time.png"]
+        "m.csv", "m.meta.json", "m_formats.png", "m_speedup.png", "m_time.png"]
     assert list(cwd.iterdir()) == []
+    kb.read_csv(out)
 
 
 def test_every_panel_draws_at_most_six_series_and_names_them_outside_the_axes(tmp_path,

@@ -10,6 +10,11 @@ and the points timed in one run only. Token rows and points that were not timed 
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # Ctrl-C from the first import on: one line, status 130
+    from experiments._interrupt import exit_on_interrupt
+
+    exit_on_interrupt("python -m tools.compare_bench")
+
 import argparse
 import math
 import sys

@@ -24,9 +24,14 @@ one in Triton's wheel. `--ncu` alone compiles nothing. docs/performance.md lists
 measured for each default and the commits that changed them.
 """
 
-from __future__ import annotations  # noqa: I001  (_compile must precede cutlass)
+from __future__ import annotations
 
-import argparse
+if __name__ == "__main__":  # Ctrl-C from the first import on: one line, status 130
+    from experiments._interrupt import exit_on_interrupt
+
+    exit_on_interrupt("python -m tools.instruction_count")
+
+import argparse  # noqa: I001  (_compile must precede cutlass)
 import collections
 import os
 import re

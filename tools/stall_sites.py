@@ -29,6 +29,11 @@ warps' time (issued or not).
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # Ctrl-C from the first import on: one line, status 130
+    from experiments._interrupt import exit_on_interrupt
+
+    exit_on_interrupt("python -m tools.stall_sites")
+
 import argparse
 import csv
 import gzip
