@@ -444,7 +444,7 @@ def read_table(path: str | Path, schema: Schema):
             if column.kind is int:
                 check_rows(path, ~cells.str.fullmatch(INT), f"{column.name}: expected an "
                            "integer", cells)
-                values = _as_int(cells)
+                values = _as_int(cells, path, column.name)
             else:
                 nan = cells == "nan"
                 check_rows(path, values.isna() & ~nan, f"{column.name}: expected a number",
@@ -471,16 +471,21 @@ def read_table(path: str | Path, schema: Schema):
     return table
 
 
-def _as_int(cells):
-    """Integer cells as int64, or uint64 where a value passes int64 (Philox seeds)."""
+def _as_int(cells, path: str | Path, name: str):
+    """Integer cells as int64, or uint64 where a value passes int64 (Philox seeds); a value
+    outside both is ``BadFile`` naming the file and its line."""
     import numpy as np
+    import pandas as pd
 
     values = [int(c) for c in cells]
-    kind = np.uint64 if values and min(values) >= 0 and max(values) >= 2**63 else np.int64
-    try:
-        return cells.map(int).astype(kind)
-    except OverflowError:
-        raise BadFile("integer column out of range") from None
+    outside = pd.Series([not -2**63 <= v < 2**64 for v in values], index=cells.index)
+    check_rows(path, outside, f"{name}: expected an integer within int64 or uint64", cells)
+    negative = any(v < 0 for v in values)
+    if negative:
+        check_rows(path, pd.Series([v >= 2**63 for v in values], index=cells.index),
+                   f"{name}: expected integers within int64 (the column has negatives)", cells)
+    kind = np.uint64 if values and not negative and max(values) >= 2**63 else np.int64
+    return cells.map(int).astype(kind)
 
 
 def check_rows(path: str | Path, bad, reason: str, cells=None) -> None:

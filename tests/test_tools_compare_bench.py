@@ -1,51 +1,56 @@
 """tools.compare_bench pairs two kernel_bench CSVs point by point and refuses what is not one."""
 
+import shutil
+from pathlib import Path
+
 import pandas as pd
 import pytest
 
 from tools import compare_bench
 
-COLUMNS = ("run", "kernel", "step", "batch", "window", "cursor", "time_us", "frac_copy",
-           "copy_gbps", "status")
+RUNS = Path(__file__).resolve().parent.parent / "results" / "kernel_bench_same_kernels"
+OLD, NEW = RUNS / "tuned_4ec928a.csv", RUNS / "product_346311a.csv"
 
 
-def _csv(path, rows):
-    pd.DataFrame(rows, columns=COLUMNS).to_csv(path, index=False)
-    return path
+def _copy(source: Path, target: Path, edit=None) -> Path:
+    """A copy of a committed kernel_bench CSV (without its meta.json), edited as a frame."""
+    if edit is None:
+        shutil.copy(source, target)
+        return target
+    frame = pd.read_csv(source, dtype=str, keep_default_na=False)
+    edit(frame).to_csv(target, index=False, lineterminator="\n")
+    return target
 
 
-def test_the_ratio_is_new_over_old_for_points_in_both_and_the_rest_is_named(tmp_path):
-    """Old 50 µs, new 55 µs at batch 256: ratio 1.100; a point timed in one run only is listed,
-    a token row and a skipped point are not compared."""
-    old = _csv(tmp_path / "old.csv", [
-        ("A", "cute:nonflush:nvfp4", "nonflush", 256, 16, 8, 50.0, 0.85, 4259.0, "ok"),
-        ("A", "cute:flush:fp32", "flush", 7, 16, 15, 9.0, 0.3, 4259.0, "ok"),
-        ("A", "two-precision", "token", 256, 16, "", 90.0, float("nan"), 4259.0, "ok"),
-    ])
-    new = _csv(tmp_path / "new.csv", [
-        ("A", "cute:nonflush:nvfp4", "nonflush", 256, 16, 8, 55.0, 0.77, 4101.0, "ok"),
-        ("A", "cute:update:fp32", "update", 3, 16, 0, 5.0, 0.5, 4101.0, "skipped"),
-    ])
-    lines = compare_bench.table(compare_bench.timed_points(old), compare_bench.timed_points(new))
-    body = [line for line in lines[1:] if line.startswith("cute:")]
-    assert len(body) == 1 and body[0].split()[:7] == [
-        "cute:nonflush:nvfp4", "256", "16", "8", "50.00", "55.00", "1.100"]
-    assert "old copy ceiling GB/s: 4259" in lines and "new copy ceiling GB/s: 4101" in lines
-    assert lines[-1] == "timed in one run only: cute:flush:fp32 batch 7 L 16 cursor 15"
+def test_the_ratio_is_new_over_old_and_points_of_one_run_are_named(tmp_path):
+    """Every point timed in both runs gets one row whose ratio is new / old (the non-flush
+    NVFP4 step at batch 256, cursor 8: 73.90 / 73.79 = 1.001); a point dropped from the new
+    run is listed as timed in one run only."""
+    def drop_flush(frame):
+        return frame[~((frame.kernel == "cute:flush:fp32") & (frame.batch == "1"))]
+
+    old = compare_bench.timed_points(_copy(OLD, tmp_path / "old.csv"))
+    new = compare_bench.timed_points(_copy(NEW, tmp_path / "new.csv", drop_flush))
+    lines = compare_bench.table(old, new)
+    rows = {tuple(line.split()[:4]): line.split() for line in lines[1:]
+            if line.startswith("cute:")}
+    assert len(rows) == len(old) - 1 == len(new)
+    step = rows[("cute:nonflush:nvfp4", "256", "16", "8")]
+    assert float(step[6]) == pytest.approx(float(step[5]) / float(step[4]), abs=1e-3)
+    assert lines[-1] == "timed in one run only: cute:flush:fp32 batch 1 L 16 cursor 15"
+    assert "old copy ceiling GB/s: 3024" in lines
 
 
-@pytest.mark.parametrize("rows, message", [
-    ([("A", "k", "flush", 1, 16, 15, 9.0, 0.3, 1.0, "ok")] * 2, "appears twice"),
-])
-def test_a_repeated_point_is_refused_with_the_file_named(tmp_path, rows, message):
-    path = _csv(tmp_path / "twice.csv", rows)
-    with pytest.raises(SystemExit, match=message) as caught:
+def test_a_repeated_point_is_refused_with_the_file_named(tmp_path):
+    path = _copy(OLD, tmp_path / "twice.csv", lambda f: pd.concat([f, f.iloc[[0]]]))
+    with pytest.raises(SystemExit) as caught:
         compare_bench.timed_points(path)
-    assert str(path) in str(caught.value)
+    assert str(path) in str(caught.value) and "\n" not in str(caught.value)
 
 
-def test_a_csv_of_another_experiment_is_named_as_such(tmp_path):
+def test_a_csv_of_another_experiment_is_refused_in_one_line(tmp_path):
     path = tmp_path / "other.csv"
     path.write_text("step,rel_err\n1,0.5\n")
-    with pytest.raises(SystemExit, match="not a kernel_bench CSV"):
+    with pytest.raises(SystemExit, match="other.csv") as caught:
         compare_bench.timed_points(path)
+    assert "\n" not in str(caught.value)

@@ -34,16 +34,14 @@ def _cursor(value) -> str:
 
 def timed_points(path: Path) -> dict[tuple, tuple[float, float, float]]:
     """{(kernel, batch, window, cursor): (time_us, frac_copy, copy_gbps)} of a kernel_bench CSV."""
-    import pandas as pd
+    from experiments import kernel_bench
 
+    if not path.is_file():
+        raise SystemExit(f"compare_bench: {path}: no such file")
     try:
-        frame = pd.read_csv(path)
-    except (OSError, ValueError) as error:
-        raise SystemExit(f"compare_bench: {path}: {error}") from None
-    missing = [c for c in (*KEY, "step", "status", "time_us", "frac_copy", "copy_gbps")
-               if c not in frame.columns]
-    if missing:
-        raise SystemExit(f"compare_bench: {path}: not a kernel_bench CSV (no {', '.join(missing)})")
+        frame = kernel_bench.read_csv(path)
+    except ValueError as error:
+        raise SystemExit(f"compare_bench: {error}") from None
     points = {}
     for row in frame.itertuples(index=False):
         if row.step == "token" or row.status != "ok" or not math.isfinite(row.time_us):
