@@ -278,6 +278,31 @@ def runs_folder(experiment: str, what: list[str], root: str | Path = "runs") -> 
     return Path(root) / name
 
 
+# flags that say where outputs go or how a run reports, not what it measures
+_OUTPUT_DESTS = {"help", "out", "plot", "plot_only", "plot_dir", "run_label", "force", "merge",
+                 "list_kernels", "profile", "peers_dir", "no_progress", "replot", "keep_cells"}
+
+
+def default_out(parser, args, experiment: str, committed: str | Path) -> Path:
+    """Where a run writes when ``--out`` is not given: ``committed`` (a file under
+    ``results/``) when every setting equals its parser default, i.e. the run is the command
+    that regenerates the committed result; else ``runs/<experiment>_<changed settings>/`` with
+    the committed file's name, so a custom run never replaces committed results."""
+    changed = []
+    for action in parser._actions:
+        dest = action.dest
+        if dest in _OUTPUT_DESTS or dest == "==SUPPRESS==" or not hasattr(args, dest):
+            continue
+        value = getattr(args, dest)
+        if value != action.default:
+            if isinstance(value, (list, tuple)):
+                value = ",".join(map(str, value))
+            changed.append(dest.replace("_", "-") + ("" if value is True else f"-{value}"))
+    if not changed:
+        return Path(committed)
+    return runs_folder(experiment, changed) / Path(committed).name
+
+
 def output_problem(path: str | Path, source: str, header: str | None = None) -> str | None:
     """Why writing ``path`` would replace a file that is not ``source``'s own output (None if
     the path is free or holds one): a CSV whose first line is ``header`` or whose

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from experiments import harness
-from experiments._common import file_problem
+from experiments._common import default_out, file_problem
 from experiments.cases import SHAPES
 
 __all__ = ["add_point_arguments", "add_output_arguments", "check_point", "check_outputs",
@@ -32,10 +32,21 @@ def add_point_arguments(p: argparse.ArgumentParser) -> None:
 def add_output_arguments(p: argparse.ArgumentParser, out: str) -> None:
     """--run-label, --out (default `out`), --plot and --plot-only."""
     p.add_argument("--run-label", default="A", help="the run column (default A)")
-    p.add_argument("--out", default=out, help=f"CSV to write (default {out})")
+    p.add_argument("--out", default=None,
+                   help=f"CSV to write (default {out} for the default settings, the command that "
+                   "regenerates it; runs/<script>_<settings>/ otherwise)")
+    p.set_defaults(committed_out=out)
     p.add_argument("--plot", default=None,
                    help="PNG to draw (default: the CSV's name with .png; 'none': no plot)")
     p.add_argument("--plot-only", metavar="CSV", help="only plot and summarise this CSV")
+
+
+def resolve_out(parser: argparse.ArgumentParser, args, script: str) -> str:
+    """--out as given, else the committed CSV for the default settings and a runs/ folder for
+    any other (`_common.default_out`)."""
+    if args.out is None:
+        args.out = str(default_out(parser, args, script, args.committed_out))
+    return args.out
 
 
 def read_csv(csv, columns: dict[str, str], script: str, key: list[str] | None = None,

@@ -167,6 +167,8 @@ def main(argv=None) -> int:
     if not mib or not all(1 <= m <= 16384 for m in mib) or len(set(mib)) < len(mib):
         parser.error(f"--mib: expected distinct integers in [1, 16384] separated by commas, "
                      f"got {args.mib!r}")
+    if not args.plot_only:
+        cli.resolve_out(parser, args, "copy_sizes")
     png = args.plot or str(Path(args.plot_only or args.out).with_suffix(".png"))
     if args.plot_only:
         return cli.plot_only(parser, args.plot_only, png, summarize, plot)

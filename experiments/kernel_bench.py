@@ -2,8 +2,8 @@
 FP32 and FP16 states, and against vLLM's and FlashInfer's kernels.
 
     python -m experiments.kernel_bench                       # full grid, on the GPU machine
-    python -m experiments.kernel_bench --quick               # a small grid (smoke test),
-                                                             # into results/kernel_bench_quick.csv
+    python -m experiments.kernel_bench --quick               # a small grid (smoke test), into
+                                                             # runs/kernel_bench_quick/
     python -m experiments.kernel_bench --merge a.csv b.csv --out merged.csv   # then plot
     python -m experiments.kernel_bench --plot-only results/kernel_bench.csv
 
@@ -60,7 +60,15 @@ import pandas as pd
 import torch
 
 from experiments import harness
-from experiments._common import OneLineParser, file_problem, folder_problem, is_file, is_folder
+from experiments._common import (
+    OneLineParser,
+    default_out,
+    file_problem,
+    folder_problem,
+    is_file,
+    is_folder,
+    runs_folder,
+)
 from experiments.cases import (
     ACT_DTYPES,
     KERNELS,
@@ -206,7 +214,6 @@ class BenchConfig:
 
 
 QUICK = dict(batches=(1, 256), windows=(16,), reps=5, l2_multiple=2.0)
-QUICK_OUT = "results/kernel_bench_quick.csv"  # --quick's default --out (not the headline CSV)
 
 
 class _ListError(argparse.ArgumentTypeError, ValueError):
@@ -255,8 +262,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--peers-dir", default=defaults.peers_dir,
                    help="folder built by scripts/peers/prepare.sh (default: .peers)")
     p.add_argument("--out", default=None,
-                   help=f"CSV path (default: {defaults.out}; with --quick {QUICK_OUT}; --merge "
-                   "needs it)")
+                   help=f"CSV path (default: {defaults.out} for the default grid, the command that "
+                   "regenerates it; runs/kernel_bench_<settings>/ for any other; --merge needs "
+                   "it)")
     p.add_argument("--plot-dir", default=None,
                    help="folder for the PNGs, or 'none' (default: the folder of the CSV "
                    "written, or of --plot-only's CSV, or of --out given with --plot-only)")
@@ -310,7 +318,9 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     if not kernels and not peers:
         raise ValueError("kernels: 'none' with --peers none leaves nothing to time")
     plot_dir = {"none": None, None: ""}.get(args.plot_dir, args.plot_dir)
-    out = args.out or (QUICK_OUT if args.quick else BenchConfig.out)
+    # main resolves --out first (_common.default_out); a quick grid never names the committed CSV
+    out = args.out or str(runs_folder("kernel_bench", ["quick"]) / "kernel_bench.csv"
+                          if args.quick else BenchConfig.out)
     return BenchConfig(kernels=tuple(kernels), peers=tuple(peers), out=out, plot_dir=plot_dir,
                        budget_s=args.budget_s, peers_dir=args.peers_dir,
                        run_label=args.run_label, quick=args.quick, **values)
@@ -724,6 +734,9 @@ def main(argv: list[str] | None = None) -> int:
         for name, spec in KERNELS.items():
             print(f"{name:30s} {'default' if spec.default else 'optional'}")
         return 0
+    if args.out is None and not args.merge and not args.plot_only:
+        # the default grid regenerates the committed CSV; any other run goes to runs/
+        args.out = str(default_out(parser, args, "kernel_bench", BenchConfig.out))
     try:
         config = config_from_args(args)
     except ValueError as error:

@@ -79,7 +79,7 @@ import torch
 from tqdm import tqdm
 
 from experiments import cases, harness
-from experiments._common import OneLineParser, file_problem, folder_problem
+from experiments._common import OneLineParser, default_out, file_problem, folder_problem
 from experiments.cases import SHAPES, BenchShape, kernel_bytes
 from experiments.harness import Buffers
 from experiments.kernel_bench_plots import _batch_ticks
@@ -652,7 +652,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reps", type=int, default=20, help="timed graph replays per point")
     p.add_argument("--lead-cycles", type=int, default=harness.LEAD_CYCLES,
                    help="GPU spin before each timed replay (kernel_bench's)")
-    p.add_argument("--out", default="results/staggered_step.csv", help="the tidy CSV")
+    p.add_argument("--out", default=None,
+                   help="the tidy CSV (default results/staggered_step.csv for the default "
+                   "settings, the command that regenerates it; runs/staggered_step_<settings>/ "
+                   "otherwise)")
     p.add_argument("--plot-dir", default=None,
                    help="where the PNGs go (default: the CSV's folder; '' or 'none' for none)")
     p.add_argument("--plot-only", metavar="CSV",
@@ -707,6 +710,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.out is None and not args.plot_only:
+        args.out = str(default_out(parser, args, "staggered_step", "results/staggered_step.csv"))
     if args.plot_dir is None:  # beside the CSV written or read
         args.plot_dir = str(Path(args.plot_only or args.out).parent)
     elif args.plot_dir.lower() == "none":

@@ -207,6 +207,8 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    if not args.plot_only:
+        cli.resolve_out(parser, args, "warm_transient")
     png = args.plot or str(Path(args.plot_only or args.out).with_suffix(".png"))
     if args.plot_only:
         return cli.plot_only(parser, args.plot_only, png, summarize, plot)
