@@ -333,15 +333,23 @@ def empty_copies(slots, nheads, rows, cols, lo_format, hi_dtype, device) -> tupl
     """(hi, lo, lo_scales, lo_global, lo format) of a cache at the zero state: fp32 containers
     (hi in `hi_dtype`), the block scales lowprec stores for a zero block."""
     lo_fmt = check_kernel_format("lo_format", lo_format, cols)
+    scales, global_scale = empty_scales(lo_fmt, slots, nheads, rows, cols, device)
+    hi = torch.zeros(slots, nheads, rows, cols, dtype=hi_dtype, device=device)
+    lo = torch.zeros(slots, nheads, rows, cols, dtype=torch.float32, device=device)
+    return hi, lo, scales, global_scale, lo_fmt
+
+
+def empty_scales(fmt, slots, nheads, rows, cols, device) -> tuple:
+    """(block scales, global scales) of a zero state stored in `fmt`, fp32 (None where `fmt`
+    has none)."""
     f32 = dict(dtype=torch.float32, device=device)
     scales = global_scale = None
-    if lo_fmt.block is not None:
-        n_blocks = cols // lo_fmt.block_length((rows, cols))
-        scales = torch.full((slots, nheads, rows, n_blocks), zero_block_scale(lo_fmt), **f32)
-    if lo_fmt.two_level:
+    if fmt.block is not None:
+        n_blocks = cols // fmt.block_length((rows, cols))
+        scales = torch.full((slots, nheads, rows, n_blocks), zero_block_scale(fmt), **f32)
+    if fmt.two_level:
         global_scale = torch.zeros(slots, nheads, **f32)
-    hi = torch.zeros(slots, nheads, rows, cols, dtype=hi_dtype, device=device)
-    return hi, torch.zeros(slots, nheads, rows, cols, **f32), scales, global_scale, lo_fmt
+    return scales, global_scale
 
 
 def check_cache(cache: ReplayCache) -> None:
