@@ -66,6 +66,23 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def check_sizes(*sizes) -> None:
+    """ValueError unless every (name, value, least value) of ``sizes`` is an int at least that
+    (an ``empty``'s sizes, before anything is allocated)."""
+    for name, value, low in sizes:
+        if not _is_int(value) or value < low:
+            fail(name, f"an int >= {low}", repr(value))
+
+
+def empty_nvfp4(slots, nheads, rows, cols, device) -> tuple:
+    """(codes, block scales, global scales) of an NVFP4 read copy at the zero state: codes 0,
+    block scales 1.0, global scales 0."""
+    codes = torch.zeros(slots, nheads, rows, cols // 2, dtype=torch.uint8, device=device)
+    scales = torch.full((slots, nheads, rows, cols // NVFP4_BLOCK), E4M3_ONE, dtype=torch.uint8,
+                        device=device)
+    return codes, scales, torch.zeros(slots, nheads, dtype=torch.float32, device=device)
+
+
 @dataclass
 class ReplayCache:
     """A ReplaySSM cache in the CuTe kernels' packed formats (module docstring)."""
@@ -92,11 +109,8 @@ class ReplayCache:
               device=None) -> ReplayCache:
         """A cache at the zero state with empty rings (ring entries NaN, so that a read of an
         unwritten record shows)."""
-        for name, value, low in (("slots", slots, 0), ("nheads", nheads, 1),
-                                 ("headdim", headdim, 1), ("dstate", dstate, 1),
-                                 ("ngroups", ngroups, 1), ("window", window, 1)):
-            if not _is_int(value) or value < low:
-                fail(name, f"an int >= {low}", repr(value))
+        check_sizes(("slots", slots, 0), ("nheads", nheads, 1), ("headdim", headdim, 1),
+                    ("dstate", dstate, 1), ("ngroups", ngroups, 1), ("window", window, 1))
         if hi_format not in HI_FORMATS:
             fail("hi_format", f"one of {list(HI_FORMATS)}", repr(hi_format))
         if lo_format not in LO_FORMATS:
@@ -106,10 +120,7 @@ class ReplayCache:
         state = (slots, nheads, headdim, dstate)
         lo = scales = global_scale = None
         if lo_format == "nvfp4":
-            lo = torch.zeros(*state[:3], dstate // 2, dtype=torch.uint8, device=device)
-            scales = torch.full((*state[:3], dstate // NVFP4_BLOCK), E4M3_ONE, dtype=torch.uint8,
-                                device=device)
-            global_scale = torch.zeros(slots, nheads, dtype=torch.float32, device=device)
+            lo, scales, global_scale = empty_nvfp4(slots, nheads, headdim, dstate, device)
         elif lo_format != "none":
             lo = torch.zeros(state, dtype=LO_DTYPES[lo_format], device=device)
         nan = float("nan")
@@ -153,10 +164,8 @@ class StateCache:
     def empty(cls, slots: int, nheads: int, headdim: int, dstate: int, *, format: str = "fp16",
               rounding: str = "rn", seed: int = 0, device=None) -> StateCache:
         """A zero state with its token counters at 0."""
-        for name, value, low in (("slots", slots, 0), ("nheads", nheads, 1),
-                                 ("headdim", headdim, 1), ("dstate", dstate, 1)):
-            if not _is_int(value) or value < low:
-                fail(name, f"an int >= {low}", repr(value))
+        check_sizes(("slots", slots, 0), ("nheads", nheads, 1), ("headdim", headdim, 1),
+                    ("dstate", dstate, 1))
         if format not in HI_FORMATS:
             fail("format", f"one of {list(HI_FORMATS)}", repr(format))
         cache = cls(state=torch.zeros(slots, nheads, headdim, dstate, dtype=HI_FORMATS[format],
@@ -241,6 +250,40 @@ def check_philox_fields(name, slots, slot_elements, draws_words=True):
              "at most 2^24 elements a slot (Philox element field, with SR)", slot_elements)
 
 
+def check_read_copy(cache, state: tuple, device) -> None:
+    """The read copy's tensors (``cache.lo``, ``lo_scales``, ``lo_global``) as
+    ``cache.lo_format`` stores a ``state``-shaped copy: NVFP4 codes and scales, one tensor of
+    the format's dtype, or none."""
+    S, H, P, N = state
+    fmt = cache.lo_format
+    expected = {"lo": None, "lo_scales": None, "lo_global": None}
+    if fmt == "nvfp4":
+        expected = {"lo": (torch.uint8, (S, H, P, N // 2)),
+                    "lo_scales": (torch.uint8, (S, H, P, N // NVFP4_BLOCK)),
+                    "lo_global": (torch.float32, (S, H))}
+    elif fmt != "none":
+        expected["lo"] = (LO_DTYPES[fmt], state)
+    for name, spec in expected.items():
+        t = getattr(cache, name)
+        if spec is None:
+            if t is not None:
+                fail(f"cache.{name}", f"None for lo_format={fmt!r}", type(t).__name__)
+        else:
+            check_tensor(f"cache.{name}", t, spec[0], spec[1], device)
+
+
+def check_cache_apart(cache) -> dict:
+    """ValueError if two tensors of the cache dataclass ``cache`` share bytes (e.g. cursors and
+    flushes: the counter kernel needs both); returns its tensors by field name."""
+    tensors = {f.name: getattr(cache, f.name) for f in fields(cache)
+               if isinstance(getattr(cache, f.name), torch.Tensor)}
+    names = list(tensors)
+    for i, a in enumerate(names):
+        check_apart(f"cache.{a}", tensors[a],
+                    **{f"cache.{b}": tensors[b] for b in names[i + 1:]})
+    return tensors
+
+
 def check_replay_cache(cache) -> CacheView:
     """Validate ``cache`` (a `ReplayCache`: every tensor of its docstring's layout, one
     device, no two tensors sharing bytes, a valid config) and return its view."""
@@ -285,27 +328,8 @@ def check_replay_cache(cache) -> CacheView:
     check_tensor("cache.ring_B", ring_B, act, (S, G, Lc, N), device)
     check_tensor("cache.cursors", cache.cursors, torch.int32, (S,), device)
     check_tensor("cache.flushes", cache.flushes, torch.int32, (S,), device)
-    fmt = cache.lo_format
-    expected = {"lo": None, "lo_scales": None, "lo_global": None}
-    if fmt == "nvfp4":
-        expected = {"lo": (torch.uint8, (S, H, P, N // 2)),
-                    "lo_scales": (torch.uint8, (S, H, P, N // NVFP4_BLOCK)),
-                    "lo_global": (torch.float32, (S, H))}
-    elif fmt != "none":
-        expected["lo"] = (LO_DTYPES[fmt], (S, H, P, N))
-    for name, spec in expected.items():
-        t = getattr(cache, name)
-        if spec is None:
-            if t is not None:
-                fail(f"cache.{name}", f"None for lo_format={fmt!r}", type(t).__name__)
-        else:
-            check_tensor(f"cache.{name}", t, spec[0], spec[1], device)
-    tensors = {f.name: getattr(cache, f.name) for f in fields(ReplayCache)
-               if isinstance(getattr(cache, f.name), torch.Tensor)}
-    names = list(tensors)
-    for i, a in enumerate(names):  # e.g. cursors and flushes: the counter kernel needs both
-        check_apart(f"cache.{a}", tensors[a],
-                    **{f"cache.{b}": tensors[b] for b in names[i + 1:]})
+    check_read_copy(cache, (S, H, P, N), device)
+    tensors = check_cache_apart(cache)
     check_philox_fields("cache.hi", S, H * P * N,
                         cache.hi_format == "fp16" and cache.hi_rounding == "sr")
     _check_device("cache.hi", hi)  # (last: the checks above run on meta tensors)

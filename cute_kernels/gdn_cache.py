@@ -34,12 +34,23 @@ baseline's.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
 from cute_kernels import _compile  # noqa: F401  (sets the sm_90a target before cutlass)
-from cute_kernels.cache import check_apart, check_seed, check_switch, check_tensor, fail
+from cute_kernels.cache import (
+    _is_int,
+    check_apart,
+    check_cache_apart,
+    check_read_copy,
+    check_seed,
+    check_sizes,
+    check_switch,
+    check_tensor,
+    empty_nvfp4,
+    fail,
+)
 from lowprec.philox import ELEMENT_LIMIT, SLOT_LIMIT
 
 __all__ = ["GDNReplayCache", "GDNStateCache", "GDNView", "check_gdn_cache",
@@ -50,15 +61,9 @@ PAIRINGS = (("fp16", "sr", "nvfp4"), ("fp16", "rn", "nvfp4"), ("fp32", "rn", "no
 HI_DTYPES = {"fp16": torch.float16, "fp32": torch.float32}
 STATE_FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16}
 ACT_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
-NVFP4_BLOCK = 16
-E4M3_ONE = 0x38  # the E4M3 code of 1.0: an empty cache's block scales
 DK_CHOICES = (128, 256, 512)
 ELEMENTS_PER_THREAD = 64
 MAX_WINDOW = 32
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def check_head_shape(dv: int, dk: int, prefix: str = "") -> None:
@@ -118,10 +123,8 @@ class GDNReplayCache:
         """A cache at the zero state with empty rings (ring entries NaN, so that a read of an
         unwritten record shows). The emulation's signature; ``per_channel`` must be False and
         ``draft`` 0 (no KDA or speculative kernels here), ``hi_dtype`` None or hi_format's."""
-        for name, value, low in (("slots", slots, 0), ("nheads", nheads, 1), ("dv", dv, 1),
-                                 ("dk", dk, 1), ("window", window, 1), ("draft", draft, 0)):
-            if not _is_int(value) or value < low:
-                fail(name, f"an int >= {low}", repr(value))
+        check_sizes(("slots", slots, 0), ("nheads", nheads, 1), ("dv", dv, 1), ("dk", dk, 1),
+                    ("window", window, 1), ("draft", draft, 0))
         if (hi_format, hi_rounding, lo_format) not in PAIRINGS:
             fail("(hi_format, hi_rounding, lo_format)", f"one of {PAIRINGS}",
                  (hi_format, hi_rounding, lo_format))
@@ -134,10 +137,7 @@ class GDNReplayCache:
         state = (slots, nheads, dv, dk)
         lo = scales = global_scale = None
         if lo_format == "nvfp4":
-            lo = torch.zeros(slots, nheads, dv, dk // 2, dtype=torch.uint8, device=device)
-            scales = torch.full((slots, nheads, dv, dk // NVFP4_BLOCK), E4M3_ONE,
-                                dtype=torch.uint8, device=device)
-            global_scale = torch.zeros(slots, nheads, dtype=torch.float32, device=device)
+            lo, scales, global_scale = empty_nvfp4(slots, nheads, dv, dk, device)
         lcap = window + draft
         nan = float("nan")
         f32 = dict(dtype=torch.float32, device=device)
@@ -177,10 +177,7 @@ class GDNStateCache:
     def empty(cls, slots: int, nheads: int, dv: int, dk: int, *, format: str = "fp32",
               device=None) -> GDNStateCache:
         """A zero state."""
-        for name, value, low in (("slots", slots, 0), ("nheads", nheads, 1), ("dv", dv, 1),
-                                 ("dk", dk, 1)):
-            if not _is_int(value) or value < low:
-                fail(name, f"an int >= {low}", repr(value))
+        check_sizes(("slots", slots, 0), ("nheads", nheads, 1), ("dv", dv, 1), ("dk", dk, 1))
         if format not in STATE_FORMATS:
             fail("format", f"one of {list(STATE_FORMATS)}", repr(format))
         cache = cls(torch.zeros(slots, nheads, dv, dk, dtype=STATE_FORMATS[format],
@@ -256,25 +253,8 @@ def check_gdn_cache(cache) -> GDNView:
     check_tensor("cache.ring_beta", cache.ring_beta, torch.float32, (S, H, L), device)
     check_tensor("cache.cursors", cache.cursors, torch.int32, (S,), device)
     check_tensor("cache.flushes", cache.flushes, torch.int32, (S,), device)
-    expected = {"lo": None, "lo_scales": None, "lo_global": None}
-    if cache.lo_format == "nvfp4":
-        expected = {"lo": (torch.uint8, (S, H, P, N // 2)),
-                    "lo_scales": (torch.uint8, (S, H, P, N // NVFP4_BLOCK)),
-                    "lo_global": (torch.float32, (S, H))}
-    for name, spec in expected.items():
-        t = getattr(cache, name)
-        if spec is None:
-            if t is not None:
-                fail(f"cache.{name}", f"None for lo_format={cache.lo_format!r}",
-                     type(t).__name__)
-        else:
-            check_tensor(f"cache.{name}", t, spec[0], spec[1], device)
-    tensors = {f.name: getattr(cache, f.name) for f in fields(GDNReplayCache)
-               if isinstance(getattr(cache, f.name), torch.Tensor)}
-    names = list(tensors)
-    for i, a in enumerate(names):
-        check_apart(f"cache.{a}", tensors[a],
-                    **{f"cache.{b}": tensors[b] for b in names[i + 1:]})
+    check_read_copy(cache, (S, H, P, N), device)
+    tensors = check_cache_apart(cache)
     return GDNView(S, H, P, N, L, device, act, {f"cache.{k}": v for k, v in tensors.items()})
 
 

@@ -194,24 +194,6 @@ def chunk_amax(values):
     return own
 
 
-def _e2m1_words(values, recip, words):
-    """E2M1 codes of values[0 .. 15] / divisor (recip = RN(1/divisor)) into words[0], words[1],
-    eight a word (low nibble first), nibbles e and e + 4 of a word at once
-    (numerics.e2m1_pair_fast); returns whether every one is provably lowprec's (else the caller
-    divides). Traced into the caller."""
-    recip14 = recip * Float32(nm.E2M1_PAIR_SCALE)  # exact: a power of two, both normal
-    margin = None
-    for w in range(W // 8):
-        word = Uint32(0)
-        for e in range(4):
-            pair, margin_e = nm.e2m1_pair_fast(values[8 * w + e], values[8 * w + e + 4],
-                                               recip14, e)
-            word = word | pair
-            margin = margin_e if margin is None else nm.umin(margin, margin_e)
-        words[w] = word
-    return nm.recip14_usable(recip) & (margin >= Uint32(nm.E2M1_PAIR_MARGIN))
-
-
 @cute.jit
 def store_nvfp4_block(codes_h, scales_h, values, amax_b, p, col, global_scale):
     """NVFP4 codes and scale byte of one 16-element block, in lowprec's order: den = 6 s_g;
@@ -226,7 +208,7 @@ def store_nvfp4_block(codes_h, scales_h, values, amax_b, p, col, global_scale):
     zero_block = is_zero | (divisor == Float32(0.0))
     recip = nm.div_rn(Float32(1.0), divisor)
     words = cute.make_rmem_tensor((W // 8,), Uint32)
-    exact = _e2m1_words(values, recip, words)
+    exact = nm.e2m1_words(values, W, recip, words)
     if not exact:
         for w in cutlass.range_constexpr(W // 8):
             word = Uint32(0)

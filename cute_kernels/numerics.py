@@ -574,6 +574,24 @@ def umin(a, b):
                              "min.u32 $0, $1, $2;", "=r,r,r"))
 
 
+def e2m1_words(values, W: int, recip, words):
+    """The E2M1 codes of values[0 .. W-1] / divisor (recip = RN(1/divisor)) into
+    words[0 .. W/8 - 1], eight a word (low nibble first), nibbles e and e + 4 of a word at
+    once (e2m1_pair_fast); returns whether every one is provably lowprec's (else the
+    caller divides). Traced into the caller (a plain function: its loops unroll)."""
+    recip14 = recip * Float32(E2M1_PAIR_SCALE)  # exact: a power of two, both normal
+    margin = None
+    for w in range(W // 8):
+        word = Uint32(0)
+        for e in range(4):
+            pair, margin_e = e2m1_pair_fast(values[8 * w + e], values[8 * w + e + 4],
+                                            recip14, e)
+            word = word | pair
+            margin = margin_e if margin is None else umin(margin, margin_e)
+        words[w] = word
+    return recip14_usable(recip) & (margin >= Uint32(E2M1_PAIR_MARGIN))
+
+
 def _shift_to(u, bit: int, to: int):
     """u shifted so that its bit `bit` lands on bit `to` (right or left; logical)."""
     if bit >= to:

@@ -667,7 +667,7 @@ def _store_nvfp4_chunk(W: cutlass.Constexpr, lo_h, scales_h, values, own, p, col
     # the reciprocal is out of range); only then does this thread divide.
     recip = nm.div_rn(Float32(1.0), divisor)
     words = cute.make_rmem_tensor((W // 8,), Uint32)
-    exact = _e2m1_words(values, W, recip, words)
+    exact = nm.e2m1_words(values, W, recip, words)
     if not exact:
         for w in cutlass.range_constexpr(W // 8):
             word = Uint32(0)
@@ -684,24 +684,6 @@ def _store_nvfp4_chunk(W: cutlass.Constexpr, lo_h, scales_h, values, own, p, col
     else:
         cute.autovec_copy(words, _chunk(lo_h, p, col, W // 8))
         scales_h[p, col] = scale_byte.to(Uint8)
-
-
-def _e2m1_words(values, W: int, recip, words):
-    """The E2M1 codes of values[0 .. W-1] / divisor (recip = RN(1/divisor)) into
-    words[0 .. W/8 - 1], eight a word (low nibble first), nibbles e and e + 4 of a word at
-    once (numerics.e2m1_pair_fast); returns whether every one is provably lowprec's (else the
-    caller divides). Traced into the caller (a plain function: its loops unroll)."""
-    recip14 = recip * Float32(nm.E2M1_PAIR_SCALE)  # exact: a power of two, both normal
-    margin = None
-    for w in range(W // 8):
-        word = Uint32(0)
-        for e in range(4):
-            pair, margin_e = nm.e2m1_pair_fast(values[8 * w + e], values[8 * w + e + 4],
-                                               recip14, e)
-            word = word | pair
-            margin = margin_e if margin is None else nm.umin(margin, margin_e)
-        words[w] = word
-    return nm.recip14_usable(recip) & (margin >= Uint32(nm.E2M1_PAIR_MARGIN))
 
 
 @cute.jit

@@ -71,19 +71,17 @@ import triton.language as tl
 
 from emulation.replay_decode import (
     ACT_DTYPES,
-    HI_DTYPES,
-    ROUNDINGS,
     _expect,
-    _expect_int,
     check_cache_apart,
+    check_copies,
+    check_empty_args,
     check_inputs_apart,
     check_out_apart,
-    check_sr_parameters,
     check_switch,
     cache_tensors,
+    empty_copies,
     launch_config,
     store_copies,
-    zero_block_scale,
 )
 from lowprec import philox
 from lowprec.replay import check_counter_ranges
@@ -173,29 +171,21 @@ class GDNReplayCache:
     ) -> "GDNReplayCache":
         """A cache at the zero state with empty rings (ring entries NaN, so that a read of an
         unwritten record shows)."""
-        for name, value, low in (("slots", slots, 0), ("nheads", nheads, 1), ("dv", dv, 1),
-                                 ("dk", dk, 1), ("window", window, 1), ("draft", draft, 0)):
-            _expect_int(name, value, low)  # before anything is allocated
         check_switch("per_channel", per_channel)
-        sr_bits, philox_rounds = check_sr_parameters(sr_bits, philox_rounds, hi_rounding,
-                                                     "hi_rounding")
-        if act_dtype not in ACT_DTYPES:
-            raise ValueError(f"act_dtype: expected one of {list(ACT_DTYPES)}, got {act_dtype}")
-        lo_fmt = check_kernel_format("lo_format", lo_format, dk)
+        sr_bits, philox_rounds = check_empty_args(
+            (("slots", slots, 0), ("nheads", nheads, 1), ("dv", dv, 1), ("dk", dk, 1),
+             ("window", window, 1), ("draft", draft, 0)), hi_rounding, sr_bits, philox_rounds,
+            act_dtype)
+        hi, lo, scales, global_scale, lo_fmt = empty_copies(slots, nheads, dv, dk, lo_format,
+                                                            hi_dtype, device)
         lcap = window + draft
         f32 = dict(dtype=torch.float32, device=device)
         act = dict(dtype=act_dtype, device=device)
-        scales = global_scale = None
-        if lo_fmt.block is not None:
-            n_blocks = dk // lo_fmt.block_length((dv, dk))
-            scales = torch.full((slots, nheads, dv, n_blocks), zero_block_scale(lo_fmt), **f32)
-        if lo_fmt.two_level:
-            global_scale = torch.zeros(slots, nheads, **f32)
         nan = float("nan")
         decay = (slots, nheads, lcap, dk) if per_channel else (slots, nheads, lcap)
         cache = cls(
-            hi=torch.zeros(slots, nheads, dv, dk, dtype=hi_dtype, device=device),
-            lo=torch.zeros(slots, nheads, dv, dk, **f32),
+            hi=hi,
+            lo=lo,
             lo_scales=scales,
             lo_global=global_scale,
             ring_u=torch.full((slots, nheads, lcap, dv), nan, **f32),
@@ -236,45 +226,7 @@ def check_gdn_cache(cache: GDNReplayCache, per_channel: bool | None = None) -> N
         call = "kda_*" if cache.per_channel else "gdn_*"
         raise ValueError(f"cache.per_channel: expected {per_channel} for this call, got "
                          f"{cache.per_channel} (a {which} cache: use {call})")
-    hi = cache.hi
-    if not isinstance(hi, torch.Tensor) or hi.dim() != 4:
-        got = list(hi.shape) if isinstance(hi, torch.Tensor) else type(hi).__name__
-        raise ValueError(f"cache.hi: expected shape [slots, nheads, dv, dk], got {got}")
-    slots, nheads, dv, dk = hi.shape
-    device = hi.device
-    if min(nheads, dv, dk) < 1:
-        raise ValueError(f"cache.hi: expected nheads, dv and dk >= 1, got {list(hi.shape)}")
-    _expect_int("cache.window", cache.window, 1)
-    _expect_int("cache.draft", cache.draft, 0, cache.window + 1)
-    _expect_int("cache.seed", cache.seed, 0, 1 << 64)
-    if slots >= 1 << 20:
-        raise ValueError(f"cache.hi: expected fewer than 2^20 slots (Philox slot id), got {slots}")
-    if nheads * dv * dk > 1 << 24:
-        raise ValueError(f"cache.hi: expected at most 2^24 state elements per slot (Philox "
-                         f"element index), got {nheads * dv * dk}")
-    hi_fmt = check_kernel_format("cache.hi_format", cache.hi_format)
-    if hi_fmt.block is not None:
-        raise ValueError(
-            f"cache.hi_format: expected an element format (no block scales), got {hi_fmt.name!r}"
-        )
-    if cache.hi_rounding not in ROUNDINGS:
-        raise ValueError(f"cache.hi_rounding: expected 'rn' or 'sr', got {cache.hi_rounding!r}")
-    check_sr_parameters(cache.sr_bits, cache.philox_rounds, cache.hi_rounding, "hi_rounding",
-                        "cache.")
-    _expect("cache.hi", hi, hi.shape, {torch.float32, HI_DTYPES.get(hi_fmt.name, torch.float32)},
-            device)
-    lo_fmt = check_kernel_format("cache.lo_format", cache.lo_format, dk)
-    _expect("cache.lo", cache.lo, hi.shape, (torch.float32,), device)
-    if lo_fmt.block is not None:
-        n_blocks = dk // lo_fmt.block_length((dv, dk))
-        _expect("cache.lo_scales", cache.lo_scales, (slots, nheads, dv, n_blocks),
-                (torch.float32,), device)
-    elif cache.lo_scales is not None:
-        raise ValueError(f"cache.lo_scales: expected None for {lo_fmt.name!r}, got a tensor")
-    if lo_fmt.two_level:
-        _expect("cache.lo_global", cache.lo_global, (slots, nheads), (torch.float32,), device)
-    elif cache.lo_global is not None:
-        raise ValueError(f"cache.lo_global: expected None for {lo_fmt.name!r}, got a tensor")
+    slots, nheads, dv, dk, device = check_copies(cache, "dv", "dk")
     lcap = cache.window + cache.draft
     rv = cache.ring_v
     if not isinstance(rv, torch.Tensor):

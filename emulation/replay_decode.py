@@ -124,33 +124,21 @@ class ReplayCache:
     ) -> "ReplayCache":
         """A cache at the zero state with empty rings (ring entries NaN, so that a read of an
         unwritten record shows)."""
-        for name, value, low in (("slots", slots, 0), ("nheads", nheads, 1),
-                                 ("headdim", headdim, 1), ("dstate", dstate, 1),
-                                 ("ngroups", ngroups, 1), ("window", window, 1),
-                                 ("draft", draft, 0)):
-            _expect_int(name, value, low)  # before anything is allocated
-        sr_bits, philox_rounds = check_sr_parameters(sr_bits, philox_rounds, hi_rounding,
-                                                     "hi_rounding")
-        if act_dtype not in ACT_DTYPES:
-            raise ValueError(f"act_dtype: expected one of {list(ACT_DTYPES)}, got {act_dtype}")
-        lo_fmt = check_kernel_format("lo_format", lo_format, dstate)
+        sr_bits, philox_rounds = check_empty_args(
+            (("slots", slots, 0), ("nheads", nheads, 1), ("headdim", headdim, 1),
+             ("dstate", dstate, 1), ("ngroups", ngroups, 1), ("window", window, 1),
+             ("draft", draft, 0)), hi_rounding, sr_bits, philox_rounds, act_dtype)
+        hi, lo, scales, global_scale, lo_fmt = empty_copies(slots, nheads, headdim, dstate,
+                                                            lo_format, hi_dtype, device)
         lcap = window + draft
-        zeros = dict(dtype=torch.float32, device=device)
-        scales = global_scale = None
-        if lo_fmt.block is not None:
-            n_blocks = dstate // lo_fmt.block_length((headdim, dstate))
-            scales = torch.full((slots, nheads, headdim, n_blocks), zero_block_scale(lo_fmt),
-                                **zeros)
-        if lo_fmt.two_level:
-            global_scale = torch.zeros(slots, nheads, **zeros)
         nan = float("nan")
         cache = cls(
-            hi=torch.zeros(slots, nheads, headdim, dstate, dtype=hi_dtype, device=device),
-            lo=torch.zeros(slots, nheads, headdim, dstate, **zeros),
+            hi=hi,
+            lo=lo,
             lo_scales=scales,
             lo_global=global_scale,
             ring_x=torch.full((slots, nheads, lcap, headdim), nan, dtype=act_dtype, device=device),
-            ring_dt=torch.full((slots, nheads, lcap), nan, **zeros),
+            ring_dt=torch.full((slots, nheads, lcap), nan, dtype=torch.float32, device=device),
             ring_B=torch.full((slots, ngroups, lcap, dstate), nan, dtype=act_dtype, device=device),
             cursors=torch.zeros(slots, dtype=torch.int32, device=device),
             flushes=torch.zeros(slots, dtype=torch.int32, device=device),
@@ -171,6 +159,19 @@ class ReplayCache:
         """(slots, nheads, headdim, dstate, ngroups, Lcap)."""
         slots, nheads, headdim, dstate = self.hi.shape
         return slots, nheads, headdim, dstate, self.ring_B.shape[1], self.ring_x.shape[2]
+
+
+def check_empty_args(sizes, hi_rounding, sr_bits, philox_rounds, act_dtype) -> tuple[int, int]:
+    """The checks of a cache's `empty` before anything is allocated: `sizes` (name, value,
+    least value) are ints, the SR parameters fit `hi_rounding` (returned as ints), `act_dtype`
+    is an activation dtype."""
+    for name, value, low in sizes:
+        _expect_int(name, value, low)
+    sr_bits, philox_rounds = check_sr_parameters(sr_bits, philox_rounds, hi_rounding,
+                                                 "hi_rounding")
+    if act_dtype not in ACT_DTYPES:
+        raise ValueError(f"act_dtype: expected one of {list(ACT_DTYPES)}, got {act_dtype}")
+    return sr_bits, philox_rounds
 
 
 def check_sr_parameters(sr_bits, philox_rounds, rounding, rounding_name: str,
@@ -279,28 +280,28 @@ def _expect_int(name, value, low, high=None):
         raise ValueError(f"{name}: expected an int {bound}, got {value!r}")
 
 
-def check_cache(cache: ReplayCache) -> None:
-    """ValueError unless every tensor of `cache` has the layout of its docstring."""
-    if not isinstance(cache, ReplayCache):
-        raise ValueError(f"cache: expected a ReplayCache, got {type(cache).__name__}")
+def check_copies(cache, rows: str, cols: str) -> tuple:
+    """ValueError unless the checkpoint copies of `cache` (hi, lo, lo_scales, lo_global) and
+    its window, draft, seed, formats and SR parameters have the layout of its docstring, the
+    state [slots, nheads, `rows`, `cols`]; returns (slots, nheads, rows, cols, device)."""
     hi = cache.hi
     if not isinstance(hi, torch.Tensor) or hi.dim() != 4:
         got = list(hi.shape) if isinstance(hi, torch.Tensor) else type(hi).__name__
-        raise ValueError(f"cache.hi: expected shape [slots, nheads, headdim, dstate], got {got}")
-    slots, nheads, headdim, dstate = hi.shape
+        raise ValueError(f"cache.hi: expected shape [slots, nheads, {rows}, {cols}], got {got}")
+    slots, nheads, n_rows, n_cols = hi.shape
     device = hi.device
-    if min(nheads, headdim, dstate) < 1:
-        raise ValueError(f"cache.hi: expected nheads, headdim and dstate >= 1, got "
+    if min(nheads, n_rows, n_cols) < 1:
+        raise ValueError(f"cache.hi: expected nheads, {rows} and {cols} >= 1, got "
                          f"{list(hi.shape)}")
     _expect_int("cache.window", cache.window, 1)
     _expect_int("cache.draft", cache.draft, 0, cache.window + 1)
     _expect_int("cache.seed", cache.seed, 0, 1 << 64)
     if slots >= 1 << 20:
         raise ValueError(f"cache.hi: expected fewer than 2^20 slots (Philox slot id), got {slots}")
-    if nheads * headdim * dstate > 1 << 24:
+    if nheads * n_rows * n_cols > 1 << 24:
         raise ValueError(
             f"cache.hi: expected at most 2^24 state elements per slot (Philox element index), "
-            f"got {nheads * headdim * dstate}"
+            f"got {nheads * n_rows * n_cols}"
         )
     hi_fmt = check_kernel_format("cache.hi_format", cache.hi_format)
     if hi_fmt.block is not None:
@@ -313,11 +314,11 @@ def check_cache(cache: ReplayCache) -> None:
                         "cache.")
     hi_dtypes = {torch.float32, HI_DTYPES.get(hi_fmt.name, torch.float32)}
     _expect("cache.hi", hi, hi.shape, hi_dtypes, device)
-    lo_fmt = check_kernel_format("cache.lo_format", cache.lo_format, dstate)
+    lo_fmt = check_kernel_format("cache.lo_format", cache.lo_format, n_cols)
     _expect("cache.lo", cache.lo, hi.shape, (torch.float32,), device)
     if lo_fmt.block is not None:
-        n_blocks = dstate // lo_fmt.block_length((headdim, dstate))
-        _expect("cache.lo_scales", cache.lo_scales, (slots, nheads, headdim, n_blocks),
+        n_blocks = n_cols // lo_fmt.block_length((n_rows, n_cols))
+        _expect("cache.lo_scales", cache.lo_scales, (slots, nheads, n_rows, n_blocks),
                 (torch.float32,), device)
     elif cache.lo_scales is not None:
         raise ValueError(f"cache.lo_scales: expected None for {lo_fmt.name!r}, got a tensor")
@@ -325,6 +326,37 @@ def check_cache(cache: ReplayCache) -> None:
         _expect("cache.lo_global", cache.lo_global, (slots, nheads), (torch.float32,), device)
     elif cache.lo_global is not None:
         raise ValueError(f"cache.lo_global: expected None for {lo_fmt.name!r}, got a tensor")
+    return slots, nheads, n_rows, n_cols, device
+
+
+def empty_copies(slots, nheads, rows, cols, lo_format, hi_dtype, device) -> tuple:
+    """(hi, lo, lo_scales, lo_global, lo format) of a cache at the zero state: fp32 containers
+    (hi in `hi_dtype`), the block scales lowprec stores for a zero block."""
+    lo_fmt = check_kernel_format("lo_format", lo_format, cols)
+    scales, global_scale = empty_scales(lo_fmt, slots, nheads, rows, cols, device)
+    hi = torch.zeros(slots, nheads, rows, cols, dtype=hi_dtype, device=device)
+    lo = torch.zeros(slots, nheads, rows, cols, dtype=torch.float32, device=device)
+    return hi, lo, scales, global_scale, lo_fmt
+
+
+def empty_scales(fmt, slots, nheads, rows, cols, device) -> tuple:
+    """(block scales, global scales) of a zero state stored in `fmt`, fp32 (None where `fmt`
+    has none)."""
+    f32 = dict(dtype=torch.float32, device=device)
+    scales = global_scale = None
+    if fmt.block is not None:
+        n_blocks = cols // fmt.block_length((rows, cols))
+        scales = torch.full((slots, nheads, rows, n_blocks), zero_block_scale(fmt), **f32)
+    if fmt.two_level:
+        global_scale = torch.zeros(slots, nheads, **f32)
+    return scales, global_scale
+
+
+def check_cache(cache: ReplayCache) -> None:
+    """ValueError unless every tensor of `cache` has the layout of its docstring."""
+    if not isinstance(cache, ReplayCache):
+        raise ValueError(f"cache: expected a ReplayCache, got {type(cache).__name__}")
+    slots, nheads, headdim, dstate, device = check_copies(cache, "headdim", "dstate")
     rx = cache.ring_x
     if not isinstance(rx, torch.Tensor) or rx.dim() != 4:
         raise ValueError("cache.ring_x: expected shape [slots, nheads, Lcap, headdim]")

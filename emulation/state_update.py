@@ -46,7 +46,7 @@ from emulation.replay_decode import (
     gate_output,
     launch_config,
     process_dt,
-    zero_block_scale,
+    empty_scales,
 )
 from lowprec import philox
 from lowprec.replay import check_flush_field
@@ -102,13 +102,7 @@ class StateCache:
         sr_bits, philox_rounds = check_sr_parameters(sr_bits, philox_rounds, rounding,
                                                      "rounding")
         fmt = check_kernel_format("format", format, dstate)
-        f32 = dict(dtype=torch.float32, device=device)
-        scales = global_scale = None
-        if fmt.block is not None:
-            n_blocks = dstate // fmt.block_length((headdim, dstate))
-            scales = torch.full((slots, nheads, headdim, n_blocks), zero_block_scale(fmt), **f32)
-        if fmt.two_level:
-            global_scale = torch.zeros(slots, nheads, **f32)
+        scales, global_scale = empty_scales(fmt, slots, nheads, headdim, dstate, device)
         cache = cls(
             state=torch.zeros(slots, nheads, headdim, dstate, dtype=state_dtype, device=device),
             scales=scales,

@@ -53,6 +53,8 @@ import operator
 import numpy as np
 import torch
 
+from lowprec._checks import as_int
+
 MASK32 = 0xFFFFFFFF
 ROUND_A = 0xD2511F53
 ROUND_B = 0xCD9E8D57
@@ -74,32 +76,33 @@ PHILOX_ROUNDS = tuple(range(1, 11))
 DEFAULT_PHILOX_ROUNDS = 10
 
 
-def _as_plain_int(value):
-    """``value`` as an int when it is an integer scalar (not a bool), else None."""
-    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
-        return None
+def _plain_int(value) -> int | None:
+    """``value`` as an int when it is an integer scalar (numpy's included; not a bool), else
+    None."""
     try:
-        return operator.index(value)
-    except TypeError:
+        return as_int("value", value)
+    except ValueError:
         return None
+
+
+def _check_choice(value, allowed, name: str, expected: str) -> int:
+    """``value`` as an int in ``allowed``, else ValueError naming ``name`` and ``expected``."""
+    number = _plain_int(value)
+    if number not in allowed:
+        raise ValueError(f"{name}: expected {expected}, got {value!r}")
+    return number
 
 
 def check_sr_bits(sr_bits, name: str = "sr_bits") -> int:
     """``sr_bits`` as an int in `SR_BITS`, else ValueError naming ``name``."""
-    number = _as_plain_int(sr_bits)
-    if number not in SR_BITS:
-        raise ValueError(f"{name}: expected random bits per element in {list(SR_BITS)}, "
-                         f"got {sr_bits!r}")
-    return number
+    return _check_choice(sr_bits, SR_BITS, name,
+                         f"random bits per element in {list(SR_BITS)}")
 
 
 def check_philox_rounds(rounds, name: str = "philox_rounds") -> int:
     """``rounds`` as an int in [1, 10] (`PHILOX_ROUNDS`), else ValueError naming ``name``."""
-    number = _as_plain_int(rounds)
-    if number not in PHILOX_ROUNDS:
-        raise ValueError(f"{name}: expected Philox rounds in [{PHILOX_ROUNDS[0]}, "
-                         f"{PHILOX_ROUNDS[-1]}], got {rounds!r}")
-    return number
+    return _check_choice(rounds, PHILOX_ROUNDS, name,
+                         f"Philox rounds in [{PHILOX_ROUNDS[0]}, {PHILOX_ROUNDS[-1]}]")
 
 
 def lane_bits(sr_bits: int) -> int:
@@ -209,13 +212,7 @@ def _rounds_torch(counter, k0, k1, shape, rounds):
 
 def _check_seed(seed) -> int:
     """``seed`` as an int in [0, 2^64): an int or any integer scalar (``np.int64``)."""
-    number = None
-    if not isinstance(seed, bool) and not (isinstance(seed, torch.Tensor)
-                                           and seed.dtype == torch.bool):
-        try:
-            number = operator.index(seed)
-        except TypeError:
-            number = None
+    number = _plain_int(seed)
     if number is None or not 0 <= number < SEED_LIMIT:
         raise ValueError(f"seed: expected an int in [0, 2^64), got {seed!r}")
     return number

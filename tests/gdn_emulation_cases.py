@@ -55,6 +55,20 @@ def make_token(gen, slots, nheads, dv, dk, per_channel, ndraft=None, act_dtype=t
     return {name: value.to(device) for name, value in token.items()}
 
 
+def random_copies(cache, hi_format: str, lo_format: str, gen) -> None:
+    """Fill a fresh emulation cache's (Mamba-2 or GDN) copies from a random state: hi its
+    rounding to `hi_format`, lo a nearby state stored in `lo_format` (dequantised, with its
+    scales), so that a step that reads the wrong copy shows."""
+    state = torch.randn(cache.hi.shape, generator=gen)
+    cache.hi.copy_(lq.round_to(state, formats.get(hi_format).element))
+    q = lq.quantize(state + 0.1 * torch.randn(state.shape, generator=gen), lo_format)
+    cache.lo.copy_(lq.dequantize(q))
+    if q.scales is not None:
+        cache.lo_scales.copy_(q.scales)
+    if q.global_scale is not None:
+        cache.lo_global.copy_(q.global_scale)
+
+
 def filled_cache(gen, slots, nheads, dv, dk, hi, lo, per_channel, cursors, flushes, window,
                  draft=0, act_dtype=torch.float32, device="cpu", **sr):
     """A cache with random copies (exactly representable in their formats), records at ring
@@ -65,14 +79,7 @@ def filled_cache(gen, slots, nheads, dv, dk, hi, lo, per_channel, cursors, flush
         hi_format=hi[0], hi_rounding=hi[1], lo_format=lo, seed=SEED, act_dtype=act_dtype,
         device=device, **sr,
     )
-    state = torch.randn(slots, nheads, dv, dk, generator=gen)
-    cache.hi.copy_(lq.round_to(state, formats.get(hi[0]).element))
-    q = lq.quantize(state + 0.1 * torch.randn(state.shape, generator=gen), lo)
-    cache.lo.copy_(lq.dequantize(q))
-    if q.scales is not None:
-        cache.lo_scales.copy_(q.scales)
-    if q.global_scale is not None:
-        cache.lo_global.copy_(q.global_scale)
+    random_copies(cache, hi[0], lo, gen)
     lcap = window + draft
     rec = make_token(gen, slots, nheads, dv, dk, per_channel, ndraft=lcap, act_dtype=act_dtype)
     held = torch.arange(lcap)[None, :] < torch.tensor(cursors)[:, None]  # [slots, Lcap]

@@ -35,6 +35,7 @@ if not torch.cuda.is_available():  # Triton cannot compile for a CPU: interpret 
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from checks import assert_bits_equal, assert_within
+from gdn_emulation_cases import random_copies  # noqa: E402
 
 from emulation.replay_decode import ReplayCache, mamba2_replay_decode  # noqa: E402
 from lowprec import formats, mamba2  # noqa: E402
@@ -93,14 +94,7 @@ def filled_cache(gen, slots, shape, hi, lo, act_dtype, device, cursors, flushes,
         slots, h, p, n, ngroups=g, window=window, hi_format=hi[0], hi_rounding=hi[1],
         lo_format=lo, seed=SEED, act_dtype=act_dtype, device=device, **sr,
     )
-    state = torch.randn(slots, h, p, n, generator=gen)
-    cache.hi.copy_(lq.round_to(state, formats.get(hi[0]).element))
-    q = lq.quantize(state + 0.1 * torch.randn(state.shape, generator=gen), lo)
-    cache.lo.copy_(lq.dequantize(q))
-    if q.scales is not None:
-        cache.lo_scales.copy_(q.scales)
-    if q.global_scale is not None:
-        cache.lo_global.copy_(q.global_scale)
+    random_copies(cache, hi[0], lo, gen)
     lcap = cache.ring_x.shape[2]
     held = torch.arange(lcap)[None, :] < torch.tensor(cursors)[:, None]  # [slots, Lcap]
     ring_x = torch.randn(slots, h, lcap, p, generator=gen)
