@@ -176,7 +176,7 @@ class Config:
     per_octave: int = 8
     policies: str = REFERENCE_POLICIES
     graph_tokens: int = 32
-    time_limit_s: float = 0.0  # 0: none; else decoding stops there, keeping what it recorded
+    time_limit_s: float = 0.0  # 0: none; else each decode stops there, keeping what it recorded
     out: str = str(RESULTS / "model_drift_toy.csv")
     plot: str = ""
     progress: bool = True
@@ -788,8 +788,9 @@ def parse_args(argv=None):
     parser.add_argument("--graph-tokens", type=int, default=None,
                         help="tokens per CUDA graph replay (32; 0: no graph)")
     parser.add_argument("--time-limit-s", type=float, default=None,
-                        help="stop decoding after this many seconds, writing the positions "
-                             "reached (the stderr and meta say so)")
+                        help="stop each decode (the exact arm's, then each policy's) after "
+                             "this many seconds, writing the positions reached (the stderr "
+                             "and the meta's positions_reached say so)")
     parser.add_argument("--out", default=None,
                         help="CSV path (default: the preset's under results/model_drift for "
                              "its own command, runs/model_drift.csv otherwise)")
