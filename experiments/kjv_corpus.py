@@ -27,10 +27,11 @@ against the full text's split by ``python -m experiments.train_lm prepare-data``
 from __future__ import annotations
 
 import hashlib
-import os
 import subprocess
 import tempfile
 from pathlib import Path
+
+from experiments._common import atomic_file
 
 __all__ = ["TEXT_SHA256", "BLOCK", "EVERY", "HELDOUT_SLICE", "prepare", "load", "split",
            "heldout_slice"]
@@ -76,9 +77,8 @@ def prepare(out) -> Path:
         raise RuntimeError(f"text: expected SHA-256 {TEXT_SHA256} ({TEXT_SIZE} bytes), got "
                            f"{digest} ({len(text)} bytes)")
     path = out / TEXT_NAME
-    tmp_path = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp_path.write_bytes(text)
-    os.replace(tmp_path, path)
+    with atomic_file(path, "wb") as handle:
+        handle.write(text)
     if HELDOUT_SLICE.is_file() and HELDOUT_SLICE.read_bytes() != heldout_slice(text):
         raise RuntimeError(f"{HELDOUT_SLICE}: expected the first {SLICE_BYTES} held-out bytes "
                            f"of the text, it differs")

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import struct
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -48,6 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from experiments._common import atomic_file
 from lowprec import mamba2 as ref_mamba2
 
 __all__ = [
@@ -464,13 +464,11 @@ def save_safetensors(tensors: dict, path, metadata: dict | None = None) -> None:
         offset += len(data)
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * ((-len(text)) % 8)  # the data starts 8-byte aligned
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
+    with atomic_file(path, "wb") as f:
         f.write(struct.pack("<Q", len(text)))
         f.write(text)
         for blob in blobs:
             f.write(blob)
-    os.replace(tmp, path)
 
 
 def load_safetensors(path) -> dict:
@@ -528,9 +526,8 @@ def save(model: Mamba2LM, folder, dtype=torch.float16, metadata: dict | None = N
     save_safetensors(tensors, folder / WEIGHTS_NAME, metadata)
     config = model.config.to_dict()
     config["torch_dtype"] = str(dtype).removeprefix("torch.")
-    tmp = folder / f".{CONFIG_NAME}.tmp{os.getpid()}"
-    tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, folder / CONFIG_NAME)
+    with atomic_file(folder / CONFIG_NAME) as f:
+        f.write(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return folder
 
 

@@ -26,9 +26,20 @@ interpreter for tiny runs): the model in fp32, every layer of every policy one e
 ``emulation.replay_decode.ReplayCache`` for the windowed arms: separate_exact keeps an fp32
 recurrence copy, shared keeps hi = lo = FORMAT, so only element formats with RN), all
 segments as the slots of one batch; on CUDA each chunk of ``--graph-tokens`` tokens is one
-CUDA graph replay (a token is some 300 small launches). The dense layers of all policies run
-as one batch (rows ``arm * segments + segment``, arm 0 the exact one), so a policy whose
-rounding is the identity gives exactly the exact arm's logits and KL 0.
+CUDA graph replay (a token is some 300 small launches).
+
+Cells. A policy is one cell of `experiments.sharding.run_sweep`: its own decode of the
+segments (batch ``S``), compared with the exact arm's logits, which each process decodes once
+(batch ``S``, the same shapes as a policy's) and keeps at the grid positions. A policy's rows
+therefore do not depend on the other policies or on the process that ran it, and a policy
+whose rounding is the identity gives exactly the exact arm's logits (KL 0). The price against
+one batched decode of every arm: P + 1 decodes of S rows per process instead of one of
+(P + 1) S rows, the same arithmetic but P + 1 times the launches per token on the GPU, and
+each extra rank decodes the exact arm once more. ``torchrun --nproc-per-node N -m
+experiments.model_drift ...`` splits the policies over N ranks (``cuda:LOCAL_RANK`` each, or
+gloo on the CPU) and writes the same CSV bytes; a rerun with the same ``--out`` skips the
+policies finished (``<out>.cells/``). ``--time-limit-s`` bounds each decode: the exact arm's,
+then each policy's up to the tokens the exact arm reached.
 
 Text: ``--data DIR`` (``experiments.train_lm prepare-data``): segment ``s`` starts at held-out
 block ``s`` of ``experiments.kjv_corpus`` (at most 4 segments of at most 131,072 tokens; the
@@ -36,21 +47,23 @@ last target byte is the byte after the block). Without ``--data``: consecutive p
 committed 64 KiB held-out slice.
 
 Outputs: the CSV (columns ``CSV_COLUMNS``, floats ``%.6e``, written atomically) with a
-``.meta.json``, then the figure from the CSV: KL against position, log-log, the median over
-segments with a band from the smallest to the largest, one panel per arm (RN and SR apart for
-every_step). ``--pareto`` redraws "which format should I use" from two committed CSVs: for
-each policy the KL over the last octave of positions (mean over those grid positions and the
-segments) against the per-token decode time ``kernel_bench`` measured (``PARETO_KERNELS``).
+``.meta.json`` (the config, the positions reached, the sharding record), then the figure
+from the CSV: KL against position, log-log, the median over segments with a band from the
+smallest to the largest, one panel per arm (RN and SR apart for every_step). ``--pareto``
+redraws "which format should I use" from two committed CSVs: for each policy the KL over
+the last octave of positions (mean over those grid positions and the segments) against the
+per-token decode time ``kernel_bench`` measured (``PARETO_KERNELS``).
 
     python -m experiments.model_drift --preset toy        # CPU reference, about a minute
     bash scripts/model_drift_gpu.sh                       # the 131,072-token GPU run
     python -m experiments.model_drift --pareto            # redraw the Pareto figure
+    torchrun --nproc-per-node 4 -m experiments.model_drift --preset gpu   # policies on 4 GPUs
 """
 
 from __future__ import annotations
 
+import argparse
 import math
-import os
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
@@ -61,12 +74,15 @@ import torch.nn.functional as F
 
 from experiments import kjv_corpus
 from experiments import mamba2_lm as lm
-from experiments._common import OneLineParser, write_meta
+from experiments._common import OneLineParser, atomic_file, file_sha256, save_small_png, write_meta
+from experiments.sharding import HELP as SHARDING_HELP
+from experiments.sharding import add_arguments as add_sharding_arguments
 from lowprec import formats
 from lowprec.policies import Policy, Simulator, make_policy
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "results" / "model_drift"
+SOURCE = "experiments.model_drift"
 CSV_COLUMNS = ("model", "recurrence", "arm", "format", "rounding", "window", "segment",
                "position", "kl", "dlogp", "top1_agree")
 ARMS = ("every_step", "shared", "separate_exact", "separate_fp16sr")
@@ -160,7 +176,7 @@ class Config:
     per_octave: int = 8
     policies: str = REFERENCE_POLICIES
     graph_tokens: int = 32
-    time_limit_s: float = 0.0  # 0: none; else decoding stops there, keeping what it recorded
+    time_limit_s: float = 0.0  # 0: none; else each decode stops there, keeping what it recorded
     out: str = str(RESULTS / "model_drift_toy.csv")
     plot: str = ""
     progress: bool = True
@@ -227,13 +243,14 @@ def _arm_policy(spec: PolicySpec, c: Config) -> Policy:
 
 
 class ReferenceSSM:
-    """Every arm's SSM state by ``lowprec.policies.Simulator`` (fp64), one per arm and layer;
-    rows ``arm * S + segment`` (arm 0 exact)."""
+    """The SSM states of ``arms`` (a `PolicySpec` each, None for the exact state) by
+    ``lowprec.policies.Simulator`` (fp64), one per arm and layer; rows ``arm * S + segment``."""
 
-    def __init__(self, model: lm.Mamba2LM, specs, c: Config):
+    def __init__(self, model: lm.Mamba2LM, arms, c: Config):
         mc = model.config
         self.model, self.S = model, c.segments
-        policies = [Policy("exact", window=c.window)] + [_arm_policy(s, c) for s in specs]
+        policies = [Policy("exact", window=c.window) if s is None else _arm_policy(s, c)
+                    for s in arms]
         self.sims = [[Simulator("mamba2", p, c.segments, mc.num_heads, mc.head_dim,
                                 mc.state_size, dtype=torch.float64)
                       for _ in range(mc.num_hidden_layers)] for p in policies]
@@ -255,9 +272,10 @@ class ReferenceSSM:
 
 
 class EmulationSSM:
-    """Every arm's SSM state in emulation caches (module docstring), one per arm and layer."""
+    """The SSM states of ``arms`` (None for the exact state) in emulation caches (module
+    docstring), one per arm and layer; rows ``arm * S + segment``."""
 
-    def __init__(self, model: lm.Mamba2LM, specs, c: Config):
+    def __init__(self, model: lm.Mamba2LM, arms, c: Config):
         from emulation.replay_decode import ReplayCache
         from emulation.state_update import StateCache
 
@@ -266,7 +284,7 @@ class EmulationSSM:
         self.check = c.device == "cpu"  # on CUDA no per-call counter read (a stream sync)
         shape = (c.segments, mc.num_heads, mc.head_dim, mc.state_size)
         self.caches = []
-        for spec in (None, *specs):
+        for spec in arms:
             layers = []
             for _ in range(mc.num_hidden_layers):
                 if spec is None or spec.arm == "every_step":
@@ -338,32 +356,28 @@ def model_name(folder: Path) -> str:
     return str(data.get("name") or data.get("_name_or_path") or Path(folder).resolve().name)
 
 
-def run(c: Config) -> list[tuple]:
-    """Decode and measure; returns the CSV rows (module docstring)."""
-    from tqdm import tqdm
-
+def validate(c: Config) -> tuple[PolicySpec, ...]:
+    """The config's policies, after the checks that need no decode (policies, backend, model
+    folder, text); ValueError in one line."""
     specs = parse_policies(c.policies)
     check_backend(c, specs)
-    device = torch.device(c.device)
-    dtype = torch.float64 if c.backend == "reference" else torch.float32
-    model = lm.load(c.model, dtype=dtype, device=device)
-    ids = load_segments(c).to(device)
-    S, P = c.segments, len(specs)
-    if c.backend == "reference":  # small ops: threads only wait on each other
-        torch.set_num_threads(1)
-    rows_ids = ids.repeat(P + 1, 1)  # row arm * S + segment
-    keeper = (ReferenceSSM if c.backend == "reference" else EmulationSSM)(model, specs, c)
-    decoder = lm.Decoder(model, rows_ids.shape[0], keeper)
-    grid = set(log_grid(c.tokens, c.per_octave))
-    found = []  # (position, kl [P, S], dlogp, agree) on the device until the end
+    _read_config(c.model)
+    load_segments(c)
+    return specs
 
-    def record(position, logits):
-        if position in grid:
-            logits = logits.view(P + 1, S, -1)
-            found.append((position, *token_metrics(logits[0], logits[1:], ids[:, position])))
 
-    bar = tqdm(total=c.tokens, desc=f"decode {P} policies x {S} segments", unit="tok",
-               disable=not c.progress, file=sys.stderr, dynamic_ncols=True, smoothing=0.05)
+def _decode(c: Config, keeper, model, ids: torch.Tensor, tokens: int, on_logits,
+            desc: str) -> int:
+    """Teacher-forced decode of the rows of ``ids`` (``[rows, >= tokens]``) for ``tokens``
+    tokens, ``on_logits(position, logits [rows, V])`` after each (position = tokens consumed);
+    on CUDA chunks of ``c.graph_tokens`` tokens are CUDA graph replays. Returns the tokens
+    decoded: ``tokens``, or fewer when ``c.time_limit_s`` stopped it."""
+    from tqdm import tqdm
+
+    device = ids.device
+    decoder = lm.Decoder(model, ids.shape[0], keeper)
+    bar = tqdm(total=tokens, desc=desc, unit="tok", disable=not c.progress, file=sys.stderr,
+               dynamic_ncols=True, smoothing=0.05)
     use_graph = device.type == "cuda" and c.graph_tokens > 0
     G = c.graph_tokens
     t = 0
@@ -373,49 +387,151 @@ def run(c: Config) -> list[tuple]:
         return bool(c.time_limit_s) and time.time() - start > c.time_limit_s
 
     with torch.no_grad():
-        warm = min(c.tokens, G) if use_graph else c.tokens
-        stream = torch.cuda.Stream() if use_graph else None
+        warm = min(tokens, G) if use_graph else tokens
+        stream = torch.cuda.Stream(device) if use_graph else None
         with torch.cuda.stream(stream) if use_graph else _null():
             for _ in range(warm):  # also compiles the kernels before a graph captures them
-                record(t + 1, decoder.step(rows_ids[:, t]))
+                on_logits(t + 1, decoder.step(ids[:, t]))
                 t += 1
                 bar.update(1)
         if use_graph:
-            torch.cuda.current_stream().wait_stream(stream)
-            static_ids = torch.empty(G, rows_ids.shape[0], dtype=torch.int64, device=device)
-            static_logits = torch.empty(G, rows_ids.shape[0], model.config.vocab_size,
-                                        dtype=dtype, device=device)
+            torch.cuda.current_stream(device).wait_stream(stream)
+            static_ids = torch.empty(G, ids.shape[0], dtype=torch.int64, device=device)
+            static_logits = torch.empty(G, ids.shape[0], model.config.vocab_size,
+                                        dtype=model.lm_head.weight.dtype, device=device)
             graph = torch.cuda.CUDAGraph()
-            captured = t + G <= c.tokens
+            captured = t + G <= tokens
             if captured:
-                static_ids.copy_(rows_ids[:, t:t + G].T)
+                static_ids.copy_(ids[:, t:t + G].T)
                 with torch.cuda.graph(graph):  # capturing runs nothing: tokens t..t+G-1 below
                     for g in range(G):
                         static_logits[g].copy_(decoder.step(static_ids[g]))
-            while captured and t + G <= c.tokens and not over_time():
-                static_ids.copy_(rows_ids[:, t:t + G].T)
+            while captured and t + G <= tokens and not over_time():
+                static_ids.copy_(ids[:, t:t + G].T)
                 graph.replay()
                 for g in range(G):
-                    record(t + g + 1, static_logits[g])
+                    on_logits(t + g + 1, static_logits[g])
                 t += G
                 bar.update(G)
-        while t < c.tokens and not (t % 64 == 0 and over_time()):
-            record(t + 1, decoder.step(rows_ids[:, t]))
+        while t < tokens and not (t % 64 == 0 and over_time()):
+            on_logits(t + 1, decoder.step(ids[:, t]))
             t += 1
             bar.update(1)
     bar.close()
-    if t < c.tokens:
-        print(f"time limit {c.time_limit_s:g} s: stopped after {t} of {c.tokens} tokens",
+    if t < tokens:
+        print(f"{desc}: time limit {c.time_limit_s:g} s: stopped after {t} of {tokens} tokens",
               file=sys.stderr)
+    return t
+
+
+# one entry per process: the model, the text and the exact arm's logits at the grid positions
+_EXACT_CACHE: dict = {}
+
+
+def _keeper(c: Config, model, arms):
+    return (ReferenceSSM if c.backend == "reference" else EmulationSSM)(model, arms, c)
+
+
+def exact_state_logits(c: Config):
+    """``(model, ids [S, tokens + 1], reached, {position: exact logits [S, V]})`` for the
+    config, the exact arm decoded once per process (every policy cell of the process reuses
+    it); ``reached`` is the tokens it decoded (fewer than ``tokens`` under a time limit)."""
+    key = replace(c, policies="", out="", plot="", progress=False)
+    if key in _EXACT_CACHE:
+        return _EXACT_CACHE[key]
+    device = torch.device(c.device)
+    dtype = torch.float64 if c.backend == "reference" else torch.float32
+    if c.backend == "reference":  # small ops: threads only wait on each other
+        torch.set_num_threads(1)
+    model = lm.load(c.model, dtype=dtype, device=device)
+    ids = load_segments(c).to(device)
+    grid = set(log_grid(c.tokens, c.per_octave))
+    found = {}
+
+    def keep(position, logits):
+        if position in grid:
+            found[position] = logits.clone()
+
+    with torch.cuda.device(device) if device.type == "cuda" else _null():
+        reached = _decode(c, _keeper(c, model, [None]), model, ids, c.tokens, keep,
+                          f"decode the exact state x {c.segments} segments")
+    _EXACT_CACHE.clear()
+    _EXACT_CACHE[key] = (model, ids, reached, found)
+    return _EXACT_CACHE[key]
+
+
+def run_cell(c: Config, spec: PolicySpec) -> list[tuple]:
+    """The CSV rows of one policy (a cell): its own decode of the ``S`` segments against the
+    process's exact arm (`exact_state_logits`), so a policy's rows do not depend on which
+    other policies run, or where: segment-major, positions increasing."""
+    model, ids, reached, exact = exact_state_logits(c)
+    device = ids.device
+    found = []  # (position, kl [1, S], dlogp, agree) on the device until the end
+
+    def record(position, logits):
+        if position in exact:
+            found.append((position, *token_metrics(exact[position], logits[None],
+                                                   ids[:, position])))
+
+    with torch.cuda.device(device) if device.type == "cuda" else _null():
+        _decode(c, _keeper(c, model, [spec]), model, ids, reached, record,
+                f"decode {spec.label} x {c.segments} segments")
     name = model_name(Path(c.model))
-    out = []
-    for p_idx, spec in enumerate(specs):
-        for s in range(S):
-            for position, kl, dlogp, agree in found:
-                out.append((name, "mamba2", spec.arm, spec.fmt, spec.rounding, c.window, s,
-                            position, f"{kl[p_idx, s].item():.6e}",
-                            f"{dlogp[p_idx, s].item():.6e}", int(agree[p_idx, s].item())))
-    return out
+    return [(name, "mamba2", spec.arm, spec.fmt, spec.rounding, c.window, s, position,
+             f"{kl[0, s].item():.6e}", f"{dlogp[0, s].item():.6e}", int(agree[0, s].item()))
+            for s in range(c.segments) for position, kl, dlogp, agree in found]
+
+
+def run(c: Config) -> list[tuple]:
+    """Every policy's rows in this process, in ``--policies`` order (module docstring)."""
+    specs = validate(c)
+    return [row for spec in specs for row in run_cell(c, spec)]
+
+
+def cell_key(spec: PolicySpec) -> str:
+    return f"{spec.arm}:{spec.fmt}:{spec.rounding}"
+
+
+def sweep_arguments(c: Config) -> dict:
+    """What determines the rows, for the cell store's fingerprint: the config without its
+    output paths and progress, the device's kind only (``cuda:LOCAL_RANK`` differs per rank),
+    and the checkpoint's and text's bytes (a retrained model at the same path is new)."""
+    settings = {k: v for k, v in asdict(c).items() if k not in ("out", "plot", "progress")}
+    settings["device"] = torch.device(c.device).type
+    weights = Path(c.model) / lm.WEIGHTS_NAME
+    settings["model_sha256"] = file_sha256(weights) if weights.is_file() else None
+    settings["config_sha256"] = file_sha256(Path(c.model) / lm.CONFIG_NAME)
+    return settings
+
+
+def sweep(c: Config, command: str, *, keep_cells: bool = False):
+    """Every policy cell through `experiments.sharding.run_sweep` (this process, or split
+    over the ranks under ``torchrun``): the CSV at ``c.out`` in ``--policies`` order, then its
+    meta.json with the sharding record. Returns the `Sweep` (its ``frame`` None on ranks
+    other than 0)."""
+    import pandas as pd
+
+    from experiments.sharding import run_sweep
+
+    specs = validate(c)
+    arguments = sweep_arguments(c)
+
+    def one_cell(spec: PolicySpec):
+        return pd.DataFrame(run_cell(c, spec), columns=list(CSV_COLUMNS))
+
+    def meta(out: Path, seconds: float, record: dict) -> None:
+        config = {k: v for k, v in arguments.items() if not k.endswith("sha256")}
+        frame = read_csv(out)
+        write_meta(out, command, seconds, config, device=c.device,
+                   extra={"experiment": SOURCE, "model_sha256": arguments["model_sha256"],
+                          "positions_reached": int(frame["position"].max()),
+                          "sharding": record})
+
+    return run_sweep(specs, one_cell, out=c.out, arguments=arguments, key=cell_key,
+                     write_csv=lambda frame, path: write_csv(
+                         path, frame.itertuples(index=False, name=None)),
+                     write_meta=meta, keep_cells=keep_cells,
+                     progress=10.0 if c.progress else None)
 
 
 class _null:
@@ -430,14 +546,10 @@ def write_csv(path, rows) -> None:
     """The CSV, atomically (a temporary name in the same folder, then a rename)."""
     import csv
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w", newline="") as f:
-        writer = csv.writer(f, lineterminator="\n")
+    with atomic_file(path) as handle:
+        writer = csv.writer(handle, lineterminator="\n")
         writer.writerow(CSV_COLUMNS)
         writer.writerows(rows)
-    os.replace(tmp, path)
 
 
 def read_csv(path):
@@ -520,7 +632,7 @@ def plot(csv_path, png) -> None:
                  f"{frame['segment'].nunique()} segments (line: median, band: min..max)",
                  fontsize=10)
     fig.tight_layout()
-    fig.savefig(png, dpi=150, bbox_inches="tight")
+    save_small_png(fig, png, dpi=150, source=SOURCE)
     plt.close(fig)
 
 
@@ -610,7 +722,7 @@ def pareto(drift_csv, bench_csv, png, shape: str = "mamba2-2.7b") -> list[tuple]
     ax.grid(alpha=0.3, which="both")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, frameon=False)
     fig.tight_layout()
-    fig.savefig(png, dpi=150, bbox_inches="tight")
+    save_small_png(fig, png, dpi=150, source=SOURCE)
     plt.close(fig)
     return [(p[0], p[1], p[2], on) for p, on in zip(points, front, strict=True)]
 
@@ -651,6 +763,8 @@ def parse_args(argv=None):
                     "--preset toy: CPU reference, a few thousand tokens, about a minute; "
                     "--preset gpu: Triton emulation, 131,072 tokens; --pareto: redraw the "
                     "Pareto figure from the committed CSVs.",
+        epilog=SHARDING_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--preset", choices=sorted(PRESETS), default="toy",
                         help="toy (default) or gpu; flags below override it")
@@ -674,8 +788,9 @@ def parse_args(argv=None):
     parser.add_argument("--graph-tokens", type=int, default=None,
                         help="tokens per CUDA graph replay (32; 0: no graph)")
     parser.add_argument("--time-limit-s", type=float, default=None,
-                        help="stop decoding after this many seconds, writing the positions "
-                             "reached (the stderr and meta say so)")
+                        help="stop each decode (the exact arm's, then each policy's) after "
+                             "this many seconds, writing the positions reached (the stderr "
+                             "and the meta's positions_reached say so)")
     parser.add_argument("--out", default=None,
                         help="CSV path (default: the preset's under results/model_drift for "
                              "its own command, runs/model_drift.csv otherwise)")
@@ -690,6 +805,7 @@ def parse_args(argv=None):
     parser.add_argument("--bench-shape", default="mamba2-2.7b",
                         help="--pareto: kernel_bench shape whose times are used")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_sharding_arguments(parser)
     args = parser.parse_args(argv)
     c = PRESETS[args.preset]
     overrides = {}
@@ -728,10 +844,15 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args, c = parse_args(argv)
     prog = "python -m experiments.model_drift"
+    from experiments.sharding import SweepStopped, is_main_rank, local_device
+
     try:
         if args.pareto:
+            if not is_main_rank():
+                return 0
             png = args.plot or str(RESULTS / "model_drift_pareto.png")
             for label, us, value, on in pareto(args.drift_csv, args.bench, png,
                                                args.bench_shape):
@@ -739,12 +860,14 @@ def main(argv=None) -> int:
             print(f"wrote {png}")
             return 0
         if not args.replot:
-            start = time.time()
-            rows = run(c)
-            write_csv(c.out, rows)
-            config = {k: v for k, v in asdict(c).items() if k not in ("out", "plot", "progress")}
-            write_meta(c.out, " ".join([prog, *sys.argv[1:]]), time.time() - start, config,
-                       device=c.device)
+            # under torchrun each rank on its own GPU (the CSV and meta record the kind only)
+            c = replace(c, device=local_device(c.device))
+            try:
+                done = sweep(c, " ".join([prog, *argv]), keep_cells=args.keep_cells)
+            except SweepStopped as stopped:  # its line is printed; the same command resumes
+                return stopped.code
+            if not done.is_writer:  # a rank other than 0: rank 0 writes, plots, summarises
+                return 0
         plot(c.out, c.plot)
         print(summarize(c.out))
     except ValueError as err:

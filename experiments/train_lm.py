@@ -37,7 +37,6 @@ from __future__ import annotations
 import csv
 import json
 import math
-import os
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
@@ -48,7 +47,7 @@ import torch.nn.functional as F
 
 from experiments import kjv_corpus
 from experiments import mamba2_lm as lm
-from experiments._common import OneLineParser, save_small_png, write_meta
+from experiments._common import OneLineParser, atomic_file, save_small_png, write_meta
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "results" / "model_drift"
@@ -293,14 +292,10 @@ def decay_spectrum(model, windows, device) -> list[tuple]:
 
 def write_csv(path: Path, columns, rows) -> None:
     """Write a CSV atomically: a temporary name in the same folder, then a rename."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w", newline="") as f:
+    with atomic_file(path) as f:
         writer = csv.writer(f, lineterminator="\n")
         writer.writerow(columns)
         writer.writerows(rows)
-    os.replace(tmp, path)
 
 
 def read_csv(path: Path, columns) -> list[dict]:

@@ -8,8 +8,9 @@
 # 1. trains the default model (experiments.train_lm, at most MD_TRAIN_S seconds of training,
 #    default 180), writing the checkpoint, loss curve, held-out bits per byte and decay spectrum;
 # 2. runs experiments.model_drift --preset gpu on that checkpoint: the Triton emulation, 16
-#    policies and the exact arm, 4 held-out segments of 131,072 tokens, CUDA graphs (decoding
-#    stops after MD_DRIFT_S seconds, default 300, and writes the positions it reached);
+#    policies and the exact arm, 4 held-out segments of 131,072 tokens, CUDA graphs (each of
+#    the 17 decodes stops after MD_DRIFT_S seconds, default 300, keeping the positions it
+#    reached); MD_NPROC=N (default 1) splits the policies over N GPUs with torchrun;
 # 3. draws the Pareto figure from the drift CSV and results/kernel_bench.csv.
 #
 # Everything lands in $OUT as model_drift_gpu.tar.gz (train/ and drift/, the logs inside) and
@@ -21,7 +22,7 @@
 #       interpreter, 20 tokens, 2 policies): checks the script end to end in a few minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-for knob in MD_TRAIN_S MD_DRIFT_S; do
+for knob in MD_TRAIN_S MD_DRIFT_S MD_NPROC; do
   value=${!knob:-0}
   if ! [[ $value =~ ^(0|[1-9][0-9]*)$ ]]; then
     echo "model_drift_gpu.sh: $knob: expected a whole number of seconds, got '$value'" >&2
@@ -47,6 +48,7 @@ if [ "${MD_DRY_RUN:-0}" = 1 ]; then
   train=(--preset toy --steps 3 --device cpu)
   drift=(--backend emulation --device cpu --tokens 20 --segments 1
          --policies every_step:fp16:rn,separate_fp16sr:nvfp4)
+  decodes=3  # the exact arm and 2 policies
 else
   if [ ! -f "$data/kjv.txt" ]; then
     echo "model_drift_gpu.sh: $data/kjv.txt: expected the text (carry runs/kjv after prepare-data)" | tee -a "$log" >&2
@@ -54,6 +56,7 @@ else
   fi
   train=(--data "$data" --time-limit-s "${MD_TRAIN_S:-180}")
   drift=(--preset gpu --data "$data")
+  decodes=17  # the exact arm and 16 policies
 fi
 
 start=$(date +%s)
@@ -65,7 +68,14 @@ echo "train: exit $status, $(( $(date +%s) - start )) s: $(tail -n 2 "$out/train
 if [ -f "$out/train/model/config.json" ]; then
   t0=$(date +%s)
   drift_s=${MD_DRIFT_S:-300}
-  timeout $(( drift_s + 60 )) "$py" -m experiments.model_drift "${drift[@]}" \
+  nproc=${MD_NPROC:-1}
+  if [ "$nproc" -gt 1 ]; then
+    launch=("$py" -m torch.distributed.run --standalone --nproc-per-node "$nproc" -m)
+  else
+    launch=("$py" -m)
+  fi
+  # each decode has its own limit; a rank decodes the exact arm and its share of the policies
+  timeout $(( drift_s * decodes + 120 )) "${launch[@]}" experiments.model_drift "${drift[@]}" \
     --model "$out/train/model" --out "$out/drift/model_drift_gpu.csv" --time-limit-s "$drift_s" \
     > "$out/drift/model_drift.log" 2>&1
   rc=$?

@@ -1,7 +1,13 @@
 """The model-drift harness: its exact arm against the model's parallel forward, exact formats
-giving KL 0, the tie-aware agreement, the CSV reader, the Pareto figure and the command line."""
+giving KL 0, the tie-aware agreement, the CSV reader, the Pareto figure, the command line, and
+its policies as cells of experiments.sharding (one process, and two gloo ranks under torchrun:
+about 30 s on a 2-core machine, marked slow)."""
 
+import json
 import math
+import os
+import subprocess
+import sys
 from dataclasses import replace
 
 import pytest
@@ -30,21 +36,22 @@ def config(model, **kw):
 
 
 def test_exact_arm_reproduces_the_parallel_forward(tiny_model):
-    """The harness's exact arm (row block 0: fp64 model, Policy('exact') simulators) gives the
-    fp32 training forward's logits within the fp32 tolerance of logits_tolerance (23 tokens,
-    2 segments of the committed held-out text)."""
+    """The harness's exact arm (fp64 model, Policy('exact') simulators, as
+    `exact_state_logits` decodes it) gives the fp32 training forward's logits within the fp32
+    tolerance of logits_tolerance (23 tokens, 2 segments of the committed held-out text)."""
     c = config(tiny_model)
     model64 = lm.load(c.model, dtype=torch.float64)
-    specs = md.parse_policies("shared:nvfp4")
-    keeper = md.ReferenceSSM(model64, specs, c)
+    keeper = md.ReferenceSSM(model64, [None], c)
     tokens = md.load_segments(c)[:, : c.tokens]
-    decoder = lm.Decoder(model64, 2 * c.segments, keeper)
-    rows = tokens.repeat(2, 1)
-    exact = torch.stack([decoder.step(rows[:, t])[: c.segments] for t in range(c.tokens)], 1)
+    decoder = lm.Decoder(model64, c.segments, keeper)
+    exact = torch.stack([decoder.step(tokens[:, t]) for t in range(c.tokens)], 1)
     with torch.no_grad():
         parallel = lm.load(c.model)(tokens)
     tol = logits_tolerance(model64.config, c.tokens, torch.float32)
     assert rel_rms(parallel, exact) < tol
+    _, _, reached, kept = md.exact_state_logits(c)
+    assert reached == c.tokens and sorted(kept) == md.log_grid(c.tokens, c.per_octave)
+    assert torch.equal(kept[c.tokens], exact[:, -1])
 
 
 def test_exact_formats_give_kl_zero_exactly(tiny_model):
@@ -190,3 +197,112 @@ def test_emulation_fp32_policy_gives_kl_zero_on_cuda(tiny_model):
     c = config(tiny_model, tokens=40, backend="emulation", device="cuda",
                policies="every_step:fp32")
     assert all(float(r[8]) == 0.0 for r in md.run(c))
+
+
+# --------------------------------------------------------------------------------------------
+# cells: one process and several ranks (torchrun, gloo on the CPU)
+
+CELL_POLICIES = "every_step:bf16:sr,shared:nvfp4,separate_fp16sr:mxfp4"
+
+
+def cli(model, out, policies=CELL_POLICIES):
+    return ["--model", str(model), "--tokens", "23", "--segments", "2", "--window", "4",
+            "--per-octave", "4", "--policies", policies, "--no-progress", "--out", str(out)]
+
+
+def test_a_policys_rows_do_not_depend_on_the_other_policies(tiny_model):
+    """A cell decodes its policy alone against the process's exact arm: shared nvfp4 run
+    beside two other policies gives the same rows, string for string, as run alone (SR draws
+    included), and a fp64 control beside them stays at KL 0."""
+    c = config(tiny_model, policies=CELL_POLICIES + ",every_step:fp64")
+    together = md.run(c)
+    alone = md.run(replace(c, policies="shared:nvfp4"))
+    assert [r for r in together if r[2] == "shared"] == alone
+    assert all(float(r[8]) == 0.0 for r in together if r[3] == "fp64")
+    assert max(float(r[8]) for r in alone) > 0
+
+
+def test_one_process_sweep_writes_the_rows_of_run_and_resumes(tiny_model, tmp_path, capsys,
+                                                              monkeypatch):
+    """The command's CSV is write_csv(run(config)) byte for byte, its meta.json records world
+    size 1 and one cell a policy; a run whose second cell raises stops with exit 1 and keeps
+    the first in <out>.cells, and the same command skips it and writes the same bytes."""
+    out = tmp_path / "d.csv"
+    assert md.main(cli(tiny_model, out)) == 0
+    expected = tmp_path / "expected.csv"
+    md.write_csv(expected, md.run(config(tiny_model, policies=CELL_POLICIES)))
+    assert out.read_bytes() == expected.read_bytes()
+    meta = json.loads((tmp_path / "d.meta.json").read_text())
+    assert meta["sharding"]["world_size"] == 1 and meta["sharding"]["cells"] == 3
+    assert meta["positions_reached"] == 23 and meta["config"]["device"] == "cpu"
+    assert not (tmp_path / "d.csv.cells").exists()
+
+    real = md.run_cell
+
+    def second_fails(c, spec):
+        if spec.arm == "shared":
+            raise ValueError("a failing cell")
+        return real(c, spec)
+
+    resumed = tmp_path / "r.csv"
+    monkeypatch.setattr(md, "run_cell", second_fails)
+    capsys.readouterr()
+    assert md.main(cli(tiny_model, resumed)) == 1
+    assert "'shared:nvfp4:rn' failed" in capsys.readouterr().err and not resumed.exists()
+    monkeypatch.setattr(md, "run_cell", real)
+    assert md.main(cli(tiny_model, resumed)) == 0
+    assert "resuming: skipping 1 of 3 cells" in capsys.readouterr().err
+    assert resumed.read_bytes() == expected.read_bytes()
+
+
+# ends the process at once (a killed rank) when the policy named by the environment starts
+KILLER = """import os, sys
+from experiments import model_drift as md
+real = md.run_cell
+def run_cell(c, spec):
+    if md.cell_key(spec) == os.environ.get("KILL_CELL"):
+        os._exit(3)
+    return real(c, spec)
+md.run_cell = run_cell
+sys.exit(md.main(sys.argv[1:]))
+"""
+
+
+def _torchrun(tmp_path, argv, **env):
+    """The command under ``torch.distributed.run --standalone`` with 2 CPU ranks (gloo); a
+    hang fails the test through the timeout."""
+    script = tmp_path / "killer.py"
+    script.write_text(KILLER)
+    environment = {**os.environ, "PYTHONPATH": str(md.ROOT), "OMP_NUM_THREADS": "1",
+                   "CUDA_VISIBLE_DEVICES": "", **env}
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        environment.pop(name, None)
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone",
+         str(script), *argv], cwd=tmp_path, capture_output=True, text=True, timeout=240,
+        env=environment)
+
+
+@pytest.mark.slow
+def test_two_ranks_write_the_one_process_bytes_and_a_killed_rank_resumes(tiny_model,
+                                                                          tmp_path):
+    """torchrun --nproc-per-node 2 (gloo, reference backend, 3 policies): the merged CSV is
+    the single process's bytes and its meta.json records world size 2 and 2 + 1 cells; a
+    rank killed when its second policy starts leaves its first in the store, and the same
+    command skips it and writes the same bytes."""
+    single = tmp_path / "single.csv"
+    assert md.main(cli(tiny_model, single)) == 0
+    sharded = tmp_path / "sharded.csv"
+    done = _torchrun(tmp_path, cli(tiny_model, sharded))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert sharded.read_bytes() == single.read_bytes()
+    record = json.loads((tmp_path / "sharded.meta.json").read_text())["sharding"]
+    assert record["world_size"] == 2
+    assert sorted(r["cells"] for r in record["ranks"]) == [1, 2]
+    resumed = tmp_path / "resumed.csv"
+    killed = _torchrun(tmp_path, cli(tiny_model, resumed), KILL_CELL="separate_fp16sr:mxfp4:rn")
+    assert killed.returncode != 0 and not resumed.exists()
+    rerun = _torchrun(tmp_path, cli(tiny_model, resumed))
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    assert "resuming: skipping" in rerun.stderr
+    assert resumed.read_bytes() == single.read_bytes()
