@@ -40,6 +40,7 @@ replace foreign files; ``--replot`` checks the CSV as error_growth's ``--replot`
     python -m experiments.spec_error --preset toy             # about a minute on a 2-core CPU
     python -m experiments.spec_error --preset toy --replot
     python -m experiments.spec_error --preset toy --draft 2,8 --acceptance 0.5,4-1-1
+    python -m experiments.spec_error --preset gdn-toy     # Gated DeltaNet (kda-toy: KDA)
 """
 
 from __future__ import annotations
@@ -548,6 +549,14 @@ PRESETS = {
         "formats": "fp8_e4m3_row", "rounding": "sr",
     },
 }
+for _recurrence in ("gdn", "kda"):  # the delta rule at a small head, a CPU minute each
+    PRESETS[f"{_recurrence}-toy"] = {
+        "recurrence": _recurrence, "dv": 16, "dk": 32, "heads": 1, "seeds": 4, "tokens": 1024,
+        "window": "16", "draft": "4", "acceptance": "0.5,0.9", "memory": ["long", "short"],
+        "arms": "every_step:fp16:rn,shared:nvfp4:rn,separate_exact:nvfp4,"
+        "separate_fp16sr:nvfp4",
+        "formats": "nvfp4", "rounding": "rn",
+    }
 _HELP = {
     "recurrence": "mamba2, gdn or kda",
     "dv": "rows of the state per head", "dk": "columns of the state per head",
