@@ -120,7 +120,7 @@ the wrong type, a negative error, a step off the recorded grid, or a row twice.
         --heads 128 --seeds 2 --steps 131072 --log-grid 48 \
         --arms separate_fp16sr:nvfp4,every_step:fp16:rn --memory long \
         --out results/error_growth_emulation_gpu.csv --plot results/error_growth_emulation_gpu.png
-                                                  # H200 (bash scripts/gpu_session.sh E)
+                                                  # on a GPU (scripts/gpu.sh error-growth)
 
 The default preset (Nemotron-3-Super head shape, 2 heads x 2 seeds, 16,384 steps, 16 arms)
 took 348 s on a 2-core CPU (its meta.json). Its every_step arms are RN: SR at every token
