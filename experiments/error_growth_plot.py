@@ -12,11 +12,10 @@ import textwrap
 from pathlib import Path
 
 from experiments._common import save_small_png
-from experiments.error_growth import (
+from experiments.error_growth_config import MEMORY_PROFILES, SOURCE
+from experiments.error_growth_table import (
     DECADES,
-    MEMORY_PROFILES,
     ONE_TWO_FIVE,
-    SOURCE,
     log_subs,
     read_csv,
     window_means,

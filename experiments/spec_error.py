@@ -40,6 +40,7 @@ replace foreign files; ``--replot`` checks the CSV as error_growth's ``--replot`
     python -m experiments.spec_error --preset toy             # about a minute on a 2-core CPU
     python -m experiments.spec_error --preset toy --replot
     python -m experiments.spec_error --preset toy --draft 2,8 --acceptance 0.5,4-1-1
+    python -m experiments.spec_error --preset gdn-toy     # Gated DeltaNet (kda-toy: KDA)
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from experiments import error_growth as eg
+from experiments import error_growth_config as eg
 from experiments._common import (
     FLOAT_6E,
     BadFile,
@@ -83,6 +84,10 @@ from experiments._common import (
     write_csv,
     write_meta,
 )
+from experiments.error_growth_backends import _cpu_threads
+from experiments.error_growth_cli import _check_plot_path, _setting_words, _show
+from experiments.error_growth_plot import _arm_legend, _arm_style, _memory_label
+from experiments.error_growth_table import FLOAT_FORMAT
 from lowprec import formats, philox
 from lowprec.metrics import rel_err
 from lowprec.policies import round_state
@@ -353,7 +358,7 @@ def run_cell(config: Config, cell: Cell) -> pd.DataFrame:
     errors = torch.full((batch, c.tokens), float("nan"), dtype=torch.float64)
     done = torch.zeros(batch, dtype=torch.int64)
     verify = 0
-    with torch.no_grad(), eg._cpu_threads(1):
+    with torch.no_grad(), _cpu_threads(1):
         while int(done.min()) < c.tokens:
             drafts = _drafts(gens, c, cell.draft)
             y, y_hat = exact.verify(*drafts), arm.verify(*drafts)
@@ -401,7 +406,7 @@ def run(config: Config, progress: bool = True, command: str | None = None) -> pd
                   f"T {cell.draft}, acceptance {cell.acceptance.label}", file=sys.stderr)
         frames.append(run_cell(config, cell))
     frame = pd.concat(frames, ignore_index=True)
-    write_csv(frame, config.out, float_format=eg.FLOAT_FORMAT)
+    write_csv(frame, config.out, float_format=FLOAT_FORMAT)
     c = config
     settings = {
         "recurrence": c.recurrence, "dv": c.dv, "dk": c.dk, "heads": c.heads,
@@ -487,8 +492,8 @@ def plot(csv_path: str | Path, png_path: str | Path) -> None:
             for (arm, hi, hi_r), curve in panel.groupby(["arm", "hi_format", "hi_rounding"],
                                                          sort=False):
                 scheme = arm.split(":")[0]
-                colour, dash = eg._arm_style(hi, hi_r, scheme)
-                label = eg._arm_legend(scheme, hi, hi_r)
+                colour, dash = _arm_style(hi, hi_r, scheme)
+                label = _arm_legend(scheme, hi, hi_r)
                 # below 1e-12 is FP64 roundoff: an arm exact there (before its first flush)
                 curve = curve[curve["median"] > 1e-12].sort_values("last")
                 if curve.empty:
@@ -507,7 +512,7 @@ def plot(csv_path: str | Path, png_path: str | Path) -> None:
             accepted = (f"acceptance {acc[1:]}" if acc.startswith("p")
                         else f"committed {acc.replace('-', ', ')}")
             ax.set_title(f"read copy {fmt}, L = {window}, T = {draft}, {accepted}\n"
-                         f"memory {eg._memory_label(mem)}", fontsize=8)
+                         f"memory {_memory_label(mem)}", fontsize=8)
             if r == len(rows) - 1:
                 ax.set_xlabel("committed tokens (end of block of L)", fontsize=8)
             if col == 0:
@@ -544,6 +549,14 @@ PRESETS = {
         "formats": "fp8_e4m3_row", "rounding": "sr",
     },
 }
+for _recurrence in ("gdn", "kda"):  # the delta rule at a small head, a CPU minute each
+    PRESETS[f"{_recurrence}-toy"] = {
+        "recurrence": _recurrence, "dv": 16, "dk": 32, "heads": 1, "seeds": 4, "tokens": 1024,
+        "window": "16", "draft": "4", "acceptance": "0.5,0.9", "memory": ["long", "short"],
+        "arms": "every_step:fp16:rn,shared:nvfp4:rn,separate_exact:nvfp4,"
+        "separate_fp16sr:nvfp4",
+        "formats": "nvfp4", "rounding": "rn",
+    }
 _HELP = {
     "recurrence": "mamba2, gdn or kda",
     "dv": "rows of the state per head", "dk": "columns of the state per head",
@@ -578,7 +591,7 @@ def build_parser() -> argparse.ArgumentParser:
             kwargs["choices"] = eg.RECURRENCES
         if name == "memory":
             kwargs["nargs"] = "+"
-        parser.add_argument("--" + name, help=f"{text} (default: {eg._show(BASE_DEFAULTS[name])})",
+        parser.add_argument("--" + name, help=f"{text} (default: {_show(BASE_DEFAULTS[name])})",
                             **kwargs)
     parser.add_argument("--out", default=None, help="CSV path; meta.json and PNG beside it")
     parser.add_argument("--plot", default=None, help="PNG path or 'none'")
@@ -604,13 +617,13 @@ def config_from_args(args: argparse.Namespace, argv: list[str]) -> Config:
     elif args.preset and not given:
         out = f"results/spec_error_{args.preset}.csv"
     else:
-        words = eg._setting_words(argv)
+        words = _setting_words(argv)
         out = str(runs_folder("spec_error", [args.preset or "custom", *words]) / "spec_error.csv")
     if is_folder(out) or Path(out).suffix.lower() != ".csv":
         raise ValueError(f"out: expected a path ending in .csv, got {out!r}")
     plot_path = args.plot or str(Path(out).with_suffix(".png"))
     if plot_path.lower() != "none":
-        eg._check_plot_path(plot_path)
+        _check_plot_path(plot_path)
     for path in [p for p in (out if not args.replot else None, plot_path) if p
                  and p.lower() != "none"]:
         if problem := file_problem(path):

@@ -54,8 +54,7 @@ def main(argv=None) -> None:
     for name in formats.names():
         fmt = formats.get(name)
         # the kernels' states are fp32: a format is fed fp32, but fp32 itself (and fp64) the
-        # fp64 state, so that its row shows the fp32 store's own RN and SR (it showed the
-        # cast's RN error in both columns)
+        # fp64 state, so that its row shows the fp32 store's own RN and SR
         x = state if name in ("fp64", "fp32") else state.float()
         err = [rel_err(fake_quantize(x, fmt, r, words if r == "sr" else None).double(),
                        state, dims=(0, 1, 2)).item() for r in ("rn", "sr")]

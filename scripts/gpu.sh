@@ -168,9 +168,10 @@ case "$target" in
     pids=()
     for preset in emulation-gpu gdn-gpu kda-gpu; do
       name=error_growth_${preset//-/_}
-      run_to "$out/$name.txt" "$py" -m experiments.error_growth --preset "$preset" \
-        --no-progress --out "$out/$name.csv" --plot "$out/$name.png" &
-      pids+=("$!")
+      layer=(run_to "$out/$name.txt" "$py" -m experiments.error_growth --preset "$preset"
+             --no-progress --out "$out/$name.csv" --plot "$out/$name.png")
+      # a dry run prints them in order (three background printers would interleave lines)
+      if [ "$dry" = 1 ]; then "${layer[@]}"; else "${layer[@]}" & pids+=("$!"); fi
     done
     for pid in "${pids[@]}"; do wait "$pid"; record $?; done
     if [ "$dry" = 0 ]; then

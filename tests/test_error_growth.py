@@ -533,7 +533,7 @@ def test_short_runs_keep_labelled_ticks_on_both_log_axes():
     assert eg.log_subs(1e-5, 1e-3, eg.ONE_TWO_FIVE) == eg.ONE_TWO_FIVE
 
 
-def test_presets_match_the_issue():
+def test_presets_hold_their_documented_shapes():
     """toy: one Mamba-2 head, 8 x 32 state, 4,096 steps, L = 16, fp8_e4m3_row, every_step RN
     and SR, shared SR, separate_exact, both memories. default: 64 x 128, four formats x four
     arms, 16,384 steps, more than one head and seed."""
@@ -908,7 +908,7 @@ def test_arm_grammar_spells_every_recurrence_copy_and_keeps_the_aliases():
             eg.parse_arms(item, "nvfp4", "sr")
 
 
-def test_the_issue_command_runs_with_three_windows_in_one_csv(tmp_path, capsys):
+def test_three_windows_run_into_one_csv_with_a_summary_each(tmp_path, capsys):
     """--arms separate:bf16:sr:nvfp4,separate:fp8_e4m3:sr:nvfp4 --window 8,16,32: one CSV
     with a window column, each window on its own recorded grid, a summary per window."""
     out = tmp_path / "w.csv"

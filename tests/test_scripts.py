@@ -157,14 +157,24 @@ def test_profile_without_ncu_stops_at_once_with_one_line(tmp_path):
                                    "GPU machine)")
 
 
-def test_dry_run_error_growth_parses_with_error_growths_parser(tmp_path):
+def test_dry_run_error_growth_prints_the_three_layers_and_each_parses(tmp_path):
+    """error-growth runs the Mamba-2, GDN and KDA layers (presets emulation-gpu, gdn-gpu,
+    kda-gpu): three commands that error_growth's parser reads, each writing its own CSV and
+    PNG under OUT; the target takes no extra arguments."""
     from experiments import error_growth as eg
 
     done = _gpu(_tree(tmp_path, "gpu.sh"), "--dry-run", "error-growth")
-    [command] = _commands(done.stdout)
-    args = _module_args(command, "experiments.error_growth")
-    parsed = eg.build_parser().parse_args(args)
-    assert parsed.out == "runs/gpu-error-growth/error_growth_emulation_gpu.csv"
+    assert done.returncode == 0, done.stderr
+    commands = _commands(done.stdout)
+    assert len(commands) == 3
+    parsed = [eg.build_parser().parse_args(_module_args(c, "experiments.error_growth"))
+              for c in commands]
+    assert [p.preset for p in parsed] == ["emulation-gpu", "gdn-gpu", "kda-gpu"]
+    for p, layer in zip(parsed, ("emulation", "gdn", "kda"), strict=True):
+        assert p.out == f"runs/gpu-error-growth/error_growth_{layer}_gpu.csv"
+        assert p.plot == f"runs/gpu-error-growth/error_growth_{layer}_gpu.png"
+        assert eg.PRESETS[p.preset]["backend"] == "emulation"
+    assert [eg.PRESETS[p.preset]["recurrence"] for p in parsed] == ["mamba2", "gdn", "kda"]
     assert _gpu(_tree(tmp_path / "b", "gpu.sh"), "error-growth", "--steps", "9").returncode == 2
 
 

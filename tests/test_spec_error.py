@@ -138,3 +138,26 @@ def test_snapshots_keep_the_accepted_draft_state_per_slot(tmp_path):
     assert torch.equal(cache.state[0], cache.pending[0][0])
     assert torch.equal(cache.state[1], cache.pending[2][1])
     assert cache.count.tolist() == [1, 3]
+
+
+@pytest.mark.parametrize("recurrence", ["gdn", "kda"])
+def test_the_delta_rule_presets_read_an_exact_checkpoint_until_the_first_flush(tmp_path,
+                                                                               recurrence):
+    """--preset gdn-toy / kda-toy (48 tokens, 2 seeds) through main: every row is of the
+    recurrence and its four arms; with T = 4, L = 16 no verify flushes before 13 tokens are
+    committed (h + 4 > 16 first at h = 13), so the separate arms are FP64-exact on tokens
+    1..12 and carry the NVFP4 read copy's error (1e-3 .. 0.5) on tokens past 32, while
+    every_step:fp16 is rounded from token 1 (error above 1e-6)."""
+    out = tmp_path / "d.csv"
+    assert se.main(["--preset", f"{recurrence}-toy", "--tokens", "48", "--seeds", "2",
+                    "--out", str(out), "--plot", "none", "--no-progress"]) == 0
+    frame = se.read_csv(out)
+    assert set(frame["recurrence"]) == {recurrence}
+    assert set(frame["arm"]) == {"every_step:fp16:rn", "shared:nvfp4:rn",
+                                 "separate:fp64:rn:nvfp4", "separate:fp16:sr:nvfp4"}
+    assert len(frame) == 4 * 2 * 2 * 2 * 48  # arms x acceptance x memory x seeds x tokens
+    separate = frame[frame["arm"].str.startswith("separate")]
+    assert separate[separate["token"] <= 12]["rel_err"].max() < 1e-12
+    assert 1e-3 < separate[separate["token"] > 32]["rel_err"].median() < 0.5
+    every = frame[frame["arm"] == "every_step:fp16:rn"]
+    assert every["rel_err"].min() > 1e-6

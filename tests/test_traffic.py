@@ -479,7 +479,7 @@ SUMMARY_KEYS = {
 }
 
 
-def test_summary_prints_exactly_one_json_object_with_the_issue_keys(capsys, tmp_path):
+def test_summary_prints_exactly_one_json_object_with_its_documented_keys(capsys, tmp_path):
     experiment.main(["--summary", "--out", str(tmp_path)])
     out = capsys.readouterr().out
     summary = json.loads(out)  # fails on anything but exactly one JSON document
