@@ -157,8 +157,13 @@ def plot(csv_path: str | Path, png_path: str | Path) -> None:
             ax.xaxis.set_minor_formatter(NullFormatter())
             if not exact_row:
                 ax.set_yscale("log")
-                # 1-2-5 labels over a few decades; past three decades they would overlap
                 low, high = ax.get_ylim()
+                if high > 1e3:  # a diverging arm would squash the flat ones into one line
+                    ax.set_ylim(low, 1e3)
+                    ax.annotate("curves past 1e3 are cut (see the CSV)", (0.02, 0.97),
+                                xycoords="axes fraction", va="top", fontsize=7, color="0.3")
+                    high = 1e3
+                # 1-2-5 labels over a few decades; past three decades they would overlap
                 coarsest = ONE_TWO_FIVE if high / low <= 1e3 else DECADES
                 ax.yaxis.set_major_locator(
                     LogLocator(base=10, subs=log_subs(low, high, coarsest)))
