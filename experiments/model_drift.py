@@ -62,6 +62,11 @@ per-token decode time ``kernel_bench`` measured (``PARETO_KERNELS``).
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # Ctrl-C from the first import on: one line, status 130
+    from experiments._interrupt import exit_on_interrupt
+
+    exit_on_interrupt("python -m experiments.model_drift")
+
 import argparse
 import math
 import sys

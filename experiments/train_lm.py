@@ -34,6 +34,11 @@ Held-out bits per byte: the saved model, fp32, over the held-out blocks cut into
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # Ctrl-C from the first import on: one line, status 130
+    from experiments._interrupt import exit_on_interrupt
+
+    exit_on_interrupt("python -m experiments.train_lm")
+
 import csv
 import json
 import math

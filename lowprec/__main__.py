@@ -64,4 +64,10 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # Ctrl-C: one line and the shell's status, no traceback
+        import sys
+
+        sys.stderr.write("python -m lowprec: interrupted (Ctrl-C)\n")
+        sys.exit(130)
