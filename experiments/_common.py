@@ -361,12 +361,15 @@ class BadFile(ValueError):
 class Column:
     """One column of a ``Schema``.
 
-    ``kind`` is ``int``, ``float`` or ``str``; ``pattern`` a regular expression every cell
-    must match in full (the writer's number format: ``FLOAT_6E`` for ``'%.6e'``, so a value
-    rewritten as ``1.01993`` or ``1.0e-1`` is refused rather than read as another number);
-    ``minimum``/``maximum`` bound the values (inclusive); ``choices`` lists the allowed
-    values; ``nonfinite`` allows ``nan``, ``inf`` and ``-inf`` in a float column (a bound still
-    refuses an infinity past it)."""
+    ``kind`` is ``int``, ``float``, ``str`` or ``bool``; ``pattern`` a regular expression every
+    cell must match in full (the writer's number format: ``FLOAT_6E`` for ``'%.6e'``, so a
+    value rewritten as ``1.01993`` or ``1.0e-1`` is refused rather than read as another
+    number); ``minimum``/``maximum`` bound the values (inclusive); ``choices`` lists the
+    allowed values; ``nonfinite`` allows ``nan``, ``inf`` and ``-inf`` in a float column (a
+    bound still refuses an infinity past it). ``loose`` reads a cell as pandas wrote it from
+    a frame with gaps: spaces around it ignored, a blank float is NaN, an int may read
+    ``16.0``, a bool is ``true``/``false`` in any case. ``optional`` (with ``Schema.exact``
+    off) checks the column where the file has it."""
 
     name: str
     kind: type = str
@@ -375,19 +378,25 @@ class Column:
     maximum: float | None = None
     choices: tuple | None = None
     nonfinite: bool = False
+    loose: bool = False
+    optional: bool = False
 
     def __post_init__(self):
-        if self.kind not in (int, float, str):
-            raise TypeError(f"kind: expected int, float or str, got {self.kind!r}")
+        if self.kind not in (int, float, str, bool):
+            raise TypeError(f"kind: expected int, float, str or bool, got {self.kind!r}")
+        if self.kind is bool and not self.loose:
+            raise ValueError(f"{self.name}: a bool column is read loose (true/false)")
 
 
 @dataclass(frozen=True)
 class Schema:
-    """A CSV's exact columns, in order, and the columns that identify a row (``keys``: no two
-    rows may share their values)."""
+    """A CSV's columns and the columns that identify a row (``keys``: no two rows may share
+    their values). ``exact``: the header is these columns in this order; off, the file needs
+    the columns that are not optional and may have others (kept as text)."""
 
     columns: tuple[Column, ...]
     keys: tuple[str, ...] = ()
+    exact: bool = True
 
     def __post_init__(self):
         names = [c.name for c in self.columns]
@@ -407,93 +416,145 @@ class Schema:
 
 FLOAT_6E = r"-?\d\.\d{6}e[+-]\d{2,3}"  # what '%.6e' writes
 INT = r"-?\d+"
+_LOOSE_INT = r"[+-]?\d{1,18}(\.0*)?"  # 16.0: an int column with gaps, written as floats
 
 
-def read_table(path: str | Path, schema: Schema):
-    """Read the CSV at ``path`` and check it against ``schema``; a DataFrame with int, float
-    and str columns. Raises ``BadFile`` with one line naming the file and the first bad line:
-    missing or unreadable, empty, cut short (no line end after its last row), other columns,
-    a row with too many or too few fields, a value that does not match its column's pattern,
-    type, range or choices, or a key twice."""
-    import numpy as np
+def read_table(path: str | Path, schema: Schema, *, what: str = "", recorded: bool = False):
+    """Read the CSV at ``path`` and check it against ``schema``; a DataFrame with int, float,
+    bool and str columns. Raises ``BadFile`` with one line naming the file (and ``what`` it
+    is) and the first bad line: missing or unreadable, empty, cut short (no line end after
+    its last row), other columns, a row with too many or too few fields or blank, a value
+    that does not match its column's pattern, type, range or choices, or a key twice. With
+    ``recorded``, a file whose ``.meta.json`` records a sha256 of it must have those bytes."""
     import pandas as pd
 
     path = Path(path)
+    label = f"{path}" + (f" ({what})" if what else "")
     try:
         raw = path.read_bytes()
-    except OSError as error:
-        raise BadFile(f"{path}: cannot read it ({error.strerror or error})") from None
+        text = raw.decode("utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        why = error.strerror if isinstance(error, OSError) and error.strerror else error
+        raise BadFile(f"{label}: cannot be read as CSV ({_one_line(why)})") from None
     if not raw:
-        raise BadFile(f"{path}: empty file")
-    lines = raw.count(b"\n")
+        raise BadFile(f"{label}: empty file")
     if not raw.endswith(b"\n"):
-        raise BadFile(f"{path}: line {lines + 1}: incomplete (no line end after the last row: "
-                      "the file was cut short)")
-    header = raw.split(b"\n", 1)[0].decode("utf-8", errors="replace").rstrip("\r")
-    if header != schema.header:
-        got = header.split(",")
-        missing = [c for c in schema.names if c not in got]
-        extra = [c for c in got if c not in schema.names]
+        last = raw.count(b"\n") + 1
+        raise BadFile(f"{label}: line {last}: incomplete (no line end after "
+                      "the last row: the file was cut short)")
+    try:
+        rows = list(csv.reader(io.StringIO(text, newline="")))
+    except csv.Error as error:
+        raise BadFile(f"{label}: cannot be read as CSV ({_one_line(error)})") from None
+    header = [name.rstrip("\r") for name in rows[0]]
+    if schema.exact and header != list(schema.names):
+        missing = [c for c in schema.names if c not in header]
+        extra = [c for c in header if c not in schema.names]
         detail = (f"missing {missing}" if missing else "") + (
             ("; " if missing else "") + f"unexpected {extra}" if extra else "")
-        raise BadFile(f"{path}: line 1: expected the columns {list(schema.names)}, got "
-                      f"{got}" + (f" ({detail})" if detail else " (another order)"))
-    text = raw.decode("utf-8", errors="replace")
-    for number, fields in enumerate(csv.reader(io.StringIO(text)), start=1):
-        if fields and len(fields) != len(schema.columns):
-            raise BadFile(f"{path}: line {number}: expected {len(schema.columns)} fields, got "
-                          f"{len(fields)} (a row cut short or run together with another)")
-    try:
-        frame = pd.read_csv(path, dtype=str, keep_default_na=False, na_filter=False)
-    except (pd.errors.ParserError, UnicodeDecodeError, ValueError) as error:
-        raise BadFile(f"{path}: not a CSV of these columns ({_one_line(error)})") from None
-    if frame.empty:
-        raise BadFile(f"{path}: no rows (the header alone)")
-    if lines - 1 != len(frame):  # blank lines are skipped by the parser
-        raise BadFile(f"{path}: {lines - 1 - len(frame)} blank or unreadable line(s) among "
-                      "the rows")
-    out = {}
+        raise BadFile(f"{label}: line 1: expected the columns {list(schema.names)}, got "
+                      f"{header}" + (f" ({detail})" if detail else " (another order)"))
+    required = [c.name for c in schema.columns if not c.optional]
+    if missing := [c for c in required if c not in header]:
+        raise BadFile(f"{label}: expected the columns {', '.join(required)}; missing "
+                      f"{', '.join(missing)}")
+    if len(set(header)) != len(header) or "" in header:
+        raise BadFile(f"{label}: line 1: a column name twice or empty, got "
+                      f"{', '.join(header)}")
+    for number, fields in enumerate(rows, start=1):
+        if len(fields) != len(header):
+            raise BadFile(f"{label}: line {number}: expected {len(header)} fields, got "
+                          f"{len(fields)} (a row cut short, run together or blank)")
+    if recorded:
+        _check_recorded_bytes(path, label)
+    if len(rows) == 1:
+        raise BadFile(f"{label}: no rows (the header alone)")
+    frame = pd.DataFrame(rows[1:], columns=header, dtype=str)
     for column in schema.columns:
-        cells = frame[column.name]
-        check_rows(path, cells.isna(), f"no value in the column {column.name!r} (too few "
-                   "fields)")
-        cells = cells.astype(str)
-        if column.pattern is not None:
-            allowed = column.pattern + ("|nan|inf|-inf" if column.nonfinite else "")
-            check_rows(path, ~cells.str.fullmatch(allowed), f"{column.name}: expected values "
-                       f"written as /{allowed}/", cells)
-        if column.kind is str:
-            values = cells
-        else:
-            values = pd.to_numeric(cells, errors="coerce")
-            if column.kind is int:
-                check_rows(path, ~cells.str.fullmatch(INT), f"{column.name}: expected an "
-                           "integer", cells)
-                values = _as_int(cells, path, column.name)
-            else:
-                nan = cells == "nan"
-                check_rows(path, values.isna() & ~nan, f"{column.name}: expected a number",
-                           cells)
-        if column.kind is not str:
-            finite = values.astype(float)
-            if column.kind is float and not column.nonfinite:
-                check_rows(path, ~np.isfinite(finite), f"{column.name}: expected a finite "
-                           "number", cells)
-            if column.minimum is not None:
-                check_rows(path, finite < column.minimum, f"{column.name}: expected values "
-                           f">= {column.minimum:g}", cells)
-            if column.maximum is not None:
-                check_rows(path, finite > column.maximum, f"{column.name}: expected values "
-                           f"<= {column.maximum:g}", cells)
-        if column.choices is not None:
-            check_rows(path, ~values.isin(column.choices), f"{column.name}: expected one of "
-                       f"{list(column.choices)}", cells)
-        out[column.name] = values
-    table = pd.DataFrame(out)
+        if column.name in header:
+            frame[column.name] = (_loose_values if column.loose else _strict_values)(
+                frame[column.name], column, label)
+    table = frame if not schema.exact else frame[list(schema.names)]
     if schema.keys:
-        check_rows(path, table.duplicated(list(schema.keys)), "the same "
-                   f"({', '.join(schema.keys)}) as an earlier row")
+        keys = list(schema.keys)
+        twice = table.duplicated(keys, keep="first")
+        if twice.any():
+            row = int(twice.to_numpy().nonzero()[0][0])
+            first = int((table[keys] == table[keys].iloc[row]).all(axis=1).to_numpy()
+                        .nonzero()[0][0])
+            values = ", ".join(f"{k}={table[k].iloc[row]}" for k in keys)
+            raise BadFile(f"{label}: line {row + 2}: repeats the point of line {first + 2} "
+                          f"({values})")
     return table
+
+
+def _strict_values(cells, column: Column, label: str):
+    """``cells`` (text) as ``column``'s values, each written as its writer writes it."""
+    import numpy as np
+    import pandas as pd
+
+    name = column.name
+    if column.pattern is not None:
+        allowed = column.pattern + ("|nan|inf|-inf" if column.nonfinite else "")
+        check_rows(label, ~cells.str.fullmatch(allowed), f"{name}: expected values written "
+                   f"as /{allowed}/", cells)
+    if column.kind is str:
+        values = cells
+    elif column.kind is int:
+        check_rows(label, ~cells.str.fullmatch(INT), f"{name}: expected an integer", cells)
+        values = _as_int(cells, label, name)
+    else:
+        values = pd.to_numeric(cells, errors="coerce")
+        check_rows(label, values.isna() & (cells != "nan"), f"{name}: expected a number",
+                   cells)
+    if column.kind is not str:
+        finite = values.astype(float)
+        if column.kind is float and not column.nonfinite:
+            check_rows(label, ~np.isfinite(finite), f"{name}: expected a finite number", cells)
+        if column.minimum is not None:
+            check_rows(label, finite < column.minimum, f"{name}: expected values "
+                       f">= {column.minimum:g}", cells)
+        if column.maximum is not None:
+            check_rows(label, finite > column.maximum, f"{name}: expected values "
+                       f"<= {column.maximum:g}", cells)
+    if column.choices is not None:
+        check_rows(label, ~values.isin(column.choices), f"{name}: expected one of "
+                   f"{list(column.choices)}", cells)
+    return values
+
+
+def _loose_values(cells, column: Column, label: str):
+    """``cells`` (text) as ``column``'s values, read the way ``Column.loose`` says."""
+    import pandas as pd
+
+    if column.kind is str:
+        return cells
+    text = cells.str.strip()
+    if column.kind is bool:
+        lowered = text.str.lower()
+        bad, values = ~lowered.isin(["true", "false"]), lowered == "true"
+    else:
+        values = pd.to_numeric(text.replace({"": "nan"}), errors="coerce")
+        bad = values.isna() & ~text.str.lower().isin(["nan", ""])
+        if column.kind is int:
+            bad |= ~text.str.fullmatch(_LOOSE_INT)
+    kind = {int: "an integer", float: "a float", bool: "a bool"}[column.kind]
+    check_rows(label, bad, f"column {column.name}: expected {kind}", cells)
+    return values.astype("int64") if column.kind is int else values
+
+
+def _check_recorded_bytes(path: Path, label: str) -> None:
+    """``BadFile`` if ``path``'s meta.json records a sha256 of it that its bytes do not have:
+    rows dropped, repeated or changed after the run wrote them. A meta.json without one (an
+    older layout) or none at all checks nothing."""
+    try:
+        recorded = json.loads(meta_path(path).read_text()).get("csv")
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+        return
+    if (isinstance(recorded, dict) and recorded.get("name") == path.name
+            and file_sha256(path) != recorded.get("sha256")):
+        raise BadFile(f"{label}: its bytes differ from those {meta_path(path).name} recorded "
+                      f"({recorded.get('rows')} rows): changed or cut after it was written")
 
 
 def _as_int(cells, path: str | Path, name: str):

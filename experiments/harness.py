@@ -387,97 +387,18 @@ def save_figure(fig, path: str | Path) -> Path:
 
 def read_table(path: str | Path, columns: dict[str, str], key: list[str] | None = None,
                optional: dict[str, str] | None = None, what: str = "") -> pd.DataFrame:
-    """The CSV at `path`, checked: complete (a line end after its last row), every row with
-    the header's number of fields, every column of `columns` present (name -> 'str', 'int',
-    'float' (NaN allowed) or 'bool'), each cell of its type, no two rows with the same `key`,
-    and, where its `.meta.json` records the CSV's sha256 (`write_run_meta`), those bytes.
-    `optional` columns are checked when present. Raises ValueError in one line naming the file
-    and the row (its line in the file, the header being line 1)."""
-    import csv as csv_module
-    import io
+    """The CSV at `path`, checked by `_common.read_table` with loose columns: `columns` (name
+    -> 'str', 'int', 'float' (NaN allowed) or 'bool') present, other columns kept as text,
+    `optional` ones checked when present, no two rows with the same `key`, and, where its
+    `.meta.json` records the CSV's sha256 (`write_run_meta`), those bytes. Raises ValueError
+    in one line naming the file and the row (its line in the file, the header being line 1)."""
+    from experiments._common import Column, Schema
+    from experiments._common import read_table as read_checked
 
-    from experiments._common import file_sha256, meta_path
-
-    label = f"{path}" + (f" ({what})" if what else "")
-    try:
-        raw = Path(path).read_bytes()
-        text = raw.decode("utf-8")
-    except (OSError, UnicodeDecodeError) as error:
-        raise ValueError(f"{label}: cannot be read as CSV ({reason(error, False)})") from None
-    if not raw.endswith(b"\n"):
-        last = raw.count(b"\n") + 1
-        raise ValueError(f"{label}: line {last}: incomplete (no line end after "
-                         "the last row: the file was cut short)")
-    try:
-        rows = list(csv_module.reader(io.StringIO(text, newline="")))
-    except csv_module.Error as error:
-        raise ValueError(f"{label}: cannot be read as CSV ({reason(error, False)})") from None
-    for number, fields in enumerate(rows, start=1):
-        if len(fields) != len(rows[0]):
-            raise ValueError(f"{label}: line {number}: expected {len(rows[0])} fields, got "
-                             f"{len(fields)} (a row cut short, run together or blank)")
-    _check_recorded_bytes(Path(path), label, file_sha256, meta_path)
-    try:
-        frame = pd.read_csv(io.StringIO(text), dtype=str, keep_default_na=False,
-                            skip_blank_lines=False)
-    except (pd.errors.ParserError, pd.errors.EmptyDataError) as error:
-        raise ValueError(f"{label}: cannot be read as CSV ({reason(error, False)})") from None
-    if len(frame) != len(rows) - 1:
-        raise ValueError(f"{label}: {len(rows) - 1} rows in the file, {len(frame)} read "
-                         "(a quoted line end?)")
-    if frame.empty:
-        raise ValueError(f"{label}: no rows (the header alone)")
-    missing = [c for c in columns if c not in frame.columns]
-    if missing:
-        raise ValueError(f"{label}: expected the columns {', '.join(columns)}; missing "
-                         f"{', '.join(missing)}")
-    if len(set(rows[0])) != len(rows[0]) or "" in rows[0]:
-        raise ValueError(f"{label}: line 1: a column name twice or empty, got "
-                         f"{', '.join(rows[0])}")
-    kinds = {**columns, **{c: k for c, k in (optional or {}).items() if c in frame.columns}}
-    out = frame.copy()
-    for column, kind in kinds.items():
-        if kind == "str":
-            continue
-        text = frame[column].str.strip()
-        if kind == "bool":
-            lowered = text.str.lower()
-            bad = ~lowered.isin(["true", "false"])
-            values = lowered == "true"
-        else:
-            values = pd.to_numeric(text.replace({"": "nan"}), errors="coerce")
-            bad = values.isna() & ~text.str.lower().isin(["nan", ""])
-            if kind == "int":
-                bad |= ~text.str.fullmatch(r"[+-]?\d{1,18}(\.0*)?")  # 16.0: an int column with gaps
-        if bad.any():
-            row = int(np.flatnonzero(bad.to_numpy())[0])
-            raise ValueError(f"{label}: line {row + 2}: column {column}: expected "
-                             f"{'an integer' if kind == 'int' else 'a ' + kind}, got "
-                             f"{frame[column].iloc[row][:40]!r}")
-        out[column] = values.astype("int64") if kind == "int" else values
-    if key:
-        twice = out.duplicated(key, keep="first")
-        if twice.any():
-            row = int(np.flatnonzero(twice.to_numpy())[0])
-            first = int(np.flatnonzero(
-                (out[key] == out[key].iloc[row]).all(axis=1).to_numpy())[0])
-            values = ", ".join(f"{k}={out[k].iloc[row]}" for k in key)
-            raise ValueError(f"{label}: line {row + 2}: repeats the point of line {first + 2} "
-                             f"({values})")
-    return out
-
-
-def _check_recorded_bytes(path: Path, label: str, file_sha256, meta_path) -> None:
-    """ValueError if `path`'s meta.json records a sha256 of it (`write_run_meta`) that its
-    bytes do not have: rows dropped, repeated or changed after the run wrote them. A meta.json
-    without one (an older layout) or none at all checks nothing."""
-    import json
-
-    try:
-        recorded = json.loads(meta_path(path).read_text()).get("csv")
-    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
-        return
-    if (isinstance(recorded, dict) and recorded.get("name") == path.name
-            and file_sha256(path) != recorded.get("sha256")):
-        raise ValueError(f"{label}: its bytes differ from those {meta_path(path).name} recorded "
-                         f"({recorded.get('rows')} rows): changed or cut after it was written")
+    kinds = {"str": str, "int": int, "float": float, "bool": bool}
+    schema = Schema(
+        (*(Column(n, kinds[k], loose=True) for n, k in columns.items()),
+         *(Column(n, kinds[k], loose=True, optional=True)
+           for n, k in (optional or {}).items() if n not in columns)),
+        keys=tuple(key or ()), exact=False)
+    return read_checked(path, schema, what=what, recorded=True)

@@ -79,7 +79,16 @@ import torch.nn.functional as F
 
 from experiments import kjv_corpus
 from experiments import mamba2_lm as lm
-from experiments._common import OneLineParser, atomic_file, file_sha256, save_small_png, write_meta
+from experiments._common import (
+    Column,
+    OneLineParser,
+    Schema,
+    atomic_file,
+    file_sha256,
+    read_table,
+    save_small_png,
+    write_meta,
+)
 from experiments.sharding import HELP as SHARDING_HELP
 from experiments.sharding import add_arguments as add_sharding_arguments
 from lowprec import formats
@@ -557,28 +566,22 @@ def write_csv(path, rows) -> None:
         writer.writerows(rows)
 
 
-def read_csv(path):
-    """A drift CSV as a DataFrame; ValueError in one line for a missing file, other columns,
-    an empty table or values that are not numbers."""
-    import pandas as pd
+CSV_SCHEMA = Schema(
+    (*(Column(n) for n in CSV_COLUMNS[:5]), Column("window", int, minimum=1),
+     Column("segment", int, minimum=0), Column("position", int, minimum=1),
+     Column("kl", float, nonfinite=True), Column("dlogp", float, nonfinite=True),
+     Column("top1_agree", int, minimum=0, maximum=1)),
+    keys=CSV_COLUMNS[:8])
 
+
+def read_csv(path):
+    """A drift CSV as a DataFrame, checked (`_common.read_table` against `CSV_SCHEMA`);
+    ValueError in one line naming the file for a missing file, one cut short, other columns,
+    no rows, a value of the wrong type or a point twice."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"csv: expected a model_drift CSV at {path}, found none")
-    try:
-        frame = pd.read_csv(path)
-    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as err:
-        raise ValueError(f"{path}: expected a CSV, got {' '.join(str(err).split())}") from None
-    if tuple(frame.columns) != CSV_COLUMNS:
-        raise ValueError(f"{path}: expected columns {','.join(CSV_COLUMNS)}, got "
-                         f"{','.join(map(str, frame.columns))}")
-    if frame.empty:
-        raise ValueError(f"{path}: expected at least one row, got none")
-    for col in ("window", "segment", "position", "kl", "dlogp", "top1_agree"):
-        if not pd.api.types.is_numeric_dtype(frame[col]):
-            raise ValueError(f"{path}: expected numbers in column {col}, got "
-                             f"{frame[col].iloc[0]!r}")
-    return frame
+    return read_table(path, CSV_SCHEMA, what="model_drift CSV")
 
 
 # --------------------------------------------------------------------------------------------

@@ -59,7 +59,7 @@ BAD = {
     "format": ("name,n,x\na,1,0.1\n", "line 2: x: expected values written as"),
     "choice": ("name,n,x\nc,1,1.000000e-01\n", "line 2: name: expected one of"),
     "duplicate": ("name,n,x\na,1,1.000000e-01\nb,1,1.000000e-01\na,1,2.000000e-01\n",
-                  "line 4: the same (name, n)"),
+                  "line 4: repeats the point of line 2 (name=a, n=1)"),
     "blank line": ("name,n,x\na,1,1.000000e-01\n\nb,2,1.000000e-01\n", "blank"),
 }
 

@@ -95,10 +95,11 @@ def test_token_metrics_are_zero_for_identical_logits():
 
 @pytest.mark.parametrize("content, message", [
     (None, "found none"),
-    ("", "expected a CSV"),
-    ("a,b\n1,2\n", "expected columns"),
-    (",".join(md.CSV_COLUMNS) + "\n", "at least one row"),
-    (",".join(md.CSV_COLUMNS) + "\nm,mamba2,shared,nvfp4,rn,16,0,1,high,0,1\n", "column kl"),
+    ("", "empty file"),
+    ("a,b\n1,2\n", "expected the columns"),
+    (",".join(md.CSV_COLUMNS) + "\n", "no rows"),
+    (",".join(md.CSV_COLUMNS) + "\nm,mamba2,shared,nvfp4,rn,16,0,1,high,0,1\n",
+     "kl: expected a number"),
 ], ids=["missing", "empty", "columns", "no-rows", "not-a-number"])
 def test_csv_reader_refuses_bad_files_in_one_line(tmp_path, content, message):
     """A missing, empty, wrongly headed, row-less or non-numeric CSV is one ValueError line."""
@@ -108,6 +109,32 @@ def test_csv_reader_refuses_bad_files_in_one_line(tmp_path, content, message):
     with pytest.raises(ValueError, match=message) as err:
         md.read_csv(path)
     assert "\n" not in str(err.value)
+
+
+def test_a_drift_csv_cut_short_or_with_a_point_twice_is_refused_in_one_line(tmp_path):
+    """A drift CSV cut mid-row (no line end after its last row) or with a row repeated is one
+    ValueError line naming the file and the line; the whole file reads back typed."""
+    import random
+
+    rng = random.Random(7)
+    rows = [("m", "mamba2", "shared", "fp8_e4m3", "sr", 16, s, p, f"{rng.random():.6e}",
+             f"{rng.uniform(-1, 1):.6e}", rng.randint(0, 1)) for s in range(3) for p in (1, 5, 13)]
+    path = tmp_path / "drift.csv"
+    md.write_csv(path, rows)
+    frame = md.read_csv(path)
+    assert len(frame) == 9 and frame["position"].tolist()[:3] == [1, 5, 13]
+    assert frame["kl"].iloc[4] == float(rows[4][8])
+    whole = path.read_bytes()
+    path.write_bytes(whole[:-7])
+    with pytest.raises(ValueError, match=r"drift\.csv \(model_drift CSV\): line 10: incomplete"
+                       ) as err:
+        md.read_csv(path)
+    assert "\n" not in str(err.value)
+    lines = whole.splitlines(keepends=True)
+    path.write_bytes(b"".join(lines + [lines[3]]))
+    with pytest.raises(ValueError, match="line 11: repeats the point of line 4") as err:
+        md.read_csv(path)
+    assert "\n" not in str(err.value) and str(path) in str(err.value)
 
 
 def test_log_grid_holds_both_ends_and_thins_out():
