@@ -963,7 +963,7 @@ CORRUPTIONS = {
     "step past the run": (lambda t: _edit_field(t, 3, 11, "999"), "line 3: step"),
     # --steps 48 --log-grid 2 records windows 1 and 3: step 20 lies in window 2
     "step off the grid": (lambda t: _edit_field(t, 3, 11, "20"), "recorded grid"),
-    "row twice": (lambda t: t + t.splitlines()[1] + "\n", "the same"),
+    "row twice": (lambda t: t + t.splitlines()[1] + "\n", "repeats the point of line 2"),
     "exponent rewritten": (lambda t: _edit_field(t, 2, -1, "0.1019935"), "line 2: rel_err"),
     "column missing": (lambda t: "\n".join(",".join(r.split(",")[:-1]) for r in
                                            t.splitlines()) + "\n", "line 1: expected"),

@@ -738,7 +738,7 @@ def test_plot_only_redraws_and_refuses_a_changed_csv_in_one_line(tmp_path, capsy
     spec = tmp_path / "traffic_spec_nemotron3-super.csv"
     for edit, message in ((lambda t: t[:-3], "incomplete"),
                           (lambda t: t.replace("snapshot", "snapshoT", 1), "differ"),
-                          (lambda t: t + t.splitlines()[1] + "\n", "the same")):
+                          (lambda t: t + t.splitlines()[1] + "\n", "repeats the point of line 2")):
         original = spec.read_text()
         spec.write_text(edit(original))
         with pytest.raises(SystemExit) as info:
