@@ -259,42 +259,35 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _distinct_ints(name: str, text: str, expected: str, minimum: int = 0,
+                   noun: str = "") -> list[int]:
+    """A comma-separated list of integers >= ``minimum``, each once, in the order given; a
+    ValueError naming ``name`` otherwise."""
+    values = []
+    for part in _split(name, text):
+        if not part.isdigit() or int(part) < minimum:
+            raise ValueError(f"{name}: expected {expected}, got {part!r}")
+        if int(part) in values:
+            raise ValueError(f"{name}: {noun}{part} given twice")
+        values.append(int(part))
+    return values
+
+
 def _parse_windows(text: str) -> list[int]:
     """--window's list: positive integers, each once."""
-    windows = []
-    for part in _split("window", text):
-        if not part.isdigit() or int(part) < 1:
-            raise ValueError(f"window: expected integers >= 1, got {part!r}")
-        if int(part) in windows:
-            raise ValueError(f"window: {part} given twice")
-        windows.append(int(part))
-    return windows
+    return _distinct_ints("window", text, "integers >= 1", minimum=1)
 
 
 def _parse_list(name: str, text) -> list[int]:
     """--sr-bits' and --philox-rounds' lists: integers, each once (range checks: Config)."""
     if isinstance(text, int):
         return [text]
-    values = []
-    for part in _split(name, str(text)):
-        if not part.isdigit():
-            raise ValueError(f"{name}: expected integers, got {part!r}")
-        if int(part) in values:
-            raise ValueError(f"{name}: {part} given twice")
-        values.append(int(part))
-    return values
+    return _distinct_ints(name, str(text), "integers")
 
 
 def parse_steps(text: str) -> list[int]:
     """--at's steps: positive integers, each once, in the order given."""
-    steps = []
-    for part in _split("at", text):
-        if not part.isdigit() or int(part) < 1:
-            raise ValueError(f"at: expected steps >= 1, got {part!r}")
-        if int(part) in steps:
-            raise ValueError(f"at: step {part} given twice")
-        steps.append(int(part))
-    return steps
+    return _distinct_ints("at", text, "steps >= 1", minimum=1, noun="step ")
 
 
 def _show(value) -> str:
