@@ -16,6 +16,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from torchrun import torchrun
 
 from experiments import error_growth as eg
 from lowprec import mamba2
@@ -1191,18 +1192,12 @@ sys.exit(eg.main(sys.argv[1:]))
 
 
 def _torchrun(tmp_path, out, **env):
-    """The command under ``torch.distributed.run --standalone`` (its agent binds a free port);
-    a hang fails the test through the timeout."""
+    """The command under torchrun (tests/torchrun.py); a hang fails the test through the
+    timeout."""
     script = tmp_path / "killer.py"
     script.write_text(KILLER)
-    environment = {**__import__("os").environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
-                   "CUDA_VISIBLE_DEVICES": "", **env}
-    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        environment.pop(name, None)
-    return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone",
-         str(script), *SWEEP_ARGS, "--out", str(out)],
-        cwd=tmp_path, capture_output=True, text=True, timeout=180, env=environment)
+    return torchrun(script, [*SWEEP_ARGS, "--out", str(out)], cwd=tmp_path, pythonpath=REPO,
+                    timeout=180, **env)
 
 
 @pytest.mark.slow

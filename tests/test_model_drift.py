@@ -5,13 +5,11 @@ about 30 s on a 2-core machine, marked slow)."""
 
 import json
 import math
-import os
-import subprocess
-import sys
 from dataclasses import replace
 
 import pytest
 import torch
+from torchrun import torchrun
 
 from experiments import mamba2_lm as lm
 from experiments import model_drift as md
@@ -296,18 +294,11 @@ sys.exit(md.main(sys.argv[1:]))
 
 
 def _torchrun(tmp_path, argv, **env):
-    """The command under ``torch.distributed.run --standalone`` with 2 CPU ranks (gloo); a
-    hang fails the test through the timeout."""
+    """The command under torchrun with 2 CPU ranks (tests/torchrun.py); a hang fails the test
+    through the timeout."""
     script = tmp_path / "killer.py"
     script.write_text(KILLER)
-    environment = {**os.environ, "PYTHONPATH": str(md.ROOT), "OMP_NUM_THREADS": "1",
-                   "CUDA_VISIBLE_DEVICES": "", **env}
-    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        environment.pop(name, None)
-    return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone",
-         str(script), *argv], cwd=tmp_path, capture_output=True, text=True, timeout=240,
-        env=environment)
+    return torchrun(script, list(argv), cwd=tmp_path, pythonpath=md.ROOT, timeout=240, **env)
 
 
 @pytest.mark.slow

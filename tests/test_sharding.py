@@ -10,15 +10,14 @@ start three or four Python processes each (about 10 s on a 2-core machine): mark
 from __future__ import annotations
 
 import json
-import os
 import pickle
 import subprocess
-import sys
 from pathlib import Path
 
 import pandas as pd
 import pytest
 import sharding_demo
+from torchrun import torchrun
 
 from experiments.sharding import (
     SweepStopped,
@@ -35,17 +34,10 @@ N_CELLS = 7
 
 
 def _torchrun(nproc: int, out: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
-    """The demo under ``python -m torch.distributed.run --standalone``: its agent binds port 0
-    itself, so two tests (or two checkouts on one machine) never race for a port picked
-    beforehand; a hang fails the test through the timeout."""
-    environment = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **env}
-    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        environment.pop(name, None)
-    argv = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-            "--standalone", str(DEMO),
-            "--out", str(out), *args]
-    return subprocess.run(argv, cwd=ROOT, env=environment, capture_output=True, text=True,
-                          timeout=150)
+    """The demo under torchrun (tests/torchrun.py); a hang fails the test through the
+    timeout."""
+    return torchrun(DEMO, ["--out", str(out), *args], cwd=ROOT, pythonpath=ROOT, nproc=nproc,
+                    timeout=150, **env)
 
 
 def _expected_bytes(tmp_path: Path, *args: str) -> bytes:
