@@ -375,6 +375,21 @@ def load_ring(p_ru, p_rk, p_rg, n, lcap, dv, dk, PER_CHANNEL: tl.constexpr,
     return b_U, b_K, b_G
 
 
+@triton.jit
+def program_bases(p_cursors, p_flushes, p_ring_u, p_ring_v, p_ring_k, p_ring_g, p_ring_beta,
+                  nheads, dv, dk, lcap, PER_CHANNEL: tl.constexpr):
+    """The (nheads, slots) grid's program: `(i_s, i_h, i_sh, cursor, flush, p_ru, p_rv, p_rk,
+    p_rg, p_rbeta)`, its slot, head and (slot, head) row, the slot's cursor and flush counter,
+    and the row's bases of the five rings."""
+    i_h = tl.program_id(0)
+    i_s = tl.program_id(1).to(tl.int64)
+    i_sh = i_s * nheads + i_h
+    nc = dk if PER_CHANNEL else 1
+    return (i_s, i_h, i_sh, tl.load(p_cursors + i_s), tl.load(p_flushes + i_s),
+            p_ring_u + i_sh * lcap * dv, p_ring_v + i_sh * lcap * dv,
+            p_ring_k + i_sh * lcap * dk, p_ring_g + i_sh * lcap * nc, p_ring_beta + i_sh * lcap)
+
+
 # --------------------------------------------------------------------------------------------
 # kernels
 
@@ -389,12 +404,10 @@ def _gdn_replay_decode_kernel(
     SR_BITS: tl.constexpr, ROUNDS: tl.constexpr, LO: tl.constexpr, HAS_DEBUG: tl.constexpr,
     BV: tl.constexpr, BK: tl.constexpr, BL: tl.constexpr, NC: tl.constexpr,
 ):
-    i_h = tl.program_id(0)
-    i_s = tl.program_id(1).to(tl.int64)
-    i_sh = i_s * nheads + i_h  # (slot, head) row
-    cursor = tl.load(p_cursors + i_s)  # this record's ring position
-    flush = tl.load(p_flushes + i_s)
-    nc = dk if PER_CHANNEL else 1
+    # cursor: this record's ring position
+    i_s, i_h, i_sh, cursor, flush, p_ru, p_rv, p_rk, p_rg, p_rbeta = program_bases(
+        p_cursors, p_flushes, p_ring_u, p_ring_v, p_ring_k, p_ring_g, p_ring_beta,
+        nheads, dv, dk, lcap, PER_CHANNEL)
 
     o_v = tl.arange(0, BV)
     o_k = tl.arange(0, BK)
@@ -407,10 +420,6 @@ def _gdn_replay_decode_kernel(
     b_k, b_v, b_g, beta = load_record(p_k, p_v, p_g, p_beta, i_sh, dv, dk, PER_CHANNEL,
                                       BV, BK, NC)
     b_q = tl.load(p_q + i_sh * dk + o_k, mask=o_k < dk, other=0.0).to(tl.float32)  # [BK]
-    p_rk = p_ring_k + i_sh * lcap * dk
-    p_rv = p_ring_v + i_sh * lcap * dv
-    p_rg = p_ring_g + i_sh * lcap * nc
-    p_rbeta = p_ring_beta + i_sh * lcap
 
     if cursor == WINDOW - 1:
         # flush: fold the L records into the recurrence copy, u recomputed from raw v
@@ -419,21 +428,17 @@ def _gdn_replay_decode_kernel(
                         PER_CHANNEL, BV, BK, NC)
         b_S = delta_step(b_S, b_k, b_v, b_g, beta)
         b_y = tl.sum(b_S * b_q[None, :], axis=1)  # [BV], from the unrounded new state
-        store_copies(
-            b_S, p_hi + p_state, p_lo + p_state, p_lo_scales + i_sh * dv * n_blocks,
-            p_lo_global + i_sh, p_debug + p_state,
-            seed, i_s, i_h, flush, dv, dk, n_blocks,
-            HI, HI_SR, SR_BITS, ROUNDS, LO, HAS_DEBUG, BV, BK,
-        )
+        store_copies(b_S, p_hi, p_lo, p_lo_scales, p_lo_global, p_debug, i_sh, seed, i_s, i_h,
+                     flush, dv, dk, n_blocks, HI, HI_SR, SR_BITS, ROUNDS, LO, HAS_DEBUG, BV, BK)
     else:
         # non-flush: the read copy and the ring's cached u, no state
         b_lo = tl.load(p_lo + p_state + o_vk, mask=m_vk, other=0.0)
-        b_U, b_K, b_G = load_ring(p_ring_u + i_sh * lcap * dv, p_rk, p_rg, cursor, lcap, dv, dk,
-                                  PER_CHANNEL, BV, BK, BL, NC)
+        b_U, b_K, b_G = load_ring(p_ru, p_rk, p_rg, cursor, lcap, dv, dk, PER_CHANNEL,
+                                  BV, BK, BL, NC)
         b_u, b_U, b_K, b_G, b_y = replay_record(b_lo, b_U, b_K, b_G, cursor, b_k, b_v, b_g,
                                                 beta, b_q, BL)
         in_ring = (cursor >= 0) & (cursor < lcap)  # check_counters=False: stay in the ring
-        tl.store(p_ring_u + (i_sh * lcap + cursor) * dv + o_v, b_u, mask=m_v & in_ring)
+        tl.store(p_ru + cursor * dv + o_v, b_u, mask=m_v & in_ring)
     tl.store(p_y + i_sh * dv + o_v, b_y.to(p_y.dtype.element_ty), mask=m_v)
 
 
@@ -500,6 +505,30 @@ def launch_append(cache, k, v, g, beta, T, is_verify):
     )
 
 
+def launch_replay(kernel, cache, q, k, v, g, beta, out, debug_state, T, is_verify):
+    """Launch the decode (T = 1) or verify `kernel` over (nheads, slots), then the append."""
+    slots, nheads, dv, dk, lcap = cache.shape
+    n_blocks = cache.lo_scales.shape[-1] if cache.lo_scales is not None else 1
+    unused = cache.lo  # stands in for absent optional tensors (never read: flags are off)
+    draft = dict(T=T) if is_verify else {}
+    with device_context(cache.hi.device):
+        kernel[(nheads, slots)](
+            cache.hi, cache.lo,
+            cache.lo_scales if cache.lo_scales is not None else unused,
+            cache.lo_global if cache.lo_global is not None else unused,
+            cache.ring_u, cache.ring_v, cache.ring_k, cache.ring_g, cache.ring_beta,
+            cache.cursors, cache.flushes,
+            q, k, v, g, beta, out, debug_state if debug_state is not None else unused,
+            cache.seed, nheads, dv, dk, lcap, n_blocks,
+            WINDOW=cache.window, PER_CHANNEL=cache.per_channel, HI=format_spec(cache.hi_format),
+            HI_SR=cache.hi_rounding == "sr", SR_BITS=cache.sr_bits,
+            ROUNDS=cache.philox_rounds,
+            LO=format_spec(check_kernel_format("cache.lo_format", cache.lo_format)),
+            HAS_DEBUG=debug_state is not None, **draft, **gdn_launch_config(cache),
+        )
+        launch_append(cache, k, v, g, beta, T, is_verify)
+
+
 def device_context(device):
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
@@ -523,25 +552,8 @@ def _replay_decode(cache, q, k, v, g, beta, out, debug_state, check_counters, pe
     out = check_outputs(cache, out, debug_state, inputs, (slots, nheads, dv), v.dtype)
     if slots == 0:
         return out
-    lo_fmt = check_kernel_format("cache.lo_format", cache.lo_format)
-    n_blocks = cache.lo_scales.shape[-1] if cache.lo_scales is not None else 1
-    unused = cache.lo  # stands in for absent optional tensors (never read: flags are off)
-    with device_context(cache.hi.device):
-        _gdn_replay_decode_kernel[(nheads, slots)](
-            cache.hi, cache.lo,
-            cache.lo_scales if cache.lo_scales is not None else unused,
-            cache.lo_global if cache.lo_global is not None else unused,
-            cache.ring_u, cache.ring_v, cache.ring_k, cache.ring_g, cache.ring_beta,
-            cache.cursors, cache.flushes,
-            q, k, v, g, beta, out, debug_state if debug_state is not None else unused,
-            cache.seed, nheads, dv, dk, lcap, n_blocks,
-            WINDOW=cache.window, PER_CHANNEL=cache.per_channel, HI=format_spec(cache.hi_format),
-            HI_SR=cache.hi_rounding == "sr", SR_BITS=cache.sr_bits,
-            ROUNDS=cache.philox_rounds, LO=format_spec(lo_fmt),
-            HAS_DEBUG=debug_state is not None,
-            **gdn_launch_config(cache),
-        )
-        launch_append(cache, k, v, g, beta, 1, False)
+    launch_replay(_gdn_replay_decode_kernel, cache, q, k, v, g, beta, out, debug_state, 1,
+                  False)
     return out
 
 

@@ -448,39 +448,57 @@ def gate_output(b_y, b_x, D, b_z, HAS_Z: tl.constexpr):
 
 
 @triton.jit
-def store_copies(
-    b_S, p_hi, p_lo, p_lo_scales, p_lo_global, p_debug,
-    seed, i_s, i_h, flush, headdim, dstate, n_blocks,
-    HI: tl.constexpr, HI_SR: tl.constexpr, SR_BITS: tl.constexpr, ROUNDS: tl.constexpr,
-    LO: tl.constexpr, HAS_DEBUG: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr,
+def store_tile(
+    b_S, p_S, p_scales, p_global, p_debug, seed, i_s, i_h, counter, rows, cols, n_blocks,
+    F: tl.constexpr, USE_SR: tl.constexpr, SR_BITS: tl.constexpr, ROUNDS: tl.constexpr,
+    HAS_DEBUG: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr,
 ):
-    """Write both copies of one (slot, head) state from the unrounded fp32 `b_S [BV, BK]`.
+    """Round the fp32 state tile `b_S [BV, BK]` of (slot i_s, head i_h) to format F and store
+    it with its block and second-level scales; returns the stored (dequantised) tile.
 
-    hi: ROUND_hi with SR draws of SR_BITS bits from ROUNDS-round Philox at (seed, slot,
-    flush, element); lo: RN_lo with its scales.
-    Pointers are the (slot, head) bases of [headdim, dstate] (scales [headdim, n_blocks]).
+    SR draws SR_BITS bits from ROUNDS-round Philox at (seed, slot, `counter`, element); with
+    HAS_DEBUG the unrounded tile goes to `p_debug` first. Pointers are the (slot, head) bases
+    of [rows, cols] (scales [rows, n_blocks], the global scale one word).
     """
     o_v = tl.arange(0, BV)
     o_k = tl.arange(0, BK)
-    m_vk = (o_v[:, None] < headdim) & (o_k[None, :] < dstate)
-    o_vk = o_v[:, None] * dstate + o_k[None, :]  # [BV, BK]
+    m_vk = (o_v[:, None] < rows) & (o_k[None, :] < cols)
+    o_vk = o_v[:, None] * cols + o_k[None, :]  # [BV, BK]
     if HAS_DEBUG:
         tl.store(p_debug + o_vk, b_S, mask=m_vk)
-    if HI_SR:
-        b_r = random_words(seed, i_s, flush, i_h * headdim * dstate + o_vk, SR_BITS, ROUNDS)
+    if USE_SR:
+        b_r = random_words(seed, i_s, counter, i_h * rows * cols + o_vk, SR_BITS, ROUNDS)
     else:
         b_r = o_vk
-    b_hi, _, _ = quantize_tile(b_S, b_r, HI, HI_SR, BV, BK, SR_BITS)
-    tl.store(p_hi + o_vk, b_hi.to(p_hi.dtype.element_ty), mask=m_vk)
-    b_lo, b_scale, s_g = quantize_tile(b_S, o_vk, LO, False, BV, BK)
-    tl.store(p_lo + o_vk, b_lo, mask=m_vk)
-    if LO.block != 0:
-        NB: tl.constexpr = BK // (BK if LO.block == -1 else LO.block)
+    b_st, b_scale, s_g = quantize_tile(b_S, b_r, F, USE_SR, BV, BK, SR_BITS)
+    tl.store(p_S + o_vk, b_st.to(p_S.dtype.element_ty), mask=m_vk)
+    if F.block != 0:
+        NB: tl.constexpr = BK // (BK if F.block == -1 else F.block)
         o_b = tl.arange(0, NB)
-        m_b = (o_v[:, None] < headdim) & (o_b[None, :] < n_blocks)
-        tl.store(p_lo_scales + o_v[:, None] * n_blocks + o_b[None, :], b_scale, mask=m_b)
-    if LO.two_level:
-        tl.store(p_lo_global, s_g)
+        m_b = (o_v[:, None] < rows) & (o_b[None, :] < n_blocks)
+        tl.store(p_scales + o_v[:, None] * n_blocks + o_b[None, :], b_scale, mask=m_b)
+    if F.two_level:
+        tl.store(p_global, s_g)
+    return b_st
+
+
+@triton.jit
+def store_copies(
+    b_S, p_hi, p_lo, p_lo_scales, p_lo_global, p_debug, i_sh,
+    seed, i_s, i_h, flush, rows, cols, n_blocks,
+    HI: tl.constexpr, HI_SR: tl.constexpr, SR_BITS: tl.constexpr, ROUNDS: tl.constexpr,
+    LO: tl.constexpr, HAS_DEBUG: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr,
+):
+    """Write both copies of the state of (slot, head) row `i_sh` from the unrounded fp32
+    `b_S [BV, BK]`: hi ROUND_hi (SR draws at flush counter `flush`), lo RN_lo with its scales.
+    Pointers are the cache's bases ([slots, nheads, rows, cols] states)."""
+    p_state = i_sh * rows * cols
+    # hi is an element format: its scale pointers are never written
+    store_tile(b_S, p_hi + p_state, p_lo_scales, p_lo_global, p_debug + p_state, seed, i_s, i_h,
+               flush, rows, cols, n_blocks, HI, HI_SR, SR_BITS, ROUNDS, HAS_DEBUG, BV, BK)
+    store_tile(b_S, p_lo + p_state, p_lo_scales + i_sh * rows * n_blocks, p_lo_global + i_sh,
+               p_debug, seed, i_s, i_h, flush, rows, cols, n_blocks, LO, False, SR_BITS, ROUNDS,
+               False, BV, BK)
 
 
 # --------------------------------------------------------------------------------------------
@@ -547,13 +565,9 @@ def _mamba2_replay_decode_kernel(
         b_xw = tl.trans(b_rx * b_w[:, None])  # [BV, BL]
         b_S = g_ckpt * b_hi.to(tl.float32) + tl.dot(b_xw, b_rB, input_precision="ieee")
         b_y = tl.sum(b_S * b_C[None, :], axis=1)  # [BV]
-        store_copies(
-            b_S, p_hi + i_sh * headdim * dstate, p_lo + i_sh * headdim * dstate,
-            p_lo_scales + i_sh * headdim * n_blocks, p_lo_global + i_sh,
-            p_debug + i_sh * headdim * dstate,
-            seed, i_s, i_h, flush, headdim, dstate, n_blocks,
-            HI, HI_SR, SR_BITS, ROUNDS, LO, HAS_DEBUG, BV, BK,
-        )
+        store_copies(b_S, p_hi, p_lo, p_lo_scales, p_lo_global, p_debug, i_sh, seed, i_s, i_h,
+                     flush, headdim, dstate, n_blocks, HI, HI_SR, SR_BITS, ROUNDS, LO, HAS_DEBUG,
+                     BV, BK)
     else:
         # non-flush: the read copy and the ring, no state
         b_lo = tl.load(p_lo + i_sh * headdim * dstate + o_vk, mask=m_vk, other=0.0)

@@ -104,13 +104,9 @@ def _mamba2_replay_verify_kernel(
         b_xw = tl.trans(b_rx * b_w[:, None])  # [BV, BL]
         b_base = tl.exp(A * cum_h) * b_hi.to(tl.float32) + tl.dot(b_xw, b_rB,
                                                                    input_precision="ieee")
-        store_copies(
-            b_base, p_hi + i_sh * headdim * dstate, p_lo + i_sh * headdim * dstate,
-            p_lo_scales + i_sh * headdim * n_blocks, p_lo_global + i_sh,
-            p_debug + i_sh * headdim * dstate,
-            seed, i_s, i_h, flush, headdim, dstate, n_blocks,
-            HI, HI_SR, SR_BITS, ROUNDS, LO, HAS_DEBUG, BV, BK,
-        )
+        store_copies(b_base, p_hi, p_lo, p_lo_scales, p_lo_global, p_debug, i_sh, seed, i_s, i_h,
+                     flush, headdim, dstate, n_blocks, HI, HI_SR, SR_BITS, ROUNDS, LO, HAS_DEBUG,
+                     BV, BK)
     else:
         b_base = tl.load(p_lo + i_sh * headdim * dstate + o_vk, mask=m_vk, other=0.0)
 

@@ -23,7 +23,7 @@ token counter moves in a second launch (a tensor add) once every program has rea
 
 # emulation.numerics comes first: without CUDA it switches Triton's interpreter on, which has to
 # happen before triton is first imported.
-from emulation.numerics import check_kernel_format, format_spec, quantize_tile, random_words  # noqa: I001
+from emulation.numerics import check_kernel_format, format_spec  # noqa: I001
 import contextlib
 from dataclasses import dataclass
 
@@ -47,6 +47,7 @@ from emulation.replay_decode import (
     launch_config,
     process_dt,
     empty_scales,
+    store_tile,
 )
 from lowprec import philox
 from lowprec.replay import check_flush_field
@@ -183,7 +184,7 @@ def _mamba2_state_update_kernel(
     m_k = o_k < dstate
     m_vk = m_v[:, None] & m_k[None, :]
     o_vk = o_v[:, None] * dstate + o_k[None, :]  # [BV, BK]
-    p_S = p_state + i_sh * headdim * dstate + o_vk
+    p_S_base = p_state + i_sh * headdim * dstate
 
     b_x = tl.load(p_x + i_sh * headdim + o_v, mask=m_v, other=0.0).to(tl.float32)  # [BV]
     b_B = tl.load(p_B + i_sg * dstate + o_k, mask=m_k, other=0.0).to(tl.float32)  # [BK]
@@ -192,24 +193,11 @@ def _mamba2_state_update_kernel(
     dt_bias = tl.load(p_dt_bias + i_h) if HAS_DT_BIAS else 0.0
     dt = process_dt(tl.load(p_dt + i_sh), dt_bias, DT_SOFTPLUS)
 
-    b_S = tl.load(p_S, mask=m_vk, other=0.0).to(tl.float32)  # [BV, BK]
+    b_S = tl.load(p_S_base + o_vk, mask=m_vk, other=0.0).to(tl.float32)  # [BV, BK]
     b_S = tl.exp(dt * A) * b_S + (dt * b_x)[:, None] * b_B[None, :]
-    if HAS_DEBUG:
-        tl.store(p_debug + i_sh * headdim * dstate + o_vk, b_S, mask=m_vk)
-    if USE_SR:
-        b_r = random_words(seed, i_s, token, i_h * headdim * dstate + o_vk, SR_BITS, ROUNDS)
-    else:
-        b_r = o_vk
-    b_q, b_scale, s_g = quantize_tile(b_S, b_r, F, USE_SR, BV, BK, SR_BITS)
-    tl.store(p_S, b_q.to(p_state.dtype.element_ty), mask=m_vk)
-    if F.block != 0:
-        NB: tl.constexpr = BK // (BK if F.block == -1 else F.block)
-        o_b = tl.arange(0, NB)
-        m_b = m_v[:, None] & (o_b[None, :] < n_blocks)
-        tl.store(p_scales + (i_sh * headdim + o_v[:, None]) * n_blocks + o_b[None, :], b_scale,
-                 mask=m_b)
-    if F.two_level:
-        tl.store(p_global + i_sh, s_g)
+    b_q = store_tile(b_S, p_S_base, p_scales + i_sh * headdim * n_blocks, p_global + i_sh,
+                     p_debug + i_sh * headdim * dstate, seed, i_s, i_h, token, headdim, dstate,
+                     n_blocks, F, USE_SR, SR_BITS, ROUNDS, HAS_DEBUG, BV, BK)
 
     b_y = tl.sum((b_q if READ_STORED else b_S) * b_C[None, :], axis=1)  # [BV]
     D = tl.load(p_D + i_h) if HAS_D else 0.0
