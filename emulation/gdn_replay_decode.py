@@ -72,14 +72,13 @@ import triton.language as tl
 from emulation.replay_decode import (
     ACT_DTYPES,
     _expect,
-    check_cache_apart,
     check_copies,
+    check_counters_apart,
     check_empty_args,
     check_inputs_apart,
-    check_out_apart,
+    check_outputs,
     check_switch,
-    cache_tensors,
-    empty_copies,
+    empty_fields,
     launch_config,
     store_copies,
 )
@@ -176,34 +175,23 @@ class GDNReplayCache:
             (("slots", slots, 0), ("nheads", nheads, 1), ("dv", dv, 1), ("dk", dk, 1),
              ("window", window, 1), ("draft", draft, 0)), hi_rounding, sr_bits, philox_rounds,
             act_dtype)
-        hi, lo, scales, global_scale, lo_fmt = empty_copies(slots, nheads, dv, dk, lo_format,
-                                                            hi_dtype, device)
+        shared = empty_fields(slots, nheads, dv, dk, hi_dtype, device, hi_format=hi_format,
+                              hi_rounding=hi_rounding, lo_format=lo_format, window=window,
+                              draft=draft, seed=seed, sr_bits=sr_bits,
+                              philox_rounds=philox_rounds)
         lcap = window + draft
         f32 = dict(dtype=torch.float32, device=device)
         act = dict(dtype=act_dtype, device=device)
         nan = float("nan")
         decay = (slots, nheads, lcap, dk) if per_channel else (slots, nheads, lcap)
         cache = cls(
-            hi=hi,
-            lo=lo,
-            lo_scales=scales,
-            lo_global=global_scale,
             ring_u=torch.full((slots, nheads, lcap, dv), nan, **f32),
             ring_v=torch.full((slots, nheads, lcap, dv), nan, **act),
             ring_k=torch.full((slots, nheads, lcap, dk), nan, **act),
             ring_g=torch.full(decay, nan, **f32),
             ring_beta=torch.full((slots, nheads, lcap), nan, **f32),
-            cursors=torch.zeros(slots, dtype=torch.int32, device=device),
-            flushes=torch.zeros(slots, dtype=torch.int32, device=device),
-            hi_format=hi_format,
-            hi_rounding=hi_rounding,
-            lo_format=lo_fmt.name,
-            window=window,
-            draft=draft,
-            seed=seed,
             per_channel=per_channel,
-            sr_bits=sr_bits,
-            philox_rounds=philox_rounds,
+            **shared,
         )
         check_gdn_cache(cache)
         return cache
@@ -237,9 +225,7 @@ def check_gdn_cache(cache: GDNReplayCache, per_channel: bool | None = None) -> N
     decay = (slots, nheads, lcap, dk) if cache.per_channel else (slots, nheads, lcap)
     _expect("cache.ring_g", cache.ring_g, decay, (torch.float32,), device)
     _expect("cache.ring_beta", cache.ring_beta, (slots, nheads, lcap), (torch.float32,), device)
-    _expect("cache.cursors", cache.cursors, (slots,), (torch.int32,), device)
-    _expect("cache.flushes", cache.flushes, (slots,), (torch.int32,), device)
-    check_cache_apart(cache)
+    check_counters_apart(cache, slots, device)
 
 
 def check_gdn_inputs(cache, q, k, v, g, beta, ndraft=None):
@@ -259,21 +245,6 @@ def check_gdn_inputs(cache, q, k, v, g, beta, ndraft=None):
             device)
     _expect("beta", beta, (slots, nheads, *t), f32, device)
     check_inputs_apart(cache, q=q, k=k, v=v, g=g, beta=beta)
-
-
-def check_outputs(cache, out, debug_state, inputs, y_shape, out_dtype):
-    """Allocate `out` if None and check `out` / `debug_state` (shape, dtype, device, apart from
-    the inputs and the cache); returns `out`."""
-    device = cache.hi.device
-    if out is None:
-        out = torch.empty(y_shape, dtype=out_dtype, device=device)
-    _expect("out", out, y_shape, ACT_DTYPES, device)
-    inputs = dict(inputs, **cache_tensors(cache))
-    check_out_apart(out, **inputs)
-    if debug_state is not None:
-        _expect("debug_state", debug_state, cache.hi.shape, (torch.float32,), device)
-        check_out_apart(debug_state, "debug_state", out=out, **inputs)
-    return out
 
 
 def gdn_launch_config(cache) -> dict:

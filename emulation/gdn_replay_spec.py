@@ -34,7 +34,6 @@ from emulation.gdn_replay_decode import (
     GDNReplayCache,
     check_gdn_cache,
     check_gdn_inputs,
-    check_outputs,
     fold_ring,
     launch_replay,
     load_record,
@@ -42,7 +41,7 @@ from emulation.gdn_replay_decode import (
     program_bases,
     replay_record,
 )
-from emulation.replay_decode import store_copies
+from emulation.replay_decode import check_outputs, store_copies
 from emulation.replay_spec import commit_drafts
 from lowprec.replay import check_counter_ranges
 

@@ -27,9 +27,8 @@ from emulation.gdn_replay_decode import delta_step, device_context, load_record
 from emulation.replay_decode import (
     ACT_DTYPES,
     _expect,
-    cache_tensors,
     check_inputs_apart,
-    check_out_apart,
+    check_outputs,
     check_switch,
     launch_config,
     store_tile,
@@ -90,14 +89,9 @@ def _state_update(cache, q, k, v, g, beta, output_from, out, debug_state, check_
     check_inputs_apart(cache, q=q, k=k, v=v, g=g, beta=beta)
     if check_counters:  # one host read (a stream sync) of the counters' range
         check_flush_field("cache.tokens", cache.tokens)
-    if out is None:
-        out = torch.empty(slots, nheads, dv, dtype=v.dtype, device=device)
-    _expect("out", out, (slots, nheads, dv), ACT_DTYPES, device)
-    inputs = dict(q=q, k=k, v=v, g=g, beta=beta, **cache_tensors(cache))
-    check_out_apart(out, **inputs)
-    if debug_state is not None:
-        _expect("debug_state", debug_state, cache.state.shape, f32, device)
-        check_out_apart(debug_state, "debug_state", out=out, **inputs)
+    inputs = dict(q=q, k=k, v=v, g=g, beta=beta)
+    out = check_outputs(cache, out, debug_state, inputs, (slots, nheads, dv), v.dtype,
+                        cache.state)
     if slots == 0:
         return out
     cfg = launch_config(dv, dk, 1)

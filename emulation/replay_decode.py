@@ -128,28 +128,17 @@ class ReplayCache:
             (("slots", slots, 0), ("nheads", nheads, 1), ("headdim", headdim, 1),
              ("dstate", dstate, 1), ("ngroups", ngroups, 1), ("window", window, 1),
              ("draft", draft, 0)), hi_rounding, sr_bits, philox_rounds, act_dtype)
-        hi, lo, scales, global_scale, lo_fmt = empty_copies(slots, nheads, headdim, dstate,
-                                                            lo_format, hi_dtype, device)
+        shared = empty_fields(slots, nheads, headdim, dstate, hi_dtype, device,
+                              hi_format=hi_format, hi_rounding=hi_rounding, lo_format=lo_format,
+                              window=window, draft=draft, seed=seed, sr_bits=sr_bits,
+                              philox_rounds=philox_rounds)
         lcap = window + draft
         nan = float("nan")
         cache = cls(
-            hi=hi,
-            lo=lo,
-            lo_scales=scales,
-            lo_global=global_scale,
             ring_x=torch.full((slots, nheads, lcap, headdim), nan, dtype=act_dtype, device=device),
             ring_dt=torch.full((slots, nheads, lcap), nan, dtype=torch.float32, device=device),
             ring_B=torch.full((slots, ngroups, lcap, dstate), nan, dtype=act_dtype, device=device),
-            cursors=torch.zeros(slots, dtype=torch.int32, device=device),
-            flushes=torch.zeros(slots, dtype=torch.int32, device=device),
-            hi_format=hi_format,
-            hi_rounding=hi_rounding,
-            lo_format=lo_fmt.name,
-            window=window,
-            draft=draft,
-            seed=seed,
-            sr_bits=sr_bits,
-            philox_rounds=philox_rounds,
+            **shared,
         )
         check_cache(cache)
         return cache
@@ -329,14 +318,24 @@ def check_copies(cache, rows: str, cols: str) -> tuple:
     return slots, nheads, n_rows, n_cols, device
 
 
-def empty_copies(slots, nheads, rows, cols, lo_format, hi_dtype, device) -> tuple:
-    """(hi, lo, lo_scales, lo_global, lo format) of a cache at the zero state: fp32 containers
-    (hi in `hi_dtype`), the block scales lowprec stores for a zero block."""
-    lo_fmt = check_kernel_format("lo_format", lo_format, cols)
+def empty_fields(slots, nheads, rows, cols, hi_dtype, device, **config) -> dict:
+    """The fields every replay cache has, at the zero state: the copies (fp32 containers, hi in
+    `hi_dtype`, the block scales lowprec stores for a zero block), zero cursors and flush
+    counters, and `config` (hi_format, hi_rounding, lo_format (stored as the format's name),
+    window, draft, seed, sr_bits, philox_rounds)."""
+    lo_fmt = check_kernel_format("lo_format", config["lo_format"], cols)
     scales, global_scale = empty_scales(lo_fmt, slots, nheads, rows, cols, device)
-    hi = torch.zeros(slots, nheads, rows, cols, dtype=hi_dtype, device=device)
-    lo = torch.zeros(slots, nheads, rows, cols, dtype=torch.float32, device=device)
-    return hi, lo, scales, global_scale, lo_fmt
+    counters = dict(dtype=torch.int32, device=device)
+    return dict(
+        config,
+        hi=torch.zeros(slots, nheads, rows, cols, dtype=hi_dtype, device=device),
+        lo=torch.zeros(slots, nheads, rows, cols, dtype=torch.float32, device=device),
+        lo_scales=scales,
+        lo_global=global_scale,
+        cursors=torch.zeros(slots, **counters),
+        flushes=torch.zeros(slots, **counters),
+        lo_format=lo_fmt.name,
+    )
 
 
 def empty_scales(fmt, slots, nheads, rows, cols, device) -> tuple:
@@ -370,6 +369,12 @@ def check_cache(cache: ReplayCache) -> None:
     if ngroups < 1 or nheads % ngroups:
         raise ValueError(f"cache.ring_B: expected ngroups dividing nheads={nheads}, got {ngroups}")
     _expect("cache.ring_B", rb, (slots, ngroups, lcap, dstate), (rx.dtype,), device)
+    check_counters_apart(cache, slots, device)
+
+
+def check_counters_apart(cache, slots, device) -> None:
+    """ValueError unless `cache.cursors` and `cache.flushes` are int32 [slots] on `device` and
+    no two tensors of `cache` share bytes (the last checks of a replay cache)."""
     _expect("cache.cursors", cache.cursors, (slots,), (torch.int32,), device)
     _expect("cache.flushes", cache.flushes, (slots,), (torch.int32,), device)
     check_cache_apart(cache)
@@ -396,6 +401,22 @@ def check_step_inputs(cache, x, dt, A, B, C, D, z, dt_bias, ndraft=None):
         if tensor is not None:
             _expect(name, tensor, shape, act if name == "z" else f32, device)
     check_inputs_apart(cache, x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias)
+
+
+def check_outputs(cache, out, debug_state, inputs, y_shape, out_dtype, state=None):
+    """Allocate `out` if None and check `out` / `debug_state` (shape, dtype, device, apart from
+    the `inputs` and the cache; `debug_state` shaped as `state`, default `cache.hi`); returns
+    `out`."""
+    state = cache.hi if state is None else state
+    if out is None:
+        out = torch.empty(y_shape, dtype=out_dtype, device=state.device)
+    _expect("out", out, y_shape, ACT_DTYPES, state.device)
+    inputs = dict(inputs, **cache_tensors(cache))
+    check_out_apart(out, **inputs)
+    if debug_state is not None:
+        _expect("debug_state", debug_state, state.shape, (torch.float32,), state.device)
+        check_out_apart(debug_state, "debug_state", out=out, **inputs)
+    return out
 
 
 def check_cursors(cache, low: int, high: int) -> None:
@@ -663,14 +684,8 @@ def mamba2_replay_decode(
     if check_counters:
         check_cursors(cache, 0, cache.window - 1)
     device = cache.hi.device
-    if out is None:
-        out = torch.empty(slots, nheads, headdim, dtype=x.dtype, device=device)
-    _expect("out", out, (slots, nheads, headdim), ACT_DTYPES, device)
-    inputs = dict(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias, **cache_tensors(cache))
-    check_out_apart(out, **inputs)
-    if debug_state is not None:
-        _expect("debug_state", debug_state, cache.hi.shape, (torch.float32,), device)
-        check_out_apart(debug_state, "debug_state", out=out, **inputs)
+    inputs = dict(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias)
+    out = check_outputs(cache, out, debug_state, inputs, (slots, nheads, headdim), x.dtype)
     if slots == 0:
         return out
 

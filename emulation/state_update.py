@@ -37,10 +37,9 @@ from emulation.replay_decode import (
     ROUNDINGS,
     _expect,
     _expect_int,
-    cache_tensors,
     check_cache_apart,
     check_inputs_apart,
-    check_out_apart,
+    check_outputs,
     check_sr_parameters,
     check_switch,
     gate_output,
@@ -263,14 +262,9 @@ def mamba2_state_update(
     check_inputs_apart(cache, x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias)
     if check_counters:  # one host read (a stream sync) of the counters' range
         check_flush_field("cache.tokens", cache.tokens)
-    if out is None:
-        out = torch.empty(slots, nheads, headdim, dtype=x.dtype, device=device)
-    _expect("out", out, (slots, nheads, headdim), ACT_DTYPES, device)
-    inputs = dict(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias, **cache_tensors(cache))
-    check_out_apart(out, **inputs)
-    if debug_state is not None:
-        _expect("debug_state", debug_state, cache.state.shape, f32, device)
-        check_out_apart(debug_state, "debug_state", out=out, **inputs)
+    inputs = dict(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias)
+    out = check_outputs(cache, out, debug_state, inputs, (slots, nheads, headdim), x.dtype,
+                        cache.state)
     if slots == 0:
         return out
 
