@@ -81,6 +81,7 @@ from emulation.replay_decode import (
     empty_fields,
     launch_config,
     store_copies,
+    tile_offsets,
 )
 from lowprec import philox
 from lowprec.replay import check_counter_ranges
@@ -380,11 +381,7 @@ def _gdn_replay_decode_kernel(
         p_cursors, p_flushes, p_ring_u, p_ring_v, p_ring_k, p_ring_g, p_ring_beta,
         nheads, dv, dk, lcap, PER_CHANNEL)
 
-    o_v = tl.arange(0, BV)
-    o_k = tl.arange(0, BK)
-    m_v = o_v < dv
-    m_vk = m_v[:, None] & (o_k[None, :] < dk)
-    o_vk = o_v[:, None] * dk + o_k[None, :]  # [BV, BK]
+    o_v, o_k, m_v, m_vk, o_vk = tile_offsets(dv, dk, BV, BK)  # [BV, BK] tile of the state
     p_state = i_sh * dv * dk
 
     # the current record and query, in fp32
@@ -476,9 +473,31 @@ def launch_append(cache, k, v, g, beta, T, is_verify):
     )
 
 
-def launch_replay(kernel, cache, q, k, v, g, beta, out, debug_state, T, is_verify):
-    """Launch the decode (T = 1) or verify `kernel` over (nheads, slots), then the append."""
+def run_replay(kernel, cache, q, k, v, g, beta, out, debug_state, per_channel, is_verify,
+               check_counters=True):
+    """One decode (`is_verify` False: one token) or verify (T = cache.draft tokens) call: the
+    checks, then `kernel` over (nheads, slots) and the append; returns y."""
+    check_gdn_cache(cache, per_channel)
+    T = cache.draft
+    if is_verify and T < 1:
+        raise ValueError(f"cache.draft: expected T >= 1 for speculative decoding, got {T}")
+    if not is_verify and T != 0:
+        raise ValueError(f"cache.draft: expected 0 for standard decoding, got {T} "
+                         f"(use gdn_replay_spec)")
+    check_gdn_inputs(cache, q, k, v, g, beta, ndraft=T if is_verify else None)
+    check_switch("check_counters", check_counters)
     slots, nheads, dv, dk, lcap = cache.shape
+    if check_counters:  # a verify flushes a full ring (h = L) first; a decode appends to it
+        check_counter_ranges(cache.cursors, cache.flushes, 0,
+                             cache.window if is_verify else cache.window - 1, "ring capacity",
+                             "cache.")
+    y_shape = (slots, nheads, T, dv) if is_verify else (slots, nheads, dv)
+    out = check_outputs(cache, out, debug_state, dict(q=q, k=k, v=v, g=g, beta=beta), y_shape,
+                        v.dtype)
+    if is_verify:
+        cache.pending = True  # the inputs are good: this verify awaits its commit
+    if slots == 0:
+        return out
     n_blocks = cache.lo_scales.shape[-1] if cache.lo_scales is not None else 1
     unused = cache.lo  # stands in for absent optional tensors (never read: flags are off)
     draft = dict(T=T) if is_verify else {}
@@ -497,7 +516,8 @@ def launch_replay(kernel, cache, q, k, v, g, beta, out, debug_state, T, is_verif
             LO=format_spec(check_kernel_format("cache.lo_format", cache.lo_format)),
             HAS_DEBUG=debug_state is not None, **draft, **gdn_launch_config(cache),
         )
-        launch_append(cache, k, v, g, beta, T, is_verify)
+        launch_append(cache, k, v, g, beta, T if is_verify else 1, is_verify)
+    return out
 
 
 def device_context(device):
@@ -506,26 +526,6 @@ def device_context(device):
 
 # --------------------------------------------------------------------------------------------
 # public functions
-
-
-def _replay_decode(cache, q, k, v, g, beta, out, debug_state, check_counters, per_channel):
-    check_gdn_cache(cache, per_channel)
-    if cache.draft != 0:
-        raise ValueError(f"cache.draft: expected 0 for standard decoding, got {cache.draft} "
-                         f"(use gdn_replay_spec)")
-    check_gdn_inputs(cache, q, k, v, g, beta)
-    check_switch("check_counters", check_counters)
-    slots, nheads, dv, dk, lcap = cache.shape
-    if check_counters:
-        check_counter_ranges(cache.cursors, cache.flushes, 0, cache.window - 1,
-                             "ring capacity", "cache.")
-    inputs = dict(q=q, k=k, v=v, g=g, beta=beta)
-    out = check_outputs(cache, out, debug_state, inputs, (slots, nheads, dv), v.dtype)
-    if slots == 0:
-        return out
-    launch_replay(_gdn_replay_decode_kernel, cache, q, k, v, g, beta, out, debug_state, 1,
-                  False)
-    return out
 
 
 def gdn_replay_decode(
@@ -551,7 +551,8 @@ def gdn_replay_decode(
     access stays within its slot's ring regardless. No input, `out` or `debug_state` may share
     memory with the cache or each other's outputs. Launches on the current stream.
     """
-    return _replay_decode(cache, q, k, v, g, beta, out, debug_state, check_counters, False)
+    return run_replay(_gdn_replay_decode_kernel, cache, q, k, v, g, beta, out, debug_state,
+                      False, False, check_counters)
 
 
 def kda_replay_decode(
@@ -568,7 +569,8 @@ def kda_replay_decode(
 ) -> torch.Tensor:
     """`gdn_replay_decode` for KDA (`cache.per_channel` True): g [slots, nheads, dk] fp32, the
     log-decay per channel of d_k (`lowprec.kda.kda_step`'s arguments)."""
-    return _replay_decode(cache, q, k, v, g, beta, out, debug_state, check_counters, True)
+    return run_replay(_gdn_replay_decode_kernel, cache, q, k, v, g, beta, out, debug_state,
+                      True, False, check_counters)
 
 
 # --------------------------------------------------------------------------------------------

@@ -33,17 +33,15 @@ import triton.language as tl
 from emulation.gdn_replay_decode import (
     GDNReplayCache,
     check_gdn_cache,
-    check_gdn_inputs,
     fold_ring,
-    launch_replay,
     load_record,
     load_ring,
     program_bases,
     replay_record,
+    run_replay,
 )
-from emulation.replay_decode import check_outputs, store_copies
+from emulation.replay_decode import store_copies, tile_offsets
 from emulation.replay_spec import commit_drafts
-from lowprec.replay import check_counter_ranges
 
 __all__ = ["gdn_replay_verify", "gdn_replay_commit", "kda_replay_verify", "kda_replay_commit"]
 
@@ -64,11 +62,7 @@ def _gdn_replay_verify_kernel(
         p_cursors, p_flushes, p_ring_u, p_ring_v, p_ring_k, p_ring_g, p_ring_beta,
         nheads, dv, dk, lcap, PER_CHANNEL)
 
-    o_v = tl.arange(0, BV)
-    o_k = tl.arange(0, BK)
-    m_v = o_v < dv
-    m_vk = m_v[:, None] & (o_k[None, :] < dk)
-    o_vk = o_v[:, None] * dk + o_k[None, :]  # [BV, BK]
+    o_v, o_k, m_v, m_vk, o_vk = tile_offsets(dv, dk, BV, BK)  # [BV, BK] tile of the state
     p_state = i_sh * dv * dk
 
     is_flush = h + T > WINDOW
@@ -99,24 +93,6 @@ def _gdn_replay_verify_kernel(
         tl.store(p_y + row * dv + o_v, b_y.to(p_y.dtype.element_ty), mask=m_v)
 
 
-def _replay_verify(cache, q, k, v, g, beta, out, debug_state, per_channel):
-    check_gdn_cache(cache, per_channel)
-    T = cache.draft
-    if T < 1:
-        raise ValueError(f"cache.draft: expected T >= 1 for speculative decoding, got {T}")
-    check_gdn_inputs(cache, q, k, v, g, beta, ndraft=T)
-    slots, nheads, dv, dk, lcap = cache.shape
-    check_counter_ranges(cache.cursors, cache.flushes, 0, cache.window, "ring capacity",
-                         "cache.")
-    inputs = dict(q=q, k=k, v=v, g=g, beta=beta)
-    out = check_outputs(cache, out, debug_state, inputs, (slots, nheads, T, dv), v.dtype)
-    cache.pending = True  # the inputs are good: this verify awaits its commit
-    if slots == 0:
-        return out
-    launch_replay(_gdn_replay_verify_kernel, cache, q, k, v, g, beta, out, debug_state, T, True)
-    return out
-
-
 def gdn_replay_verify(
     cache: GDNReplayCache,
     q: torch.Tensor,
@@ -134,7 +110,8 @@ def gdn_replay_verify(
     q, k [slots, nheads, T, dk], v [slots, nheads, T, dv] (activation dtype), g, beta
     [slots, nheads, T] fp32. `debug_state` fp32 [slots, nheads, dv, dk] receives S_new at
     flush rows. Launches on the current stream."""
-    return _replay_verify(cache, q, k, v, g, beta, out, debug_state, False)
+    return run_replay(_gdn_replay_verify_kernel, cache, q, k, v, g, beta, out, debug_state,
+                      False, True)
 
 
 def kda_replay_verify(
@@ -149,7 +126,8 @@ def kda_replay_verify(
     debug_state: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`gdn_replay_verify` for KDA: g [slots, nheads, T, dk] fp32 (per-channel log-decay)."""
-    return _replay_verify(cache, q, k, v, g, beta, out, debug_state, True)
+    return run_replay(_gdn_replay_verify_kernel, cache, q, k, v, g, beta, out, debug_state,
+                      True, True)
 
 
 def gdn_replay_commit(cache: GDNReplayCache, accepted) -> None:

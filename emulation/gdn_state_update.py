@@ -32,6 +32,7 @@ from emulation.replay_decode import (
     check_switch,
     launch_config,
     store_tile,
+    tile_offsets,
 )
 from emulation.state_update import OUTPUT_FROM, StateCache, check_state_cache
 from lowprec.replay import check_flush_field
@@ -53,11 +54,7 @@ def _gdn_state_update_kernel(
     i_sh = i_s * nheads + i_h
     token = tl.load(p_tokens + i_s)
 
-    o_v = tl.arange(0, BV)
-    o_k = tl.arange(0, BK)
-    m_v = o_v < dv
-    m_vk = m_v[:, None] & (o_k[None, :] < dk)
-    o_vk = o_v[:, None] * dk + o_k[None, :]  # [BV, BK]
+    o_v, o_k, m_v, m_vk, o_vk = tile_offsets(dv, dk, BV, BK)  # [BV, BK] tile of the state
 
     b_k, b_v, b_g, beta = load_record(p_k, p_v, p_g, p_beta, i_sh, dv, dk, PER_CHANNEL,
                                       BV, BK, NC)

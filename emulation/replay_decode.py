@@ -469,6 +469,16 @@ def gate_output(b_y, b_x, D, b_z, HAS_Z: tl.constexpr):
 
 
 @triton.jit
+def tile_offsets(rows, cols, BV: tl.constexpr, BK: tl.constexpr):
+    """`(o_v [BV], o_k [BK], m_v [BV], m_vk [BV, BK], o_vk [BV, BK])`: the row and column
+    indices of a [rows, cols] state tile padded to [BV, BK], their masks and element offsets."""
+    o_v = tl.arange(0, BV)
+    o_k = tl.arange(0, BK)
+    m_v = o_v < rows
+    return o_v, o_k, m_v, m_v[:, None] & (o_k[None, :] < cols), o_v[:, None] * cols + o_k[None, :]
+
+
+@triton.jit
 def store_tile(
     b_S, p_S, p_scales, p_global, p_debug, seed, i_s, i_h, counter, rows, cols, n_blocks,
     F: tl.constexpr, USE_SR: tl.constexpr, SR_BITS: tl.constexpr, ROUNDS: tl.constexpr,
@@ -481,10 +491,7 @@ def store_tile(
     HAS_DEBUG the unrounded tile goes to `p_debug` first. Pointers are the (slot, head) bases
     of [rows, cols] (scales [rows, n_blocks], the global scale one word).
     """
-    o_v = tl.arange(0, BV)
-    o_k = tl.arange(0, BK)
-    m_vk = (o_v[:, None] < rows) & (o_k[None, :] < cols)
-    o_vk = o_v[:, None] * cols + o_k[None, :]  # [BV, BK]
+    o_v, _, m_v, m_vk, o_vk = tile_offsets(rows, cols, BV, BK)
     if HAS_DEBUG:
         tl.store(p_debug + o_vk, b_S, mask=m_vk)
     if USE_SR:
@@ -496,7 +503,7 @@ def store_tile(
     if F.block != 0:
         NB: tl.constexpr = BK // (BK if F.block == -1 else F.block)
         o_b = tl.arange(0, NB)
-        m_b = (o_v[:, None] < rows) & (o_b[None, :] < n_blocks)
+        m_b = m_v[:, None] & (o_b[None, :] < n_blocks)
         tl.store(p_scales + o_v[:, None] * n_blocks + o_b[None, :], b_scale, mask=m_b)
     if F.two_level:
         tl.store(p_global, s_g)
