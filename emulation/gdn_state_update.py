@@ -27,15 +27,17 @@ from emulation.gdn_replay_decode import delta_step, device_context, load_record
 from emulation.replay_decode import (
     ACT_DTYPES,
     _expect,
-    check_inputs_apart,
-    check_outputs,
     check_switch,
     launch_config,
     store_tile,
     tile_offsets,
 )
-from emulation.state_update import OUTPUT_FROM, StateCache, check_state_cache
-from lowprec.replay import check_flush_field
+from emulation.state_update import (
+    OUTPUT_FROM,
+    StateCache,
+    check_state_cache,
+    check_state_outputs,
+)
 
 __all__ = ["StateCache", "gdn_state_update", "kda_state_update"]
 
@@ -83,12 +85,8 @@ def _state_update(cache, q, k, v, g, beta, output_from, out, debug_state, check_
     _expect("k", k, (slots, nheads, dk), act, device)
     _expect("g", g, (slots, nheads, dk) if per_channel else (slots, nheads), f32, device)
     _expect("beta", beta, (slots, nheads), f32, device)
-    check_inputs_apart(cache, q=q, k=k, v=v, g=g, beta=beta)
-    if check_counters:  # one host read (a stream sync) of the counters' range
-        check_flush_field("cache.tokens", cache.tokens)
-    inputs = dict(q=q, k=k, v=v, g=g, beta=beta)
-    out = check_outputs(cache, out, debug_state, inputs, (slots, nheads, dv), v.dtype,
-                        cache.state)
+    out = check_state_outputs(cache, dict(q=q, k=k, v=v, g=g, beta=beta), out, debug_state,
+                              (slots, nheads, dv), v.dtype, check_counters)
     if slots == 0:
         return out
     cfg = launch_config(dv, dk, 1)

@@ -160,6 +160,15 @@ def check_state_cache(cache: StateCache) -> None:
     check_cache_apart(cache)
 
 
+def check_state_outputs(cache, inputs, out, debug_state, y_shape, out_dtype, check_counters):
+    """The last checks of a state update: `inputs` apart from the cache, the token counters'
+    range (with `check_counters`), `out` (allocated if None) and `debug_state`; returns `out`."""
+    check_inputs_apart(cache, **inputs)
+    if check_counters:  # one host read (a stream sync) of the counters' range
+        check_flush_field("cache.tokens", cache.tokens)
+    return check_outputs(cache, out, debug_state, inputs, y_shape, out_dtype, cache.state)
+
+
 @triton.jit
 def _mamba2_state_update_kernel(
     p_state, p_scales, p_global, p_tokens,
@@ -259,12 +268,9 @@ def mamba2_state_update(
     ):
         if tensor is not None:
             _expect(name, tensor, shape, dtypes, device)
-    check_inputs_apart(cache, x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias)
-    if check_counters:  # one host read (a stream sync) of the counters' range
-        check_flush_field("cache.tokens", cache.tokens)
     inputs = dict(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias)
-    out = check_outputs(cache, out, debug_state, inputs, (slots, nheads, headdim), x.dtype,
-                        cache.state)
+    out = check_state_outputs(cache, inputs, out, debug_state, (slots, nheads, headdim),
+                              x.dtype, check_counters)
     if slots == 0:
         return out
 
