@@ -72,16 +72,16 @@ import triton.language as tl
 from emulation.replay_decode import (
     ACT_DTYPES,
     _expect,
-    check_cache_apart,
     check_copies,
+    check_counters_apart,
     check_empty_args,
     check_inputs_apart,
-    check_out_apart,
+    check_outputs,
     check_switch,
-    cache_tensors,
-    empty_copies,
+    empty_fields,
     launch_config,
     store_copies,
+    tile_offsets,
 )
 from lowprec import philox
 from lowprec.replay import check_counter_ranges
@@ -176,34 +176,23 @@ class GDNReplayCache:
             (("slots", slots, 0), ("nheads", nheads, 1), ("dv", dv, 1), ("dk", dk, 1),
              ("window", window, 1), ("draft", draft, 0)), hi_rounding, sr_bits, philox_rounds,
             act_dtype)
-        hi, lo, scales, global_scale, lo_fmt = empty_copies(slots, nheads, dv, dk, lo_format,
-                                                            hi_dtype, device)
+        shared = empty_fields(slots, nheads, dv, dk, hi_dtype, device, hi_format=hi_format,
+                              hi_rounding=hi_rounding, lo_format=lo_format, window=window,
+                              draft=draft, seed=seed, sr_bits=sr_bits,
+                              philox_rounds=philox_rounds)
         lcap = window + draft
         f32 = dict(dtype=torch.float32, device=device)
         act = dict(dtype=act_dtype, device=device)
         nan = float("nan")
         decay = (slots, nheads, lcap, dk) if per_channel else (slots, nheads, lcap)
         cache = cls(
-            hi=hi,
-            lo=lo,
-            lo_scales=scales,
-            lo_global=global_scale,
             ring_u=torch.full((slots, nheads, lcap, dv), nan, **f32),
             ring_v=torch.full((slots, nheads, lcap, dv), nan, **act),
             ring_k=torch.full((slots, nheads, lcap, dk), nan, **act),
             ring_g=torch.full(decay, nan, **f32),
             ring_beta=torch.full((slots, nheads, lcap), nan, **f32),
-            cursors=torch.zeros(slots, dtype=torch.int32, device=device),
-            flushes=torch.zeros(slots, dtype=torch.int32, device=device),
-            hi_format=hi_format,
-            hi_rounding=hi_rounding,
-            lo_format=lo_fmt.name,
-            window=window,
-            draft=draft,
-            seed=seed,
             per_channel=per_channel,
-            sr_bits=sr_bits,
-            philox_rounds=philox_rounds,
+            **shared,
         )
         check_gdn_cache(cache)
         return cache
@@ -237,9 +226,7 @@ def check_gdn_cache(cache: GDNReplayCache, per_channel: bool | None = None) -> N
     decay = (slots, nheads, lcap, dk) if cache.per_channel else (slots, nheads, lcap)
     _expect("cache.ring_g", cache.ring_g, decay, (torch.float32,), device)
     _expect("cache.ring_beta", cache.ring_beta, (slots, nheads, lcap), (torch.float32,), device)
-    _expect("cache.cursors", cache.cursors, (slots,), (torch.int32,), device)
-    _expect("cache.flushes", cache.flushes, (slots,), (torch.int32,), device)
-    check_cache_apart(cache)
+    check_counters_apart(cache, slots, device)
 
 
 def check_gdn_inputs(cache, q, k, v, g, beta, ndraft=None):
@@ -259,21 +246,6 @@ def check_gdn_inputs(cache, q, k, v, g, beta, ndraft=None):
             device)
     _expect("beta", beta, (slots, nheads, *t), f32, device)
     check_inputs_apart(cache, q=q, k=k, v=v, g=g, beta=beta)
-
-
-def check_outputs(cache, out, debug_state, inputs, y_shape, out_dtype):
-    """Allocate `out` if None and check `out` / `debug_state` (shape, dtype, device, apart from
-    the inputs and the cache); returns `out`."""
-    device = cache.hi.device
-    if out is None:
-        out = torch.empty(y_shape, dtype=out_dtype, device=device)
-    _expect("out", out, y_shape, ACT_DTYPES, device)
-    inputs = dict(inputs, **cache_tensors(cache))
-    check_out_apart(out, **inputs)
-    if debug_state is not None:
-        _expect("debug_state", debug_state, cache.hi.shape, (torch.float32,), device)
-        check_out_apart(debug_state, "debug_state", out=out, **inputs)
-    return out
 
 
 def gdn_launch_config(cache) -> dict:
@@ -375,6 +347,21 @@ def load_ring(p_ru, p_rk, p_rg, n, lcap, dv, dk, PER_CHANNEL: tl.constexpr,
     return b_U, b_K, b_G
 
 
+@triton.jit
+def program_bases(p_cursors, p_flushes, p_ring_u, p_ring_v, p_ring_k, p_ring_g, p_ring_beta,
+                  nheads, dv, dk, lcap, PER_CHANNEL: tl.constexpr):
+    """The (nheads, slots) grid's program: `(i_s, i_h, i_sh, cursor, flush, p_ru, p_rv, p_rk,
+    p_rg, p_rbeta)`, its slot, head and (slot, head) row, the slot's cursor and flush counter,
+    and the row's bases of the five rings."""
+    i_h = tl.program_id(0)
+    i_s = tl.program_id(1).to(tl.int64)
+    i_sh = i_s * nheads + i_h
+    nc = dk if PER_CHANNEL else 1
+    return (i_s, i_h, i_sh, tl.load(p_cursors + i_s), tl.load(p_flushes + i_s),
+            p_ring_u + i_sh * lcap * dv, p_ring_v + i_sh * lcap * dv,
+            p_ring_k + i_sh * lcap * dk, p_ring_g + i_sh * lcap * nc, p_ring_beta + i_sh * lcap)
+
+
 # --------------------------------------------------------------------------------------------
 # kernels
 
@@ -389,28 +376,18 @@ def _gdn_replay_decode_kernel(
     SR_BITS: tl.constexpr, ROUNDS: tl.constexpr, LO: tl.constexpr, HAS_DEBUG: tl.constexpr,
     BV: tl.constexpr, BK: tl.constexpr, BL: tl.constexpr, NC: tl.constexpr,
 ):
-    i_h = tl.program_id(0)
-    i_s = tl.program_id(1).to(tl.int64)
-    i_sh = i_s * nheads + i_h  # (slot, head) row
-    cursor = tl.load(p_cursors + i_s)  # this record's ring position
-    flush = tl.load(p_flushes + i_s)
-    nc = dk if PER_CHANNEL else 1
+    # cursor: this record's ring position
+    i_s, i_h, i_sh, cursor, flush, p_ru, p_rv, p_rk, p_rg, p_rbeta = program_bases(
+        p_cursors, p_flushes, p_ring_u, p_ring_v, p_ring_k, p_ring_g, p_ring_beta,
+        nheads, dv, dk, lcap, PER_CHANNEL)
 
-    o_v = tl.arange(0, BV)
-    o_k = tl.arange(0, BK)
-    m_v = o_v < dv
-    m_vk = m_v[:, None] & (o_k[None, :] < dk)
-    o_vk = o_v[:, None] * dk + o_k[None, :]  # [BV, BK]
+    o_v, o_k, m_v, m_vk, o_vk = tile_offsets(dv, dk, BV, BK)  # [BV, BK] tile of the state
     p_state = i_sh * dv * dk
 
     # the current record and query, in fp32
     b_k, b_v, b_g, beta = load_record(p_k, p_v, p_g, p_beta, i_sh, dv, dk, PER_CHANNEL,
                                       BV, BK, NC)
     b_q = tl.load(p_q + i_sh * dk + o_k, mask=o_k < dk, other=0.0).to(tl.float32)  # [BK]
-    p_rk = p_ring_k + i_sh * lcap * dk
-    p_rv = p_ring_v + i_sh * lcap * dv
-    p_rg = p_ring_g + i_sh * lcap * nc
-    p_rbeta = p_ring_beta + i_sh * lcap
 
     if cursor == WINDOW - 1:
         # flush: fold the L records into the recurrence copy, u recomputed from raw v
@@ -419,21 +396,17 @@ def _gdn_replay_decode_kernel(
                         PER_CHANNEL, BV, BK, NC)
         b_S = delta_step(b_S, b_k, b_v, b_g, beta)
         b_y = tl.sum(b_S * b_q[None, :], axis=1)  # [BV], from the unrounded new state
-        store_copies(
-            b_S, p_hi + p_state, p_lo + p_state, p_lo_scales + i_sh * dv * n_blocks,
-            p_lo_global + i_sh, p_debug + p_state,
-            seed, i_s, i_h, flush, dv, dk, n_blocks,
-            HI, HI_SR, SR_BITS, ROUNDS, LO, HAS_DEBUG, BV, BK,
-        )
+        store_copies(b_S, p_hi, p_lo, p_lo_scales, p_lo_global, p_debug, i_sh, seed, i_s, i_h,
+                     flush, dv, dk, n_blocks, HI, HI_SR, SR_BITS, ROUNDS, LO, HAS_DEBUG, BV, BK)
     else:
         # non-flush: the read copy and the ring's cached u, no state
         b_lo = tl.load(p_lo + p_state + o_vk, mask=m_vk, other=0.0)
-        b_U, b_K, b_G = load_ring(p_ring_u + i_sh * lcap * dv, p_rk, p_rg, cursor, lcap, dv, dk,
-                                  PER_CHANNEL, BV, BK, BL, NC)
+        b_U, b_K, b_G = load_ring(p_ru, p_rk, p_rg, cursor, lcap, dv, dk, PER_CHANNEL,
+                                  BV, BK, BL, NC)
         b_u, b_U, b_K, b_G, b_y = replay_record(b_lo, b_U, b_K, b_G, cursor, b_k, b_v, b_g,
                                                 beta, b_q, BL)
         in_ring = (cursor >= 0) & (cursor < lcap)  # check_counters=False: stay in the ring
-        tl.store(p_ring_u + (i_sh * lcap + cursor) * dv + o_v, b_u, mask=m_v & in_ring)
+        tl.store(p_ru + cursor * dv + o_v, b_u, mask=m_v & in_ring)
     tl.store(p_y + i_sh * dv + o_v, b_y.to(p_y.dtype.element_ty), mask=m_v)
 
 
@@ -500,34 +473,36 @@ def launch_append(cache, k, v, g, beta, T, is_verify):
     )
 
 
-def device_context(device):
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-
-
-# --------------------------------------------------------------------------------------------
-# public functions
-
-
-def _replay_decode(cache, q, k, v, g, beta, out, debug_state, check_counters, per_channel):
+def run_replay(kernel, cache, q, k, v, g, beta, out, debug_state, per_channel, is_verify,
+               check_counters=True):
+    """One decode (`is_verify` False: one token) or verify (T = cache.draft tokens) call: the
+    checks, then `kernel` over (nheads, slots) and the append; returns y."""
     check_gdn_cache(cache, per_channel)
-    if cache.draft != 0:
-        raise ValueError(f"cache.draft: expected 0 for standard decoding, got {cache.draft} "
+    T = cache.draft
+    if is_verify and T < 1:
+        raise ValueError(f"cache.draft: expected T >= 1 for speculative decoding, got {T}")
+    if not is_verify and T != 0:
+        raise ValueError(f"cache.draft: expected 0 for standard decoding, got {T} "
                          f"(use gdn_replay_spec)")
-    check_gdn_inputs(cache, q, k, v, g, beta)
+    check_gdn_inputs(cache, q, k, v, g, beta, ndraft=T if is_verify else None)
     check_switch("check_counters", check_counters)
     slots, nheads, dv, dk, lcap = cache.shape
-    if check_counters:
-        check_counter_ranges(cache.cursors, cache.flushes, 0, cache.window - 1,
-                             "ring capacity", "cache.")
-    inputs = dict(q=q, k=k, v=v, g=g, beta=beta)
-    out = check_outputs(cache, out, debug_state, inputs, (slots, nheads, dv), v.dtype)
+    if check_counters:  # a verify flushes a full ring (h = L) first; a decode appends to it
+        check_counter_ranges(cache.cursors, cache.flushes, 0,
+                             cache.window if is_verify else cache.window - 1, "ring capacity",
+                             "cache.")
+    y_shape = (slots, nheads, T, dv) if is_verify else (slots, nheads, dv)
+    out = check_outputs(cache, out, debug_state, dict(q=q, k=k, v=v, g=g, beta=beta), y_shape,
+                        v.dtype)
+    if is_verify:
+        cache.pending = True  # the inputs are good: this verify awaits its commit
     if slots == 0:
         return out
-    lo_fmt = check_kernel_format("cache.lo_format", cache.lo_format)
     n_blocks = cache.lo_scales.shape[-1] if cache.lo_scales is not None else 1
     unused = cache.lo  # stands in for absent optional tensors (never read: flags are off)
+    draft = dict(T=T) if is_verify else {}
     with device_context(cache.hi.device):
-        _gdn_replay_decode_kernel[(nheads, slots)](
+        kernel[(nheads, slots)](
             cache.hi, cache.lo,
             cache.lo_scales if cache.lo_scales is not None else unused,
             cache.lo_global if cache.lo_global is not None else unused,
@@ -537,12 +512,20 @@ def _replay_decode(cache, q, k, v, g, beta, out, debug_state, check_counters, pe
             cache.seed, nheads, dv, dk, lcap, n_blocks,
             WINDOW=cache.window, PER_CHANNEL=cache.per_channel, HI=format_spec(cache.hi_format),
             HI_SR=cache.hi_rounding == "sr", SR_BITS=cache.sr_bits,
-            ROUNDS=cache.philox_rounds, LO=format_spec(lo_fmt),
-            HAS_DEBUG=debug_state is not None,
-            **gdn_launch_config(cache),
+            ROUNDS=cache.philox_rounds,
+            LO=format_spec(check_kernel_format("cache.lo_format", cache.lo_format)),
+            HAS_DEBUG=debug_state is not None, **draft, **gdn_launch_config(cache),
         )
-        launch_append(cache, k, v, g, beta, 1, False)
+        launch_append(cache, k, v, g, beta, T if is_verify else 1, is_verify)
     return out
+
+
+def device_context(device):
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+# --------------------------------------------------------------------------------------------
+# public functions
 
 
 def gdn_replay_decode(
@@ -568,7 +551,8 @@ def gdn_replay_decode(
     access stays within its slot's ring regardless. No input, `out` or `debug_state` may share
     memory with the cache or each other's outputs. Launches on the current stream.
     """
-    return _replay_decode(cache, q, k, v, g, beta, out, debug_state, check_counters, False)
+    return run_replay(_gdn_replay_decode_kernel, cache, q, k, v, g, beta, out, debug_state,
+                      False, False, check_counters)
 
 
 def kda_replay_decode(
@@ -585,7 +569,8 @@ def kda_replay_decode(
 ) -> torch.Tensor:
     """`gdn_replay_decode` for KDA (`cache.per_channel` True): g [slots, nheads, dk] fp32, the
     log-decay per channel of d_k (`lowprec.kda.kda_step`'s arguments)."""
-    return _replay_decode(cache, q, k, v, g, beta, out, debug_state, check_counters, True)
+    return run_replay(_gdn_replay_decode_kernel, cache, q, k, v, g, beta, out, debug_state,
+                      True, False, check_counters)
 
 
 # --------------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ per-channel decay.
 
 # emulation.numerics comes first: without CUDA it switches Triton's interpreter on, which has to
 # happen before triton is first imported.
-from emulation.numerics import format_spec  # noqa: I001
+import emulation.numerics  # noqa: F401, I001
 import torch
 import triton
 import triton.language as tl
@@ -33,19 +33,15 @@ import triton.language as tl
 from emulation.gdn_replay_decode import (
     GDNReplayCache,
     check_gdn_cache,
-    check_gdn_inputs,
-    check_outputs,
-    device_context,
     fold_ring,
-    gdn_launch_config,
-    launch_append,
     load_record,
     load_ring,
+    program_bases,
     replay_record,
+    run_replay,
 )
-from emulation.replay_decode import store_copies
+from emulation.replay_decode import store_copies, tile_offsets
 from emulation.replay_spec import commit_drafts
-from lowprec.replay import check_counter_ranges
 
 __all__ = ["gdn_replay_verify", "gdn_replay_commit", "kda_replay_verify", "kda_replay_commit"]
 
@@ -61,24 +57,13 @@ def _gdn_replay_verify_kernel(
     HAS_DEBUG: tl.constexpr,
     BV: tl.constexpr, BK: tl.constexpr, BL: tl.constexpr, NC: tl.constexpr,
 ):
-    i_h = tl.program_id(0)
-    i_s = tl.program_id(1).to(tl.int64)
-    i_sh = i_s * nheads + i_h
-    h = tl.load(p_cursors + i_s)  # committed records
-    flush = tl.load(p_flushes + i_s)
-    nc = dk if PER_CHANNEL else 1
+    # h: committed records
+    i_s, i_h, i_sh, h, flush, p_ru, p_rv, p_rk, p_rg, p_rbeta = program_bases(
+        p_cursors, p_flushes, p_ring_u, p_ring_v, p_ring_k, p_ring_g, p_ring_beta,
+        nheads, dv, dk, lcap, PER_CHANNEL)
 
-    o_v = tl.arange(0, BV)
-    o_k = tl.arange(0, BK)
-    m_v = o_v < dv
-    m_vk = m_v[:, None] & (o_k[None, :] < dk)
-    o_vk = o_v[:, None] * dk + o_k[None, :]  # [BV, BK]
+    o_v, o_k, m_v, m_vk, o_vk = tile_offsets(dv, dk, BV, BK)  # [BV, BK] tile of the state
     p_state = i_sh * dv * dk
-    p_ru = p_ring_u + i_sh * lcap * dv
-    p_rk = p_ring_k + i_sh * lcap * dk
-    p_rv = p_ring_v + i_sh * lcap * dv
-    p_rg = p_ring_g + i_sh * lcap * nc
-    p_rbeta = p_ring_beta + i_sh * lcap
 
     is_flush = h + T > WINDOW
     if is_flush:
@@ -86,12 +71,9 @@ def _gdn_replay_verify_kernel(
         b_base = tl.load(p_hi + p_state + o_vk, mask=m_vk, other=0.0).to(tl.float32)
         b_base = fold_ring(b_base, p_rk, p_rv, p_rg, p_rbeta, h, WINDOW, dv, dk, PER_CHANNEL,
                            BV, BK, NC)
-        store_copies(
-            b_base, p_hi + p_state, p_lo + p_state, p_lo_scales + i_sh * dv * n_blocks,
-            p_lo_global + i_sh, p_debug + p_state,
-            seed, i_s, i_h, flush, dv, dk, n_blocks,
-            HI, HI_SR, SR_BITS, ROUNDS, LO, HAS_DEBUG, BV, BK,
-        )
+        store_copies(b_base, p_hi, p_lo, p_lo_scales, p_lo_global, p_debug, i_sh, seed, i_s,
+                     i_h, flush, dv, dk, n_blocks, HI, HI_SR, SR_BITS, ROUNDS, LO, HAS_DEBUG,
+                     BV, BK)
     else:
         b_base = tl.load(p_lo + p_state + o_vk, mask=m_vk, other=0.0)
     n_prev = tl.where(is_flush, 0, h)  # committed records the drafts see besides the base
@@ -111,41 +93,6 @@ def _gdn_replay_verify_kernel(
         tl.store(p_y + row * dv + o_v, b_y.to(p_y.dtype.element_ty), mask=m_v)
 
 
-def _replay_verify(cache, q, k, v, g, beta, out, debug_state, per_channel):
-    check_gdn_cache(cache, per_channel)
-    T = cache.draft
-    if T < 1:
-        raise ValueError(f"cache.draft: expected T >= 1 for speculative decoding, got {T}")
-    check_gdn_inputs(cache, q, k, v, g, beta, ndraft=T)
-    slots, nheads, dv, dk, lcap = cache.shape
-    check_counter_ranges(cache.cursors, cache.flushes, 0, cache.window, "ring capacity",
-                         "cache.")
-    inputs = dict(q=q, k=k, v=v, g=g, beta=beta)
-    out = check_outputs(cache, out, debug_state, inputs, (slots, nheads, T, dv), v.dtype)
-    cache.pending = True  # the inputs are good: this verify awaits its commit
-    if slots == 0:
-        return out
-    n_blocks = cache.lo_scales.shape[-1] if cache.lo_scales is not None else 1
-    unused = cache.lo
-    with device_context(cache.hi.device):
-        _gdn_replay_verify_kernel[(nheads, slots)](
-            cache.hi, cache.lo,
-            cache.lo_scales if cache.lo_scales is not None else unused,
-            cache.lo_global if cache.lo_global is not None else unused,
-            cache.ring_u, cache.ring_v, cache.ring_k, cache.ring_g, cache.ring_beta,
-            cache.cursors, cache.flushes,
-            q, k, v, g, beta, out, debug_state if debug_state is not None else unused,
-            cache.seed, nheads, dv, dk, lcap, n_blocks,
-            T=T, WINDOW=cache.window, PER_CHANNEL=cache.per_channel,
-            HI=format_spec(cache.hi_format), HI_SR=cache.hi_rounding == "sr",
-            SR_BITS=cache.sr_bits, ROUNDS=cache.philox_rounds,
-            LO=format_spec(cache.lo_format), HAS_DEBUG=debug_state is not None,
-            **gdn_launch_config(cache),
-        )
-        launch_append(cache, k, v, g, beta, T, True)
-    return out
-
-
 def gdn_replay_verify(
     cache: GDNReplayCache,
     q: torch.Tensor,
@@ -163,7 +110,8 @@ def gdn_replay_verify(
     q, k [slots, nheads, T, dk], v [slots, nheads, T, dv] (activation dtype), g, beta
     [slots, nheads, T] fp32. `debug_state` fp32 [slots, nheads, dv, dk] receives S_new at
     flush rows. Launches on the current stream."""
-    return _replay_verify(cache, q, k, v, g, beta, out, debug_state, False)
+    return run_replay(_gdn_replay_verify_kernel, cache, q, k, v, g, beta, out, debug_state,
+                      False, True)
 
 
 def kda_replay_verify(
@@ -178,7 +126,8 @@ def kda_replay_verify(
     debug_state: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`gdn_replay_verify` for KDA: g [slots, nheads, T, dk] fp32 (per-channel log-decay)."""
-    return _replay_verify(cache, q, k, v, g, beta, out, debug_state, True)
+    return run_replay(_gdn_replay_verify_kernel, cache, q, k, v, g, beta, out, debug_state,
+                      True, True)
 
 
 def gdn_replay_commit(cache: GDNReplayCache, accepted) -> None:

@@ -18,7 +18,7 @@ flush counter's place (as `lowprec.policies.Simulator` draws them), and the call
 
 # emulation.numerics comes first: without CUDA it switches Triton's interpreter on, which has to
 # happen before triton is first imported.
-from emulation.numerics import format_spec, quantize_tile, random_words  # noqa: I001
+from emulation.numerics import format_spec  # noqa: I001
 import torch
 import triton
 import triton.language as tl
@@ -27,14 +27,17 @@ from emulation.gdn_replay_decode import delta_step, device_context, load_record
 from emulation.replay_decode import (
     ACT_DTYPES,
     _expect,
-    cache_tensors,
-    check_inputs_apart,
-    check_out_apart,
     check_switch,
     launch_config,
+    store_tile,
+    tile_offsets,
 )
-from emulation.state_update import OUTPUT_FROM, StateCache, check_state_cache
-from lowprec.replay import check_flush_field
+from emulation.state_update import (
+    OUTPUT_FROM,
+    StateCache,
+    check_state_cache,
+    check_state_outputs,
+)
 
 __all__ = ["StateCache", "gdn_state_update", "kda_state_update"]
 
@@ -53,33 +56,16 @@ def _gdn_state_update_kernel(
     i_sh = i_s * nheads + i_h
     token = tl.load(p_tokens + i_s)
 
-    o_v = tl.arange(0, BV)
-    o_k = tl.arange(0, BK)
-    m_v = o_v < dv
-    m_vk = m_v[:, None] & (o_k[None, :] < dk)
-    o_vk = o_v[:, None] * dk + o_k[None, :]  # [BV, BK]
-    p_S = p_state + i_sh * dv * dk + o_vk
+    o_v, o_k, m_v, m_vk, o_vk = tile_offsets(dv, dk, BV, BK)  # [BV, BK] tile of the state
 
     b_k, b_v, b_g, beta = load_record(p_k, p_v, p_g, p_beta, i_sh, dv, dk, PER_CHANNEL,
                                       BV, BK, NC)
     b_q = tl.load(p_q + i_sh * dk + o_k, mask=o_k < dk, other=0.0).to(tl.float32)
-    b_S = tl.load(p_S, mask=m_vk, other=0.0).to(tl.float32)
+    b_S = tl.load(p_state + i_sh * dv * dk + o_vk, mask=m_vk, other=0.0).to(tl.float32)
     b_S = delta_step(b_S, b_k, b_v, b_g, beta)
-    if HAS_DEBUG:
-        tl.store(p_debug + i_sh * dv * dk + o_vk, b_S, mask=m_vk)
-    if USE_SR:
-        b_r = random_words(seed, i_s, token, i_h * dv * dk + o_vk, SR_BITS, ROUNDS)
-    else:
-        b_r = o_vk
-    b_st, b_scale, s_g = quantize_tile(b_S, b_r, F, USE_SR, BV, BK, SR_BITS)
-    tl.store(p_S, b_st.to(p_state.dtype.element_ty), mask=m_vk)
-    if F.block != 0:
-        NB: tl.constexpr = BK // (BK if F.block == -1 else F.block)
-        o_b = tl.arange(0, NB)
-        tl.store(p_scales + (i_sh * dv + o_v[:, None]) * n_blocks + o_b[None, :], b_scale,
-                 mask=m_v[:, None] & (o_b[None, :] < n_blocks))
-    if F.two_level:
-        tl.store(p_global + i_sh, s_g)
+    b_st = store_tile(b_S, p_state + i_sh * dv * dk, p_scales + i_sh * dv * n_blocks,
+                      p_global + i_sh, p_debug + i_sh * dv * dk, seed, i_s, i_h, token, dv, dk,
+                      n_blocks, F, USE_SR, SR_BITS, ROUNDS, HAS_DEBUG, BV, BK)
     b_y = tl.sum((b_st if READ_STORED else b_S) * b_q[None, :], axis=1)  # [BV]
     tl.store(p_y + i_sh * dv + o_v, b_y.to(p_y.dtype.element_ty), mask=m_v)
 
@@ -99,17 +85,8 @@ def _state_update(cache, q, k, v, g, beta, output_from, out, debug_state, check_
     _expect("k", k, (slots, nheads, dk), act, device)
     _expect("g", g, (slots, nheads, dk) if per_channel else (slots, nheads), f32, device)
     _expect("beta", beta, (slots, nheads), f32, device)
-    check_inputs_apart(cache, q=q, k=k, v=v, g=g, beta=beta)
-    if check_counters:  # one host read (a stream sync) of the counters' range
-        check_flush_field("cache.tokens", cache.tokens)
-    if out is None:
-        out = torch.empty(slots, nheads, dv, dtype=v.dtype, device=device)
-    _expect("out", out, (slots, nheads, dv), ACT_DTYPES, device)
-    inputs = dict(q=q, k=k, v=v, g=g, beta=beta, **cache_tensors(cache))
-    check_out_apart(out, **inputs)
-    if debug_state is not None:
-        _expect("debug_state", debug_state, cache.state.shape, f32, device)
-        check_out_apart(debug_state, "debug_state", out=out, **inputs)
+    out = check_state_outputs(cache, dict(q=q, k=k, v=v, g=g, beta=beta), out, debug_state,
+                              (slots, nheads, dv), v.dtype, check_counters)
     if slots == 0:
         return out
     cfg = launch_config(dv, dk, 1)

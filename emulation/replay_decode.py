@@ -128,28 +128,17 @@ class ReplayCache:
             (("slots", slots, 0), ("nheads", nheads, 1), ("headdim", headdim, 1),
              ("dstate", dstate, 1), ("ngroups", ngroups, 1), ("window", window, 1),
              ("draft", draft, 0)), hi_rounding, sr_bits, philox_rounds, act_dtype)
-        hi, lo, scales, global_scale, lo_fmt = empty_copies(slots, nheads, headdim, dstate,
-                                                            lo_format, hi_dtype, device)
+        shared = empty_fields(slots, nheads, headdim, dstate, hi_dtype, device,
+                              hi_format=hi_format, hi_rounding=hi_rounding, lo_format=lo_format,
+                              window=window, draft=draft, seed=seed, sr_bits=sr_bits,
+                              philox_rounds=philox_rounds)
         lcap = window + draft
         nan = float("nan")
         cache = cls(
-            hi=hi,
-            lo=lo,
-            lo_scales=scales,
-            lo_global=global_scale,
             ring_x=torch.full((slots, nheads, lcap, headdim), nan, dtype=act_dtype, device=device),
             ring_dt=torch.full((slots, nheads, lcap), nan, dtype=torch.float32, device=device),
             ring_B=torch.full((slots, ngroups, lcap, dstate), nan, dtype=act_dtype, device=device),
-            cursors=torch.zeros(slots, dtype=torch.int32, device=device),
-            flushes=torch.zeros(slots, dtype=torch.int32, device=device),
-            hi_format=hi_format,
-            hi_rounding=hi_rounding,
-            lo_format=lo_fmt.name,
-            window=window,
-            draft=draft,
-            seed=seed,
-            sr_bits=sr_bits,
-            philox_rounds=philox_rounds,
+            **shared,
         )
         check_cache(cache)
         return cache
@@ -329,14 +318,24 @@ def check_copies(cache, rows: str, cols: str) -> tuple:
     return slots, nheads, n_rows, n_cols, device
 
 
-def empty_copies(slots, nheads, rows, cols, lo_format, hi_dtype, device) -> tuple:
-    """(hi, lo, lo_scales, lo_global, lo format) of a cache at the zero state: fp32 containers
-    (hi in `hi_dtype`), the block scales lowprec stores for a zero block."""
-    lo_fmt = check_kernel_format("lo_format", lo_format, cols)
+def empty_fields(slots, nheads, rows, cols, hi_dtype, device, **config) -> dict:
+    """The fields every replay cache has, at the zero state: the copies (fp32 containers, hi in
+    `hi_dtype`, the block scales lowprec stores for a zero block), zero cursors and flush
+    counters, and `config` (hi_format, hi_rounding, lo_format (stored as the format's name),
+    window, draft, seed, sr_bits, philox_rounds)."""
+    lo_fmt = check_kernel_format("lo_format", config["lo_format"], cols)
     scales, global_scale = empty_scales(lo_fmt, slots, nheads, rows, cols, device)
-    hi = torch.zeros(slots, nheads, rows, cols, dtype=hi_dtype, device=device)
-    lo = torch.zeros(slots, nheads, rows, cols, dtype=torch.float32, device=device)
-    return hi, lo, scales, global_scale, lo_fmt
+    counters = dict(dtype=torch.int32, device=device)
+    return dict(
+        config,
+        hi=torch.zeros(slots, nheads, rows, cols, dtype=hi_dtype, device=device),
+        lo=torch.zeros(slots, nheads, rows, cols, dtype=torch.float32, device=device),
+        lo_scales=scales,
+        lo_global=global_scale,
+        cursors=torch.zeros(slots, **counters),
+        flushes=torch.zeros(slots, **counters),
+        lo_format=lo_fmt.name,
+    )
 
 
 def empty_scales(fmt, slots, nheads, rows, cols, device) -> tuple:
@@ -370,6 +369,12 @@ def check_cache(cache: ReplayCache) -> None:
     if ngroups < 1 or nheads % ngroups:
         raise ValueError(f"cache.ring_B: expected ngroups dividing nheads={nheads}, got {ngroups}")
     _expect("cache.ring_B", rb, (slots, ngroups, lcap, dstate), (rx.dtype,), device)
+    check_counters_apart(cache, slots, device)
+
+
+def check_counters_apart(cache, slots, device) -> None:
+    """ValueError unless `cache.cursors` and `cache.flushes` are int32 [slots] on `device` and
+    no two tensors of `cache` share bytes (the last checks of a replay cache)."""
     _expect("cache.cursors", cache.cursors, (slots,), (torch.int32,), device)
     _expect("cache.flushes", cache.flushes, (slots,), (torch.int32,), device)
     check_cache_apart(cache)
@@ -396,6 +401,22 @@ def check_step_inputs(cache, x, dt, A, B, C, D, z, dt_bias, ndraft=None):
         if tensor is not None:
             _expect(name, tensor, shape, act if name == "z" else f32, device)
     check_inputs_apart(cache, x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias)
+
+
+def check_outputs(cache, out, debug_state, inputs, y_shape, out_dtype, state=None):
+    """Allocate `out` if None and check `out` / `debug_state` (shape, dtype, device, apart from
+    the `inputs` and the cache; `debug_state` shaped as `state`, default `cache.hi`); returns
+    `out`."""
+    state = cache.hi if state is None else state
+    if out is None:
+        out = torch.empty(y_shape, dtype=out_dtype, device=state.device)
+    _expect("out", out, y_shape, ACT_DTYPES, state.device)
+    inputs = dict(inputs, **cache_tensors(cache))
+    check_out_apart(out, **inputs)
+    if debug_state is not None:
+        _expect("debug_state", debug_state, state.shape, (torch.float32,), state.device)
+        check_out_apart(debug_state, "debug_state", out=out, **inputs)
+    return out
 
 
 def check_cursors(cache, low: int, high: int) -> None:
@@ -448,39 +469,64 @@ def gate_output(b_y, b_x, D, b_z, HAS_Z: tl.constexpr):
 
 
 @triton.jit
+def tile_offsets(rows, cols, BV: tl.constexpr, BK: tl.constexpr):
+    """`(o_v [BV], o_k [BK], m_v [BV], m_vk [BV, BK], o_vk [BV, BK])`: the row and column
+    indices of a [rows, cols] state tile padded to [BV, BK], their masks and element offsets."""
+    o_v = tl.arange(0, BV)
+    o_k = tl.arange(0, BK)
+    m_v = o_v < rows
+    return o_v, o_k, m_v, m_v[:, None] & (o_k[None, :] < cols), o_v[:, None] * cols + o_k[None, :]
+
+
+@triton.jit
+def store_tile(
+    b_S, p_S, p_scales, p_global, p_debug, seed, i_s, i_h, counter, rows, cols, n_blocks,
+    F: tl.constexpr, USE_SR: tl.constexpr, SR_BITS: tl.constexpr, ROUNDS: tl.constexpr,
+    HAS_DEBUG: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr,
+):
+    """Round the fp32 state tile `b_S [BV, BK]` of (slot i_s, head i_h) to format F and store
+    it with its block and second-level scales; returns the stored (dequantised) tile.
+
+    SR draws SR_BITS bits from ROUNDS-round Philox at (seed, slot, `counter`, element); with
+    HAS_DEBUG the unrounded tile goes to `p_debug` first. Pointers are the (slot, head) bases
+    of [rows, cols] (scales [rows, n_blocks], the global scale one word).
+    """
+    o_v, _, m_v, m_vk, o_vk = tile_offsets(rows, cols, BV, BK)
+    if HAS_DEBUG:
+        tl.store(p_debug + o_vk, b_S, mask=m_vk)
+    if USE_SR:
+        b_r = random_words(seed, i_s, counter, i_h * rows * cols + o_vk, SR_BITS, ROUNDS)
+    else:
+        b_r = o_vk
+    b_st, b_scale, s_g = quantize_tile(b_S, b_r, F, USE_SR, BV, BK, SR_BITS)
+    tl.store(p_S + o_vk, b_st.to(p_S.dtype.element_ty), mask=m_vk)
+    if F.block != 0:
+        NB: tl.constexpr = BK // (BK if F.block == -1 else F.block)
+        o_b = tl.arange(0, NB)
+        m_b = m_v[:, None] & (o_b[None, :] < n_blocks)
+        tl.store(p_scales + o_v[:, None] * n_blocks + o_b[None, :], b_scale, mask=m_b)
+    if F.two_level:
+        tl.store(p_global, s_g)
+    return b_st
+
+
+@triton.jit
 def store_copies(
-    b_S, p_hi, p_lo, p_lo_scales, p_lo_global, p_debug,
-    seed, i_s, i_h, flush, headdim, dstate, n_blocks,
+    b_S, p_hi, p_lo, p_lo_scales, p_lo_global, p_debug, i_sh,
+    seed, i_s, i_h, flush, rows, cols, n_blocks,
     HI: tl.constexpr, HI_SR: tl.constexpr, SR_BITS: tl.constexpr, ROUNDS: tl.constexpr,
     LO: tl.constexpr, HAS_DEBUG: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr,
 ):
-    """Write both copies of one (slot, head) state from the unrounded fp32 `b_S [BV, BK]`.
-
-    hi: ROUND_hi with SR draws of SR_BITS bits from ROUNDS-round Philox at (seed, slot,
-    flush, element); lo: RN_lo with its scales.
-    Pointers are the (slot, head) bases of [headdim, dstate] (scales [headdim, n_blocks]).
-    """
-    o_v = tl.arange(0, BV)
-    o_k = tl.arange(0, BK)
-    m_vk = (o_v[:, None] < headdim) & (o_k[None, :] < dstate)
-    o_vk = o_v[:, None] * dstate + o_k[None, :]  # [BV, BK]
-    if HAS_DEBUG:
-        tl.store(p_debug + o_vk, b_S, mask=m_vk)
-    if HI_SR:
-        b_r = random_words(seed, i_s, flush, i_h * headdim * dstate + o_vk, SR_BITS, ROUNDS)
-    else:
-        b_r = o_vk
-    b_hi, _, _ = quantize_tile(b_S, b_r, HI, HI_SR, BV, BK, SR_BITS)
-    tl.store(p_hi + o_vk, b_hi.to(p_hi.dtype.element_ty), mask=m_vk)
-    b_lo, b_scale, s_g = quantize_tile(b_S, o_vk, LO, False, BV, BK)
-    tl.store(p_lo + o_vk, b_lo, mask=m_vk)
-    if LO.block != 0:
-        NB: tl.constexpr = BK // (BK if LO.block == -1 else LO.block)
-        o_b = tl.arange(0, NB)
-        m_b = (o_v[:, None] < headdim) & (o_b[None, :] < n_blocks)
-        tl.store(p_lo_scales + o_v[:, None] * n_blocks + o_b[None, :], b_scale, mask=m_b)
-    if LO.two_level:
-        tl.store(p_lo_global, s_g)
+    """Write both copies of the state of (slot, head) row `i_sh` from the unrounded fp32
+    `b_S [BV, BK]`: hi ROUND_hi (SR draws at flush counter `flush`), lo RN_lo with its scales.
+    Pointers are the cache's bases ([slots, nheads, rows, cols] states)."""
+    p_state = i_sh * rows * cols
+    # hi is an element format: its scale pointers are never written
+    store_tile(b_S, p_hi + p_state, p_lo_scales, p_lo_global, p_debug + p_state, seed, i_s, i_h,
+               flush, rows, cols, n_blocks, HI, HI_SR, SR_BITS, ROUNDS, HAS_DEBUG, BV, BK)
+    store_tile(b_S, p_lo + p_state, p_lo_scales + i_sh * rows * n_blocks, p_lo_global + i_sh,
+               p_debug, seed, i_s, i_h, flush, rows, cols, n_blocks, LO, False, SR_BITS, ROUNDS,
+               False, BV, BK)
 
 
 # --------------------------------------------------------------------------------------------
@@ -547,13 +593,9 @@ def _mamba2_replay_decode_kernel(
         b_xw = tl.trans(b_rx * b_w[:, None])  # [BV, BL]
         b_S = g_ckpt * b_hi.to(tl.float32) + tl.dot(b_xw, b_rB, input_precision="ieee")
         b_y = tl.sum(b_S * b_C[None, :], axis=1)  # [BV]
-        store_copies(
-            b_S, p_hi + i_sh * headdim * dstate, p_lo + i_sh * headdim * dstate,
-            p_lo_scales + i_sh * headdim * n_blocks, p_lo_global + i_sh,
-            p_debug + i_sh * headdim * dstate,
-            seed, i_s, i_h, flush, headdim, dstate, n_blocks,
-            HI, HI_SR, SR_BITS, ROUNDS, LO, HAS_DEBUG, BV, BK,
-        )
+        store_copies(b_S, p_hi, p_lo, p_lo_scales, p_lo_global, p_debug, i_sh, seed, i_s, i_h,
+                     flush, headdim, dstate, n_blocks, HI, HI_SR, SR_BITS, ROUNDS, LO, HAS_DEBUG,
+                     BV, BK)
     else:
         # non-flush: the read copy and the ring, no state
         b_lo = tl.load(p_lo + i_sh * headdim * dstate + o_vk, mask=m_vk, other=0.0)
@@ -649,14 +691,8 @@ def mamba2_replay_decode(
     if check_counters:
         check_cursors(cache, 0, cache.window - 1)
     device = cache.hi.device
-    if out is None:
-        out = torch.empty(slots, nheads, headdim, dtype=x.dtype, device=device)
-    _expect("out", out, (slots, nheads, headdim), ACT_DTYPES, device)
-    inputs = dict(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias, **cache_tensors(cache))
-    check_out_apart(out, **inputs)
-    if debug_state is not None:
-        _expect("debug_state", debug_state, cache.hi.shape, (torch.float32,), device)
-        check_out_apart(debug_state, "debug_state", out=out, **inputs)
+    inputs = dict(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias)
+    out = check_outputs(cache, out, debug_state, inputs, (slots, nheads, headdim), x.dtype)
     if slots == 0:
         return out
 

@@ -36,13 +36,11 @@ import triton
 import triton.language as tl
 
 from emulation.replay_decode import (
-    ACT_DTYPES,
     ReplayCache,
     _expect,
-    cache_tensors,
     check_cache,
     check_cursors,
-    check_out_apart,
+    check_outputs,
     check_step_inputs,
     check_switch,
     gate_output,
@@ -104,13 +102,9 @@ def _mamba2_replay_verify_kernel(
         b_xw = tl.trans(b_rx * b_w[:, None])  # [BV, BL]
         b_base = tl.exp(A * cum_h) * b_hi.to(tl.float32) + tl.dot(b_xw, b_rB,
                                                                    input_precision="ieee")
-        store_copies(
-            b_base, p_hi + i_sh * headdim * dstate, p_lo + i_sh * headdim * dstate,
-            p_lo_scales + i_sh * headdim * n_blocks, p_lo_global + i_sh,
-            p_debug + i_sh * headdim * dstate,
-            seed, i_s, i_h, flush, headdim, dstate, n_blocks,
-            HI, HI_SR, SR_BITS, ROUNDS, LO, HAS_DEBUG, BV, BK,
-        )
+        store_copies(b_base, p_hi, p_lo, p_lo_scales, p_lo_global, p_debug, i_sh, seed, i_s, i_h,
+                     flush, headdim, dstate, n_blocks, HI, HI_SR, SR_BITS, ROUNDS, LO, HAS_DEBUG,
+                     BV, BK)
     else:
         b_base = tl.load(p_lo + i_sh * headdim * dstate + o_vk, mask=m_vk, other=0.0)
 
@@ -220,15 +214,9 @@ def mamba2_replay_verify(
     slots, nheads, headdim, dstate, ngroups, lcap = cache.shape
     check_cursors(cache, 0, cache.window)
     device = cache.hi.device
-    if out is None:
-        out = torch.empty(slots, nheads, T, headdim, dtype=x.dtype, device=device)
-    _expect("out", out, (slots, nheads, T, headdim), ACT_DTYPES, device)
     # the drafts are appended after y is written
-    inputs = dict(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias, **cache_tensors(cache))
-    check_out_apart(out, **inputs)
-    if debug_state is not None:
-        _expect("debug_state", debug_state, cache.hi.shape, (torch.float32,), device)
-        check_out_apart(debug_state, "debug_state", out=out, **inputs)
+    inputs = dict(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias)
+    out = check_outputs(cache, out, debug_state, inputs, (slots, nheads, T, headdim), x.dtype)
     cache.pending = True  # the inputs are good: this verify awaits its commit
     if slots == 0:
         return out

@@ -23,7 +23,7 @@ token counter moves in a second launch (a tensor add) once every program has rea
 
 # emulation.numerics comes first: without CUDA it switches Triton's interpreter on, which has to
 # happen before triton is first imported.
-from emulation.numerics import check_kernel_format, format_spec, quantize_tile, random_words  # noqa: I001
+from emulation.numerics import check_kernel_format, format_spec  # noqa: I001
 import contextlib
 from dataclasses import dataclass
 
@@ -37,16 +37,16 @@ from emulation.replay_decode import (
     ROUNDINGS,
     _expect,
     _expect_int,
-    cache_tensors,
     check_cache_apart,
     check_inputs_apart,
-    check_out_apart,
+    check_outputs,
     check_sr_parameters,
     check_switch,
     gate_output,
     launch_config,
     process_dt,
     empty_scales,
+    store_tile,
 )
 from lowprec import philox
 from lowprec.replay import check_flush_field
@@ -160,6 +160,15 @@ def check_state_cache(cache: StateCache) -> None:
     check_cache_apart(cache)
 
 
+def check_state_outputs(cache, inputs, out, debug_state, y_shape, out_dtype, check_counters):
+    """The last checks of a state update: `inputs` apart from the cache, the token counters'
+    range (with `check_counters`), `out` (allocated if None) and `debug_state`; returns `out`."""
+    check_inputs_apart(cache, **inputs)
+    if check_counters:  # one host read (a stream sync) of the counters' range
+        check_flush_field("cache.tokens", cache.tokens)
+    return check_outputs(cache, out, debug_state, inputs, y_shape, out_dtype, cache.state)
+
+
 @triton.jit
 def _mamba2_state_update_kernel(
     p_state, p_scales, p_global, p_tokens,
@@ -183,7 +192,7 @@ def _mamba2_state_update_kernel(
     m_k = o_k < dstate
     m_vk = m_v[:, None] & m_k[None, :]
     o_vk = o_v[:, None] * dstate + o_k[None, :]  # [BV, BK]
-    p_S = p_state + i_sh * headdim * dstate + o_vk
+    p_S_base = p_state + i_sh * headdim * dstate
 
     b_x = tl.load(p_x + i_sh * headdim + o_v, mask=m_v, other=0.0).to(tl.float32)  # [BV]
     b_B = tl.load(p_B + i_sg * dstate + o_k, mask=m_k, other=0.0).to(tl.float32)  # [BK]
@@ -192,24 +201,11 @@ def _mamba2_state_update_kernel(
     dt_bias = tl.load(p_dt_bias + i_h) if HAS_DT_BIAS else 0.0
     dt = process_dt(tl.load(p_dt + i_sh), dt_bias, DT_SOFTPLUS)
 
-    b_S = tl.load(p_S, mask=m_vk, other=0.0).to(tl.float32)  # [BV, BK]
+    b_S = tl.load(p_S_base + o_vk, mask=m_vk, other=0.0).to(tl.float32)  # [BV, BK]
     b_S = tl.exp(dt * A) * b_S + (dt * b_x)[:, None] * b_B[None, :]
-    if HAS_DEBUG:
-        tl.store(p_debug + i_sh * headdim * dstate + o_vk, b_S, mask=m_vk)
-    if USE_SR:
-        b_r = random_words(seed, i_s, token, i_h * headdim * dstate + o_vk, SR_BITS, ROUNDS)
-    else:
-        b_r = o_vk
-    b_q, b_scale, s_g = quantize_tile(b_S, b_r, F, USE_SR, BV, BK, SR_BITS)
-    tl.store(p_S, b_q.to(p_state.dtype.element_ty), mask=m_vk)
-    if F.block != 0:
-        NB: tl.constexpr = BK // (BK if F.block == -1 else F.block)
-        o_b = tl.arange(0, NB)
-        m_b = m_v[:, None] & (o_b[None, :] < n_blocks)
-        tl.store(p_scales + (i_sh * headdim + o_v[:, None]) * n_blocks + o_b[None, :], b_scale,
-                 mask=m_b)
-    if F.two_level:
-        tl.store(p_global + i_sh, s_g)
+    b_q = store_tile(b_S, p_S_base, p_scales + i_sh * headdim * n_blocks, p_global + i_sh,
+                     p_debug + i_sh * headdim * dstate, seed, i_s, i_h, token, headdim, dstate,
+                     n_blocks, F, USE_SR, SR_BITS, ROUNDS, HAS_DEBUG, BV, BK)
 
     b_y = tl.sum((b_q if READ_STORED else b_S) * b_C[None, :], axis=1)  # [BV]
     D = tl.load(p_D + i_h) if HAS_D else 0.0
@@ -272,17 +268,9 @@ def mamba2_state_update(
     ):
         if tensor is not None:
             _expect(name, tensor, shape, dtypes, device)
-    check_inputs_apart(cache, x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias)
-    if check_counters:  # one host read (a stream sync) of the counters' range
-        check_flush_field("cache.tokens", cache.tokens)
-    if out is None:
-        out = torch.empty(slots, nheads, headdim, dtype=x.dtype, device=device)
-    _expect("out", out, (slots, nheads, headdim), ACT_DTYPES, device)
-    inputs = dict(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias, **cache_tensors(cache))
-    check_out_apart(out, **inputs)
-    if debug_state is not None:
-        _expect("debug_state", debug_state, cache.state.shape, f32, device)
-        check_out_apart(debug_state, "debug_state", out=out, **inputs)
+    inputs = dict(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias)
+    out = check_state_outputs(cache, inputs, out, debug_state, (slots, nheads, headdim),
+                              x.dtype, check_counters)
     if slots == 0:
         return out
 
