@@ -1,7 +1,7 @@
 """Run a script under ``python -m torch.distributed.run --standalone`` for the sharding tests.
 
 The agent binds a free port itself, so two tests (or two checkouts on one machine) never race
-for a port picked beforehand. The command runs in a session of its own: on a timeout the whole
+for a port picked beforehand. The command leads a process group of its own: on a timeout the whole
 process group is killed, ranks included, so a hung rank fails its test and leaves nothing
 behind (killing the agent alone would orphan its ranks)."""
 

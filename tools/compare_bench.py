@@ -1,5 +1,5 @@
 """Compare two kernel_bench CSVs point by point: the same kernels timed by two trees (or two
-machines) in one GPU session, e.g. a change to a kernel against the code before it.
+machines) back to back on one machine, e.g. a kernel change against the code before it.
 
     python -m tools.compare_bench OLD.csv NEW.csv
 
