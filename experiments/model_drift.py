@@ -96,6 +96,9 @@ from lowprec.policies import Policy, Simulator, make_policy
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "results" / "model_drift"
+# the toy preset's model: train_lm's toy preset on the committed held-out slice, trained here on
+# first use (seconds on a CPU) rather than committed; the GPU model goes to RESULTS / "model"
+TOY_MODEL = ROOT / "runs" / "model_drift_toy_model"
 SOURCE = "experiments.model_drift"
 CSV_COLUMNS = ("model", "recurrence", "arm", "format", "rounding", "window", "segment",
                "position", "kl", "dlogp", "top1_agree")
@@ -179,7 +182,7 @@ GPU_POLICIES = (
 class Config:
     """Everything a run depends on (``out``, ``plot`` and ``progress`` change no number)."""
 
-    model: str = str(RESULTS / "model")
+    model: str = str(TOY_MODEL / "model")
     data: str = ""
     backend: str = "reference"
     device: str = "cpu"
@@ -198,7 +201,8 @@ class Config:
 
 PRESETS = {
     "toy": Config(),
-    "gpu": Config(data=str(ROOT / "runs" / "kjv"), backend="emulation", device="cuda",
+    "gpu": Config(model=str(RESULTS / "model"), data=str(ROOT / "runs" / "kjv"),
+                  backend="emulation", device="cuda",
                   tokens=131_072, segments=4,
                   policies=GPU_POLICIES, out=str(RESULTS / "model_drift_gpu.csv")),
 }
@@ -778,7 +782,9 @@ def parse_args(argv=None):
                         help="toy (default) or gpu; flags below override it")
     parser.add_argument("--model", default=None,
                         help="checkpoint folder in Mamba2ForCausalLM's layout (config.json + "
-                             "model.safetensors); default results/model_drift/model")
+                             "model.safetensors); default: the preset's (toy: trained into "
+                             "runs/model_drift_toy_model on first use; gpu: "
+                             "results/model_drift/model)")
     parser.add_argument("--data", default=None,
                         help="text folder from `python -m experiments.train_lm prepare-data`; "
                              "default: the committed 64 KiB held-out slice")
@@ -851,6 +857,23 @@ def parse_args(argv=None):
     return args, c
 
 
+def ensure_toy_model(c: Config) -> None:
+    """Train the toy preset's model (train_lm's toy preset, deterministic, seconds on a CPU)
+    when ``c`` asks for it and it is not there yet; under torchrun it must exist first."""
+    if c.model != str(TOY_MODEL / "model") or (TOY_MODEL / "model" / "config.json").is_file():
+        return
+    from experiments import train_lm
+    from experiments.sharding import ranks_from_env
+
+    if ranks_from_env().launched:
+        raise ValueError(f"--model: {TOY_MODEL / 'model'} does not exist yet; run the toy "
+                         "preset once without torchrun to train it")
+    print(f"training the toy model into {TOY_MODEL} (train_lm --preset toy, once)",
+          file=sys.stderr)
+    train_lm.train(replace(train_lm.PRESETS["toy"], out=str(TOY_MODEL), progress=False),
+                   TOY_MODEL)
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args, c = parse_args(argv)
@@ -868,6 +891,7 @@ def main(argv=None) -> int:
             print(f"wrote {png}")
             return 0
         if not args.replot:
+            ensure_toy_model(c)
             # under torchrun each rank on its own GPU (the CSV and meta record the kind only)
             c = replace(c, device=local_device(c.device))
             try:
