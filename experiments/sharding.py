@@ -310,7 +310,7 @@ def _record_problem(record, key: str) -> str | None:
 # coordination between ranks
 
 
-class _Session:
+class _Coordination:
     """The process group and the c10d store of this process, made once and kept until exit
     (a second sweep in the same command reuses them under its own key prefix)."""
 
@@ -502,7 +502,7 @@ def run_sweep(
         previous_term = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         if ranks.launched:
-            coordination, group = _Session.start(ranks, timeout)
+            coordination, group = _Coordination.start(ranks, timeout)
             peers = _Peers(coordination)
             _check_same_grid(ranks, group, print_fp, keys)
         done, mine = _plan(ranks, group, store, keys, print_fp, costs, say)
