@@ -22,8 +22,7 @@ FORBIDDEN = {
 # lowprec is the plain PyTorch definition: the standard library, torch and numpy only
 LOWPREC_ALLOWED = set(sys.stdlib_module_names) | {"torch", "numpy", "lowprec"}
 
-# Wording that tells how the kit was developed rather than what it is; each pattern is
-# chosen not to meet ordinary technical text (a Philox round, "call a function").
+
 def _modules(package: str) -> list[Path]:
     return sorted((ROOT / package).rglob("*.py")) if (ROOT / package).is_dir() else []
 
