@@ -8,6 +8,7 @@ kernels through ``mamba2_kernel_inputs``, GDN/KDA's generic step) and returns it
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
@@ -21,8 +22,11 @@ from experiments.error_growth_table import CSV_COLUMNS
 from lowprec import philox
 from lowprec._checks import check_float, check_ndim, check_shape
 from lowprec.metrics import rel_err
-from lowprec.policies import Simulator, make_policy
+from lowprec.policies import Simulator, advance_state
 
+# Whole input chunks replay as CUDA graphs on a GPU (_Driver); False steps one token at a time
+# (the tests compare the two).
+CUDA_GRAPHS = True
 # Inputs are drawn this many steps at a time; the chunk is part of the definition of a seed's
 # input stream (changing it changes the numbers), so it is a constant, not an option.
 INPUT_CHUNK = 256
@@ -84,6 +88,16 @@ class _Inputs:
         v, k, q, a, beta = self.chunk
         return a[p], v[p], k[p], q[p], None if beta is None else beta[p]
 
+    def next_chunk(self) -> tuple:
+        """``(a, v, k, q, beta)`` of the next INPUT_CHUNK steps ``[C, batch, ...]``; only at a
+        chunk boundary (the steps ``next`` would return, in one piece)."""
+        if self.position != INPUT_CHUNK:
+            raise RuntimeError("next_chunk: the stream is inside a chunk")
+        self.next()
+        self.position = INPUT_CHUNK
+        v, k, q, a, beta = self.chunk
+        return a, v, k, q, beta
+
     def close(self) -> None:
         if self.pool is not None:
             self.pool.shutdown(wait=True, cancel_futures=True)
@@ -127,24 +141,12 @@ def exact_outputs(config: Config, window: int, bar=None) -> tuple[np.ndarray, to
            c.device, window)
     if key in _EXACT_CACHE:
         return _EXACT_CACHE[key]
-    batch = len(c.memory) * c.seeds
     steps_kept = recorded_steps(c.steps, window, c.log_grid)
-    keep = np.zeros(c.steps + 1, dtype=bool)
-    keep[steps_kept] = True
     ys = []
     with _on_device(c), _cpu_threads(c.threads), torch.no_grad():
-        exact = Simulator(c.recurrence, make_policy("exact", "fp64", window=window), batch,
-                          c.heads, c.dv, c.dk, dtype=torch.float64)
-        inputs = _Inputs(c)
-        try:
-            for t in range(1, c.steps + 1):
-                y = exact.step(*inputs.next())
-                if keep[t]:
-                    ys.append(y)
-                if bar is not None:
-                    bar.update()
-        finally:
-            inputs.close()
+        drive = _Driver(c, _exact_step(c), int(steps_kept[-1]), steps_kept, in_place=True)
+        for _, y in drive.outputs(bar):
+            ys.append(y.clone())
     result = (steps_kept, torch.stack(ys))
     _EXACT_CACHE.clear()  # one entry: a sweep over windows needs one at a time
     _EXACT_CACHE[key] = result
@@ -161,10 +163,7 @@ def run_cell(config: Config, cell: Cell, bar=None,
     c = config
     batch = len(c.memory) * c.seeds
     steps_kept, y_exact = exact_outputs(c, cell.window, bar=bar)
-    keep = np.zeros(c.steps + 1, dtype=bool)
-    keep[steps_kept] = True
     errors = torch.full((batch, len(steps_kept)), float("nan"), dtype=torch.float64)
-    column, done = 0, 0
     with _on_device(c), _cpu_threads(c.threads), torch.no_grad():
         if c.backend == "emulation":
             step = _emulation_step(c, cell, batch)
@@ -172,27 +171,108 @@ def run_cell(config: Config, cell: Cell, bar=None,
             policy = cell.arm.policy(cell.window, c.seed0, cell.sr_bits, cell.philox_rounds)
             step = Simulator(c.recurrence, policy, batch, c.heads, c.dv, c.dk,
                              dtype=torch.float64).step
-        inputs = _Inputs(c)
+        # the emulation's caches change in place; the reference Simulator rebinds its state
+        drive = _Driver(c, step, int(steps_kept[-1]), steps_kept,
+                        in_place=c.backend == "emulation")
         try:
-            for t in range(1, min(c.steps, int(steps_kept[-1])) + 1):
-                y_hat = step(*inputs.next())
-                if keep[t]:
-                    errors[:, column] = rel_err(y_hat, y_exact[column]).cpu()
-                    column += 1
-                done = t
-                if bar is not None:
-                    bar.update()
+            for column, (_, y_hat) in enumerate(drive.outputs(bar)):
+                errors[:, column] = rel_err(y_hat, y_exact[column]).cpu()
         except KeyboardInterrupt:
             if on_stop is not None:  # the whole windows done
+                done = drive.done
                 whole = steps_kept <= done - done % cell.window
                 frame = _to_frame(c, cell, steps_kept[whole], errors[:, : int(whole.sum())])
                 frame.attrs["steps_done"] = done
                 on_stop(frame)
             raise
-        finally:
-            inputs.close()
     return _to_frame(c, cell, steps_kept, errors)
 
+
+def _exact_step(c: Config):
+    """The exact FP64 run as a step function whose state is updated in place (so that a CUDA
+    graph of its steps replays on the same buffers); the update is the `Simulator`'s."""
+    state = torch.zeros(len(c.memory) * c.seeds, c.heads, c.dv, c.dk, dtype=torch.float64)
+
+    def step(a, v, k, q, beta):
+        state.copy_(advance_state(c.recurrence, state, a, v, k, beta))
+        return (state @ q[..., :, None])[..., 0]
+
+    return step
+
+
+class _Driver:
+    """Steps 1..``last`` of a config's input stream through ``step``; ``outputs`` yields
+    ``(t, y)`` at the kept steps, in order, and ``done`` counts the steps taken.
+
+    On a GPU a step-by-step loop is bound by the host (kernel launches and Python, about 1 ms
+    a step at the real layer shapes, against tens of microseconds of GPU work), so an
+    ``in_place`` step (all its state in buffers it updates in place) runs whole INPUT_CHUNK
+    chunks as one CUDA graph: captured once after an eager first chunk (which compiles and
+    warms every kernel), then replayed on fixed input buffers that each chunk is copied into.
+    The graph runs the same kernels on the same values, so the outputs are those of the
+    step-by-step loop; a step that cannot be captured runs step by step, with a warning."""
+
+    def __init__(self, c: Config, step, last: int, steps_kept: np.ndarray, in_place: bool):
+        self.c, self.step, self.last = c, step, last
+        self.keep = np.zeros(last + 1, dtype=bool)
+        self.keep[steps_kept[steps_kept <= last]] = True
+        self.graphed = CUDA_GRAPHS and in_place and torch.device(c.device).type == "cuda"
+        self.done = 0
+
+    def outputs(self, bar=None):
+        inputs = _Inputs(self.c)
+        try:
+            while self.done < self.last:
+                take = min(INPUT_CHUNK, self.last - self.done)
+                if self.graphed and self.done > 0 and take == INPUT_CHUNK:
+                    yield from self._graph_chunk(inputs.next_chunk(), bar)
+                    continue
+                for _ in range(take):
+                    y = self.step(*inputs.next())
+                    self.done += 1
+                    if self.keep[self.done]:
+                        yield self.done, y
+                    if bar is not None:
+                        bar.update()
+        finally:
+            inputs.close()
+
+    def _graph_chunk(self, chunk, bar):
+        if not hasattr(self, "graph"):
+            self._capture(chunk)
+        if self.graph is None:  # not capturable: step by step
+            for i in range(INPUT_CHUNK):
+                y = self.step(*(None if x is None else x[i] for x in chunk))
+                self.done += 1
+                if self.keep[self.done]:
+                    yield self.done, y
+                if bar is not None:
+                    bar.update()
+            return
+        for buffer, x in zip(self.buffers, chunk, strict=True):
+            if buffer is not None:
+                buffer.copy_(x)
+        self.graph.replay()
+        first = self.done
+        self.done += INPUT_CHUNK
+        if bar is not None:
+            bar.update(INPUT_CHUNK)
+        for t in range(first + 1, self.done + 1):
+            if self.keep[t]:
+                yield t, self.ys[t - first - 1]
+
+    def _capture(self, chunk) -> None:
+        self.buffers = [None if x is None else x.clone() for x in chunk]
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                ys = [self.step(*(None if b is None else b[i] for b in self.buffers))
+                      for i in range(INPUT_CHUNK)]
+                self.ys = torch.stack(ys)
+        except RuntimeError as error:  # a launch that a graph cannot hold
+            warnings.warn(f"error_growth: stepping without a CUDA graph ({error})", stacklevel=2)
+            graph = None
+        self.graph = graph
 
 
 @contextmanager

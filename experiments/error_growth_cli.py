@@ -107,9 +107,9 @@ PRESETS = {
 # GDN and KDA at a head of their models (INPUTS_TEXT says how the inputs are drawn)
 _DELTA_ARMS = ("every_step:fp16:rn,every_step:bf16:rn,every_step:nvfp4:rn,shared:nvfp4:rn,"
                "shared:fp16:rn,separate_exact:nvfp4,separate_fp16sr:nvfp4")
-# at the layer's shape through the emulation on a GPU: the arms the claim needs (each arm and
-# the exact run cost about 1 ms a step on an H100, bound by the host: 2^15 steps keep the three
-# layers, run as concurrent processes, near 6 minutes; scripts/gpu.sh error-growth)
+# at the layer's shape through the emulation on a GPU, the arms the claim needs; each rank of
+# `torchrun --nproc-per-node 3` (sharing the GPU) runs the exact run and one arm, whole input
+# chunks as CUDA graphs, bound by drawing the inputs on the host (scripts/gpu.sh error-growth)
 _GPU_ARMS = "separate_fp16sr:nvfp4,every_step:bf16:rn,shared:fp16:rn"
 for _name, _recurrence in (("gdn", "gdn"), ("kda", "kda")):
     PRESETS[_name] = {  # Qwen3-Next's GDN head, Kimi Linear's KDA head: d_k = d_v = 128
@@ -125,12 +125,15 @@ for _name, _recurrence in (("gdn", "gdn"), ("kda", "kda")):
     }
     PRESETS[f"{_name}-gpu"] = {  # the whole layer: 32 heads of 128 x 128 (both models)
         "recurrence": _recurrence, "dv": 128, "dk": 128, "heads": 32, "seeds": 1,
-        "steps": 32768, "window": "16", "memory": ["long", "short"], "arms": _GPU_ARMS,
+        "steps": 131072, "window": "16", "memory": ["long", "short"], "arms": _GPU_ARMS,
         "formats": "nvfp4", "rounding": "rn", "log_grid": 20, "backend": "emulation",
         "device": "cuda",
     }
 PRESETS["emulation-gpu"] = {  # the Nemotron-3-Super Mamba-2 layer: 128 heads of 64 x 128
-    **PRESETS["gdn-gpu"], "recurrence": "mamba2", "dv": 64, "dk": 128, "heads": 128,
+    "recurrence": "mamba2", "dv": 64, "dk": 128, "heads": 128, "seeds": 2, "steps": 131072,
+    "window": "16", "memory": ["long"], "arms": "separate_fp16sr:nvfp4,every_step:fp16:rn",
+    "formats": "nvfp4", "rounding": "rn", "log_grid": 48, "backend": "emulation",
+    "device": "cuda",
 }
 
 INPUTS_TEXT = """inputs (a fresh draw every step, per sequence and head; --memory sets the decay):

@@ -7,9 +7,12 @@ computes one cell's rows, and the output path; the engine
 - runs the cells in this process when the command was not launched by ``torchrun``, and
   splits them over the ranks when it was (``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK`` in the
   environment): backend ``nccl`` with each rank on ``cuda:LOCAL_RANK`` where CUDA is
-  available, else ``gloo``. The split is a pure function of the cells still to run (round
-  robin over them in order, or longest-first greedy over the caller's costs), so a restarted
-  sweep assigns the same way;
+  available, else ``gloo``; with more ranks on a node than GPUs (a host-bound sweep, such as
+  the emulation's step loop, keeps one GPU busy only from several processes) the ranks share
+  the GPUs round robin, ``cuda:LOCAL_RANK % GPUs``, over ``gloo`` (NCCL takes one rank a
+  GPU). The split is a pure function of the cells still to run (round robin over them in
+  order, or longest-first greedy over the caller's costs), so a restarted sweep assigns the
+  same way;
 - keeps each finished cell as its own file in a cell store beside the output,
   ``<out>.cells/<hash of the cell key>.pkl`` (written atomically, holding the cell key and a
   fingerprint of the arguments), so that a rerun with the same ``--out`` and the same
@@ -116,16 +119,23 @@ class Ranks:
     world_size: int = 1
     local_rank: int = 0
     launched: bool = False
+    local_world_size: int = 1
+
+    @property
+    def shares_gpus(self) -> bool:
+        """More ranks on this node than GPUs: they share them round robin."""
+        return self.local_world_size > torch.cuda.device_count()
 
     @property
     def backend(self) -> str:
-        return "nccl" if self.launched and torch.cuda.is_available() else (
-            "gloo" if self.launched else "none")
+        if not self.launched:
+            return "none"
+        return "nccl" if torch.cuda.is_available() and not self.shares_gpus else "gloo"
 
     @property
     def device(self) -> str | None:
         if self.launched and torch.cuda.is_available():
-            return f"cuda:{self.local_rank}"
+            return f"cuda:{self.local_rank % torch.cuda.device_count()}"
         return None
 
 
@@ -147,7 +157,17 @@ def ranks_from_env(env: Mapping[str, str] | None = None) -> Ranks:
     if world < 1 or not 0 <= rank < world or local < 0:
         raise ValueError(f"environment: expected 0 <= RANK < WORLD_SIZE and LOCAL_RANK >= 0, "
                          f"got RANK={rank}, WORLD_SIZE={world}, LOCAL_RANK={local}")
-    return Ranks(rank=rank, world_size=world, local_rank=local, launched=True)
+    text = env.get("LOCAL_WORLD_SIZE", str(local + 1))  # torchrun sets it
+    try:
+        local_world = int(text)
+    except ValueError:
+        raise ValueError(f"environment: LOCAL_WORLD_SIZE must be an integer under torchrun, "
+                         f"got {text!r}") from None
+    if not 0 <= local < local_world:
+        raise ValueError(f"environment: expected 0 <= LOCAL_RANK < LOCAL_WORLD_SIZE, got "
+                         f"LOCAL_RANK={local}, LOCAL_WORLD_SIZE={local_world}")
+    return Ranks(rank=rank, world_size=world, local_rank=local, launched=True,
+                 local_world_size=local_world)
 
 
 def is_main_rank() -> bool:
@@ -157,11 +177,11 @@ def is_main_rank() -> bool:
 
 
 def local_device(default: str) -> str:
-    """The device a cell runs on: ``cuda:LOCAL_RANK`` under torchrun where ``default`` names
-    CUDA (each rank its own GPU), else ``default`` unchanged."""
+    """The device a cell runs on: the rank's GPU (``Ranks.device``) under torchrun where
+    ``default`` names CUDA, else ``default`` unchanged."""
     ranks = ranks_from_env()
     if ranks.launched and default.startswith("cuda") and torch.cuda.is_available():
-        return f"cuda:{ranks.local_rank}"
+        return ranks.device
     return default
 
 
@@ -325,8 +345,8 @@ class _Coordination:
                 # torch keeps the store of its default group; no public getter
                 cls.store = dist.distributed_c10d._get_default_store()
             else:
-                if ranks.backend == "nccl":
-                    torch.cuda.set_device(ranks.local_rank)
+                if ranks.device is not None:
+                    torch.cuda.set_device(ranks.device)
                 store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
                 dist.init_process_group(ranks.backend, store=store, rank=ranks.rank,
                                         world_size=ranks.world_size, timeout=timeout)

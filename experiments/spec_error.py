@@ -90,7 +90,7 @@ from experiments.error_growth_plot import _arm_legend, _arm_style, _memory_label
 from experiments.error_growth_table import FLOAT_FORMAT
 from lowprec import formats, philox
 from lowprec.metrics import rel_err
-from lowprec.policies import round_state
+from lowprec.policies import advance_state, round_state
 from lowprec.replay import GDNReplay, KDAReplay, Mamba2Replay
 
 __all__ = ["CSV_COLUMNS", "PRESETS", "SCHEMA", "Acceptance", "Cell", "Config", "cells",
@@ -263,16 +263,6 @@ def _drafts(gens, c: Config, n: int):
     return a, v, k, q, beta
 
 
-def _advance(recurrence, state, a, v, k, beta):
-    """``S_t`` from ``S_{t-1}`` for one token (``a [b, h]`` or ``[b, h, dk]``)."""
-    decayed = state * (a[..., None, :] if recurrence == "kda" else a[..., None, None])
-    if recurrence == "mamba2":
-        u = v
-    else:
-        u = beta[..., None] * (v - (decayed @ k[..., :, None])[..., 0])
-    return torch.addcmul(decayed, u[..., :, None], k[..., None, :])
-
-
 class _Snapshots:
     """A conventional cache under speculation (``fmt None``: exact): each draft's state is
     stored (rounded, the SR counter the token's committed position) and the commit keeps the
@@ -288,7 +278,7 @@ class _Snapshots:
     def verify(self, a, v, k, q, beta):
         state, ys, self.pending = self.state, [], []
         for i in range(v.shape[2]):
-            state = _advance(self.c.recurrence, state, a[:, :, i], v[:, :, i], k[:, :, i],
+            state = advance_state(self.c.recurrence, state, a[:, :, i], v[:, :, i], k[:, :, i],
                              None if beta is None else beta[:, :, i])
             if self.fmt is not None:
                 state = round_state(state, self.fmt, self.rounding, self.seed, self.slots,

@@ -51,7 +51,8 @@ import torch
 from lowprec import formats, philox, quantize
 from lowprec._checks import check_float, check_positive_int, check_shape
 
-__all__ = ["ARMS", "KINDS", "RECURRENCES", "Policy", "Simulator", "make_policy", "round_state"]
+__all__ = ["ARMS", "KINDS", "RECURRENCES", "Policy", "Simulator", "advance_state", "make_policy",
+           "round_state"]
 
 KINDS = ("exact", "conventional", "shared", "separate")
 ROUNDINGS = ("rn", "sr")
@@ -238,6 +239,19 @@ def make_policy(arm: str, fmt: str, rounding: str = "rn", window=16, seed=0, *,
                   philox_rounds)
 
 
+def advance_state(recurrence: str, state, a, v, k, beta=None) -> torch.Tensor:
+    """``S_t`` from ``S_{t-1}`` for one token in the generic inputs (``a [b, h]``, KDA
+    ``[b, h, dk]``; ``v [b, h, dv]``, ``k [b, h, dk]``, ``beta [b, h]`` for GDN and KDA): the
+    update every arm of the `Simulator` shares, so that rounding-free arms agree bit for bit.
+    Unchecked: the `Simulator` validates its inputs."""
+    decayed = state * (a[..., None, :] if recurrence == "kda" else a[..., None, None])
+    if recurrence == "mamba2":
+        u = v
+    else:
+        u = beta[..., None] * (v - (decayed @ k[..., :, None])[..., 0])
+    return torch.addcmul(decayed, u[..., :, None], k[..., None, :])
+
+
 class Simulator:
     """Decode ``batch`` slots of ``nheads`` heads under ``policy``; ``step`` returns ``y_hat``.
 
@@ -321,14 +335,7 @@ class Simulator:
         self.flushes += 1
 
     def _advance(self, state, a, v, k, beta):
-        """``S_t`` from ``S_{t-1}``: the update shared by every arm (so rounding-free arms agree
-        bit for bit)."""
-        decayed = state * (a[..., None, :] if self.recurrence == "kda" else a[..., None, None])
-        if self.recurrence == "mamba2":
-            u = v
-        else:
-            u = beta[..., None] * (v - (decayed @ k[..., :, None])[..., 0])
-        return torch.addcmul(decayed, u[..., :, None], k[..., None, :])
+        return advance_state(self.recurrence, state, a, v, k, beta)
 
     @staticmethod
     def _output(state, q):

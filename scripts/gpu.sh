@@ -17,10 +17,12 @@
 #                                tools.instruction_count --ncu; at the headline point (Nemotron-3-
 #                                Super layer, batch 256, L = 16); kernels are kernel_bench's
 #                                names (default: the two-precision non-flush step and flush)
-#   error-growth                 the Triton emulation's error at the real layer shapes, Mamba-2
-#                                (128 heads of 64 x 128), GDN and KDA (32 heads of 128 x 128),
-#                                32,768 steps, three concurrent processes: about 6.5 minutes on
-#                                an H100
+#   error-growth [PRESET...]     the Triton emulation's error at the real layer shapes, 131,072
+#                                steps: presets emulation-gpu (Mamba-2, 128 heads of 64 x 128),
+#                                gdn-gpu and kda-gpu (32 heads of 128 x 128), default all three;
+#                                each a torchrun of one rank per arm sharing the GPU, the layers
+#                                concurrently (the exact run and each arm replay CUDA graphs of
+#                                256 steps; drawing the inputs on the host bounds them)
 #
 #   --dry-run                    print the commands, run nothing
 #
@@ -162,20 +164,29 @@ case "$target" in
     done
     ;;
   error-growth)
-    [ $# -eq 0 ] || { echo "gpu.sh error-growth: takes no arguments (got: $*)" >&2; exit 2; }
-    # The three layers as concurrent processes on the one GPU (their presets emulation-gpu,
-    # gdn-gpu, kda-gpu); each summary goes to its .txt, then the growth tables are printed.
+    [ $# -gt 0 ] || set -- emulation-gpu gdn-gpu kda-gpu
+    for preset in "$@"; do
+      case "$preset" in
+        emulation-gpu|gdn-gpu|kda-gpu) ;;
+        *) echo "gpu.sh error-growth: unknown preset '$preset' (emulation-gpu, gdn-gpu, kda-gpu)" >&2
+           exit 2 ;;
+      esac
+    done
+    # Each layer a torchrun (a rank per arm: the cells share the GPU over gloo), the layers as
+    # concurrent processes; each summary goes to its .txt, then the growth tables are printed.
     pids=()
-    for preset in emulation-gpu gdn-gpu kda-gpu; do
+    for preset in "$@"; do
       name=error_growth_${preset//-/_}
-      layer=(run_to "$out/$name.txt" "$py" -m experiments.error_growth --preset "$preset"
+      ranks=3; [ "$preset" = emulation-gpu ] && ranks=2
+      layer=(run_to "$out/$name.txt" "$py" -m torch.distributed.run --standalone
+             --nproc-per-node "$ranks" -m experiments.error_growth --preset "$preset"
              --no-progress --out "$out/$name.csv" --plot "$out/$name.png")
       # a dry run prints them in order (three background printers would interleave lines)
       if [ "$dry" = 1 ]; then "${layer[@]}"; else "${layer[@]}" & pids+=("$!"); fi
     done
     for pid in "${pids[@]}"; do wait "$pid"; record $?; done
     if [ "$dry" = 0 ]; then
-      for preset in emulation-gpu gdn-gpu kda-gpu; do
+      for preset in "$@"; do
         name=error_growth_${preset//-/_}
         [ -f "$out/$name.txt" ] && sed -n '/^growth:/,$p' "$out/$name.txt" | tee -a "$log"
       done

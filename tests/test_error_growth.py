@@ -1221,3 +1221,34 @@ def test_two_ranks_write_the_one_process_bytes_and_a_killed_rank_resumes(tmp_pat
     assert rerun.returncode == 0, rerun.stderr[-2000:]
     assert "resuming: skipping" in rerun.stderr
     assert resumed.read_bytes() == single.read_bytes()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recurrence, dv, dk", [("mamba2", 8, 32), ("gdn", 8, 16), ("kda", 16, 16)])
+def test_cuda_graph_chunks_give_the_rows_of_the_step_by_step_loop(monkeypatch, recurrence, dv,
+                                                                   dk):
+    """On a GPU the emulation's cells and the exact run replay CUDA graphs of whole input
+    chunks: the rows (exact outputs, every arm's errors) are those of stepping one token at a
+    time, over two graphed chunks and a partial one."""
+    from experiments import error_growth_backends as backends
+
+    steps = 2 * backends.INPUT_CHUNK + 37
+    c = eg.Config(recurrence=recurrence, dv=dv, dk=dk, heads=3, seeds=2, steps=steps,
+                  window=(8,), arms=eg.parse_arms(
+                      "separate_fp16sr:nvfp4,every_step:bf16:rn,shared:fp16:rn", "nvfp4", "rn"),
+                  memory=(eg.Memory("long", 0.9995, 0.99999), eg.Memory("short", 0.9, 0.95)),
+                  log_grid=0, device="cuda", backend="emulation", progress=False)
+    cells = eg.cells(c)
+
+    def rows(graphs: bool):
+        monkeypatch.setattr(backends, "CUDA_GRAPHS", graphs)
+        backends._EXACT_CACHE.clear()
+        y = backends.exact_outputs(c, 8)[1].cpu()
+        return y, [backends.run_cell(c, cell) for cell in cells]
+
+    y_graph, graphed = rows(True)
+    y_step, stepped = rows(False)
+    assert torch.equal(y_graph, y_step)
+    for g, s in zip(graphed, stepped, strict=True):
+        pd.testing.assert_frame_equal(g, s)
+        assert g.rel_err.between(0, 1).all()  # finite errors, each arm's own

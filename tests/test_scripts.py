@@ -159,8 +159,9 @@ def test_profile_without_ncu_stops_at_once_with_one_line(tmp_path):
 
 def test_dry_run_error_growth_prints_the_three_layers_and_each_parses(tmp_path):
     """error-growth runs the Mamba-2, GDN and KDA layers (presets emulation-gpu, gdn-gpu,
-    kda-gpu): three commands that error_growth's parser reads, each writing its own CSV and
-    PNG under OUT; the target takes no extra arguments."""
+    kda-gpu), each a torchrun of one rank per arm: three commands that error_growth's parser
+    reads, each writing its own CSV and PNG under OUT; other arguments are presets, and an
+    unknown one or an option is refused."""
     from experiments import error_growth as eg
 
     done = _gpu(_tree(tmp_path, "gpu.sh"), "--dry-run", "error-growth")
@@ -175,6 +176,13 @@ def test_dry_run_error_growth_prints_the_three_layers_and_each_parses(tmp_path):
         assert p.plot == f"runs/gpu-error-growth/error_growth_{layer}_gpu.png"
         assert eg.PRESETS[p.preset]["backend"] == "emulation"
     assert [eg.PRESETS[p.preset]["recurrence"] for p in parsed] == ["mamba2", "gdn", "kda"]
+    ranks = [c[c.index("--nproc-per-node") + 1] for c in commands]
+    arms = [len(eg.PRESETS[p.preset]["arms"].split(",")) for p in parsed]
+    assert [int(r) for r in ranks] == arms == [2, 3, 3]
+    assert all(c[1:3] == ["-m", "torch.distributed.run"] for c in commands)
+    one = _commands(_gpu(_tree(tmp_path / "c", "gpu.sh"), "--dry-run", "error-growth",
+                         "kda-gpu").stdout)
+    assert [_module_args(c, "experiments.error_growth")[1] for c in one] == ["kda-gpu"]
     assert _gpu(_tree(tmp_path / "b", "gpu.sh"), "error-growth", "--steps", "9").returncode == 2
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import sharding_demo
+import torch
 from torchrun import torchrun
 
 from experiments.sharding import (
@@ -114,6 +115,22 @@ def test_ranks_from_env_reads_torchrun_variables():
     assert (ranks.rank, ranks.world_size, ranks.local_rank, ranks.launched) == (2, 3, 1, True)
     if not ranks_from_env({"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0"}).device:
         assert ranks.backend == "gloo"
+
+
+@pytest.mark.parametrize("gpus, device, backend", [(1, "cuda:0", "gloo"), (2, "cuda:0", "gloo"),
+                                                    (3, "cuda:2", "nccl")])
+def test_ranks_share_gpus_round_robin_over_gloo_when_a_node_has_fewer(monkeypatch, gpus, device,
+                                                                      backend):
+    """Three ranks on a node: each its own GPU over NCCL where there are three; round robin
+    over fewer GPUs, with gloo (NCCL takes one rank a GPU)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    ranks = ranks_from_env({"WORLD_SIZE": "3", "RANK": "2", "LOCAL_RANK": "2",
+                            "LOCAL_WORLD_SIZE": "3"})
+    assert (ranks.device, ranks.backend, ranks.local_world_size) == (device, backend, 3)
+    with pytest.raises(ValueError, match="LOCAL_RANK=3, LOCAL_WORLD_SIZE=3"):
+        ranks_from_env({"WORLD_SIZE": "4", "RANK": "3", "LOCAL_RANK": "3",
+                        "LOCAL_WORLD_SIZE": "3"})
 
 
 def test_fingerprint_depends_on_values_not_key_order():
