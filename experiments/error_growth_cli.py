@@ -136,6 +136,14 @@ PRESETS["emulation-gpu"] = {  # the Nemotron-3-Super Mamba-2 layer: 128 heads of
     "device": "cuda",
 }
 
+# the SR ablation at Nemotron-3-Super's Mamba-2 layer through the emulation on a GPU: the
+# recurrence copy and a conventional SR state at each setting, 131,072 steps
+PRESETS["sr-gpu"] = {
+    **PRESETS["emulation-gpu"], "seeds": 1, "memory": ["long", "short"],
+    "arms": "separate:fp16:sr:nvfp4,every_step:fp16:sr", "rounding": "sr", "log_grid": 20,
+    "sr_bits": "32,16,8", "philox_rounds": "10,7",
+}
+
 INPUTS_TEXT = """inputs (a fresh draw every step, per sequence and head; --memory sets the decay):
   v ~ N(0, I)   k, q ~ N(0, I) (Mamba-2's B and C)   a ~ U[LO, HI) per head (KDA: per head
   and channel of d_k) from --memory: long = [0.9995, 0.99999) (time constants 2,000 to 100,000

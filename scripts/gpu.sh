@@ -19,7 +19,8 @@
 #                                names (default: the two-precision non-flush step and flush)
 #   error-growth [PRESET...]     the Triton emulation's error at the real layer shapes, 131,072
 #                                steps: presets emulation-gpu (Mamba-2, 128 heads of 64 x 128),
-#                                gdn-gpu and kda-gpu (32 heads of 128 x 128), default all three;
+#                                gdn-gpu and kda-gpu (32 heads of 128 x 128), default these
+#                                three; sr-gpu (Mamba-2, the SR bits and rounds ablation);
 #                                each a torchrun of one rank per arm sharing the GPU, the layers
 #                                concurrently (the exact run and each arm replay CUDA graphs of
 #                                256 steps; drawing the inputs on the host bounds them)
@@ -167,8 +168,8 @@ case "$target" in
     [ $# -gt 0 ] || set -- emulation-gpu gdn-gpu kda-gpu
     for preset in "$@"; do
       case "$preset" in
-        emulation-gpu|gdn-gpu|kda-gpu) ;;
-        *) echo "gpu.sh error-growth: unknown preset '$preset' (emulation-gpu, gdn-gpu, kda-gpu)" >&2
+        emulation-gpu|gdn-gpu|kda-gpu|sr-gpu) ;;
+        *) echo "gpu.sh error-growth: unknown preset '$preset' (emulation-gpu, gdn-gpu, kda-gpu, sr-gpu)" >&2
            exit 2 ;;
       esac
     done
@@ -177,7 +178,7 @@ case "$target" in
     pids=()
     for preset in "$@"; do
       name=error_growth_${preset//-/_}
-      ranks=3; [ "$preset" = emulation-gpu ] && ranks=2
+      case "$preset" in emulation-gpu) ranks=2 ;; sr-gpu) ranks=6 ;; *) ranks=3 ;; esac
       layer=(run_to "$out/$name.txt" "$py" -m torch.distributed.run --standalone
              --nproc-per-node "$ranks" -m experiments.error_growth --preset "$preset"
              --no-progress --out "$out/$name.csv" --plot "$out/$name.png")
