@@ -742,8 +742,12 @@ def _parse(argv: list[str] | None = None):
         written = outputs(config)
         if args.plot_only:
             written = [p for p in written if p.suffix == ".png"]
+        # the summary JSON carries no provenance of its own: the run's meta.json beside it does
+        own_meta = meta_file(config).is_file() and not output_problem(meta_file(config), SOURCE)
         for path in written:
             header = SCHEMAS[path.stem.split("_")[1]].header if path.suffix == ".csv" else None
+            if path == summary_path(config) and own_meta:
+                continue
             if problem := output_problem(path, SOURCE, header):
                 parser.error(f"--out: {problem}")
     return config, parser, args.plot_only

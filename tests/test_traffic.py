@@ -955,6 +955,17 @@ def test_plot_only_redraws_and_refuses_a_changed_csv_in_one_line(tmp_path, capsy
         spec.write_text(original)
 
 
+def test_a_run_overwrites_its_own_outputs_without_force(tmp_path, capsys):
+    """The second run of a command (the committed results' regenerate command) replaces the
+    first run's files, the summary JSON included (its meta.json beside it says whose it is)."""
+    argv = ["--out", str(tmp_path), "--window", "3", "--spec-verified", "2", "--no-plot"]
+    experiment.main(argv)
+    summary = tmp_path / "traffic_summary_nemotron3-super.json"
+    summary.write_text(summary.read_text().replace('"window": 3', '"window": 99'))
+    experiment.main(argv)
+    assert json.loads(summary.read_text())["window"] == 3
+
+
 def test_a_foreign_file_in_the_output_folder_needs_force(tmp_path, capsys):
     """A file named like an output but not written by this experiment is refused in one line
     and left alone; --force replaces it."""
