@@ -29,7 +29,8 @@ line) a CSV that is cut short, has other columns or values, a row twice, or byte
 its meta.json recorded.
 
     python -m experiments.traffic                          # nemotron3-super, CSVs and plots
-    python -m experiments.traffic --model qwen3-next-80b
+    python -m experiments.traffic --model qwen3-next-80b   # Gated DeltaNet
+    python -m experiments.traffic --model kimi-linear-48b  # KDA, into runs/ (not committed)
     python -m experiments.traffic --model mamba2-2.7b      # no attention: KV entries null
     python -m experiments.traffic --plot-only              # redraw from results/'s CSVs
     python -m experiments.traffic --summary                # one JSON object on stdout, no files
@@ -187,7 +188,7 @@ def window_sweep(config: Config) -> pd.DataFrame:
         for window in config.windows:
             add("conventional", fmt, fmt, "none", window, tr.conventional(state))
     for layout in tr.RECORD_LAYOUT_NAMES:
-        record = tr.record_bytes(ssm, layout, model.act_format)
+        record = tr.ring_record(ssm, layout, model.act_format)
         for fmt in config.shared_formats:
             state = tr.state_bytes(ssm, fmt)
             for window in config.windows:
@@ -210,7 +211,7 @@ def _spec_schemes(config: Config, model: models.ModelShape):
     """(scheme, read format, recurrence format, layout, traffic(T, c), memory(T)) per scheme."""
     ssm = model.ssm
     state = tr.state_bytes(ssm, ssm.state_format)
-    record = tr.record_bytes(ssm, "kernel", model.act_format)
+    record = tr.ring_record(ssm, "kernel", model.act_format)
     hi_format, lo_format = config.default_pair
     hi, lo = tr.state_bytes(ssm, hi_format), tr.state_bytes(ssm, lo_format)
     L = config.window
@@ -315,8 +316,8 @@ def summary(config: Config) -> dict:
     state = tr.state_bytes(ssm, ssm.state_format)
     hi_format, lo_format = config.default_pair
     hi, lo = tr.state_bytes(ssm, hi_format), tr.state_bytes(ssm, lo_format)
-    kernel = tr.record_bytes(ssm, "kernel", model.act_format)
-    conservative = tr.record_bytes(ssm, "conservative", model.act_format)
+    kernel = tr.ring_record(ssm, "kernel", model.act_format)
+    conservative = tr.ring_record(ssm, "conservative", model.act_format)
     # a model without attention layers (mamba2-2.7b) has no KV to weigh against: null in JSON
     kv = tr.kv_bytes_per_token(model.attention) if model.n_attention_layers else None
     conventional = tr.conventional(state).per_token
@@ -334,8 +335,8 @@ def summary(config: Config) -> dict:
         "state_equiv_kv_tokens": None if kv is None else tr.state_equivalent_kv_tokens(state, kv),
         "crossover_context_tokens": (None if kv is None
                                      else tr.crossover_context(model, conventional)),
-        "record_bytes_kernel": kernel,
-        "record_bytes_conservative": conservative,
+        "record_bytes_kernel": kernel.write,
+        "record_bytes_conservative": conservative.write,
         "replay_ratio_conservative": round(
             tr.replay(L, conservative, state).per_token / conventional, 6
         ),
@@ -741,8 +742,12 @@ def _parse(argv: list[str] | None = None):
         written = outputs(config)
         if args.plot_only:
             written = [p for p in written if p.suffix == ".png"]
+        # the summary JSON carries no provenance of its own: the run's meta.json beside it does
+        own_meta = meta_file(config).is_file() and not output_problem(meta_file(config), SOURCE)
         for path in written:
             header = SCHEMAS[path.stem.split("_")[1]].header if path.suffix == ".csv" else None
+            if path == summary_path(config) and own_meta:
+                continue
             if problem := output_problem(path, SOURCE, header):
                 parser.error(f"--out: {problem}")
     return config, parser, args.plot_only

@@ -1,18 +1,59 @@
 """`python -m lowprec`: quantise one random decode state with every format and print its error
-and storage bytes: a thirty-second tour of what the formats cost and keep.
+and storage bytes, then the ReplaySSM records of Mamba-2, Gated DeltaNet and KDA: a
+thirty-second tour of what the formats cost and keep.
 
 The state is one Nemotron-3-Super Mamba-2 layer's state for one sequence (128 heads x 64 x 128),
 drawn like a long-memory state (Gaussian with a per-row spread of magnitudes), fixed seed.
+
+The records are those of one layer and sequence of each registered model (`lowprec.models`:
+nemotron3-super and mamba2-2.7b Mamba-2, qwen3-next-80b Gated DeltaNet, kimi-linear-48b KDA),
+counted by `lowprec.traffic` in the kernel layout with the model's activations: each field
+with its length, format and copies; the bytes a record takes and what a non-flush step and the
+flush read of each held record; the read copy (nvfp4) and recurrence copy (fp16); and the bytes
+moved per token at the window L = 16 by two precisions, an fp32 checkpoint and conventional fp32
+decoding. --heads, --dv and --dk size the quantised state only.
 """
 
 import argparse
 
 import torch
 
-from lowprec import formats, philox
+from lowprec import formats, models, philox
+from lowprec import traffic as tr
 from lowprec.metrics import rel_err
 from lowprec.philox import random_words
 from lowprec.quantize import fake_quantize
+
+KIND_NAMES = {"mamba2": "Mamba-2", "gdn": "Gated DeltaNet", "kda": "KDA"}
+WINDOW = 16  # DESIGN.md's default window
+
+
+def print_records() -> None:
+    """The ReplaySSM record of every registered model, with its state copies and the bytes a
+    token moves (see the module docstring)."""
+    print(f"\nReplaySSM records (lowprec.traffic, kernel layout), one layer and sequence; "
+          f"bytes a token at L = {WINDOW}")
+    for name in models.names():
+        model = models.get(name)
+        ssm, act = model.ssm, model.act_format
+        lengths = {"d_v": ssm.d_v, "d_k": ssm.d_k, "1": 1}
+        fields = tr.RECORD_LAYOUTS[(ssm.kind, "kernel")]
+        layout = "; ".join(f"per {per}: " + ", ".join(
+            f"{f.name} [{lengths[f.length]}] {act if f.dtype == 'act' else f.dtype}"
+            for f in fields if f.per == per) for per in ("head", "group")
+            if any(f.per == per for f in fields))
+        record = tr.ring_record(ssm, "kernel", act)
+        lo, hi, fp32 = (tr.state_bytes(ssm, f) for f in ("nvfp4", "fp16", "fp32"))
+        groups = f"{ssm.ngroups} group{'s' if ssm.ngroups > 1 else ''}"
+        print(f"{name}: {KIND_NAMES[ssm.kind]}, {ssm.nheads} heads of d_v {ssm.d_v} x d_k "
+              f"{ssm.d_k}, {groups}")
+        print(f"  record     {layout}")
+        print(f"  bytes      {record.write:,} a record; of each held record a non-flush step "
+              f"reads {record.nonflush_read:,}, the flush {record.flush_read:,}")
+        print(f"  state      read copy nvfp4 {lo:,}; recurrence copy fp16 {hi:,}; fp32 {fp32:,}")
+        print(f"  per token  fp16 + nvfp4 {tr.replay(WINDOW, record, lo, hi).per_token:,.0f}; "
+              f"fp32 checkpoint {tr.replay(WINDOW, record, fp32).per_token:,.0f}; "
+              f"conventional fp32 {tr.conventional(fp32).per_token:,.0f}")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -61,6 +102,7 @@ def main(argv=None) -> None:
         nbytes = fmt.nbytes(shape)
         ratio = formats.get("fp32").nbytes(shape) / nbytes
         print(f"{name:>14} {nbytes:>11,} {ratio:>7.2f}x {err[0]:>11.3e} {err[1]:>11.3e}")
+    print_records()
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 """Model shapes as data: what the memory-traffic model (`lowprec.traffic`) is evaluated at.
 
-A `ModelShape` names a model's recurrent layers (`SSMLayerShape`: Mamba-2 or Gated DeltaNet)
-and its attention layers (`AttentionShape`), with the number of each and the storage formats
-of the state, the KV cache and the activations. Only shapes are kept: no weights, no code.
-Format names are those of `lowprec.formats` (`"fp32"`, `"bf16"`, `"fp8_e4m3"`, ...).
+A `ModelShape` names a model's recurrent layers (`SSMLayerShape`: Mamba-2, Gated DeltaNet or
+Kimi Delta Attention) and its attention layers (`AttentionShape`), with the number of each and
+the storage formats of the state, the KV cache and the activations. Only shapes are kept: no
+weights, no code. Format names are those of `lowprec.formats` (`"fp32"`, `"bf16"`, ...).
 
 Registered shapes (`names()`):
 
@@ -15,6 +15,9 @@ Registered shapes (`names()`):
                      fp32 state
     mamba2-2.7b      64 x Mamba-2: 80 heads, d_v 64,          none (`attention` is None)
                      d_k 128, 1 group, fp32 state
+    kimi-linear-48b  20 x Kimi Delta Attention: 32 heads,     7 x MLA (one latent of 576 a
+                     d_v 128, d_k 128, one key a head,        token), bf16 KV
+                     fp32 state
 
 All use bf16 activations. `source` on each shape says where its numbers come from. The kernel
 benchmarks (`experiments.kernel_bench`, `cute_kernels.bench_read`) time the Mamba-2 layers of
@@ -29,7 +32,7 @@ from lowprec import formats
 
 __all__ = ["SSMLayerShape", "AttentionShape", "ModelShape", "get", "names"]
 
-SSM_KINDS = ("mamba2", "gdn")
+SSM_KINDS = ("mamba2", "gdn", "kda")
 
 
 def _check_element_format(name: str, value) -> None:
@@ -45,10 +48,13 @@ def _check_element_format(name: str, value) -> None:
 class SSMLayerShape:
     """One recurrent layer, per sequence.
 
-    kind: "mamba2" or "gdn" (decides which quantities a ReplaySSM record holds).
-    nheads: state heads (Mamba-2 heads; GDN value heads); the state is `[nheads, d_v, d_k]`.
-    d_v, d_k: state rows and columns (Mamba-2 headdim and dstate; GDN value and key head dims).
-    ngroups: heads sharing one `B` (Mamba-2 groups) or one `k` (GDN key heads).
+    kind: "mamba2", "gdn" or "kda" (decides which quantities a ReplaySSM record holds; KDA is
+        GDN with a decay per channel of d_k).
+    nheads: state heads (Mamba-2 heads; GDN/KDA value heads); the state is
+        `[nheads, d_v, d_k]`.
+    d_v, d_k: state rows and columns (Mamba-2 headdim and dstate; GDN/KDA value and key head
+        dims).
+    ngroups: heads sharing one `B` (Mamba-2 groups) or one `k` (GDN/KDA key heads).
     state_format: the format the model's own decode keeps the state in: a name of
         `lowprec.formats` (the names `lowprec.traffic.state_bytes` prices), whose block, if
         it has one, divides d_k.
@@ -97,11 +103,14 @@ class SSMLayerShape:
 
 @dataclass(frozen=True)
 class AttentionShape:
-    """One attention layer's KV cache: `n_kv_heads` keys and values of `head_dim` per token."""
+    """One attention layer's KV cache: per token, `kv_tensors` vectors of `head_dim` for each of
+    `n_kv_heads` heads: 2 (a key and a value) for multi-head or grouped-query attention, 1 for
+    multi-head latent attention (MLA), whose one cached latent serves keys and values."""
 
     n_kv_heads: int
     head_dim: int
     kv_format: str = "bf16"
+    kv_tensors: int = 2
 
     def __post_init__(self):
         for name in ("n_kv_heads", "head_dim"):
@@ -109,6 +118,9 @@ class AttentionShape:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: expected a positive integer, got {value!r}")
         _check_element_format("kv_format", self.kv_format)
+        if self.kv_tensors not in (1, 2) or isinstance(self.kv_tensors, bool):
+            raise ValueError(f"kv_tensors: expected 1 (MLA) or 2 (a key and a value), "
+                             f"got {self.kv_tensors!r}")
 
 
 @dataclass(frozen=True)
@@ -191,7 +203,22 @@ MAMBA2_2_7B = ModelShape(
     attention=None,
 )
 
-_MODELS = {m.name: m for m in (NEMOTRON3_SUPER, QWEN3_NEXT_80B, MAMBA2_2_7B)}
+KIMI_LINEAR_48B = ModelShape(
+    name="kimi-linear-48b",
+    source=(
+        "Kimi-Linear-48B-A3B as we read its public config.json: num_hidden_layers 27, "
+        "linear_attn_config full_attn_layers [4, 8, 12, 16, 20, 24, 27] (20 KDA + 7 MLA "
+        "layers: KDA:MLA 3:1, the last layer MLA too), num_heads 32, head_dim 128 (d_k = d_v "
+        "= 128, one key a head); MLA kv_lora_rank 512 + qk_rope_head_dim 64, cached as one "
+        "576-wide latent a token, bf16. The state is priced in fp32 (the kit's reference arm)"
+    ),
+    n_ssm_layers=20,
+    ssm=SSMLayerShape(kind="kda", nheads=32, d_v=128, d_k=128, ngroups=32),
+    n_attention_layers=7,
+    attention=AttentionShape(n_kv_heads=1, head_dim=576, kv_format="bf16", kv_tensors=1),
+)
+
+_MODELS = {m.name: m for m in (NEMOTRON3_SUPER, QWEN3_NEXT_80B, MAMBA2_2_7B, KIMI_LINEAR_48B)}
 
 
 def names() -> list[str]:

@@ -13,7 +13,9 @@ same and are left out. MiB = 2^20 bytes.
 Notation (as in DESIGN.md):
 
     M_S   bytes of one state in its format, scales included (`state_bytes`)
-    r     bytes of one ReplaySSM record (`record_bytes`)
+    r     bytes of one ReplaySSM record (`record_bytes`); where a step reads only some of a
+          held record's fields (GDN, KDA), `RecordBytes` splits r into w (written and kept),
+          s (what a non-flush step reads) and f (what the flush reads)
     L     window: a flush every L committed tokens in standard decoding
     T     tokens verified per speculative step (T = 1: plain decoding)
     c     tokens committed by a step, 1..T (the first verified token is always committed)
@@ -51,10 +53,12 @@ __all__ = [
     "RECORD_LAYOUT_NAMES",
     "StorageRule",
     "RecordField",
+    "RecordBytes",
     "Traffic",
     "state_bytes",
     "element_bytes",
     "record_bytes",
+    "ring_record",
     "conventional",
     "replay",
     "flush_overhead",
@@ -165,23 +169,43 @@ def element_bytes(fmt: str) -> int:
     return rule.element_bits // 8
 
 
+BOTH = ("nonflush", "flush")
+
+
 @dataclass(frozen=True)
 class RecordField:
     """One quantity of a ReplaySSM record: `length` ("d_v", "d_k" or "1") elements stored in
-    `dtype` ("act" for the activation format, or a format name), once per head or per group."""
+    `dtype` ("act" for the activation format, or a format name), once per head or per group;
+    `reads`: the steps that read it from the ring ("nonflush", "flush")."""
 
     name: str
     length: str
     dtype: str
     per: str
+    reads: tuple[str, ...] = BOTH
 
 
-# What a record must hold (DESIGN.md): Mamba-2 `(x, dt, B)`; GDN the raw `v`, the corrected
-# `u`, `k`, the log-decay `g` and `beta` (the flush recomputes `u` from `v`, non-flush steps read
-# `u`). The *kernel* layout stores a group-shared tensor once per group, as the cache layout
-# does (`ring B [slots, ngroups, L, dstate]`); for GDN the groups are the key heads, so `k` is
-# stored once per key head. The *conservative* layout prices every tensor per head, which for
-# Mamba-2 is DESIGN.md's `2*d_v + 2*d_k + 4` bytes per head with bf16 activations.
+def _delta_rule_record(decay: str) -> tuple[RecordField, ...]:
+    """A GDN (`decay` "1") or KDA (`decay` "d_k") record, as the kit's ring keeps it
+    (`emulation.gdn_replay_decode.GDNReplayCache`, `cute_kernels.gdn_cache`): every field per
+    value head (a model with fewer key heads repeats each key for its value heads). A non-flush
+    step reads the cached `u` with `k, g`; the flush recomputes every `u` from `v, k, g, beta`."""
+    return (
+        RecordField("u", "d_v", "fp32", "head", ("nonflush",)),
+        RecordField("v", "d_v", "act", "head", ("flush",)),
+        RecordField("k", "d_k", "act", "head"),
+        RecordField("g", decay, "fp32", "head"),
+        RecordField("beta", "1", "fp32", "head", ("flush",)),
+    )
+
+
+# What a record must hold (DESIGN.md): Mamba-2 `(x, dt, B)`, read whole by every step; GDN and
+# KDA the corrected `u`, the raw `v`, `k`, the log-decay `g` (KDA: one per channel of d_k) and
+# `beta`. The *kernel* layout stores a group-shared tensor once per group, as the cache layout
+# does (`ring B [slots, ngroups, L, dstate]`). The *conservative* layout prices every tensor per
+# head, which for Mamba-2 is DESIGN.md's `2*d_v + 2*d_k + 4` bytes per head with bf16
+# activations; the GDN and KDA kernels already keep every tensor per head, so their two layouts
+# are the same.
 RECORD_LAYOUTS = {
     ("mamba2", "kernel"): (
         RecordField("x", "d_v", "act", "head"),
@@ -193,40 +217,67 @@ RECORD_LAYOUTS = {
         RecordField("B", "d_k", "act", "head"),
         RecordField("dt", "1", "fp32", "head"),
     ),
-    ("gdn", "kernel"): (
-        RecordField("v", "d_v", "act", "head"),
-        RecordField("u", "d_v", "act", "head"),
-        RecordField("g", "1", "fp32", "head"),
-        RecordField("beta", "1", "fp32", "head"),
-        RecordField("k", "d_k", "act", "group"),
-    ),
-    ("gdn", "conservative"): (
-        RecordField("v", "d_v", "act", "head"),
-        RecordField("u", "d_v", "act", "head"),
-        RecordField("k", "d_k", "act", "head"),
-        RecordField("g", "1", "fp32", "head"),
-        RecordField("beta", "1", "fp32", "head"),
-    ),
+    ("gdn", "kernel"): _delta_rule_record("1"),
+    ("gdn", "conservative"): _delta_rule_record("1"),
+    ("kda", "kernel"): _delta_rule_record("d_k"),
+    ("kda", "conservative"): _delta_rule_record("d_k"),
 }
 
 RECORD_LAYOUT_NAMES = ("kernel", "conservative")
 
 
-def record_bytes(ssm: SSMLayerShape, layout: str = "kernel", act_format: str = "bf16") -> int:
-    """Bytes of one ReplaySSM record (one token, one sequence, one layer) in `layout`.
+@dataclass(frozen=True)
+class RecordBytes:
+    """Bytes of one ReplaySSM record: `write` as appended (and kept in the ring); of each held
+    record, `nonflush_read` what a non-flush step reads and `flush_read` what the flush reads.
+    The traffic functions take one or a plain int r (every step reads the whole record)."""
 
-    Nemotron-3-Super, bf16 activations: kernel 128 * (64*2 + 4) + 8 * 128*2 = 18,944 B;
-    conservative 128 * (2*64 + 2*128 + 4) = 49,664 B.
+    write: int
+    nonflush_read: int
+    flush_read: int
+
+
+def _record(record: int | RecordBytes) -> RecordBytes:
+    if isinstance(record, RecordBytes):
+        for f in fields(record):
+            _check_int(f"record.{f.name}", getattr(record, f.name), 0)
+        return record
+    _check_int("record", record, 0)
+    return RecordBytes(record, record, record)
+
+
+def ring_record(ssm: SSMLayerShape, layout: str = "kernel", act_format: str = "bf16"
+                ) -> RecordBytes:
+    """One ReplaySSM record (one token, one sequence, one layer) in `layout`: its bytes and
+    what each step reads of it (`RECORD_LAYOUTS`).
+
+    Qwen3-Next (32 heads, d_v = d_k = 128), bf16 activations, per head: u 512 + v 256 + k 256
+    + g 4 + beta 4 = 1,032 B written; a non-flush step reads u, k, g (772 B), the flush v, k, g,
+    beta (520 B). KDA's g is 512 B (fp32 per channel of d_k): 1,540 / 1,280 / 1,028 B a head.
     """
+    if not isinstance(ssm, SSMLayerShape):
+        raise TypeError(f"ssm: expected an SSMLayerShape, got {type(ssm).__name__}")
     if layout not in RECORD_LAYOUT_NAMES:
         raise ValueError(f"layout: expected one of {RECORD_LAYOUT_NAMES}, got {layout!r}")
     lengths = {"d_v": ssm.d_v, "d_k": ssm.d_k, "1": 1}
     copies = {"head": ssm.nheads, "group": ssm.ngroups}
-    total = 0
+    total = {"write": 0, "nonflush": 0, "flush": 0}
     for field in RECORD_LAYOUTS[(ssm.kind, layout)]:
         dtype = act_format if field.dtype == "act" else field.dtype
-        total += copies[field.per] * lengths[field.length] * element_bytes(dtype)
-    return total
+        nbytes = copies[field.per] * lengths[field.length] * element_bytes(dtype)
+        for step in ("write", *field.reads):
+            total[step] += nbytes
+    return RecordBytes(total["write"], total["nonflush"], total["flush"])
+
+
+def record_bytes(ssm: SSMLayerShape, layout: str = "kernel", act_format: str = "bf16") -> int:
+    """Bytes of one ReplaySSM record (one token, one sequence, one layer) in `layout`, as
+    written and kept (`ring_record(...).write`).
+
+    Nemotron-3-Super, bf16 activations: kernel 128 * (64*2 + 4) + 8 * 128*2 = 18,944 B;
+    conservative 128 * (2*64 + 2*128 + 4) = 49,664 B.
+    """
+    return ring_record(ssm, layout, act_format).write
 
 
 # --------------------------------------------------------------------------------------------
@@ -290,23 +341,24 @@ def flush_overhead(read_copy: int, recurrence_copy: int | None = None) -> int:
     return flush_read - non_flush_read + flush_write
 
 
-def replay(window: int, record: int, read_copy: int, recurrence_copy: int | None = None) -> Traffic:
+def replay(window: int, record: int | RecordBytes, read_copy: int,
+           recurrence_copy: int | None = None) -> Traffic:
     """Standard ReplaySSM decoding (T = 1), one window of `L = window` tokens.
 
     Steps `i = 1..L`. Every step reads the checkpoint once: a non-flush step (`i < L`) reads
     the read copy, the flush (`i = L`) reads the recurrence copy (the same copy when shared).
-    Step `i` reads the `i - 1` records before it. Steps `1..L-1` append their record (`L - 1`
-    record writes); the flush folds those and its own token into the new checkpoint and writes
-    it once (both copies when there are two). Per window:
+    Step `i` reads the `i - 1` records before it (the flush: the whole ring). Steps `1..L-1`
+    append their record (`L - 1` record writes); the flush folds those and its own token into
+    the new checkpoint and writes it once (both copies when there are two). Per window:
 
         state:   (L - 1) * lo + hi read,   hi + lo written      (shared: L*M + M)
-        records: L(L - 1)/2 read,          L - 1 written
+        records: (L-1)(L-2)/2 s + (L-1) f read,   (L - 1) w written
 
-    Shared, per token: `(L+1)/L * M_S + r (L-1)(L+2)/(2L)`; over conventional `2 M_S` this
-    tends to `(L+1)/(2L)` as `r -> 0`.
+    With `s = f = w = r`, shared, per token: `(L+1)/L * M_S + r (L-1)(L+2)/(2L)`; over
+    conventional `2 M_S` this tends to `(L+1)/(2L)` as `r -> 0`.
     """
     _check_int("window", window)
-    _check_int("record", record, 0)
+    record = _record(record)
     non_flush_read, flush_read, flush_write = _copies(read_copy, recurrence_copy)
     return Traffic(
         tokens=window,
@@ -314,8 +366,9 @@ def replay(window: int, record: int, read_copy: int, recurrence_copy: int | None
         flushes=1,
         state_read=(window - 1) * non_flush_read + flush_read,
         state_write=flush_write,
-        record_read=record * window * (window - 1) // 2,
-        record_write=record * (window - 1),
+        record_read=(record.nonflush_read * (window - 1) * (window - 2) // 2
+                     + record.flush_read * (window - 1)),
+        record_write=record.write * (window - 1),
     )
 
 
@@ -345,8 +398,9 @@ def _check_committed(committed: int, verified: int) -> None:
         raise ValueError(f"committed: expected 1..verified={verified}, got {committed}")
 
 
-def replay_spec_trace(window: int, verified: int, committed: int, record: int, read_copy: int,
-                      recurrence_copy: int | None = None) -> tuple[list[Traffic], int]:
+def replay_spec_trace(window: int, verified: int, committed: int, record: int | RecordBytes,
+                      read_copy: int, recurrence_copy: int | None = None
+                      ) -> tuple[list[Traffic], int]:
     """The steps of ReplaySSM speculative decoding from an empty ring, up to the first repeat.
 
     Returns `(steps, cycle_start)`: one `Traffic` per step, and the index of the first step of
@@ -356,7 +410,7 @@ def replay_spec_trace(window: int, verified: int, committed: int, record: int, r
     _check_int("verified", verified)
     _check_window_holds(window, verified)
     _check_committed(committed, verified)
-    _check_int("record", record, 0)
+    record = _record(record)
     non_flush_read, flush_read, flush_write = _copies(read_copy, recurrence_copy)
     steps: list[Traffic] = []
     first_seen: dict[int, int] = {}
@@ -372,15 +426,15 @@ def replay_spec_trace(window: int, verified: int, committed: int, record: int, r
             flushes=int(flush),
             state_read=flush_read if flush else non_flush_read,
             state_write=flush_write if flush else 0,
-            record_read=held * record,
-            record_write=verified * record,
+            record_read=held * (record.flush_read if flush else record.nonflush_read),
+            record_write=verified * record.write,
         ))
         held = committed if flush else held + committed
     return steps, first_seen[held]
 
 
-def replay_spec(window: int, verified: int, committed: int, record: int, read_copy: int,
-                recurrence_copy: int | None = None) -> Traffic:
+def replay_spec(window: int, verified: int, committed: int, record: int | RecordBytes,
+                read_copy: int, recurrence_copy: int | None = None) -> Traffic:
     """ReplaySSM speculative decoding, one steady cycle (per committed token: `.per_token`).
 
     A step starts with `h` committed records behind the checkpoint. It reads the checkpoint
@@ -392,8 +446,9 @@ def replay_spec(window: int, verified: int, committed: int, record: int, read_co
     are then the first records of the next window, so `h` becomes `c`. Otherwise `h += c`.
 
     The run is stepped from an empty ring until `h` repeats; the cycle is the steady state.
-    At T = 1 this costs `r (L + 1) / L` per token more than `replay`, whose flush also folds
-    its own token (committed before the step, with no draft to wait for).
+    At T = 1 this costs `((L - 1) s + f + w) / L` per token more than `replay` (`r (L + 1) / L`
+    where every step reads whole records), whose flush also folds its own token (committed
+    before the step, with no draft to wait for).
     """
     steps, cycle_start = replay_spec_trace(window, verified, committed, record, read_copy,
                                            recurrence_copy)
@@ -420,17 +475,17 @@ def snapshot_memory(state: int, verified: int = 1) -> int:
     return verified * state
 
 
-def replay_memory(window: int, verified: int, record: int, read_copy: int,
+def replay_memory(window: int, verified: int, record: int | RecordBytes, read_copy: int,
                   recurrence_copy: int | None = None) -> int:
     """Bytes kept per request and layer by ReplaySSM: one checkpoint (both copies when there
     are two) and a ring of `L + T` records."""
     _check_int("window", window)
     _check_int("verified", verified)
     _check_window_holds(window, verified)
-    _check_int("record", record, 0)
+    record = _record(record)
     _check_int("read_copy", read_copy)
     checkpoint = read_copy if recurrence_copy is None else read_copy + recurrence_copy
-    return checkpoint + (window + verified) * record
+    return checkpoint + (window + verified) * record.write
 
 
 def request_bytes(model: ModelShape, ssm_layer_bytes: int, context: int = 0) -> int:
@@ -458,33 +513,37 @@ def requests_fit(memory: int, per_request: int) -> int:
 # --------------------------------------------------------------------------------------------
 
 
-def optimal_window(state: int, record: int, verified: int = 1, mean_committed: float = 1.0
-                   ) -> float:
-    """`L* = sqrt(2 a (M_S / r - T))`, with `M_S = state`, `r = record`, `T = verified` and
-    `a = mean_committed` tokens per step.
+def optimal_window(state: int, record: int | RecordBytes, verified: int = 1,
+                   mean_committed: float = 1.0) -> float:
+    """`L* = sqrt(2 a (M_S - T (f + w - s)) / s)`, with `M_S = state`, the record's bytes
+    `w, s, f` (`RecordBytes`; an int r is `w = s = f = r`, and then `L* = sqrt(2 a (M_S / r -
+    T))`), `T = verified` and `a = mean_committed` tokens per step.
 
     Derivation (standard decoding, a = T = 1): per token `replay` costs
-    `const + (M_S - r) / L + r L / 2`, least at `L^2 = 2 (M_S / r - 1)`. With `T` drafts the
-    flush's fixed cost is spread over `a` tokens per step, giving the formula above; for the
-    exact speculative cycle of `replay_spec` it is an approximation: a cycle of `N` steps
-    costs `const + M_S / (a N) + r N / 2` per token, least at `N* = sqrt(2 M_S / (a r))`,
-    i.e. near `L = T - a + a N*`, a little above the formula. The cost is flat there: a window
-    whose cycle has `N` steps moves `r (N - N*)^2 / (2 N)` more per token than the continuous
-    optimum, out of at least `M_S / a` (under 1% for Nemotron-3-Super up to T = 8;
-    `tests/test_traffic.py` checks both statements by brute force).
-    For two copies pass `state = flush_overhead(lo, hi) = 2 * M_hi`.
+    `const + (M_S + s - f - w) / L + s L / 2`, least at `L^2 = 2 (M_S + s - f - w) / s`. With
+    `T` drafts the flush's fixed cost is spread over `a` tokens per step, giving the formula
+    above; for the exact speculative cycle of `replay_spec` it is an approximation: a cycle of
+    `N` steps costs `const + M_S / (a N) + s N / 2` per token, least at
+    `N* = sqrt(2 M_S / (a s))`, i.e. near `L = T - a + a N*`, a little above the formula. The
+    cost is flat there: a window whose cycle has `N` steps moves `s (N - N*)^2 / (2 N)` more
+    per token than the continuous optimum, out of at least `M_S / a` (under 1% for
+    Nemotron-3-Super up to T = 8; `tests/test_traffic.py` checks both statements by brute
+    force). For two copies pass `state = flush_overhead(lo, hi) = 2 * M_hi`.
     """
     _check_int("state", state)
-    _check_int("record", record)
+    name = "record.nonflush_read" if isinstance(record, RecordBytes) else "record"
+    record = _record(record)
+    _check_int(name, record.nonflush_read)  # the window grows as records are read
     _check_int("verified", verified)
     if not 1 <= mean_committed <= verified:
         raise ValueError(f"mean_committed: expected 1..verified={verified}, got {mean_committed}")
-    if state / record <= verified:
+    fixed = verified * (record.flush_read + record.write - record.nonflush_read)
+    if state <= fixed:
         raise ValueError(
             f"state: expected more than verified={verified} records' bytes "
-            f"({verified * record}), got {state}: then every step should flush"
+            f"(T (f + w - s) = {fixed}), got {state}: then every step should flush"
         )
-    return math.sqrt(2 * mean_committed * (state / record - verified))
+    return math.sqrt(2 * mean_committed * (state - fixed) / record.nonflush_read)
 
 
 def best_window(cost: Callable[[int], float], windows: Iterable[int]) -> int:
@@ -501,10 +560,12 @@ def best_window(cost: Callable[[int], float], windows: Iterable[int]) -> int:
 
 
 def kv_bytes_per_token(attention: AttentionShape) -> int:
-    """KV-cache bytes one token adds to one attention layer: K and V, each
-    `n_kv_heads * head_dim` elements (per-tensor fp8 scales are a few bytes per layer: ignored).
-    Nemotron-3-Super, fp8: 2 * 2 * 128 * 1 = 512 B."""
-    return 2 * attention.n_kv_heads * attention.head_dim * element_bytes(attention.kv_format)
+    """KV-cache bytes one token adds to one attention layer: `kv_tensors` vectors (K and V; MLA
+    one latent) of `n_kv_heads * head_dim` elements (per-tensor fp8 scales are a few bytes per
+    layer: ignored). Nemotron-3-Super, fp8: 2 * 2 * 128 * 1 = 512 B; Kimi Linear's MLA, bf16:
+    1 * 1 * 576 * 2 = 1,152 B."""
+    return (attention.kv_tensors * attention.n_kv_heads * attention.head_dim
+            * element_bytes(attention.kv_format))
 
 
 def state_equivalent_kv_tokens(state: int, kv_per_token: int) -> float:

@@ -147,6 +147,46 @@ def test_the_tour_accepts_the_largest_seed(capsys):
     assert capsys.readouterr().out.startswith("one state 3 x 5 x 32")
 
 
+def test_the_tour_prints_the_records_of_mamba2_gdn_and_kda(capsys):
+    """After the formats, each registered model's record: its fields, its bytes and what each
+    step reads of it, the state copies and the bytes a token moves at L = 16, all from
+    lowprec.traffic (Qwen3-Next GDN: 32 * 1,032 B, the non-flush step reads 32 * 772, the
+    flush 32 * 520; Kimi Linear KDA: g fp32 per channel, 32 * 1,540 B)."""
+    from lowprec import models
+    from lowprec import traffic as tr
+    from lowprec.__main__ import main
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "the ReplaySSM records of Mamba-2, Gated DeltaNet and KDA" in " ".join(
+        capsys.readouterr().out.split())
+    main(["--heads", "3", "--dv", "5", "--dk", "32"])
+    out = capsys.readouterr().out.split("\nReplaySSM records")[1]
+    blocks = {}
+    for line in out.splitlines()[1:]:
+        if not line.startswith(" "):
+            name = line.split(":")[0]
+        blocks.setdefault(name, []).append(line)
+    assert list(blocks) == models.names()
+    assert blocks["qwen3-next-80b"][0].startswith("qwen3-next-80b: Gated DeltaNet, 32 heads")
+    assert blocks["kimi-linear-48b"][0].startswith("kimi-linear-48b: KDA, 32 heads")
+    assert blocks["nemotron3-super"][1].split(None, 1)[1] == (
+        "per head: x [64] bf16, dt [1] fp32; per group: B [128] bf16")
+    assert blocks["kimi-linear-48b"][1].split(None, 1)[1] == (
+        "per head: u [128] fp32, v [128] bf16, k [128] bf16, g [128] fp32, beta [1] fp32")
+    assert blocks["qwen3-next-80b"][2].split(None, 1)[1] == (
+        "33,024 a record; of each held record a non-flush step reads 24,704, the flush 16,640")
+    for name in models.names():
+        ssm = models.get(name).ssm
+        record = tr.ring_record(ssm)
+        lo, hi = tr.state_bytes(ssm, "nvfp4"), tr.state_bytes(ssm, "fp16")
+        lines = blocks[name]
+        assert f"{record.write:,} a record" in lines[2]
+        assert f"reads {record.nonflush_read:,}, the flush {record.flush_read:,}" in lines[2]
+        assert f"read copy nvfp4 {lo:,}; recurrence copy fp16 {hi:,}" in lines[3]
+        assert f"fp16 + nvfp4 {tr.replay(16, record, lo, hi).per_token:,.0f};" in lines[4]
+
+
 def test_the_tour_prints_every_format(capsys):
     """A row a format; fp64 stores the fp64 state exactly, and fp32's two columns are its own
     RN and SR of that state (both columns showed the fp32 cast's RN error), SR the larger."""
@@ -156,7 +196,8 @@ def test_the_tour_prints_every_format(capsys):
     out = capsys.readouterr().out
     assert out.startswith("one state 3 x 5 x 32")
     assert all(f" {name} " in out for name in formats.names())
-    rows = {line.split()[0]: line.split() for line in out.splitlines()[2:]}
+    table = out.splitlines()[2:2 + len(formats.names())]
+    rows = {line.split()[0]: line.split() for line in table}
     assert float(rows["fp64"][3]) == float(rows["fp64"][4]) == 0.0
     rn, sr = float(rows["fp32"][3]), float(rows["fp32"][4])
     assert 0 < rn < sr < 2**-23

@@ -2,8 +2,9 @@
 
 Every rule is checked against a small case computed by hand, with deliberately odd sizes
 (6 heads, d_v 5, d_k 96, 3 groups), and against the numbers DESIGN.md quotes for
-Nemotron-3-Super. All arithmetic is on integers, so equalities are exact unless a comment says
-why a tolerance is needed.
+Nemotron-3-Super; the GDN and KDA records against the rings of the emulation and the byte
+counts of the CuTe kernels. All arithmetic is on integers, so equalities are exact unless a
+comment says why a tolerance is needed.
 """
 
 import json
@@ -21,14 +22,20 @@ from lowprec import traffic as tr
 
 NEMOTRON = models.get("nemotron3-super")
 QWEN = models.get("qwen3-next-80b")
+KIMI = models.get("kimi-linear-48b")
 TOY = models.SSMLayerShape(kind="mamba2", nheads=6, d_v=5, d_k=96, ngroups=3)
 TOY_GDN = models.SSMLayerShape(kind="gdn", nheads=6, d_v=5, d_k=96, ngroups=3)
+TOY_KDA = models.SSMLayerShape(kind="kda", nheads=6, d_v=5, d_k=96, ngroups=3)
 
 # Hand counts for TOY: 6 * 5 * 96 = 2880 elements.
 TOY_FP32 = 2880 * 4  # 11520
 TOY_FP16 = 2880 * 2  # 5760
 TOY_NVFP4 = 1440 + 2880 // 16 + 6 * 4  # nibbles + E4M3 per 16 + fp32 per head = 1644
 TOY_RECORD = 6 * (5 * 2 + 4) + 3 * 96 * 2  # x bf16 + dt fp32 per head, B bf16 per group = 660
+# GDN, bf16, per head: u 20 (fp32) + v 10 + k 192 + g 4 + beta 4 written; a non-flush step
+# reads u, k, g (216), the flush v, k, g, beta (210). KDA's g is 96 fp32 (384 B).
+TOY_GDN_RECORD = tr.RecordBytes(6 * 230, 6 * 216, 6 * 210)  # 1380, 1296, 1260
+TOY_KDA_RECORD = tr.RecordBytes(6 * 610, 6 * 596, 6 * 590)  # 3660, 3576, 3540
 
 
 # ---------------------------------------------------------------------------------------------
@@ -54,7 +61,8 @@ def test_mamba2_2_7b_is_a_registered_pure_mamba2_model_with_its_provenance():
     80 heads x 64 x 128 in one group, no attention layers (so no KV shape), with the source
     the benchmark gave it."""
     m2 = models.get("mamba2-2.7b")
-    assert models.names() == ["nemotron3-super", "qwen3-next-80b", "mamba2-2.7b"]
+    assert models.names() == ["nemotron3-super", "qwen3-next-80b", "mamba2-2.7b",
+                              "kimi-linear-48b"]
     assert (m2.ssm.kind, m2.ssm.state_shape, m2.ssm.ngroups) == ("mamba2", (80, 64, 128), 1)
     assert (m2.n_ssm_layers, m2.n_attention_layers, m2.attention) == (64, 0, None)
     assert (m2.ssm.state_format, m2.act_format) == ("fp32", "bf16")
@@ -144,17 +152,73 @@ def test_nemotron_state_and_record_bytes_match_design_md():
 def test_record_bytes_of_toy_shapes_match_hand_counts():
     assert tr.record_bytes(TOY, "kernel") == TOY_RECORD
     assert tr.record_bytes(TOY, "conservative") == 6 * (2 * 5 + 2 * 96 + 4)  # 1236
-    # GDN kernel: v, u bf16 and g, beta fp32 per head; k bf16 per key head.
-    assert tr.record_bytes(TOY_GDN, "kernel") == 6 * (10 + 10 + 4 + 4) + 3 * 192  # 744
-    assert tr.record_bytes(TOY_GDN, "conservative") == 6 * (10 + 10 + 192 + 8)  # 1320
+    # every Mamba-2 step reads the whole record
+    assert tr.ring_record(TOY) == tr.RecordBytes(TOY_RECORD, TOY_RECORD, TOY_RECORD)
     # fp32 activations double the x and B fields, not dt.
     assert tr.record_bytes(TOY, "kernel", "fp32") == 6 * (5 * 4 + 4) + 3 * 96 * 4  # 1296
 
 
+@pytest.mark.parametrize("layout", tr.RECORD_LAYOUT_NAMES)
+def test_gdn_and_kda_records_split_into_what_each_step_reads(layout):
+    """u fp32 [d_v], v and k in the activations, g fp32 (GDN one a head, KDA one a channel of
+    d_k), beta fp32, every field per value head in both layouts (the groups play no part);
+    a non-flush step reads u, k, g, the flush v, k, g, beta. fp32 activations: GDN v 20 and
+    k 384 a head, so 6 * (20 + 20 + 384 + 8) written, 6 * (20 + 384 + 4) and 6 * (20 + 384 +
+    8) read."""
+    assert tr.ring_record(TOY_GDN, layout) == TOY_GDN_RECORD
+    assert tr.ring_record(TOY_KDA, layout) == TOY_KDA_RECORD
+    assert tr.record_bytes(TOY_KDA, layout) == 3660
+    assert tr.ring_record(TOY_GDN, layout, "fp32") == tr.RecordBytes(2592, 2448, 2472)
+    one_group = models.SSMLayerShape(kind="gdn", nheads=6, d_v=5, d_k=96, ngroups=1)
+    assert tr.ring_record(one_group, layout) == TOY_GDN_RECORD
+
+
+def test_record_functions_refuse_what_they_cannot_price():
+    with pytest.raises(TypeError, match="ssm: expected an SSMLayerShape, got tuple"):
+        tr.ring_record((6, 5, 96))
+    with pytest.raises(ValueError, match=r"record.flush_read: expected an integer >= 0, got -1"):
+        tr.replay(4, tr.RecordBytes(10, 10, -1), TOY_FP32)
+    with pytest.raises(ValueError, match=r"record.nonflush_read: expected an integer >= 1, "
+                                         r"got 0"):
+        tr.optimal_window(TOY_FP32, tr.RecordBytes(10, 0, 10))
+
+
 def test_qwen3_next_shape_bytes():
+    """32 heads of u 512 + v 256 + k 256 + g 4 + beta 4 = 1,032 B a head; the non-flush step
+    reads 772 of them, the flush 520."""
     assert tr.state_bytes(QWEN.ssm, "fp32") == 32 * 128 * 128 * 4 == 2 * tr.MIB
-    assert tr.record_bytes(QWEN.ssm, "kernel") == 32 * (2 * 256 + 8) + 16 * 256 == 20736
+    assert tr.ring_record(QWEN.ssm) == tr.RecordBytes(32 * 1032, 32 * 772, 32 * 520)
+    assert tr.record_bytes(QWEN.ssm, "kernel") == 33024
     assert tr.kv_bytes_per_token(QWEN.attention) == 2 * 2 * 256 * 2
+
+
+def test_kimi_linear_is_a_registered_kda_model_with_its_provenance():
+    """Kimi-Linear-48B-A3B: 20 KDA layers of 32 heads, d_k = d_v = 128 (one key a head, the
+    decay per channel), 7 MLA layers caching one 576-wide bf16 latent a token (1,152 B);
+    a record is 32 * (512 + 256 + 256 + 512 + 4) = 49,280 B."""
+    ssm = KIMI.ssm
+    assert (ssm.kind, ssm.state_shape, ssm.ngroups, ssm.state_format) == (
+        "kda", (32, 128, 128), 32, "fp32")
+    assert (KIMI.n_ssm_layers, KIMI.n_attention_layers, KIMI.act_format) == (20, 7, "bf16")
+    assert "Kimi-Linear-48B-A3B" in KIMI.source and "num_heads 32, head_dim 128" in KIMI.source
+    assert tr.kv_bytes_per_token(KIMI.attention) == 1 * 576 * 2
+    assert tr.ring_record(ssm) == tr.RecordBytes(32 * 1540, 32 * 1280, 32 * 1028)
+    # 20 * 4 MiB / (7 * 1,152 B) tokens of MLA reads weigh as much as conventional decoding
+    assert tr.crossover_context(KIMI, 4 * tr.MIB) == pytest.approx(20 * 4 * tr.MIB / (7 * 1152))
+    for bad in (0, 3, True):
+        with pytest.raises(ValueError, match=r"kv_tensors: expected 1 \(MLA\) or 2"):
+            models.AttentionShape(n_kv_heads=1, head_dim=576, kv_tensors=bad)
+
+
+def test_error_growth_layer_presets_are_the_registered_layer_shapes():
+    """The emulation's GPU presets run the whole GDN and KDA layers (and Nemotron's Mamba-2
+    layer) at the shapes this model registers."""
+    from experiments.error_growth_cli import PRESETS
+
+    for preset, model in (("gdn-gpu", QWEN), ("kda-gpu", KIMI), ("emulation-gpu", NEMOTRON)):
+        p = PRESETS[preset]
+        assert p["recurrence"] == model.ssm.kind, preset
+        assert (p["heads"], p["dv"], p["dk"]) == model.ssm.state_shape, preset
 
 
 def test_storage_table_agrees_with_lowprec_formats():
@@ -163,7 +227,7 @@ def test_storage_table_agrees_with_lowprec_formats():
     from lowprec import formats
 
     for name in tr.STORAGE:
-        for ssm in (TOY, TOY_GDN, NEMOTRON.ssm, QWEN.ssm):
+        for ssm in (TOY, TOY_GDN, TOY_KDA, NEMOTRON.ssm, QWEN.ssm, KIMI.ssm):
             assert tr.state_bytes(ssm, name) == formats.get(name).nbytes(ssm.state_shape), name
 
 
@@ -227,6 +291,28 @@ def test_two_precision_window_reads_the_read_copy_except_at_the_flush():
     every_step = tr.replay(1, TOY_RECORD, TOY_NVFP4, TOY_FP16)
     assert every_step.total == 5760 + 5760 + 1644
     assert (every_step.record_read, every_step.record_write) == (0, 0)
+
+
+def test_a_gdn_window_reads_of_each_record_what_its_step_needs():
+    """L = 4, fp16 hi + nvfp4 lo, GDN records (w 1380, s 1296, f 1260): the non-flush steps
+    read 0 + 1 + 2 records' u, k, g (3 s), the flush the whole ring's v, k, g, beta (3 f);
+    3 records written. A plain int prices every read as a whole record."""
+    traffic = tr.replay(4, TOY_GDN_RECORD, TOY_NVFP4, TOY_FP16)
+    assert traffic.state_read == 3 * 1644 + 5760 and traffic.state_write == 5760 + 1644
+    assert traffic.record_read == 3 * 1296 + 3 * 1260  # 7668
+    assert traffic.record_write == 3 * 1380
+    whole = tr.replay(4, 1380, TOY_NVFP4, TOY_FP16)
+    assert whole.record_read == 6 * 1380 and whole.record_write == traffic.record_write
+
+
+@pytest.mark.parametrize("record", [TOY_GDN_RECORD, TOY_KDA_RECORD], ids=["gdn", "kda"])
+@pytest.mark.parametrize("window", [1, 2, 7, 16, 33])
+def test_replay_with_split_records_equals_its_closed_form(record, window):
+    """Per window L lo + F + s (L-1)(L-2)/2 + (f + w)(L - 1), F = flush_overhead."""
+    L, s, f, w = window, record.nonflush_read, record.flush_read, record.write
+    F = tr.flush_overhead(TOY_NVFP4, TOY_FP16)
+    expected = L * TOY_NVFP4 + F + s * (L - 1) * (L - 2) // 2 + (f + w) * (L - 1)
+    assert tr.replay(L, record, TOY_NVFP4, TOY_FP16).total == expected
 
 
 @pytest.mark.parametrize("window", [1, 2, 7, 16, 33])
@@ -319,17 +405,36 @@ def test_replay_spec_at_T1_costs_one_record_per_token_more_than_standard_decodin
     assert spec.total - standard.total == r * (L + 1)
 
 
-@pytest.mark.parametrize("ssm", [TOY, NEMOTRON.ssm], ids=["toy", "nemotron"])
+def test_replay_spec_trace_of_gdn_records_reads_what_each_step_needs():
+    """The hand count above with GDN records: the non-flush steps of the cycle (h = 1, 2) read
+    3 s, the flush (h = 3) reads 3 f; 3 steps write 2 drafts each."""
+    cycle = tr.replay_spec(4, 2, 1, TOY_GDN_RECORD, TOY_FP32)
+    assert (cycle.tokens, cycle.steps, cycle.flushes) == (3, 3, 1)
+    assert cycle.record_read == 3 * 1296 + 3 * 1260
+    assert cycle.record_write == 6 * 1380
+    assert tr.replay_memory(16, 4, TOY_KDA_RECORD, TOY_FP32) == 11520 + 20 * 3660
+
+
+# an odd KDA head whose state outweighs 8 records' fixed cost (TOY_KDA's does not)
+ODD_KDA = models.SSMLayerShape(kind="kda", nheads=3, d_v=37, d_k=48, ngroups=1)
+SPEC_SHAPES = [TOY, NEMOTRON.ssm, ODD_KDA, QWEN.ssm]
+SPEC_IDS = ["toy", "nemotron", "odd-kda", "qwen"]
+
+
+@pytest.mark.parametrize("ssm", SPEC_SHAPES, ids=SPEC_IDS)
 @pytest.mark.parametrize("verified, committed", [(2, 1), (2, 2), (3, 2), (5, 1), (5, 3), (8, 8)])
 def test_replay_spec_cycle_equals_its_closed_form(ssm, verified, committed):
     """With c = a every step, the cycle holds h = a, 2a, ..., N a, the last flushing, with
     N = floor((L - T) / a) + 1 for L >= T; per committed token
-    M_S / a + M_S / (a N) + r (N + 1) / 2 + r T / a."""
-    M, r, T, a = tr.state_bytes(ssm, "fp32"), tr.record_bytes(ssm), verified, committed
+    M_S / a + M_S / (a N) + s (N - 1) / 2 + f + w T / a (`r (N + 1) / 2 + r T / a` for
+    Mamba-2, whose steps read whole records)."""
+    M, T, a = tr.state_bytes(ssm, "fp32"), verified, committed
+    r = tr.ring_record(ssm)
+    s, f, w = r.nonflush_read, r.flush_read, r.write
     for L in range(T, T + 3 * a + 20):
         N = (L - T) // a + 1
-        expected = Fraction(M, a) + Fraction(M, a * N) + Fraction(r * (N + 1), 2) + Fraction(
-            r * T, a)
+        expected = (Fraction(M, a) + Fraction(M, a * N) + Fraction(s * (N - 1), 2) + f
+                    + Fraction(w * T, a))
         cycle = tr.replay_spec(L, T, a, r, M)
         assert cycle.steps == N
         assert Fraction(cycle.total, cycle.tokens) == expected
@@ -374,7 +479,11 @@ def _standard_cases():
         ("nemotron nvfp4 shared", kernel, lo, None),
         ("toy fp32", TOY_RECORD, TOY_FP32, None),
         ("toy fp16+nvfp4", TOY_RECORD, TOY_NVFP4, TOY_FP16),
-        ("qwen fp32", tr.record_bytes(QWEN.ssm), tr.state_bytes(QWEN.ssm, "fp32"), None),
+        ("qwen fp32", tr.ring_record(QWEN.ssm), tr.state_bytes(QWEN.ssm, "fp32"), None),
+        ("kimi fp16+nvfp4", tr.ring_record(KIMI.ssm), tr.state_bytes(KIMI.ssm, "nvfp4"),
+         tr.state_bytes(KIMI.ssm, "fp16")),
+        ("toy gdn fp32", TOY_GDN_RECORD, TOY_FP32, None),
+        ("toy kda fp16+nvfp4", TOY_KDA_RECORD, TOY_NVFP4, TOY_FP16),
     ]
 
 
@@ -382,9 +491,9 @@ def _standard_cases():
                          ids=[case[0] for case in _standard_cases()])
 def test_optimal_window_is_the_brute_force_minimum_in_standard_decoding(
         name, record, read_copy, recurrence_copy):
-    """Per token `replay` is const + (F - r) / L + r L / 2 (F = flush_overhead), a convex
-    function of L least at L* = sqrt(2 (F / r - 1)): the best integer window is floor(L*) or
-    ceil(L*)."""
+    """Per token `replay` is const + (F + s - f - w) / L + s L / 2 (F = flush_overhead), a
+    convex function of L least at L* = sqrt(2 (F + s - f - w) / s) (sqrt(2 (F / r - 1)) when
+    every step reads whole records): the best integer window is floor(L*) or ceil(L*)."""
     flush = tr.flush_overhead(read_copy, recurrence_copy)
     L_star = tr.optimal_window(flush, record)
     best = tr.best_window(
@@ -398,24 +507,25 @@ def test_nemotron_optimal_window_is_21():
     assert tr.optimal_window(4 * tr.MIB, 18944) == pytest.approx(20.99549501, abs=1e-8)
 
 
-@pytest.mark.parametrize("ssm", [TOY, NEMOTRON.ssm], ids=["toy", "nemotron"])
+@pytest.mark.parametrize("ssm", SPEC_SHAPES, ids=SPEC_IDS)
 @pytest.mark.parametrize("verified, committed", [(2, 1), (2, 2), (4, 1), (4, 2), (4, 4),
                                                  (8, 1), (8, 4), (8, 8)])
 def test_spec_optimal_window_formula_is_near_the_brute_force_minimum(ssm, verified, committed):
-    """The speculative cycle costs const + M_S / (a N) + r N / 2 per token (N steps per cycle),
-    so (1) the brute-force best window has N in {floor(N*), ceil(N*)}, N* = sqrt(2 M_S / (a r));
-    (2) the formula's window, whose cycle has N_f steps, costs r (N_f - N*)^2 / (2 N_f) more
-    than the continuous optimum, out of at least M_S / a = r N*^2 / 2: a relative excess over
-    the brute-force minimum of at most (N_f - N*)^2 / (N_f N*^2); for Nemotron that is < 1%."""
-    M, r, T, a = tr.state_bytes(ssm, "fp32"), tr.record_bytes(ssm), verified, committed
-    if M / r <= T:
+    """The speculative cycle costs const + M_S / (a N) + s N / 2 per token (N steps per cycle;
+    s the bytes a non-flush step reads of a record), so (1) the brute-force best window has N
+    in {floor(N*), ceil(N*)}, N* = sqrt(2 M_S / (a s)); (2) the formula's window, whose cycle
+    has N_f steps, costs s (N_f - N*)^2 / (2 N_f) more than the continuous optimum, out of at
+    least M_S / a = s N*^2 / 2: a relative excess over the brute-force minimum of at most
+    (N_f - N*)^2 / (N_f N*^2); for Nemotron that is < 1%."""
+    M, r, T, a = tr.state_bytes(ssm, "fp32"), tr.ring_record(ssm), verified, committed
+    if M <= T * (r.flush_read + r.write - r.nonflush_read):
         pytest.skip("records as large as the state: the formula is undefined")
 
     def cost(L):
         return tr.replay_spec(L, T, a, r, M).per_token
 
     best = tr.best_window(cost, range(T, 400))  # T <= L
-    N_star = math.sqrt(2 * M / (a * r))
+    N_star = math.sqrt(2 * M / (a * r.nonflush_read))
     assert tr.replay_spec(best, T, a, r, M).steps in (math.floor(N_star), math.ceil(N_star))
     L_formula = max(T, round(tr.optimal_window(M, r, T, a)))
     N_formula = tr.replay_spec(L_formula, T, a, r, M).steps
@@ -430,6 +540,72 @@ def test_optimal_window_rejects_records_as_large_as_the_state():
         tr.optimal_window(4 * 372, 372, verified=4)
     with pytest.raises(ValueError, match="mean_committed"):
         tr.optimal_window(TOY_FP32, TOY_RECORD, verified=2, mean_committed=3)
+
+
+# ---------------------------------------------------------------------------------------------
+# The GDN and KDA records against the kit's rings and kernels
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+def test_delta_rule_records_are_the_emulation_rings_and_what_its_steps_load(kind):
+    """A record is one position of the emulation's five rings (bf16 activations, an odd head:
+    3 heads of d_v 5, d_k 48); a non-flush step's bytes are those of the rings `load_ring`
+    takes, the flush's those `fold_ring` takes (their pointer arguments, p_r*)."""
+    import torch
+
+    from emulation import gdn_replay_decode as emu
+
+    cache = emu.GDNReplayCache.empty(2, 3, 5, 48, per_channel=kind == "kda", window=4,
+                                     act_dtype=torch.bfloat16)
+    rings = {"p_ru": cache.ring_u, "p_rv": cache.ring_v, "p_rk": cache.ring_k,
+             "p_rg": cache.ring_g, "p_rbeta": cache.ring_beta}
+
+    def position_bytes(pointers):  # one slot, every head, ring position 0
+        return sum(rings[p][0, :, 0].numel() * rings[p].element_size() for p in pointers)
+
+    def ring_args(fn):
+        return [name for name in fn.arg_names if name in rings]
+
+    ssm = models.SSMLayerShape(kind=kind, nheads=3, d_v=5, d_k=48, ngroups=1)
+    assert tr.ring_record(ssm) == tr.RecordBytes(position_bytes(rings),
+                                                 position_bytes(ring_args(emu.load_ring)),
+                                                 position_bytes(ring_args(emu.fold_ring)))
+
+
+@pytest.mark.parametrize("pairing, act", [(("fp16", "nvfp4"), "bf16"), (("fp32", "none"), "bf16"),
+                                          (("fp16", "nvfp4"), "fp32")],
+                         ids=["fp16-nvfp4-bf16", "fp32-bf16", "fp16-nvfp4-fp32-act"])
+def test_gdn_window_moves_what_the_cute_kernels_count(pairing, act):
+    """An odd GDN layer (5 slots, 3 heads of d_v 48, d_k 256, L = 13): every non-flush step
+    (cursor c = 0..L-2) and the flush move, by `cute_kernels.gdn_replay_{output,flush}.
+    traffic_bytes`, this model's state and record bytes plus what both leave to the caller:
+    the token's q, k, v (act), g, beta (fp32) read and y written; and the flush's append of
+    v, k, g, beta (no u) at position L-1, kept so the rings of both implementations agree but
+    never read, so not priced by `replay`. Summed over the window: `replay`'s total."""
+    from cute_kernels import gdn_replay_flush as gf
+    from cute_kernels import gdn_replay_output as go
+
+    hi_format, lo_format = pairing
+    slots, nheads, dv, dk, L = 5, 3, 48, 256, 13
+    ssm = models.SSMLayerShape(kind="gdn", nheads=nheads, d_v=dv, d_k=dk, ngroups=1)
+    a = tr.element_bytes(act)
+    record = tr.ring_record(ssm, "kernel", act)
+    hi = tr.state_bytes(ssm, hi_format)
+    lo = None if lo_format == "none" else tr.state_bytes(ssm, lo_format)
+    token = nheads * ((2 * dk + dv) * a + 8 + dv * a)
+    flush_append = record.write - nheads * dv * 4  # the record without its fp32 u
+    read_copy = hi if lo is None else lo
+    for c in range(L - 1):
+        expected = slots * (read_copy + c * record.nonflush_read + record.write + token)
+        assert go.traffic_bytes(lo_format, act, slots, nheads, dv, dk, c) == expected, c
+    state = hi + hi + (lo or 0)  # hi read, both copies written
+    flush = gf.traffic_bytes(hi_format, lo_format, act, slots, nheads, dv, dk, L)
+    assert flush == slots * (state + (L - 1) * record.flush_read + token + flush_append)
+    window = tr.replay(L, record, read_copy, None if lo is None else hi)
+    kernels = flush + sum(go.traffic_bytes(lo_format, act, slots, nheads, dv, dk, c)
+                          for c in range(L - 1))
+    assert kernels == slots * (window.total + L * token + flush_append)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -524,6 +700,35 @@ def test_a_model_without_attention_is_priced_without_kv(capsys):
                                                        contexts=(0, 4097)))
     by_context = memory.groupby("context").per_request_bytes.apply(list)
     assert by_context[0] == by_context[4097]  # no KV: the context changes nothing
+
+
+def test_the_kda_model_runs_as_the_others_do(capsys, tmp_path):
+    """--model kimi-linear-48b: the summary prices its KDA records (49,280 B, read 40,960 by a
+    non-flush step) and MLA latent (1.125 KiB a token), its formula window lies beside the
+    brute-force one, and a run writes the three sweeps (its default folder is under runs/:
+    its results are not committed)."""
+    experiment.main(["--summary", "--model", "kimi-linear-48b"])
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["model"] == "kimi-linear-48b" and summary["kv_kib_per_token"] == 1.125
+    assert summary["record_bytes_kernel"] == summary["record_bytes_conservative"] == 49280
+    assert summary["state_equiv_kv_tokens"] == pytest.approx(2 * tr.MIB / 1152)
+    window = summary["optimal_window"]  # sqrt(2 (2 MiB + 40,960 - 32,896 - 49,280) / 40,960)
+    assert window == pytest.approx(math.sqrt(2 * (2 * tr.MIB - 41216) / 40960), abs=1e-3)
+    assert summary["optimal_window_brute_force"] in (math.floor(window), math.ceil(window))
+    # (17/16) 2 MiB + (15 * 14 / 2 * 40,960 + 15 * (32,896 + 49,280)) / 16 B
+    replay = (17 * 2 * tr.MIB + 105 * 40960 + 15 * 82176) / 16
+    assert summary["replay_mib_per_token"] == pytest.approx(replay / tr.MIB, abs=1e-6)
+    assert experiment.default_folder("kimi-linear-48b", 16, 4) == Path(
+        "runs/traffic_kimi-linear-48b")
+    config = experiment.Config(model="kimi-linear-48b", out_dir=tmp_path, windows=(1, 7),
+                               verified=(1, 2), memory_gib=(2.0,))
+    frame = experiment.run(config)
+    assert set(frame.sweep) == {"window", "spec", "memory"} and set(frame.model) == {
+        "kimi-linear-48b"}
+    rows = frame[(frame.sweep == "window") & (frame.scheme == "replay_shared")
+                 & (frame.read_format == "fp32") & (frame.window == 7)]
+    assert list(rows.bytes_per_token) == [tr.replay(7, tr.ring_record(KIMI.ssm),
+                                                    2 * tr.MIB).per_token] * 2  # both layouts
 
 
 def test_help_describes_the_options(capsys):
@@ -748,6 +953,17 @@ def test_plot_only_redraws_and_refuses_a_changed_csv_in_one_line(tmp_path, capsy
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and str(spec) in err and message in err, err
         spec.write_text(original)
+
+
+def test_a_run_overwrites_its_own_outputs_without_force(tmp_path, capsys):
+    """The second run of a command (the committed results' regenerate command) replaces the
+    first run's files, the summary JSON included (its meta.json beside it says whose it is)."""
+    argv = ["--out", str(tmp_path), "--window", "3", "--spec-verified", "2", "--no-plot"]
+    experiment.main(argv)
+    summary = tmp_path / "traffic_summary_nemotron3-super.json"
+    summary.write_text(summary.read_text().replace('"window": 3', '"window": 99'))
+    experiment.main(argv)
+    assert json.loads(summary.read_text())["window"] == 3
 
 
 def test_a_foreign_file_in_the_output_folder_needs_force(tmp_path, capsys):
