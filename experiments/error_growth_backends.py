@@ -265,7 +265,8 @@ class _Driver:
         self.buffers = [None if x is None else x.clone() for x in chunk]
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph):
+            # thread_local: the input thread's copies to the GPU go on while this one captures
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 ys = [self.step(*(None if b is None else b[i] for b in self.buffers))
                       for i in range(INPUT_CHUNK)]
                 self.ys = torch.stack(ys)
