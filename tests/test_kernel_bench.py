@@ -1104,3 +1104,39 @@ def test_gdn_kernels_pass_the_benchmarks_check_and_time_on_the_gpu(name, shape):
     times, method = harness.time_launches(case.launchers(), case.reset, reps=3, warm_replays=2)
     assert len(times) == 3 and min(times) > 0
     assert method == "graph" or spec.impl != "cute"
+
+
+def test_gdn_run_end_to_end_on_the_cpu_with_stand_in_timing(interpreted_gdn_peers,
+                                                             monkeypatch, tmp_path):
+    """run() at a GDN shape on the CPU with the GDN peers alone (interpreted; the ceilings and
+    the timer replaced): only their GDN kernels are planned, each checked, built over 4 sets
+    whose launches all run, and priced per token. The peers take any head: 4 value heads of
+    16 x 32, 2 key heads, to keep the interpreter quick."""
+    for peer in ("fla", "vllm"):
+        _need_peer(f"{peer}:update:fp32")
+    small = kb.BenchShape("small-gdn", nheads=4, headdim=16, dstate=32, ngroups=2,
+                          source="test", kind="gdn")
+    monkeypatch.setitem(kb.SHAPES, "small-gdn", small)
+    monkeypatch.setattr(harness, "measure_ceilings", lambda **_: dict(copy_gbps=4000.0,
+                                                                      read_gbps=4200.0, note=""))
+
+    def stand_in(launches, reset, reps, lead_cycles, warm_replays):
+        for launch in launches:
+            launch()
+        return [20.0] * reps, "stand-in"
+
+    monkeypatch.setattr(harness, "time_launches", stand_in)
+    config = kb.BenchConfig(shapes=("small-gdn",), batches=(3,), windows=(8,), kernels=(),
+                            peers=("vllm", "flashinfer", "fla"), reps=2, l2_multiple=1e-6,
+                            device="cpu", act="fp16", out=str(tmp_path / "run.csv"),
+                            peers_dir=str(interpreted_gdn_peers))
+    frame = kb.run(config, log=lambda _: None)
+    timed = frame[frame["step"] != "token"]
+    assert sorted(timed["kernel"]) == sorted(GDN_PEERS)
+    assert (timed["status"] == "ok").all(), timed["status"].tolist()
+    assert (timed["sets"] == 4).all() and (timed["check"] <= 1.0).all()
+    tokens = frame[frame["step"] == "token"].set_index("scheme")
+    assert set(tokens.index) == {"vllm-conventional-fp32", "vllm-conventional-bf16",
+                                 "fla-conventional-fp32", "fla-conventional-bf16"}
+    assert tokens.loc["fla-conventional-bf16", "bytes"] == kb.kernel_bytes(
+        "fla:update:bf16", small, 3, 0)
