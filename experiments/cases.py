@@ -1,22 +1,31 @@
 """What the benchmark times: layer shapes, kernel specs, the bytes each kernel must move, the
 buffers of the kit's kernels in their own layouts, and the fp64 check run before any timing.
 
-**Kernels** (names `impl:step:variant`):
+**Shapes** are one recurrent layer each, and the shape decides the recurrence: a Mamba-2 shape
+(`nemotron3-super`, `mamba2-2.7b`) builds the Mamba-2 kernels, a Gated DeltaNet shape
+(`qwen3-next-80b`) the GDN kernels of the same name (`experiments.gdn_cases`). A kernel a
+recurrence does not have is refused by name (`KernelSpec.check_shape`).
 
-    cute:nonflush:<lo>        cute_kernels.replay_output, read copy lo in nvfp4, fp8_e4m3, fp16,
-                              fp32 (fp32 = the single-copy FP32 ReplaySSM non-flush step)
-    cute:flush:fp16sr+<lo>    cute_kernels.replay_flush, recurrence copy fp16 SR, read copy lo
-    cute:flush:fp32           the same with hi fp32 and no read copy (single-copy FP32 ReplaySSM)
-    cute:update:<fmt>         cute_kernels.state_update, the conventional every-token step, state
-                              fp32, fp16 (RN) or fp16sr
-    emulation:nonflush:nvfp4  the Triton emulation (fp32 containers), optional
+**Kernels** (names `impl:step:variant`; M: Mamba-2, G: Gated DeltaNet):
+
+    cute:nonflush:<lo>        M: cute_kernels.replay_output, read copy lo in nvfp4, fp8_e4m3,
+                              fp16, fp32 (fp32 = the single-copy FP32 ReplaySSM non-flush step);
+                              G: gdn_replay_output, lo nvfp4 or fp32 (single copy)
+    cute:flush:fp16sr+<lo>    M: replay_flush, recurrence copy fp16 SR, read copy lo;
+                              G: gdn_replay_flush, fp16 SR + nvfp4
+    cute:flush:fp32           M and G: hi fp32 and no read copy (single-copy FP32 ReplaySSM)
+    cute:update:<fmt>         the conventional every-token step: M state_update, state fp32,
+                              fp16 (RN) or fp16sr; G gdn_state_update, state fp32 or bf16
+    emulation:nonflush:nvfp4  M: the Triton emulation (fp32 containers), optional
     vllm:..., flashinfer:...  the peers' kernels (`experiments.peers`)
+    fla:...
 
 Every kernel is timed in its default configuration: the cases build a `ReplayCache` (or a
-`StateCache`) and call the public function, nothing else.
+`StateCache`, or their GDN twins) and call the public function, nothing else.
 
-**Bytes** follow `lowprec.traffic` (`state_bytes`, `record_bytes` in the kernel layout with bf16
-activations) plus the current token's inputs and output, per slot:
+**Bytes** of a Mamba-2 kernel (Gated DeltaNet: `experiments.gdn_cases`) follow
+`lowprec.traffic` (`state_bytes`, `record_bytes` in the kernel layout with bf16 activations)
+plus the current token's inputs and output, per slot:
 
     state:    each copy read, each copy written, in its format (scales included)
     records:  `cursor` records read from the ring, the records appended (1; vLLM's flush: 0)
@@ -26,8 +35,9 @@ activations) plus the current token's inputs and output, per slot:
 Not counted: A, D, dt_bias (per head, shared by all slots), cursor/flush counters, and scratch
 the kernel chooses to keep (vLLM's `bc_pre`, FlashInfer's two-kernel scratch).
 
-**Check** (`check_kernel`): each kernel runs once on 3 slots at different cursors against the
-`lowprec.mamba2` reference in fp64. Pass: every output within `2^-7 (|ref| + mag)` (`mag`: the
+**Check** (`check_kernel`): each Mamba-2 kernel runs once on 3 slots at different cursors
+against the `lowprec.mamba2` reference in fp64 (Gated DeltaNet: `lowprec.gdn`, with its own
+bound, `experiments.gdn_cases`). Pass: every output within `2^-7 (|ref| + mag)` (`mag`: the
 reference on absolute values; this admits bf16 rounding of the output and the peers' bf16
 intermediates and rejects any wrong record, decay or scale), every written state within the
 same bound (fp16/fp32 copies), the written read copy within its format's rounding (nvfp4: a
@@ -58,11 +68,16 @@ __all__ = [
     "KIT_DT",
     "Case",
     "Unavailable",
+    "RECURRENCES",
+    "PEER_IMPLS",
     "kernel_bytes",
     "token_bytes",
     "build_case",
     "check_kernel",
+    "check_cursors",
     "dequantize",
+    "bound_ratio",
+    "lo_ratio",
 ]
 
 ACT = torch.bfloat16
@@ -79,9 +94,15 @@ SEED = 12345  # the Philox seed of the SR kernels' caches
 # --------------------------------------------------------------------------------------------
 
 
+RECURRENCES = {"mamba2": "Mamba-2", "gdn": "Gated DeltaNet"}
+
+
 @dataclass(frozen=True)
 class BenchShape:
-    """One Mamba-2 layer's decode shape (per sequence): `nheads` states of `headdim x dstate`."""
+    """One recurrent layer's decode shape (per sequence): `nheads` states of `headdim x dstate`.
+    Mamba-2: heads of headdim x dstate, B and C shared by `ngroups`. Gated DeltaNet (`kind`
+    'gdn'): value heads of d_v x d_k (headdim = d_v, dstate = d_k), q and k shared by the
+    `ngroups` key heads."""
 
     name: str
     nheads: int
@@ -89,15 +110,21 @@ class BenchShape:
     dstate: int
     ngroups: int
     source: str
+    kind: str = "mamba2"
+
+    def __post_init__(self):
+        if self.kind not in RECURRENCES:
+            raise ValueError(f"kind: expected one of {list(RECURRENCES)}, got {self.kind!r}")
 
     @property
     def ssm(self) -> models.SSMLayerShape:
-        return models.SSMLayerShape("mamba2", self.nheads, self.headdim, self.dstate, self.ngroups)
+        return models.SSMLayerShape(self.kind, self.nheads, self.headdim, self.dstate,
+                                    self.ngroups)
 
 
 def _model_layer(name: str, source: str) -> BenchShape:
     ssm = models.get(name).ssm
-    return BenchShape(name, ssm.nheads, ssm.d_v, ssm.d_k, ssm.ngroups, source)
+    return BenchShape(name, ssm.nheads, ssm.d_v, ssm.d_k, ssm.ngroups, source, ssm.kind)
 
 
 SHAPES = {
@@ -112,6 +139,11 @@ SHAPES = {
             "mamba2-2.7b",
             "state-spaces/mamba2-2.7b (lowprec.models): d_model 2560, expand 2, headdim 64 "
             "(80 heads), d_state 128, ngroups 1 (the Mamba2 layer defaults)",
+        ),
+        _model_layer(
+            "qwen3-next-80b",
+            "Qwen3-Next-80B-A3B Gated DeltaNet layer (lowprec.models): 32 value heads of "
+            "d_v = d_k = 128, 16 key heads",
         ),
     )
 }
@@ -128,7 +160,7 @@ class KernelSpec:
     the smallest non-flush cursor of a steady window (FlashInfer keeps its flush token, so 1);
     the flush cursor is `window - 1 + first_cursor`; `ring_extra`: ring positions beyond the
     window; `max_window`: the largest window the kernel supports; `default`: timed unless
-    the kernels are named."""
+    the kernels are named; `recurrences`: the shape kinds the kernel has a form for."""
 
     name: str
     step: str
@@ -140,6 +172,7 @@ class KernelSpec:
     ring_extra: int = 0
     max_window: int = 32
     default: bool = True
+    recurrences: tuple[str, ...] = ("mamba2",)
 
     @property
     def impl(self) -> str:
@@ -152,6 +185,16 @@ class KernelSpec:
     @property
     def replay(self) -> bool:
         return self.step in ("nonflush", "flush")
+
+    def check_shape(self, shape: BenchShape) -> None:
+        """ValueError unless this kernel has a form for `shape`'s recurrence."""
+        if shape.kind not in self.recurrences:
+            has = " and ".join(RECURRENCES[r] for r in self.recurrences)
+            others = [n for n, s in KERNELS.items() if shape.kind in s.recurrences]
+            raise ValueError(
+                f"kernel: {self.name} has no {RECURRENCES[shape.kind]} form (shape "
+                f"{shape.name}; it is a {has} kernel); the {RECURRENCES[shape.kind]} kernels "
+                f"are {', '.join(others)}")
 
     def cursors(self, window: int) -> tuple[int, ...]:
         """Cursors timed: the flush cursor, or L/2 first (the headline), then the ends of the
@@ -166,25 +209,30 @@ class KernelSpec:
 
 def _specs() -> dict[str, KernelSpec]:
     kit = dict(dt_bytes=KIT_DT.itemsize)
-    specs = [KernelSpec(f"cute:nonflush:{lo}", "nonflush", (lo,), records_written=1, **kit)
+    both = dict(recurrences=("mamba2", "gdn"), **kit)
+    gdn = ("gdn",)
+    specs = [KernelSpec(f"cute:nonflush:{lo}", "nonflush", (lo,), records_written=1,
+                        **(both if lo in ("nvfp4", "fp32") else kit))
              for lo in ("nvfp4", "fp8_e4m3", "fp16", "fp32")]
     specs += [
-        KernelSpec("cute:flush:fp16sr+nvfp4", "flush", ("fp16",), ("fp16", "nvfp4"), 1, **kit),
-        KernelSpec("cute:flush:fp32", "flush", ("fp32",), ("fp32",), 1, **kit),
+        KernelSpec("cute:flush:fp16sr+nvfp4", "flush", ("fp16",), ("fp16", "nvfp4"), 1, **both),
+        KernelSpec("cute:flush:fp32", "flush", ("fp32",), ("fp32",), 1, **both),
         KernelSpec("cute:flush:fp16sr+fp8_e4m3", "flush", ("fp16",), ("fp16", "fp8_e4m3"), 1,
                    default=False, **kit),
         KernelSpec("cute:flush:fp16sr+fp16", "flush", ("fp16",), ("fp16", "fp16"), 1,
                    default=False, **kit),
-        KernelSpec("cute:update:fp32", "update", ("fp32",), ("fp32",), **kit),
+        KernelSpec("cute:update:fp32", "update", ("fp32",), ("fp32",), **both),
         KernelSpec("cute:update:fp16", "update", ("fp16",), ("fp16",), **kit),
         KernelSpec("cute:update:fp16sr", "update", ("fp16",), ("fp16",), **kit),
+        KernelSpec("cute:update:bf16", "update", ("bf16",), ("bf16",), recurrences=gdn),
         KernelSpec("emulation:nonflush:nvfp4", "nonflush", ("fp32",), records_written=1,
                    dt_bytes=4, default=False),
     ]
     for fmt in ("fp32", "fp16"):
         main = fmt == "fp32"
         specs += [
-            KernelSpec(f"vllm:update:{fmt}", "update", (fmt,), (fmt,)),
+            KernelSpec(f"vllm:update:{fmt}", "update", (fmt,), (fmt,),
+                       recurrences=("mamba2", "gdn") if main else ("mamba2",)),
             KernelSpec(f"vllm:nonflush:{fmt}", "nonflush", (fmt,), records_written=1,
                        default=main),
             KernelSpec(f"vllm:flush:{fmt}", "flush", (fmt,), (fmt,), 0, default=main),
@@ -194,6 +242,13 @@ def _specs() -> dict[str, KernelSpec]:
             KernelSpec(f"flashinfer:flush:{fmt}", "flush", (fmt,), (fmt,), 1, first_cursor=1,
                        ring_extra=1, max_window=16, default=main),
         ]
+    specs += [
+        KernelSpec("vllm:update:bf16", "update", ("bf16",), ("bf16",), recurrences=gdn),
+        KernelSpec("fla:update:fp32", "update", ("fp32",), ("fp32",), recurrences=gdn),
+        # FLA's public function returns its final state in fp32 whatever the initial state's
+        # dtype: a bf16 state is read in bf16 and written in fp32
+        KernelSpec("fla:update:bf16", "update", ("bf16",), ("fp32",), recurrences=gdn),
+    ]
     return {spec.name: spec for spec in specs}
 
 
@@ -208,16 +263,21 @@ SCHEMES = {
     "conventional-fp32": ("cute:update:fp32",),
     "conventional-fp16": ("cute:update:fp16",),
     "conventional-fp16sr": ("cute:update:fp16sr",),
+    "conventional-bf16": ("cute:update:bf16",),
     "emulation-two-precision": ("emulation:nonflush:nvfp4", "cute:flush:fp16sr+nvfp4"),
     "vllm-replay-fp32": ("vllm:nonflush:fp32", "vllm:flush:fp32"),
     "vllm-replay-fp16": ("vllm:nonflush:fp16", "vllm:flush:fp16"),
     "vllm-conventional-fp32": ("vllm:update:fp32",),
     "vllm-conventional-fp16": ("vllm:update:fp16",),
+    "vllm-conventional-bf16": ("vllm:update:bf16",),
     "flashinfer-replay-fp32": ("flashinfer:nonflush:fp32", "flashinfer:flush:fp32"),
     "flashinfer-replay-fp16": ("flashinfer:nonflush:fp16", "flashinfer:flush:fp16"),
     "flashinfer-conventional-fp32": ("flashinfer:update:fp32",),
     "flashinfer-conventional-fp16": ("flashinfer:update:fp16",),
+    "fla-conventional-fp32": ("fla:update:fp32",),
+    "fla-conventional-bf16": ("fla:update:bf16",),
 }
+PEER_IMPLS = ("vllm", "flashinfer", "fla")
 
 
 # --------------------------------------------------------------------------------------------
@@ -232,8 +292,14 @@ def token_bytes(shape: BenchShape, dt_bytes: int = ACT_BYTES) -> int:
 
 
 def kernel_bytes(spec: KernelSpec | str, shape: BenchShape, batch: int, cursor: int) -> int:
-    """Bytes one call must move for `batch` slots at `cursor` (module docstring, **Bytes**)."""
+    """Bytes one call must move for `batch` slots at `cursor` (module docstring, **Bytes**;
+    Gated DeltaNet: `gdn_cases.kernel_bytes`)."""
     spec = KERNELS[spec] if isinstance(spec, str) else spec
+    spec.check_shape(shape)
+    if shape.kind == "gdn":
+        from experiments import gdn_cases
+
+        return gdn_cases.kernel_bytes(spec, shape, batch, cursor)
     ssm = shape.ssm
     per_slot = sum(traffic.state_bytes(ssm, fmt) for fmt in spec.reads + spec.writes)
     if spec.replay:
@@ -254,7 +320,11 @@ class Unavailable(RuntimeError):
 @dataclass
 class Case:
     """A kernel's buffers and how to launch it on set `i` (`launch(t)` with `t` set i's
-    tensors and `t["set"] = i`). `reset()` restores the counters the kernel advances."""
+    tensors and `t["set"] = i`; a launch may put what it returns into `t`). `reset()` restores
+    the counters the kernel advances. A Gated DeltaNet update also says how to read its own
+    layout in `lowprec.gdn`'s (`gdn_cases.check_kernel`): `reference(t)` the step's inputs in
+    fp64, (state [slots, nheads, dv, dk], q, k, v, g, beta), from set tensors `t` before the
+    launch; `written(t)` what the launch wrote, (y [slots, nheads, dv], new state)."""
 
     spec: KernelSpec | None
     shape: BenchShape
@@ -264,6 +334,8 @@ class Case:
     params: dict
     launch: object
     reset: object = None
+    reference: object = None
+    written: object = None
 
     def launcher(self, i: int):
         """A no-argument function that launches on set `i` (capturable in a CUDA graph)."""
@@ -276,8 +348,12 @@ class Case:
 
 
 def params(shape: BenchShape, device, gen: torch.Generator) -> dict:
-    """A < 0, D and dt_bias per head (fp32)."""
+    """Mamba-2: A < 0, D and dt_bias per head (fp32). Gated DeltaNet: A_log and dt_bias per
+    value head (fp32; vLLM's decode gate is g = -exp(A_log) softplus(a + dt_bias))."""
     H = shape.nheads
+    if shape.kind == "gdn":
+        return dict(A_log=torch.log(torch.rand(H, generator=gen, device=device) + 0.5),
+                    dt_bias=torch.randn(H, generator=gen, device=device) * 0.1)
     return dict(
         A=-(torch.rand(H, generator=gen, device=device) + 0.5),
         D=torch.randn(H, generator=gen, device=device),
@@ -314,7 +390,7 @@ def counter(b: Buffers, name: str, batch: int, value) -> None:
 
 
 def state_dtype(fmt: str) -> torch.dtype:
-    return {"fp32": torch.float32, "fp16": torch.float16}[fmt]
+    return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[fmt]
 
 
 def lo_buffers(b: Buffers, shape: BenchShape, batch: int, fmt: str, prefix: str = "") -> None:
@@ -442,11 +518,16 @@ def build_case(spec: KernelSpec | str, shape: BenchShape, batch: int, window: in
     """The buffers of `sets` independent inputs for one kernel (activations `x, B, C, y` and the
     rings in `act`) and its launcher; `cursor` is one value, or one per slot (the check)."""
     spec = KERNELS[spec] if isinstance(spec, str) else spec
+    spec.check_shape(shape)
     if window > spec.max_window:
         raise Unavailable(f"{spec.name} supports windows up to {spec.max_window}, got {window}")
     gen = torch.Generator(device=device).manual_seed(seed)
     bufs = Buffers(sets, device, gen, act)
     p = params(shape, device, gen)
+    if shape.kind == "gdn" and spec.impl == "cute":
+        from experiments import gdn_cases
+
+        return gdn_cases.build_cute(spec, shape, batch, window, cursor, bufs, p)
     if spec.impl == "cute":
         return _build_cute(spec, shape, batch, window, cursor, bufs, p)
     if spec.impl == "emulation":
@@ -477,16 +558,18 @@ def dequantize(t: dict, fmt: str) -> torch.Tensor:
     return t["lo"].double()
 
 
-def _ratio(err: torch.Tensor, bound: torch.Tensor) -> float:
+def bound_ratio(err: torch.Tensor, bound: torch.Tensor) -> float:
+    """The largest error over its bound (NaN counts as infinitely over)."""
     ratio = (err / bound).nan_to_num(nan=math.inf)
     return float(ratio.max()) if ratio.numel() else 0.0
 
 
 def _output_ratio(y: torch.Tensor, ref: torch.Tensor, mag: torch.Tensor) -> float:
-    return _ratio((y.double() - ref).abs(), 2.0**-7 * (ref.abs() + mag) + 1e-30)
+    return bound_ratio((y.double() - ref).abs(), 2.0**-7 * (ref.abs() + mag) + 1e-30)
 
 
-def _lo_ratio(t: dict, fmt: str, ref: torch.Tensor) -> float:
+def lo_ratio(t: dict, fmt: str, ref: torch.Tensor) -> float:
+    """The written read copy against `ref`, over its format's rounding bound."""
     err = (dequantize(t, fmt) - ref).abs()
     if fmt == "nvfp4":
         amax = ref.abs().unflatten(-1, (-1, 16)).amax(-1, keepdim=True)
@@ -495,13 +578,28 @@ def _lo_ratio(t: dict, fmt: str, ref: torch.Tensor) -> float:
         bound = 2.0**-3 * ref.abs() + 2.0**-9
     else:
         bound = 2.0**-7 * ref.abs() + 2.0**-14
-    return _ratio(err, bound)
+    return bound_ratio(err, bound)
+
+
+def check_cursors(spec: KernelSpec, window: int) -> list[int]:
+    """The 3 slots' cursors of a check: the ends and the middle of the non-flush range, or the
+    flush cursor thrice."""
+    if spec.step == "nonflush":
+        lo_c, hi_c = spec.first_cursor, window - 2 + spec.first_cursor
+        return [lo_c, (lo_c + hi_c) // 2, hi_c]
+    return [spec.cursors(window)[0]] * 3
 
 
 def check_kernel(spec: KernelSpec | str, shape: BenchShape, window: int, device,
                  peers_dir: Path = Path(".peers"), seed: int = 7, act: torch.dtype = ACT) -> float:
     """Run `spec` once on 3 slots at different cursors and return the largest error over its
     bound (module docstring, **Check**); raises `Unavailable` if it cannot run."""
+    spec = KERNELS[spec] if isinstance(spec, str) else spec
+    spec.check_shape(shape)
+    if shape.kind == "gdn":
+        from experiments import gdn_cases
+
+        return gdn_cases.check_kernel(spec, shape, window, device, peers_dir, seed, act)
     from lowprec.mamba2 import (
         mamba2_process_dt,
         mamba2_replay_flush,
@@ -509,12 +607,7 @@ def check_kernel(spec: KernelSpec | str, shape: BenchShape, window: int, device,
         mamba2_step,
     )
 
-    spec = KERNELS[spec] if isinstance(spec, str) else spec
-    if spec.step == "nonflush":
-        lo_c, hi_c = spec.first_cursor, window - 2 + spec.first_cursor
-        cursors = [lo_c, (lo_c + hi_c) // 2, hi_c]
-    else:
-        cursors = [spec.cursors(window)[0]] * 3
+    cursors = check_cursors(spec, window)
     case = build_case(spec, shape, 3, window, cursors, 1, device, seed, peers_dir, act)
     t = case.bufs.at(0)
     before = {k: v.clone() for k, v in t.items()}
@@ -558,5 +651,5 @@ def check_kernel(spec: KernelSpec | str, shape: BenchShape, window: int, device,
         new_mag = mamba2_replay_flush(state.abs(), ring_x.abs(), ring_dt, ring_B.abs(), folded, A)
         ratios.append(_output_ratio(t["hi"] if "hi" in t else t["state"], new, new_mag))
         if len(spec.writes) > 1:
-            ratios.append(_lo_ratio(t, spec.writes[1], new))
+            ratios.append(lo_ratio(t, spec.writes[1], new))
     return max(ratios)

@@ -126,11 +126,26 @@ class Buffers:
 
 def fill(t: torch.Tensor, kind: str, gen: torch.Generator, *args) -> None:
     """Random contents by kind (never zeros where values are read): randn [scale], dt_raw
-    (softplus input), dt_proc (a processed dt in (0.01, 0.51)), bytes low high, e4m3 (valid
-    codes), const value, empty (left as allocated: written before it is read)."""
+    (softplus input), dt_proc (a processed dt in (0.01, 0.51)), unit n (runs of n consecutive
+    elements of unit L2 norm: GDN's normalised keys and queries), sigmoid (a GDN beta in
+    (0, 1)), log_decay (a GDN g = -exp(randn / 2) / tau, tau log-uniform in [1, 1000]: short
+    and long memory side by side), bytes low high, e4m3 (valid codes), const value, empty
+    (left as allocated: written before it is read)."""
     if kind == "randn":
         scale = args[0] if args else 1.0
         t.copy_(torch.randn(t.shape, generator=gen, device=t.device) * scale)
+    elif kind == "unit":
+        (n,) = args
+        values = torch.randn(t.shape, generator=gen, device=t.device).reshape(t.shape[0], -1)
+        whole = values.shape[1] // n * n  # a set's padding after its last run stays random
+        runs = values[:, :whole].unflatten(1, (-1, n))
+        values[:, :whole] = (runs / runs.norm(dim=-1, keepdim=True)).flatten(1)
+        t.copy_(values.view(t.shape))
+    elif kind == "sigmoid":
+        t.copy_(torch.sigmoid(torch.randn(t.shape, generator=gen, device=t.device)))
+    elif kind == "log_decay":
+        tau = torch.exp(torch.rand(t.shape, generator=gen, device=t.device) * math.log(1000.0))
+        t.copy_(-torch.exp(0.5 * torch.randn(t.shape, generator=gen, device=t.device)) / tau)
     elif kind == "dt_raw":
         t.copy_(torch.randn(t.shape, generator=gen, device=t.device) - 1.0)
     elif kind == "dt_proc":
@@ -144,8 +159,8 @@ def fill(t: torch.Tensor, kind: str, gen: torch.Generator, *args) -> None:
     elif kind == "const":
         t.fill_(args[0])
     elif kind != "empty":
-        raise ValueError(f"kind: expected randn, dt_raw, dt_proc, bytes, e4m3, const or empty, "
-                         f"got {kind!r}")
+        raise ValueError(f"kind: expected randn, dt_raw, dt_proc, unit, sigmoid, log_decay, "
+                         f"bytes, e4m3, const or empty, got {kind!r}")
 
 
 def sets_for(call_bytes: int, l2: int, multiple: float = L2_MULTIPLE,

@@ -1,16 +1,24 @@
 """Kernel benchmark on the GPU: each state format's decode time against the copy ceiling, against
-FP32 and FP16 states, and against vLLM's and FlashInfer's kernels.
+FP32 and 16-bit states, and against vLLM's, FlashInfer's and FLA's kernels.
 
     python -m experiments.kernel_bench                       # full grid, on the GPU machine
+    python -m experiments.kernel_bench --shapes qwen3-next-80b   # the Gated DeltaNet layer
     python -m experiments.kernel_bench --quick               # a small grid (smoke test), into
                                                              # runs/kernel_bench_quick/
     python -m experiments.kernel_bench --merge a.csv b.csv --out merged.csv   # then plot
     python -m experiments.kernel_bench --plot-only results/kernel_bench.csv
 
+**Shapes** (`--shapes`): the Mamba-2 layers of Nemotron-3-Super and mamba2-2.7b and the Gated
+DeltaNet layer of Qwen3-Next-80B (`cases.SHAPES`). The shape decides the recurrence: the same
+kernel name builds the Mamba-2 kernel at a Mamba-2 shape and the GDN kernel at a GDN shape, and
+each kernel is timed at the shapes whose recurrence has it (`--list-kernels` says which); a
+kernel named that none of the shapes has is refused.
+
 **Kernels** (`--kernels`, names `impl:step:variant`, `--list-kernels` prints them all; each in
 its default configuration): the kit's CuTe kernels and the Triton emulation
-(`experiments.cases`), vLLM's and FlashInfer's (`experiments.peers`, imported from
-`--peers-dir`; a peer that cannot be imported is recorded with its reason).
+(`experiments.cases`, `experiments.gdn_cases`), vLLM's, FlashInfer's and FLA's
+(`experiments.peers`, imported from `--peers-dir`; a peer that cannot be imported is recorded
+with its reason).
 
 **Batches.** Uniform: every slot holds the same number of records, `cursor` (the records in the
 ring before the step: our `cursors`, vLLM's `write_pos`, FlashInfer's `prev_num_accepted`).
@@ -39,7 +47,13 @@ are exact (summed over the window's cursors).
 **Output.** A tidy CSV at `--out` (one row per kernel x shape x batch x window x cursor, plus
 the token rows; columns in `COLUMNS`), its `.meta.json`, three PNGs from `plot(csv)` (which
 reads only the CSV) into `--plot-dir` (default: the CSV's folder), and a summary of the goals
-at the headline point, printed last.
+at the headline point of each shape (`GOALS`, per recurrence), printed last.
+
+**Duration.** The two Mamba-2 shapes' full grid took about 4 minutes on an H200 with vLLM's
+kernels (docs/performance.md). The Gated DeltaNet shape adds 294 points and the first compiles
+of its CuTe kernels: 2 to 4 minutes by estimate (about a quarter of a second a point, the
+Mamba-2 grid's pace, plus about 20 compiles), not a measurement. The whole default grid should
+fit one 10-minute call; `--budget-s` keeps a run inside one (the headline points come first).
 """
 
 from __future__ import annotations
@@ -72,6 +86,8 @@ from experiments._common import (
 from experiments.cases import (
     ACT_DTYPES,
     KERNELS,
+    PEER_IMPLS,
+    RECURRENCES,
     SCHEMES,
     SHAPES,
     BenchShape,
@@ -90,6 +106,8 @@ __all__ = [
     "KernelSpec",
     "KERNELS",
     "SCHEMES",
+    "COMPARISONS",
+    "GOALS",
     "COLUMNS",
     "BenchConfig",
     "kernel_bytes",
@@ -107,30 +125,58 @@ __all__ = [
 HEADLINE_BATCH = 256
 HEADLINE_WINDOW = 16
 
-# (label, numerator kernel or scheme, denominator, goal at the headline point or None).
-# Kernel names compare non-flush steps at cursor L/2; scheme names compare cost per token.
+# The peers' schemes: all of them, and those keeping an fp32 or a bf16 state
+PEER_SCHEMES = tuple(s for s, ks in SCHEMES.items() if KERNELS[ks[0]].impl in PEER_IMPLS)
+PEER_FP32 = tuple(s for s in PEER_SCHEMES if s.endswith("fp32"))
+PEER_BF16 = tuple(s for s in PEER_SCHEMES if s.endswith("bf16"))
+
+# (label, numerator, denominator): kernel names compare non-flush steps at cursor L/2, scheme
+# names cost per token; a tuple of schemes is the fastest of them at each point.
 COMPARISONS = (
-    ("non-flush: nvfp4 vs fp32 checkpoint", "cute:nonflush:fp32", "cute:nonflush:nvfp4", 5.0),
-    ("non-flush: fp8_e4m3 vs fp32 checkpoint", "cute:nonflush:fp32", "cute:nonflush:fp8_e4m3",
-     None),
-    ("non-flush: fp16 vs fp32 checkpoint", "cute:nonflush:fp32", "cute:nonflush:fp16", None),
-    ("token: two-precision vs FP32 ReplaySSM", "fp32-replay", "two-precision", 4.0),
-    ("token: two-precision vs conventional fp32", "conventional-fp32", "two-precision", 7.5),
-    ("token: two-precision vs conventional fp16", "conventional-fp16", "two-precision", None),
-    ("token: two-precision vs conventional fp16 SR", "conventional-fp16sr", "two-precision",
-     None),
-    ("token: two-precision vs vLLM fp32 update", "vllm-conventional-fp32", "two-precision", None),
-    ("token: two-precision vs vLLM fp16 update", "vllm-conventional-fp16", "two-precision", None),
-    ("token: two-precision vs vLLM FP32 ReplaySSM", "vllm-replay-fp32", "two-precision", None),
+    ("non-flush: nvfp4 vs fp32 checkpoint", "cute:nonflush:fp32", "cute:nonflush:nvfp4"),
+    ("non-flush: fp8_e4m3 vs fp32 checkpoint", "cute:nonflush:fp32", "cute:nonflush:fp8_e4m3"),
+    ("non-flush: fp16 vs fp32 checkpoint", "cute:nonflush:fp32", "cute:nonflush:fp16"),
+    ("token: two-precision vs FP32 ReplaySSM", "fp32-replay", "two-precision"),
+    ("token: two-precision vs conventional fp32", "conventional-fp32", "two-precision"),
+    ("token: two-precision vs conventional fp16", "conventional-fp16", "two-precision"),
+    ("token: two-precision vs conventional fp16 SR", "conventional-fp16sr", "two-precision"),
+    ("token: two-precision vs conventional bf16", "conventional-bf16", "two-precision"),
+    ("token: two-precision vs vLLM fp32 update", "vllm-conventional-fp32", "two-precision"),
+    ("token: two-precision vs vLLM fp16 update", "vllm-conventional-fp16", "two-precision"),
+    ("token: two-precision vs vLLM bf16 update", "vllm-conventional-bf16", "two-precision"),
+    ("token: two-precision vs vLLM FP32 ReplaySSM", "vllm-replay-fp32", "two-precision"),
     ("token: two-precision vs FlashInfer fp32 update", "flashinfer-conventional-fp32",
-     "two-precision", None),
+     "two-precision"),
     ("token: two-precision vs FlashInfer fp16 update", "flashinfer-conventional-fp16",
-     "two-precision", None),
+     "two-precision"),
     ("token: two-precision vs FlashInfer FP32 ReplaySSM", "flashinfer-replay-fp32",
-     "two-precision", None),
+     "two-precision"),
+    ("token: two-precision vs FLA fp32 update", "fla-conventional-fp32", "two-precision"),
+    ("token: two-precision vs FLA bf16 update", "fla-conventional-bf16", "two-precision"),
+    ("token: two-precision vs fastest peer, fp32 state", PEER_FP32, "two-precision"),
+    ("token: two-precision vs fastest peer, bf16 state", PEER_BF16, "two-precision"),
+    ("token: two-precision vs fastest peer", PEER_SCHEMES, "two-precision"),
     ("token: cute conventional fp32 vs vLLM fp32 update", "vllm-conventional-fp32",
-     "conventional-fp32", None),
+     "conventional-fp32"),
 )
+
+# The goals per recurrence, at the headline window: (comparison, batch (None: the headline
+# batch), speedup goal); the two-precision non-flush step's fraction of the copy bandwidth
+# (goal NONFLUSH_GOAL) comes first for every recurrence.
+NONFLUSH_GOAL = 0.85
+GOALS = {
+    "mamba2": (
+        ("non-flush: nvfp4 vs fp32 checkpoint", None, 5.0),
+        ("token: two-precision vs FP32 ReplaySSM", None, 4.0),
+        ("token: two-precision vs conventional fp32", None, 7.5),
+        ("token: two-precision vs conventional fp32", 1, 1.0),
+    ),
+    "gdn": (
+        ("token: two-precision vs fastest peer, fp32 state", None, 5.0),
+        ("token: two-precision vs fastest peer, bf16 state", None, 2.5),
+        ("token: two-precision vs fastest peer", 1, 1.0),
+    ),
+}
 
 # The CSV's columns and their types (read_csv checks them); one row per point of KEY.
 COLUMN_TYPES = {
@@ -156,9 +202,8 @@ class BenchConfig:
     shapes: tuple[str, ...] = tuple(SHAPES)
     batches: tuple[int, ...] = (1, 8, 32, 64, 128, 256, 512)
     windows: tuple[int, ...] = (8, 16, 32)
-    kernels: tuple[str, ...] = tuple(name for name, spec in KERNELS.items()
-                                     if spec.default and spec.impl == "cute")
-    peers: tuple[str, ...] = ("vllm", "flashinfer")
+    kernels: tuple[str, ...] | None = None  # None: the default CuTe kernels of the shapes
+    peers: tuple[str, ...] = PEER_IMPLS
     out: str = "results/kernel_bench.csv"
     plot_dir: str | None = ""  # '': the CSV's folder; None: no plots
     reps: int = 20
@@ -178,12 +223,21 @@ class BenchConfig:
         for name in self.shapes:
             if name not in SHAPES:
                 raise ValueError(f"shapes: expected names in {list(SHAPES)}, got {name!r}")
+        if self.kernels is None:
+            self.kernels = for_shapes(self.shapes, ("cute",))
         for name in self.kernels:
             if name not in KERNELS:
                 raise ValueError(f"kernels: expected names in {list(KERNELS)}, got {name!r}")
+            if self.shapes and name not in for_shapes(self.shapes, (KERNELS[name].impl,), False):
+                # none of the shapes has it: the message names the first shape's recurrence
+                try:
+                    KERNELS[name].check_shape(SHAPES[self.shapes[0]])
+                except ValueError as error:
+                    raise ValueError(f"kernels: {str(error).removeprefix('kernel: ')}") from None
         for peer in self.peers:
-            if peer not in ("vllm", "flashinfer"):
-                raise ValueError(f"peers: expected vllm, flashinfer or none, got {peer!r}")
+            if peer not in PEER_IMPLS:
+                raise ValueError(f"peers: expected {', '.join(PEER_IMPLS)} or none, got "
+                                 f"{peer!r}")
         for name in ("shapes", "kernels", "peers", "batches", "windows"):
             twice = sorted(map(str, repeated(list(getattr(self, name)))))
             if twice:  # each would be timed again
@@ -207,10 +261,17 @@ class BenchConfig:
             raise ValueError(f"act: expected one of {list(ACT_DTYPES)}, got {self.act!r}")
 
     def all_kernels(self) -> tuple[str, ...]:
-        """The kernels asked for, plus each peer's default kernels."""
-        peers = [name for name, spec in KERNELS.items()
-                 if spec.default and spec.impl in self.peers]
-        return tuple(dict.fromkeys([*self.kernels, *peers]))
+        """The kernels asked for, plus each peer's default kernels at the shapes."""
+        return tuple(dict.fromkeys([*self.kernels, *for_shapes(self.shapes, self.peers)]))
+
+
+def for_shapes(shapes, impls, default: bool = True) -> tuple[str, ...]:
+    """The kernels of `impls` that one of `shapes` has a form for (`default`: only those timed
+    by default)."""
+    kinds = {SHAPES[name].kind for name in shapes}
+    return tuple(name for name, spec in KERNELS.items()
+                 if spec.impl in impls and kinds & set(spec.recurrences)
+                 and (spec.default or not default))
 
 
 QUICK = dict(batches=(1, 256), windows=(16,), reps=5, l2_multiple=2.0)
@@ -245,7 +306,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "summary.")
     defaults = BenchConfig()
     p.add_argument("--shapes", type=_names, default=None,
-                   help=f"comma-separated, of {', '.join(SHAPES)} (default: all)")
+                   help=f"comma-separated, of {', '.join(SHAPES)} (default: all; the Mamba-2 "
+                   "shapes' full grid takes about 4 minutes on an H200, the Gated DeltaNet "
+                   "shape an estimated 2-4 more)")
     p.add_argument("--batches", type=_ints, default=None,
                    help="comma-separated batch sizes (default: "
                    f"{','.join(map(str, defaults.batches))})")
@@ -256,9 +319,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated kernel names, 'default' (the CuTe kernels), 'all' "
                    "(see --list-kernels) or 'none' (the peers' alone); the peers' kernels come "
                    "with --peers")
-    p.add_argument("--peers", default="vllm,flashinfer",
-                   help="peers whose default kernels are added: vllm, flashinfer, or none "
-                   "(default: %(default)s)")
+    p.add_argument("--peers", default=",".join(PEER_IMPLS),
+                   help=f"peers whose default kernels are added at the shapes that have them: "
+                   f"{', '.join(PEER_IMPLS)}, or none (default: %(default)s)")
     p.add_argument("--peers-dir", default=defaults.peers_dir,
                    help="folder built by scripts/peers/prepare.sh (default: .peers)")
     p.add_argument("--out", default=None,
@@ -304,24 +367,25 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     for name in ("shapes", "batches", "windows", "reps", "lead_cycles", "warm_replays"):
         if getattr(args, name) is not None:  # given flags win over --quick's grid
             values[name] = getattr(args, name)
+    shapes = [s for s in values.get("shapes", BenchConfig.shapes) if s in SHAPES]
     if args.kernels == "default":
-        kernels = BenchConfig.kernels
+        kernels = None
     elif args.kernels.strip() == "none":  # the peers' kernels alone (no CuTe DSL at hand)
         kernels = ()
     elif args.kernels == "all":
-        kernels = tuple(name for name in KERNELS if KERNELS[name].impl in ("cute", "emulation"))
+        kernels = for_shapes(shapes, ("cute", "emulation"), False)
     else:
         kernels = _names(args.kernels, "kernels")
     peers = () if args.peers.strip() == "none" else _names(args.peers, "peers")
     if args.kernels == "all":
-        kernels = kernels + tuple(name for name in KERNELS if KERNELS[name].impl in peers)
-    if not kernels and not peers:
+        kernels = kernels + for_shapes(shapes, peers, False)
+    if kernels == () and not peers:
         raise ValueError("kernels: 'none' with --peers none leaves nothing to time")
     plot_dir = {"none": None, None: ""}.get(args.plot_dir, args.plot_dir)
     # main resolves --out first (_common.default_out); a quick grid never names the committed CSV
     out = args.out or str(runs_folder("kernel_bench", ["quick"]) / "kernel_bench.csv"
                           if args.quick else BenchConfig.out)
-    return BenchConfig(kernels=tuple(kernels), peers=tuple(peers), out=out, plot_dir=plot_dir,
+    return BenchConfig(kernels=kernels, peers=tuple(peers), out=out, plot_dir=plot_dir,
                        budget_s=args.budget_s, peers_dir=args.peers_dir,
                        run_label=args.run_label, quick=args.quick, **values)
 
@@ -353,6 +417,8 @@ def plan(config: BenchConfig) -> list[tuple]:
                 else:
                     tier = 4
                 for kernel in config.all_kernels():
+                    if SHAPES[shape].kind not in KERNELS[kernel].recurrences:
+                        continue
                     for c_idx, cursor in enumerate(KERNELS[kernel].cursors(window)):
                         key = (tier, min(c_idx, 1), s_idx, window != headline_window, window,
                                b_idx)
@@ -523,9 +589,13 @@ def with_token_rows(frame: pd.DataFrame) -> pd.DataFrame:
             else base.reset_index(drop=True))
 
 
-def _headline_time(frame: pd.DataFrame, name: str) -> pd.DataFrame:
+def _headline_time(frame: pd.DataFrame, name: str | tuple[str, ...]) -> pd.DataFrame:
     """Per (run, shape, batch, window): the time of a scheme's token row, or of a kernel at its
-    headline cursor (L/2 for non-flush steps)."""
+    headline cursor (L/2 for non-flush steps); for a tuple of schemes, the least of theirs."""
+    keys = ["run", "shape", "batch", "window"]
+    if isinstance(name, tuple):
+        times = pd.concat([_headline_time(frame, n) for n in name], ignore_index=True)
+        return times.groupby(keys, as_index=False)["time_us"].min()
     ok = frame[frame["status"] == "ok"]
     if name in SCHEMES:
         sel = ok[(ok["step"] == "token") & (ok["scheme"] == name)]
@@ -533,25 +603,34 @@ def _headline_time(frame: pd.DataFrame, name: str) -> pd.DataFrame:
         sel = ok[ok["kernel"] == name]
         headline = sel["window"].map(lambda w: KERNELS[name].cursors(int(w))[0])
         sel = sel[sel["cursor"] == headline]
-    return sel[["run", "shape", "batch", "window", "time_us"]]
+    return sel[[*keys, "time_us"]]
+
+
+def _target(label: str, shape: str) -> float | None:
+    """The goal of a comparison at the headline batch for `shape`'s recurrence, or None."""
+    kind = SHAPES[shape].kind if shape in SHAPES else "mamba2"
+    goals = [goal for name, batch, goal in GOALS[kind] if name == label and batch is None]
+    return goals[0] if goals else None
 
 
 def speedups(frame: pd.DataFrame) -> pd.DataFrame:
     """Every comparison of `COMPARISONS` at every (shape, batch, window) where both sides were
-    timed; a pair from two runs is marked `same_run = False`."""
+    timed; a pair from two runs is marked `same_run = False`; `target`: the goal at the
+    headline batch for the shape's recurrence (`GOALS`)."""
     keys = ["shape", "batch", "window"]
     rows = []
-    for label, numerator, denominator, goal in COMPARISONS:
+    for label, numerator, denominator in COMPARISONS:
         num, den = _headline_time(frame, numerator), _headline_time(frame, denominator)
         if num.empty or den.empty:
             continue
         merged = num.merge(den, on=keys, suffixes=("_num", "_den"))
+        names = "|".join(numerator) if isinstance(numerator, tuple) else numerator
         for _, r in merged.iterrows():
-            rows.append(dict(comparison=label, numerator=numerator, denominator=denominator,
+            rows.append(dict(comparison=label, numerator=names, denominator=denominator,
                              shape=r["shape"], batch=int(r["batch"]), window=int(r["window"]),
                              speedup=r["time_us_num"] / r["time_us_den"],
                              same_run=r["run_num"] == r["run_den"], run_num=r["run_num"],
-                             run_den=r["run_den"], target=goal))
+                             run_den=r["run_den"], target=_target(label, r["shape"])))
     frame = pd.DataFrame(rows, columns=["comparison", "numerator", "denominator", "shape",
                                         "batch", "window", "speedup", "same_run", "run_num",
                                         "run_den", "target"])
@@ -565,9 +644,11 @@ def speedups(frame: pd.DataFrame) -> pd.DataFrame:
 
 def summarize(frame: pd.DataFrame, shape: str = "nemotron3-super", batch: int = HEADLINE_BATCH,
               window: int = HEADLINE_WINDOW) -> pd.DataFrame:
-    """The goals at the headline point: (comparison, achieved, goal, met, run). Where several
-    runs timed a point, the value comes from the first run by label (a same-run pair first,
-    for a ratio), as the plots draw it; `run` names it ("A", or "A/B" for a pair of runs)."""
+    """The goals of `shape`'s recurrence at the headline point (`GOALS`): (comparison,
+    achieved, goal, met, run). Where several runs timed a point, the value comes from the first
+    run by label (a same-run pair first, for a ratio), as the plots draw it; `run` names it
+    ("A", or "A/B" for a pair of runs)."""
+    kind = SHAPES[shape].kind if shape in SHAPES else "mamba2"
     ok = frame[frame["status"] == "ok"]
     rows = []
     nf = ok[(ok["kernel"] == "cute:nonflush:nvfp4") & (ok["shape"] == shape)
@@ -575,7 +656,7 @@ def summarize(frame: pd.DataFrame, shape: str = "nemotron3-super", batch: int = 
             & (ok["cursor"] == KERNELS["cute:nonflush:nvfp4"].cursors(window)[0])]
     nf = nf.sort_values("run", kind="stable")
     frac = float(nf["frac_copy"].iloc[0]) if len(nf) else math.nan
-    rows.append(("two-precision non-flush, fraction of copy bandwidth", frac, 0.85,
+    rows.append(("two-precision non-flush, fraction of copy bandwidth", frac, NONFLUSH_GOAL,
                  nf["run"].iloc[0] if len(nf) else ""))
     sp = speedups(frame)
     point = sp[(sp["shape"] == shape) & (sp["window"] == window)]
@@ -587,35 +668,39 @@ def summarize(frame: pd.DataFrame, shape: str = "nemotron3-super", batch: int = 
         run = r["run_num"] if r["run_num"] == r["run_den"] else f"{r['run_num']}/{r['run_den']}"
         return float(r["speedup"]), run
 
-    for label, _, _, goal in COMPARISONS:
-        if goal is not None:
-            speedup, run = pick(point[(point["comparison"] == label)
-                                      & (point["batch"] == batch)])
-            rows.append((f"{label} (batch {batch})", speedup, goal, run))
-    sel = point[(point["comparison"] == "token: two-precision vs conventional fp32")
-                & (point["batch"] == 1)]
-    speedup, run = pick(sel)
-    rows.append(("token: two-precision vs conventional fp32 (batch 1)", speedup, 1.0, run))
+    for label, at, goal in GOALS[kind]:
+        at = batch if at is None else at
+        speedup, run = pick(point[(point["comparison"] == label) & (point["batch"] == at)])
+        rows.append((f"{label} (batch {at})", speedup, goal, run))
     out = pd.DataFrame(rows, columns=["comparison", "achieved", "goal", "run"])
     out["met"] = out["achieved"] >= out["goal"]
     return out[["comparison", "achieved", "goal", "met", "run"]]
 
 
-def format_summary(frame: pd.DataFrame, shape: str = "nemotron3-super") -> str:
-    """The summary printed last: the goals, then µs per committed token of every scheme."""
-    lines = [f"goals ({shape}, batch {HEADLINE_BATCH}, L = {HEADLINE_WINDOW}):"]
-    for _, r in summarize(frame, shape).iterrows():
-        verdict = "n/a" if r["achieved"] != r["achieved"] else ("met" if r["met"] else "MISSED")
-        run = f"  (run {r['run']})" if r["run"] else ""
-        lines.append(f"  {r['comparison']:<62s} {r['achieved']:8.3f}  goal {r['goal']:<5g} "
-                     f"{verdict}{run}")
-    tokens = frame[(frame["step"] == "token") & (frame["shape"] == shape)
-                   & (frame["window"] == HEADLINE_WINDOW)]
-    if len(tokens):
-        table = tokens.pivot_table(index="scheme", columns="batch", values="time_us",
-                                   aggfunc="min")
-        lines.append(f"µs per committed token ({shape}, L = {HEADLINE_WINDOW}):")
-        lines.append(table.to_string(float_format=lambda v: f"{v:.2f}"))
+def format_summary(frame: pd.DataFrame, shape: str | None = None) -> str:
+    """The summary printed last: per shape (`shape`, or each shape of the frame), the goals,
+    then µs per committed token of every scheme."""
+    present = set(frame["shape"])
+    shapes = [shape] if shape else ([s for s in SHAPES if s in present]
+                                    + sorted(present - set(SHAPES)) or [next(iter(SHAPES))])
+    lines = []
+    for name in shapes:
+        kind = SHAPES[name].kind if name in SHAPES else "mamba2"
+        lines.append(f"goals ({name}, {RECURRENCES[kind]}, batch {HEADLINE_BATCH}, "
+                     f"L = {HEADLINE_WINDOW}):")
+        for _, r in summarize(frame, name).iterrows():
+            verdict = ("n/a" if r["achieved"] != r["achieved"]
+                       else ("met" if r["met"] else "MISSED"))
+            run = f"  (run {r['run']})" if r["run"] else ""
+            lines.append(f"  {r['comparison']:<62s} {r['achieved']:8.3f}  goal "
+                         f"{r['goal']:<5g} {verdict}{run}")
+        tokens = frame[(frame["step"] == "token") & (frame["shape"] == name)
+                       & (frame["window"] == HEADLINE_WINDOW)]
+        if len(tokens):
+            table = tokens.pivot_table(index="scheme", columns="batch", values="time_us",
+                                       aggfunc="min")
+            lines.append(f"µs per committed token ({name}, L = {HEADLINE_WINDOW}):")
+            lines.append(table.to_string(float_format=lambda v: f"{v:.2f}"))
     skipped = frame["status"].str.startswith("skipped")
     if skipped.any():
         lines.append(f"  {int(skipped.sum())} points skipped by the time budget "
@@ -732,7 +817,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.list_kernels:
         for name, spec in KERNELS.items():
-            print(f"{name:30s} {'default' if spec.default else 'optional'}")
+            kinds = ", ".join(RECURRENCES[r] for r in spec.recurrences)
+            print(f"{name:30s} {'default' if spec.default else 'optional':9s} {kinds}")
         return 0
     if args.out is None and not args.merge and not args.plot_only:
         # the default grid regenerates the committed CSV; any other run goes to runs/

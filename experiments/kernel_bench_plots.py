@@ -28,7 +28,7 @@ KERNEL_FACETS = (
      ("cute:flush:fp16sr+nvfp4", "cute:flush:fp16sr+fp8_e4m3", "cute:flush:fp16sr+fp16",
       "cute:flush:fp32")),
     ("Conventional update: the kit's state formats",
-     ("cute:update:fp32", "cute:update:fp16", "cute:update:fp16sr")),
+     ("cute:update:fp32", "cute:update:fp16", "cute:update:fp16sr", "cute:update:bf16")),
     ("Non-flush step, one checkpoint: peers vs kit",
      ("cute:nonflush:fp32", "vllm:nonflush:fp32", "vllm:nonflush:fp16",
       "flashinfer:nonflush:fp32", "flashinfer:nonflush:fp16")),
@@ -38,12 +38,17 @@ KERNEL_FACETS = (
     ("Conventional update: peers vs kit",
      ("cute:update:fp32", "vllm:update:fp32", "vllm:update:fp16", "flashinfer:update:fp32",
       "flashinfer:update:fp16")),
+    ("Conventional update, 32- and 16-bit states: peers vs kit",
+     ("cute:update:fp32", "cute:update:bf16", "vllm:update:fp32", "vllm:update:bf16",
+      "fla:update:fp32", "fla:update:bf16")),
 )
 
 SPEEDUP_FACETS = (
     ("Goals at batch 256 (dotted lines)",
      ("non-flush: nvfp4 vs fp32 checkpoint", "token: two-precision vs FP32 ReplaySSM",
-      "token: two-precision vs conventional fp32")),
+      "token: two-precision vs conventional fp32",
+      "token: two-precision vs fastest peer, fp32 state",
+      "token: two-precision vs fastest peer, bf16 state")),
     ("The kit's other formats",
      ("non-flush: fp8_e4m3 vs fp32 checkpoint", "non-flush: fp16 vs fp32 checkpoint",
       "token: two-precision vs conventional fp16",
@@ -56,6 +61,10 @@ SPEEDUP_FACETS = (
      ("token: two-precision vs FlashInfer FP32 ReplaySSM",
       "token: two-precision vs FlashInfer fp32 update",
       "token: two-precision vs FlashInfer fp16 update")),
+    ("Against FLA's and vLLM's 32- and 16-bit states, a token",
+     ("token: two-precision vs FLA fp32 update", "token: two-precision vs FLA bf16 update",
+      "token: two-precision vs vLLM bf16 update", "token: two-precision vs conventional bf16",
+      "token: two-precision vs fastest peer")),
 )
 
 SCHEME_FACETS = (
@@ -70,10 +79,13 @@ SCHEME_FACETS = (
     ("A token: vs FlashInfer",
      ("two-precision", "flashinfer-replay-fp32", "flashinfer-replay-fp16",
       "flashinfer-conventional-fp32", "flashinfer-conventional-fp16")),
+    ("A token: vs 32- and 16-bit states, the kit's and the peers'",
+     ("two-precision", "conventional-bf16", "vllm-conventional-fp32", "vllm-conventional-bf16",
+      "fla-conventional-fp32", "fla-conventional-bf16")),
 )
 
 _PANEL = (5.0, 2.9)  # inches a panel
-PEERS = ("vllm", "flashinfer")  # series named so are the peers': dashed
+PEERS = ("vllm", "flashinfer", "fla")  # series named so are the peers': dashed
 
 
 def _primary(frame: pd.DataFrame) -> pd.DataFrame:

@@ -630,8 +630,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "non-flush kernels launched in turn or overlapped. Needs the GPU; "
                     "--plot-only redraws from a CSV anywhere.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--shape", default="nemotron3-super", choices=sorted(SHAPES),
-                   help="layer shape (kernel_bench's)")
+    p.add_argument("--shape", default="nemotron3-super",
+                   choices=sorted(n for n, s in SHAPES.items() if s.kind == "mamba2"),
+                   help="a Mamba-2 layer shape of kernel_bench's (the step is built of the "
+                   "Mamba-2 kernels)")
     p.add_argument("--batches", type=_ints, default=",".join(map(str, DEFAULT_BATCHES)),
                    help="slots, comma-separated; each a multiple of every window (a "
                         "staggered batch puts batch / L slots at each cursor), except with "

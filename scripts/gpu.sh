@@ -7,10 +7,11 @@
 #                                of the CuTe kernels and the Triton emulation against lowprec,
 #                                outputs against the reference; ARGS go to pytest
 #   bench [KERNEL_BENCH_ARGS...] the kernel benchmark (python -m experiments.kernel_bench): every
-#                                CuTe kernel, both model shapes, batches 1-512, L = 8, 16, 32,
-#                                and the peers built in .peers/ (scripts/peers/prepare.sh);
-#                                ARGS go to kernel_bench, e.g. --shapes nemotron3-super
-#                                --batches 256 --windows 16 for the headline point alone
+#                                CuTe kernel, the three layer shapes (two Mamba-2, one Gated
+#                                DeltaNet), batches 1-512, L = 8, 16, 32, and the peers built in
+#                                .peers/ (scripts/peers/prepare.sh); ARGS go to kernel_bench,
+#                                e.g. --shapes nemotron3-super --batches 256 --windows 16 for the
+#                                headline point alone, --shapes qwen3-next-80b for GDN alone
 #   profile [KERNEL...]          where the time goes: Nsight Compute's warp samples per SASS
 #                                instruction, read by python -m tools.stall_sites, and the
 #                                executed instructions by pipe, read by python -m
@@ -100,7 +101,7 @@ if [ "$dry" = 0 ]; then
     # shellcheck disable=SC1091
     source .device/activate.sh || echo "gpu.sh: .device/activate.sh failed" | tee -a "$log"
   fi
-  for peer in vllm flashinfer; do
+  for peer in vllm flashinfer fla; do
     if [ -f ".peers/$peer/activate.sh" ]; then
       # shellcheck disable=SC1090
       source ".peers/$peer/activate.sh" || echo "gpu.sh: .peers/$peer/activate.sh failed" | tee -a "$log"
@@ -126,7 +127,7 @@ case "$target" in
     ;;
   bench)
     peers=()
-    for peer in vllm flashinfer; do [ -d ".peers/$peer" ] && peers+=("$peer"); done
+    for peer in vllm flashinfer fla; do [ -d ".peers/$peer" ] && peers+=("$peer"); done
     peer_list=$(IFS=,; echo "${peers[*]:-none}")
     run "$py" -m experiments.kernel_bench --peers "$peer_list" --out "$out/kernel_bench.csv" \
       --plot-dir "$out" "$@"

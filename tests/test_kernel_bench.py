@@ -23,18 +23,22 @@ REPO = Path(__file__).resolve().parent.parent
 TINY = kb.BenchShape("tiny", nheads=4, headdim=16, dstate=32, ngroups=2, source="test")
 
 
-def test_bench_shapes_are_the_mamba2_layers_of_lowprec_models():
-    """Both benchmarked shapes take their numbers from lowprec.models, under the same names
-    and order."""
+def test_bench_shapes_are_the_layers_of_lowprec_models():
+    """The benchmarked shapes take their numbers and their recurrence from lowprec.models,
+    under the same names: two Mamba-2 layers and Qwen3-Next's Gated DeltaNet layer (32 value
+    heads of 128 x 128, 16 key heads)."""
     from lowprec import models
 
-    assert list(kb.SHAPES) == ["nemotron3-super", "mamba2-2.7b"]
+    assert list(kb.SHAPES) == ["nemotron3-super", "mamba2-2.7b", "qwen3-next-80b"]
     for name, shape in kb.SHAPES.items():
         assert shape.name == name
         assert shape.ssm == models.get(name).ssm
     m2 = kb.SHAPES["mamba2-2.7b"]
-    assert (m2.nheads, m2.headdim, m2.dstate, m2.ngroups) == (80, 64, 128, 1)
+    assert (m2.nheads, m2.headdim, m2.dstate, m2.ngroups, m2.kind) == (80, 64, 128, 1, "mamba2")
     assert "state-spaces/mamba2-2.7b" in m2.source
+    qwen = kb.SHAPES["qwen3-next-80b"]
+    assert (qwen.nheads, qwen.headdim, qwen.dstate, qwen.ngroups, qwen.kind) == (
+        32, 128, 128, 16, "gdn")
 
 
 def test_help_runs_on_a_cpu_only_machine():
@@ -58,6 +62,15 @@ def test_help_runs_on_a_cpu_only_machine():
         (["--windows", "64"], "windows"),
         (["--kernels", "cute:nonflush:fp64"], "kernels"),
         (["--peers", "sglang"], "peers"),
+        # the shape decides the recurrence: a kernel none of the shapes has is refused by name
+        (["--shapes", "qwen3-next-80b", "--kernels", "cute:nonflush:fp8_e4m3"],
+         "kernels: cute:nonflush:fp8_e4m3 has no Gated DeltaNet form (shape qwen3-next-80b; "
+         "it is a Mamba-2 kernel)"),
+        (["--shapes", "nemotron3-super,mamba2-2.7b", "--kernels", "cute:update:bf16"],
+         "kernels: cute:update:bf16 has no Mamba-2 form (shape nemotron3-super; it is a Gated "
+         "DeltaNet kernel)"),
+        (["--shapes", "mamba2-2.7b", "--kernels", "fla:update:fp32"],
+         "kernels: fla:update:fp32 has no Mamba-2 form"),
         (["--merge", "a.csv", "--plot-only", "b.csv"],
          "--plot-only: not allowed with argument --merge"),
         # a CSV given twice (however spelled) would have every row merged twice
@@ -422,6 +435,8 @@ def test_merge_refuses_one_run_label_in_two_files(tmp_path, capsys):
 
 
 def test_plan_orders_the_headline_first_and_tiers_the_rest():
+    """Tier 0 is the first shape's headline point; each kernel is planned at the shapes whose
+    recurrence has it, at every batch, window and timed cursor."""
     config = kb.BenchConfig(peers=())
     points = kb.plan(config)
     tiers = [p[0] for p in points]
@@ -429,9 +444,14 @@ def test_plan_orders_the_headline_first_and_tiers_the_rest():
     first = points[0]
     assert first[1:] == ("cute:nonflush:nvfp4", "nemotron3-super", 16, 256, 8)
     assert {p[4] for p in points if p[0] == 1} == set(config.batches) - {256}
-    assert {p[2] for p in points if p[0] == 2} == {"mamba2-2.7b"}
-    counted = sum(len(kb.KERNELS[k].cursors(w)) for k in config.all_kernels() for w in (8, 16, 32))
-    assert len(points) == counted * len(config.batches) * len(config.shapes)
+    assert {p[2] for p in points if p[0] == 2} == {"mamba2-2.7b", "qwen3-next-80b"}
+    counted = sum(len(kb.KERNELS[k].cursors(w)) for s in config.shapes
+                  for k in config.all_kernels() for w in (8, 16, 32)
+                  if kb.SHAPES[s].kind in kb.KERNELS[k].recurrences)
+    assert len(points) == counted * len(config.batches)
+    assert {p[1] for p in points if p[2] == "qwen3-next-80b"} == {
+        "cute:nonflush:nvfp4", "cute:nonflush:fp32", "cute:flush:fp16sr+nvfp4",
+        "cute:flush:fp32", "cute:update:fp32", "cute:update:bf16"}
 
 
 def test_sets_rotate_past_the_l2():
@@ -457,16 +477,12 @@ def test_dequantize_nvfp4_follows_the_layout():
 VLLM_SITE = REPO / ".peers" / "vllm" / "site"
 
 
-@pytest.fixture
-def interpreted_vllm(monkeypatch):
-    """vLLM's Triton kernels on CPU tensors. Triton decides at decoration time whether to
-    interpret, so the env var must be set before the vLLM modules are imported (they are
-    imported fresh here). Triton 3.6's interpreter converts a 1-element index tensor with
-    int(), which NumPy >= 2.4 refuses for 1-d arrays; the patch takes its one element."""
-    if not VLLM_SITE.is_dir():
-        pytest.skip("no .peers/vllm (run scripts/peers/prepare.sh vllm)")
-    if torch.cuda.is_available():
-        pytest.skip("the interpreter test is for CPU-only machines")
+def _interpret_afresh(monkeypatch, packages) -> None:
+    """Triton's interpreter for the peers' kernels on CPU tensors. Triton decides at decoration
+    time whether to interpret, so the env var must be set before the peers' modules are
+    imported (`packages` are imported afresh). Triton 3.6's interpreter converts a 1-element
+    index tensor with int(), which NumPy >= 2.4 refuses for 1-d arrays; the patch takes its
+    one element."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     import triton.runtime.interpreter as interpreter
 
@@ -477,9 +493,19 @@ def interpreted_vllm(monkeypatch):
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 
     monkeypatch.setattr(interpreter, "_patch_lang_tensor", patch)
-    for name in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]:
+    for name in [m for m in sys.modules if m.split(".")[0] in packages]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setattr(peers, "_MODULES", {})
+
+
+@pytest.fixture
+def interpreted_vllm(monkeypatch):
+    """vLLM's Triton kernels on CPU tensors (`_interpret_afresh`)."""
+    if not VLLM_SITE.is_dir():
+        pytest.skip("no .peers/vllm (run scripts/peers/prepare.sh vllm)")
+    if torch.cuda.is_available():
+        pytest.skip("the interpreter test is for CPU-only machines")
+    _interpret_afresh(monkeypatch, ("vllm",))
     return REPO / ".peers"
 
 
@@ -716,3 +742,401 @@ def test_plot_only_with_out_draws_beside_out_and_leaves_the_read_csv_alone(tmp_p
     assert drawn and all(p.suffix == ".png" for p in drawn)
     assert [p.name for p in source.parent.iterdir()] == ["bench.csv"]
     assert source.read_bytes() == before
+
+
+# --------------------------------------------------------------------------------------------
+# Gated DeltaNet: the qwen3-next-80b shape builds the GDN kernels of the same names
+
+# An odd GDN head the CuTe kernels take (d_k 128, d_v a multiple of 16): 6 value heads of
+# 48 x 128, 3 key heads (2 value heads each).
+TINY_GDN = kb.BenchShape("tiny-gdn", nheads=6, headdim=48, dstate=128, ngroups=3, source="test",
+                         kind="gdn")
+GDN_CUTE = ("cute:nonflush:nvfp4", "cute:nonflush:fp32", "cute:flush:fp16sr+nvfp4",
+            "cute:flush:fp32", "cute:update:fp32", "cute:update:bf16")
+GDN_PEERS = ("vllm:update:fp32", "vllm:update:bf16", "fla:update:fp32", "fla:update:bf16")
+
+
+def test_qwen3_next_alone_times_the_gdn_kernels_and_their_peers():
+    """--shapes qwen3-next-80b: the six CuTe GDN kernels by default, the GDN peers' four, 21
+    (batch, window) points each (a non-flush step at three cursors), the headline first;
+    --list-kernels says which recurrences each kernel has."""
+    config = kb.config_from_args(kb.build_parser().parse_args(["--shapes", "qwen3-next-80b"]))
+    assert config.kernels == GDN_CUTE
+    assert set(config.all_kernels()) == set(GDN_CUTE + GDN_PEERS)
+    points = kb.plan(config)
+    assert points[0][1:] == ("cute:nonflush:nvfp4", "qwen3-next-80b", 16, 256, 8)
+    assert len(points) == 7 * 3 * (3 + 3 + 1 + 1 + 1 + 1 + 4)
+    everything = kb.config_from_args(kb.build_parser().parse_args(
+        ["--shapes", "qwen3-next-80b", "--kernels", "all"]))
+    assert set(everything.kernels) == set(GDN_CUTE + GDN_PEERS)
+    assert kb.BenchConfig().peers == ("vllm", "flashinfer", "fla")
+
+
+def test_list_kernels_names_each_kernels_recurrences(capsys):
+    assert kb.main(["--list-kernels"]) == 0
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
+    assert lines["cute:nonflush:nvfp4"].endswith("default   Mamba-2, Gated DeltaNet")
+    assert lines["cute:nonflush:fp8_e4m3"].endswith("Mamba-2")
+    assert lines["fla:update:bf16"].endswith("default   Gated DeltaNet")
+
+
+@pytest.mark.parametrize("call", [
+    lambda: kb.kernel_bytes("cute:update:fp16sr", TINY_GDN, 1, 0),
+    lambda: cases.build_case("flashinfer:update:fp32", TINY_GDN, 1, 8, 0, 1, "cpu"),
+    lambda: cases.check_kernel("cute:nonflush:fp16", TINY_GDN, 8, "cpu"),
+    lambda: kb.kernel_bytes("fla:update:fp32", TINY, 1, 0),
+])
+def test_a_kernel_the_shapes_recurrence_lacks_is_refused_by_name(call):
+    """Bytes, cases and checks of a kernel without a form for the shape's recurrence raise a
+    ValueError naming the kernel, the shape and the recurrence's kernels."""
+    with pytest.raises(ValueError, match=r"^kernel: \S+ has no (Gated DeltaNet|Mamba-2) form "
+                                         r"\(shape tiny(-gdn)?; it is a .* kernel\); the .* "
+                                         r"kernels are cute:nonflush:nvfp4, "):
+        call()
+
+
+# Hand counts at TINY_GDN, bf16 activations, per slot (module docstring of gdn_cases):
+GDN_STATE = {"fp32": 6 * 48 * 128 * 4, "bf16": 6 * 48 * 128 * 2, "fp16": 6 * 48 * 128 * 2,
+             # codes (two a byte) + one E4M3 byte per 16 + one fp32 per head
+             "nvfp4": 6 * (48 * 128 // 2 + 48 * 128 // 16 + 4)}
+NONFLUSH_RECORD = 6 * (48 * 4 + 128 * 2 + 4)  # u fp32, k bf16, g fp32: 452 a head
+APPEND = 6 * (48 * 4 + (48 + 128) * 2 + 8)  # u, v, k, g, beta: 552 a head
+FLUSH_RECORD = 6 * ((48 + 128) * 2 + 8)  # v, k, g, beta: 360 a head
+KIT_TOKEN = 6 * (2 * 128 * 2 + 2 * 48 * 2 + 8)  # q, k per value head; v, y; g, beta fp32
+FLA_TOKEN = 3 * 2 * 128 * 2 + 6 * (2 * 48 * 2 + 8)  # q, k per key head; v, y; g, beta fp32
+VLLM_TOKEN = 3 * 2 * 128 * 2 + 6 * (2 * 48 * 2 + 2 * 2)  # ...; the raw gates a, b in bf16
+
+
+@pytest.mark.parametrize("name, cursor, per_slot", [
+    ("cute:nonflush:nvfp4", 5, GDN_STATE["nvfp4"] + 5 * NONFLUSH_RECORD + APPEND + KIT_TOKEN),
+    ("cute:nonflush:fp32", 5, GDN_STATE["fp32"] + 5 * NONFLUSH_RECORD + APPEND + KIT_TOKEN),
+    ("cute:flush:fp16sr+nvfp4", 7,
+     2 * GDN_STATE["fp16"] + GDN_STATE["nvfp4"] + 8 * FLUSH_RECORD + KIT_TOKEN),
+    ("cute:flush:fp32", 7, 2 * GDN_STATE["fp32"] + 8 * FLUSH_RECORD + KIT_TOKEN),
+    ("cute:update:bf16", 0, 2 * GDN_STATE["bf16"] + KIT_TOKEN),
+    ("vllm:update:bf16", 0, 2 * GDN_STATE["bf16"] + VLLM_TOKEN),
+    ("fla:update:fp32", 0, 2 * GDN_STATE["fp32"] + FLA_TOKEN),
+    ("fla:update:bf16", 0, GDN_STATE["bf16"] + GDN_STATE["fp32"] + FLA_TOKEN),  # fp32 out
+])
+def test_gdn_kernel_bytes_equal_a_hand_count(name, cursor, per_slot):
+    """GDN bytes at an odd head (6 value heads of 48 x 128, 3 key heads), batch 3: the state
+    copies in their formats, the ring records the step reads and appends, the token's
+    inputs and output in each kernel's own layout."""
+    assert kb.kernel_bytes(name, TINY_GDN, batch=3, cursor=cursor) == 3 * per_slot
+
+
+@pytest.mark.parametrize("shape", [TINY_GDN, kb.SHAPES["qwen3-next-80b"]], ids=["odd", "qwen"])
+def test_gdn_kernel_bytes_are_the_cute_kernels_own_counts(shape):
+    """For every CuTe GDN kernel, at every cursor of windows 8 and 32, the benchmark's bytes
+    equal the kernel module's `traffic_bytes`."""
+    pytest.importorskip("cutlass")
+    from cute_kernels import gdn_replay_flush as gf
+    from cute_kernels import gdn_replay_output as go
+    from cute_kernels import gdn_state_update as gu
+
+    H, V, K = shape.nheads, shape.headdim, shape.dstate
+    for window in (8, 32):
+        for cursor in range(window - 1):
+            for lo in ("nvfp4", "fp32"):
+                own = go.traffic_bytes("none" if lo == "fp32" else lo, "bf16", 5, H, V, K,
+                                       cursor)
+                assert kb.kernel_bytes(f"cute:nonflush:{lo}", shape, 5, cursor) == own
+        for name, hi, lo in (("cute:flush:fp16sr+nvfp4", "fp16", "nvfp4"),
+                             ("cute:flush:fp32", "fp32", "none")):
+            own = gf.traffic_bytes(hi, lo, "bf16", 5, H, V, K, window)
+            assert kb.kernel_bytes(name, shape, 5, window - 1) == own
+    for fmt in ("fp32", "bf16"):
+        own = gu.traffic_bytes(fmt, "bf16", 5, H, V, K)
+        assert kb.kernel_bytes(f"cute:update:{fmt}", shape, 5, 0) == own
+
+
+def _gdn_frame() -> pd.DataFrame:
+    """Timed GDN rows at L = 16, batches 1 and 256: non-flush steps 1 + cursor/8 us, the flush
+    20 us, the kit's updates 30 (fp32) and 16 (bf16) us, vLLM's 32 and 17, FLA's 35 and 25;
+    batch 256 times are those x 100."""
+    rows = []
+    shape = kb.SHAPES["qwen3-next-80b"]
+
+    def add(kernel, batch, cursor, us):
+        spec = kb.KERNELS[kernel]
+        nbytes = kb.kernel_bytes(spec, shape, batch, cursor)
+        gbps = nbytes / us / 1e3
+        rows.append(dict(
+            run="h200", kernel=kernel, impl=spec.impl, step=spec.step, scheme="",
+            shape=shape.name, batch=batch, window=16, cursor=cursor, time_us=us,
+            time_us_p10=0.9 * us, time_us_p90=1.1 * us, bytes=nbytes, gbps=gbps,
+            frac_copy=gbps / 4000, frac_read=gbps / 4200, copy_gbps=4000.0, read_gbps=4200.0,
+            check=0.1, status="ok", sets=8, timing="graph", note=""))
+
+    for batch, scale in ((1, 1.0), (256, 100.0)):
+        for cursor in (0, 8, 14):
+            add("cute:nonflush:nvfp4", batch, cursor, scale * (1 + cursor / 8))
+        add("cute:flush:fp16sr+nvfp4", batch, 15, scale * 20.0)
+        for kernel, us in (("cute:update:fp32", 30.0), ("cute:update:bf16", 16.0),
+                           ("vllm:update:fp32", 32.0), ("vllm:update:bf16", 17.0),
+                           ("fla:update:fp32", 35.0), ("fla:update:bf16", 25.0)):
+            add(kernel, batch, 0, scale * us)
+    return pd.DataFrame(rows, columns=kb.COLUMNS)
+
+
+def test_gdn_token_rows_and_goals_against_the_fastest_peer():
+    """A GDN window costs ((L-1) mean non-flush + flush) / L per committed token, as Mamba-2's;
+    the GDN goals compare it with the fastest peer's fp32 and bf16 states at batch 256 and
+    with the fastest peer of all at batch 1 (here vLLM's every time)."""
+    frame = kb.with_token_rows(_gdn_frame())
+    tokens = frame[frame["step"] == "token"].set_index(["scheme", "batch"])
+    two = (15 * (1 + 7 / 8) + 20.0) / 16
+    assert tokens.loc[("two-precision", 1), "time_us"] == pytest.approx(two, rel=1e-12)
+    shape = kb.SHAPES["qwen3-next-80b"]
+    window_bytes = (sum(kb.kernel_bytes("cute:nonflush:nvfp4", shape, 1, c) for c in range(15))
+                    + kb.kernel_bytes("cute:flush:fp16sr+nvfp4", shape, 1, 15))
+    assert tokens.loc[("two-precision", 1), "bytes"] == pytest.approx(window_bytes / 16)
+    assert tokens.loc[("fla-conventional-bf16", 256), "time_us"] == 2500.0
+    summary = kb.summarize(frame, "qwen3-next-80b").set_index("comparison")
+    assert summary["goal"].tolist() == [0.85, 5.0, 2.5, 1.0]
+    assert summary["achieved"].iloc[1:].tolist() == pytest.approx([32 / two, 17 / two, 17 / two])
+    assert summary["met"].tolist() == [False, True, True, True]
+    text = kb.format_summary(frame)
+    assert "goals (qwen3-next-80b, Gated DeltaNet, batch 256, L = 16):" in text
+    assert "goals (nemotron3-super" not in text
+    both = pd.concat([_synthetic_frame(), _gdn_frame()], ignore_index=True)
+    text = kb.format_summary(kb.with_token_rows(both))
+    assert text.index("goals (nemotron3-super") < text.index("goals (qwen3-next-80b")
+
+
+@pytest.mark.slow
+def test_plots_draw_a_mamba2_and_a_gdn_shape_side_by_side(tmp_path):
+    """A CSV of both recurrences plots into the three figures, one column per shape, each
+    panel at most six series (the GDN kernels, schemes and comparisons have their facets)."""
+    import matplotlib.pyplot as plt
+
+    from experiments import kernel_bench_plots as plots
+
+    path = tmp_path / "both.csv"
+    pd.concat([_synthetic_frame(), _gdn_frame()], ignore_index=True).to_csv(path, index=False)
+    figures = []
+    save = plots.save_figure
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(plots, "save_figure", lambda fig, p: figures.append(fig) or save(fig, p))
+        patch.setattr(plt, "close", lambda fig: None)
+        paths = kb.plot(path, tmp_path)
+    assert [p.name for p in paths] == ["both_time.png", "both_speedup.png", "both_formats.png"]
+    for fig in figures:
+        assert fig.axes[0].get_gridspec().ncols == 2
+        for ax in fig.axes:
+            assert len([line for line in ax.get_lines() if line.get_ls() != ":"
+                        and line.get_color() != "black"]) <= 6
+        titles = " ".join(ax.get_title() for ax in fig.axes)
+        assert "qwen3-next-80b" in titles and "nemotron3-super" in titles
+
+
+def test_gdn_cute_cases_pass_every_check_of_the_kernels_but_the_device_one():
+    """Each CuTe GDN case's caches and token tensors, built on the CPU, pass every check the
+    public function makes (shapes, dtypes, strides, the cache's pairing, no aliasing); the
+    last check refuses the CPU device by name."""
+    pytest.importorskip("cutlass")
+    for name in GDN_CUTE:
+        spec = kb.KERNELS[name]
+        case = cases.build_case(spec, TINY_GDN, 3, 8, cases.check_cursors(spec, 8), 2, "cpu")
+        field = "cache.state" if spec.step == "update" else "cache.hi"
+        for launch in case.launchers():
+            with pytest.raises(ValueError, match=f"^{field}: expected a CUDA tensor"):
+                launch()
+
+
+class EmulatedCute:
+    """The CuTe GDN replay functions' stand-in on the CPU: the packed cache mirrored into the
+    Triton emulation's (fp32 containers, interpreted; the single FP32 copy as an fp32 read
+    copy), stepped there, and what the step writes copied back: y, the ring, the counters,
+    the fp32 recurrence copy. `wrong_decay` multiplies g on its way to the emulation."""
+
+    def __init__(self, wrong_decay: float = 1.0):
+        self.wrong_decay = wrong_decay
+
+    def step(self, cache, q, k, v, g, beta, *, out):
+        from emulation.gdn_replay_decode import GDNReplayCache, gdn_replay_decode
+
+        packed = dict(lo=cache.lo, lo_scales=cache.lo_scales, lo_global=cache.lo_global)
+        single = cache.lo_format == "none"
+        twin = GDNReplayCache(
+            hi=cache.hi.float().clone(),
+            lo=cache.hi.float().clone() if single else cases.dequantize(packed, "nvfp4").float(),
+            lo_scales=None if single else cache.lo_scales.view(torch.float8_e4m3fn).float(),
+            lo_global=None if single else cache.lo_global.clone(),
+            **{n: getattr(cache, n).clone() for n in ("ring_u", "ring_v", "ring_k", "ring_g",
+                                                     "ring_beta", "cursors", "flushes")},
+            hi_format="fp32" if single else "fp16", hi_rounding=cache.hi_rounding,
+            lo_format="fp32" if single else "nvfp4", window=cache.window, seed=cache.seed)
+        gdn_replay_decode(twin, q, k, v, g * self.wrong_decay, beta, out=out)
+        for name in ("ring_u", "ring_v", "ring_k", "ring_g", "ring_beta", "cursors", "flushes"):
+            getattr(cache, name).copy_(getattr(twin, name))
+        if single:
+            cache.hi.copy_(twin.hi)
+
+    gdn_replay_output = step
+    gdn_replay_flush = step
+
+
+@pytest.mark.parametrize("name, wrong_decay, passes", [
+    ("cute:nonflush:nvfp4", 1.0, True),
+    ("cute:nonflush:fp32", 1.0, True),
+    ("cute:flush:fp32", 1.0, True),
+    ("cute:nonflush:nvfp4", 1.5, False),
+    ("cute:flush:fp32", 1.5, False),
+])
+def test_gdn_replay_check_passes_the_emulation_and_fails_a_wrong_decay(monkeypatch, name,
+                                                                       wrong_decay, passes):
+    """The check of a CuTe GDN replay step, run on the Triton emulation in the kernels' place
+    (an implementation of its own, checked against lowprec by its tests), passes, from the
+    NVFP4 read copy, the single fp32 copy, and through the flush's fold; the same steps fed
+    g x 1.5 fail it."""
+    if torch.cuda.is_available():
+        pytest.skip("the interpreter test is for CPU-only machines")
+    pytest.importorskip("cutlass")
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    from experiments import gdn_cases
+
+    real = gdn_cases.cute
+    stand_in = EmulatedCute(wrong_decay)
+    monkeypatch.setattr(gdn_cases, "cute",
+                        lambda module: stand_in if module == "gdn_replay_decode" else real(module))
+    ratio = cases.check_kernel(name, TINY_GDN, 8, "cpu", act=torch.float16)
+    assert (ratio <= 1.0) == passes, ratio
+
+
+FLA_SITE = REPO / ".peers" / "fla" / "site"
+PEER_SITES = {"fla": FLA_SITE, "vllm": VLLM_SITE}
+
+
+@pytest.fixture
+def interpreted_gdn_peers(monkeypatch):
+    """FLA's and vLLM's GDN kernels on CPU tensors (`_interpret_afresh`). vLLM's vendored
+    op.py binds `exp = tl.exp` at import, a function object the interpreter does not swap for
+    its own ('Did you forget to add @triton.jit ?'): a function that looks `tl.exp` up when
+    called, by when the interpreter has patched triton.language, stands in for it here
+    (compiled, the alias is fine)."""
+    if torch.cuda.is_available():
+        pytest.skip("the interpreter test is for CPU-only machines")
+    _interpret_afresh(monkeypatch, ("vllm", "fla"))
+    if VLLM_SITE.is_dir():
+        import triton.language as tl
+
+        monkeypatch.syspath_prepend(str(VLLM_SITE))
+        from vllm.third_party.flash_linear_attention.ops import fused_recurrent
+
+        monkeypatch.setattr(fused_recurrent, "exp", lambda x: tl.exp(x))
+    return REPO / ".peers"
+
+
+def _need_peer(name: str) -> None:
+    site = PEER_SITES[name.split(":")[0]]
+    if not site.is_dir():
+        pytest.skip(f"no {site.parent.relative_to(REPO)} (run scripts/peers/prepare.sh "
+                    f"{site.parent.name})")
+
+
+@pytest.mark.parametrize("name", GDN_PEERS)
+def test_gdn_peer_adapter_matches_the_reference_under_the_interpreter(interpreted_gdn_peers,
+                                                                       name):
+    """Each GDN peer kernel, given its inputs in its own layout (q and k per key head; vLLM's
+    packed mixed_qkv, raw gates and slot indices; FLA's [dk, dv] state and fp32 final state),
+    reproduces lowprec.gdn on 3 slots. fp16 activations: the interpreter emulates bf16 by
+    truncation."""
+    _need_peer(name)
+    ratio = cases.check_kernel(name, TINY_GDN, 8, "cpu", peers_dir=interpreted_gdn_peers,
+                               act=torch.float16)
+    assert ratio <= 1.0
+
+
+@pytest.mark.parametrize("name, entry", [("fla:update:fp32", "fla"),
+                                         ("vllm:update:bf16", "vllm-gdn")])
+def test_gdn_peer_check_rejects_a_wrong_decay(interpreted_gdn_peers, monkeypatch, name, entry):
+    """The check is not vacuous: the peer's kernel fed a decay 1.5 times as strong (FLA's g,
+    vLLM's exp(A_log)) fails it."""
+    _need_peer(name)
+    real = peers.load(entry, interpreted_gdn_peers)
+
+    def wrong(*args, **kwargs):
+        if entry == "fla":
+            kwargs["g"] = kwargs["g"] * 1.5
+        else:
+            kwargs["A_log"] = kwargs["A_log"] + math.log(1.5)
+        return real(*args, **kwargs)
+
+    monkeypatch.setitem(peers._MODULES, entry, wrong)
+    ratio = cases.check_kernel(name, TINY_GDN, 8, "cpu", peers_dir=interpreted_gdn_peers,
+                               act=torch.float16)
+    assert ratio > 1.0
+
+
+def test_a_missing_gdn_peer_is_unavailable_with_the_command_that_builds_it(tmp_path,
+                                                                           monkeypatch):
+    """Without .peers/fla the FLA kernels are recorded as unavailable, the reason naming the
+    folder and the prepare.sh target (when no other fla package is importable)."""
+    import importlib.util
+
+    monkeypatch.setattr(peers, "_MODULES", {})
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if ".peers" not in p])
+    for name in [m for m in sys.modules if m.split(".")[0] == "fla"]:
+        monkeypatch.delitem(sys.modules, name)
+    if importlib.util.find_spec("fla") is not None:
+        pytest.skip("an fla package is installed here")
+    with pytest.raises(cases.Unavailable, match="run scripts/peers/prepare.sh fla"):
+        cases.build_case("fla:update:bf16", TINY_GDN, 1, 8, 0, 1, "cpu", peers_dir=tmp_path)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", GDN_CUTE + GDN_PEERS)
+@pytest.mark.parametrize("shape", [TINY_GDN, kb.SHAPES["qwen3-next-80b"]], ids=["odd", "qwen"])
+def test_gdn_kernels_pass_the_benchmarks_check_and_time_on_the_gpu(name, shape):
+    """Every GDN kernel of the benchmark passes its fp64 check at L = 8 and 16, and its case
+    at batch 4 over 2 sets is timed by the harness (CUDA-graph replay for the kit's kernels)
+    with positive times. A peer not built in .peers/ is skipped."""
+    spec = kb.KERNELS[name]
+    try:
+        for window in (8, 16):
+            ratio = cases.check_kernel(spec, shape, window, "cuda", peers_dir=REPO / ".peers")
+            assert ratio <= 1.0, (window, ratio)
+        case = cases.build_case(spec, shape, 4, 16, spec.cursors(16)[0], 2, "cuda",
+                                peers_dir=REPO / ".peers")
+    except cases.Unavailable as error:
+        pytest.skip(str(error))
+    times, method = harness.time_launches(case.launchers(), case.reset, reps=3, warm_replays=2)
+    assert len(times) == 3 and min(times) > 0
+    assert method == "graph" or spec.impl != "cute"
+
+
+def test_gdn_run_end_to_end_on_the_cpu_with_stand_in_timing(interpreted_gdn_peers,
+                                                             monkeypatch, tmp_path):
+    """run() at a GDN shape on the CPU with the GDN peers alone (interpreted; the ceilings and
+    the timer replaced): only their GDN kernels are planned, each checked, built over 4 sets
+    whose launches all run, and priced per token. The peers take any head: 4 value heads of
+    16 x 32, 2 key heads, to keep the interpreter quick."""
+    for peer in ("fla", "vllm"):
+        _need_peer(f"{peer}:update:fp32")
+    small = kb.BenchShape("small-gdn", nheads=4, headdim=16, dstate=32, ngroups=2,
+                          source="test", kind="gdn")
+    monkeypatch.setitem(kb.SHAPES, "small-gdn", small)
+    monkeypatch.setattr(harness, "measure_ceilings", lambda **_: dict(copy_gbps=4000.0,
+                                                                      read_gbps=4200.0, note=""))
+
+    def stand_in(launches, reset, reps, lead_cycles, warm_replays):
+        for launch in launches:
+            launch()
+        return [20.0] * reps, "stand-in"
+
+    monkeypatch.setattr(harness, "time_launches", stand_in)
+    config = kb.BenchConfig(shapes=("small-gdn",), batches=(3,), windows=(8,), kernels=(),
+                            peers=("vllm", "flashinfer", "fla"), reps=2, l2_multiple=1e-6,
+                            device="cpu", act="fp16", out=str(tmp_path / "run.csv"),
+                            peers_dir=str(interpreted_gdn_peers))
+    frame = kb.run(config, log=lambda _: None)
+    timed = frame[frame["step"] != "token"]
+    assert sorted(timed["kernel"]) == sorted(GDN_PEERS)
+    assert (timed["status"] == "ok").all(), timed["status"].tolist()
+    assert (timed["sets"] == 4).all() and (timed["check"] <= 1.0).all()
+    tokens = frame[frame["step"] == "token"].set_index("scheme")
+    assert set(tokens.index) == {"vllm-conventional-fp32", "vllm-conventional-bf16",
+                                 "fla-conventional-fp32", "fla-conventional-bf16"}
+    assert tokens.loc["fla-conventional-bf16", "bytes"] == kb.kernel_bytes(
+        "fla:update:bf16", small, 3, 0)

@@ -88,13 +88,14 @@ def test_dry_run_bench_prints_a_kernel_bench_command_that_parses_and_writes_noth
 
     tree = _tree(tmp_path, "gpu.sh")
     (tree / ".peers" / "vllm").mkdir(parents=True)
+    (tree / ".peers" / "fla").mkdir(parents=True)
     out = tmp_path / "bench out"
     done = _gpu(tree, "--dry-run", "bench", "--batches", "256", "--windows", "16",
                 OUT=str(out))
     assert done.returncode == 0, done.stderr
     [command] = _commands(done.stdout)
     args = _module_args(command, "experiments.kernel_bench")
-    assert args[:6] == ["--peers", "vllm", "--out", f"{out}/kernel_bench.csv", "--plot-dir",
+    assert args[:6] == ["--peers", "vllm,fla", "--out", f"{out}/kernel_bench.csv", "--plot-dir",
                         str(out)]
     assert args[6:] == ["--batches", "256", "--windows", "16"]
     parsed = kb.build_parser().parse_args(args)
