@@ -10,7 +10,9 @@ FP32 and FP16 states, and against vLLM's and FlashInfer's kernels.
 **Kernels** (`--kernels`, names `impl:step:variant`, `--list-kernels` prints them all; each in
 its default configuration): the kit's CuTe kernels and the Triton emulation
 (`experiments.cases`), vLLM's and FlashInfer's (`experiments.peers`, imported from
-`--peers-dir`; a peer that cannot be imported is recorded with its reason).
+`--peers-dir`; a peer that cannot be imported is recorded with its reason). The SR kernels'
+other settings are named by their random bits and Philox rounds (`cute:flush:fp16sr16r7+nvfp4`,
+`cute:update:fp16sr8r4`; `experiments.cases`), timed when named.
 
 **Batches.** Uniform: every slot holds the same number of records, `cursor` (the records in the
 ring before the step: our `cursors`, vLLM's `write_pos`, FlashInfer's `prev_num_accepted`).
@@ -74,12 +76,14 @@ from experiments.cases import (
     KERNELS,
     SCHEMES,
     SHAPES,
+    SR_SETTINGS,
     BenchShape,
     KernelSpec,
     Unavailable,
     build_case,
     check_kernel,
     kernel_bytes,
+    sr_variant,
 )
 from experiments.kernel_bench_plots import plot
 from lowprec._checks import repeated
@@ -130,6 +134,18 @@ COMPARISONS = (
      "two-precision", None),
     ("token: cute conventional fp32 vs vLLM fp32 update", "vllm-conventional-fp32",
      "conventional-fp32", None),
+)
+# Each SR setting of the recurrence copy (cases.SR_SETTINGS): its flush against the default's,
+# and its token against the per-token targets' denominators
+COMPARISONS += tuple(
+    row for bits, rounds in SR_SETTINGS for row in (
+        (f"flush: fp16sr vs fp16sr{bits}r{rounds}", "cute:flush:fp16sr+nvfp4",
+         f"cute:flush:{sr_variant((bits, rounds))}+nvfp4", None),
+        (f"token: two-precision sr{bits}r{rounds} vs vLLM FP32 ReplaySSM", "vllm-replay-fp32",
+         f"two-precision-sr{bits}r{rounds}", None),
+        (f"token: two-precision sr{bits}r{rounds} vs conventional fp32", "conventional-fp32",
+         f"two-precision-sr{bits}r{rounds}", None),
+    )
 )
 
 # The CSV's columns and their types (read_csv checks them); one row per point of KEY.
