@@ -1276,10 +1276,12 @@ def check_decode_windows(variant, sr=(32, 10), gen_seed=5):
     assert steps_seen_flush >= 3
 
 
-@pytest.mark.parametrize("lo_format", ["nvfp4", "fp8_e4m3"])
-def test_emulation_comparison_accepts_lowprec_stores(lo_format):
+@pytest.mark.parametrize("lo_format, sr", [("nvfp4", (32, 10)), ("fp8_e4m3", (32, 10)),
+                                           ("nvfp4", (8, 4)), ("nvfp4", (13, 7))])
+def test_emulation_comparison_accepts_lowprec_stores(lo_format, sr):
     """The direct CuTe-vs-emulation check of the GPU test, run here on stores made by lowprec
-    (which the kernel must equal): it passes, and it fails on one flipped code byte."""
+    (which the kernel must equal), with each SR setting's draws: it passes, fails on one
+    flipped code byte, and (SR settings other than the default) on the default's draws."""
     gen = torch.Generator().manual_seed(4)
     slots, H, P, N, seed = 3, 2, 16, 32, 77
     state = torch.randn(slots, H, P, N, generator=gen) * torch.exp2(
@@ -1287,8 +1289,10 @@ def test_emulation_comparison_accepts_lowprec_stores(lo_format):
     )
     fs = torch.tensor([0, 2])
     b = {"flushes": torch.tensor([5, 9, 11], dtype=torch.int32)}
-    rand = philox.random_words(seed, fs, b["flushes"][fs].long(), (H, P, N))
-    hi = q.encode_bits(q.round_to(state[fs], FP16, "sr", rand), FP16).to(torch.int16)
+    rand = philox.random_words(seed, fs, b["flushes"][fs].long(), (H, P, N), sr_bits=sr[0],
+                               philox_rounds=sr[1])
+    hi = q.encode_bits(q.round_to(state[fs], FP16, "sr", rand, sr_bits=sr[0]),
+                       FP16).to(torch.int16)
     packed = q.pack(q.quantize(state[fs], lo_format, "rn"))
     lo = packed if lo_format == "nvfp4" else {"values": packed["codes"]}
     cpu = {
@@ -1297,11 +1301,16 @@ def test_emulation_comparison_accepts_lowprec_stores(lo_format):
         "lo": {k: torch.zeros((slots, *v.shape[1:]), dtype=v.dtype).index_copy(0, fs, v)
                for k, v in lo.items()},
     }
-    _emulation_stores_the_same_codes(state[fs], cpu, fs, b, seed, "fp16", "sr", lo_format)
+    _emulation_stores_the_same_codes(state[fs], cpu, fs, b, seed, "fp16", "sr", lo_format, *sr)
+    if sr != (32, 10):
+        with pytest.raises(AssertionError, match="fp16 recurrence copies differ"):
+            _emulation_stores_the_same_codes(state[fs], cpu, fs, b, seed, "fp16", "sr",
+                                             lo_format)
     key = "codes" if lo_format == "nvfp4" else "values"
     cpu["lo"][key].view(torch.uint8).view(-1)[fs[1] * 7 + 3] ^= 1
     with pytest.raises(AssertionError, match="emulation and CuTe lo"):
-        _emulation_stores_the_same_codes(state[fs], cpu, fs, b, seed, "fp16", "sr", lo_format)
+        _emulation_stores_the_same_codes(state[fs], cpu, fs, b, seed, "fp16", "sr", lo_format,
+                                         *sr)
 
 
 # --------------------------------------------------------------------------------------------

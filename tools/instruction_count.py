@@ -382,7 +382,7 @@ def print_pipes(csv_path: str | None, batch: int = 256, ncu_floor_us: float | No
         f"{H200_CLOCK_GHZ} GHz, every pipe flat out):"
     )
     print(
-        f"  {'variant':22s} {'total':>6s} {'ALU':>6s} {'heavy':>6s} {'fp32':>6s} {'XU':>5s} "
+        f"  {'variant':24s} {'total':>6s} {'ALU':>6s} {'heavy':>6s} {'fp32':>6s} {'XU':>5s} "
         f"{'other':>6s}  floor"
     )
     floors = {}
@@ -392,7 +392,7 @@ def print_pipes(csv_path: str | None, batch: int = 256, ncu_floor_us: float | No
         floors[variant] = floor_us(cycles, elements)
         name = variant_name(variant)
         print(
-            f"  {name:22s} {p['total']:6.1f} {p['alu']:6.1f} {p['heavy']:6.1f} "
+            f"  {name:24s} {p['total']:6.1f} {p['alu']:6.1f} {p['heavy']:6.1f} "
             f"{p['fp32']:6.1f} {p['xu']:5.2f} {p['other']:6.1f}  "
             f"{floors[variant]:6.1f} us ({limit})"
         )
