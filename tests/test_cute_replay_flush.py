@@ -7,7 +7,9 @@ level scale) equal lowprec applied to the kernel's own unrounded state (`debug_s
 bit, that state matches lowprec.mamba2.mamba2_replay_flush (fp64) to a derived fp32 bound,
 outputs match, the record is appended and the counters move; every other slot is untouched.
 A multi-window run drives mamba2_replay_decode (non-flush + flush kernels) with slots at
-random ring positions. `replay_flush` and `decode_step` below pack the test's tensors into a
+random ring positions. Each SR setting (random bits an element, Philox rounds) compiles on the
+CPU calling Philox only as often as it needs, and stores lowprec's and the emulation's bits on
+the GPU. `replay_flush` and `decode_step` below pack the test's tensors into a
 `cute_kernels.cache.ReplayCache` and call the public functions.
 """
 
@@ -1236,9 +1238,9 @@ def check_decode_windows(variant, sr=(32, 10), gen_seed=5):
                 want = q.encode_bits(q.round_to(state, FP16, hi_rounding, rand, sr_bits=sr[0]),
                                      FP16)
                 assert torch.equal(cache["hi"].cpu()[fs].view(torch.int16).long() & 0xFFFF, want)
-                now = {"hi": cache["hi"].cpu(),
-                       "lo": {k: v.cpu() for k, v in (cache["lo"] or {}).items()}}
-                _emulation_stores_the_same_codes(state, now, fs, b, SEED, hi_format,
+                stored = {"hi": cache["hi"].cpu(),
+                          "lo": {k: v.cpu() for k, v in (cache["lo"] or {}).items()}}
+                _emulation_stores_the_same_codes(state, stored, fs, b, SEED, hi_format,
                                                  hi_rounding, lo_format, *sr)
             else:  # the fp32 recurrence copy: the unrounded state, as check_flush asserts
                 assert torch.equal(cache["hi"].cpu()[fs], q.round_to(state, q.formats.FP32))

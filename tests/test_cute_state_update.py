@@ -3,8 +3,9 @@
 CPU: the three variants (fp32, fp16 RN, fp16 SR) compile for sm_90a with 128-bit state
 accesses only; bad arguments raise ValueErrors. GPU: the new state matches
 lowprec.mamba2.mamba2_step (fp64) to a derived fp32 bound, the stored fp16 bits equal lowprec's
-RN / SR of the kernel's own unrounded state (words of (seed, slot, token counter)), outputs
-match, SR counters advance by one per call.
+RN / SR of the kernel's own unrounded state (draws of (seed, slot, token counter) with each
+SR setting of random bits and Philox rounds), outputs match, SR counters advance by one per
+call.
 """
 
 import os
