@@ -21,11 +21,14 @@ containers; same field names and order):
     flushes    int32 [slots]   checkpoint writes so far (the Philox flush counter)
 
 Config: ``hi_format`` ('fp16' | 'fp32'), ``hi_rounding`` ('sr' | 'rn'; 'rn' for fp32),
-``lo_format``, ``window`` L (Lcap >= L) and the Philox ``seed``.
+``lo_format``, ``window`` L (Lcap >= L), the Philox ``seed``, and SR's ``sr_bits`` (random bits
+an element: 32, 16, 13 or 8) and ``philox_rounds`` (1..10), left at (32, 10) for an RN copy
+(docs/design.md, "Stochastic rounding: random bits and Philox rounds"; the names and checks of
+the emulation's caches).
 
 `StateCache` holds a conventional decode state (``state`` fp32 | fp16, ``tokens`` int32: the
 Philox counter of SR stores; ``scales`` and ``global_scale`` None: the CuTe kernel stores
-element formats only).
+element formats only), with ``sr_bits`` and ``philox_rounds`` as above.
 
 `check_replay_cache` / `check_state_cache` validate a cache once at each public entry and
 return a `CacheView` of it; `check_step` validates a step's token inputs and outputs against
@@ -41,12 +44,14 @@ from dataclasses import dataclass, fields
 import torch
 
 from cute_kernels import _compile
+from lowprec import philox
 from lowprec._checks import bytes_overlap
 from lowprec.philox import ELEMENT_LIMIT, SLOT_LIMIT
 from lowprec.replay import check_counter_ranges
 
 __all__ = ["ReplayCache", "StateCache", "CacheView", "check_replay_cache", "check_state_cache",
-           "check_step", "check_apart", "check_counter_values", "require_cuda"]
+           "check_step", "check_apart", "check_counter_values", "require_cuda",
+           "check_sr_settings"]
 
 HI_FORMATS = {"fp16": torch.float16, "fp32": torch.float32}
 HI_ROUNDINGS = ("sr", "rn")
@@ -64,6 +69,24 @@ def fail(name, expected, got):
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_sr_settings(sr_bits, philox_rounds, rounding, rounding_name: str,
+                      prefix: str = "") -> tuple[int, int]:
+    """(sr_bits, philox_rounds) as ints the kernels' fp16 SR takes (random bits an element in
+    `lowprec.philox.SR_BITS`, rounds in 1..10: every setting of the contract), and the
+    defaults (32, 10) unless ``rounding`` is 'sr' (only SR draws random bits); messages name
+    ``prefix + 'sr_bits'`` etc., as the emulation's caches do."""
+    sr_bits = philox.check_sr_bits(sr_bits, prefix + "sr_bits")
+    philox_rounds = philox.check_philox_rounds(philox_rounds, prefix + "philox_rounds")
+    if rounding != "sr":
+        for name, value, default in (("sr_bits", sr_bits, philox.DEFAULT_SR_BITS),
+                                     ("philox_rounds", philox_rounds,
+                                      philox.DEFAULT_PHILOX_ROUNDS)):
+            if value != default:
+                fail(prefix + name, f"the default {default} with {prefix}{rounding_name}="
+                     f"{rounding!r} (only SR draws random bits)", value)
+    return sr_bits, philox_rounds
 
 
 def check_sizes(*sizes) -> None:
@@ -101,16 +124,21 @@ class ReplayCache:
     lo_format: str = "nvfp4"
     window: int = 16
     seed: int = 0
+    sr_bits: int = philox.DEFAULT_SR_BITS
+    philox_rounds: int = philox.DEFAULT_PHILOX_ROUNDS
 
     @classmethod
     def empty(cls, slots: int, nheads: int, headdim: int, dstate: int, *, ngroups: int = 1,
               window: int = 16, hi_format: str = "fp16", hi_rounding: str = "sr",
               lo_format: str = "nvfp4", seed: int = 0, act_dtype: torch.dtype = torch.bfloat16,
-              device=None) -> ReplayCache:
+              device=None, sr_bits: int = philox.DEFAULT_SR_BITS,
+              philox_rounds: int = philox.DEFAULT_PHILOX_ROUNDS) -> ReplayCache:
         """A cache at the zero state with empty rings (ring entries NaN, so that a read of an
         unwritten record shows)."""
         check_sizes(("slots", slots, 0), ("nheads", nheads, 1), ("headdim", headdim, 1),
                     ("dstate", dstate, 1), ("ngroups", ngroups, 1), ("window", window, 1))
+        sr_bits, philox_rounds = check_sr_settings(sr_bits, philox_rounds, hi_rounding,
+                                                   "hi_rounding")
         if hi_format not in HI_FORMATS:
             fail("hi_format", f"one of {list(HI_FORMATS)}", repr(hi_format))
         if lo_format not in LO_FORMATS:
@@ -135,7 +163,7 @@ class ReplayCache:
             cursors=torch.zeros(slots, dtype=torch.int32, device=device),
             flushes=torch.zeros(slots, dtype=torch.int32, device=device),
             hi_format=hi_format, hi_rounding=hi_rounding, lo_format=lo_format, window=window,
-            seed=seed,
+            seed=seed, sr_bits=sr_bits, philox_rounds=philox_rounds,
         )
         check_replay_cache(cache)
         return cache
@@ -150,7 +178,8 @@ class ReplayCache:
 @dataclass
 class StateCache:
     """A conventional decode state in the CuTe kernel's formats (module docstring): ``format``
-    'fp32' or 'fp16' (the state's dtype), ``rounding`` 'rn' or 'sr' (fp16 only), ``seed``."""
+    'fp32' or 'fp16' (the state's dtype), ``rounding`` 'rn' or 'sr' (fp16 only), ``seed``,
+    and SR's ``sr_bits`` and ``philox_rounds`` ((32, 10) for RN)."""
 
     state: torch.Tensor
     scales: torch.Tensor | None
@@ -159,20 +188,26 @@ class StateCache:
     format: str = "fp16"
     rounding: str = "rn"
     seed: int = 0
+    sr_bits: int = philox.DEFAULT_SR_BITS
+    philox_rounds: int = philox.DEFAULT_PHILOX_ROUNDS
 
     @classmethod
     def empty(cls, slots: int, nheads: int, headdim: int, dstate: int, *, format: str = "fp16",
-              rounding: str = "rn", seed: int = 0, device=None) -> StateCache:
+              rounding: str = "rn", seed: int = 0, device=None,
+              sr_bits: int = philox.DEFAULT_SR_BITS,
+              philox_rounds: int = philox.DEFAULT_PHILOX_ROUNDS) -> StateCache:
         """A zero state with its token counters at 0."""
         check_sizes(("slots", slots, 0), ("nheads", nheads, 1), ("headdim", headdim, 1),
                     ("dstate", dstate, 1))
+        sr_bits, philox_rounds = check_sr_settings(sr_bits, philox_rounds, rounding, "rounding")
         if format not in HI_FORMATS:
             fail("format", f"one of {list(HI_FORMATS)}", repr(format))
         cache = cls(state=torch.zeros(slots, nheads, headdim, dstate, dtype=HI_FORMATS[format],
                                       device=device),
                     scales=None, global_scale=None,
                     tokens=torch.zeros(slots, dtype=torch.int32, device=device),
-                    format=format, rounding=rounding, seed=seed)
+                    format=format, rounding=rounding, seed=seed, sr_bits=sr_bits,
+                    philox_rounds=philox_rounds)
         check_state_cache(cache)
         return cache
 
@@ -301,6 +336,8 @@ def check_replay_cache(cache) -> CacheView:
     if not _is_int(cache.window) or not 1 <= cache.window <= 32:
         fail("cache.window", "an int in [1, 32]", repr(cache.window))
     check_seed(cache.seed)
+    check_sr_settings(cache.sr_bits, cache.philox_rounds, cache.hi_rounding, "hi_rounding",
+                      "cache.")
     hi = cache.hi
     if not isinstance(hi, torch.Tensor) or hi.dim() != 4:
         fail("cache.hi", "a 4-d tensor [slots, nheads, headdim, dstate]",
@@ -347,6 +384,7 @@ def check_state_cache(cache) -> CacheView:
         fail("cache.rounding", f"one of {list(HI_ROUNDINGS)} ('rn' for fp32: its store is "
              "exact)", repr(cache.rounding))
     check_seed(cache.seed)
+    check_sr_settings(cache.sr_bits, cache.philox_rounds, cache.rounding, "rounding", "cache.")
     for name in ("scales", "global_scale"):
         if getattr(cache, name) is not None:
             fail(f"cache.{name}", "None (element formats only)",

@@ -8,14 +8,23 @@ Each function is a plain Python function of DSL scalars, traced into the calling
 call overhead), and states its equivalence to `lowprec`:
 
     philox_keys, philox_word,   lowprec.philox.randint / randint4x (= Triton tl.randint,
-      philox_words              tl.randint4x): Philox-4x32-10, key (seed lo, seed hi), counter
-                                (offset lo, offset hi, 0, 0); the first word, or all four
+      philox_words              tl.randint4x): Philox-4x32 in R rounds (the keys' count; 10
+                                by default), key (seed lo, seed hi), counter (offset lo, offset
+                                hi, 0, 0); the first word, or all four
     state_counter               the counter words of offset = (slot<<44)|(flush<<24)|counter,
-                                counter = element // 4 (element e takes word e % 4)
-    sr_fp16_bits                encode_bits(round_to(x, FP16, 'sr', r), FP16)
+                                counter = element // E (E = 4 elements a counter for 32-bit
+                                draws: element e takes word e % 4; 8 for 16 and 13; 16 for 8)
+    sr_draw, sr_addend          element e's k-bit draw r_k, the low k bits of its lane of a
+                                word (lowprec.philox.random_words, sr_bits=k), and what the
+                                one-add form adds for it (docs/design.md)
+    sr_fp16_bits                encode_bits(round_to(x, FP16, 'sr', r, sr_bits=k), FP16)
     sr_fp16_bits_fast           the same by one add where |x| >= 2^-14, with a flag elsewhere
-    sr_fp16x2_fast              two of them by two adds and one cvt.rz.satfinite.f16x2.f32
-                                where 2^-14 <= |x| < 2^127 (the kernels' fast path)
+    sr_fp16x2_fast,             two of them by two adds and one cvt.rz.satfinite.f16x2.f32
+      sr_fp16x2_lanes           where 2^-14 <= |x| < 2^127 (the kernels' fast path), 32-bit
+                                words or k-bit lanes
+    piece_words, group_words,   a thread's 8 or 16 consecutive elements: the words of their
+      shared_words,             Philox counters (one call a counter: W / E, at least one),
+      sr_fp16_piece             drawn a group of 8 at a time, and SR
     rn_fp16_bits, rn_e4m3_byte, encode_bits(round_to(x, fmt, 'rn'), fmt): ties to even,
       rn_e2m1_nibble            saturating (plain hardware cvt.rn.f16 gives inf from 65520 on)
     rn_fp16x2                   two rn_fp16_bits with cvt.rn.satfinite.f16x2.f32 (fast path)
@@ -61,7 +70,9 @@ from cute_kernels import _compile  # noqa: F401  (sets the sm_90a target before 
 from cute_kernels.ptx import inline_ptx
 
 __all__ = [
-    "PHILOX_ROUNDS",
+    "SR_BITS",
+    "DEFAULT_SR_BITS",
+    "DEFAULT_PHILOX_ROUNDS",
     "FP16",
     "E4M3",
     "E2M1",
@@ -69,12 +80,21 @@ __all__ = [
     "philox_word",
     "philox_words",
     "state_counter",
+    "lane_bits",
+    "counter_shift",
+    "sr_draw",
+    "sr_addend",
     "f32_bits",
     "bits_f32",
     "sr_fp16_bits",
     "sr_fp16_bits_fast",
     "sr_fp16x2_fast",
+    "sr_fp16x2_lanes",
     "sr_fp16_chunk",
+    "shared_words",
+    "group_words",
+    "piece_words",
+    "sr_fp16_piece",
     "rn_code",
     "rn_fp16_bits",
     "rn_fp16x2",
@@ -93,7 +113,11 @@ __all__ = [
     "silu",
 ]
 
-PHILOX_ROUNDS = 10
+# SR's random bits per element (docs/design.md, "Stochastic rounding: random bits and Philox
+# rounds"): lanes of 8, 16 (also for 13) and 32 bits of a Philox word
+SR_BITS = (8, 13, 16, 32)
+DEFAULT_SR_BITS = 32
+DEFAULT_PHILOX_ROUNDS = 10  # Philox-4x32-10; the kernels take 1..10
 ROUND_A = 0xD2511F53
 ROUND_B = 0xCD9E8D57
 KEY_A = 0x9E3779B9
@@ -163,15 +187,18 @@ def bits_f32(u):
 
 
 # --------------------------------------------------------------------------------------------
-# Philox-4x32-10
+# Philox-4x32
 
 
-def philox_keys(seed_lo, seed_hi) -> list:
-    """The ten round keys `(k0, k1)` of a seed: compute once per thread outside element loops
-    (they are uniform across the grid, so they cost registers, not instructions)."""
+def philox_keys(seed_lo, seed_hi, rounds: int = DEFAULT_PHILOX_ROUNDS) -> list:
+    """The `rounds` round keys `(k0, k1)` of a seed (their count is the rounds philox_words
+    applies): compute once per thread outside element loops (they are uniform across the grid,
+    so they cost registers, not instructions)."""
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or not 1 <= rounds <= 10:
+        raise ValueError(f"rounds: expected an int in [1, 10], got {rounds!r}")
     k0, k1 = seed_lo, seed_hi
     keys = []
-    for _ in range(PHILOX_ROUNDS):
+    for _ in range(rounds):
         keys.append((k0, k1))
         if _is_np(k0):
             k0 = np.uint32((int(k0) + KEY_A) & MASK32)
@@ -183,20 +210,21 @@ def philox_keys(seed_lo, seed_hi) -> list:
 
 
 def philox_word(c0, c1, keys):
-    """First word of Philox-4x32-10 of the counter `(c0, c1, 0, 0)` under `keys`: equal to
-    `lowprec.philox.randint(seed, offset)` and Triton's `tl.randint(seed, offset)` for
-    `offset = c1 << 32 | c0` and `keys = philox_keys(seed & 0xffffffff, seed >> 32)`. (The
+    """First word of Philox-4x32 of the counter `(c0, c1, 0, 0)` under `keys`: equal to
+    `lowprec.philox.randint(seed, offset, R)` and Triton's `tl.randint(seed, offset, R)` for
+    `offset = c1 << 32 | c0` and `keys = philox_keys(seed & 0xffffffff, seed >> 32, R)`. (The
     kernels take all four words, philox_words; this is the one-word form the tests use.)"""
     return philox_words(c0, c1, keys)[0]
 
 
 def philox_words(c0, c1, keys):
-    """The four words of Philox-4x32-10 of the counter `(c0, c1, 0, 0)` under `keys`:
-    `lowprec.philox.randint4x` and Triton's `tl.randint4x`. Round 1 is specialised for
-    `c2 = c3 = 0`: 19 wide multiplies for four words."""
+    """The four words of Philox-4x32 of the counter `(c0, c1, 0, 0)` under `keys`, in
+    `len(keys)` rounds: `lowprec.philox.randint4x(seed, offset, len(keys))` and Triton's
+    `tl.randint4x`. Round 1 is specialised for `c2 = c3 = 0`: 2R - 1 wide multiplies for four
+    words (19 at R = 10)."""
     k0, k1 = keys[0]
     c0, c1, c2, c3 = c1 ^ k0, _u(0, c0), _mul_hi(c0, ROUND_A) ^ k1, _mul_lo(c0, ROUND_A)
-    for r in range(1, PHILOX_ROUNDS):
+    for r in range(1, len(keys)):
         k0, k1 = keys[r]
         c0, c1, c2, c3 = (
             _mul_hi(c2, ROUND_B) ^ c1 ^ k0,
@@ -209,11 +237,54 @@ def philox_words(c0, c1, keys):
 
 def state_counter(slot, flush, counter):
     """Counter words `(lo, hi)` of `offset = (slot << 44) | (flush << 24) | counter`
-    (lowprec.philox.state_offsets: counter = element // 4), for slot, flush < 2^20 and
-    counter < 2^22."""
+    (lowprec.philox.state_offsets: counter = element // E, `counter_shift`), for slot, flush < 2^20
+    and counter < 2^22."""
     lo = ((flush & _u(0xFF, flush)) << _u(FLUSH_SHIFT, flush)) | counter
     hi = (slot << _u(SLOT_SHIFT - 32, slot)) | (flush >> _u(32 - FLUSH_SHIFT, flush))
     return lo, hi
+
+
+def lane_bits(sr_bits: int) -> int:
+    """W, the lane of a word whose low `sr_bits` bits are an element's draw: 8, 16 or 32."""
+    if sr_bits not in SR_BITS:
+        raise ValueError(f"sr_bits: expected one of {list(SR_BITS)}, got {sr_bits!r}")
+    return 8 if sr_bits == 8 else 16 if sr_bits < 32 else 32
+
+
+def counter_shift(sr_bits: int) -> int:
+    """log2 of E, the consecutive elements one counter's four words serve (4, 8, 8, 16 for
+    32, 16, 13, 8 bits): element e's counter is e >> counter_shift."""
+    return {32: 2, 16: 3, 8: 4}[lane_bits(sr_bits)]
+
+
+def sr_draw(word, lane: int, sr_bits: int):
+    """r_k of the element that takes lane `lane` of `word`: the low k = `sr_bits` bits of its
+    W = lane_bits(k) bits (lowprec.philox.random_words)."""
+    if sr_bits == 32:
+        return word
+    shift = lane * lane_bits(sr_bits)
+    lane_word = word >> _u(shift, word) if shift else word
+    return lane_word & _u((1 << sr_bits) - 1, word)
+
+
+def sr_addend(word, lane: int, sr_bits: int):
+    """What SR of FP16 from FP32 adds to the fp32 bits of x (2^-14 <= |x| < 2^127, where the
+    low d = 13 bits are dropped) for the draw r_k in lane `lane` of `word`: c_k = ~r_k &
+    (2^k - 1) aligned to the dropped field, c_k >> (k - 13) for k >= 13, c_k << 5 for k = 8;
+    the sum carries into bit 13 exactly when r_k < floor(frac 2^k) (docs/design.md: `~w >> 19`,
+    `(~L & 0xFFFF) >> 3`, `~L & 0x1FFF`, `(~L & 0xFF) << 5`). A shift and a mask (one LOP3
+    with the complement) an element."""
+    if sr_bits == 32:  # 0x1FFF - (r >> 19) = ~r >> 19: the form the 32-bit kernels compile
+        return _u(0x1FFF, word) - (word >> _u(19, word))
+    inverted = ~word
+    shift = lane * lane_bits(sr_bits) + sr_bits - 13  # the lane's top 13 bits (k >= 13)
+    if sr_bits == 8:  # its 8 bits at bits 5..12 of the dropped field
+        shift = lane * 8 - 5
+        if shift < 0:
+            return (inverted << _u(-shift, word)) & _u(0xFF << 5, word)
+        return (inverted >> _u(shift, word)) & _u(0xFF << 5, word)
+    moved = inverted >> _u(shift, word) if shift else inverted
+    return moved & _u(0x1FFF, word)
 
 
 # --------------------------------------------------------------------------------------------
@@ -251,11 +322,12 @@ def _finish(sign, a, magnitude, fmt):
     return _sel(a > _u(0x7F800000, a), _u(nan_code, a), code)
 
 
-def sr_fp16_bits(x, r):
-    """fp16 bits (in the low 16 bits) of SR(x) with the random word r.
+def sr_fp16_bits(x, r, sr_bits: int = DEFAULT_SR_BITS):
+    """fp16 bits (in the low 16 bits) of SR(x) with the draw r in [0, 2^sr_bits) (a whole
+    random word for 32 bits).
 
-    lowprec: up = r < floor(frac * 2^32) (unsigned), subnormals included, saturating at 65504,
-    NaN -> 0x7E00, -0 -> 0x8000; zero never rounds up.
+    lowprec: up = r < floor(frac * 2^k) (unsigned, k = sr_bits), subnormals included,
+    saturating at 65504, NaN -> 0x7E00, -0 -> 0x8000; zero never rounds up.
     """
     mbits, bias = FP16[0], FP16[1]
     sign, a, significand, e_eff = _decompose(x)
@@ -266,6 +338,8 @@ def sr_fp16_bits(x, r):
     left = significand << (_u(32, a) - _umin(shift, _u(32, a)))
     right = significand >> _umin(_umax(shift, _u(32, a)) - _u(32, a), _u(31, a))
     threshold = _sel(shift <= _u(32, a), left, right)
+    if sr_bits != 32:  # floor(frac * 2^k): the top k bits of floor(frac * 2^32)
+        threshold = threshold >> _u(32 - sr_bits, a)
     up = _sel(r < threshold, _u(1, a), _u(0, a))
     return _finish(sign, a, _exponent_field(e_eff, mbits, bias) + floor_m + up, FP16)
 
@@ -304,20 +378,28 @@ def sr_fp16x2_fast(a, b, ra, rb):
     lowprec's min does. Per element an add, a shift, half a conversion and two compares,
     against sr_fp16_bits_fast's integer rebias, clamp, sign and packing.
     """
+    return sr_fp16x2_lanes(a, b, ra, rb, 0, 0, 32)
+
+
+def sr_fp16x2_lanes(a, b, word_a, word_b, lane_a: int, lane_b: int, sr_bits: int):
+    """(bits, exact): sr_fp16x2_fast for k-bit draws, SR(a) with the draw in lane `lane_a` of
+    `word_a` (sr_draw) in the low half, SR(b) with lane `lane_b` of `word_b` in the high half;
+    exact where 2^-14 <= |a|, |b| < 2^127. The addend is sr_addend's (below 2^13 for every k,
+    so the argument of sr_fp16x2_fast holds as it stands)."""
     exact = (_fabs(a) >= _f(2.0**-14, a)) & (_fabs(a) < _f(2.0**127, a))
     exact = exact & (_fabs(b) >= _f(2.0**-14, b)) & (_fabs(b) < _f(2.0**127, b))
     if _is_np(a):  # the device's arithmetic: the same adds, then what the truncating
         # conversion does with a sum of |t| >= 2^-14 (its low 13 significand bits dropped,
         # |t| clamped to 65504), so that the CPU tests check this formula, not another one
-        def truncated(v, r):
-            t = f32_bits(v) + (np.uint32(0x1FFF) - (np.asarray(r, np.uint32) >> np.uint32(19)))
+        def truncated(v, word, lane):
+            t = f32_bits(v) + sr_addend(np.asarray(word, np.uint32), lane, sr_bits)
             with np.errstate(invalid="ignore", over="ignore"):
                 t = np.clip(bits_f32(t & np.uint32(0xFFFFE000)), -65504.0, 65504.0)
                 return t.astype(np.float16).view(np.uint16).astype(np.uint32)
 
-        return truncated(a, ra) | (truncated(b, rb) << np.uint32(16)), exact
-    ta = f32_bits(a) + (_u(0x1FFF, ra) - (ra >> _u(19, ra)))
-    tb = f32_bits(b) + (_u(0x1FFF, rb) - (rb >> _u(19, rb)))
+        return truncated(a, word_a, lane_a) | (truncated(b, word_b, lane_b) << np.uint32(16)), exact
+    ta = f32_bits(a) + sr_addend(word_a, lane_a, sr_bits)
+    tb = f32_bits(b) + sr_addend(word_b, lane_b, sr_bits)
     packed = inline_ptx(
         T.i32(),
         [bits_f32(tb).ir_value(), bits_f32(ta).ir_value()],
@@ -348,6 +430,92 @@ def sr_fp16_chunk(frag, values, counter_lo0, counter_hi, keys, first: int = 0):
         for v2 in cutlass.range_constexpr(4):
             low = sr_fp16_bits(values[first + 2 * v2], words[2 * v2])
             high = sr_fp16_bits(values[first + 2 * v2 + 1], words[2 * v2 + 1])
+            frag[f2 + v2] = low | (high << Uint32(16))
+
+
+def shared_words(counter_lo0, counter_hi, keys, W: int, sr_bits: int, element0):
+    """8 bits: the words of the one counter a piece of W (8 or 16) elements element0 ..
+    (element0 a multiple of W, counter_lo0 the low word of element0 >> 4) draws from, all
+    four for 16 elements, for 8 the two its elements own (bit 3 of element0); None for the
+    other settings, whose groups of 8 elements have counters of their own."""
+    if sr_bits != 8:
+        return None
+    words = list(philox_words(counter_lo0, counter_hi, keys))
+    if W == 8:
+        upper = (element0 & _u(8, element0)) != _u(0, element0)
+        words = [_sel(upper, words[2], words[0]), _sel(upper, words[3], words[1])]
+    return words
+
+
+def group_words(counter_lo0, counter_hi, keys, sr_bits: int, first: int, shared) -> list:
+    """The random words of elements first .. first + 7 of a piece (first a multiple of 8;
+    counter_lo0 the low word of the piece's first counter), n = 32 // lane_bits(sr_bits)
+    elements a word, element first + v taking lane v % n of word v // n: two philox_words
+    for 32 bits, one for 16 and 13, a share of `shared_words` for 8."""
+    if sr_bits == 8:
+        return shared[first // 4: first // 4 + 2]
+    per_counter = 1 << counter_shift(sr_bits)
+    words = []
+    for j in range(first // per_counter, (first + 8) // per_counter):
+        counter = counter_lo0 + _u(j, counter_lo0) if j else counter_lo0
+        words.extend(philox_words(counter, counter_hi, keys))
+    return words
+
+
+def piece_words(counter_lo0, counter_hi, keys, W: int, sr_bits: int, element0) -> list:
+    """Every group's words of a piece of W elements, in element order (what the kernels draw
+    a group at a time, `sr_fp16_piece`): one philox_words a counter the piece touches, W / 4
+    for 32 bits, W / 8 for 16 and 13, one for 8."""
+    shared = shared_words(counter_lo0, counter_hi, keys, W, sr_bits, element0)
+    return [word for first in range(0, W, 8)
+            for word in group_words(counter_lo0, counter_hi, keys, sr_bits, first, shared)]
+
+
+@cute.jit
+def sr_fp16_piece(frag, values, W: cutlass.Constexpr, slot, flush, element0, counter_hi, keys,
+                  sr_bits: cutlass.Constexpr = DEFAULT_SR_BITS):
+    """fp16 SR bits of the W (8 or 16) consecutive state elements element0 .. element0 + W - 1
+    (element0 a multiple of W) holding values[0 .. W-1], two per uint32 of `frag`, with
+    `sr_bits` random bits an element, their words drawn a group of 8 at a time (group_words:
+    Philox as often as the setting needs; a group's words die with it, which at the 64
+    registers of the Nemotron flush is 0.7 SASS instructions an element fewer than drawing
+    the piece's words first). `counter_hi`: the high counter word of (slot, flush)
+    (state_counter); `keys`: philox_keys, whose count is the rounds. 32 bits:
+    sr_fp16_chunk a group."""
+    counter_lo0, _ = state_counter(slot, flush, element0 >> Uint32(counter_shift(sr_bits)))
+    if cutlass.const_expr(sr_bits == 32):
+        for first in cutlass.range_constexpr(0, W, 8):
+            sr_fp16_chunk(frag, values, counter_lo0, counter_hi, keys, first)
+    else:
+        lanes = 32 // lane_bits(sr_bits)
+        shared = shared_words(counter_lo0, counter_hi, keys, W, sr_bits, element0)
+        for first in cutlass.range_constexpr(0, W, 8):
+            words = group_words(counter_lo0, counter_hi, keys, sr_bits, first, shared)
+            _sr_fp16_lanes8(frag, values, words, first, lanes, sr_bits)
+
+
+@cute.jit
+def _sr_fp16_lanes8(frag, values, words, first: cutlass.Constexpr, lanes: cutlass.Constexpr,
+                    sr_bits: cutlass.Constexpr):
+    """values[first .. first + 7] with k-bit draws, element first + v taking lane v % lanes of
+    words[v // lanes]: the paired one-add form, or the general one for all eight where a
+    value is outside its range (as sr_fp16_chunk)."""
+    f2 = first // 2
+    exact = cutlass.Boolean(True)
+    for v2 in cutlass.range_constexpr(4):
+        v = 2 * v2
+        frag[f2 + v2], exact_pair = sr_fp16x2_lanes(
+            values[first + v], values[first + v + 1], words[v // lanes], words[(v + 1) // lanes],
+            v % lanes, (v + 1) % lanes, sr_bits)
+        exact = exact & exact_pair
+    if not exact:
+        for v2 in cutlass.range_constexpr(4):
+            v = 2 * v2
+            low = sr_fp16_bits(values[first + v], sr_draw(words[v // lanes], v % lanes, sr_bits),
+                               sr_bits)
+            high = sr_fp16_bits(values[first + v + 1],
+                                sr_draw(words[(v + 1) // lanes], (v + 1) % lanes, sr_bits),
+                                sr_bits)
             frag[f2 + v2] = low | (high << Uint32(16))
 
 

@@ -377,7 +377,7 @@ class ReplayFlush:
                 # 5. stores, one chunk at a time so that each chunk's values die after its stores
                 # (all chunks at once spilled: SR words and codes for 64 values do not fit); the
                 # recurrence copy first, then (after the barrier of the head's amax) nvfp4
-                keys = nm.philox_keys(seed_lo, seed_hi)
+                keys = nm.philox_keys(seed_lo, seed_hi, cfg.philox_rounds)
                 _, counter_hi = nm.state_counter(Uint32(s), flush, Uint32(0))
                 nvfp4 = cfg.lo_format == "nvfp4"
                 block_amax = []  # per chunk max |S|: the head's amax and each block's scale
@@ -397,10 +397,9 @@ class ReplayFlush:
                         debug_frag = cute.make_rmem_tensor((W,), Float32)
                         debug_frag.store(acc[i])
                         cute.autovec_copy(debug_frag, _chunk(debug_h, p, col, W))
-                    element0 = Uint32((h * P + p) * N) + Uint32(col * W)  # a multiple of 8
-                    counter_lo0, _ = nm.state_counter(Uint32(s), flush, element0 >> Uint32(2))
-                    _store_hi_chunk(cfg, hi_h, hi_bits, acc[i], p, col, counter_lo0, counter_hi,
-                                    keys)
+                    element0 = Uint32((h * P + p) * N) + Uint32(col * W)  # a multiple of W
+                    _store_hi_chunk(cfg, hi_h, hi_bits, acc[i], p, col, Uint32(s), flush,
+                                    element0, counter_hi, keys)
                     if cutlass.const_expr(cfg.lo_format not in ("none", "nvfp4")):
                         _store_lo_chunk(cfg, lo_h, acc[i], p, col)
                 if cutlass.const_expr(nvfp4):
@@ -592,11 +591,12 @@ def _gate(cfg: cutlass.Constexpr, y, x_p, d_h, z_p):
 
 @cute.jit
 def _store_hi_chunk(
-    cfg: cutlass.Constexpr, hi_h, hi_bits, values, p, col, counter_lo0, counter_hi, keys
+    cfg: cutlass.Constexpr, hi_h, hi_bits, values, p, col, slot, flush, element0, counter_hi,
+    keys
 ):
-    """The recurrence copy of one chunk: fp16 SR (elements 4j .. 4j + 3 of the chunk take the
-    four words of counter counter_lo0 + j; the counter field is the low 22 bits, so adding j is
-    or-ing it in), fp16 RN, or fp32."""
+    """The recurrence copy of one chunk (state elements element0 .. element0 + W - 1 of the
+    slot): fp16 SR with cfg.sr_bits random bits an element in cfg.philox_rounds rounds (a
+    counter serves 4, 8 or 16 consecutive elements, nm.sr_fp16_piece), fp16 RN, or fp32."""
     W = cfg.chunk
     if cutlass.const_expr(cfg.hi_format == "fp32"):
         frag = cute.make_rmem_tensor((W,), Float32)
@@ -606,8 +606,8 @@ def _store_hi_chunk(
     else:
         frag = cute.make_rmem_tensor((W // 2,), Uint32)
         if cutlass.const_expr(cfg.hi_rounding == "sr"):
-            for first in cutlass.range_constexpr(0, W, 8):
-                nm.sr_fp16_chunk(frag, values, counter_lo0, counter_hi, keys, first)
+            nm.sr_fp16_piece(frag, values, W, slot, flush, element0, counter_hi, keys,
+                             cfg.sr_bits)
         else:
             for v2 in cutlass.range_constexpr(W // 2):
                 frag[v2] = nm.rn_fp16x2(values[2 * v2], values[2 * v2 + 1])

@@ -11,6 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from cute_kernels import cache as kv
+from cute_kernels.cache import check_sr_settings
 
 __all__ = [
     "FlushConfig", "flush_config", "check_flush_shape", "default_elements_per_thread",
@@ -85,6 +86,10 @@ class FlushConfig:
     has_dt_bias: bool
     dt_softplus: bool
     has_debug: bool
+    # SR of the fp16 recurrence copy: random bits an element (32, 16, 13, 8) and Philox rounds
+    # (1..10); the defaults (32, 10) unless hi_rounding is 'sr' (docs/design.md)
+    sr_bits: int = 32
+    philox_rounds: int = 10
     # 32 or 64: 32 halves the registers a thread holds, more warps resident per SM
     # (`default_elements_per_thread`)
     elements_per_thread: int = ELEMENTS_PER_THREAD
@@ -119,6 +124,9 @@ class FlushConfig:
         if self.hi_format == "fp32" and self.hi_rounding != "rn":
             kv.fail("hi_rounding", "'rn' for an fp32 recurrence copy (its store is exact)",
                           repr(self.hi_rounding))
+        sr = check_sr_settings(self.sr_bits, self.philox_rounds, self.hi_rounding, "hi_rounding")
+        object.__setattr__(self, "sr_bits", sr[0])  # plain ints: one compile-cache key each
+        object.__setattr__(self, "philox_rounds", sr[1])
         if not _is_int(self.window) or not 1 <= self.window <= 32:
             kv.fail("window", "an int in [1, 32]", repr(self.window))
         if not _is_int(self.ring_len) or self.ring_len < self.window:
@@ -294,7 +302,8 @@ def flush_config(cache: kv.ReplayCache, view: kv.CacheView, x, dt, D=None, z=Non
         dt_dtype=kv.ACT_DTYPES[dt.dtype], hi_format=cache.hi_format,
         hi_rounding=cache.hi_rounding, lo_format=cache.lo_format, has_D=D is not None,
         has_z=z is not None, has_dt_bias=dt_bias is not None, dt_softplus=dt_softplus,
-        has_debug=has_debug, elements_per_thread=ept,
+        has_debug=has_debug, sr_bits=cache.sr_bits, philox_rounds=cache.philox_rounds,
+        elements_per_thread=ept,
     )
 
 

@@ -6,8 +6,9 @@ denominator), so it is written for bandwidth as carefully as they are:
     dt  = softplus(dt + dt_bias)          (or dt + dt_bias; per slot and head)
     S   = exp(dt A) S + dt x B^T           fp32 arithmetic on the loaded state
     y   = S C + D x, times silu(z)          from the new, unrounded state
-    S  <- fp32, or fp16 RN, or fp16 SR with the words lowprec.philox.random_words(seed, slot,
-          tokens[s]) (the per-slot token counter plays the flush counter; +1 per SR call)
+    S  <- fp32, or fp16 RN, or fp16 SR with the draws lowprec.philox.random_words(seed, slot,
+          tokens[s], sr_bits=, philox_rounds=) (the per-slot token counter plays the flush
+          counter; +1 per SR call; the cache's sr_bits and philox_rounds, compile-time knobs)
 
 Thread ownership (one CTA per (slot, head), 128 threads for a 64 x 128 head, 64 elements per
 thread, every state access one 128-bit load or store coalesced across the warp):
@@ -72,12 +73,18 @@ class StateUpdateConfig:
     has_dt_bias: bool
     dt_softplus: bool
     has_debug: bool
+    # SR's random bits an element and Philox rounds; (32, 10) unless rounding is 'sr'
+    sr_bits: int = 32
+    philox_rounds: int = 10
 
     def __post_init__(self):
         if self.state not in STATE_DTYPES.values():
             kv.fail("state", f"one of {tuple(STATE_DTYPES.values())}", repr(self.state))
         if self.rounding not in ROUNDINGS or (self.state == "fp32" and self.rounding != "rn"):
             kv.fail("rounding", f"one of {ROUNDINGS} ('rn' for fp32)", repr(self.rounding))
+        sr = kv.check_sr_settings(self.sr_bits, self.philox_rounds, self.rounding, "rounding")
+        object.__setattr__(self, "sr_bits", sr[0])  # plain ints: one compile-cache key each
+        object.__setattr__(self, "philox_rounds", sr[1])
         if self.chunks_per_row > 32:
             kv.fail("dstate", f"at most {32 * self.vec} for an {self.state} state (a row's "
                           "16-byte chunks within one warp: its output is a warp shuffle sum)",
@@ -229,7 +236,7 @@ class StateUpdate:
                 cute.recast_ptr(S_h.iterator, dtype=Uint32),
                 cute.make_layout((P, N // 2), stride=(N // 2, 1)),
             )
-            keys = nm.philox_keys(seed_lo, seed_hi)
+            keys = nm.philox_keys(seed_lo, seed_hi, cfg.philox_rounds)
             counter = Uint32(counters[s])
             _, counter_hi = nm.state_counter(Uint32(s), counter, Uint32(0))
             for i in cutlass.range_constexpr(passes):
@@ -237,8 +244,8 @@ class StateUpdate:
                 w_frag = cute.make_rmem_tensor((V // 2,), Uint32)
                 element0 = Uint32((h * P + p) * N + col * V)
                 if cutlass.const_expr(cfg.rounding == "sr"):
-                    counter_lo0, _ = nm.state_counter(Uint32(s), counter, element0 >> Uint32(2))
-                    nm.sr_fp16_chunk(w_frag, acc[i], counter_lo0, counter_hi, keys)
+                    nm.sr_fp16_piece(w_frag, acc[i], V, Uint32(s), counter, element0, counter_hi,
+                                     keys, cfg.sr_bits)
                 else:
                     for v2 in cutlass.range_constexpr(V // 2):
                         w_frag[v2] = nm.rn_fp16x2(acc[i][2 * v2], acc[i][2 * v2 + 1])
@@ -330,6 +337,8 @@ def mamba2_state_update(cache: kv.StateCache, x, dt, A, B, C, D=None, z=None, dt
         has_dt_bias=dt_bias is not None,
         dt_softplus=dt_softplus,
         has_debug=debug_state is not None,
+        sr_bits=cache.sr_bits,
+        philox_rounds=cache.philox_rounds,
     )
     if view.slots == 0:
         return out

@@ -16,6 +16,13 @@ recurrence does not have is refused by name (`KernelSpec.check_shape`).
     cute:flush:fp32           M and G: hi fp32 and no read copy (single-copy FP32 ReplaySSM)
     cute:update:<fmt>         the conventional every-token step: M state_update, state fp32,
                               fp16 (RN) or fp16sr; G gdn_state_update, state fp32 or bf16
+    cute:flush:fp16sr<k>r<R>+nvfp4, cute:update:fp16sr<k>r<R>
+                              M: the same SR kernels with k random bits an element and R
+                              Philox rounds (docs/design.md; `fp16sr` alone is k = 32, R = 10):
+                              every k in (32, 16, 13, 8) with R in (10, 7, 4) (`SR_SETTINGS`),
+                              e.g. cute:flush:fp16sr16r7+nvfp4; `sr_setting(variant)` parses
+                              them. Schemes `two-precision-sr<k>r<R>` and
+                              `conventional-fp16sr<k>r<R>` price a token with them
     emulation:nonflush:nvfp4  M: the Triton emulation (fp32 containers), optional
     vllm:..., flashinfer:...  the peers' kernels (`experiments.peers`)
     fla:...
@@ -49,6 +56,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,6 +74,9 @@ __all__ = [
     "ACT",
     "ACT_DTYPES",
     "KIT_DT",
+    "SR_SETTINGS",
+    "sr_setting",
+    "sr_variant",
     "Case",
     "Unavailable",
     "RECURRENCES",
@@ -87,6 +98,9 @@ ACT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # dt: nvvm.load.ext has no bf16 form); the peers get the dtype they serve with.
 KIT_DT = torch.float32
 SEED = 12345  # the Philox seed of the SR kernels' caches
+# SR settings (random bits an element, Philox rounds) timed besides the default (32, 10)
+SR_SETTINGS = tuple((bits, rounds) for bits in (32, 16, 13, 8) for rounds in (10, 7, 4)
+                    if (bits, rounds) != (32, 10))
 
 
 # --------------------------------------------------------------------------------------------
@@ -207,6 +221,20 @@ class KernelSpec:
         return tuple(dict.fromkeys((max(window // 2, lo), lo, hi)))
 
 
+def sr_variant(sr: tuple[int, int]) -> str:
+    """The fp16 SR state's variant name: 'fp16sr' for (32, 10), else 'fp16sr<k>r<R>'."""
+    return "fp16sr" if tuple(sr) == (32, 10) else f"fp16sr{sr[0]}r{sr[1]}"
+
+
+def sr_setting(variant: str) -> tuple[int, int]:
+    """(sr_bits, philox_rounds) of a CuTe kernel's variant ('fp16sr16r7+nvfp4' -> (16, 7);
+    'fp16sr', 'fp16sr+nvfp4' and every variant without SR -> (32, 10))."""
+    match = re.fullmatch(r"fp16sr(?:(\d+)r(\d+))?", variant.split("+")[0])
+    if match is None or match[1] is None:
+        return 32, 10
+    return int(match[1]), int(match[2])
+
+
 def _specs() -> dict[str, KernelSpec]:
     kit = dict(dt_bytes=KIT_DT.itemsize)
     both = dict(recurrences=("mamba2", "gdn"), **kit)
@@ -228,6 +256,13 @@ def _specs() -> dict[str, KernelSpec]:
         KernelSpec("emulation:nonflush:nvfp4", "nonflush", ("fp32",), records_written=1,
                    dt_bytes=4, default=False),
     ]
+    for sr in SR_SETTINGS:
+        specs += [
+            KernelSpec(f"cute:flush:{sr_variant(sr)}+nvfp4", "flush", ("fp16",),
+                       ("fp16", "nvfp4"), 1, default=False, **kit),
+            KernelSpec(f"cute:update:{sr_variant(sr)}", "update", ("fp16",), ("fp16",),
+                       default=False, **kit),
+        ]
     for fmt in ("fp32", "fp16"):
         main = fmt == "fp32"
         specs += [
@@ -278,6 +313,10 @@ SCHEMES = {
     "fla-conventional-bf16": ("fla:update:bf16",),
 }
 PEER_IMPLS = ("vllm", "flashinfer", "fla")
+for _sr in SR_SETTINGS:
+    SCHEMES[f"two-precision-sr{_sr[0]}r{_sr[1]}"] = ("cute:nonflush:nvfp4",
+                                                     f"cute:flush:{sr_variant(_sr)}+nvfp4")
+    SCHEMES[f"conventional-{sr_variant(_sr)}"] = (f"cute:update:{sr_variant(_sr)}",)
 
 
 # --------------------------------------------------------------------------------------------
@@ -444,13 +483,14 @@ def _build_cute(spec, shape, batch, window, cursor, b: Buffers, p) -> Case:
     if spec.step == "update":
         su, cache_mod = cute("state_update"), cute("cache")
         fmt = spec.variant
-        rounding = "sr" if fmt == "fp16sr" else "rn"
+        rounding = "sr" if fmt.startswith("fp16sr") else "rn"
+        sr_bits, rounds = sr_setting(fmt)
         b.add("state", (S, H, P, N), torch.float16 if fmt.startswith("fp16") else torch.float32,
               "randn")
         counter(b, "tokens", batch, 0)
         caches = [cache_mod.StateCache(state=t["state"], scales=None, global_scale=None,
                                        tokens=t["tokens"], format=fmt[:4], rounding=rounding,
-                                       seed=SEED)
+                                       seed=SEED, sr_bits=sr_bits, philox_rounds=rounds)
                   for t in (b.at(i) for i in range(b.sets))]
 
         def launch(t):
@@ -469,8 +509,10 @@ def _build_cute(spec, shape, batch, window, cursor, b: Buffers, p) -> Case:
     ring_buffers(b, shape, batch, window)
     counter(b, "cursors", batch, cursor)
     counter(b, "flushes", batch, 0)
+    sr_bits, rounds = sr_setting(spec.variant) if spec.step == "flush" else (32, 10)
     caches = [replay_cache(cache_mod.ReplayCache, b.at(i), hi_format=hi_format,
-                           hi_rounding=hi_rounding, lo_format=lo_format, window=window)
+                           hi_rounding=hi_rounding, lo_format=lo_format, window=window,
+                           sr_bits=sr_bits, philox_rounds=rounds)
               for i in range(b.sets)]
     if spec.step == "nonflush":
         fn = cute("replay_output").mamba2_replay_output

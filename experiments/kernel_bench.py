@@ -18,7 +18,9 @@ kernel named that none of the shapes has is refused.
 its default configuration): the kit's CuTe kernels and the Triton emulation
 (`experiments.cases`, `experiments.gdn_cases`), vLLM's, FlashInfer's and FLA's
 (`experiments.peers`, imported from `--peers-dir`; a peer that cannot be imported is recorded
-with its reason).
+with its reason). The SR kernels' other settings are named by their random bits and Philox
+rounds (`cute:flush:fp16sr16r7+nvfp4`, `cute:update:fp16sr8r4`; `experiments.cases`), timed
+when named.
 
 **Batches.** Uniform: every slot holds the same number of records, `cursor` (the records in the
 ring before the step: our `cursors`, vLLM's `write_pos`, FlashInfer's `prev_num_accepted`).
@@ -90,12 +92,14 @@ from experiments.cases import (
     RECURRENCES,
     SCHEMES,
     SHAPES,
+    SR_SETTINGS,
     BenchShape,
     KernelSpec,
     Unavailable,
     build_case,
     check_kernel,
     kernel_bytes,
+    sr_variant,
 )
 from experiments.kernel_bench_plots import plot
 from lowprec._checks import repeated
@@ -158,6 +162,18 @@ COMPARISONS = (
     ("token: two-precision vs fastest peer", PEER_SCHEMES, "two-precision"),
     ("token: cute conventional fp32 vs vLLM fp32 update", "vllm-conventional-fp32",
      "conventional-fp32"),
+)
+# Each SR setting of the recurrence copy (cases.SR_SETTINGS): its flush against the default's,
+# and its token against the per-token targets' denominators
+COMPARISONS += tuple(
+    row for bits, rounds in SR_SETTINGS for row in (
+        (f"flush: fp16sr vs fp16sr{bits}r{rounds}", "cute:flush:fp16sr+nvfp4",
+         f"cute:flush:{sr_variant((bits, rounds))}+nvfp4"),
+        (f"token: two-precision sr{bits}r{rounds} vs vLLM FP32 ReplaySSM", "vllm-replay-fp32",
+         f"two-precision-sr{bits}r{rounds}"),
+        (f"token: two-precision sr{bits}r{rounds} vs conventional fp32", "conventional-fp32",
+         f"two-precision-sr{bits}r{rounds}"),
+    )
 )
 
 # The goals per recurrence, at the headline window: (comparison, batch (None: the headline

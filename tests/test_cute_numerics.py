@@ -3,8 +3,9 @@
 The numerics functions run on two backends: DSL scalars inside kernels and numpy arrays. On the
 CPU the numpy backend (the very integer code the kernels trace) is compared with `lowprec`
 exhaustively: every fp16 code, its fp32 neighbours and the midpoints to the next code, with
-random and edge words. A probe kernel compiles for sm_90a on the CPU (its PTX must use the
-exact instructions the contract names); on the GPU its outputs must equal both.
+random and edge words, for 32-bit words and k-bit draws (16, 13, 8), Philox in 1..10 rounds.
+A probe kernel compiles for sm_90a on the CPU (its PTX must use the exact instructions the
+contract names); on the GPU its outputs must equal both.
 """
 
 import os
@@ -191,6 +192,120 @@ def test_philox_words_equal_lowprec_randint4x():
         assert np.array_equal(want[k], got[k]), f"word {k}"
 
 
+@pytest.mark.parametrize("rounds", [1, 4, 7])
+def test_philox_words_in_fewer_rounds_equal_lowprec_randint4x(rounds):
+    """The keys' count is the rounds: philox_words under philox_keys(seed, R) is
+    lowprec.philox.randint4x(seed, offset, R) (Triton's tl.randint4x(..., n_rounds=R)), all
+    four words, for R = 1 (round 1 alone, specialised for c2 = c3 = 0), 4 and 7."""
+    offsets = torch.cat(
+        [torch.randint(0, 1 << 62, (2001,), dtype=torch.int64), torch.tensor([0, (1 << 63) - 1])]
+    )
+    want = [w.numpy().astype(np.uint32) for w in philox.randint4x(SEED, offsets, rounds)]
+    o = offsets.numpy().astype(np.uint64)
+    keys = nm.philox_keys(np.uint32(SEED & 0xFFFFFFFF), np.uint32(SEED >> 32), rounds)
+    assert len(keys) == rounds
+    got = nm.philox_words((o & 0xFFFFFFFF).astype(np.uint32), (o >> 32).astype(np.uint32), keys)
+    for k in range(4):  # (after one round word 1 is the constant 0: broadcast)
+        assert np.array_equal(want[k], np.broadcast_to(got[k], want[k].shape)), f"word {k}"
+    with pytest.raises(ValueError, match="rounds: expected an int in"):
+        nm.philox_keys(np.uint32(1), np.uint32(2), 11)
+
+
+@pytest.mark.parametrize("sr_bits", [16, 13, 8])
+@pytest.mark.parametrize("kind", ["random", "zero", "max"])
+def test_k_bit_sr_fp16_equals_lowprec_for_every_fp16_neighbourhood(sr_bits, kind):
+    """sr_fp16_bits with k-bit draws equals lowprec's round_to(..., sr_bits=k): rounds up iff
+    r < floor(frac 2^k), so draw 0 rounds up whenever the top k bits of the dropped fraction
+    are not all zero, and 2^k - 1 never rounds up (subnormals, saturation, NaN included)."""
+    rng = np.random.default_rng(12 + sr_bits)
+    draws = {"random": rng.integers(0, 1 << sr_bits, X.size, dtype=np.uint64),
+             "zero": np.zeros(X.size, np.uint64),
+             "max": np.full(X.size, (1 << sr_bits) - 1, np.uint64)}[kind].astype(np.uint32)
+    rand = torch.from_numpy(draws.astype(np.int64))
+    rounded = q.round_to(torch.from_numpy(X.copy()), FP16, "sr", rand, sr_bits=sr_bits)
+    want = q.encode_bits(rounded, FP16).numpy().astype(np.uint32)
+    got = nm.sr_fp16_bits(X, draws, sr_bits)
+    assert np.array_equal(want, got), first_mismatches(X, want, got, draws)
+
+
+@pytest.mark.parametrize("sr_bits", [32, 16, 13, 8])
+def test_sr_draw_and_addend_are_the_lane_and_its_complement_aligned_to_13_bits(sr_bits):
+    """sr_draw(word, lane, k) is the low k bits of the word's lane of W bits, and sr_addend is
+    c_k = 2^k - 1 - r_k aligned to FP16's 13 dropped bits (docs/design.md's table: shifted
+    right by k - 13 for k >= 13, left by 5 for k = 8), below 2^13 for every word and lane."""
+    rng = np.random.default_rng(sr_bits)
+    words = np.concatenate([rng.integers(0, 1 << 32, 5000, dtype=np.uint64).astype(np.uint32),
+                            np.array([0, 0xFFFFFFFF, 0x80008080, 0x7FFF7F7F], np.uint32)])
+    width = nm.lane_bits(sr_bits)
+    for lane in range(32 // width):
+        lane_value = (words.astype(np.uint64) >> np.uint64(width * lane)) & np.uint64(
+            (1 << width) - 1)
+        draw = lane_value & np.uint64((1 << sr_bits) - 1)
+        assert np.array_equal(nm.sr_draw(words, lane, sr_bits), draw.astype(np.uint32))
+        complement = np.uint64((1 << sr_bits) - 1) - draw
+        aligned = (complement >> np.uint64(sr_bits - 13) if sr_bits >= 13
+                   else complement << np.uint64(13 - sr_bits))
+        addend = nm.sr_addend(words, lane, sr_bits)
+        assert np.array_equal(addend, aligned.astype(np.uint32)), lane
+        assert int(addend.max()) < 1 << 13
+
+
+@pytest.mark.parametrize("sr_bits", [16, 13, 8])
+def test_k_bit_paired_sr_equals_the_general_form_for_every_draw(sr_bits):
+    """sr_fp16x2_lanes (two adds of sr_addend, one truncating conversion) equals sr_fp16_bits
+    with the lane's draw, both halves, wherever both inputs lie in 2^-14 <= |x| < 2^127, and
+    flags the rest; for 24 values of each fp16 binade and sign, exhaustively over all 2^k
+    draws of the low half's lane (k = 16: 65,536), the high half taking lane + 1."""
+    rng = np.random.default_rng(40 + sr_bits)
+    binades = rng.integers(113, 143, 24).astype(np.uint32)  # fp16's normal range and above
+    bits = (rng.integers(0, 1 << 23, 24).astype(np.uint32) | (binades << np.uint32(23))
+            | (rng.integers(0, 2, 24).astype(np.uint32) << np.uint32(31)))
+    values = np.concatenate([bits.view(np.float32),
+                             np.array([65504.0, -65519.0, 2.0**-14, 1e-6, 0.0], np.float32)])
+    width = nm.lane_bits(sr_bits)
+    draws = np.arange(1 << sr_bits, dtype=np.uint32)
+    for lane in range(0, 32 // width, 2):
+        x = np.repeat(values, draws.size)
+        y = np.roll(x, 7)
+        r = np.tile(draws, values.size)
+        word = (r << np.uint32(width * lane)) | (r[::-1] << np.uint32(width * (lane + 1)))
+        pair, exact = nm.sr_fp16x2_lanes(x, y, word, word, lane, lane + 1, sr_bits)
+        with np.errstate(invalid="ignore"):
+            inside = [(np.abs(v) >= np.float32(2.0**-14)) & (np.abs(v) < np.float32(2.0**127))
+                      for v in (x, y)]  # fmt: skip
+        assert np.array_equal(exact, inside[0] & inside[1])
+        general = (nm.sr_fp16_bits(x, nm.sr_draw(word, lane, sr_bits), sr_bits)
+                   | (nm.sr_fp16_bits(y, nm.sr_draw(word, lane + 1, sr_bits), sr_bits)
+                      << np.uint32(16)))
+        assert exact.mean() > 0.6
+        assert np.array_equal(pair[exact], general[exact]), lane
+
+
+@pytest.mark.parametrize("sr_bits, width, rounds", [
+    (32, 8, 10), (32, 16, 7), (16, 8, 7), (16, 16, 10), (13, 16, 4), (8, 8, 4), (8, 16, 7),
+])
+def test_piece_words_give_every_element_lowprecs_draw(sr_bits, width, rounds):
+    """A kernel's piece of `width` elements (element0 a multiple of it) takes its draws from
+    piece_words (one Philox call a counter it touches) and sr_draw: element element0 + v the
+    lane v % n of word v // n. Every piece of a 4096-element state of slot 777 at flush 300
+    gets lowprec.philox.random_words' draws for its elements, bit for bit."""
+    slot, flush, numel = 777, 300, 4096
+    want = philox.random_words(SEED, slot, flush, (numel,), sr_bits=sr_bits,
+                               philox_rounds=rounds).numpy().astype(np.uint32)
+    element0 = np.arange(0, numel, width, dtype=np.uint32)
+    ones = np.ones_like(element0)
+    counter_lo0, counter_hi = nm.state_counter(
+        ones * np.uint32(slot), ones * np.uint32(flush),
+        element0 >> np.uint32(nm.counter_shift(sr_bits)))
+    keys = nm.philox_keys(np.uint32(SEED & 0xFFFFFFFF), np.uint32(SEED >> 32), rounds)
+    words = nm.piece_words(counter_lo0, counter_hi, keys, width, sr_bits, element0)
+    lanes = 32 // nm.lane_bits(sr_bits)
+    assert len(words) == width // lanes
+    got = np.stack([nm.sr_draw(words[v // lanes], v % lanes, sr_bits) for v in range(width)],
+                   axis=1).reshape(-1)
+    assert np.array_equal(got, want)
+
+
 def _fp16_neighbourhood_inputs(rng, n):
     """fp32 values around every fp16 exponent (subnormal range, normal range, overflow), zeros,
     infinities and NaNs, and words at and next to each value's rounding threshold."""
@@ -348,6 +463,9 @@ OUTPUTS = (
     "bf16x3_hi",  # tensor_core.split_bf16x3(x, y): three bf16x2 words
     "bf16x3_mid",
     "bf16x3_lo",
+    "sr_fp16_k13",  # sr_fp16_bits with the 13-bit draw r & 0x1FFF
+    "sr_fp16x2_k8",  # sr_fp16x2_lanes of (x, y), lanes 2 and 3 of w, 8 bits, where exact
+    "philox_r7_w2",  # word 2 of Philox-4x32-7
 )
 PROBE_RECIP14 = float(np.float32(np.float32(1 / 0.37) * np.float32(2.0**-14)))
 
@@ -388,6 +506,11 @@ def _probe_kernel(
         out[i, 13] = margin
         for k, part in enumerate(tc.split_bf16x3(v, y[i])):
             out[i, 14 + k] = part
+        out[i, 17] = nm.sr_fp16_bits(v, r & Uint32(0x1FFF), 13)
+        pair, exact = nm.sr_fp16x2_lanes(v, y[i], r, r, 2, 3, 8)
+        out[i, 18] = nm._sel(exact, pair, Uint32(0))
+        keys7 = nm.philox_keys(seed_lo, seed_hi, 7)
+        out[i, 19] = nm.philox_words(r, nm.f32_bits(y[i]), keys7)[2]
 
 
 @cute.jit
@@ -505,6 +628,11 @@ def test_probe_kernel_equals_numpy_backend_and_lowprec():
             x, y, np.float32(PROBE_RECIP14), 3)
         parts, numbers = _split_bf16x3(x, y)
         want.update(zip(("bf16x3_hi", "bf16x3_mid", "bf16x3_lo"), parts, strict=True))
+        want["sr_fp16_k13"] = nm.sr_fp16_bits(x, words & np.uint32(0x1FFF), 13)
+        pair, exact = nm.sr_fp16x2_lanes(x, y, words, words, 2, 3, 8)
+        want["sr_fp16x2_k8"] = np.where(exact, pair, np.uint32(0))
+        keys7 = nm.philox_keys(np.uint32(SEED & 0xFFFFFFFF), np.uint32(SEED >> 32), 7)
+        want["philox_r7_w2"] = nm.philox_words(words, y.view(np.uint32), keys7)[2]
     positive = y.view(np.uint32) < (1 << 31)  # offsets below 2^63 (lowprec takes int64)
     offsets = torch.from_numpy(
         (y[positive].view(np.uint32).astype(np.int64) << 32) | words[positive].astype(np.int64)

@@ -7,7 +7,9 @@ level scale) equal lowprec applied to the kernel's own unrounded state (`debug_s
 bit, that state matches lowprec.mamba2.mamba2_replay_flush (fp64) to a derived fp32 bound,
 outputs match, the record is appended and the counters move; every other slot is untouched.
 A multi-window run drives mamba2_replay_decode (non-flush + flush kernels) with slots at
-random ring positions. `replay_flush` and `decode_step` below pack the test's tensors into a
+random ring positions. Each SR setting (random bits an element, Philox rounds) compiles on the
+CPU calling Philox only as often as it needs, and stores lowprec's and the emulation's bits on
+the GPU. `replay_flush` and `decode_step` below pack the test's tensors into a
 `cute_kernels.cache.ReplayCache` and call the public functions.
 """
 
@@ -45,10 +47,18 @@ VARIANTS = [
     for hi, rnd in (("fp16", "sr"), ("fp16", "rn"), ("fp32", "rn"))
     for lo in rfc.LO_FORMATS
 ]
+# (random bits an element, Philox rounds) of the recurrence copy's SR besides the default
+# (32, 10): lanes of 16 bits (13 of them), bytes (half a counter for a piece of 8), 7 rounds
+SR_SETTINGS = [(16, 7), (13, 10), (8, 4), (32, 7)]
+
+
+def sr_id(sr):
+    return f"sr{sr[0]}r{sr[1]}"
 
 
 def replay_cache(hi, lo, ring_x, ring_dt, ring_B, cursors, flushes, *, window=16,
-                 hi_format="fp16", hi_rounding="sr", lo_format="nvfp4", seed=0):
+                 hi_format="fp16", hi_rounding="sr", lo_format="nvfp4", seed=0,
+                 sr_bits=32, philox_rounds=10):
     """The test's tensors as a ReplayCache (shared: the kernels update them in place); an
     fp32 recurrence copy is stored exactly, so its rounding is 'rn'."""
     lo_t = scales = global_scale = None
@@ -61,12 +71,14 @@ def replay_cache(hi, lo, ring_x, ring_dt, ring_B, cursors, flushes, *, window=16
                           ring_x=ring_x, ring_dt=ring_dt, ring_B=ring_B, cursors=cursors,
                           flushes=flushes, hi_format=hi_format,
                           hi_rounding=hi_rounding if hi_format == "fp16" else "rn",
-                          lo_format=lo_format, window=window, seed=seed)
+                          lo_format=lo_format, window=window, seed=seed, sr_bits=sr_bits,
+                          philox_rounds=philox_rounds)
 
 
 def _split(kwargs):
     names = ("hi", "lo", "ring_x", "ring_dt", "ring_B", "cursors", "flushes")
-    config = ("window", "hi_format", "hi_rounding", "lo_format", "seed")
+    config = ("window", "hi_format", "hi_rounding", "lo_format", "seed", "sr_bits",
+              "philox_rounds")
     cache = replay_cache(**{k: kwargs.pop(k) for k in names},
                          **{k: kwargs.pop(k) for k in config if k in kwargs})
     return cache, kwargs
@@ -322,6 +334,12 @@ def test_state_shapes_that_need_a_partial_warp_are_refused():
      r"headdim x dstate at 64 elements a thread: expected .*multiple of 32.*, got 24 x 128"),
     ("fp16", "sr", "nvfp4", dict(slot_loop="yes"), "slot_loop: expected a bool"),
     ("fp16", "sr", "nvfp4", dict(min_ctas_per_sm=-1), "min_ctas_per_sm: expected None or"),
+    ("fp16", "sr", "nvfp4", dict(sr_bits=12), r"sr_bits: expected random bits .* got 12"),
+    ("fp16", "sr", "nvfp4", dict(philox_rounds=11), r"philox_rounds: expected Philox rounds"),
+    ("fp16", "rn", "nvfp4", dict(sr_bits=16),
+     "sr_bits: expected the default 32 with hi_rounding='rn'"),
+    ("fp32", "rn", "none", dict(philox_rounds=7),
+     "philox_rounds: expected the default 10 with hi_rounding='rn'"),
 ])
 def test_flush_config_refuses_what_replay_flush_refuses(hi, rounding, lo, changes, message):
     """FlushConfig (compile_flush's key, which tools build directly) refuses a format name,
@@ -355,6 +373,79 @@ def test_flush_refuses_states_past_the_philox_fields(slots, shape, changes, mess
     args["lo"] = None
     with pytest.raises(ValueError, match=message):
         replay_flush(**args, window=window, lo_format="none", **changes)
+
+
+def _mul_hi(ptx: str) -> int:
+    return ptx.count("mul.hi.u32")
+
+
+@pytest.mark.parametrize("sr", [(16, 7), (8, 4), (13, 10)], ids=sr_id)
+def test_each_sr_setting_compiles_calling_philox_only_as_often_as_it_needs(sr):
+    """The decode step's flush at the Nemotron head (direct fold, two 16-element pieces a
+    thread) with k random bits an element in R rounds compiles for sm_90a without spills,
+    and Philox runs once a counter: 8 counters a thread at 32 bits, 4 at 16 and 13, 2 at 8.
+    Each round after the first is two mul.hi.u32 (the first, with c2 = c3 = 0, one
+    mul.wide.u32), so the kernel's mul.hi count differs from the default's (8 counters x 9)
+    by exactly 2 (counters x (R - 1) - 72)."""
+    base = config(NEMOTRON, "fp16", "sr", "nvfp4", debug=False, elements_per_thread=32)
+    assert base.fold == "direct" and base.pieces == 2 and base.chunk == 16
+    cfg = dataclasses.replace(base, sr_bits=sr[0], philox_rounds=sr[1])
+    ptx = rf.compile_flush(cfg, keep_ptx=True).__ptx__
+    default = rf.compile_flush(base, keep_ptx=True).__ptx__
+    assert ".local" not in ptx and "cvt.rz.satfinite.f16x2.f32" in ptx
+    counters = base.pieces * {32: 4, 16: 2, 13: 2, 8: 1}[sr[0]]
+    assert _mul_hi(ptx) - _mul_hi(default) == 2 * (counters * (sr[1] - 1) - 8 * 9)
+
+
+def test_eight_bit_draws_in_eight_element_pieces_take_half_a_counter():
+    """With 8-element pieces (the FFMA fold at an odd head: 6 pieces a thread) 8-bit draws
+    need half of a 16-element counter: still one Philox call a piece (not two, as 32 bits
+    need), whose upper or lower two words the piece selects."""
+    base = config(ODD, "fp16", "sr", "nvfp4", act="fp32", debug=False)
+    assert base.chunk == 8 and base.pieces == 6
+    ptx = rf.compile_flush(dataclasses.replace(base, sr_bits=8, philox_rounds=4),
+                           keep_ptx=True).__ptx__
+    default = rf.compile_flush(base, keep_ptx=True).__ptx__
+    assert ".local" not in ptx
+    assert _mul_hi(ptx) - _mul_hi(default) == 2 * (6 * 3 - 12 * 9)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(sr_bits=12), r"sr_bits: expected random bits per element in \[8, 13, 16, 32\], got 12"),
+    (dict(sr_bits=16.0), "sr_bits: expected random bits"),
+    (dict(philox_rounds=0), r"philox_rounds: expected Philox rounds in \[1, 10\], got 0"),
+    (dict(hi_rounding="rn", sr_bits=8), "sr_bits: expected the default 32 with hi_rounding='rn'"),
+    (dict(hi_format="fp32", hi_rounding="rn", philox_rounds=4),
+     "philox_rounds: expected the default 10 with hi_rounding='rn'"),
+])
+def test_replay_cache_takes_the_emulations_sr_settings_and_refuses_others(kwargs, message):
+    """ReplayCache.empty takes sr_bits and philox_rounds under the emulation's names, with its
+    checks: bits in (8, 13, 16, 32), rounds in 1..10, the defaults for an RN copy; a cache
+    whose fields are changed afterwards is refused by the flush by the field's name."""
+    with pytest.raises(ValueError, match=message):
+        kv.ReplayCache.empty(2, 4, 16, 128, ngroups=2, window=8, **kwargs)
+    cache = kv.ReplayCache.empty(2, 4, 16, 128, ngroups=2, window=8, sr_bits=13, philox_rounds=7)
+    assert (cache.sr_bits, cache.philox_rounds) == (13, 7)
+    args, window = cpu_args()
+    with pytest.raises(ValueError, match="cache.sr_bits: expected random bits"):
+        replay_flush(**args, window=window, sr_bits=24)
+    with pytest.raises(ValueError, match="cache.philox_rounds: expected the default 10 with "
+                                         "cache.hi_rounding='rn'"):
+        replay_flush(**args, window=window, hi_rounding="rn", philox_rounds=7)
+    with pytest.raises(ValueError, match="cache.hi: expected a CUDA tensor"):  # accepted
+        replay_flush(**args, window=window, sr_bits=8, philox_rounds=1)
+
+
+def test_flush_config_carries_the_caches_sr_setting():
+    """flush_config copies the cache's setting into the compile key (two settings, two
+    kernels), and a tuned config may not change it."""
+    args, window = cpu_args()
+    cache, step = _split(dict(args, window=window, sr_bits=16, philox_rounds=7))
+    view = kv.check_replay_cache(cache)
+    cfg = rf.flush_config(cache, view, step["x"], step["dt"])
+    assert (cfg.sr_bits, cfg.philox_rounds) == (16, 7)
+    with pytest.raises(ValueError, match="config.sr_bits: expected 16"):
+        rfc._tuned(cfg, dataclasses.replace(cfg, sr_bits=32))
 
 
 def test_advance_kernel_compiles():
@@ -582,10 +673,11 @@ def kernel_lo_bytes(lo, lo_format):
 
 
 def _emulation_stores_the_same_codes(state, cpu, fs, b, seed, hi_format, hi_rounding,
-                                     lo_format):
-    """The third implementation, directly: the Triton emulation's quantiser and Philox words
-    (emulation.numerics, on the GPU) applied to the CuTe kernel's own unrounded state give
-    the CuTe kernel's stored bits. (The rest of this test ties both to lowprec.)"""
+                                     lo_format, sr_bits=32, philox_rounds=10):
+    """The third implementation, directly: the Triton emulation's quantiser and Philox draws
+    (emulation.numerics, on the GPU; `sr_bits` an element in `philox_rounds` rounds) applied
+    to the CuTe kernel's own unrounded state give the CuTe kernel's stored bits. (The rest of
+    this test ties both to lowprec.)"""
     from emulation import numerics as em
 
     H, P, N = state.shape[1:]
@@ -595,10 +687,12 @@ def _emulation_stores_the_same_codes(state, cpu, fs, b, seed, hi_format, hi_roun
         rand = None
         if hi_rounding == "sr":
             rand = torch.stack([
-                em.random_words_host(seed, int(s), int(b["flushes"][s]), H * P * N, device)
+                em.random_words_host(seed, int(s), int(b["flushes"][s]), H * P * N, device,
+                                     sr_bits=sr_bits, philox_rounds=philox_rounds)
                 for s in fs
             ]).reshape(state.shape)
-        rounded = em.round_to(dev_state, "fp16", hi_rounding, rand).cpu()  # rand on device
+        rounded = em.round_to(dev_state, "fp16", hi_rounding, rand,
+                              sr_bits=sr_bits if hi_rounding == "sr" else 32).cpu()
         want = q.encode_bits(rounded, FP16)
         got = cpu["hi"][fs].view(torch.int16).long() & 0xFFFF
         assert torch.equal(want, got), "emulation and CuTe fp16 recurrence copies differ"
@@ -641,7 +735,7 @@ def state_bound(hi, ring_x, ring_dt, ring_B, A, window, heads_per_group):
 
 def check_flush(
     shape, slots, window, act, hi_format, hi_rounding, lo_format, seed=SEED, gen_seed=0,
-    elements_per_thread=None, fold=None, chunk=None,
+    elements_per_thread=None, fold=None, chunk=None, sr=(32, 10),
 ):
     gen = torch.Generator().manual_seed(gen_seed)
     flush_slots = list(range(0, slots, 2))
@@ -664,6 +758,8 @@ def check_flush(
         elements_per_thread=elements_per_thread,
         fold=fold,
         chunk=chunk,
+        sr_bits=sr[0],
+        philox_rounds=sr[1],
     )
     torch.cuda.synchronize()
     cpu = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in cache.items()}
@@ -711,13 +807,14 @@ def check_flush(
     # lowprec.contract (the check its docstring gives a user for their own kernel)
     want = contract.flush_copies(state, hi_format=hi_format, hi_rounding=hi_rounding,
                                  lo_format=lo_format, seed=seed, slots=fs,
-                                 flushes=b["flushes"][fs])
+                                 flushes=b["flushes"][fs], sr_bits=sr[0], philox_rounds=sr[1])
     got = {"hi": cpu["hi"][fs]}
     if lo_format != "none":
         got.update({f"lo.{'codes' if k == 'values' else k}": v[fs] for k, v in cpu["lo"].items()})
     problems = contract.mismatches(got, want)
     assert not problems, "\n".join(problems)
-    _emulation_stores_the_same_codes(state, cpu, fs, b, seed, hi_format, hi_rounding, lo_format)
+    _emulation_stores_the_same_codes(state, cpu, fs, b, seed, hi_format, hi_rounding, lo_format,
+                                     *sr)
 
     # outputs from the kernel's state: y = S C + D x, times silu(z)
     g = torch.arange(H) // hpg
@@ -754,6 +851,24 @@ def check_flush(
 def test_flush_codes_equal_lowprec_at_an_odd_shape(variant):
     """7 slots (4 flush), 6 heads in 3 groups, 24 x 64 states, window 16, fp32 activations."""
     check_flush(ODD, 7, 16, torch.float32, *variant)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sr", SR_SETTINGS, ids=sr_id)
+@pytest.mark.parametrize("case", ["nemotron-direct", "nemotron-fma64", "odd-fma"])
+def test_flush_codes_with_each_sr_setting(sr, case):
+    """With k random bits an element in R Philox rounds, the flush's fp16 bits, NVFP4 codes,
+    block scales and global scales equal lowprec's and the emulation's of the kernel's own
+    state, bit for bit: the default layout at the Nemotron head (two 16-element pieces a
+    thread, direct fold), the FFMA fold with 8-element pieces (8 bits: half a counter a
+    piece), and an odd head with fp32 activations."""
+    shape, act, knobs = {
+        "nemotron-direct": (NEMOTRON, torch.bfloat16, {}),
+        "nemotron-fma64": (NEMOTRON, torch.bfloat16, dict(elements_per_thread=64, fold="fma")),
+        "odd-fma": (ODD, torch.float32, {}),
+    }[case]
+    check_flush(shape, 5, 16, act, "fp16", "sr", "nvfp4", gen_seed=20 + sr[0] + sr[1],
+                sr=sr, **knobs)
 
 
 @pytest.mark.gpu
@@ -1041,11 +1156,24 @@ def test_decode_steps_over_several_windows(variant):
     S_new against the fp64 replay of the previous hi and the ring), the others produce
     lowprec.mamba2_replay_output's output from the read copy, and cursors and flush counters
     advance exactly once per step."""
+    check_decode_windows(variant)
 
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sr", SR_SETTINGS, ids=sr_id)
+def test_decode_steps_over_several_windows_with_each_sr_setting(sr):
+    """The same 40 steps with the recurrence copy rounded with k random bits an element in R
+    Philox rounds: every flush's fp16 bits are lowprec's and the emulation's (its Philox
+    draws and rounding on the GPU) of the kernel's own state, its NVFP4 codes and scales
+    too, over windows whose flush counters advance from random values."""
+    check_decode_windows(("fp16", "sr", "nvfp4"), sr, gen_seed=6 + sr[0])
+
+
+def check_decode_windows(variant, sr=(32, 10), gen_seed=5):
     hi_format, hi_rounding, lo_format = variant
     shape, slots, window, act = DECODE, 9, 16, torch.float32
     H, P, N = shape["nheads"], shape["headdim"], shape["dstate"]
-    gen = torch.Generator().manual_seed(5)
+    gen = torch.Generator().manual_seed(gen_seed)
     cache = random_cache(slots, shape, window, act, hi_format, lo_format, gen, [])
     cache["cursors"] = torch.randint(0, window, (slots,), generator=gen, dtype=torch.int32).to(
         DEVICE
@@ -1075,6 +1203,8 @@ def test_decode_steps_over_several_windows(variant):
             lo_format=lo_format,
             seed=SEED,
             debug_state=debug,
+            sr_bits=sr[0],
+            philox_rounds=sr[1],
         )
         torch.cuda.synchronize()
         flushing = b["cursors"] == window - 1
@@ -1102,10 +1232,16 @@ def test_decode_steps_over_several_windows(variant):
             )
             assert ((state.double() - ref).abs() <= bound).all()
             if hi_format == "fp16":
-                rand = (philox.random_words(SEED, fs, b["flushes"][fs].long(), (H, P, N))
+                rand = (philox.random_words(SEED, fs, b["flushes"][fs].long(), (H, P, N),
+                                            sr_bits=sr[0], philox_rounds=sr[1])
                         if hi_rounding == "sr" else None)
-                want = q.encode_bits(q.round_to(state, FP16, hi_rounding, rand), FP16)
+                want = q.encode_bits(q.round_to(state, FP16, hi_rounding, rand, sr_bits=sr[0]),
+                                     FP16)
                 assert torch.equal(cache["hi"].cpu()[fs].view(torch.int16).long() & 0xFFFF, want)
+                stored = {"hi": cache["hi"].cpu(),
+                          "lo": {k: v.cpu() for k, v in (cache["lo"] or {}).items()}}
+                _emulation_stores_the_same_codes(state, stored, fs, b, SEED, hi_format,
+                                                 hi_rounding, lo_format, *sr)
             else:  # the fp32 recurrence copy: the unrounded state, as check_flush asserts
                 assert torch.equal(cache["hi"].cpu()[fs], q.round_to(state, q.formats.FP32))
             if lo_format == "nvfp4":
@@ -1142,10 +1278,12 @@ def test_decode_steps_over_several_windows(variant):
     assert steps_seen_flush >= 3
 
 
-@pytest.mark.parametrize("lo_format", ["nvfp4", "fp8_e4m3"])
-def test_emulation_comparison_accepts_lowprec_stores(lo_format):
+@pytest.mark.parametrize("lo_format, sr", [("nvfp4", (32, 10)), ("fp8_e4m3", (32, 10)),
+                                           ("nvfp4", (8, 4)), ("nvfp4", (13, 7))])
+def test_emulation_comparison_accepts_lowprec_stores(lo_format, sr):
     """The direct CuTe-vs-emulation check of the GPU test, run here on stores made by lowprec
-    (which the kernel must equal): it passes, and it fails on one flipped code byte."""
+    (which the kernel must equal), with each SR setting's draws: it passes, fails on one
+    flipped code byte, and (SR settings other than the default) on the default's draws."""
     gen = torch.Generator().manual_seed(4)
     slots, H, P, N, seed = 3, 2, 16, 32, 77
     state = torch.randn(slots, H, P, N, generator=gen) * torch.exp2(
@@ -1153,8 +1291,10 @@ def test_emulation_comparison_accepts_lowprec_stores(lo_format):
     )
     fs = torch.tensor([0, 2])
     b = {"flushes": torch.tensor([5, 9, 11], dtype=torch.int32)}
-    rand = philox.random_words(seed, fs, b["flushes"][fs].long(), (H, P, N))
-    hi = q.encode_bits(q.round_to(state[fs], FP16, "sr", rand), FP16).to(torch.int16)
+    rand = philox.random_words(seed, fs, b["flushes"][fs].long(), (H, P, N), sr_bits=sr[0],
+                               philox_rounds=sr[1])
+    hi = q.encode_bits(q.round_to(state[fs], FP16, "sr", rand, sr_bits=sr[0]),
+                       FP16).to(torch.int16)
     packed = q.pack(q.quantize(state[fs], lo_format, "rn"))
     lo = packed if lo_format == "nvfp4" else {"values": packed["codes"]}
     cpu = {
@@ -1163,11 +1303,16 @@ def test_emulation_comparison_accepts_lowprec_stores(lo_format):
         "lo": {k: torch.zeros((slots, *v.shape[1:]), dtype=v.dtype).index_copy(0, fs, v)
                for k, v in lo.items()},
     }
-    _emulation_stores_the_same_codes(state[fs], cpu, fs, b, seed, "fp16", "sr", lo_format)
+    _emulation_stores_the_same_codes(state[fs], cpu, fs, b, seed, "fp16", "sr", lo_format, *sr)
+    if sr != (32, 10):
+        with pytest.raises(AssertionError, match="fp16 recurrence copies differ"):
+            _emulation_stores_the_same_codes(state[fs], cpu, fs, b, seed, "fp16", "sr",
+                                             lo_format)
     key = "codes" if lo_format == "nvfp4" else "values"
     cpu["lo"][key].view(torch.uint8).view(-1)[fs[1] * 7 + 3] ^= 1
     with pytest.raises(AssertionError, match="emulation and CuTe lo"):
-        _emulation_stores_the_same_codes(state[fs], cpu, fs, b, seed, "fp16", "sr", lo_format)
+        _emulation_stores_the_same_codes(state[fs], cpu, fs, b, seed, "fp16", "sr", lo_format,
+                                         *sr)
 
 
 # --------------------------------------------------------------------------------------------

@@ -3,8 +3,9 @@
 CPU: the three variants (fp32, fp16 RN, fp16 SR) compile for sm_90a with 128-bit state
 accesses only; bad arguments raise ValueErrors. GPU: the new state matches
 lowprec.mamba2.mamba2_step (fp64) to a derived fp32 bound, the stored fp16 bits equal lowprec's
-RN / SR of the kernel's own unrounded state (words of (seed, slot, token counter)), outputs
-match, SR counters advance by one per call.
+RN / SR of the kernel's own unrounded state (draws of (seed, slot, token counter) with each
+SR setting of random bits and Philox rounds), outputs match, SR counters advance by one per
+call.
 """
 
 import os
@@ -28,11 +29,17 @@ SEED = 0xC0FFEE_0042
 NEMOTRON = dict(nheads=128, headdim=64, dstate=128, ngroups=8)
 ODD = dict(nheads=6, headdim=24, dstate=64, ngroups=3)
 VARIANTS = [("fp32", "rn"), ("fp16", "rn"), ("fp16", "sr")]
+# (random bits an element, Philox rounds) of SR besides the default (32, 10)
+SR_SETTINGS = [(16, 7), (13, 10), (8, 4), (32, 7)]
+
+
+def sr_id(sr):
+    return f"sr{sr[0]}r{sr[1]}"
 
 
 def state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=True,
                  out=None, *, rounding="rn", seed=0, counters=None, debug_state=None,
-                 check_counters=False):
+                 check_counters=False, sr=(32, 10)):
     """su.mamba2_state_update on the test's tensors packed as a StateCache (shared: the step
     updates them in place; without counters, a zero token counter)."""
     if counters is None and isinstance(state, torch.Tensor):
@@ -40,13 +47,13 @@ def state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplu
     fmt = {torch.float32: "fp32", torch.float16: "fp16"}.get(getattr(state, "dtype", None),
                                                              str(getattr(state, "dtype", "")))
     cache = StateCache(state=state, scales=None, global_scale=None, tokens=counters, format=fmt,
-                       rounding=rounding, seed=seed)
+                       rounding=rounding, seed=seed, sr_bits=sr[0], philox_rounds=sr[1])
     return su.mamba2_state_update(cache, x, dt, A, B, C, D, z, dt_bias, dt_softplus=dt_softplus,
                                   out=out, debug_state=debug_state,
                                   check_counters=check_counters)
 
 
-def config(state, rounding, shape=NEMOTRON):
+def config(state, rounding, shape=NEMOTRON, sr=(32, 10)):
     return su.StateUpdateConfig(
         **shape,
         state=state,
@@ -58,6 +65,8 @@ def config(state, rounding, shape=NEMOTRON):
         has_dt_bias=True,
         dt_softplus=True,
         has_debug=False,
+        sr_bits=sr[0],
+        philox_rounds=sr[1],
     )
 
 
@@ -73,6 +82,41 @@ def test_compiles_for_sm90a_with_128_bit_state_accesses(variant):
     assert ".local" not in ptx
     if variant == ("fp16", "rn"):
         assert "cvt.rn.satfinite.f16x2.f32" in ptx
+
+
+@pytest.mark.parametrize("sr", [(16, 7), (8, 4), (13, 10)], ids=sr_id)
+def test_each_sr_setting_compiles_calling_philox_only_as_often_as_it_needs(sr):
+    """fp16 SR with k random bits an element in R rounds: 8 pieces of 8 elements a thread,
+    Philox once a counter (16 counters a thread at 32 bits, 8 at 16 and 13, 8 at 8 bits,
+    where a piece takes half of a 16-element counter), two mul.hi.u32 a round after the
+    first; 128-bit state accesses, no spills."""
+    ptx = su.compile_state_update(config("fp16", "sr", sr=sr), keep_ptx=True).__ptx__
+    default = su.compile_state_update(config("fp16", "sr"), keep_ptx=True).__ptx__
+    assert ptx.count("st.global.v4.b32") == 8 and ".local" not in ptx
+    counters = {16: 8, 13: 8, 8: 8}[sr[0]]
+    assert ptx.count("mul.hi.u32") - default.count("mul.hi.u32") == 2 * (
+        counters * (sr[1] - 1) - 16 * 9)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(rounding="sr", sr_bits=4), r"sr_bits: expected random bits per element in"),
+    (dict(rounding="sr", philox_rounds=12), r"philox_rounds: expected Philox rounds in"),
+    (dict(rounding="rn", sr_bits=16), "sr_bits: expected the default 32 with rounding='rn'"),
+])
+def test_state_cache_takes_the_emulations_sr_settings_and_refuses_others(kwargs, message):
+    """StateCache.empty, the config and the step take sr_bits and philox_rounds as the
+    emulation's StateCache does (the defaults for RN), refusing others by name."""
+    with pytest.raises(ValueError, match=message):
+        StateCache.empty(2, 2, 16, 32, **kwargs)
+    cache = StateCache.empty(2, 2, 16, 32, rounding="sr", sr_bits=8, philox_rounds=3)
+    assert (cache.sr_bits, cache.philox_rounds) == (8, 3)
+    with pytest.raises(ValueError, match="sr_bits: expected the default 32 with rounding='rn'"):
+        config("fp16", "rn", sr=(8, 10))
+    args = {**cpu_args(), "state": torch.zeros(3, 6, 24, 64, dtype=torch.float16)}
+    with pytest.raises(ValueError, match="cache.philox_rounds: expected Philox rounds in"):
+        state_update(**args, rounding="sr", sr=(16, 0))
+    with pytest.raises(ValueError, match="cache.state: expected a CUDA tensor"):
+        state_update(**args, rounding="sr", sr=(13, 5))
 
 
 def cpu_args(slots=3, shape=ODD):
@@ -182,7 +226,7 @@ def random_inputs(slots, shape, state_dtype, act, gen):
     )
 
 
-def check_step(shape, slots, state_dtype, rounding, act, gen_seed=0):
+def check_step(shape, slots, state_dtype, rounding, act, gen_seed=0, sr=(32, 10)):
     gen = torch.Generator().manual_seed(gen_seed)
     inp = random_inputs(slots, shape, state_dtype, act, gen)
     H, P, N = shape["nheads"], shape["headdim"], shape["dstate"]
@@ -194,7 +238,7 @@ def check_step(shape, slots, state_dtype, rounding, act, gen_seed=0):
     out = torch.full((slots, H, P), float("nan"), dtype=act, device=DEVICE)
     debug = torch.full((slots, H, P, N), float("nan"), device=DEVICE)
     state_update(
-        **inp, out=out, rounding=rounding, seed=SEED, counters=counters, debug_state=debug
+        **inp, out=out, rounding=rounding, seed=SEED, counters=counters, debug_state=debug, sr=sr
     )
     torch.cuda.synchronize()
     b = {k: v.double() for k, v in before.items()}
@@ -219,8 +263,9 @@ def check_step(shape, slots, state_dtype, rounding, act, gen_seed=0):
     else:
         rand = None
         if rounding == "sr":
-            rand = philox.random_words(SEED, torch.arange(slots), counters_before.long(), (H, P, N))
-        want = q.encode_bits(q.round_to(new, FP16, rounding, rand), FP16)
+            rand = philox.random_words(SEED, torch.arange(slots), counters_before.long(),
+                                       (H, P, N), sr_bits=sr[0], philox_rounds=sr[1])
+        want = q.encode_bits(q.round_to(new, FP16, rounding, rand, sr_bits=sr[0]), FP16)
         got = stored.view(torch.int16).long() & 0xFFFF
         mism = (want != got).nonzero()
         assert len(mism) == 0, f"{len(mism)} fp16 mismatches, first {mism[:3].tolist()}"
@@ -251,6 +296,19 @@ def test_step_at_an_odd_shape_matches_lowprec(variant):
 def test_step_at_the_nemotron_shape_matches_lowprec(variant):
     dtype = torch.float32 if variant[0] == "fp32" else torch.float16
     check_step(NEMOTRON, 3, dtype, variant[1], torch.bfloat16, gen_seed=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sr", SR_SETTINGS, ids=sr_id)
+@pytest.mark.parametrize("shape", ["odd", "nemotron"])
+def test_sr_step_with_each_setting_matches_lowprec(sr, shape):
+    """fp16 SR with k random bits an element in R rounds: the stored bits are lowprec's
+    round_to(..., sr_bits=k) with random_words(..., sr_bits=k, philox_rounds=R) of the
+    kernel's own state, bit for bit; the token counters advance by one."""
+    if shape == "odd":
+        check_step(ODD, 5, torch.float16, "sr", torch.float32, gen_seed=sr[0], sr=sr)
+    else:
+        check_step(NEMOTRON, 3, torch.float16, "sr", torch.bfloat16, gen_seed=sr[1], sr=sr)
 
 
 def test_counters_are_checked_when_asked_and_the_device_last():

@@ -323,6 +323,47 @@ def test_kernel_bytes_equal_a_hand_count(name, per_slot):
     assert kb.kernel_bytes(name, TINY, batch=3, cursor=5) == 3 * per_slot
 
 
+def test_sr_kernel_names_parse_to_every_setting_and_move_the_defaults_bytes():
+    """Every SR setting of cases.SR_SETTINGS has a flush and an update kernel named
+    `fp16sr<k>r<R>` (parsed back to (k, R); the bare `fp16sr` is (32, 10)), schemes that
+    price a token with them, and the default kernels' byte counts (the copies' formats are
+    the same)."""
+    assert (16, 7) in cases.SR_SETTINGS and (32, 10) not in cases.SR_SETTINGS
+    for sr in cases.SR_SETTINGS:
+        flush, update = (f"cute:flush:fp16sr{sr[0]}r{sr[1]}+nvfp4",
+                         f"cute:update:fp16sr{sr[0]}r{sr[1]}")
+        for name, default in ((flush, "cute:flush:fp16sr+nvfp4"),
+                              (update, "cute:update:fp16sr")):
+            assert cases.sr_setting(kb.KERNELS[name].variant) == sr
+            assert not kb.KERNELS[name].default
+            assert kb.kernel_bytes(name, TINY, 3, 7) == kb.kernel_bytes(default, TINY, 3, 7)
+        assert kb.SCHEMES[f"two-precision-sr{sr[0]}r{sr[1]}"] == ("cute:nonflush:nvfp4", flush)
+        assert kb.SCHEMES[f"conventional-fp16sr{sr[0]}r{sr[1]}"] == (update,)
+    for variant in ("fp16sr", "fp16sr+nvfp4", "fp32", "nvfp4"):
+        assert cases.sr_setting(variant) == (32, 10)
+    assert cases.sr_variant((32, 10)) == "fp16sr" and cases.sr_variant((13, 4)) == "fp16sr13r4"
+
+
+@pytest.mark.parametrize("name, setting", [
+    ("cute:flush:fp16sr16r7+nvfp4", (16, 7)), ("cute:update:fp16sr8r4", (8, 4)),
+    ("cute:flush:fp16sr+nvfp4", (32, 10)), ("cute:update:fp16sr", (32, 10)),
+])
+def test_sr_cases_launch_the_kernel_with_their_setting(name, setting, monkeypatch):
+    """A case of an SR kernel hands the public function a cache carrying its (sr_bits,
+    philox_rounds), which the cache checks accept (stand-ins for the kernels: CPU)."""
+    rf, su, kv = cases.cute("replay_flush"), cases.cute("state_update"), cases.cute("cache")
+    seen = []
+    monkeypatch.setattr(rf, "mamba2_replay_flush", lambda cache, *a, **k: seen.append(cache))
+    monkeypatch.setattr(su, "mamba2_state_update", lambda cache, *a, **k: seen.append(cache))
+    spec = kb.KERNELS[name]
+    case = cases.build_case(spec, TINY, 3, 8, spec.cursors(8)[0], 2, "cpu")
+    case.launcher(1)()
+    (cache,) = seen
+    assert (cache.sr_bits, cache.philox_rounds) == setting
+    check = kv.check_state_cache if spec.step == "update" else kv.check_replay_cache
+    check(cache)
+
+
 def test_nemotron_state_and_record_bytes_match_the_design():
     """DESIGN.md: an NVFP4 read copy of 590,336 B and a record of 18,944 B per sequence."""
     shape = kb.SHAPES["nemotron3-super"]

@@ -4,6 +4,7 @@ kernels in their default configurations, compiled for sm_90a on the CPU.
     python -m tools.instruction_count            # flush and non-flush kernels, fast paths
     python -m tools.instruction_count --with-fallbacks
     python -m tools.instruction_count --pipes    # by Hopper pipe, floors, per-token budgets
+    python -m tools.instruction_count --sr 16:7,8:4  # and fp16 SR + nvfp4 at other SR settings
     python -m tools.instruction_count --ncu REPORT  # what ncu counted executed
         # (REPORT: the trimmed raw page `scripts/gpu.sh profile` writes)
 
@@ -139,13 +140,16 @@ def _compile_sass(ptx: str) -> tuple[str, str]:
     return sass, done.stderr
 
 
-def flush_config(hi: str, rounding: str, lo: str) -> rf.FlushConfig:
+def flush_config(hi: str, rounding: str, lo: str, sr: tuple[int, int] = (32, 10)
+                 ) -> rf.FlushConfig:
     """The configuration `mamba2_replay_flush` runs at the Nemotron-3-Super head (bf16
     activations, fp32 dt, D and dt_bias, no z, no debug output): `rf.flush_config`'s defaults
-    for a one-slot cache on the CPU (the flush's configuration does not depend on the batch)."""
+    for a one-slot cache on the CPU (the flush's configuration does not depend on the batch);
+    `sr`: the cache's (sr_bits, philox_rounds)."""
     cache = ReplayCache.empty(1, NEMOTRON["nheads"], NEMOTRON["headdim"], NEMOTRON["dstate"],
                               ngroups=NEMOTRON["ngroups"], window=NEMOTRON["window"],
-                              hi_format=hi, hi_rounding=rounding, lo_format=lo)
+                              hi_format=hi, hi_rounding=rounding, lo_format=lo,
+                              sr_bits=sr[0], philox_rounds=sr[1])
     view = check_replay_cache(cache)
     x = torch.empty(1, NEMOTRON["nheads"], NEMOTRON["headdim"], dtype=torch.bfloat16)
     dt = torch.empty(1, NEMOTRON["nheads"], dtype=torch.float32)
@@ -153,15 +157,23 @@ def flush_config(hi: str, rounding: str, lo: str) -> rf.FlushConfig:
     return rf.flush_config(cache, view, x, dt, D=per_head, z=None, dt_bias=per_head)
 
 
+def variant_name(pair: tuple) -> str:
+    """'fp16 sr hi + nvfp4', or with an SR setting (a fourth entry) 'fp16 sr16r7 hi + nvfp4'."""
+    hi, rounding, lo = pair[:3]
+    if len(pair) > 3:
+        rounding = f"{rounding}{pair[3][0]}r{pair[3][1]}"
+    return f"{hi} {rounding} hi + {lo}"
+
+
 def histograms(with_fallbacks: bool, formats=FLUSH_FORMATS
                ) -> list[tuple[tuple[str, str, str], collections.Counter, int, int]]:
-    """Per flush format pair: (formats, SASS opcode counts, registers per thread, elements per
-    thread); without fallbacks the rare general paths' bodies are compiled out (what a thread
-    runs)."""
+    """Per flush format pair (hi, rounding, lo, and optionally (sr_bits, philox_rounds)):
+    (formats, SASS opcode counts, registers per thread, elements per thread); without
+    fallbacks the rare general paths' bodies are compiled out (what a thread runs)."""
     general = (nm.sr_fp16_bits, nm.rn_e2m1_nibble)
     _compile._CACHE.clear()
     if not with_fallbacks:  # what a thread runs: the fallbacks' bodies become constants
-        nm.sr_fp16_bits = lambda x, r: cutlass.Uint32(0)
+        nm.sr_fp16_bits = lambda x, r, sr_bits=32: cutlass.Uint32(0)
         nm.rn_e2m1_nibble = lambda x: cutlass.Uint32(0)
     try:
         rows = []
@@ -358,7 +370,8 @@ def flush_budgets(
     return out
 
 
-def print_pipes(csv_path: str | None, batch: int = 256, ncu_floor_us: float | None = None) -> None:
+def print_pipes(csv_path: str | None, batch: int = 256, ncu_floor_us: float | None = None,
+                formats=FLUSH_FORMATS) -> None:
     """The flush format pairs' instructions per element by pipe (default configuration, fast
     paths), the time each would take at `batch` if its binding pipe never idled, and, with a
     kernel_bench CSV, what the per-token goals ask of the flush and the non-flush steps (with
@@ -369,17 +382,17 @@ def print_pipes(csv_path: str | None, batch: int = 256, ncu_floor_us: float | No
         f"{H200_CLOCK_GHZ} GHz, every pipe flat out):"
     )
     print(
-        f"  {'variant':22s} {'total':>6s} {'ALU':>6s} {'heavy':>6s} {'fp32':>6s} {'XU':>5s} "
+        f"  {'variant':24s} {'total':>6s} {'ALU':>6s} {'heavy':>6s} {'fp32':>6s} {'XU':>5s} "
         f"{'other':>6s}  floor"
     )
     floors = {}
-    for variant, ops, _, per in histograms(False):
+    for variant, ops, _, per in histograms(False, formats):
         p = pipe_counts(ops, per)
         cycles, limit = issue_floor_cycles(p)
         floors[variant] = floor_us(cycles, elements)
-        name = "{} {} hi + {}".format(*variant)
+        name = variant_name(variant)
         print(
-            f"  {name:22s} {p['total']:6.1f} {p['alu']:6.1f} {p['heavy']:6.1f} "
+            f"  {name:24s} {p['total']:6.1f} {p['alu']:6.1f} {p['heavy']:6.1f} "
             f"{p['fp32']:6.1f} {p['xu']:5.2f} {p['other']:6.1f}  "
             f"{floors[variant]:6.1f} us ({limit})"
         )
@@ -545,6 +558,23 @@ def print_ncu(path: str, batch: int = 256) -> float:
     return floors[0]
 
 
+def _sr_settings(text: str) -> tuple[tuple[int, int], ...]:
+    """'16:7,8:4' as ((16, 7), (8, 4)): settings the flush's fp16 SR takes."""
+    settings = []
+    for item in text.split(","):
+        bits, _, rounds = item.strip().partition(":")
+        try:
+            setting = (int(bits), int(rounds))
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected BITS:ROUNDS items such as 16:7, got {item!r}") from None
+        if setting[0] not in nm.SR_BITS or not 1 <= setting[1] <= 10:
+            raise argparse.ArgumentTypeError(
+                f"expected bits in {list(nm.SR_BITS)} and rounds in 1..10, got {item!r}")
+        settings.append(setting)
+    return tuple(settings)
+
+
 # the committed benchmark CSV, found from any working folder
 DEFAULT_CSV = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                            "results", "kernel_bench.csv")
@@ -560,6 +590,14 @@ def main(argv=None) -> int:
         "are compiled out, so the count is what a thread issues.",
     )
     parser.add_argument("--with-fallbacks", action="store_true", help="count the kernel as shipped")
+    parser.add_argument(
+        "--sr",
+        type=_sr_settings,
+        default=(),
+        metavar="BITS:ROUNDS,...",
+        help="also count the fp16 SR + nvfp4 flush with these SR settings (random bits an "
+        "element in 8, 13, 16, 32; Philox rounds 1..10), e.g. 16:7,8:4",
+    )
     parser.add_argument(
         "--pipes",
         action="store_true",
@@ -621,14 +659,16 @@ def main(argv=None) -> int:
         ncu_floor = print_ncu(args.ncu)
         if not args.pipes:
             return 0
+    formats = FLUSH_FORMATS + tuple(("fp16", "sr", "nvfp4", sr) for sr in args.sr)
     if args.pipes:
-        print_pipes(csv_path if os.path.isfile(csv_path) else None, ncu_floor_us=ncu_floor)
+        print_pipes(csv_path if os.path.isfile(csv_path) else None, ncu_floor_us=ncu_floor,
+                    formats=formats)
         return 0
     print("flush, per element (elements per thread: the default):")
-    for (hi, rounding, lo), per_element, registers, top in count(args.with_fallbacks):
+    for pair, per_element, registers, top in count(args.with_fallbacks, formats):
         ops = ", ".join(f"{op} {n:.1f}" for op, n in top)
-        name = f"{hi} {rounding} hi + {lo}"
-        print(f"  {name:22s} {per_element:6.1f} per element, {registers:3d} registers ({ops})")
+        print(f"  {variant_name(pair):26s} {per_element:6.1f} per element, {registers:3d} "
+              f"registers ({ops})")
     print("non-flush (replay_output), per element and lane:")
     for lo, per_element, registers in count_nonflush():
         print(f"  {lo:9s} {per_element:5.2f} per element, {registers} registers")
