@@ -3,7 +3,11 @@ precision format, and after how many tokens?
 
 Teacher-forced decode of ``segments`` text segments of ``tokens`` bytes each, token by token,
 with every layer's SSM state kept by each precision policy, against the same decode with an
-exact state. Per recorded position ``t`` (tokens consumed; a log grid of ``--per-octave``
+exact state. The model is a checkpoint folder (``--model``) of a Mamba-2 LM
+(``experiments.mamba2_lm``, ``Mamba2ForCausalLM``'s layout) or a Gated DeltaNet LM
+(``experiments.gdn_lm``, ``Qwen3NextForCausalLM``'s); its recurrence (the CSV's
+``recurrence`` column, ``mamba2`` or ``gdn``) is read from its ``config.json``. Per recorded
+position ``t`` (tokens consumed; a log grid of ``--per-octave``
 points per doubling, plus the last) and segment:
 
     kl          KL(exact || policy) of the next-byte distributions, in nats (fp64 from the logits)
@@ -26,7 +30,9 @@ interpreter for tiny runs): the model in fp32, every layer of every policy one e
 ``emulation.replay_decode.ReplayCache`` for the windowed arms: separate_exact keeps an fp32
 recurrence copy, shared keeps hi = lo = FORMAT, so only element formats with RN), all
 segments as the slots of one batch; on CUDA each chunk of ``--graph-tokens`` tokens is one
-CUDA graph replay (a token is some 300 small launches).
+CUDA graph replay (a token is some 300 small launches). A GDN model's states are kept the same
+way by ``experiments.model_drift_gdn`` (``Simulator('gdn')``; ``emulation.gdn_state_update``
+and ``emulation.gdn_replay_decode``).
 
 Cells. A policy is one cell of `experiments.sharding.run_sweep`: its own decode of the
 segments (batch ``S``), compared with the exact arm's logits, which each process decodes once
@@ -55,7 +61,9 @@ the last octave of positions (mean over those grid positions and the segments) a
 per-token decode time ``kernel_bench`` measured (``PARETO_KERNELS``).
 
     python -m experiments.model_drift --preset toy        # CPU reference, about a minute
+    python -m experiments.model_drift --preset gdn-toy    # the same for a toy GDN LM
     bash scripts/model_drift_gpu.sh                       # the 131,072-token GPU run
+    bash scripts/model_drift_gpu.sh gdn                   # the same for the GDN LM
     python -m experiments.model_drift --pareto            # redraw the Pareto figure
     torchrun --nproc-per-node 4 -m experiments.model_drift --preset gpu   # policies on 4 GPUs
 """
@@ -77,7 +85,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from experiments import kjv_corpus
+from experiments import gdn_lm, kjv_corpus
 from experiments import mamba2_lm as lm
 from experiments._common import (
     Column,
@@ -99,6 +107,10 @@ RESULTS = ROOT / "results" / "model_drift"
 # the toy preset's model: train_lm's toy preset on the committed held-out slice, trained here on
 # first use (seconds on a CPU) rather than committed; the GPU model goes to RESULTS / "model"
 TOY_MODEL = ROOT / "runs" / "model_drift_toy_model"
+GDN_TOY_MODEL = ROOT / "runs" / "model_drift_gdn_toy_model"
+GDN_RESULTS = RESULTS / "gdn"
+# config.json's model_type -> the recurrence (the CSV's column) and the model's module
+RECURRENCES = {"mamba2": ("mamba2", lm), "qwen3_next": ("gdn", gdn_lm)}
 SOURCE = "experiments.model_drift"
 CSV_COLUMNS = ("model", "recurrence", "arm", "format", "rounding", "window", "segment",
                "position", "kl", "dlogp", "top1_agree")
@@ -199,13 +211,27 @@ class Config:
     progress: bool = True
 
 
+# the GDN GPU run's four policies (with the exact arm, five decodes of 131,072 tokens fit
+# one ~9-minute job beside the training): the two-precision scheme's NVFP4 and fp8 read
+# copies against a shared fp8 checkpoint and a conventional bf16 state
+GDN_GPU_POLICIES = ("every_step:bf16:rn,shared:fp8_e4m3:rn,separate_fp16sr:nvfp4,"
+                    "separate_fp16sr:fp8_e4m3")
+
 PRESETS = {
     "toy": Config(),
     "gpu": Config(model=str(RESULTS / "model"), data=str(ROOT / "runs" / "kjv"),
                   backend="emulation", device="cuda",
                   tokens=131_072, segments=4,
                   policies=GPU_POLICIES, out=str(RESULTS / "model_drift_gpu.csv")),
+    "gdn-toy": Config(model=str(GDN_TOY_MODEL / "model"),
+                      out=str(GDN_RESULTS / "model_drift_toy.csv")),
+    "gdn-gpu": Config(model=str(GDN_RESULTS / "model"), data=str(ROOT / "runs" / "kjv"),
+                      backend="emulation", device="cuda", tokens=131_072, segments=4,
+                      policies=GDN_GPU_POLICIES, out=str(GDN_RESULTS / "model_drift_gpu.csv")),
 }
+# the toy presets' models: train_lm's toy preset of the arch, trained on first use
+TOY_MODELS = {str(TOY_MODEL / "model"): ("mamba2", TOY_MODEL),
+              str(GDN_TOY_MODEL / "model"): ("gdn", GDN_TOY_MODEL)}
 
 
 # --------------------------------------------------------------------------------------------
@@ -341,6 +367,7 @@ class EmulationSSM:
 
 
 def check_backend(c: Config, specs) -> None:
+    recurrence = recurrence_of(c.model)
     if c.backend == "emulation":
         for s in specs:
             if s.fmt == "fp64":
@@ -349,8 +376,8 @@ def check_backend(c: Config, specs) -> None:
             if s.arm == "shared" and (s.fmt not in ELEMENT_FORMATS or s.rounding != "rn"):
                 raise ValueError(f"--policies: the emulation keeps shared only with rn and an "
                                  f"element format {list(ELEMENT_FORMATS)}, got {s.label}")
-        if c.model and lm.Mamba2Config.from_dict(_read_config(c.model)).time_step_limit != (
-                0.0, float("inf")):
+        if recurrence == "mamba2" and lm.Mamba2Config.from_dict(
+                _read_config(c.model)).time_step_limit != (0.0, float("inf")):
             raise ValueError("--model: the emulation applies no time_step_limit; expected the "
                              "default (0, inf)")
 
@@ -362,7 +389,29 @@ def _read_config(folder) -> dict:
     if not path.is_file():
         raise ValueError(f"--model: expected {path} (train it with `python -m "
                          f"experiments.train_lm`), it does not exist")
-    return json.loads(path.read_text())
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: expected JSON, got {err}") from None
+
+
+def _model_type(folder) -> str:
+    kind = _read_config(folder).get("model_type", "mamba2")
+    if kind not in RECURRENCES:
+        raise ValueError(f"--model: expected a model_type in {sorted(RECURRENCES)} in "
+                         f"{Path(folder) / lm.CONFIG_NAME}, got {kind!r}")
+    return kind
+
+
+def recurrence_of(folder) -> str:
+    """The recurrence of the checkpoint at ``folder`` from its config.json: ``mamba2``
+    (model_type mamba2) or ``gdn`` (qwen3_next)."""
+    return RECURRENCES[_model_type(folder)][0]
+
+
+def load_model(folder, dtype, device):
+    """The checkpoint's model (``mamba2_lm.Mamba2LM`` or ``gdn_lm.GDNLM``)."""
+    return RECURRENCES[_model_type(folder)][1].load(folder, dtype=dtype, device=device)
 
 
 # --------------------------------------------------------------------------------------------
@@ -393,7 +442,8 @@ def _decode(c: Config, keeper, model, ids: torch.Tensor, tokens: int, on_logits,
     from tqdm import tqdm
 
     device = ids.device
-    decoder = lm.Decoder(model, ids.shape[0], keeper)
+    family = gdn_lm if isinstance(model, gdn_lm.GDNLM) else lm
+    decoder = family.Decoder(model, ids.shape[0], keeper)
     bar = tqdm(total=tokens, desc=desc, unit="tok", disable=not c.progress, file=sys.stderr,
                dynamic_ncols=True, smoothing=0.05)
     use_graph = device.type == "cuda" and c.graph_tokens > 0
@@ -447,6 +497,10 @@ _EXACT_CACHE: dict = {}
 
 
 def _keeper(c: Config, model, arms):
+    if isinstance(model, gdn_lm.GDNLM):
+        from experiments.model_drift_gdn import EmulationGDN, ReferenceGDN
+
+        return (ReferenceGDN if c.backend == "reference" else EmulationGDN)(model, arms, c)
     return (ReferenceSSM if c.backend == "reference" else EmulationSSM)(model, arms, c)
 
 
@@ -461,7 +515,7 @@ def exact_state_logits(c: Config):
     dtype = torch.float64 if c.backend == "reference" else torch.float32
     if c.backend == "reference":  # small ops: threads only wait on each other
         torch.set_num_threads(1)
-    model = lm.load(c.model, dtype=dtype, device=device)
+    model = load_model(c.model, dtype, device)
     ids = load_segments(c).to(device)
     grid = set(log_grid(c.tokens, c.per_octave))
     found = {}
@@ -495,7 +549,8 @@ def run_cell(c: Config, spec: PolicySpec) -> list[tuple]:
         _decode(c, _keeper(c, model, [spec]), model, ids, reached, record,
                 f"decode {spec.label} x {c.segments} segments")
     name = model_name(Path(c.model))
-    return [(name, "mamba2", spec.arm, spec.fmt, spec.rounding, c.window, s, position,
+    recurrence = "gdn" if isinstance(model, gdn_lm.GDNLM) else "mamba2"
+    return [(name, recurrence, spec.arm, spec.fmt, spec.rounding, c.window, s, position,
              f"{kl[0, s].item():.6e}", f"{dlogp[0, s].item():.6e}", int(agree[0, s].item()))
             for s in range(c.segments) for position, kl, dlogp, agree in found]
 
@@ -773,18 +828,22 @@ def parse_args(argv=None):
         description="Teacher-forced drift of the next-byte distribution when the SSM state is "
                     "kept by a precision policy, against an exact state (module docstring). "
                     "--preset toy: CPU reference, a few thousand tokens, about a minute; "
-                    "--preset gpu: Triton emulation, 131,072 tokens; --pareto: redraw the "
-                    "Pareto figure from the committed CSVs.",
+                    "--preset gpu: Triton emulation, 131,072 tokens; gdn-toy and gdn-gpu: "
+                    "the same for a Gated DeltaNet LM; --pareto: redraw the Pareto figure "
+                    "from the committed CSVs.",
         epilog=SHARDING_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--preset", choices=sorted(PRESETS), default="toy",
-                        help="toy (default) or gpu; flags below override it")
+                        help="toy (default) or gpu, a Mamba-2 LM; gdn-toy or gdn-gpu, a Gated "
+                             "DeltaNet LM; flags below override it")
     parser.add_argument("--model", default=None,
-                        help="checkpoint folder in Mamba2ForCausalLM's layout (config.json + "
-                             "model.safetensors); default: the preset's (toy: trained into "
-                             "runs/model_drift_toy_model on first use; gpu: "
-                             "results/model_drift/model)")
+                        help="checkpoint folder (config.json + model.safetensors) in "
+                             "Mamba2ForCausalLM's layout or in Qwen3NextForCausalLM's with "
+                             "Gated DeltaNet layers only (the recurrence is read from "
+                             "config.json); default: the preset's (toy, gdn-toy: trained into "
+                             "runs/model_drift_[gdn_]toy_model on first use; gpu: "
+                             "results/model_drift/model; gdn-gpu: results/model_drift/gdn/model)")
     parser.add_argument("--data", default=None,
                         help="text folder from `python -m experiments.train_lm prepare-data`; "
                              "default: the committed 64 KiB held-out slice")
@@ -858,20 +917,22 @@ def parse_args(argv=None):
 
 
 def ensure_toy_model(c: Config) -> None:
-    """Train the toy preset's model (train_lm's toy preset, deterministic, seconds on a CPU)
-    when ``c`` asks for it and it is not there yet; under torchrun it must exist first."""
-    if c.model != str(TOY_MODEL / "model") or (TOY_MODEL / "model" / "config.json").is_file():
+    """Train a toy preset's model (train_lm's toy preset of its arch, deterministic, seconds on
+    a CPU) when ``c`` asks for it and it is not there yet; under torchrun it must exist
+    first."""
+    if c.model not in TOY_MODELS or (Path(c.model) / lm.CONFIG_NAME).is_file():
         return
+    arch, folder = TOY_MODELS[c.model]
     from experiments import train_lm
     from experiments.sharding import ranks_from_env
 
     if ranks_from_env().launched:
-        raise ValueError(f"--model: {TOY_MODEL / 'model'} does not exist yet; run the toy "
-                         "preset once without torchrun to train it")
-    print(f"training the toy model into {TOY_MODEL} (train_lm --preset toy, once)",
+        raise ValueError(f"--model: {c.model} does not exist yet; run its toy preset once "
+                         "without torchrun to train it")
+    print(f"training the toy model into {folder} (train_lm --arch {arch} --preset toy, once)",
           file=sys.stderr)
-    train_lm.train(replace(train_lm.PRESETS["toy"], out=str(TOY_MODEL), progress=False),
-                   TOY_MODEL)
+    train_lm.train(replace(train_lm.PRESETS_OF[arch]["toy"], out=str(folder), progress=False),
+                   folder)
 
 
 def main(argv=None) -> int:

@@ -1,6 +1,7 @@
-"""scripts/gpu.sh, scripts/setup.sh and scripts/test.sh on the CPU: their argument checks, the
-commands they print with --dry-run (which must parse with the parsers of the tools they call),
-and their exit status, with stand-ins for python, pip and ncu."""
+"""scripts/gpu.sh, scripts/setup.sh, scripts/test.sh and scripts/model_drift_gpu.sh on the CPU:
+their argument checks, the commands they print with --dry-run or run (which must parse with the
+parsers of the tools they call), and their exit status, with stand-ins for python, pip and
+ncu."""
 
 from __future__ import annotations
 
@@ -319,3 +320,93 @@ echo "pip" >> {log}; exit 0
                           text=True, timeout=60)
     assert done.returncode == 4, done.stdout + done.stderr
     assert log.read_text().splitlines() == ["ruff check .", "pytest -q -m not slow"]
+
+
+# --------------------------------------------------------------------------------------------
+# scripts/model_drift_gpu.sh, with a stand-in python that records its commands
+
+FAKE_PYTHON = """#!/bin/bash
+if [ "$1" = -c ]; then echo "python 3 torch 2"; exit 0; fi
+echo "$*" >> {log}
+out=""; prev=""
+for a in "$@"; do [ "$prev" = --out ] && out=$a; prev=$a; done
+case "$2" in
+  experiments.train_lm) mkdir -p "$out/model" && echo '{{}}' > "$out/model/config.json" ;;
+  experiments.model_drift) [ -n "$out" ] && echo csv > "$out" ;;
+esac
+exit 0
+"""
+
+
+def _drift_job(tmp_path, *args, **env):
+    tree = _tree(tmp_path, "model_drift_gpu.sh")
+    (tree / "runs" / "kjv").mkdir(parents=True)
+    (tree / "runs" / "kjv" / "kjv.txt").write_text("text")
+    log = tmp_path / "commands.txt"
+    python = _executable(tmp_path / "bin" / "python", FAKE_PYTHON.format(log=log))
+    out = tmp_path / "out"
+    done = subprocess.run(["bash", "scripts/model_drift_gpu.sh", *args], cwd=tree,
+                          env={**os.environ, "PYTHON": str(python), "OUT": str(out),
+                               "LOWPREC_COMMIT": "abc", **env},
+                          capture_output=True, text=True, timeout=60)
+    commands = log.read_text().splitlines() if log.is_file() else []
+    return done, [shlex.split(c) for c in commands], out
+
+
+def test_model_drift_job_help_names_the_parts_and_the_gdn_time():
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "model_drift_gpu.sh"), "--help"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "PART is mamba2 (the default), gdn, or all" in done.stdout
+    assert "about 8.5 min on one H100" in done.stdout
+
+
+@pytest.mark.parametrize("args, env, message", [
+    (["kda"], {}, "PART: expected mamba2, gdn or all, got 'kda'"),
+    (["gdn", "mamba2"], {}, "expected one PART"),
+    (["gdn"], {"MD_GDN_DRIFT_S": "1m"}, "MD_GDN_DRIFT_S: expected a whole number"),
+    (["gdn"], {"MD_GDN_MODEL": "/nonexistent"}, "MD_GDN_MODEL: expected a checkpoint folder"),
+], ids=["part", "two-parts", "knob", "model"])
+def test_model_drift_job_refuses_bad_input_in_one_line(tmp_path, args, env, message):
+    done, commands, _ = _drift_job(tmp_path, *args, **env)
+    assert done.returncode == 2 and message in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and not commands
+
+
+def test_model_drift_job_gdn_part_trains_then_drifts_and_packs_two_files(tmp_path):
+    """The gdn part: train_lm --arch gdn for 150 s (its arguments parse), then model_drift
+    --preset gdn-gpu on that checkpoint with 60 s a decode, no Pareto figure; $OUT holds
+    the tarball and the log only."""
+    from experiments import train_lm
+
+    done, commands, out = _drift_job(tmp_path, "gdn")
+    assert done.returncode == 0, done.stderr
+    train, drift = commands
+    assert train[:2] == ["-m", "experiments.train_lm"]
+    _, c = train_lm.parse_args(train[2:])
+    assert (c.arch, c.time_limit_s, c.data) == ("gdn", 150.0, "runs/kjv")
+    assert c.out == "runs/model_drift_gpu_work/gdn/train"
+    assert drift[:4] == ["-m", "experiments.model_drift", "--preset", "gdn-gpu"]
+    assert drift[drift.index("--model") + 1] == "runs/model_drift_gpu_work/gdn/train/model"
+    assert drift[drift.index("--time-limit-s") + 1] == "60"
+    assert sorted(p.name for p in out.iterdir()) == ["model_drift_gdn_gpu.log",
+                                                     "model_drift_gdn_gpu.tar.gz"]
+    assert "total:" in (out / "model_drift_gdn_gpu.log").read_text()
+
+
+def test_model_drift_job_defaults_to_mamba2_and_gdn_can_take_a_checkpoint(tmp_path):
+    """No PART runs the Mamba-2 job (train 180 s, the gpu preset, the Pareto figure);
+    MD_GDN_MODEL=DIR makes the gdn part drift on DIR without training."""
+    done, commands, out = _drift_job(tmp_path / "a")
+    assert done.returncode == 0, done.stderr
+    assert [c[1] for c in commands] == ["experiments.train_lm", "experiments.model_drift",
+                                        "experiments.model_drift"]
+    assert "--arch" not in commands[0] and commands[1][2:4] == ["--preset", "gpu"]
+    assert "--pareto" in commands[2]
+    assert sorted(p.name for p in out.iterdir()) == ["model_drift_gpu.log",
+                                                     "model_drift_gpu.tar.gz"]
+    model = tmp_path / "ckpt"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    done, commands, _ = _drift_job(tmp_path / "b", "gdn", MD_GDN_MODEL=str(model))
+    assert done.returncode == 0, done.stderr
+    assert len(commands) == 1 and commands[0][commands[0].index("--model") + 1] == str(model)
