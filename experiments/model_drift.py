@@ -457,6 +457,8 @@ def _decode(c: Config, keeper, model, ids: torch.Tensor, tokens: int, on_logits,
     with torch.no_grad():
         warm = min(tokens, G) if use_graph else tokens
         stream = torch.cuda.Stream(device) if use_graph else None
+        if use_graph:  # the caches were zeroed on the current stream: the warm-up reads them
+            stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream) if use_graph else _null():
             for _ in range(warm):  # also compiles the kernels before a graph captures them
                 on_logits(t + 1, decoder.step(ids[:, t]))

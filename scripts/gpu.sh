@@ -179,7 +179,7 @@ case "$target" in
     pids=()
     for preset in "$@"; do
       name=error_growth_${preset//-/_}
-      case "$preset" in emulation-gpu) ranks=2 ;; sr-gpu) ranks=6 ;; *) ranks=3 ;; esac
+      case "$preset" in emulation-gpu) ranks=2 ;; sr-gpu) ranks=8 ;; *) ranks=3 ;; esac
       layer=(run_to "$out/$name.txt" "$py" -m torch.distributed.run --standalone
              --nproc-per-node "$ranks" -m experiments.error_growth --preset "$preset"
              --no-progress --out "$out/$name.csv" --plot "$out/$name.png")
