@@ -226,7 +226,8 @@ def sr_table(frame: pd.DataFrame, draws: int = 2000, seed: int = 0) -> pd.DataFr
     mean over seeds of the per-seed mean rel_err over the last octave of recorded steps
     (steps > last / 2) divided by the same for 32/10, with a 95% bootstrap interval
     (``low``, ``high``: seeds resampled with replacement, each setting on its own,
-    ``draws`` times). ``departs`` is True where the interval excludes 1."""
+    ``draws`` times). ``departs`` is True where the interval excludes 1; with one seed on
+    either side there is no interval (``low``, ``high`` NaN, ``departs`` None)."""
     gen = np.random.default_rng(seed)
     keys = ["recurrence", "arm", "memory", "window"]
     last = frame["step"].max()
@@ -244,18 +245,24 @@ def sr_table(frame: pd.DataFrame, draws: int = 2000, seed: int = 0) -> pd.DataFr
                                                     sort=False):
             values = values.to_numpy()
             ratio = values.mean() / base.mean()
-            boot = (gen.choice(values, (draws, len(values))).mean(1)
-                    / gen.choice(base, (draws, len(base))).mean(1))
-            low, high = np.quantile(boot, [0.025, 0.975])
+            if min(len(values), len(base)) < 2:  # a resample of one seed is that seed
+                low = high = float("nan")
+                departs = None
+            else:
+                boot = (gen.choice(values, (draws, len(values))).mean(1)
+                        / gen.choice(base, (draws, len(base))).mean(1))
+                low, high = np.quantile(boot, [0.025, 0.975])
+                departs = not low <= 1.0 <= high
             rows.append({**dict(zip(keys, key, strict=True)), "sr_bits": bits,
                          "philox_rounds": rounds, "seeds": len(values), "ratio": ratio,
-                         "low": low, "high": high, "departs": not low <= 1.0 <= high})
+                         "low": low, "high": high, "departs": departs})
     return pd.DataFrame(rows)
 
 
 def format_sr_table(table: pd.DataFrame) -> str:
     head = ("SR settings against 32 bits, 10 rounds: mean rel_err over the last octave of "
-            "recorded steps, ratio to 32/10 with a 95% bootstrap interval over seeds")
+            "recorded steps, ratio to 32/10 with a 95% bootstrap interval over seeds (none "
+            "with one seed)")
     return head + "\n" + table.drop(columns=["recurrence"]).to_string(
         index=False, float_format=lambda x: f"{x:.3f}")
 

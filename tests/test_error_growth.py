@@ -418,6 +418,10 @@ def test_sr_table_finds_a_setting_whose_error_departs_and_not_one_that_does_not(
     assert table.loc[32, "ratio"] == 1 and not table.loc[32, "departs"]
     assert not table.loc[16, "departs"] and table.loc[16, "low"] < 1 < table.loc[16, "high"]
     assert table.loc[8, "departs"] and table.loc[8, "ratio"] == pytest.approx(2, rel=0.1)
+    one = eg.sr_table(pd.DataFrame([r for r in rows if r["seed"] == 5],
+                                   columns=list(eg.CSV_COLUMNS))).set_index("sr_bits")
+    assert one.loc[8, "ratio"] > 1.2 and one["departs"].isna().all()  # one seed: no interval
+    assert one[["low", "high"]].isna().all().all()
 
 
 @pytest.mark.slow
