@@ -46,7 +46,7 @@ import torch
 from cute_kernels import _compile
 from lowprec import philox
 from lowprec._checks import bytes_overlap
-from lowprec.philox import ELEMENT_LIMIT, SLOT_LIMIT
+from lowprec.philox import ELEMENT_LIMIT, SLOT_LIMIT, check_sr_settings
 from lowprec.replay import check_counter_ranges
 
 __all__ = ["ReplayCache", "StateCache", "CacheView", "check_replay_cache", "check_state_cache",
@@ -69,24 +69,6 @@ def fail(name, expected, got):
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def check_sr_settings(sr_bits, philox_rounds, rounding, rounding_name: str,
-                      prefix: str = "") -> tuple[int, int]:
-    """(sr_bits, philox_rounds) as ints the kernels' fp16 SR takes (random bits an element in
-    `lowprec.philox.SR_BITS`, rounds in 1..10: every setting of the contract), and the
-    defaults (32, 10) unless ``rounding`` is 'sr' (only SR draws random bits); messages name
-    ``prefix + 'sr_bits'`` etc., as the emulation's caches do."""
-    sr_bits = philox.check_sr_bits(sr_bits, prefix + "sr_bits")
-    philox_rounds = philox.check_philox_rounds(philox_rounds, prefix + "philox_rounds")
-    if rounding != "sr":
-        for name, value, default in (("sr_bits", sr_bits, philox.DEFAULT_SR_BITS),
-                                     ("philox_rounds", philox_rounds,
-                                      philox.DEFAULT_PHILOX_ROUNDS)):
-            if value != default:
-                fail(prefix + name, f"the default {default} with {prefix}{rounding_name}="
-                     f"{rounding!r} (only SR draws random bits)", value)
-    return sr_bits, philox_rounds
 
 
 def check_sizes(*sizes) -> None:

@@ -156,28 +156,10 @@ def check_empty_args(sizes, hi_rounding, sr_bits, philox_rounds, act_dtype) -> t
     is an activation dtype."""
     for name, value, low in sizes:
         _expect_int(name, value, low)
-    sr_bits, philox_rounds = check_sr_parameters(sr_bits, philox_rounds, hi_rounding,
-                                                 "hi_rounding")
+    sr_bits, philox_rounds = philox.check_sr_settings(sr_bits, philox_rounds, hi_rounding,
+                                                      "hi_rounding")
     if act_dtype not in ACT_DTYPES:
         raise ValueError(f"act_dtype: expected one of {list(ACT_DTYPES)}, got {act_dtype}")
-    return sr_bits, philox_rounds
-
-
-def check_sr_parameters(sr_bits, philox_rounds, rounding, rounding_name: str,
-                        prefix: str = "") -> tuple[int, int]:
-    """(sr_bits, philox_rounds) as ints SR supports (`lowprec.philox.check_sr_bits` /
-    `check_philox_rounds`), and the defaults (32, 10) unless `rounding` is 'sr' (as lowprec
-    refuses them: only SR draws random bits); messages name `prefix + 'sr_bits'` etc."""
-    sr_bits = philox.check_sr_bits(sr_bits, prefix + "sr_bits")
-    philox_rounds = philox.check_philox_rounds(philox_rounds, prefix + "philox_rounds")
-    if rounding != "sr":
-        for name, value, default in (("sr_bits", sr_bits, philox.DEFAULT_SR_BITS),
-                                     ("philox_rounds", philox_rounds,
-                                      philox.DEFAULT_PHILOX_ROUNDS)):
-            if value != default:
-                raise ValueError(f"{prefix}{name}: expected the default {default} with "
-                                 f"{prefix}{rounding_name}={rounding!r} (only SR draws random "
-                                 f"bits), got {value}")
     return sr_bits, philox_rounds
 
 
@@ -299,8 +281,8 @@ def check_copies(cache, rows: str, cols: str) -> tuple:
         )
     if cache.hi_rounding not in ROUNDINGS:
         raise ValueError(f"cache.hi_rounding: expected 'rn' or 'sr', got {cache.hi_rounding!r}")
-    check_sr_parameters(cache.sr_bits, cache.philox_rounds, cache.hi_rounding, "hi_rounding",
-                        "cache.")
+    philox.check_sr_settings(cache.sr_bits, cache.philox_rounds, cache.hi_rounding,
+                             "hi_rounding", "cache.")
     hi_dtypes = {torch.float32, HI_DTYPES.get(hi_fmt.name, torch.float32)}
     _expect("cache.hi", hi, hi.shape, hi_dtypes, device)
     lo_fmt = check_kernel_format("cache.lo_format", cache.lo_format, n_cols)

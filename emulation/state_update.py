@@ -40,7 +40,6 @@ from emulation.replay_decode import (
     check_cache_apart,
     check_inputs_apart,
     check_outputs,
-    check_sr_parameters,
     check_switch,
     gate_output,
     launch_config,
@@ -99,8 +98,8 @@ class StateCache:
         for name, value, low in (("slots", slots, 0), ("nheads", nheads, 1),
                                  ("headdim", headdim, 1), ("dstate", dstate, 1)):
             _expect_int(name, value, low)  # before anything is allocated
-        sr_bits, philox_rounds = check_sr_parameters(sr_bits, philox_rounds, rounding,
-                                                     "rounding")
+        sr_bits, philox_rounds = philox.check_sr_settings(sr_bits, philox_rounds, rounding,
+                                                          "rounding")
         fmt = check_kernel_format("format", format, dstate)
         scales, global_scale = empty_scales(fmt, slots, nheads, headdim, dstate, device)
         cache = cls(
@@ -136,7 +135,8 @@ def check_state_cache(cache: StateCache) -> None:
     fmt = check_kernel_format("cache.format", cache.format, dstate)
     if cache.rounding not in ROUNDINGS:
         raise ValueError(f"cache.rounding: expected 'rn' or 'sr', got {cache.rounding!r}")
-    check_sr_parameters(cache.sr_bits, cache.philox_rounds, cache.rounding, "rounding", "cache.")
+    philox.check_sr_settings(cache.sr_bits, cache.philox_rounds, cache.rounding, "rounding",
+                             "cache.")
     _expect_int("cache.seed", cache.seed, 0, 1 << 64)
     if slots >= 1 << 20 or nheads * headdim * dstate > 1 << 24:
         raise ValueError(

@@ -27,8 +27,7 @@ their dims; ``K = linear_conv_kernel_dim``; names under ``model.layers.l``):
     u      += down_proj(silu(gate_proj(x)) * up_proj(x))                        mlp
 
 then ``logits = lm_head(RMSNorm(u) (1 + model.norm.weight))``. Checkpoints are
-``model.safetensors`` + ``config.json``, through ``experiments.mamba2_lm``'s safetensors reader
-and writer.
+``model.safetensors`` + ``config.json``, through ``experiments.lm_checkpoint``.
 
 The decode (``Decoder``) advances a batch of sequences one token at a time; each layer's conv
 window lives in the decoder and its recurrence is a callable
@@ -40,7 +39,6 @@ state however it likes (``ExactGDN``: ``lowprec.gdn.gdn_step`` in the decoder's 
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -49,11 +47,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from experiments._common import atomic_file
-from experiments.mamba2_lm import load_safetensors, save_safetensors
+from experiments.lm_checkpoint import CONFIG_NAME, WEIGHTS_NAME, load_checkpoint, save_checkpoint
 from lowprec import gdn as ref_gdn
 
 __all__ = [
+    "CONFIG_NAME",
+    "WEIGHTS_NAME",
     "GDNConfig",
     "GDNLM",
     "Decoder",
@@ -63,8 +62,6 @@ __all__ = [
     "load",
 ]
 
-CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "model.safetensors"
 L2_EPS = 1e-6  # l2norm's epsilon inside the square root, as Qwen3-Next's
 DEFAULT_CHUNK = 64  # tokens per chunk of the training scan (a property of the forward only)
 
@@ -527,58 +524,15 @@ def save(model: GDNLM, folder, dtype=torch.float16, metadata: dict | None = None
     per-head parameters and norm weights in fp32. Returns the folder."""
     if not isinstance(model, GDNLM):
         raise TypeError(f"model: expected a GDNLM, got {type(model).__name__}")
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    tensors = {}
-    for name, t in model.state_dict().items():
-        if model.config.tie_word_embeddings and name == "lm_head.weight":
-            continue
-        keep = any(k in name for k in _KEEP_FP32)
-        tensors[name] = t.to(torch.float32 if keep else dtype)
-    save_safetensors(tensors, folder / WEIGHTS_NAME, metadata)
-    config = model.config.to_dict()
-    config["torch_dtype"] = str(dtype).removeprefix("torch.")
-    with atomic_file(folder / CONFIG_NAME) as f:
-        f.write(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    return folder
-
-
-def read_config(folder) -> GDNConfig:
-    """The ``GDNConfig`` of a checkpoint folder's ``config.json``; ValueError in one line."""
-    path = Path(folder) / CONFIG_NAME
-    try:
-        return GDNConfig.from_dict(json.loads(path.read_text()))
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path}: expected JSON, got {err}") from None
+    return save_checkpoint(model, folder, _KEEP_FP32, dtype, metadata)
 
 
 def load(folder, dtype=torch.float32, device=None) -> GDNLM:
     """A ``GDNLM`` from a folder holding ``config.json`` and ``model.safetensors`` in the
     layout of ``transformers``' ``Qwen3NextForCausalLM`` with Gated DeltaNet layers and dense
     MLPs (a checkpoint of this module or of ``save_pretrained``); parameters in ``dtype``."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise ValueError(f"model: expected a folder with {CONFIG_NAME} and {WEIGHTS_NAME}, got "
-                         f"{str(folder)!r} (not a folder)")
-    for name in (CONFIG_NAME, WEIGHTS_NAME):
-        if not (folder / name).is_file():
-            raise ValueError(f"model: expected {folder / name} to exist, it does not")
-    config = read_config(folder)
-    tensors = load_safetensors(folder / WEIGHTS_NAME)
-    model = GDNLM(config)
-    expected = model.state_dict()
-    if config.tie_word_embeddings:
-        tensors.setdefault("lm_head.weight", tensors.get("model.embed_tokens.weight"))
-    missing = sorted(set(expected) - set(tensors))
-    # multi-token-prediction heads of a Qwen3-Next checkpoint are not this model's
-    unexpected = sorted(k for k in set(tensors) - set(expected) if not k.startswith("mtp."))
-    if missing or unexpected:
-        raise ValueError(f"{folder / WEIGHTS_NAME}: expected the Qwen3NextForCausalLM tensors "
-                         f"of Gated DeltaNet layers and dense MLPs, missing {missing[:4]}, "
-                         f"unexpected {unexpected[:4]}")
-    for name, t in expected.items():
-        if tuple(tensors[name].shape) != tuple(t.shape):
-            raise ValueError(f"{folder / WEIGHTS_NAME}: tensor {name!r} expected shape "
-                             f"{list(t.shape)} from config.json, got {list(tensors[name].shape)}")
-    model.load_state_dict({k: v.to(torch.float32) for k, v in tensors.items() if k in expected})
-    return model.to(dtype=dtype, device=device)
+    return load_checkpoint(
+        folder, GDNLM, GDNConfig, tied_from="model.embed_tokens.weight",
+        expected_what="the Qwen3NextForCausalLM tensors of Gated DeltaNet layers and dense MLPs",
+        # multi-token-prediction heads of a Qwen3-Next checkpoint are not this model's
+        ignored_prefixes=("mtp.",), dtype=dtype, device=device)

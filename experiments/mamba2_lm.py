@@ -21,11 +21,8 @@ dt_bias, A_log, D, norm, out_proj}``, ``backbone.layers.N.norm``, ``backbone.nor
 checkpoint saved by ``transformers`` (the gated norm is per group of ``E / g`` channels, as in
 ``mamba_ssm``; for ``g = 1`` every implementation agrees).
 
-Checkpoints are ``model.safetensors`` + ``config.json``. The safetensors container is read
-and written here (an 8-byte little-endian header length, a JSON header of
-``{name: {dtype, shape, data_offsets}}``, then the raw little-endian tensor bytes), so the GPU
-machine needs no ``safetensors`` package; the tests check the files against the library
-where it is installed.
+Checkpoints are ``model.safetensors`` + ``config.json``, through ``experiments.lm_checkpoint``
+(``save_safetensors`` and ``load_safetensors`` are its reader and writer, exported here too).
 
 The decode (``Decoder``) advances a batch of sequences one token at a time; each layer's conv
 window lives in the decoder and its SSM step is a callable
@@ -37,9 +34,7 @@ one cache per precision policy).
 
 from __future__ import annotations
 
-import json
 import math
-import struct
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -47,10 +42,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from experiments._common import atomic_file
+from experiments.lm_checkpoint import (
+    CONFIG_NAME,
+    WEIGHTS_NAME,
+    load_checkpoint,
+    load_safetensors,
+    save_checkpoint,
+    save_safetensors,
+)
 from lowprec import mamba2 as ref_mamba2
 
 __all__ = [
+    "CONFIG_NAME",
+    "WEIGHTS_NAME",
     "Mamba2Config",
     "Mamba2LM",
     "Decoder",
@@ -62,9 +66,7 @@ __all__ = [
     "load_safetensors",
 ]
 
-CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "model.safetensors"
-# config keys this module reads; the others of a transformers config are kept and ignored
+# transformers' default time_step_limit: dt is not clamped
 _TIME_STEP_LIMIT_DEFAULT = (0.0, float("inf"))
 
 
@@ -436,75 +438,6 @@ class Decoder:
 # --------------------------------------------------------------------------------------------
 # checkpoints
 
-_ST_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U8": torch.uint8, "BOOL": torch.bool,
-}
-_ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
-
-
-def save_safetensors(tensors: dict, path, metadata: dict | None = None) -> None:
-    """Write ``{name: tensor}`` as a safetensors file (names sorted, data in that order),
-    atomically (a temporary name in the same folder, then a rename)."""
-    path = Path(path)
-    header, blobs, offset = {}, [], 0
-    if metadata:
-        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
-    for name in sorted(tensors):
-        t = tensors[name]
-        if not isinstance(t, torch.Tensor) or t.dtype not in _ST_NAMES:
-            raise ValueError(f"tensors[{name!r}]: expected a tensor of dtype in "
-                             f"{sorted(map(str, _ST_NAMES))}, got {getattr(t, 'dtype', t)!r}")
-        t = t.detach().cpu().contiguous()
-        data = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
-        header[name] = {"dtype": _ST_NAMES[t.dtype], "shape": list(t.shape),
-                        "data_offsets": [offset, offset + len(data)]}
-        blobs.append(data)
-        offset += len(data)
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * ((-len(text)) % 8)  # the data starts 8-byte aligned
-    with atomic_file(path, "wb") as f:
-        f.write(struct.pack("<Q", len(text)))
-        f.write(text)
-        for blob in blobs:
-            f.write(blob)
-
-
-def load_safetensors(path) -> dict:
-    """``{name: tensor}`` from a safetensors file (CPU tensors); ValueError naming the file on a
-    malformed one."""
-    raw = Path(path).read_bytes()
-    if len(raw) < 8:
-        raise ValueError(f"{path}: expected a safetensors file, got {len(raw)} bytes")
-    (n,) = struct.unpack("<Q", raw[:8])
-    if 8 + n > len(raw):
-        raise ValueError(f"{path}: expected a header of {n} bytes, the file has {len(raw)}")
-    try:
-        header = json.loads(raw[8:8 + n])
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"{path}: expected a JSON header, got {err}") from None
-    data = raw[8 + n:]
-    out = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        dtype = _ST_DTYPES.get(info.get("dtype"))
-        if dtype is None:
-            raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {info.get('dtype')!r}")
-        start, end = info["data_offsets"]
-        shape = info["shape"]
-        numel = math.prod(shape)
-        if end - start != numel * torch.tensor([], dtype=dtype).element_size() or end > len(data):
-            raise ValueError(f"{path}: tensor {name!r} has data_offsets {info['data_offsets']} "
-                             f"that do not fit shape {shape} of {info['dtype']}")
-        buf = bytearray(data[start:end])
-        empty = torch.empty(0, dtype=torch.uint8)
-        flat = torch.frombuffer(buf, dtype=torch.uint8) if buf else empty
-        out[name] = flat.view(dtype).reshape(shape).clone()
-    return out
-
-
 # the per-head parameters and norms stay fp32 in a half-precision checkpoint (they are tiny,
 # and A_log / dt_bias set the decay time constants the experiments study)
 _KEEP_FP32 = ("A_log", "dt_bias", ".D", "norm")
@@ -515,51 +448,14 @@ def save(model: Mamba2LM, folder, dtype=torch.float16, metadata: dict | None = N
     per-head parameters and norm weights in fp32. Returns the folder."""
     if not isinstance(model, Mamba2LM):
         raise TypeError(f"model: expected a Mamba2LM, got {type(model).__name__}")
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    tensors = {}
-    for name, t in model.state_dict().items():
-        if model.config.tie_word_embeddings and name == "lm_head.weight":
-            continue
-        keep = any(k in name for k in _KEEP_FP32)
-        tensors[name] = t.to(torch.float32 if keep else dtype)
-    save_safetensors(tensors, folder / WEIGHTS_NAME, metadata)
-    config = model.config.to_dict()
-    config["torch_dtype"] = str(dtype).removeprefix("torch.")
-    with atomic_file(folder / CONFIG_NAME) as f:
-        f.write(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    return folder
+    return save_checkpoint(model, folder, _KEEP_FP32, dtype, metadata)
 
 
 def load(folder, dtype=torch.float32, device=None) -> Mamba2LM:
     """A ``Mamba2LM`` from a folder holding ``config.json`` and ``model.safetensors`` in the
     layout of ``transformers``' ``Mamba2ForCausalLM`` (a checkpoint of this module or of
     ``save_pretrained``); parameters converted to ``dtype``."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise ValueError(f"model: expected a folder with {CONFIG_NAME} and {WEIGHTS_NAME}, got "
-                         f"{str(folder)!r} (not a folder)")
-    for name in (CONFIG_NAME, WEIGHTS_NAME):
-        if not (folder / name).is_file():
-            raise ValueError(f"model: expected {folder / name} to exist, it does not")
-    try:
-        config = Mamba2Config.from_dict(json.loads((folder / CONFIG_NAME).read_text()))
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{folder / CONFIG_NAME}: expected JSON, got {err}") from None
-    tensors = load_safetensors(folder / WEIGHTS_NAME)
-    model = Mamba2LM(config)
-    expected = model.state_dict()
-    if config.tie_word_embeddings:
-        tensors.setdefault("lm_head.weight", tensors.get("backbone.embeddings.weight"))
-    missing = sorted(set(expected) - set(tensors))
-    unexpected = sorted(set(tensors) - set(expected))
-    if missing or unexpected:
-        raise ValueError(f"{folder / WEIGHTS_NAME}: expected the Mamba2ForCausalLM tensors, "
-                         f"missing {missing[:4]}, unexpected {unexpected[:4]}")
-    for name, t in expected.items():
-        if tuple(tensors[name].shape) != tuple(t.shape):
-            raise ValueError(f"{folder / WEIGHTS_NAME}: tensor {name!r} expected shape "
-                             f"{list(t.shape)} from config.json, got {list(tensors[name].shape)}")
-    model.load_state_dict({k: v.to(torch.float32) for k, v in tensors.items()
-                           if k in expected})
-    return model.to(dtype=dtype, device=device)
+    return load_checkpoint(folder, Mamba2LM, Mamba2Config,
+                           tied_from="backbone.embeddings.weight",
+                           expected_what="the Mamba2ForCausalLM tensors", dtype=dtype,
+                           device=device)

@@ -65,6 +65,15 @@ def _site(peers_dir: Path, peer: str) -> Path:
     return site
 
 
+def _not_importable(what: str, error: Exception, peer: str, path: Path, present: bool):
+    """`Unavailable` for a peer whose import raised ``error``, pointing to prepare.sh when the
+    ``path`` it is installed from is not ``present``."""
+    reason = f"{what} not importable ({type(error).__name__}: {error})"
+    if not present:
+        reason += f"; {path} is missing: run scripts/peers/prepare.sh {peer}"
+    return Unavailable(reason)
+
+
 def _import_vllm(peers_dir: Path):
     """vLLM's Mamba decode kernels (from `<peers_dir>/vllm/site` when present)."""
     site = _site(peers_dir, "vllm")
@@ -74,10 +83,7 @@ def _import_vllm(peers_dir: Path):
             selective_state_update_replayssm_output_only as replay,
         )
     except Exception as error:
-        reason = f"vllm kernels not importable ({type(error).__name__}: {error})"
-        if not site.is_dir():
-            reason += f"; {site} is missing: run scripts/peers/prepare.sh vllm"
-        return Unavailable(reason)
+        return _not_importable("vllm kernels", error, "vllm", site, site.is_dir())
     return (mamba_ssm.selective_state_update,
             replay.selective_state_update_replayssm_output_only)
 
@@ -90,10 +96,7 @@ def _import_vllm_gdn(peers_dir: Path):
             fused_recurrent_gated_delta_rule_packed_decode,
         )
     except Exception as error:
-        reason = f"vllm GDN kernel not importable ({type(error).__name__}: {error})"
-        if not site.is_dir():
-            reason += f"; {site} is missing: run scripts/peers/prepare.sh vllm"
-        return Unavailable(reason)
+        return _not_importable("vllm GDN kernel", error, "vllm", site, site.is_dir())
     return fused_recurrent_gated_delta_rule_packed_decode
 
 
@@ -103,10 +106,7 @@ def _import_fla(peers_dir: Path):
     try:
         from fla.ops.gated_delta_rule.fused_recurrent import fused_recurrent_gated_delta_rule
     except Exception as error:
-        reason = f"fla not importable ({type(error).__name__}: {error})"
-        if not site.is_dir():
-            reason += f"; {site} is missing: run scripts/peers/prepare.sh fla"
-        return Unavailable(reason)
+        return _not_importable("fla", error, "fla", site, site.is_dir())
     return fused_recurrent_gated_delta_rule
 
 
@@ -139,10 +139,7 @@ def _import_flashinfer(peers_dir: Path):
         )
         from flashinfer.mamba.selective_state_update import selective_state_update
     except Exception as error:
-        reason = f"flashinfer not importable ({type(error).__name__}: {error})"
-        if not archive.is_file():
-            reason += f"; {archive} is missing: run scripts/peers/prepare.sh flashinfer"
-        return Unavailable(reason)
+        return _not_importable("flashinfer", error, "flashinfer", archive, archive.is_file())
     return selective_state_update, checkpointing_ssu, allocate_checkpointing_ssu_scratch
 
 

@@ -103,15 +103,8 @@ def flush_copies(
                          f"stored element by element), got {hi_format!r}")
     if hi_rounding not in ("rn", "sr"):
         raise ValueError(f"hi_rounding: expected 'rn' or 'sr', got {hi_rounding!r}")
-    sr_bits = philox.check_sr_bits(sr_bits)
-    philox_rounds = philox.check_philox_rounds(philox_rounds)
-    if hi_rounding == "rn":
-        for name, value, default in (("sr_bits", sr_bits, philox.DEFAULT_SR_BITS),
-                                     ("philox_rounds", philox_rounds,
-                                      philox.DEFAULT_PHILOX_ROUNDS)):
-            if value != default:
-                raise ValueError(f"{name}: expected the default {default} with hi_rounding="
-                                 f"'rn' (only SR draws random bits), got {value}")
+    sr_bits, philox_rounds = philox.check_sr_settings(sr_bits, philox_rounds, hi_rounding,
+                                                      "hi_rounding")
     philox._check_seed(seed)
     rows = state.shape[0]
     slots = _check_counter("slots", torch.arange(rows) if slots is None else slots, rows, False,

@@ -105,6 +105,23 @@ def check_philox_rounds(rounds, name: str = "philox_rounds") -> int:
                          f"Philox rounds in [{PHILOX_ROUNDS[0]}, {PHILOX_ROUNDS[-1]}]")
 
 
+def check_sr_settings(sr_bits, philox_rounds, rounding, rounding_name: str = "rounding",
+                      prefix: str = "") -> tuple[int, int]:
+    """``(sr_bits, philox_rounds)`` as ints SR supports (`check_sr_bits`,
+    `check_philox_rounds`), and the defaults (32, 10) unless ``rounding`` is 'sr' (only SR
+    draws random bits); messages name ``prefix + 'sr_bits'`` and ``prefix + rounding_name``."""
+    sr_bits = check_sr_bits(sr_bits, prefix + "sr_bits")
+    philox_rounds = check_philox_rounds(philox_rounds, prefix + "philox_rounds")
+    if rounding != "sr":
+        for name, value, default in (("sr_bits", sr_bits, DEFAULT_SR_BITS),
+                                     ("philox_rounds", philox_rounds, DEFAULT_PHILOX_ROUNDS)):
+            if value != default:
+                raise ValueError(f"{prefix}{name}: expected the default {default} with "
+                                 f"{prefix}{rounding_name}={rounding!r} (only SR draws random "
+                                 f"bits), got {value}")
+    return sr_bits, philox_rounds
+
+
 def lane_bits(sr_bits: int) -> int:
     """W, the width of the lane a `sr_bits`-bit draw is the low bits of: 8, 16 or 32."""
     sr_bits = check_sr_bits(sr_bits)

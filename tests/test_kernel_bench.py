@@ -375,6 +375,20 @@ def test_nemotron_state_and_record_bytes_match_the_design():
 # derived rows and plots from a synthetic CSV
 
 
+def _timed_row(run, kernel, shape, batch, cursor, us) -> dict:
+    """A passing row of ``kernel`` timed at ``us`` (p10/p90 at -/+10 %), window 16, its bytes
+    from `kernel_bytes` and its fractions of 4,000 GB/s copy and 4,200 GB/s read."""
+    spec = kb.KERNELS[kernel]
+    nbytes = kb.kernel_bytes(spec, shape, batch, cursor)
+    gbps = nbytes / us / 1e3
+    return dict(
+        run=run, kernel=kernel, impl=spec.impl, step=spec.step, scheme="",
+        shape=shape.name, batch=batch, window=16, cursor=cursor, time_us=us,
+        time_us_p10=0.9 * us, time_us_p90=1.1 * us, bytes=nbytes, gbps=gbps,
+        frac_copy=gbps / 4000, frac_read=gbps / 4200, copy_gbps=4000.0, read_gbps=4200.0,
+        check=0.1, status="ok", sets=8, timing="graph", note="")
+
+
 def _synthetic_frame() -> pd.DataFrame:
     """Timed rows at L = 16 for two batches: non-flush steps at cursors 0, 8, 14 taking
     1 + cursor/8 (nvfp4) or 4 * (1 + cursor/8) us (fp32), flushes 20 and 40 us, updates 30 us;
@@ -383,15 +397,7 @@ def _synthetic_frame() -> pd.DataFrame:
     shape = kb.SHAPES["nemotron3-super"]
 
     def add(kernel, batch, cursor, us):
-        spec = kb.KERNELS[kernel]
-        nbytes = kb.kernel_bytes(spec, shape, batch, cursor)
-        gbps = nbytes / us / 1e3
-        rows.append(dict(
-            run="h100", kernel=kernel, impl=spec.impl, step=spec.step, scheme="",
-            shape=shape.name, batch=batch, window=16, cursor=cursor, time_us=us,
-            time_us_p10=0.9 * us, time_us_p90=1.1 * us, bytes=nbytes, gbps=gbps,
-            frac_copy=gbps / 4000, frac_read=gbps / 4200, copy_gbps=4000.0, read_gbps=4200.0,
-            check=0.1, status="ok", sets=8, timing="graph", note=""))
+        rows.append(_timed_row("h100", kernel, shape, batch, cursor, us))
 
     for batch, scale in ((1, 1.0), (256, 100.0)):
         for cursor in (0, 8, 14):
@@ -899,15 +905,7 @@ def _gdn_frame() -> pd.DataFrame:
     shape = kb.SHAPES["qwen3-next-80b"]
 
     def add(kernel, batch, cursor, us):
-        spec = kb.KERNELS[kernel]
-        nbytes = kb.kernel_bytes(spec, shape, batch, cursor)
-        gbps = nbytes / us / 1e3
-        rows.append(dict(
-            run="h200", kernel=kernel, impl=spec.impl, step=spec.step, scheme="",
-            shape=shape.name, batch=batch, window=16, cursor=cursor, time_us=us,
-            time_us_p10=0.9 * us, time_us_p90=1.1 * us, bytes=nbytes, gbps=gbps,
-            frac_copy=gbps / 4000, frac_read=gbps / 4200, copy_gbps=4000.0, read_gbps=4200.0,
-            check=0.1, status="ok", sets=8, timing="graph", note=""))
+        rows.append(_timed_row("h200", kernel, shape, batch, cursor, us))
 
     for batch, scale in ((1, 1.0), (256, 100.0)):
         for cursor in (0, 8, 14):

@@ -27,8 +27,10 @@ def tiny_model(tmp_path_factory):
     return folder
 
 
-def config(model, **kw):
-    base = replace(md.PRESETS["toy"], model=str(model), tokens=23, segments=2, window=4,
+def config(model, preset="toy", **kw):
+    """``md.PRESETS[preset]`` on ``model`` at test size (23 tokens of 2 segments, window 4, 4
+    points an octave), then ``kw``."""
+    base = replace(md.PRESETS[preset], model=str(model), tokens=23, segments=2, window=4,
                    per_octave=4, progress=False)
     return replace(base, **kw)
 

@@ -4,6 +4,7 @@ read from the checkpoint, the emulation backend against the reference, and the g
 (trains its model on first use, then runs)."""
 
 from dataclasses import replace
+from functools import partial
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ import torch
 from experiments import gdn_lm
 from experiments import model_drift as md
 from tests.test_gdn_lm import logits_tolerance, rel_rms
+from tests.test_model_drift import config as drift_config
 
 # 2 layers of 2 heads of d_v 16 x d_k 32 (nvfp4 blocks of 16, mxfp4 of 32 fit), hidden 16,
 # MLP 24, one key head serving both value heads
@@ -26,10 +28,7 @@ def tiny_gdn(tmp_path_factory):
     return folder
 
 
-def config(model, **kw):
-    base = replace(md.PRESETS["gdn-toy"], model=str(model), tokens=23, segments=2, window=4,
-                   per_octave=4, progress=False)
-    return replace(base, **kw)
+config = partial(drift_config, preset="gdn-toy")
 
 
 def test_exact_arm_reproduces_the_parallel_forward(tiny_gdn):
