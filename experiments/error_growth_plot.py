@@ -73,7 +73,10 @@ def plot(csv_path: str | Path, png_path: str | Path) -> None:
     recurrence = frame["recurrence"].iloc[0]
     windows = sorted(frame["window"].unique())
     n_seeds = frame["seed"].nunique()
-    legend_inches = 0.55
+    # an SR setting lengthens every label: two columns, a row of legend height each
+    n_cols = 3 if len(settings) == 1 else 2
+    n_labels = frame.groupby(["arm", "sr_bits", "philox_rounds"]).ngroups
+    legend_inches = 0.55 + (0 if n_cols == 3 else 0.17 * (math.ceil(n_labels / n_cols) - 1))
     height = 2.9 * len(rows) + 0.6 + legend_inches
     fig, axes = plt.subplots(
         len(rows),
@@ -183,14 +186,15 @@ def plot(csv_path: str | Path, png_path: str | Path) -> None:
     names = {"mamba2": "Mamba-2", "gdn": "Gated DeltaNet", "kda": "KDA"}
     title = (f"{names.get(recurrence, recurrence)}: output error against decode length, "
              f"conventional vs checkpointed states (L = {', '.join(map(str, windows))}; median "
-             f"over {n_seeds} seeds, band = min..max; dotted: unit roundoff u)")
+             f"over {n_seeds} seed{'s' if n_seeds != 1 else ''}, band = min..max; dotted: "
+             f"unit roundoff u)")
     title = textwrap.fill(title, int(fig.get_figwidth() * 13))
     fig.suptitle(title, fontsize=9)
     fig.legend(
         handles.values(),
         handles.keys(),
         loc="lower center",
-        ncol=min(len(handles), 3),
+        ncol=min(len(handles), n_cols),
         fontsize=8,
         frameon=False,
     )
