@@ -19,5 +19,5 @@ if [ -z "${LOWPREC_NO_PEERS:-}" ] && [ ! -d .peers/vllm/site ]; then
   PYTHON=.venv/bin/python timeout 600 bash scripts/peers/prepare.sh vllm > /tmp/lowprec-peers.log 2>&1 \
     || echo "test: .peers/vllm not built (see /tmp/lowprec-peers.log); its tests will skip"
 fi
-echo "test: pytest (the whole suite takes about 11-14 minutes on 2 cores; -m \"not slow\" about 6)"
+echo "test: pytest (the whole suite takes about 15 minutes on 2 cores; -m \"not slow\" about 6)"
 .venv/bin/python -m pytest -q "$@"
