@@ -55,7 +55,8 @@ at the headline point of each shape (`GOALS`, per recurrence), printed last.
 kernels (docs/performance.md). The Gated DeltaNet shape adds 294 points and the first compiles
 of its CuTe kernels: 2 to 4 minutes by estimate (about a quarter of a second a point, the
 Mamba-2 grid's pace, plus about 20 compiles), not a measurement. The whole default grid should
-fit one 10-minute call; `--budget-s` keeps a run inside one (the headline points come first).
+fit in 10 minutes; `--budget-s` keeps a run inside a time limit (the headline points come
+first).
 """
 
 from __future__ import annotations

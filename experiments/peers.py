@@ -125,8 +125,8 @@ def _import_flashinfer(peers_dir: Path):
                 sys.path.insert(0, str(site))
             os.environ.setdefault("FLASHINFER_WORKSPACE_BASE", str(FLASHINFER_UNPACK / "ws"))
         if not hasattr(torch.Tensor, "__dlpack_c_exchange_api__"):
-            # an older torch: tvm-ffi would JIT-build its DLPack addon at import (minutes of
-            # device time); its fallback converts tensors in Python, on torch's current stream
+            # an older torch: tvm-ffi would JIT-build its DLPack addon at import (minutes on
+            # the GPU machine); its fallback converts tensors in Python, on torch's current stream
             os.environ.setdefault("TVM_FFI_DISABLE_TORCH_C_DLPACK", "1")
         # The prebuilt modules were linked against a stub libcuda without symbols, so they do
         # not name libcuda as a dependency; their driver calls (cuTensorMapEncodeTiled) resolve
@@ -247,7 +247,7 @@ def _flashinfer(spec, shape, batch, window, cursor, b: Buffers, params, peers_di
 def _prebuild_failure(spec: KernelSpec, shape: BenchShape, window: int, peers_dir: Path) -> None:
     """Raise `Unavailable` when scripts/peers/prepare.sh could not compile the FlashInfer module
     this kernel needs (its report is `<peers_dir>/flashinfer/prebuild-report.tsv`): the same
-    build on the GPU machine would fail too, after minutes of device time."""
+    build on the GPU machine would fail too, after minutes of compiling."""
     report = Path(peers_dir) / "flashinfer" / "prebuild-report.tsv"
     if not report.is_file():
         return

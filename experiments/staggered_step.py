@@ -601,7 +601,7 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def _once(values: tuple, text: str) -> None:
-    """Each value once: a repeated one would be timed again (minutes of the device budget),
+    """Each value once: a repeated one would be timed again (minutes of GPU time),
     and its rows would repeat a point of the CSV (as kernel_bench refuses)."""
     twice = [str(v) for v in repeated(values)]
     if twice:

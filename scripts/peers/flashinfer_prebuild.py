@@ -114,7 +114,7 @@ def main() -> int:
             if not jit.jit_library_path.exists():
                 jit.build()
             note = f"{time.perf_counter() - start:.0f} s"
-        except Exception as error:  # report and go on: the GPU call will JIT it or record why
+        except Exception as error:  # report and go on: the benchmark will JIT it or record why
             failed.append(jit.name)
             reason = " ".join(f"{type(error).__name__}: {error}".split())[-300:]
             report.append(f"{jit.name}\tfailed: {reason}")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds the git-ignored folder .peers/ that carries the peer kernels to the GPU machine, which
-# has no registry access and takes at most 64 MiB per call (see experiments/kernel_bench.py):
+# has no registry access, so what they import travels with them (experiments/kernel_bench.py):
 #
 #   .peers/vllm/site/        vLLM 0.33.0's Mamba decode kernels and its Gated DeltaNet decode
 #                            (the FLA ops it vendors under vllm/third_party/flash_linear_attention:
@@ -16,7 +16,7 @@
 #                            modules they import, the CUDA sources and headers their JIT builds
 #                            need, apache-tvm-ffi (cp312) and, when nvcc is on this machine,
 #                            sm_90a builds of the modules the benchmark uses (loaded by
-#                            FlashInfer's AOT path, so the GPU call compiles nothing); packed as
+#                            FlashInfer's AOT path, so the benchmark compiles nothing); packed as
 #                            flashinfer-peer.tar.xz with activate.sh beside it
 #
 # Nothing of vLLM, FlashInfer or FLA is committed: everything lands in .peers/ (ignored by
@@ -330,7 +330,7 @@ prepare_flashinfer() {
       PYTHONPATH="$build:$deps_site" "$local_py" "$root/scripts/peers/flashinfer_prebuild.py" \
         --aot "$pack/site/flashinfer/data/aot" --deps "$deps" --report "$work/prebuild-report.tsv" \
         --windows "${FI_WINDOWS:-8,16}" \
-      || echo "flashinfer: some modules did not prebuild; the GPU call will JIT-compile them"
+      || echo "flashinfer: some modules did not prebuild; the benchmark will JIT-compile them"
   fi
   if [ -s "$deps" ]; then  # exactly the headers the builds read
     (cd "$full/flashinfer/data" && tar cf - -T "$deps") | (cd "$pack/site/flashinfer/data" && tar xf -)
