@@ -199,7 +199,7 @@ def plot(csv_path: str | Path, png_path: str | Path) -> None:
         frameon=False,
     )
     fig.tight_layout(rect=(0, legend_inches / height, 1, 1))  # it makes room for the title
-    save_small_png(fig, png_path, dpi=150, source=SOURCE)
+    save_small_png(fig, png_path, dpi=110, source=SOURCE)
     plt.close(fig)
 
 
