@@ -138,10 +138,10 @@ PRESETS["emulation-gpu"] = {  # the Nemotron-3-Super Mamba-2 layer: 128 heads of
 
 # the SR ablation at Nemotron-3-Super's Mamba-2 head (64 x 128) through the emulation on a
 # GPU, 131,072 steps: the recurrence copy and a conventional SR state at 32 and 16 bits, 10 and
-# 7 rounds; 32 of the layer's 128 heads (independent heads: the whole layer only narrows the
-# seed band) keep its 8 ranks near 3 minutes on an H100
+# 7 rounds; 8 seeds (sequences) of 4 heads each, so the SR table has a paired interval over
+# seeds, and 32 states a memory keep its 8 ranks near 3 minutes on an H100
 PRESETS["sr-gpu"] = {
-    **PRESETS["emulation-gpu"], "heads": 32, "seeds": 1, "memory": ["long", "short"],
+    **PRESETS["emulation-gpu"], "heads": 4, "seeds": 8, "memory": ["long", "short"],
     "arms": "separate:fp16:sr:nvfp4,every_step:fp16:sr", "rounding": "sr", "log_grid": 20,
     "sr_bits": "32,16", "philox_rounds": "10,7",
 }

@@ -224,10 +224,12 @@ def format_growth(table: pd.DataFrame) -> str:
 def sr_table(frame: pd.DataFrame, draws: int = 2000, seed: int = 0) -> pd.DataFrame:
     """Each SR setting against 32 bits, 10 rounds, per (arm, memory, window): ``ratio`` =
     mean over seeds of the per-seed mean rel_err over the last octave of recorded steps
-    (steps > last / 2) divided by the same for 32/10, with a 95% bootstrap interval
-    (``low``, ``high``: seeds resampled with replacement, each setting on its own,
-    ``draws`` times). ``departs`` is True where the interval excludes 1; with one seed on
-    either side there is no interval (``low``, ``high`` NaN, ``departs`` None)."""
+    (steps > last / 2) divided by the same for 32/10, with a 95% paired bootstrap interval
+    (``low``, ``high``): a seed's inputs are the same under every setting, so the seeds common
+    to both are resampled with replacement, one draw for both sides, ``draws`` times; pairing
+    cancels the spread between seeds, which is most of the spread. ``departs`` is True where
+    the interval excludes 1; with fewer than two common seeds there is no interval (``low``,
+    ``high`` NaN, ``departs`` None)."""
     gen = np.random.default_rng(seed)
     keys = ["recurrence", "arm", "memory", "window"]
     last = frame["step"].max()
@@ -238,19 +240,21 @@ def sr_table(frame: pd.DataFrame, draws: int = 2000, seed: int = 0) -> pd.DataFr
     for key, group in per_seed.groupby(level=keys, sort=False):
         group = group.droplevel(keys)
         try:
-            base = group.loc[(philox.DEFAULT_SR_BITS, philox.DEFAULT_PHILOX_ROUNDS)].to_numpy()
+            base = group.loc[(philox.REFERENCE_SR_BITS, philox.REFERENCE_PHILOX_ROUNDS)]
         except KeyError:
             continue
         for (bits, rounds), values in group.groupby(level=["sr_bits", "philox_rounds"],
                                                     sort=False):
-            values = values.to_numpy()
+            values = values.droplevel(["sr_bits", "philox_rounds"])
             ratio = values.mean() / base.mean()
-            if min(len(values), len(base)) < 2:  # a resample of one seed is that seed
+            common = values.index.intersection(base.index)
+            if len(common) < 2:  # a resample of one seed is that seed
                 low = high = float("nan")
                 departs = None
             else:
-                boot = (gen.choice(values, (draws, len(values))).mean(1)
-                        / gen.choice(base, (draws, len(base))).mean(1))
+                pair = np.stack([values.loc[common].to_numpy(), base.loc[common].to_numpy()])
+                picks = gen.integers(0, len(common), (draws, len(common)))
+                boot = pair[0][picks].mean(1) / pair[1][picks].mean(1)
                 low, high = np.quantile(boot, [0.025, 0.975])
                 departs = not low <= 1.0 <= high
             rows.append({**dict(zip(keys, key, strict=True)), "sr_bits": bits,
@@ -261,8 +265,8 @@ def sr_table(frame: pd.DataFrame, draws: int = 2000, seed: int = 0) -> pd.DataFr
 
 def format_sr_table(table: pd.DataFrame) -> str:
     head = ("SR settings against 32 bits, 10 rounds: mean rel_err over the last octave of "
-            "recorded steps, ratio to 32/10 with a 95% bootstrap interval over seeds (none "
-            "with one seed)")
+            "recorded steps, ratio to 32/10 with a 95% paired bootstrap interval over seeds "
+            "(none with one seed)")
     return head + "\n" + table.drop(columns=["recurrence"]).to_string(
         index=False, float_format=lambda x: f"{x:.3f}")
 

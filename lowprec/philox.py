@@ -74,6 +74,8 @@ DEFAULT_SR_BITS = 32
 # Philox rounds accepted; 10 is Philox-4x32-10, Random123's default and Triton's
 PHILOX_ROUNDS = tuple(range(1, 11))
 DEFAULT_PHILOX_ROUNDS = 10
+# the setting other settings are measured against: a whole Philox-4x32-10 word an element
+REFERENCE_SR_BITS, REFERENCE_PHILOX_ROUNDS = 32, 10
 
 
 def _plain_int(value) -> int | None:
