@@ -22,7 +22,8 @@ containers; same field names and order):
 
 Config: ``hi_format`` ('fp16' | 'fp32'), ``hi_rounding`` ('sr' | 'rn'; 'rn' for fp32),
 ``lo_format``, ``window`` L (Lcap >= L), the Philox ``seed``, and SR's ``sr_bits`` (random bits
-an element: 32, 16, 13 or 8) and ``philox_rounds`` (1..10), left at (32, 10) for an RN copy
+an element: 32, 16, 13 or 8) and ``philox_rounds`` (1..10), left at the defaults (16, 7) for
+an RN copy
 (docs/design.md, "Stochastic rounding: random bits and Philox rounds"; the names and checks of
 the emulation's caches).
 
@@ -161,7 +162,7 @@ class ReplayCache:
 class StateCache:
     """A conventional decode state in the CuTe kernel's formats (module docstring): ``format``
     'fp32' or 'fp16' (the state's dtype), ``rounding`` 'rn' or 'sr' (fp16 only), ``seed``,
-    and SR's ``sr_bits`` and ``philox_rounds`` ((32, 10) for RN)."""
+    and SR's ``sr_bits`` and ``philox_rounds`` (the defaults (16, 7) for RN)."""
 
     state: torch.Tensor
     scales: torch.Tensor | None

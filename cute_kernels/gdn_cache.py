@@ -24,7 +24,8 @@ heads before the call):
 Config: ``hi_format`` / ``hi_rounding`` and ``lo_format`` in one of the kernels' two
 pairings, ('fp16', 'sr' | 'rn', 'nvfp4') (two-precision) or ('fp32', 'rn', 'none') (the
 single-copy FP32 ReplaySSM baseline); ``window`` L = Lcap (standard decoding: no draft rows)
-and the Philox ``seed``. Shapes: dk one of 128, 256, 512 (a row's NVFP4 blocks on the lanes of
+the Philox ``seed`` and SR's ``sr_bits`` and ``philox_rounds`` (as `cute_kernels.cache`'s
+ReplayCache: the defaults (16, 7) for an RN copy). Shapes: dk one of 128, 256, 512 (a row's NVFP4 blocks on the lanes of
 one warp), dv a multiple of 16 with dv * dk <= 65536 (64 state elements a thread, at most 1024
 threads).
 
@@ -46,11 +47,13 @@ from cute_kernels.cache import (
     check_read_copy,
     check_seed,
     check_sizes,
+    check_sr_settings,
     check_switch,
     check_tensor,
     empty_nvfp4,
     fail,
 )
+from lowprec import philox
 from lowprec.philox import ELEMENT_LIMIT, SLOT_LIMIT
 
 __all__ = ["GDNReplayCache", "GDNStateCache", "GDNView", "check_gdn_cache",
@@ -100,6 +103,8 @@ class GDNReplayCache:
     draft: int = 0
     seed: int = 0
     per_channel: bool = False
+    sr_bits: int = philox.DEFAULT_SR_BITS
+    philox_rounds: int = philox.DEFAULT_PHILOX_ROUNDS
 
     @classmethod
     def empty(
@@ -119,12 +124,16 @@ class GDNReplayCache:
         hi_dtype: torch.dtype | None = None,
         act_dtype: torch.dtype = torch.bfloat16,
         device=None,
+        sr_bits: int = philox.DEFAULT_SR_BITS,
+        philox_rounds: int = philox.DEFAULT_PHILOX_ROUNDS,
     ) -> GDNReplayCache:
         """A cache at the zero state with empty rings (ring entries NaN, so that a read of an
         unwritten record shows). The emulation's signature; ``per_channel`` must be False and
         ``draft`` 0 (no KDA or speculative kernels here), ``hi_dtype`` None or hi_format's."""
         check_sizes(("slots", slots, 0), ("nheads", nheads, 1), ("dv", dv, 1), ("dk", dk, 1),
                     ("window", window, 1), ("draft", draft, 0))
+        sr_bits, philox_rounds = check_sr_settings(sr_bits, philox_rounds, hi_rounding,
+                                                   "hi_rounding")
         if (hi_format, hi_rounding, lo_format) not in PAIRINGS:
             fail("(hi_format, hi_rounding, lo_format)", f"one of {PAIRINGS}",
                  (hi_format, hi_rounding, lo_format))
@@ -153,7 +162,8 @@ class GDNReplayCache:
             cursors=torch.zeros(slots, dtype=torch.int32, device=device),
             flushes=torch.zeros(slots, dtype=torch.int32, device=device),
             hi_format=hi_format, hi_rounding=hi_rounding, lo_format=lo_format,
-            window=window, draft=draft, seed=seed, per_channel=per_channel,
+            window=window, draft=draft, seed=seed, per_channel=per_channel, sr_bits=sr_bits,
+            philox_rounds=philox_rounds,
         )
         check_gdn_cache(cache)
         return cache
@@ -234,6 +244,8 @@ def check_gdn_cache(cache) -> GDNView:
         fail("cache.draft", "0 (standard decoding; no speculative kernels here)",
              repr(cache.draft))
     check_seed(cache.seed)
+    check_sr_settings(cache.sr_bits, cache.philox_rounds, cache.hi_rounding, "hi_rounding",
+                      "cache.")
     S, H, P, N = _check_state_tensor("cache.hi", cache.hi)
     device = cache.hi.device
     check_tensor("cache.hi", cache.hi, HI_DTYPES[cache.hi_format], (S, H, P, N), device)

@@ -56,6 +56,8 @@ from cutlass.memory import SmemAllocator
 from cute_kernels import _compile
 from cute_kernels import gdn_cache as gc
 from cute_kernels import numerics as nm
+from cute_kernels.cache import check_sr_settings
+from lowprec import philox
 from cute_kernels.cache import fail
 
 __all__ = ["GDNConfig", "config_of", "compile_gdn_flush", "launch_gdn_flush", "traffic_bytes"]
@@ -80,9 +82,13 @@ class GDNConfig:
     lo_format: str  # 'nvfp4' | 'none'
     act: str  # 'bf16' | 'fp16' | 'fp32'
     has_debug: bool = False
+    # SR of the fp16 recurrence copy: random bits an element and Philox rounds
+    sr_bits: int = philox.DEFAULT_SR_BITS
+    philox_rounds: int = philox.DEFAULT_PHILOX_ROUNDS
 
     def __post_init__(self):
         gc.check_head_shape(self.dv, self.dk)
+        check_sr_settings(self.sr_bits, self.philox_rounds, self.hi_rounding, "hi_rounding")
         if self.act not in CUTE_DTYPES:
             fail("act", f"one of {list(CUTE_DTYPES)}", repr(self.act))
         if not 1 <= self.window <= gc.MAX_WINDOW:
@@ -108,7 +114,8 @@ class GDNConfig:
 def config_of(cache, view: gc.GDNView, act: str, has_debug: bool = False) -> GDNConfig:
     return GDNConfig(nheads=view.nheads, dv=view.dv, dk=view.dk, window=cache.window,
                      hi_format=cache.hi_format, hi_rounding=cache.hi_rounding,
-                     lo_format=cache.lo_format, act=act, has_debug=has_debug)
+                     lo_format=cache.lo_format, act=act, has_debug=has_debug,
+                     sr_bits=cache.sr_bits, philox_rounds=cache.philox_rounds)
 
 
 # --------------------------------------------------------------------------------------------
@@ -159,9 +166,10 @@ def row_outputs(cfg: cutlass.Constexpr, acc, q_vec, rows, col, out_h):
 
 @cute.jit
 def store_hi_chunk(fmt: cutlass.Constexpr, rounding: cutlass.Constexpr, hi_h, values, p, col,
-                   counter_lo0, counter_hi, keys):
-    """The recurrence copy of one 16-element chunk: fp16 SR (elements 4j .. 4j + 3 take the
-    four words of counter counter_lo0 + j), fp16 RN, bf16 RN, or fp32 (saturating)."""
+                   slot, flush, element0, counter_hi, keys, sr_bits: cutlass.Constexpr = 0):
+    """The recurrence copy of one 16-element chunk (state elements element0 .. element0 + 15
+    of the slot): fp16 SR with `sr_bits` random bits an element from Philox words of `keys`
+    (nm.sr_fp16_piece), fp16 RN, bf16 RN, or fp32 (saturating)."""
     if cutlass.const_expr(fmt == "fp32"):
         frag = cute.make_rmem_tensor((W,), Float32)
         for e in cutlass.range_constexpr(W):
@@ -177,8 +185,7 @@ def store_hi_chunk(fmt: cutlass.Constexpr, rounding: cutlass.Constexpr, hi_h, va
                                                  stride=(hi_h.shape[1] // 2, 1)))
         frag = cute.make_rmem_tensor((W // 2,), Uint32)
         if cutlass.const_expr(rounding == "sr"):
-            for first in cutlass.range_constexpr(0, W, 8):
-                nm.sr_fp16_chunk(frag, values, counter_lo0, counter_hi, keys, first)
+            nm.sr_fp16_piece(frag, values, W, slot, flush, element0, counter_hi, keys, sr_bits)
         else:
             for e2 in cutlass.range_constexpr(W // 2):
                 frag[e2] = nm.rn_fp16x2(values[2 * e2], values[2 * e2 + 1])
@@ -366,7 +373,7 @@ class GDNFlush:
 
             # stores, one chunk at a time: the recurrence copy first, then (after the barrier
             # of the head's amax) nvfp4
-            keys = nm.philox_keys(seed_lo, seed_hi)
+            keys = nm.philox_keys(seed_lo, seed_hi, cfg.philox_rounds)
             flush = Uint32(flushes[s])
             _, counter_hi = nm.state_counter(Uint32(s), flush, Uint32(0))
             nvfp4 = cfg.lo_format == "nvfp4"
@@ -387,9 +394,8 @@ class GDNFlush:
                     d_frag.store(acc[i])
                     cute.autovec_copy(d_frag, chunk_of(debug_h, p, col))
                 element0 = Uint32((h * P + p) * N) + Uint32(col * W)  # a multiple of 16
-                counter_lo0, _ = nm.state_counter(Uint32(s), flush, element0 >> Uint32(2))
                 store_hi_chunk(cfg.hi_format, cfg.hi_rounding, hi_h, acc[i], p, col,
-                               counter_lo0, counter_hi, keys)
+                               Uint32(s), flush, element0, counter_hi, keys, cfg.sr_bits)
             if cutlass.const_expr(nvfp4):
                 cute.arch.sync_threads()
                 amax = sRed[0]

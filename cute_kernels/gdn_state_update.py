@@ -92,7 +92,8 @@ class GDNStateUpdate:
                 d_frag = cute.make_rmem_tensor((W,), Float32)
                 d_frag.store(acc[i])
                 cute.autovec_copy(d_frag, chunk_of(debug_h, rows[i], col))
-            store_hi_chunk(cfg.hi_format, "rn", S_h, acc[i], rows[i], col, None, None, None)
+            store_hi_chunk(cfg.hi_format, "rn", S_h, acc[i], rows[i], col, None, None, None,
+                           None, None)
 
 
 def compile_gdn_state_update(cfg: GDNConfig, keep_ptx: bool = False):

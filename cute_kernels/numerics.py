@@ -73,6 +73,7 @@ __all__ = [
     "SR_BITS",
     "DEFAULT_SR_BITS",
     "DEFAULT_PHILOX_ROUNDS",
+    "PHILOX_4X32_10",
     "FP16",
     "E4M3",
     "E2M1",
@@ -116,8 +117,10 @@ __all__ = [
 # SR's random bits per element (docs/design.md, "Stochastic rounding: random bits and Philox
 # rounds"): lanes of 8, 16 (also for 13) and 32 bits of a Philox word
 SR_BITS = (8, 13, 16, 32)
-DEFAULT_SR_BITS = 32
-DEFAULT_PHILOX_ROUNDS = 10  # Philox-4x32-10; the kernels take 1..10
+# SR's default setting, lowprec.philox's: 16 bits an element (two a word) in 7 rounds
+DEFAULT_SR_BITS = 16
+DEFAULT_PHILOX_ROUNDS = 7
+PHILOX_4X32_10 = 10  # the generator's own rounds (tl.randint's); the kernels take 1..10
 ROUND_A = 0xD2511F53
 ROUND_B = 0xCD9E8D57
 KEY_A = 0x9E3779B9
@@ -190,7 +193,7 @@ def bits_f32(u):
 # Philox-4x32
 
 
-def philox_keys(seed_lo, seed_hi, rounds: int = DEFAULT_PHILOX_ROUNDS) -> list:
+def philox_keys(seed_lo, seed_hi, rounds: int = PHILOX_4X32_10) -> list:
     """The `rounds` round keys `(k0, k1)` of a seed (their count is the rounds philox_words
     applies): compute once per thread outside element loops (they are uniform across the grid,
     so they cost registers, not instructions)."""

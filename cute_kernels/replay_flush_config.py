@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from cute_kernels import cache as kv
 from cute_kernels.cache import check_sr_settings
+from lowprec import philox
 
 __all__ = [
     "FlushConfig", "flush_config", "check_flush_shape", "default_elements_per_thread",
@@ -87,9 +88,9 @@ class FlushConfig:
     dt_softplus: bool
     has_debug: bool
     # SR of the fp16 recurrence copy: random bits an element (32, 16, 13, 8) and Philox rounds
-    # (1..10); the defaults (32, 10) unless hi_rounding is 'sr' (docs/design.md)
-    sr_bits: int = 32
-    philox_rounds: int = 10
+    # (1..10); the defaults (16, 7) unless hi_rounding is 'sr' (docs/design.md)
+    sr_bits: int = philox.DEFAULT_SR_BITS
+    philox_rounds: int = philox.DEFAULT_PHILOX_ROUNDS
     # 32 or 64: 32 halves the registers a thread holds, more warps resident per SM
     # (`default_elements_per_thread`)
     elements_per_thread: int = ELEMENTS_PER_THREAD

@@ -73,9 +73,9 @@ class StateUpdateConfig:
     has_dt_bias: bool
     dt_softplus: bool
     has_debug: bool
-    # SR's random bits an element and Philox rounds; (32, 10) unless rounding is 'sr'
-    sr_bits: int = 32
-    philox_rounds: int = 10
+    # SR's random bits an element and Philox rounds; the defaults (16, 7) unless rounding is 'sr'
+    sr_bits: int = nm.DEFAULT_SR_BITS
+    philox_rounds: int = nm.DEFAULT_PHILOX_ROUNDS
 
     def __post_init__(self):
         if self.state not in STATE_DTYPES.values():

@@ -18,9 +18,10 @@ recurrence does not have is refused by name (`KernelSpec.check_shape`).
                               fp16 (RN) or fp16sr; G gdn_state_update, state fp32 or bf16
     cute:flush:fp16sr<k>r<R>+nvfp4, cute:update:fp16sr<k>r<R>
                               M: the same SR kernels with k random bits an element and R
-                              Philox rounds (docs/design.md; `fp16sr` alone is k = 32, R = 10):
+                              Philox rounds (docs/design.md; `fp16sr` alone is the default,
+                              k = 16, R = 7):
                               every k in (32, 16, 13, 8) with R in (10, 7, 4) (`SR_SETTINGS`),
-                              e.g. cute:flush:fp16sr16r7+nvfp4; `sr_setting(variant)` parses
+                              e.g. cute:flush:fp16sr32r10+nvfp4; `sr_setting(variant)` parses
                               them. Schemes `two-precision-sr<k>r<R>` and
                               `conventional-fp16sr<k>r<R>` price a token with them
     emulation:nonflush:nvfp4  M: the Triton emulation (fp32 containers), optional
@@ -63,7 +64,7 @@ from pathlib import Path
 import torch
 
 from experiments.harness import Buffers
-from lowprec import models, traffic
+from lowprec import models, philox, traffic
 
 __all__ = [
     "BenchShape",
@@ -98,9 +99,9 @@ ACT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # dt: nvvm.load.ext has no bf16 form); the peers get the dtype they serve with.
 KIT_DT = torch.float32
 SEED = 12345  # the Philox seed of the SR kernels' caches
-# SR settings (random bits an element, Philox rounds) timed besides the default (32, 10)
+# SR settings (random bits an element, Philox rounds) timed besides the default (16, 7)
 SR_SETTINGS = tuple((bits, rounds) for bits in (32, 16, 13, 8) for rounds in (10, 7, 4)
-                    if (bits, rounds) != (32, 10))
+                    if (bits, rounds) != (philox.DEFAULT_SR_BITS, philox.DEFAULT_PHILOX_ROUNDS))
 
 
 # --------------------------------------------------------------------------------------------
@@ -221,17 +222,21 @@ class KernelSpec:
         return tuple(dict.fromkeys((max(window // 2, lo), lo, hi)))
 
 
+DEFAULT_SR = (philox.DEFAULT_SR_BITS, philox.DEFAULT_PHILOX_ROUNDS)
+
+
 def sr_variant(sr: tuple[int, int]) -> str:
-    """The fp16 SR state's variant name: 'fp16sr' for (32, 10), else 'fp16sr<k>r<R>'."""
-    return "fp16sr" if tuple(sr) == (32, 10) else f"fp16sr{sr[0]}r{sr[1]}"
+    """The fp16 SR state's variant name: 'fp16sr' for the default setting (16, 7), else
+    'fp16sr<k>r<R>' (32/10: 'fp16sr32r10')."""
+    return "fp16sr" if tuple(sr) == DEFAULT_SR else f"fp16sr{sr[0]}r{sr[1]}"
 
 
 def sr_setting(variant: str) -> tuple[int, int]:
-    """(sr_bits, philox_rounds) of a CuTe kernel's variant ('fp16sr16r7+nvfp4' -> (16, 7);
-    'fp16sr', 'fp16sr+nvfp4' and every variant without SR -> (32, 10))."""
+    """(sr_bits, philox_rounds) of a CuTe kernel's variant ('fp16sr32r10+nvfp4' -> (32, 10);
+    'fp16sr', 'fp16sr+nvfp4' and every variant without SR -> the default (16, 7))."""
     match = re.fullmatch(r"fp16sr(?:(\d+)r(\d+))?", variant.split("+")[0])
     if match is None or match[1] is None:
-        return 32, 10
+        return DEFAULT_SR
     return int(match[1]), int(match[2])
 
 
@@ -509,7 +514,7 @@ def _build_cute(spec, shape, batch, window, cursor, b: Buffers, p) -> Case:
     ring_buffers(b, shape, batch, window)
     counter(b, "cursors", batch, cursor)
     counter(b, "flushes", batch, 0)
-    sr_bits, rounds = sr_setting(spec.variant) if spec.step == "flush" else (32, 10)
+    sr_bits, rounds = sr_setting(spec.variant) if spec.step == "flush" else DEFAULT_SR
     caches = [replay_cache(cache_mod.ReplayCache, b.at(i), hi_format=hi_format,
                            hi_rounding=hi_rounding, lo_format=lo_format, window=window,
                            sr_bits=sr_bits, philox_rounds=rounds)

@@ -252,7 +252,7 @@ def _check_emulation(c: Config) -> None:
         missing = _emulation_without_sr_settings()
         if missing:
             raise ValueError(f"sr_bits: the installed emulation's {missing} takes no sr_bits "
-                             "and philox_rounds: the emulation backend runs 32 bits, 10 rounds "
+                             "and philox_rounds: the emulation backend runs the default setting "
                              "only (use --backend reference)")
     if c.steps > MAX_EMULATION_STEPS:
         raise ValueError(

@@ -30,7 +30,8 @@ inside one slot, e < 2^24) takes
 
 that is, the counter's 128 bits read as `w0 | w1 << 32 | w2 << 64 | w3 << 96` and element
 `e % E` of the counter takes bits `[W (e % E), W (e % E) + k)`. For k = 32 this is word
-`e % 4` of the counter `e // 4`. A 13-bit draw (FP16's dropped width from FP32) is the low
+`e % 4` of the counter `e // 4`; for the default, k = 16 in 7 rounds (`DEFAULT_SR_BITS`,
+`DEFAULT_PHILOX_ROUNDS`), the low or high half of word `(e % 8) // 2`. A 13-bit draw (FP16's dropped width from FP32) is the low
 13 bits of a 16-bit lane: 13 bits do not fit three to a word, so it costs what 16 bits cost,
 and one mask takes it (and, with a complement, the add form of SR; docs/design.md).
 
@@ -70,12 +71,16 @@ SEED_LIMIT = 1 << 64
 WORDS_PER_COUNTER = 4
 # random bits per element that SR supports: lanes of 8, 16 (also for 13) and 32 bits
 SR_BITS = (8, 13, 16, 32)
-DEFAULT_SR_BITS = 32
 # Philox rounds accepted; 10 is Philox-4x32-10, Random123's default and Triton's
 PHILOX_ROUNDS = tuple(range(1, 11))
-DEFAULT_PHILOX_ROUNDS = 10
-# the setting other settings are measured against: a whole Philox-4x32-10 word an element
+# The setting other settings are measured against: a whole Philox-4x32-10 word an element
+# (tl.randint's words; the generator's own default rounds below).
 REFERENCE_SR_BITS, REFERENCE_PHILOX_ROUNDS = 32, 10
+# SR's default: 16 bits (two elements a word) in 7 rounds, indistinguishable from 32/10 in the
+# error of a recurrence copy or a conventional FP16 SR state over 131,072 steps (docs/design.md,
+# "Stochastic rounding: random bits and Philox rounds") and half the Philox work of the flush.
+DEFAULT_SR_BITS = 16
+DEFAULT_PHILOX_ROUNDS = 7
 
 
 def _plain_int(value) -> int | None:
@@ -190,7 +195,7 @@ def _as_words(value, name: str) -> torch.Tensor:
     return t
 
 
-def philox4x32(c0, c1, c2, c3, k0, k1, rounds: int = DEFAULT_PHILOX_ROUNDS):
+def philox4x32(c0, c1, c2, c3, k0, k1, rounds: int = REFERENCE_PHILOX_ROUNDS):
     """Philox-4x32 of counter (c0..c3) and key (k0, k1) in `rounds` rounds (1..10): four int64
     tensors of uint32 words.
 
@@ -238,7 +243,7 @@ def _check_seed(seed) -> int:
 
 
 def randint(seed: int, offset: torch.Tensor,
-            n_rounds: int = DEFAULT_PHILOX_ROUNDS) -> torch.Tensor:
+            n_rounds: int = REFERENCE_PHILOX_ROUNDS) -> torch.Tensor:
     """`tl.randint(seed, offset, n_rounds)` word for word: int64 tensor of uint32 words,
     offset's shape.
 
@@ -255,7 +260,7 @@ def randint(seed: int, offset: torch.Tensor,
 
 
 def randint4x(seed: int, offset: torch.Tensor,
-              n_rounds: int = DEFAULT_PHILOX_ROUNDS) -> tuple[torch.Tensor, ...]:
+              n_rounds: int = REFERENCE_PHILOX_ROUNDS) -> tuple[torch.Tensor, ...]:
     """`tl.randint4x(seed, offset, n_rounds)` word for word: the four words of each offset's
     counter."""
     seed = _check_seed(seed)
@@ -348,7 +353,8 @@ def random_words(seed: int, slot, flush, shape, *, sr_bits: int = DEFAULT_SR_BIT
     Element e (flat index within the slot) takes the low `sr_bits` bits of lane `e % n` of
     word `(e % E) // n` of `randint4x(seed, (slot << 44) | (flush << 24) | (e // E),
     philox_rounds)`, with n = 32 / W lanes a word and E = 4 n (module doc). With the defaults
-    (32 bits, 10 rounds) element e takes word e % 4 of counter e // 4 whole.
+    (16 bits, 7 rounds) element e takes half (e % 2) of word (e % 8) // 2 of counter e // 8;
+    with 32 bits, word e % 4 of counter e // 4 whole.
     """
     sr_bits = check_sr_bits(sr_bits)
     philox_rounds = check_philox_rounds(philox_rounds)
