@@ -25,9 +25,9 @@ Config: ``hi_format`` / ``hi_rounding`` and ``lo_format`` in one of the kernels'
 pairings, ('fp16', 'sr' | 'rn', 'nvfp4') (two-precision) or ('fp32', 'rn', 'none') (the
 single-copy FP32 ReplaySSM baseline); ``window`` L = Lcap (standard decoding: no draft rows)
 the Philox ``seed`` and SR's ``sr_bits`` and ``philox_rounds`` (as `cute_kernels.cache`'s
-ReplayCache: the defaults (16, 7) for an RN copy). Shapes: dk one of 128, 256, 512 (a row's NVFP4 blocks on the lanes of
-one warp), dv a multiple of 16 with dv * dk <= 65536 (64 state elements a thread, at most 1024
-threads).
+ReplayCache: the defaults (16, 7) for an RN copy). Shapes: dk one of 128, 256, 512 (a row's
+NVFP4 blocks on the lanes of one warp), dv a multiple of 16 with dv * dk <= 65536 (64 state
+elements a thread, at most 1024 threads).
 
 `GDNStateCache` holds a conventional GDN decode state (``state`` fp32 | bf16, stored RN), the
 baseline's.

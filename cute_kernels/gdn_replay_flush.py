@@ -56,9 +56,8 @@ from cutlass.memory import SmemAllocator
 from cute_kernels import _compile
 from cute_kernels import gdn_cache as gc
 from cute_kernels import numerics as nm
-from cute_kernels.cache import check_sr_settings
+from cute_kernels.cache import check_sr_settings, fail
 from lowprec import philox
-from cute_kernels.cache import fail
 
 __all__ = ["GDNConfig", "config_of", "compile_gdn_flush", "launch_gdn_flush", "traffic_bytes"]
 

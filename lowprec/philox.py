@@ -31,9 +31,10 @@ inside one slot, e < 2^24) takes
 that is, the counter's 128 bits read as `w0 | w1 << 32 | w2 << 64 | w3 << 96` and element
 `e % E` of the counter takes bits `[W (e % E), W (e % E) + k)`. For k = 32 this is word
 `e % 4` of the counter `e // 4`; for the default, k = 16 in 7 rounds (`DEFAULT_SR_BITS`,
-`DEFAULT_PHILOX_ROUNDS`), the low or high half of word `(e % 8) // 2`. A 13-bit draw (FP16's dropped width from FP32) is the low
-13 bits of a 16-bit lane: 13 bits do not fit three to a word, so it costs what 16 bits cost,
-and one mask takes it (and, with a complement, the add form of SR; docs/design.md).
+`DEFAULT_PHILOX_ROUNDS`), the low or high half of word `(e % 8) // 2`. A 13-bit draw
+(FP16's dropped width from FP32) is the low 13 bits of a 16-bit lane: 13 bits do not fit
+three to a word, so it costs what 16 bits cost, and one mask takes it (and, with a
+complement, the add form of SR; docs/design.md).
 
 Using all bits of a counter is what a kernel can afford: Philox-4x32-10 costs about 40
 integer instructions per counter, which at one word per element is a quarter of the H200
