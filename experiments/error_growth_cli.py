@@ -46,8 +46,8 @@ BASE_DEFAULTS = {
     "device": "cpu",
     "threads": 1,
     "backend": "reference",
-    "sr_bits": "32",
-    "philox_rounds": "10",
+    "sr_bits": str(philox.DEFAULT_SR_BITS),
+    "philox_rounds": str(philox.DEFAULT_PHILOX_ROUNDS),
 }
 
 PRESETS = {

@@ -4,7 +4,7 @@ kernels in their default configurations, compiled for sm_90a on the CPU.
     python -m tools.instruction_count            # flush and non-flush kernels, fast paths
     python -m tools.instruction_count --with-fallbacks
     python -m tools.instruction_count --pipes    # by Hopper pipe, floors, per-token budgets
-    python -m tools.instruction_count --sr 16:7,8:4  # and fp16 SR + nvfp4 at other SR settings
+    python -m tools.instruction_count --sr 32:10,8:4  # and fp16 SR + nvfp4 at other SR settings
     python -m tools.instruction_count --ncu REPORT  # what ncu counted executed
         # (REPORT: the trimmed raw page `scripts/gpu.sh profile` writes)
 
@@ -140,7 +140,8 @@ def _compile_sass(ptx: str) -> tuple[str, str]:
     return sass, done.stderr
 
 
-def flush_config(hi: str, rounding: str, lo: str, sr: tuple[int, int] = (32, 10)
+def flush_config(hi: str, rounding: str, lo: str,
+                 sr: tuple[int, int] = (nm.DEFAULT_SR_BITS, nm.DEFAULT_PHILOX_ROUNDS)
                  ) -> rf.FlushConfig:
     """The configuration `mamba2_replay_flush` runs at the Nemotron-3-Super head (bf16
     activations, fp32 dt, D and dt_bias, no z, no debug output): `rf.flush_config`'s defaults
@@ -173,7 +174,7 @@ def histograms(with_fallbacks: bool, formats=FLUSH_FORMATS
     general = (nm.sr_fp16_bits, nm.rn_e2m1_nibble)
     _compile._CACHE.clear()
     if not with_fallbacks:  # what a thread runs: the fallbacks' bodies become constants
-        nm.sr_fp16_bits = lambda x, r, sr_bits=32: cutlass.Uint32(0)
+        nm.sr_fp16_bits = lambda x, r, sr_bits=nm.DEFAULT_SR_BITS: cutlass.Uint32(0)
         nm.rn_e2m1_nibble = lambda x: cutlass.Uint32(0)
     try:
         rows = []
@@ -596,7 +597,7 @@ def main(argv=None) -> int:
         default=(),
         metavar="BITS:ROUNDS,...",
         help="also count the fp16 SR + nvfp4 flush with these SR settings (random bits an "
-        "element in 8, 13, 16, 32; Philox rounds 1..10), e.g. 16:7,8:4",
+        "element in 8, 13, 16, 32; Philox rounds 1..10; the default is 16:7), e.g. 32:10,8:4",
     )
     parser.add_argument(
         "--pipes",
