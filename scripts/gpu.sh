@@ -18,7 +18,8 @@
 #                                tools.instruction_count --ncu; at the headline point (Nemotron-3-
 #                                Super layer, batch 256, L = 16); kernels are kernel_bench's
 #                                names (default: the two-precision non-flush step and flush)
-#   error-growth [PRESET...]     the Triton emulation's error at the real layer shapes, 131,072
+#   error-growth [PRESET...] [-- ARGS...]
+#                                the Triton emulation's error at the real layer shapes, 131,072
 #                                steps: presets emulation-gpu (Mamba-2, 128 heads of 64 x 128),
 #                                gdn-gpu and kda-gpu (32 heads of 128 x 128), default these
 #                                three; sr-gpu (Mamba-2, the SR bits and rounds ablation);
@@ -26,7 +27,9 @@
 #                                concurrently (the exact run and each arm replay CUDA graphs of
 #                                256 steps; drawing the inputs on the host bounds them): GDN and
 #                                KDA together about 3 minutes on an H100, sr-gpu 3 minutes;
-#                                Mamba-2's layer draws 3x the inputs a step
+#                                Mamba-2's layer draws 3x the inputs a step; ARGS after --
+#                                go to every preset's error_growth (e.g. --sr-bits 32
+#                                --philox-rounds 10, the reference SR setting)
 #
 #   --dry-run                    print the commands, run nothing
 #
@@ -168,7 +171,12 @@ case "$target" in
     done
     ;;
   error-growth)
-    [ $# -gt 0 ] || set -- emulation-gpu gdn-gpu kda-gpu
+    # PRESET... [-- ARGS...]: ARGS go to every preset's run (e.g. --sr-bits 32 --philox-rounds 10)
+    presets=() extra=()
+    while [ $# -gt 0 ] && [ "$1" != -- ]; do presets+=("$1"); shift; done
+    if [ $# -gt 0 ]; then shift; extra=("$@"); fi
+    [ ${#presets[@]} -gt 0 ] || presets=(emulation-gpu gdn-gpu kda-gpu)
+    set -- "${presets[@]}"
     for preset in "$@"; do
       case "$preset" in
         emulation-gpu|gdn-gpu|kda-gpu|sr-gpu) ;;
@@ -184,7 +192,7 @@ case "$target" in
       case "$preset" in emulation-gpu) ranks=2 ;; sr-gpu) ranks=8 ;; *) ranks=3 ;; esac
       layer=(run_to "$out/$name.txt" "$py" -m torch.distributed.run --standalone
              --nproc-per-node "$ranks" -m experiments.error_growth --preset "$preset"
-             --no-progress --out "$out/$name.csv" --plot "$out/$name.png")
+             --no-progress --out "$out/$name.csv" --plot "$out/$name.png" ${extra[@]+"${extra[@]}"})
       # a dry run prints them in order (three background printers would interleave lines)
       if [ "$dry" = 1 ]; then "${layer[@]}"; else "${layer[@]}" & pids+=("$!"); fi
     done
