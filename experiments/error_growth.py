@@ -204,6 +204,7 @@ from experiments.error_growth_table import (  # noqa: F401
     read_csv,
     read_table,
     sr_table,
+    student_t_quantile,
     summaries,
     summarize,
     window_means,

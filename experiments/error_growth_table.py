@@ -7,6 +7,7 @@ and ``sr_table`` read only its rows, so the summary can be redrawn without a run
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -221,16 +222,38 @@ def format_growth(table: pd.DataFrame) -> str:
     return head + "\n" + shown.to_string(index=False, float_format=lambda x: f"{x:.3g}")
 
 
-def sr_table(frame: pd.DataFrame, draws: int = 2000, seed: int = 0) -> pd.DataFrame:
-    """Each SR setting against 32 bits, 10 rounds, per (arm, memory, window): ``ratio`` =
-    mean over seeds of the per-seed mean rel_err over the last octave of recorded steps
-    (steps > last / 2) divided by the same for 32/10, with a 95% paired bootstrap interval
-    (``low``, ``high``): a seed's inputs are the same under every setting, so the seeds common
-    to both are resampled with replacement, one draw for both sides, ``draws`` times; pairing
-    cancels the spread between seeds, which is most of the spread. ``departs`` is True where
-    the interval excludes 1; with fewer than two common seeds there is no interval (``low``,
-    ``high`` NaN, ``departs`` None)."""
-    gen = np.random.default_rng(seed)
+def student_t_quantile(p: float, dof: int) -> float:
+    """The p-quantile (p in (0.5, 1)) of Student's t with `dof` degrees of freedom: its density
+    integrated by Simpson's rule from 0 (the CDF at 0 is 1/2), the quantile by bisection (to
+    about 1e-6; what an interval over a handful of seeds needs, with no scipy)."""
+    if not 0.5 < p < 1 or dof < 1:
+        raise ValueError(f"student_t_quantile: expected p in (0.5, 1) and dof >= 1, got {p}, {dof}")
+    log_norm = (math.lgamma((dof + 1) / 2) - math.lgamma(dof / 2)
+                - 0.5 * math.log(dof * math.pi))
+
+    def cdf(t: float) -> float:
+        x = np.linspace(0.0, t, 4001)
+        pdf = np.exp(log_norm - (dof + 1) / 2 * np.log1p(x * x / dof))
+        h = t / 4000
+        return 0.5 + h / 3 * (pdf[0] + pdf[-1] + 4 * pdf[1:-1:2].sum() + 2 * pdf[2:-1:2].sum())
+
+    low, high = 0.0, 1.0
+    while cdf(high) < p:
+        high *= 2
+    for _ in range(60):
+        mid = (low + high) / 2
+        low, high = (mid, high) if cdf(mid) < p else (low, mid)
+    return (low + high) / 2
+
+
+def sr_table(frame: pd.DataFrame) -> pd.DataFrame:
+    """Each SR setting against 32 bits, 10 rounds, per (arm, memory, window). A seed's inputs
+    are the same under every setting, so the comparison is paired: per seed common to both,
+    the log of the ratio of its mean rel_err over the last octave of recorded steps
+    (steps > last / 2); ``ratio`` = exp(mean log ratio), with a 95% Student t interval
+    (``low``, ``high``; n - 1 degrees of freedom for n seeds: a bootstrap of a handful of
+    seeds runs narrow). ``departs`` is True where the interval excludes 1; with fewer than
+    two common seeds there is no interval (``low``, ``high`` NaN, ``departs`` None)."""
     keys = ["recurrence", "arm", "memory", "window"]
     last = frame["step"].max()
     tail = frame[frame["step"] > last / 2]
@@ -246,27 +269,27 @@ def sr_table(frame: pd.DataFrame, draws: int = 2000, seed: int = 0) -> pd.DataFr
         for (bits, rounds), values in group.groupby(level=["sr_bits", "philox_rounds"],
                                                     sort=False):
             values = values.droplevel(["sr_bits", "philox_rounds"])
-            ratio = values.mean() / base.mean()
             common = values.index.intersection(base.index)
-            if len(common) < 2:  # a resample of one seed is that seed
+            logs = np.log(values.loc[common].to_numpy() / base.loc[common].to_numpy())
+            ratio = float(np.exp(logs.mean())) if len(logs) else float("nan")
+            if len(logs) < 2:  # one seed has no spread
                 low = high = float("nan")
                 departs = None
             else:
-                pair = np.stack([values.loc[common].to_numpy(), base.loc[common].to_numpy()])
-                picks = gen.integers(0, len(common), (draws, len(common)))
-                boot = pair[0][picks].mean(1) / pair[1][picks].mean(1)
-                low, high = np.quantile(boot, [0.025, 0.975])
+                half = (student_t_quantile(0.975, len(logs) - 1) * logs.std(ddof=1)
+                        / math.sqrt(len(logs)))
+                low, high = math.exp(logs.mean() - half), math.exp(logs.mean() + half)
                 departs = not low <= 1.0 <= high
             rows.append({**dict(zip(keys, key, strict=True)), "sr_bits": bits,
-                         "philox_rounds": rounds, "seeds": len(values), "ratio": ratio,
+                         "philox_rounds": rounds, "seeds": len(common), "ratio": ratio,
                          "low": low, "high": high, "departs": departs})
     return pd.DataFrame(rows)
 
 
 def format_sr_table(table: pd.DataFrame) -> str:
     head = ("SR settings against 32 bits, 10 rounds: mean rel_err over the last octave of "
-            "recorded steps, ratio to 32/10 with a 95% paired bootstrap interval over seeds "
-            "(none with one seed)")
+            "recorded steps, ratio to 32/10 (geometric mean over seeds of the paired "
+            "ratios) with a 95% Student t interval (none with one seed)")
     return head + "\n" + table.drop(columns=["recurrence"]).to_string(
         index=False, float_format=lambda x: f"{x:.3f}")
 

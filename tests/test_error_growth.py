@@ -1256,3 +1256,10 @@ def test_cuda_graph_chunks_give_the_rows_of_the_step_by_step_loop(monkeypatch, r
     for g, s in zip(graphed, stepped, strict=True):
         pd.testing.assert_frame_equal(g, s)
         assert g.rel_err.between(0, 1).all()  # finite errors, each arm's own
+
+
+@pytest.mark.parametrize("dof,want", [(1, 12.7062), (2, 4.3027), (7, 2.3646), (30, 2.0423)])
+def test_student_t_quantile_matches_the_tables(dof, want):
+    """The SR table's interval uses Student t quantiles computed without scipy: the two-sided
+    95% points of the printed tables to four decimals."""
+    assert eg.student_t_quantile(0.975, dof) == pytest.approx(want, abs=1e-4)
