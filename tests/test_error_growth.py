@@ -19,7 +19,7 @@ import torch
 from torchrun import torchrun
 
 from experiments import error_growth as eg
-from lowprec import mamba2
+from lowprec import mamba2, philox
 from lowprec.metrics import rel_err
 from lowprec.policies import Simulator, make_policy
 
@@ -1218,7 +1218,8 @@ def test_two_ranks_write_the_one_process_bytes_and_a_killed_rank_resumes(tmp_pat
     record = __import__("json").loads((tmp_path / "sharded.meta.json").read_text())["sharding"]
     assert record["world_size"] == 2 and sum(r["cells"] for r in record["ranks"]) == 4
     resumed = tmp_path / "resumed.csv"
-    killed = _torchrun(tmp_path, resumed, KILL_CELL="L16/every_step:fp16:rn/sr32x10")
+    rn_cell = f"L16/every_step:fp16:rn/sr{philox.DEFAULT_SR_BITS}x{philox.DEFAULT_PHILOX_ROUNDS}"
+    killed = _torchrun(tmp_path, resumed, KILL_CELL=rn_cell)  # an RN cell: the defaults
     assert killed.returncode != 0 and not resumed.exists()
     rerun = _torchrun(tmp_path, resumed)
     assert rerun.returncode == 0, rerun.stderr[-2000:]
