@@ -273,7 +273,9 @@ class CuteStep:
         slots, nheads, dv, dk, window = twin.shape
         self.cache = gc.GDNReplayCache.empty(slots, nheads, dv, dk, window=window,
                                              hi_format=hi, hi_rounding=rounding, lo_format=lo,
-                                             seed=twin.seed, act_dtype=act, device=DEVICE)
+                                             seed=twin.seed, act_dtype=act, device=DEVICE,
+                                             sr_bits=twin.sr_bits,
+                                             philox_rounds=twin.philox_rounds)
         c = self.cache
         c.hi.copy_(twin.hi.to(c.hi.dtype))
         if lo == "nvfp4":
@@ -363,8 +365,11 @@ def emulation_quantiser_gives_the_same_bytes(step, is_flush):
     rand = None
     if c.hi_rounding == "sr":
         rand = torch.stack([em.random_words_host(c.seed, s, int(c.flushes[s]) - 1, H * P * N,
-                                                 DEVICE) for s in fl]).reshape(state.shape)
-    want = lq.encode_bits(em.round_to(state, "fp16", c.hi_rounding, rand).cpu(), FP16)
+                                                 DEVICE, sr_bits=c.sr_bits,
+                                                 philox_rounds=c.philox_rounds)
+                            for s in fl]).reshape(state.shape)
+    want = lq.encode_bits(em.round_to(state, "fp16", c.hi_rounding, rand,
+                                      sr_bits=c.sr_bits).cpu(), FP16)
     got = c.hi[fl].cpu().view(torch.int16).long() & 0xFFFF
     assert torch.equal(want, got), "emulation and CuTe fp16 recurrence copies differ"
     quant = em.quantize(state, "nvfp4", "rn")

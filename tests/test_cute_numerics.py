@@ -77,8 +77,10 @@ def fp16_neighbourhoods() -> np.ndarray:
 
 
 def lowprec_codes(x: np.ndarray, element, rounding="rn", words=None) -> np.ndarray:
+    """lowprec's codes of x: RN, or SR with whole 32-bit `words` (sr_bits=32)."""
     rand = None if words is None else torch.from_numpy(words.astype(np.int64))
-    rounded = q.round_to(torch.from_numpy(x.copy()), element, rounding, rand)
+    sr = {} if words is None else {"sr_bits": 32}
+    rounded = q.round_to(torch.from_numpy(x.copy()), element, rounding, rand, **sr)
     if element is E2M1 or element is E4M3:
         rounded = torch.nan_to_num(rounded, nan=0.0)  # E2M1/E4M3 NaN is outside the contract
     return q.encode_bits(rounded, element).numpy().astype(np.uint32)
@@ -123,8 +125,8 @@ def test_rn_fp16x2_numpy_path_equals_two_scalar_roundings():
 
 @pytest.mark.parametrize("kind", ["random", "zero", "max", "half"])
 def test_sr_fp16_equals_lowprec_for_every_fp16_neighbourhood(kind):
-    """SR bits equal lowprec's for random words and the edge words 0 (rounds up iff any
-    fraction is discarded), 2^32-1 (never rounds up) and 2^31."""
+    """SR bits with 32-bit words (sr_bits=32) equal lowprec's for random words and the edge
+    words 0 (rounds up iff any fraction is discarded), 2^32-1 (never rounds up) and 2^31."""
     rng = np.random.default_rng(11)
     words = {
         "random": rng.integers(0, 1 << 32, X.size, dtype=np.uint64).astype(np.uint32),
@@ -133,17 +135,19 @@ def test_sr_fp16_equals_lowprec_for_every_fp16_neighbourhood(kind):
         "half": np.full(X.size, 0x80000000, np.uint32),
     }[kind]
     want = lowprec_codes(X, FP16, "sr", words)
-    got = nm.sr_fp16_bits(X, words)
+    got = nm.sr_fp16_bits(X, words, 32)
     assert np.array_equal(want, got), first_mismatches(X, want, got, words)
 
 
 def test_sr_fp16_threshold_is_exact():
-    """Words just below and at floor(frac * 2^32) decide up/down: 1 + 2^-12 lies 2^-12 / 2^-10
-    = 1/4 of an fp16 ulp above 1, so the threshold is 2^30: r = 2^30 - 1 rounds up to
-    0x3C01, r = 2^30 stays at 0x3C00."""
+    """32-bit words just below and at floor(frac * 2^32) decide up/down: 1 + 2^-12 lies
+    2^-12 / 2^-10 = 1/4 of an fp16 ulp above 1, so the threshold is 2^30: r = 2^30 - 1 rounds
+    up to 0x3C01, r = 2^30 stays at 0x3C00; the default 16-bit draws' threshold is 2^14."""
     x = np.array([1 + 2.0**-12] * 2, np.float32)
     words = np.array([(1 << 30) - 1, 1 << 30], np.uint32)
-    assert nm.sr_fp16_bits(x, words).tolist() == [0x3C01, 0x3C00]
+    assert nm.sr_fp16_bits(x, words, 32).tolist() == [0x3C01, 0x3C00]
+    draws = np.array([(1 << 14) - 1, 1 << 14], np.uint32)
+    assert nm.sr_fp16_bits(x, draws).tolist() == [0x3C01, 0x3C00]
 
 
 def test_philox_words_equal_lowprec_randint():
@@ -323,21 +327,22 @@ def _fp16_neighbourhood_inputs(rng, n):
 
 
 def test_sr_fp16_fast_equals_the_general_form_wherever_it_claims_to():
-    """The one-add SR is exact for every |x| >= 2^-14 (infinities saturate), flags smaller
-    |x| and NaN, and agrees bit for bit with sr_fp16_bits (tied to lowprec above)."""
+    """The one-add SR with 32-bit words is exact for every |x| >= 2^-14 (infinities
+    saturate), flags smaller |x| and NaN, and agrees bit for bit with sr_fp16_bits(x, r, 32)
+    (tied to lowprec above)."""
     x, words = _fp16_neighbourhood_inputs(np.random.default_rng(5), 400_000)
     fast, exact = nm.sr_fp16_bits_fast(x, words)
     with np.errstate(invalid="ignore"):
         should = (np.abs(x) >= np.float32(2.0**-14)) & ~np.isnan(x)
     assert np.array_equal(exact, should)
-    assert np.array_equal(fast[exact], nm.sr_fp16_bits(x, words)[exact])
+    assert np.array_equal(fast[exact], nm.sr_fp16_bits(x, words, 32)[exact])
 
 
 def test_sr_fp16x2_fast_equals_the_general_form_wherever_it_claims_to():
-    """The paired SR (two adds, one truncating conversion) is sr_fp16_bits for both halves
-    wherever both inputs lie in 2^-14 <= |x| < 2^127, and says so exactly there: zero, fp16
-    subnormals, NaN, infinities and the top binade (where the add could carry into the
-    exponent's all-ones) go to the general form."""
+    """The paired SR with 32-bit words (two adds, one truncating conversion) is
+    sr_fp16_bits(., ., 32) for both halves wherever both inputs lie in 2^-14 <= |x| < 2^127,
+    and says so exactly there: zero, fp16 subnormals, NaN, infinities and the top binade
+    (where the add could carry into the exponent's all-ones) go to the general form."""
     x, words = _fp16_neighbourhood_inputs(np.random.default_rng(5), 400_000)
     y, more = _fp16_neighbourhood_inputs(np.random.default_rng(9), 400_000)
     top = np.array([2.0**127, -(2.0**127), 3.4028235e38, 2.0**127 * 0.99999994], np.float32)
@@ -348,7 +353,7 @@ def test_sr_fp16x2_fast_equals_the_general_form_wherever_it_claims_to():
                   for v in (x, y)]  # fmt: skip
     assert np.array_equal(exact, inside[0] & inside[1])
     assert 0.3 < exact.mean() < 0.9 and not exact[-top.size : -1].any() and exact[-1]
-    general = nm.sr_fp16_bits(x, words) | (nm.sr_fp16_bits(y, more) << np.uint32(16))
+    general = nm.sr_fp16_bits(x, words, 32) | (nm.sr_fp16_bits(y, more, 32) << np.uint32(16))
     assert np.array_equal(pair[exact], general[exact])
 
 
@@ -487,7 +492,7 @@ def _probe_kernel(
         v = x[i]
         r = words[i]
         keys = nm.philox_keys(seed_lo, seed_hi)
-        out[i, 0] = nm.sr_fp16_bits(v, r)
+        out[i, 0] = nm.sr_fp16_bits(v, r, 32)
         out[i, 1] = nm.rn_fp16_bits(v)
         out[i, 2] = nm.rn_fp16x2(v, y[i])
         out[i, 3] = nm.rn_e4m3_byte(v)
@@ -610,7 +615,7 @@ def test_probe_kernel_equals_numpy_backend_and_lowprec():
     keys = nm.philox_keys(np.uint32(SEED & 0xFFFFFFFF), np.uint32(SEED >> 32))
     with np.errstate(all="ignore"):
         want = {
-            "sr_fp16": nm.sr_fp16_bits(x, words),
+            "sr_fp16": nm.sr_fp16_bits(x, words, 32),
             "rn_fp16": nm.rn_fp16_bits(x),
             "rn_fp16x2": nm.rn_fp16x2(x, y),
             "rn_e4m3": nm.rn_e4m3_byte(x),

@@ -47,9 +47,11 @@ VARIANTS = [
     for hi, rnd in (("fp16", "sr"), ("fp16", "rn"), ("fp32", "rn"))
     for lo in rfc.LO_FORMATS
 ]
-# (random bits an element, Philox rounds) of the recurrence copy's SR besides the default
-# (32, 10): lanes of 16 bits (13 of them), bytes (half a counter for a piece of 8), 7 rounds
-SR_SETTINGS = [(16, 7), (13, 10), (8, 4), (32, 7)]
+# (random bits an element, Philox rounds) of the recurrence copy's SR: the default (16, 7)
+DEFAULT_SR = (philox.DEFAULT_SR_BITS, philox.DEFAULT_PHILOX_ROUNDS)
+# and besides it: whole Philox-4x32-10 words (the reference), lanes of 16 bits (13 of them),
+# bytes (half a counter for a piece of 8), whole words in 7 rounds
+SR_SETTINGS = [(32, 10), (13, 10), (8, 4), (32, 7)]
 
 
 def sr_id(sr):
@@ -58,7 +60,7 @@ def sr_id(sr):
 
 def replay_cache(hi, lo, ring_x, ring_dt, ring_B, cursors, flushes, *, window=16,
                  hi_format="fp16", hi_rounding="sr", lo_format="nvfp4", seed=0,
-                 sr_bits=32, philox_rounds=10):
+                 sr_bits=DEFAULT_SR[0], philox_rounds=DEFAULT_SR[1]):
     """The test's tensors as a ReplayCache (shared: the kernels update them in place); an
     fp32 recurrence copy is stored exactly, so its rounding is 'rn'."""
     lo_t = scales = global_scale = None
@@ -336,10 +338,10 @@ def test_state_shapes_that_need_a_partial_warp_are_refused():
     ("fp16", "sr", "nvfp4", dict(min_ctas_per_sm=-1), "min_ctas_per_sm: expected None or"),
     ("fp16", "sr", "nvfp4", dict(sr_bits=12), r"sr_bits: expected random bits .* got 12"),
     ("fp16", "sr", "nvfp4", dict(philox_rounds=11), r"philox_rounds: expected Philox rounds"),
-    ("fp16", "rn", "nvfp4", dict(sr_bits=16),
-     "sr_bits: expected the default 32 with hi_rounding='rn'"),
-    ("fp32", "rn", "none", dict(philox_rounds=7),
-     "philox_rounds: expected the default 10 with hi_rounding='rn'"),
+    ("fp16", "rn", "nvfp4", dict(sr_bits=32),
+     r"sr_bits: expected the default 16 with hi_rounding='rn' .*got 32"),
+    ("fp32", "rn", "none", dict(philox_rounds=10),
+     r"philox_rounds: expected the default 7 with hi_rounding='rn' .*got 10"),
 ])
 def test_flush_config_refuses_what_replay_flush_refuses(hi, rounding, lo, changes, message):
     """FlushConfig (compile_flush's key, which tools build directly) refuses a format name,
@@ -365,7 +367,7 @@ def test_flush_config_refuses_what_replay_flush_refuses(hi, rounding, lo, change
      "cache.hi: expected a tensor with storage"),
 ])
 def test_flush_refuses_states_past_the_philox_fields(slots, shape, changes, message):
-    """Slot s's SR words come from the counter (s << 44 | flush << 24 | e / 4): 2^20 slots or
+    """Slot s's SR words come from the counter (s << 44 | flush << 24 | e / E): 2^20 slots or
     more than 2^24 elements a slot would overlap its fields and silently share words (the
     emulation, lowprec.philox, refuses the same shapes). Meta tensors: nothing allocated, and
     the cache refused as one once its shapes pass."""
@@ -379,44 +381,50 @@ def _mul_hi(ptx: str) -> int:
     return ptx.count("mul.hi.u32")
 
 
-@pytest.mark.parametrize("sr", [(16, 7), (8, 4), (13, 10)], ids=sr_id)
+@pytest.mark.parametrize("sr", [(32, 10), (8, 4), (13, 10)], ids=sr_id)
 def test_each_sr_setting_compiles_calling_philox_only_as_often_as_it_needs(sr):
     """The decode step's flush at the Nemotron head (direct fold, two 16-element pieces a
     thread) with k random bits an element in R rounds compiles for sm_90a without spills,
     and Philox runs once a counter: 8 counters a thread at 32 bits, 4 at 16 and 13, 2 at 8.
     Each round after the first is two mul.hi.u32 (the first, with c2 = c3 = 0, one
-    mul.wide.u32), so the kernel's mul.hi count differs from the default's (8 counters x 9)
-    by exactly 2 (counters x (R - 1) - 72)."""
+    mul.wide.u32), so the kernel's mul.hi count differs from the default's (16 bits in 7
+    rounds: 4 counters x 6) by exactly 2 (counters x (R - 1) - 24)."""
     base = config(NEMOTRON, "fp16", "sr", "nvfp4", debug=False, elements_per_thread=32)
     assert base.fold == "direct" and base.pieces == 2 and base.chunk == 16
+    assert (base.sr_bits, base.philox_rounds) == (16, 7)
     cfg = dataclasses.replace(base, sr_bits=sr[0], philox_rounds=sr[1])
     ptx = rf.compile_flush(cfg, keep_ptx=True).__ptx__
     default = rf.compile_flush(base, keep_ptx=True).__ptx__
     assert ".local" not in ptx and "cvt.rz.satfinite.f16x2.f32" in ptx
     counters = base.pieces * {32: 4, 16: 2, 13: 2, 8: 1}[sr[0]]
-    assert _mul_hi(ptx) - _mul_hi(default) == 2 * (counters * (sr[1] - 1) - 8 * 9)
+    assert _mul_hi(ptx) - _mul_hi(default) == 2 * (counters * (sr[1] - 1) - 4 * 6)
 
 
 def test_eight_bit_draws_in_eight_element_pieces_take_half_a_counter():
     """With 8-element pieces (the FFMA fold at an odd head: 6 pieces a thread) 8-bit draws
-    need half of a 16-element counter: still one Philox call a piece (not two, as 32 bits
-    need), whose upper or lower two words the piece selects."""
+    need half of a 16-element counter: still one Philox call a piece (as the default 16 bits
+    in 7 rounds, 6 x 6 rounds after the first; not two, as 32 bits need), whose upper or lower
+    two words the piece selects."""
     base = config(ODD, "fp16", "sr", "nvfp4", act="fp32", debug=False)
     assert base.chunk == 8 and base.pieces == 6
     ptx = rf.compile_flush(dataclasses.replace(base, sr_bits=8, philox_rounds=4),
                            keep_ptx=True).__ptx__
     default = rf.compile_flush(base, keep_ptx=True).__ptx__
+    reference = rf.compile_flush(dataclasses.replace(base, sr_bits=32, philox_rounds=10),
+                                 keep_ptx=True).__ptx__
     assert ".local" not in ptx
-    assert _mul_hi(ptx) - _mul_hi(default) == 2 * (6 * 3 - 12 * 9)
+    assert _mul_hi(ptx) - _mul_hi(default) == 2 * (6 * 3 - 6 * 6)
+    assert _mul_hi(reference) - _mul_hi(default) == 2 * (12 * 9 - 6 * 6)
 
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(sr_bits=12), r"sr_bits: expected random bits per element in \[8, 13, 16, 32\], got 12"),
     (dict(sr_bits=16.0), "sr_bits: expected random bits"),
     (dict(philox_rounds=0), r"philox_rounds: expected Philox rounds in \[1, 10\], got 0"),
-    (dict(hi_rounding="rn", sr_bits=8), "sr_bits: expected the default 32 with hi_rounding='rn'"),
+    (dict(hi_rounding="rn", sr_bits=8),
+     r"sr_bits: expected the default 16 with hi_rounding='rn' .*got 8"),
     (dict(hi_format="fp32", hi_rounding="rn", philox_rounds=4),
-     "philox_rounds: expected the default 10 with hi_rounding='rn'"),
+     r"philox_rounds: expected the default 7 with hi_rounding='rn' .*got 4"),
 ])
 def test_replay_cache_takes_the_emulations_sr_settings_and_refuses_others(kwargs, message):
     """ReplayCache.empty takes sr_bits and philox_rounds under the emulation's names, with its
@@ -429,23 +437,26 @@ def test_replay_cache_takes_the_emulations_sr_settings_and_refuses_others(kwargs
     args, window = cpu_args()
     with pytest.raises(ValueError, match="cache.sr_bits: expected random bits"):
         replay_flush(**args, window=window, sr_bits=24)
-    with pytest.raises(ValueError, match="cache.philox_rounds: expected the default 10 with "
+    with pytest.raises(ValueError, match="cache.philox_rounds: expected the default 7 with "
                                          "cache.hi_rounding='rn'"):
-        replay_flush(**args, window=window, hi_rounding="rn", philox_rounds=7)
+        replay_flush(**args, window=window, hi_rounding="rn", philox_rounds=10)
     with pytest.raises(ValueError, match="cache.hi: expected a CUDA tensor"):  # accepted
         replay_flush(**args, window=window, sr_bits=8, philox_rounds=1)
 
 
 def test_flush_config_carries_the_caches_sr_setting():
     """flush_config copies the cache's setting into the compile key (two settings, two
-    kernels), and a tuned config may not change it."""
+    kernels), and a tuned config may not change it: the reference 32/10 and the default."""
     args, window = cpu_args()
-    cache, step = _split(dict(args, window=window, sr_bits=16, philox_rounds=7))
+    cache, step = _split(dict(args, window=window, sr_bits=32, philox_rounds=10))
     view = kv.check_replay_cache(cache)
     cfg = rf.flush_config(cache, view, step["x"], step["dt"])
+    assert (cfg.sr_bits, cfg.philox_rounds) == (32, 10)
+    with pytest.raises(ValueError, match="config.sr_bits: expected 32"):
+        rfc._tuned(cfg, dataclasses.replace(cfg, sr_bits=16))
+    cache, step = _split(dict(cpu_args()[0], window=window))
+    cfg = rf.flush_config(cache, kv.check_replay_cache(cache), step["x"], step["dt"])
     assert (cfg.sr_bits, cfg.philox_rounds) == (16, 7)
-    with pytest.raises(ValueError, match="config.sr_bits: expected 16"):
-        rfc._tuned(cfg, dataclasses.replace(cfg, sr_bits=32))
 
 
 def test_advance_kernel_compiles():
@@ -673,7 +684,8 @@ def kernel_lo_bytes(lo, lo_format):
 
 
 def _emulation_stores_the_same_codes(state, cpu, fs, b, seed, hi_format, hi_rounding,
-                                     lo_format, sr_bits=32, philox_rounds=10):
+                                     lo_format, sr_bits=DEFAULT_SR[0],
+                                     philox_rounds=DEFAULT_SR[1]):
     """The third implementation, directly: the Triton emulation's quantiser and Philox draws
     (emulation.numerics, on the GPU; `sr_bits` an element in `philox_rounds` rounds) applied
     to the CuTe kernel's own unrounded state give the CuTe kernel's stored bits. (The rest of
@@ -692,7 +704,7 @@ def _emulation_stores_the_same_codes(state, cpu, fs, b, seed, hi_format, hi_roun
                 for s in fs
             ]).reshape(state.shape)
         rounded = em.round_to(dev_state, "fp16", hi_rounding, rand,
-                              sr_bits=sr_bits if hi_rounding == "sr" else 32).cpu()
+                              sr_bits=sr_bits if hi_rounding == "sr" else DEFAULT_SR[0]).cpu()
         want = q.encode_bits(rounded, FP16)
         got = cpu["hi"][fs].view(torch.int16).long() & 0xFFFF
         assert torch.equal(want, got), "emulation and CuTe fp16 recurrence copies differ"
@@ -735,7 +747,7 @@ def state_bound(hi, ring_x, ring_dt, ring_B, A, window, heads_per_group):
 
 def check_flush(
     shape, slots, window, act, hi_format, hi_rounding, lo_format, seed=SEED, gen_seed=0,
-    elements_per_thread=None, fold=None, chunk=None, sr=(32, 10),
+    elements_per_thread=None, fold=None, chunk=None, sr=DEFAULT_SR,
 ):
     gen = torch.Generator().manual_seed(gen_seed)
     flush_slots = list(range(0, slots, 2))
@@ -1169,7 +1181,7 @@ def test_decode_steps_over_several_windows_with_each_sr_setting(sr):
     check_decode_windows(("fp16", "sr", "nvfp4"), sr, gen_seed=6 + sr[0])
 
 
-def check_decode_windows(variant, sr=(32, 10), gen_seed=5):
+def check_decode_windows(variant, sr=DEFAULT_SR, gen_seed=5):
     hi_format, hi_rounding, lo_format = variant
     shape, slots, window, act = DECODE, 9, 16, torch.float32
     H, P, N = shape["nheads"], shape["headdim"], shape["dstate"]
@@ -1278,7 +1290,7 @@ def check_decode_windows(variant, sr=(32, 10), gen_seed=5):
     assert steps_seen_flush >= 3
 
 
-@pytest.mark.parametrize("lo_format, sr", [("nvfp4", (32, 10)), ("fp8_e4m3", (32, 10)),
+@pytest.mark.parametrize("lo_format, sr", [("nvfp4", (32, 10)), ("fp8_e4m3", DEFAULT_SR),
                                            ("nvfp4", (8, 4)), ("nvfp4", (13, 7))])
 def test_emulation_comparison_accepts_lowprec_stores(lo_format, sr):
     """The direct CuTe-vs-emulation check of the GPU test, run here on stores made by lowprec
@@ -1304,7 +1316,7 @@ def test_emulation_comparison_accepts_lowprec_stores(lo_format, sr):
                for k, v in lo.items()},
     }
     _emulation_stores_the_same_codes(state[fs], cpu, fs, b, seed, "fp16", "sr", lo_format, *sr)
-    if sr != (32, 10):
+    if sr != DEFAULT_SR:
         with pytest.raises(AssertionError, match="fp16 recurrence copies differ"):
             _emulation_stores_the_same_codes(state[fs], cpu, fs, b, seed, "fp16", "sr",
                                              lo_format)

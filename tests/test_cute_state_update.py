@@ -29,8 +29,10 @@ SEED = 0xC0FFEE_0042
 NEMOTRON = dict(nheads=128, headdim=64, dstate=128, ngroups=8)
 ODD = dict(nheads=6, headdim=24, dstate=64, ngroups=3)
 VARIANTS = [("fp32", "rn"), ("fp16", "rn"), ("fp16", "sr")]
-# (random bits an element, Philox rounds) of SR besides the default (32, 10)
-SR_SETTINGS = [(16, 7), (13, 10), (8, 4), (32, 7)]
+# (random bits an element, Philox rounds) of SR: the default (16, 7), and besides it whole
+# Philox-4x32-10 words (the reference), 13 bits, bytes, whole words in 7 rounds
+DEFAULT_SR = (philox.DEFAULT_SR_BITS, philox.DEFAULT_PHILOX_ROUNDS)
+SR_SETTINGS = [(32, 10), (13, 10), (8, 4), (32, 7)]
 
 
 def sr_id(sr):
@@ -39,7 +41,7 @@ def sr_id(sr):
 
 def state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=True,
                  out=None, *, rounding="rn", seed=0, counters=None, debug_state=None,
-                 check_counters=False, sr=(32, 10)):
+                 check_counters=False, sr=DEFAULT_SR):
     """su.mamba2_state_update on the test's tensors packed as a StateCache (shared: the step
     updates them in place; without counters, a zero token counter)."""
     if counters is None and isinstance(state, torch.Tensor):
@@ -53,7 +55,7 @@ def state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplu
                                   check_counters=check_counters)
 
 
-def config(state, rounding, shape=NEMOTRON, sr=(32, 10)):
+def config(state, rounding, shape=NEMOTRON, sr=DEFAULT_SR):
     return su.StateUpdateConfig(
         **shape,
         state=state,
@@ -84,24 +86,25 @@ def test_compiles_for_sm90a_with_128_bit_state_accesses(variant):
         assert "cvt.rn.satfinite.f16x2.f32" in ptx
 
 
-@pytest.mark.parametrize("sr", [(16, 7), (8, 4), (13, 10)], ids=sr_id)
+@pytest.mark.parametrize("sr", [(32, 10), (8, 4), (13, 10)], ids=sr_id)
 def test_each_sr_setting_compiles_calling_philox_only_as_often_as_it_needs(sr):
     """fp16 SR with k random bits an element in R rounds: 8 pieces of 8 elements a thread,
     Philox once a counter (16 counters a thread at 32 bits, 8 at 16 and 13, 8 at 8 bits,
     where a piece takes half of a 16-element counter), two mul.hi.u32 a round after the
-    first; 128-bit state accesses, no spills."""
+    first, against the default's 8 counters in 7 rounds; 128-bit state accesses, no spills."""
     ptx = su.compile_state_update(config("fp16", "sr", sr=sr), keep_ptx=True).__ptx__
     default = su.compile_state_update(config("fp16", "sr"), keep_ptx=True).__ptx__
     assert ptx.count("st.global.v4.b32") == 8 and ".local" not in ptx
-    counters = {16: 8, 13: 8, 8: 8}[sr[0]]
+    counters = {32: 16, 16: 8, 13: 8, 8: 8}[sr[0]]
     assert ptx.count("mul.hi.u32") - default.count("mul.hi.u32") == 2 * (
-        counters * (sr[1] - 1) - 16 * 9)
+        counters * (sr[1] - 1) - 8 * 6)
 
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(rounding="sr", sr_bits=4), r"sr_bits: expected random bits per element in"),
     (dict(rounding="sr", philox_rounds=12), r"philox_rounds: expected Philox rounds in"),
-    (dict(rounding="rn", sr_bits=16), "sr_bits: expected the default 32 with rounding='rn'"),
+    (dict(rounding="rn", sr_bits=32),
+     r"sr_bits: expected the default 16 with rounding='rn' .*got 32"),
 ])
 def test_state_cache_takes_the_emulations_sr_settings_and_refuses_others(kwargs, message):
     """StateCache.empty, the config and the step take sr_bits and philox_rounds as the
@@ -110,8 +113,11 @@ def test_state_cache_takes_the_emulations_sr_settings_and_refuses_others(kwargs,
         StateCache.empty(2, 2, 16, 32, **kwargs)
     cache = StateCache.empty(2, 2, 16, 32, rounding="sr", sr_bits=8, philox_rounds=3)
     assert (cache.sr_bits, cache.philox_rounds) == (8, 3)
-    with pytest.raises(ValueError, match="sr_bits: expected the default 32 with rounding='rn'"):
-        config("fp16", "rn", sr=(8, 10))
+    with pytest.raises(ValueError, match="sr_bits: expected the default 16 with rounding='rn'"):
+        config("fp16", "rn", sr=(8, 7))
+    with pytest.raises(ValueError, match="philox_rounds: expected the default 7 with "
+                                         "rounding='rn'"):
+        config("fp16", "rn", sr=(16, 10))
     args = {**cpu_args(), "state": torch.zeros(3, 6, 24, 64, dtype=torch.float16)}
     with pytest.raises(ValueError, match="cache.philox_rounds: expected Philox rounds in"):
         state_update(**args, rounding="sr", sr=(16, 0))
@@ -226,7 +232,7 @@ def random_inputs(slots, shape, state_dtype, act, gen):
     )
 
 
-def check_step(shape, slots, state_dtype, rounding, act, gen_seed=0, sr=(32, 10)):
+def check_step(shape, slots, state_dtype, rounding, act, gen_seed=0, sr=DEFAULT_SR):
     gen = torch.Generator().manual_seed(gen_seed)
     inp = random_inputs(slots, shape, state_dtype, act, gen)
     H, P, N = shape["nheads"], shape["headdim"], shape["dstate"]

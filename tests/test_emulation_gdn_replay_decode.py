@@ -42,7 +42,7 @@ from emulation.gdn_replay_decode import (  # noqa: E402
     gdn_replay_decode,
     kda_replay_decode,
 )
-from lowprec import formats, gdn, kda  # noqa: E402
+from lowprec import formats, gdn, kda, philox  # noqa: E402
 
 LO_FORMATS = [name for name in formats.names() if name != "fp64"]
 # every read format for GDN; for KDA (the same kernel, one flag) those with distinct scale rules
@@ -135,8 +135,8 @@ def test_flush_hi_words_every_sr_setting(sr_bits, philox_rounds, device):
     `philox_rounds`-round Philox: the stored words are lowprec's (GDNReplay with the same
     policy) bit for bit, at slots flushing with counters 0, 2^19 + 5 and 3 beside one that
     does not (h 3, dv 7, dk 48: a head's 336 elements start mid-counter for 8 bits). A twin
-    cache at (32, 10) stores other words at the flush slots (the setting reaches the store),
-    and the same read copy."""
+    cache at the defaults (16, 7) stores other words at the flush slots (the setting reaches
+    the store), and the same read copy."""
     gen = torch.Generator().manual_seed(12)
     window = 3
     sr = dict(sr_bits=sr_bits, philox_rounds=philox_rounds)
@@ -152,7 +152,7 @@ def test_flush_hi_words_every_sr_setting(sr_bits, philox_rounds, device):
     fl = torch.tensor([0, 1, 3])
     after, other = snapshot(cache), snapshot(twin)
     assert torch.equal(after["lo"], other["lo"])
-    if (sr_bits, philox_rounds) != (32, 10):
+    if (sr_bits, philox_rounds) != (philox.DEFAULT_SR_BITS, philox.DEFAULT_PHILOX_ROUNDS):
         assert not torch.equal(after["hi"][fl], other["hi"][fl])
 
 

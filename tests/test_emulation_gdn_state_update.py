@@ -29,7 +29,7 @@ from emulation.gdn_replay_decode import (  # noqa: E402
     output_bound_flush,
 )
 from emulation.gdn_state_update import StateCache, gdn_state_update, kda_state_update  # noqa: E402
-from lowprec import gdn  # noqa: E402
+from lowprec import gdn, philox  # noqa: E402
 from lowprec import quantize as lq  # noqa: E402
 from lowprec.policies import Simulator, make_policy, round_state  # noqa: E402
 
@@ -110,7 +110,7 @@ def test_stored_state_every_sr_setting(sr_bits, philox_rounds, device):
     """The conventional GDN state stored in FP16 by SR with `sr_bits` random bits per element
     from `philox_rounds`-round Philox, at token counters 0, 2^19 + 5 and 3 (h 3, dv 5, dk 32):
     lowprec's round_state(..., sr_bits=, philox_rounds=) bit for bit over two tokens; a twin
-    at (32, 10) stores another state from the same first token."""
+    at the defaults (16, 7) stores another state from the same first token."""
     caches = [StateCache.empty(3, H, DV, DK, format="fp16", rounding="sr", seed=SEED,
                                device=device, **sr)
               for sr in (dict(sr_bits=sr_bits, philox_rounds=philox_rounds), {})]
@@ -118,7 +118,7 @@ def test_stored_state_every_sr_setting(sr_bits, philox_rounds, device):
         cache.tokens.copy_(torch.tensor([0, 2**19 + 5, 3], dtype=torch.int32))
     first = _check_tokens(caches[0], torch.Generator().manual_seed(9), False, 2)
     other = _check_tokens(caches[1], torch.Generator().manual_seed(9), False, 1)
-    if (sr_bits, philox_rounds) != (32, 10):
+    if (sr_bits, philox_rounds) != (philox.DEFAULT_SR_BITS, philox.DEFAULT_PHILOX_ROUNDS):
         assert not torch.equal(first, other)
 
 

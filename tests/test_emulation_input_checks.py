@@ -198,7 +198,7 @@ def test_meta_caches_and_inputs_are_refused_by_name():
 def test_caches_refuse_sr_settings_by_name(make, rounding_name):
     """Every cache takes sr_bits in {8, 13, 16, 32} and philox_rounds in [1, 10] (13 and 7 make
     a cache), refuses others by name at .empty and on a call after a field is changed, and keeps
-    the defaults (32, 10) for an RN copy, as lowprec does."""
+    the defaults (16, 7) for an RN copy, as lowprec does."""
     sr = {rounding_name: "sr"}
     cache = make(sr_bits=13, philox_rounds=7, **sr)
     assert (cache.sr_bits, cache.philox_rounds) == (13, 7)
@@ -208,12 +208,14 @@ def test_caches_refuse_sr_settings_by_name(make, rounding_name):
     with pytest.raises(ValueError, match=r"philox_rounds: expected Philox rounds in \[1, 10\], "
                                          r"got 11"):
         make(philox_rounds=11, **sr)
-    with pytest.raises(ValueError, match=f"sr_bits: expected the default 32 with "
-                                         f"{rounding_name}='rn'"):
+    with pytest.raises(ValueError, match=f"sr_bits: expected the default 16 with "
+                                         f"{rounding_name}='rn' .*got 8"):
         make(sr_bits=8, **{rounding_name: "rn"})
-    with pytest.raises(ValueError, match=f"philox_rounds: expected the default 10 with "
-                                         f"{rounding_name}='rn'"):
-        make(philox_rounds=7, **{rounding_name: "rn"})
+    with pytest.raises(ValueError, match=f"philox_rounds: expected the default 7 with "
+                                         f"{rounding_name}='rn' .*got 10"):
+        make(philox_rounds=10, **{rounding_name: "rn"})
+    rn = make(**{rounding_name: "rn"})
+    assert (rn.sr_bits, rn.philox_rounds) == (16, 7)
     cache.philox_rounds = 0
     with pytest.raises(ValueError, match=r"cache.philox_rounds: expected Philox rounds in"):
         if isinstance(cache, ReplayCache):

@@ -94,16 +94,18 @@ def test_sr_rounds_up_iff_word_below_threshold(element_name, device):
     """SR at 1 + ulp/4: threshold floor(0.25 * 2^32) = 2^30, so word 2^30 - 1 rounds up to
     1 + ulp and word 2^30 stays at 1 (the words around the edge of the discarded fraction);
     at 1 + 3 ulp/4 the threshold is 3 * 2^30 and the word 2^32 - 1 never rounds up; the
-    word 0, the most eager (and a valid word: one in 2^32 of a flush's words), rounds up."""
+    word 0, the most eager (and a valid word: one in 2^32 of a flush's words), rounds up
+    (whole 32-bit words: sr_bits=32)."""
     element = formats.ELEMENTS[element_name]
     ulp = math.ldexp(1.0, -element.mbits)
     x = torch.tensor([1 + ulp / 4, 1 + ulp / 4, -(1 + ulp / 4), 1 + 0.75 * ulp, 1 + 0.75 * ulp,
                       1 + ulp / 4])
     words = torch.tensor([2**30 - 1, 2**30, 2**30 - 1, 3 * 2**30 - 1, 2**32 - 1, 0])
     expected = torch.tensor([1 + ulp, 1.0, -(1 + ulp), 1 + ulp, 1.0, 1 + ulp])
-    actual = numerics.round_to(x.to(device), element, "sr", words.to(device))
+    actual = numerics.round_to(x.to(device), element, "sr", words.to(device), sr_bits=32)
     assert_bits_equal(actual, expected, f"{element_name} SR edges")
-    assert_bits_equal(actual, lq.round_to(x, element, "sr", words), f"{element_name} vs lowprec")
+    assert_bits_equal(actual, lq.round_to(x, element, "sr", words, sr_bits=32),
+                      f"{element_name} vs lowprec")
 
 
 def block_test_states(dk: int, seed: int) -> torch.Tensor:
@@ -282,14 +284,22 @@ def test_codes_of_recovers_codes_from_containers(fmt, device):
     ids=["zero", "small", "max-counters", "seed>=2^63"],
 )
 def test_random_words_equal_lowprec_philox(seed, slot, flush, device):
-    """tl.randint at (slot << 44) | (flush << 24) | element == lowprec.philox.random_words."""
+    """The default draws (16 bits, 7 rounds) == lowprec.philox.random_words; with 32 bits and
+    10 rounds, word e % 4 of tl.randint4x at (slot << 44) | (flush << 24) | (e // 4) ==
+    random_words(..., sr_bits=32, philox_rounds=10) == lowprec.philox.randint4x's."""
     n = 3000
     words = numerics.random_words_host(seed, slot, flush, n, device=device)
     assert torch.equal(words.cpu(), philox.random_words(seed, slot, flush, [n]))
+    words = numerics.random_words_host(seed, slot, flush, n, device=device, sr_bits=32,
+                                       philox_rounds=10).cpu()
+    assert torch.equal(words, philox.random_words(seed, slot, flush, [n], sr_bits=32,
+                                                  philox_rounds=10))
+    four = philox.randint4x(seed, (slot << 44) | (flush << 24) | torch.arange(n // 4))
+    assert torch.equal(words, torch.stack(four, -1).flatten())
 
 
-SR_SETTINGS = [(32, 10), (16, 10), (13, 10), (8, 10), (32, 7), (8, 7), (32, 4), (8, 4),
-               (16, 1)]
+SR_SETTINGS = [(32, 10), (16, 10), (13, 10), (8, 10), (16, 7), (32, 7), (8, 7), (32, 4),
+               (8, 4), (16, 1)]
 # every setting in the interpreter; compiled, one per lane width with 7, 4, 1 and 10 rounds
 SR_GPU = {(32, 7), (16, 1), (13, 10), (8, 4)}
 SR_DRAW_CASES = [pytest.param(k, r, device.values[0], id=f"{k}b-{r}r-{device.values[0]}",
@@ -302,7 +312,8 @@ SR_DRAW_CASES = [pytest.param(k, r, device.values[0], id=f"{k}b-{r}r-{device.val
 def test_random_draws_every_sr_setting_equal_lowprec(sr_bits, philox_rounds, device):
     """The kernels' draws of k = sr_bits bits from R-round Philox are lowprec.philox's, draw for
     draw (1037 elements: the last counter partly used for every lane width; slot 2^19 + 3 sets
-    the offset's top bit), each below 2^k; a different k or R gives other draws."""
+    the offset's top bit), each below 2^k; a k or R other than the defaults (16, 7) gives
+    other draws than the defaults."""
     seed, slot, flush, n = 2**33 + 7, 2**19 + 3, 77, 1037
     draws = numerics.random_words_host(seed, slot, flush, n, device=device, sr_bits=sr_bits,
                                        philox_rounds=philox_rounds).cpu()
@@ -310,7 +321,8 @@ def test_random_draws_every_sr_setting_equal_lowprec(sr_bits, philox_rounds, dev
                                    philox_rounds=philox_rounds)
     assert torch.equal(draws, expected)
     assert int(draws.max()) < 2**sr_bits and int(draws.max()) >= 2**(sr_bits - 1)
-    if (sr_bits, philox_rounds) != (32, 10):
+    default = (philox.DEFAULT_SR_BITS, philox.DEFAULT_PHILOX_ROUNDS)
+    if (sr_bits, philox_rounds) != default:
         assert not torch.equal(draws, philox.random_words(seed, slot, flush, [n]) % 2**sr_bits)
 
 
@@ -378,10 +390,14 @@ def test_format_spec_is_format_data():
         (lambda: numerics.quantize(torch.zeros(4, 40), "nvfp4"), "fmt:.*divisible by 16"),
         (lambda: numerics.quantize(torch.zeros(4, 32), "fp64"), "fmt:.*32-bit"),
         (lambda: numerics.quantize(torch.zeros(32), "nvfp4"), "x:.*dv, dk"),
-        (lambda: numerics.round_to(torch.ones(2), formats.FP16, "sr", torch.tensor([-1, 0])),
+        (lambda: numerics.round_to(torch.ones(2), formats.FP16, "sr", torch.tensor([-1, 0]),
+                                   sr_bits=32),
          r"rand: expected uint32 words in \[0, 2\^32\), got range \[-1, 0\]"),
         (lambda: numerics.quantize(torch.ones(1, 16), "nvfp4", "sr",
-                                   torch.full((1, 16), 2**32)), "rand: expected uint32 words"),
+                                   torch.full((1, 16), 2**32), sr_bits=32),
+         "rand: expected uint32 words"),
+        (lambda: numerics.round_to(torch.ones(2), formats.FP16, "sr", torch.tensor([0, 2**16])),
+         r"rand: expected 16-bit draws \(sr_bits=16\) in \[0, 2\^16\), got range \[0, 65536\]"),
         (lambda: numerics.quantize(torch.zeros(2, 0, 32), "nvfp4"), "x: expected dv >= 1"),
         (lambda: numerics.random_words_host(0, 2**20, 0, 8), r"slot: .*\[0, 2\^20\), got"),
         (lambda: numerics.random_words_host(0, 0, -1, 8), "flush: expected an int"),
@@ -402,7 +418,7 @@ def test_format_spec_is_format_data():
                                    sr_bits=8),
          r"rand: expected 8-bit draws \(sr_bits=8\) in \[0, 2\^8\), got range \[0, 256\]"),
         (lambda: numerics.round_to(torch.ones(2), "fp16", sr_bits=8),
-         "sr_bits: expected the default 32 for rounding='rn'"),
+         r"sr_bits: expected the default 16 for rounding='rn' \(only SR draws bits\), got 8"),
         (lambda: numerics.quantize(torch.ones(1, 16), "nvfp4", "sr", torch.zeros(1, 16,
                                    dtype=torch.int64), sr_bits=12),
          r"sr_bits: expected random bits per element in \[8, 13, 16, 32\], got 12"),
@@ -412,7 +428,8 @@ def test_format_spec_is_format_data():
          "sr_bits: expected random bits per element"),
     ],
     ids=["dtype", "fp64-element", "sr-without-words", "rounding", "block", "fp64", "ndim",
-         "negative-word", "word-past-2^32", "nvfp4-no-rows", "slot-2^20", "flush-negative",
+         "negative-word", "word-past-2^32", "default-draw-past-2^16", "nvfp4-no-rows",
+         "slot-2^20", "flush-negative",
          "seed-negative", "numel-past-2^24", "numel-float", "codes-of-without-s_g",
          "codes-of-extra-s_g", "codes-of-scales-shape", "codes-of-element-format",
          "unknown-element-name", "draw-past-2^k", "sr-bits-with-rn", "sr-bits-12",

@@ -38,7 +38,7 @@ from checks import assert_bits_equal, assert_within
 from gdn_emulation_cases import random_copies  # noqa: E402
 
 from emulation.replay_decode import ReplayCache, mamba2_replay_decode  # noqa: E402
-from lowprec import formats, mamba2  # noqa: E402
+from lowprec import formats, mamba2, philox  # noqa: E402
 from lowprec import quantize as lq  # noqa: E402
 from lowprec.policies import round_state  # noqa: E402
 
@@ -298,8 +298,8 @@ def test_flush_hi_words_every_sr_setting(sr_bits, philox_rounds, device):
     `philox_rounds`-round Philox: at slots flushing with counters 0, 2^19 + 5 and 3 (beside
     one that does not) the hi words are lowprec's `round_state(S_new, 'fp16', 'sr', ...,
     sr_bits=, philox_rounds=)` bit for bit (h 3, headdim 5, dstate 24: a head's 120 elements
-    end mid-counter for 8 and 16 bits). A twin cache at (32, 10) stores other hi words from
-    the same step and the same read copy."""
+    end mid-counter for 8 and 16 bits). A twin cache at the defaults (16, 7) stores other hi
+    words from the same step and the same read copy."""
     shape = dict(nheads=3, headdim=5, dstate=24, ngroups=1)
     hi, lo = ("fp16", "sr"), "fp8_e4m3_row"
     cursors, flushes = [WINDOW - 1, WINDOW - 1, 1, WINDOW - 1], [0, 2**19 + 5, 1, 3]
@@ -314,7 +314,7 @@ def test_flush_hi_words_every_sr_setting(sr_bits, philox_rounds, device):
     mamba2_replay_decode(twin, **token, **params)
     fl = torch.tensor([0, 1, 3])
     assert torch.equal(cache.lo.cpu(), twin.lo.cpu())
-    if (sr_bits, philox_rounds) != (32, 10):
+    if (sr_bits, philox_rounds) != (philox.DEFAULT_SR_BITS, philox.DEFAULT_PHILOX_ROUNDS):
         assert not torch.equal(cache.hi.cpu()[fl], twin.hi.cpu()[fl])
 
 

@@ -27,7 +27,7 @@ from checks import assert_bits_equal, assert_within
 from checks import to_device as to
 
 from emulation.state_update import StateCache, mamba2_state_update  # noqa: E402
-from lowprec import formats, mamba2  # noqa: E402
+from lowprec import formats, mamba2, philox  # noqa: E402
 from lowprec import quantize as lq  # noqa: E402
 from lowprec.policies import Policy, Simulator, round_state  # noqa: E402
 
@@ -103,8 +103,6 @@ def run_and_check(cache, token, params, output_from="stored"):
 
 
 def _words(slots, tokens, shape, **sr):
-    from lowprec import philox
-
     return philox.random_words(SEED, slots, tokens, shape, **sr)
 
 
@@ -153,8 +151,8 @@ def test_stored_state_every_sr_setting(fmt, sr_bits, philox_rounds, device):
     """The conventional state stored by SR with `sr_bits` random bits per element from
     `philox_rounds`-round Philox, at token counters 0, 2^19 + 5 and 3: lowprec's `round_state(
     S, fmt, 'sr', ..., sr_bits=, philox_rounds=)` bit for bit over two tokens (FP16 elements,
-    and MXFP4 codes in blocks of 32, whose SR steps are E2M1 ulps); a twin at (32, 10) stores
-    another state from the first token."""
+    and MXFP4 codes in blocks of 32, whose SR steps are E2M1 ulps); a twin at the defaults
+    (16, 7) stores another state from the first token."""
     gen = torch.Generator().manual_seed(23)
     sr = dict(sr_bits=sr_bits, philox_rounds=philox_rounds)
     cache = filled_cache(gen, fmt, "sr", device, tokens=[0, 2**19 + 5, 3], **sr)
@@ -164,7 +162,7 @@ def test_stored_state_every_sr_setting(fmt, sr_bits, philox_rounds, device):
     token = make_token(gen, 3)
     run_and_check(cache, token, params)
     mamba2_state_update(twin, **to(token, device), **to(params, device))
-    if (sr_bits, philox_rounds) != (32, 10):
+    if (sr_bits, philox_rounds) != (philox.DEFAULT_SR_BITS, philox.DEFAULT_PHILOX_ROUNDS):
         assert not torch.equal(cache.state.cpu(), twin.state.cpu())
     run_and_check(cache, make_token(gen, 3), params)
 

@@ -19,7 +19,7 @@ import torch
 from torchrun import torchrun
 
 from experiments import error_growth as eg
-from lowprec import mamba2
+from lowprec import mamba2, philox
 from lowprec.metrics import rel_err
 from lowprec.policies import Simulator, make_policy
 
@@ -376,26 +376,25 @@ def test_tiny_delta_presets_follow_the_reference_through_the_emulation(tmp_path,
     assert "growth" in capsys.readouterr().out
 
 
-def test_sr_settings_are_one_cell_each_and_32_10_is_the_default_run(tmp_path):
-    """--sr-bits 32,8 --philox-rounds 10,4: four cells of the SR arm (one per pair), one of the
-    RN arm (its columns at the defaults); the 32/10 rows are the bytes of a run without the
-    flags, and 8 bits, 4 rounds draws other words (other errors)."""
+def test_sr_settings_are_one_cell_each_and_16_7_is_the_default_run(tmp_path):
+    """--sr-bits 32,16 --philox-rounds 10,7: four cells of the SR arm (one per pair), one of
+    the RN arm (its columns at the defaults 16/7); the 16/7 rows are the bytes of a run
+    without the flags, and the reference 32/10 draws other words (other errors)."""
     arms = eg.parse_arms("separate_fp16sr:fp16,every_step:fp16:rn", "fp16", "rn")
-    c = _config(tmp_path, arms=arms, steps=48, sr_bits=(32, 8), philox_rounds=(10, 4))
+    c = _config(tmp_path, arms=arms, steps=48, sr_bits=(32, 16), philox_rounds=(10, 7))
     grid = eg.cells(c)
     assert [(cell.arm.label, cell.sr_bits, cell.philox_rounds) for cell in grid] == [
-        ("separate:fp16:sr:fp16", 32, 10), ("separate:fp16:sr:fp16", 32, 4),
-        ("separate:fp16:sr:fp16", 8, 10), ("separate:fp16:sr:fp16", 8, 4),
-        ("every_step:fp16:rn", 32, 10)]
+        ("separate:fp16:sr:fp16", 32, 10), ("separate:fp16:sr:fp16", 32, 7),
+        ("separate:fp16:sr:fp16", 16, 10), ("separate:fp16:sr:fp16", 16, 7),
+        ("every_step:fp16:rn", 16, 7)]
     assert len({cell.key for cell in grid}) == 5
     frame = eg.run(c)
-    plain = eg.run(dataclasses.replace(c, sr_bits=(32,), philox_rounds=(10,),
-                                       out=str(tmp_path / "plain.csv")))
-    default = frame[(frame["sr_bits"] == 32) & (frame["philox_rounds"] == 10)]
+    plain = eg.run(_config(tmp_path, arms=arms, steps=48, out=str(tmp_path / "plain.csv")))
+    default = frame[(frame["sr_bits"] == 16) & (frame["philox_rounds"] == 7)]
     assert default.reset_index(drop=True).equals(plain)
     sr = frame[frame["arm"] == "separate:fp16:sr:fp16"].set_index(
         ["sr_bits", "philox_rounds", "memory", "seed", "step"])["rel_err"]
-    assert not np.array_equal(sr.loc[(8, 4)].to_numpy(), sr.loc[(32, 10)].to_numpy())
+    assert not np.array_equal(sr.loc[(16, 7)].to_numpy(), sr.loc[(32, 10)].to_numpy())
     with pytest.raises(ValueError, match="sr_bits"):
         _config(tmp_path, sr_bits=(7,))
     with pytest.raises(ValueError, match="philox_rounds"):
@@ -1219,7 +1218,8 @@ def test_two_ranks_write_the_one_process_bytes_and_a_killed_rank_resumes(tmp_pat
     record = __import__("json").loads((tmp_path / "sharded.meta.json").read_text())["sharding"]
     assert record["world_size"] == 2 and sum(r["cells"] for r in record["ranks"]) == 4
     resumed = tmp_path / "resumed.csv"
-    killed = _torchrun(tmp_path, resumed, KILL_CELL="L16/every_step:fp16:rn/sr32x10")
+    rn_cell = f"L16/every_step:fp16:rn/sr{philox.DEFAULT_SR_BITS}x{philox.DEFAULT_PHILOX_ROUNDS}"
+    killed = _torchrun(tmp_path, resumed, KILL_CELL=rn_cell)  # an RN cell: the defaults
     assert killed.returncode != 0 and not resumed.exists()
     rerun = _torchrun(tmp_path, resumed)
     assert rerun.returncode == 0, rerun.stderr[-2000:]

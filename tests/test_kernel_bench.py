@@ -325,10 +325,10 @@ def test_kernel_bytes_equal_a_hand_count(name, per_slot):
 
 def test_sr_kernel_names_parse_to_every_setting_and_move_the_defaults_bytes():
     """Every SR setting of cases.SR_SETTINGS has a flush and an update kernel named
-    `fp16sr<k>r<R>` (parsed back to (k, R); the bare `fp16sr` is (32, 10)), schemes that
-    price a token with them, and the default kernels' byte counts (the copies' formats are
-    the same)."""
-    assert (16, 7) in cases.SR_SETTINGS and (32, 10) not in cases.SR_SETTINGS
+    `fp16sr<k>r<R>` (parsed back to (k, R); the bare `fp16sr` is the default (16, 7), the
+    reference 32/10 is `fp16sr32r10`), schemes that price a token with them, and the default
+    kernels' byte counts (the copies' formats are the same)."""
+    assert (32, 10) in cases.SR_SETTINGS and (16, 7) not in cases.SR_SETTINGS
     for sr in cases.SR_SETTINGS:
         flush, update = (f"cute:flush:fp16sr{sr[0]}r{sr[1]}+nvfp4",
                          f"cute:update:fp16sr{sr[0]}r{sr[1]}")
@@ -340,13 +340,15 @@ def test_sr_kernel_names_parse_to_every_setting_and_move_the_defaults_bytes():
         assert kb.SCHEMES[f"two-precision-sr{sr[0]}r{sr[1]}"] == ("cute:nonflush:nvfp4", flush)
         assert kb.SCHEMES[f"conventional-fp16sr{sr[0]}r{sr[1]}"] == (update,)
     for variant in ("fp16sr", "fp16sr+nvfp4", "fp32", "nvfp4"):
-        assert cases.sr_setting(variant) == (32, 10)
-    assert cases.sr_variant((32, 10)) == "fp16sr" and cases.sr_variant((13, 4)) == "fp16sr13r4"
+        assert cases.sr_setting(variant) == (16, 7)
+    assert cases.sr_setting("fp16sr32r10+nvfp4") == (32, 10)
+    assert cases.sr_variant((16, 7)) == "fp16sr" and cases.sr_variant((13, 4)) == "fp16sr13r4"
+    assert cases.sr_variant((32, 10)) == "fp16sr32r10"
 
 
 @pytest.mark.parametrize("name, setting", [
-    ("cute:flush:fp16sr16r7+nvfp4", (16, 7)), ("cute:update:fp16sr8r4", (8, 4)),
-    ("cute:flush:fp16sr+nvfp4", (32, 10)), ("cute:update:fp16sr", (32, 10)),
+    ("cute:flush:fp16sr32r10+nvfp4", (32, 10)), ("cute:update:fp16sr8r4", (8, 4)),
+    ("cute:flush:fp16sr+nvfp4", (16, 7)), ("cute:update:fp16sr", (16, 7)),
 ])
 def test_sr_cases_launch_the_kernel_with_their_setting(name, setting, monkeypatch):
     """A case of an SR kernel hands the public function a cache carrying its (sr_bits,

@@ -183,7 +183,7 @@ def test_sr_from_a_seed_is_reproducible_and_is_the_seeds_philox_words(element, s
 def test_sr_is_unbiased_over_every_value_of_its_words_top_four_bits(element, exponent,
                                                                    significand, k, low_bits,
                                                                    negative):
-    """x = lo + (k / 16) ulp lies between grid neighbours lo and lo + ulp; with words
+    """x = lo + (k / 16) ulp lies between grid neighbours lo and lo + ulp; with 32-bit words
     r_j = j * 2^28 + c (j = 0..15, any low bits c) exactly k of the 16 round up, since
     r < floor(k/16 * 2^32) = k * 2^28 iff j < k. So the mean of the 16 results is x itself."""
     fmt = formats.get(element) if element in formats.names() else None
@@ -194,6 +194,6 @@ def test_sr_is_unbiased_over_every_value_of_its_words_top_four_bits(element, exp
     x_value = (lo + k / 16 * ulp) * (-1 if negative else 1)
     x = torch.full((16,), x_value, dtype=torch.float64)
     words = torch.arange(16, dtype=torch.int64) * 2**28 + low_bits
-    rounded = lowprec.round_to(x, e, "sr", words)
+    rounded = lowprec.round_to(x, e, "sr", words, sr_bits=32)
     assert int((rounded.abs() > lo).sum()) == k
     assert rounded.mean().item() == x_value

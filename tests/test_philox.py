@@ -14,6 +14,8 @@ import torch
 from lowprec import philox
 
 MASK32 = 0xFFFFFFFF
+# whole Philox-4x32-10 words an element: tl.randint's words, the setting the word rules state
+REFERENCE = {"sr_bits": philox.REFERENCE_SR_BITS, "philox_rounds": philox.REFERENCE_PHILOX_ROUNDS}
 REPO = Path(__file__).resolve().parents[1]
 
 # Random123 kat_vectors, "philox4x32 10" lines: counter[4], key[2] -> output[4]
@@ -87,8 +89,9 @@ def test_randint_uses_seed_as_key_and_offset_as_the_low_counter_words():
 
 
 def test_random_words_have_balanced_bits():
-    """2^16 words: each bit is set with frequency 1/2 within 5 binomial std (1/512)."""
-    words = philox.random_words(5, 3, 11, (256, 256))
+    """2^16 whole Philox-4x32-10 words (sr_bits=32): each bit is set with frequency 1/2 within
+    5 binomial std (1/512)."""
+    words = philox.random_words(5, 3, 11, (256, 256), **REFERENCE)
     bits = (words[..., None] >> torch.arange(32)) & 1
     assert bool(((bits.double().mean(dim=(0, 1)) - 0.5).abs() < 5 / 512).all())
 
@@ -131,11 +134,12 @@ def test_words_equal_triton_randint_under_the_interpreter():
     """tl.randint(seed, offset, n_rounds) and all four words of tl.randint4x(seed, offset,
     n_rounds) (the four words of one counter) for int64 offsets with high words (slots >= 2^19
     set the top bit) and 10, 7 and 4 rounds, run by a tiny kernel with TRITON_INTERPRET=1 in a
-    subprocess so that the variable does not leak into other tests."""
+    subprocess so that the variable does not leak into other tests. random_words with 32 bits
+    and 10 rounds gives element e word e % 4 of tl.randint4x at its counter's offset."""
     pytest.importorskip("triton")
     slots = torch.tensor([0, 1, 2**19 - 1, 2**19, 2**20 - 1])
     flushes = torch.tensor([0, 7, 2**20 - 1, 3, 2**20 - 1])
-    offsets = philox.state_offsets(slots, flushes, (2, 3, 5)).flatten()
+    offsets = philox.state_offsets(slots, flushes, (2, 3, 5), sr_bits=32).flatten()
     g = torch.Generator().manual_seed(73)
     extra = torch.randint(-(2**63), 2**63 - 1, (46,), generator=g)
     offsets = torch.cat([offsets, extra, torch.tensor([0, 1, -1, 2**32])])
@@ -162,6 +166,12 @@ def test_words_equal_triton_randint_under_the_interpreter():
             assert philox.randint(seed, offsets, n_rounds).tolist() == want["randint"], seed
             four = torch.stack(philox.randint4x(seed, offsets, n_rounds), -1).flatten().tolist()
             assert four == want["randint4x"], (n_rounds, seed)
+        # the state's 5 x 30 elements: element e of a slot, word e % 4 of its counter's four
+        triton_four = torch.tensor(triton_words[f"10 {seed}"]["randint4x"]).reshape(-1, 4)
+        e = torch.arange(30)
+        want = triton_four[:150].gather(1, (e % 4).repeat(5)[:, None])[:, 0]
+        words = philox.random_words(seed, slots, flushes, (2, 3, 5), **REFERENCE)
+        assert torch.equal(words.flatten(), want), seed
 
 
 # --------------------------------------------------------------------------------------------
@@ -169,15 +179,18 @@ def test_words_equal_triton_randint_under_the_interpreter():
 
 
 def test_state_offsets_pack_slot_flush_and_counter_into_bit_fields():
-    """Element e's counter is e // 4: four consecutive elements share one offset."""
-    offsets = philox.state_offsets(3, 7, (2, 3, 5))
+    """With 32 bits an element, element e's counter is e // 4: four consecutive elements share
+    one offset; with the default 16 bits, e // 8."""
+    offsets = philox.state_offsets(3, 7, (2, 3, 5), sr_bits=32)
     expected = [(3 << 44) | (7 << 24) | (e // 4) for e in range(30)]
     assert offsets.shape == (2, 3, 5) and offsets.flatten().tolist() == expected
+    default = philox.state_offsets(3, 7, (2, 3, 5))
+    assert default.flatten().tolist() == [(3 << 44) | (7 << 24) | (e // 8) for e in range(30)]
 
 
 def test_state_offsets_of_top_slots_are_the_64_bit_pattern_in_int64():
     top = (1 << 20) - 1
-    offsets = philox.state_offsets(torch.tensor([2**19, top]), top, (9,))
+    offsets = philox.state_offsets(torch.tensor([2**19, top]), top, (9,), sr_bits=32)
     expected = [
         [as_int64((s << 44) | (top << 24) | e // 4) for e in range(9)] for s in (2**19, top)
     ]
@@ -195,19 +208,23 @@ def test_state_offsets_broadcast_slot_and_flush_over_the_leading_dim():
 
 
 def test_offsets_of_distinct_slots_flushes_and_counters_never_collide():
-    """Each (slot, flush) has ceil(numel / 4) distinct counters, none shared with another."""
+    """Each (slot, flush) has ceil(numel / E) distinct counters (E = 4 for 32 bits an element,
+    8 for the default 16), none shared with another."""
     slots = torch.tensor([0, 1, 2**19, 2**20 - 1]).repeat_interleave(3)
     flushes = torch.tensor([0, 1, 2**20 - 1]).repeat(4)
-    offsets = philox.state_offsets(slots, flushes, (7, 9))
+    offsets = philox.state_offsets(slots, flushes, (7, 9), sr_bits=32)
     assert offsets.unique().numel() == slots.numel() * 16  # 63 elements: 16 counters
+    offsets = philox.state_offsets(slots, flushes, (7, 9))
+    assert offsets.unique().numel() == slots.numel() * 8  # 63 elements: 8 counters
 
 
 def test_random_words_take_the_four_words_of_each_counter_in_order():
-    """Element e gets word e % 4 of randint4x at its counter's offset, for an odd-sized state
-    (the last counter's unused words are dropped) and two slots."""
+    """With 32 bits an element and 10 rounds, element e gets word e % 4 of randint4x at its
+    counter's offset, for an odd-sized state (the last counter's unused words are dropped) and
+    two slots."""
     shape = (3, 7)
-    words = philox.random_words(13, torch.tensor([2, 9]), 4, shape)
-    offsets = philox.state_offsets(torch.tensor([2, 9]), 4, shape)
+    words = philox.random_words(13, torch.tensor([2, 9]), 4, shape, **REFERENCE)
+    offsets = philox.state_offsets(torch.tensor([2, 9]), 4, shape, sr_bits=32)
     four = philox.randint4x(13, offsets)
     element = torch.arange(21).reshape(shape)
     for k in range(4):
@@ -240,13 +257,18 @@ def test_state_offsets_validate_the_field_ranges():
 
 def test_a_0d_state_shape_is_one_element_with_element_0s_word_and_offset():
     """shape () is one element, element 0: its word is the first word of element 0's counter
-    (what shape (1,) and a larger state give element 0), its offset the slot and flush fields
-    alone; with a batch of slots the result has the batch's shape."""
+    (what shape (1,) and a larger state give element 0; the default draw its low 16 bits in 7
+    rounds), its offset the slot and flush fields alone; with a batch of slots the result has
+    the batch's shape."""
     slots, flushes = torch.tensor([3, 5, 2**19 + 7]), torch.tensor([11, 0, 2**20 - 1])
-    one = philox.random_words(41, 3, 11, ())
+    one = philox.random_words(41, 3, 11, (), **REFERENCE)
     assert one.shape == () and one.dtype == torch.int64
-    assert int(one) == int(philox.random_words(41, 3, 11, (3, 5, 7))[0, 0, 0])
+    assert int(one) == int(philox.random_words(41, 3, 11, (3, 5, 7), **REFERENCE)[0, 0, 0])
     assert int(one) == int(philox.randint4x(41, torch.tensor((3 << 44) | (11 << 24)))[0])
+    default = philox.random_words(41, 3, 11, ())
+    assert default.shape == () and int(default) == int(philox.random_words(41, 3, 11, (3, 5))[0, 0])
+    first = philox.randint4x(41, torch.tensor((3 << 44) | (11 << 24)), 7)[0]
+    assert int(default) == int(first) & 0xFFFF
     batch = philox.random_words(41, slots, flushes, ())
     assert batch.shape == (3,)
     assert torch.equal(batch, philox.random_words(41, slots, flushes, (1,))[:, 0])
@@ -280,23 +302,33 @@ def test_state_shape_must_be_integer_dims_of_at_most_2_24_elements(shape, messag
 
 
 def test_state_shape_of_exactly_2_24_elements_is_accepted_and_integer_likes_are_ints():
-    """The last index the contract allows, e = 2^24 - 1, takes counter 2^22 - 1; torch.Size,
-    numpy and 0-d integer tensor dims are read as their ints."""
-    offsets = philox.state_offsets(5, 3, (philox.ELEMENT_LIMIT,))
+    """The last index the contract allows, e = 2^24 - 1, takes counter 2^22 - 1 with 32 bits an
+    element (2^21 - 1 with the default 16); torch.Size, numpy and 0-d integer tensor dims are
+    read as their ints."""
+    offsets = philox.state_offsets(5, 3, (philox.ELEMENT_LIMIT,), sr_bits=32)
     assert int(offsets[-1]) == (5 << 44) | (3 << 24) | (philox.ELEMENT_LIMIT // 4 - 1)
+    offsets = philox.state_offsets(5, 3, (philox.ELEMENT_LIMIT,))
+    assert int(offsets[-1]) == (5 << 44) | (3 << 24) | (philox.ELEMENT_LIMIT // 8 - 1)
     del offsets
     want = philox.random_words(9, 1, 2, (3, 5))
     for shape in (torch.Size([3, 5]), (np.int64(3), torch.tensor(5)), [3, 5]):
         assert torch.equal(philox.random_words(9, 1, 2, shape), want)
 
 
-def test_random_words_replay_and_never_share_words_across_flushes():
+@pytest.mark.parametrize("sr", [{}, REFERENCE], ids=["default", "32-bits-10-rounds"])
+def test_random_words_replay_and_never_share_words_across_flushes(sr):
+    """Element 0 of every counter takes the low lane of its counter's first word (all of it
+    with 32 bits); the same arguments replay the draws, another flush, slot or seed does not."""
     shape = (3, 4, 8)
-    first = philox.random_words(77, torch.arange(2), torch.tensor([5, 5]), shape)
-    offsets = philox.state_offsets(torch.arange(2), 5, shape)
-    assert torch.equal(first[..., ::4], philox.randint(77, offsets)[..., ::4])
-    assert torch.equal(first, philox.random_words(77, torch.arange(2), 5, shape))  # replay
-    later = philox.random_words(77, torch.arange(2), 6, shape)
+    sr_bits = sr.get("sr_bits", philox.DEFAULT_SR_BITS)
+    rounds = sr.get("philox_rounds", philox.DEFAULT_PHILOX_ROUNDS)
+    per_counter = philox.elements_per_counter(sr_bits)
+    first = philox.random_words(77, torch.arange(2), torch.tensor([5, 5]), shape, **sr)
+    offsets = philox.state_offsets(torch.arange(2), 5, shape, sr_bits=sr_bits)
+    lane = philox.randint(77, offsets, rounds) & ((1 << sr_bits) - 1)
+    assert torch.equal(first[..., ::per_counter], lane[..., ::per_counter])
+    assert torch.equal(first, philox.random_words(77, torch.arange(2), 5, shape, **sr))  # replay
+    later = philox.random_words(77, torch.arange(2), 6, shape, **sr)
     assert not bool((first == later).all(dim=(1, 2, 3)).any())
     assert not torch.equal(first[0], first[1])  # two slots, same flush
-    assert not torch.equal(first, philox.random_words(78, torch.arange(2), 5, shape))
+    assert not torch.equal(first, philox.random_words(78, torch.arange(2), 5, shape, **sr))

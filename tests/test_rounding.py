@@ -6,9 +6,10 @@ exact rational oracle for fp64 inputs (ml_dtypes converts fp64 to fp8/fp4 throug
 double rounding, so it cannot be the oracle there). Saturation, NaN and signed zeros are
 checked separately because the libraries overflow to inf/NaN where the contract saturates.
 
-SR is checked by exhaustive sweeps over the random word's high bits (the round-up count is
-the discarded fraction exactly), by exact thresholds for fp64 inputs, by a statistical
-unbiasedness test and by a table of special values.
+SR is checked with whole 32-bit words (sr_bits=32, the reference setting) by exhaustive sweeps
+over the random word's high bits (the round-up count is the discarded fraction exactly), by
+exact thresholds for fp64 inputs and by a table of special values; a statistical unbiasedness
+test runs it and the default 16-bit draws. Fewer random bits: tests/test_sr_bits.py.
 """
 
 import math
@@ -215,9 +216,13 @@ def test_round_to_rejects_bad_arguments_with_value_errors_naming_them():
     with pytest.raises(ValueError, match="rand: expected dtype int64, got torch.int32"):
         round_to(x, E2M1, "sr", words.int())
     with pytest.raises(ValueError, match=r"rand: expected uint32 words"):
-        round_to(x, E2M1, "sr", words - 1)
+        round_to(x, E2M1, "sr", words - 1, sr_bits=32)
     with pytest.raises(ValueError, match=r"rand: expected uint32 words.*got range \[4294967296"):
-        round_to(x, E2M1, "sr", words + 2**32)  # one past the top word (it would never round up)
+        # one past the top word (it would never round up)
+        round_to(x, E2M1, "sr", words + 2**32, sr_bits=32)
+    with pytest.raises(ValueError, match=r"rand: expected 16-bit draws \(sr_bits=16\) in "
+                                         r"\[0, 2\^16\), got range \[65536, 65536\]"):
+        round_to(x, E2M1, "sr", words + 2**16)  # the default draws are 16 bits
     with pytest.raises(ValueError, match="x: expected dtype float16, bfloat16, float32 or "
                                          "float64, got torch.int32"):
         round_to(x.int(), E2M1)
@@ -252,7 +257,7 @@ def test_sr_roundup_count_equals_the_discarded_fraction_exhaustively(element, si
         assert torch.equal(x.double()[:, 0], sign * (base + j[:, 0] * ulp / (1 << k)))
         low = torch.randint(0, 1 << (32 - k), x.shape, generator=g)
         words = (t << (32 - k)) | low
-        q = round_to(x, element, "sr", words).double()
+        q = round_to(x, element, "sr", words, sr_bits=32).double()
         up = q.abs() == base + ulp
         assert bool((up | (q.abs() == base)).all()), f"{name}: a result off the two neighbours"
         assert bool((q.signbit() == (sign < 0)).all()) or base == 0
@@ -282,33 +287,38 @@ def test_sr_threshold_is_exact_for_fp64_inputs(element):
     xt = torch.from_numpy(x)
     has_up = thr > 0
     assert_same(
-        round_to(xt, element, "sr", (thr - 1).clamp(min=0)),
+        round_to(xt, element, "sr", (thr - 1).clamp(min=0), sr_bits=32),
         torch.where(has_up, up, down),
         "r=thr-1",
     )
-    assert_same(round_to(xt, element, "sr", thr), down, "r=thr")
-    assert_same(round_to(xt, element, "sr", torch.full_like(thr, TWO32 - 1)), down, "r=max")
+    assert_same(round_to(xt, element, "sr", thr, sr_bits=32), down, "r=thr")
+    assert_same(round_to(xt, element, "sr", torch.full_like(thr, TWO32 - 1), sr_bits=32), down,
+                "r=max")
 
 
 @pytest.mark.parametrize("element", NARROW, ids=ids)
 @pytest.mark.parametrize("rounding", ["rn", "sr"])
 def test_fp32_and_fp64_evaluations_agree_bit_for_bit(element, rounding):
-    """README: a kernel rounding in fp32 registers and the fp64 reference store the same bits."""
+    """README: a kernel rounding in fp32 registers and the fp64 reference store the same bits
+    (SR with random 32-bit words)."""
     g = torch.Generator().manual_seed(29)
     x = torch.randn(30011, generator=g) * torch.exp2(torch.randint(-30, 20, (30011,), generator=g))
     words = torch.randint(0, TWO32, x.shape, generator=g) if rounding == "sr" else None
+    sr = {"sr_bits": 32} if rounding == "sr" else {}
     assert_same(
-        round_to(x, element, rounding, words).double(),
-        round_to(x.double(), element, rounding, words),
+        round_to(x, element, rounding, words, **sr).double(),
+        round_to(x.double(), element, rounding, words, **sr),
         "fp32 vs fp64",
     )
 
 
+@pytest.mark.parametrize("sr_bits,rounds", [(32, 10), (16, 7)], ids=["32-bits", "16-bits"])
 @pytest.mark.parametrize("element", [FP16, E4M3, E2M1], ids=["fp16", "e4m3", "e2m1"])
-def test_sr_is_unbiased_within_binomial_error(element):
-    """Each of 301 values is rounded with 4096 Philox words; the mean's error must be within
-    5 binomial standard deviations ulp sqrt(p (1 - p) / 4096) (plus ulp 2^-32, the word
-    resolution); a deterministic seed, and P(|z| > 5) = 6e-7 per value for a fair rounding."""
+def test_sr_is_unbiased_within_binomial_error(element, sr_bits, rounds):
+    """Each of 301 values is rounded with 4096 Philox draws of k = sr_bits bits; the mean's error
+    must be within 5 binomial standard deviations ulp sqrt(p (1 - p) / 4096) (plus ulp 2^-k, the
+    draw resolution); a deterministic seed, and P(|z| > 5) = 6e-7 per value for a fair
+    rounding."""
     n_values, n_words = 301, 4096
     g = torch.Generator().manual_seed(31)
     grid = torch.from_numpy(finite_grid(element))
@@ -317,17 +327,21 @@ def test_sr_is_unbiased_within_binomial_error(element):
     lo, hi = grid[lo_idx], grid[lo_idx + 1]
     x = (lo + torch.rand(n_values, generator=g, dtype=torch.float64) * (hi - lo)).float().double()
     x[:5] = lo[:5]  # grid points: p = 0, the mean must be exact
-    words = philox.random_words(2024, torch.arange(n_values), 0, (n_words,))
-    q = round_to(x[:, None].expand(-1, n_words).contiguous(), element, "sr", words)
+    words = philox.random_words(2024, torch.arange(n_values), 0, (n_words,), sr_bits=sr_bits,
+                                philox_rounds=rounds)
+    q = round_to(x[:, None].expand(-1, n_words).contiguous(), element, "sr", words,
+                 sr_bits=sr_bits)
     p = (x - lo) / (hi - lo)
     sigma = (hi - lo) * torch.sqrt(p * (1 - p) / n_words)
     error = (q.mean(dim=1) - x).abs()
-    assert bool((error <= 5 * sigma + (hi - lo) * 2.0**-32).all()), float((error / sigma).max())
+    bound = 5 * sigma + (hi - lo) * 2.0**-sr_bits
+    assert bool((error <= bound).all()), float((error / sigma).max())
     assert torch.equal(q[:5], x[:5, None].expand(-1, n_words))
 
 
 def sr_table():
-    """(element, x, word, expected): the special values, each with the reason it holds."""
+    """(element, x, word, expected): the special values for 32-bit words, each with the reason
+    it holds."""
     after = lambda v: float(np.nextafter(np.float32(v), np.float32(np.inf)))  # noqa: E731
     before = lambda v: float(np.nextafter(np.float32(v), np.float32(-np.inf)))  # noqa: E731
     top = TWO32 - 1
@@ -374,5 +388,6 @@ def sr_table():
 @pytest.mark.parametrize("element,x,word,expected", sr_table())
 def test_sr_special_values(element, x, word, expected):
     for dtype in (torch.float32, torch.float64):
-        q = round_to(torch.tensor([x], dtype=dtype), element, "sr", torch.tensor([word]))
+        q = round_to(torch.tensor([x], dtype=dtype), element, "sr", torch.tensor([word]),
+                     sr_bits=32)
         assert_same(q.double(), torch.tensor([expected], dtype=torch.float64), f"{dtype}")

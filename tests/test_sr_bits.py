@@ -169,12 +169,21 @@ def test_philox_of_r_rounds_equals_the_reference_on_random_counters_and_keys(rou
     assert philox.randint(seed, offsets, rounds).tolist() == [w[0] for w in four]
 
 
-def test_fewer_rounds_give_other_words_and_the_defaults_are_32_bits_10_rounds():
+def test_the_defaults_are_16_bits_7_rounds_and_other_rounds_give_other_words():
+    """random_words' defaults are (16, 7), the module's DEFAULT_*; the reference (32, 10) are
+    whole words of randint4x at 10 rounds (tl.randint4x's); 16-bit draws of other rounds differ
+    almost everywhere (two 16-bit draws agree with probability 2^-16)."""
+    assert (philox.DEFAULT_SR_BITS, philox.DEFAULT_PHILOX_ROUNDS) == (16, 7)
+    assert (philox.REFERENCE_SR_BITS, philox.REFERENCE_PHILOX_ROUNDS) == (32, 10)
     shape = (3, 5, 7)
     default = philox.random_words(11, 4, 9, shape)
-    assert torch.equal(default, philox.random_words(11, 4, 9, shape, sr_bits=32,
-                                                    philox_rounds=10))
-    for rounds in (7, 4, 2):
+    assert torch.equal(default, philox.random_words(11, 4, 9, shape, sr_bits=16,
+                                                    philox_rounds=7))
+    reference = philox.random_words(11, 4, 9, shape, sr_bits=32, philox_rounds=10)
+    counters = (4 << 44) | (9 << 24) | torch.arange(27)  # 105 elements, 4 a counter
+    words = torch.stack(philox.randint4x(11, counters), -1).flatten()[:105]
+    assert torch.equal(reference.flatten(), words)
+    for rounds in (10, 4, 2):
         other = philox.random_words(11, 4, 9, shape, philox_rounds=rounds)
         assert (other != default).float().mean() > 0.99
 
@@ -207,17 +216,21 @@ def test_element_e_takes_the_low_k_bits_of_its_lane_of_its_counter(k, rounds):
 
 def test_the_13_bit_draw_is_the_16_bit_draw_masked_and_8_bit_lanes_tile_the_word():
     """k = 13 takes the lane of k = 16 (low 13 bits); four 8-bit draws of a word rebuild it,
-    as two 16-bit draws and one 32-bit word of the same counter do."""
+    as two 16-bit draws and one 32-bit word of the same counter do (randint4x's words at the
+    default 7 rounds; at 10 rounds the 32-bit draws are tl.randint4x's words whole)."""
     shape = (2, 3, 16)  # 96 elements: 6 counters at k = 8, 12 at k = 16
     d16 = philox.random_words(3, 1, 2, shape, sr_bits=16)
     assert torch.equal(philox.random_words(3, 1, 2, shape, sr_bits=13), d16 & 0x1FFF)
     d8 = philox.random_words(3, 1, 2, shape, sr_bits=8).flatten()
     words8 = (d8.reshape(-1, 4) << torch.tensor([0, 8, 16, 24])).sum(-1)  # 24 words
-    counters = philox.randint4x(3, (1 << 44) | (2 << 24) | torch.arange(6))
+    counters = philox.randint4x(3, (1 << 44) | (2 << 24) | torch.arange(6), 7)
     assert torch.equal(words8, torch.stack(counters, -1).flatten())
     words16 = (d16.flatten().reshape(-1, 2) << torch.tensor([0, 16])).sum(-1)  # 48 words
-    counters16 = philox.randint4x(3, (1 << 44) | (2 << 24) | torch.arange(12))
+    counters16 = philox.randint4x(3, (1 << 44) | (2 << 24) | torch.arange(12), 7)
     assert torch.equal(words16, torch.stack(counters16, -1).flatten())
+    d32 = philox.random_words(3, 1, 2, shape, sr_bits=32, philox_rounds=10).flatten()
+    counters32 = philox.randint4x(3, (1 << 44) | (2 << 24) | torch.arange(24))
+    assert torch.equal(d32, torch.stack(counters32, -1).flatten())
 
 
 @pytest.mark.parametrize("k", philox.SR_BITS)
@@ -300,7 +313,8 @@ def test_32_bit_draws_round_up_exactly_below_the_threshold():
     for value in xs.tolist():
         down, up, t, _, _ = fp16_model(value, 32)
         draws = torch.tensor([max(t - 1, 0), t, MASK32])
-        got = q.round_to(torch.full((3,), value), "fp16", "sr", draws).double().tolist()
+        got = q.round_to(torch.full((3,), value), "fp16", "sr", draws, sr_bits=32)
+        got = got.double().tolist()
         want = [up if t > 0 else down, down, down]
         assert got == want, (value.hex(), t, got, want)
 
@@ -333,7 +347,7 @@ def test_adding_the_complemented_draw_to_the_fp32_bits_and_truncating_is_the_rul
         g = torch.Generator().manual_seed(k)
         r = torch.randint(0, 1 << 32, (len(xs), 1 << 16), generator=g, dtype=torch.int64)
         x = xs[:, None].expand_as(r)
-        want = q.round_to(x, "fp16", "sr", r)
+        want = q.round_to(x, "fp16", "sr", r, sr_bits=k)
     got = integer_sr(x.contiguous(), r, k)
     got_bits, want_bits = fp16_bits(got), fp16_bits(want)
     assert torch.equal(got_bits, want_bits), hex_dump(x, r, got_bits, want_bits)
@@ -390,7 +404,8 @@ def test_special_values_round_as_the_table_says_for_every_draw(k, name, x, expec
 def test_seed_path_policy_and_contract_use_the_draws_of_random_words(k, rounds):
     """round_to(seed=), quantize(seed=) of a block format, Policy.write_copies and
     contract.flush_copies all take random_words(..., sr_bits=k, philox_rounds=R) for a
-    [3, 2, 5, 16] state of random values; (16, 7) gives other codes than (32, 10)."""
+    [3, 2, 5, 16] state of random values; the default (16, 7) is the contract's without
+    arguments and gives other codes than the other settings."""
     g = torch.Generator().manual_seed(k + rounds)
     state = torch.randn(3, 2, 5, 16, generator=g) * 3
     slots, flushes = torch.tensor([4, 0, 9]), torch.tensor([2, 7, 0])
@@ -410,7 +425,7 @@ def test_seed_path_policy_and_contract_use_the_draws_of_random_words(k, rounds):
     copies = contract.flush_copies(state, seed=21, slots=slots, flushes=flushes, **kwargs)
     assert torch.equal(copies["hi"].to(torch.int64), fp16_bits(want))
     default = contract.flush_copies(state, seed=21, slots=slots, flushes=flushes)
-    assert torch.equal(copies["hi"], default["hi"]) == ((k, rounds) == (32, 10))
+    assert torch.equal(copies["hi"], default["hi"]) == ((k, rounds) == (16, 7))
     assert torch.equal(copies["lo.codes"], default["lo.codes"])  # the read copy is RN
 
 
@@ -426,27 +441,28 @@ def test_seed_path_policy_and_contract_use_the_draws_of_random_words(k, rounds):
     (lambda: philox.philox4x32(0, 0, 0, 0, 0, 0, rounds=-1), r"rounds: .*got -1"),
     (lambda: philox.state_offsets(0, 0, (4,), sr_bits=4), r"sr_bits: .*got 4"),
     (lambda: q.round_to(torch.ones(3), "fp16", "sr", seed=1, sr_bits=24), r"sr_bits: .*got 24"),
-    (lambda: q.round_to(torch.ones(3), "fp16", "rn", sr_bits=16),
-     r"sr_bits: expected the default 32 for rounding='rn'"),
+    (lambda: q.round_to(torch.ones(3), "fp16", "rn", sr_bits=32),
+     r"sr_bits: expected the default 16 for rounding='rn' \(only SR draws bits\), got 32"),
     (lambda: q.round_to(torch.ones(3), "fp16", "sr", torch.zeros(3, dtype=torch.int64),
-                        philox_rounds=7),
-     r"philox_rounds: expected the default 10 without seed= \(rand is drawn already"),
+                        philox_rounds=10),
+     r"philox_rounds: expected the default 7 without seed= \(rand is drawn already; pass "
+     r"seed=\), got 10"),
     (lambda: q.round_to(torch.ones(3), "fp16", "sr", torch.tensor([0, 1, 256]), sr_bits=8),
      r"rand: expected 8-bit draws \(sr_bits=8\) in \[0, 2\^8\), got range \[0, 256\]"),
     (lambda: q.quantize(torch.ones(2, 16), "fp4_e2m1_b16", "sr", seed=1, philox_rounds=0),
      r"philox_rounds: .*got 0"),
     (lambda: q.fake_quantize(torch.ones(2, 16), "nvfp4", "rn", philox_rounds=4),
-     r"philox_rounds: expected the default 10 without seed= \(only SR draws words"),
+     r"philox_rounds: expected the default 7 without seed= \(only SR draws words\), got 4"),
     (lambda: policies.Policy("shared", "fp16", "sr", sr_bits=9), r"sr_bits: .*got 9"),
-    (lambda: policies.Policy("shared", "fp16", "rn", sr_bits=16),
-     r"sr_bits: expected the default 32 for kind 'shared' with rounding 'rn'"),
-    (lambda: policies.Policy("exact", philox_rounds=7),
-     r"philox_rounds: expected the default 10 for kind 'exact' \(nothing is rounded\)"),
+    (lambda: policies.Policy("shared", "fp16", "rn", sr_bits=32),
+     r"sr_bits: expected the default 16 for kind 'shared' with rounding 'rn' .*got 32"),
+    (lambda: policies.Policy("exact", philox_rounds=10),
+     r"philox_rounds: expected the default 7 for kind 'exact' \(nothing is rounded\), got 10"),
     (lambda: policies.make_policy("separate_fp16sr", "nvfp4", philox_rounds=0),
      r"philox_rounds: .*got 0"),
     (lambda: contract.flush_copies(torch.ones(1, 1, 2, 16), sr_bits=7), r"sr_bits: .*got 7"),
-    (lambda: contract.flush_copies(torch.ones(1, 1, 2, 16), hi_rounding="rn", philox_rounds=7),
-     r"philox_rounds: expected the default 10 with hi_rounding='rn'"),
+    (lambda: contract.flush_copies(torch.ones(1, 1, 2, 16), hi_rounding="rn", philox_rounds=10),
+     r"philox_rounds: expected the default 7 with hi_rounding='rn' .*got 10"),
 ])
 def test_unsupported_sr_settings_are_refused_naming_the_argument(call, message):
     with pytest.raises(ValueError, match=message):
@@ -457,6 +473,6 @@ def test_make_policy_drops_sr_settings_of_an_arm_without_sr():
     """As it drops the seed: every arm takes the same arguments, and only an SR copy uses them
     (an invalid value is still refused, above)."""
     policy = policies.make_policy("separate_exact", "nvfp4", seed=5, sr_bits=8, philox_rounds=4)
-    assert (policy.seed, policy.sr_bits, policy.philox_rounds) == (0, 32, 10)
+    assert (policy.seed, policy.sr_bits, policy.philox_rounds) == (0, 16, 7)
     sr = policies.make_policy("every_step", "fp16", "sr", seed=5, sr_bits=8, philox_rounds=4)
     assert (sr.seed, sr.sr_bits, sr.philox_rounds) == (5, 8, 4)

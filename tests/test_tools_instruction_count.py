@@ -272,11 +272,14 @@ def test_ptxas_is_never_triton_s_too_old_one(tmp_path, monkeypatch):
 @pytest.mark.parametrize("pair", [("fp16", "sr", "nvfp4"), ("fp32", "rn", "none")])
 def test_the_counted_flush_is_the_one_mamba2_replay_flush_runs(pair):
     """The tool counts `rf.flush_config`'s choice for the Nemotron head: the public defaults
-    (elements per thread, fold), not a hand-built configuration."""
+    (elements per thread, fold, the SR setting 16/7), not a hand-built configuration."""
     from cute_kernels import replay_flush as rf
+    from lowprec import philox
 
     cfg = ic.flush_config(*pair)
     assert (cfg.hi_format, cfg.hi_rounding, cfg.lo_format) == pair
+    assert (cfg.sr_bits, cfg.philox_rounds) == (philox.DEFAULT_SR_BITS,
+                                                philox.DEFAULT_PHILOX_ROUNDS)
     assert (cfg.nheads, cfg.headdim, cfg.dstate, cfg.ngroups, cfg.window) == (128, 64, 128, 8, 16)
     assert cfg.elements_per_thread == rf.default_elements_per_thread(64, 128, pair[0])
     assert cfg.has_D and cfg.has_dt_bias and not cfg.has_z and not cfg.has_debug
