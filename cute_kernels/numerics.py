@@ -348,8 +348,8 @@ def sr_fp16_bits(x, r, sr_bits: int = DEFAULT_SR_BITS):
 
 
 def sr_fp16_bits_fast(x, r):
-    """(bits, exact): fp16 bits of SR(x) with the word r by one add, and whether they are
-    sr_fp16_bits(x, r): true for |x| >= 2^-14 (fp16's normal range and above, inf included),
+    """(bits, exact): fp16 bits of SR(x) with the 32-bit word r by one add, and whether they
+    are sr_fp16_bits(x, r, 32): true for |x| >= 2^-14 (fp16's normal range and above, inf included),
     false for smaller |x| (fp16 subnormals and zero, where more than 13 bits are dropped) and NaN.
 
     Why: for |x| >= 2^-14 SR drops the low 13 bits of the fp32 significand, and lowprec's
@@ -368,8 +368,8 @@ def sr_fp16_bits_fast(x, r):
 
 
 def sr_fp16x2_fast(a, b, ra, rb):
-    """(bits, exact): sr_fp16_bits(a, ra) in the low half and sr_fp16_bits(b, rb) in the high
-    half of one word, and whether both are: true where 2^-14 <= |a|, |b| < 2^127 (NaN, zero,
+    """(bits, exact): sr_fp16_bits(a, ra, 32) in the low half and sr_fp16_bits(b, rb, 32) in
+    the high half of one word, and whether both are: true where 2^-14 <= |a|, |b| < 2^127 (NaN, zero,
     fp16 subnormals, infinities and the top binade are left to the caller).
 
     Why: as in sr_fp16_bits_fast, adding ~r >> 19 (= 0x1FFF - (r >> 19)) to the low 13 bits

@@ -122,7 +122,7 @@ class GDNReplayCache:
 
     Config: `hi_format` / `hi_rounding`, `lo_format` (RN), `window` L, `draft` T (speculative
     decoding; Lcap = L + T), Philox `seed`, `per_channel` (True: KDA's decay per channel), and
-    SR's `sr_bits` (8, 13, 16, 32) and `philox_rounds` (1..10), (32, 10) for an RN copy.
+    SR's `sr_bits` (8, 13, 16, 32) and `philox_rounds` (1..10), the defaults (16, 7) for an RN copy.
     """
 
     hi: torch.Tensor

@@ -21,8 +21,8 @@ Random draws: `random_words(seed, slot, flush, element, SR_BITS, ROUNDS)` is
 `lowprec.philox.random_words(..., sr_bits=SR_BITS, philox_rounds=ROUNDS)` draw for draw: the
 low k = SR_BITS bits of lane `element % n` of word `(element % E) // n` of
 `tl.randint4x(seed, (slot << 44) | (flush << 24) | (element // E), ROUNDS)` (lanes of W = 32,
-16, 16, 8 bits for k = 32, 16, 13, 8; n = 32 / W, E = 4 n). With the defaults (32, 10) that is
-word `element % 4` of counter `element // 4` (`tl.randint` forms the same four words and keeps
+16, 16, 8 bits for k = 32, 16, 13, 8; n = 32 / W, E = 4 n). At the reference (32, 10) that
+is word `element % 4` of counter `element // 4` (`tl.randint` forms the same four words and keeps
 the first, so selecting one costs nothing extra). Both are compile-time constants of every
 kernel that stores an SR copy, taken from the cache's `sr_bits` / `philox_rounds`.
 

@@ -77,7 +77,7 @@ class ReplayCache:
     Config: `hi_format` / `hi_rounding` (an element format of at most 32 bits, 'rn' or 'sr'),
     `lo_format` (any lowprec format but fp64; always RN), `window` L, `draft` T (speculative
     decoding; Lcap = L + T), the Philox `seed`, and SR's `sr_bits` (random bits per element,
-    8, 13, 16 or 32) and `philox_rounds` (1..10), both left at (32, 10) for an RN copy
+    8, 13, 16 or 32) and `philox_rounds` (1..10), both left at the defaults (16, 7) for an RN copy
     (docs/design.md, "Stochastic rounding: random bits and Philox rounds").
     """
 

@@ -65,7 +65,7 @@ class StateCache:
         tokens        int32 [slots]   tokens stored so far (the Philox counter of the next store)
 
     Config: `format` (any lowprec format but fp64), `rounding` ('rn' or 'sr'), Philox `seed`,
-    and SR's `sr_bits` (8, 13, 16, 32) and `philox_rounds` (1..10), (32, 10) for RN.
+    and SR's `sr_bits` (8, 13, 16, 32) and `philox_rounds` (1..10), the defaults (16, 7) for RN.
     """
 
     state: torch.Tensor

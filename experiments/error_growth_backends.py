@@ -317,7 +317,7 @@ def _emulation_step(c: Config, cell: Cell, batch: int):
     (GDN, KDA: per-channel decay) with the arm's recurrence copy (fp64 kept in fp32) and read
     copy (RN). Slot b of the cache is slot b of the reference's batch and the seed is
     ``seed0``, so SR uses the same Philox words; the cell's SR setting is passed to the cache
-    only where it differs from 32 bits, 10 rounds."""
+    only where it differs from the default (16 bits, 7 rounds)."""
     # Imported here: the reference backend needs neither Triton nor the emulation (and
     # emulation.numerics switches Triton's interpreter on without CUDA).
     from emulation.gdn_replay_decode import GDNReplayCache, gdn_generic_step, kda_generic_step

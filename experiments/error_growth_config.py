@@ -101,7 +101,7 @@ class Memory:
 @dataclass(frozen=True)
 class Cell:
     """One independent piece of a run: one arm at one window and one SR setting (an arm
-    without SR has the defaults 32 bits, 10 rounds, which it does not use), over every memory
+    without SR has the defaults 16 bits, 7 rounds, which it does not use), over every memory
     profile and seed of the config (the simulator's batch). ``index`` is its place in
     ``cells(config)``, which is the order of its rows in the CSV."""
 

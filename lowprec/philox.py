@@ -116,7 +116,7 @@ def check_philox_rounds(rounds, name: str = "philox_rounds") -> int:
 def check_sr_settings(sr_bits, philox_rounds, rounding, rounding_name: str = "rounding",
                       prefix: str = "") -> tuple[int, int]:
     """``(sr_bits, philox_rounds)`` as ints SR supports (`check_sr_bits`,
-    `check_philox_rounds`), and the defaults (32, 10) unless ``rounding`` is 'sr' (only SR
+    `check_philox_rounds`), and the defaults (16, 7) unless ``rounding`` is 'sr' (only SR
     draws random bits); messages name ``prefix + 'sr_bits'`` and ``prefix + rounding_name``."""
     sr_bits = check_sr_bits(sr_bits, prefix + "sr_bits")
     philox_rounds = check_philox_rounds(philox_rounds, prefix + "philox_rounds")

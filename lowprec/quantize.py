@@ -83,8 +83,9 @@ values are fp32 products; fp16 into bf16 and back; fp32 and fp64). So no result 
 rounded a second time by a cast. `Quantized.elements` of a block format keep x's dtype (E2M1 and
 E4M3 values are exact in all four).
 
-Random draws. SR takes either `rand` (int64 draws in [0, 2^sr_bits), x's shape: uint32 words
-for the default 32 bits) or `seed`, from which the draws are taken as the kernels take them
+Random draws. SR takes either `rand` (int64 draws in [0, 2^sr_bits), x's shape: 16-bit draws
+at the default, uint32 words at sr_bits=32) or `seed`, from which the draws are taken as the
+kernels take them
 (`lowprec.philox.random_words(seed, slot, flush, state, sr_bits=, philox_rounds=)`): x is
 `batch + state`, where `batch` is the shape of `slot` and `flush` broadcast together (both
 default 0, so by default x is one slot's state at flush 0), and element `e` (flat index inside
