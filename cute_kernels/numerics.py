@@ -369,8 +369,8 @@ def sr_fp16_bits_fast(x, r):
 
 def sr_fp16x2_fast(a, b, ra, rb):
     """(bits, exact): sr_fp16_bits(a, ra, 32) in the low half and sr_fp16_bits(b, rb, 32) in
-    the high half of one word, and whether both are: true where 2^-14 <= |a|, |b| < 2^127 (NaN, zero,
-    fp16 subnormals, infinities and the top binade are left to the caller).
+    the high half of one word, and whether both are: true where 2^-14 <= |a|, |b| < 2^127
+    (NaN, zero, fp16 subnormals, infinities and the top binade are left to the caller).
 
     Why: as in sr_fp16_bits_fast, adding ~r >> 19 (= 0x1FFF - (r >> 19)) to the low 13 bits
     of the significand carries into bit 13 exactly when lowprec rounds up, and the add can
