@@ -72,6 +72,19 @@ find_wheel() {  # find_wheel DIR GLOB -> path of the first match, or nothing
   find "$1" -maxdepth 3 -name "$2" 2>/dev/null | sort | head -n 1
 }
 
+# wheel_path GLOB PIP_ARGS...: the first wheel matching GLOB under $wheels, downloaded first with
+# `pip download PIP_ARGS...` when none is there; nothing when the download failed too
+wheel_path() {
+  local glob=$1 whl
+  shift
+  whl=$(find_wheel "$wheels" "$glob")
+  if [ -z "$whl" ]; then
+    pip_download "$@" >&2
+    whl=$(find_wheel "$wheels" "$glob")
+  fi
+  printf '%s' "$whl"
+}
+
 stub_packages() {  # stub_packages SITE PKG...: an __init__.py that imports nothing in each
   local site=$1; shift
   for pkg in "$@"; do
@@ -86,12 +99,8 @@ stub_packages() {  # stub_packages SITE PKG...: an __init__.py that imports noth
 # ------------------------------------------------------------------------------------------
 prepare_vllm() {
   local whl
-  whl=$(find_wheel "$wheels" "vllm-${VLLM_VERSION}-*.whl")
+  whl=$(wheel_path "vllm-${VLLM_VERSION}-*.whl" -d "$wheels" "vllm==${VLLM_VERSION}")
   if [ -z "$whl" ]; then
-    pip_download -d "$wheels" "vllm==${VLLM_VERSION}"
-    whl=$(find_wheel "$wheels" "vllm-${VLLM_VERSION}-*.whl")
-  fi
-  if [ -z "$whl" ]; then  # set -e used to stop at pip's error, without this line
     echo "prepare.sh: the vllm ${VLLM_VERSION} wheel is missing from $wheels and pip could not" \
       "download it (no network?): put vllm-${VLLM_VERSION}-*.whl there (PEERS_WHEELS)" >&2
     exit 1
@@ -257,17 +266,11 @@ STUB
 
 prepare_flashinfer() {
   local fi_whl tvm_whl
-  fi_whl=$(find_wheel "$wheels" "flashinfer_python-${FLASHINFER_VERSION}-*.whl")
-  if [ -z "$fi_whl" ]; then
-    pip_download -d "$wheels/fi" "flashinfer-python==${FLASHINFER_VERSION}"
-    fi_whl=$(find_wheel "$wheels" "flashinfer_python-${FLASHINFER_VERSION}-*.whl")
-  fi
-  tvm_whl=$(find_wheel "$wheels" "apache_tvm_ffi-*-cp312-*.whl")
-  if [ -z "$tvm_whl" ]; then
-    pip_download --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
-      --platform manylinux_2_17_x86_64 -d "$wheels/tvm/cp312" "$TVM_FFI_SPEC"
-    tvm_whl=$(find_wheel "$wheels" "apache_tvm_ffi-*-cp312-*.whl")
-  fi
+  fi_whl=$(wheel_path "flashinfer_python-${FLASHINFER_VERSION}-*.whl" -d "$wheels/fi" \
+    "flashinfer-python==${FLASHINFER_VERSION}")
+  tvm_whl=$(wheel_path "apache_tvm_ffi-*-cp312-*.whl" --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d "$wheels/tvm/cp312" \
+    "$TVM_FFI_SPEC")
   if [ -z "$fi_whl" ] || [ -z "$tvm_whl" ]; then
     echo "prepare.sh: flashinfer-python ${FLASHINFER_VERSION} or an apache-tvm-ffi cp312 wheel is" \
       "missing from $wheels and pip could not download it (no network?): put" \
@@ -368,11 +371,7 @@ fla/ops/gated_delta_rule/fused_recurrent.py"
 
 prepare_fla() {
   local whl
-  whl=$(find_wheel "$wheels" "fla_core-${FLA_VERSION}-*.whl")
-  if [ -z "$whl" ]; then
-    pip_download -d "$wheels" "fla-core==${FLA_VERSION}"
-    whl=$(find_wheel "$wheels" "fla_core-${FLA_VERSION}-*.whl")
-  fi
+  whl=$(wheel_path "fla_core-${FLA_VERSION}-*.whl" -d "$wheels" "fla-core==${FLA_VERSION}")
   if [ -z "$whl" ]; then
     echo "prepare.sh: the fla-core ${FLA_VERSION} wheel is missing from $wheels and pip could" \
       "not download it (no network?): put fla_core-${FLA_VERSION}-*.whl there (PEERS_WHEELS)" >&2
