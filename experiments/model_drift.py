@@ -797,26 +797,31 @@ def pareto(drift_csv, bench_csv, png, shape: str = "mamba2-2.7b") -> list[tuple]
 
 
 def summarize(csv_path) -> str:
-    """A table: per policy the last-octave KL, its ratio to separate_fp16sr nvfp4, the mean
-    top-1 agreement and the slope of log KL against log position over the last 4 octaves."""
+    """A table: per policy the last-octave KL, its ratio to separate_fp16sr nvfp4, its ratio to
+    the mean KL over positions 1,025-2,048 (``x 1k-2k``: growth with length; NaN for runs of
+    4,096 positions or fewer), the top-1 agreement over all positions and the slope of log KL
+    against log position over the last 4 octaves."""
     import numpy as np
 
     frame = read_csv(csv_path)
     kl = last_octave_kl(frame)
     ref = kl.get(("separate_fp16sr", "nvfp4", "rn"), math.nan)
     last = frame["position"].max()
-    lines = [f"{'policy':34s} {'KL last octave':>15s} {'x two-prec':>10s} {'top1':>6s} "
-             f"{'slope':>6s}"]
+    early = frame[(frame["position"] > 1024) & (frame["position"] <= 2048)]
+    early_kl = early.groupby(["arm", "format", "rounding"])["kl"].mean() if last > 4096 else {}
+    lines = [f"{'policy':34s} {'KL last octave':>15s} {'x two-prec':>10s} {'x 1k-2k':>8s} "
+             f"{'top1':>6s} {'slope':>6s}"]
     for key, value in kl.items():
         group = frame[(frame["arm"] == key[0]) & (frame["format"] == key[1]) &
                       (frame["rounding"] == key[2])]
+        growth = value / early_kl[key] if key in early_kl and early_kl[key] > 0 else math.nan
         agree = group["top1_agree"].mean()
         tail = group[group["position"] >= last / 16].groupby("position")["kl"].mean()
         tail = tail[tail > 0]
         slope = (np.polyfit(np.log(tail.index), np.log(tail.to_numpy()), 1)[0]
                  if len(tail) > 2 else math.nan)
-        lines.append(f"{' '.join(key):34s} {value:15.3e} {value / ref:10.2f} {agree:6.3f} "
-                     f"{slope:6.2f}")
+        lines.append(f"{' '.join(key):34s} {value:15.3e} {value / ref:10.2f} {growth:8.2f} "
+                     f"{agree:6.3f} {slope:6.2f}")
     return "\n".join(lines)
 
 

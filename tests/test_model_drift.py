@@ -326,3 +326,34 @@ def test_two_ranks_write_the_one_process_bytes_and_a_killed_rank_resumes(tiny_mo
     assert rerun.returncode == 0, rerun.stderr[-2000:]
     assert "resuming: skipping" in rerun.stderr
     assert resumed.read_bytes() == single.read_bytes()
+
+
+def test_summary_gives_each_policys_growth_from_positions_1k_2k_to_the_last_octave(tmp_path):
+    """``x 1k-2k`` is the last octave's mean KL over the mean at positions 1,025-2,048: a
+    policy whose KL is 3x higher in the last octave reads 3.00, one flat with noise about 1,
+    on a run of 8,192 positions whose other positions would give other ratios."""
+    import numpy as np
+
+    gen = np.random.default_rng(7)
+    rows = []
+    for arm, fmt, late in (("separate_fp16sr", "nvfp4", 3.0), ("shared", "fp8_e4m3", 1.0)):
+        for segment in range(3):
+            for position in (17, 300, 1100, 1500, 2000, 3000, 5000, 6000, 8192):
+                base = 1e-4 * (1 + 0.1 * gen.standard_normal())
+                scale = late if position > 4096 else 7.0 if position <= 1024 else 1.0
+                kl = base * scale if position > 1024 else 5e-4 * scale
+                rows.append(("m", "mamba2", arm, fmt, "rn", 16, segment, position,
+                             f"{kl:.6e}", "0.0", 1))
+    path = tmp_path / "drift.csv"
+    md.write_csv(path, rows)
+    frame = md.read_csv(path)
+    table = {line.split()[0] + " " + line.split()[1]: line.split()
+             for line in md.summarize(path).splitlines()[1:]}
+    for name, (arm, fmt) in (("separate_fp16sr nvfp4", ("separate_fp16sr", "nvfp4")),
+                             ("shared fp8_e4m3", ("shared", "fp8_e4m3"))):
+        mine = frame[(frame["arm"] == arm) & (frame["format"] == fmt)]
+        late = mine[mine["position"] > 4096]["kl"].mean()
+        early = mine[(mine["position"] > 1024) & (mine["position"] <= 2048)]["kl"].mean()
+        assert float(table[name][5]) == pytest.approx(late / early, abs=0.005)
+    assert float(table["separate_fp16sr nvfp4"][5]) == pytest.approx(3.0, rel=0.15)
+    assert float(table["shared fp8_e4m3"][5]) == pytest.approx(1.0, rel=0.15)
