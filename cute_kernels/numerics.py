@@ -69,11 +69,19 @@ from cutlass.cutlass_dsl import T
 from cute_kernels import _compile  # noqa: F401  (sets the sm_90a target before cutlass)
 from cute_kernels.ptx import inline_ptx
 
+# SR's settings are lowprec's (docs/design.md, "Stochastic rounding: random bits and Philox
+# rounds"): SR_BITS, the default (16, 7) and the generator's own 10 rounds
+from lowprec.philox import (
+    DEFAULT_PHILOX_ROUNDS,
+    DEFAULT_SR_BITS,
+    REFERENCE_PHILOX_ROUNDS,
+    SR_BITS,
+)
+
 __all__ = [
     "SR_BITS",
     "DEFAULT_SR_BITS",
     "DEFAULT_PHILOX_ROUNDS",
-    "PHILOX_4X32_10",
     "FP16",
     "E4M3",
     "E2M1",
@@ -114,13 +122,6 @@ __all__ = [
     "silu",
 ]
 
-# SR's random bits per element (docs/design.md, "Stochastic rounding: random bits and Philox
-# rounds"): lanes of 8, 16 (also for 13) and 32 bits of a Philox word
-SR_BITS = (8, 13, 16, 32)
-# SR's default setting, lowprec.philox's: 16 bits an element (two a word) in 7 rounds
-DEFAULT_SR_BITS = 16
-DEFAULT_PHILOX_ROUNDS = 7
-PHILOX_4X32_10 = 10  # the generator's own rounds (tl.randint's); the kernels take 1..10
 ROUND_A = 0xD2511F53
 ROUND_B = 0xCD9E8D57
 KEY_A = 0x9E3779B9
@@ -193,7 +194,7 @@ def bits_f32(u):
 # Philox-4x32
 
 
-def philox_keys(seed_lo, seed_hi, rounds: int = PHILOX_4X32_10) -> list:
+def philox_keys(seed_lo, seed_hi, rounds: int = REFERENCE_PHILOX_ROUNDS) -> list:
     """The `rounds` round keys `(k0, k1)` of a seed (their count is the rounds philox_words
     applies): compute once per thread outside element loops (they are uniform across the grid,
     so they cost registers, not instructions)."""
