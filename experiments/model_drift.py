@@ -97,6 +97,7 @@ from experiments._common import (
     save_small_png,
     write_meta,
 )
+from experiments.model_drift_gdn import HI_COPY
 from experiments.sharding import HELP as SHARDING_HELP
 from experiments.sharding import add_arguments as add_sharding_arguments
 from lowprec import formats
@@ -336,8 +337,7 @@ class EmulationSSM:
                     layers.append(StateCache.empty(*shape, format=fmt, rounding=rnd, seed=c.seed,
                                                    device=c.device))
                     continue
-                hi = {"separate_exact": ("fp32", "rn"), "separate_fp16sr": ("fp16", "sr"),
-                      "shared": (spec.fmt, spec.rounding)}[spec.arm]
+                hi = HI_COPY.get(spec.arm, (spec.fmt, spec.rounding))
                 layers.append(ReplayCache.empty(
                     *shape, ngroups=mc.n_groups, window=c.window, hi_format=hi[0],
                     hi_rounding=hi[1], lo_format=spec.fmt, seed=c.seed,
