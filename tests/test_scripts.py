@@ -188,6 +188,25 @@ def test_dry_run_error_growth_prints_the_three_layers_and_each_parses(tmp_path):
     assert _gpu(_tree(tmp_path / "b", "gpu.sh"), "error-growth", "--steps", "9").returncode == 2
 
 
+def test_dry_run_error_growth_passes_the_arguments_after_a_double_dash_to_every_preset(tmp_path):
+    """`error-growth gdn-gpu kda-gpu -- --sr-bits 32 --philox-rounds 10`: two commands, each
+    parsed to its own preset with the reference SR setting; without `--` the default holds."""
+    from experiments import error_growth as eg
+
+    done = _gpu(_tree(tmp_path, "gpu.sh"), "--dry-run", "error-growth", "gdn-gpu", "kda-gpu",
+                "--", "--sr-bits", "32", "--philox-rounds", "10")
+    assert done.returncode == 0, done.stderr
+    parsed = [eg.build_parser().parse_args(_module_args(c, "experiments.error_growth"))
+              for c in _commands(done.stdout)]
+    assert [(p.preset, p.sr_bits, p.philox_rounds) for p in parsed] == [
+        ("gdn-gpu", "32", "10"), ("kda-gpu", "32", "10")]
+    plain = _commands(_gpu(_tree(tmp_path / "p", "gpu.sh"), "--dry-run", "error-growth",
+                           "gdn-gpu").stdout)
+    [alone] = [eg.build_parser().parse_args(_module_args(c, "experiments.error_growth"))
+               for c in plain]
+    assert alone.sr_bits is None and alone.philox_rounds is None
+
+
 @pytest.mark.parametrize("exit_status", [0, 3])
 def test_test_target_runs_pytest_gpu_and_exits_with_its_status(tmp_path, exit_status):
     """A stand-in python records its arguments and exits with `exit_status`; the target passes
