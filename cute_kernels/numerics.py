@@ -117,6 +117,7 @@ __all__ = [
     "recip14_usable",
     "E2M1_PAIR_SCALE",
     "E2M1_PAIR_MARGIN",
+    "E2M1_MARGIN_SHIFT",
     "saturate_f32",
     "softplus",
     "silu",
@@ -654,7 +655,10 @@ E2M1_PAIR_SCALE = 2.0**-14
 # others in their binades) and every grid value an even one; quotients within this many
 # units of an odd multiple take the division (e2m1_margin below E2M1_PAIR_MARGIN)
 E2M1_PAIR_NEAR = 8
-E2M1_PAIR_MARGIN = 2 * E2M1_PAIR_NEAR
+# e2m1_margin keeps the pattern's distance to the next odd multiple (22 bits) in a word's top
+# bits, so that one multiply-add forms it: margins and the threshold are times 2^10
+E2M1_MARGIN_SHIFT = 10
+E2M1_PAIR_MARGIN = 2 * E2M1_PAIR_NEAR << E2M1_MARGIN_SHIFT
 
 
 def recip14_usable(recip):
@@ -727,12 +731,18 @@ def e2m1_margin(u14):
     """How far u14 2^-112's fp32 pattern is from the odd multiples of 2^21 (the decision
     points of RN_e2m1 times 2^-126; subnormal below 2^-126), offset so that a quotient is
     provably on one side of every decision point where its margin is at least
-    E2M1_PAIR_MARGIN. Margins are combined by their minimum (one unsigned min an element;
-    the caller compares once a block)."""
+    E2M1_PAIR_MARGIN: ((pattern + E2M1_PAIR_NEAR + 2^21) mod 2^22) 2^10, one `mad.lo.u32`
+    (the modulo is the word's overflow). Margins are combined by their minimum (one unsigned
+    min an element; the caller compares once a block)."""
     bits = f32_bits(_mul_rn(u14, 2.0**-112))
+    scale = 1 << E2M1_MARGIN_SHIFT
+    offset = (E2M1_PAIR_NEAR + 0x200000) << E2M1_MARGIN_SHIFT
     if _is_np(bits):  # a NaN (outside the contract) as the device's multiplies give it
         bits = np.where(np.isnan(bits.view(np.float32)), np.uint32(0x7FFFFFFF), bits)
-    return (bits + _u(E2M1_PAIR_NEAR + 0x200000, bits)) & _u(0x3FFFFF, bits)
+        with np.errstate(over="ignore"):
+            return (bits * np.uint32(scale) + np.uint32(offset)).astype(np.uint32)
+    return Uint32(inline_ptx(T.i32(), [Uint32(bits).ir_value()],
+                             f"mad.lo.u32 $0, $1, {scale}, {offset};", "=r,r"))
 
 
 def umin(a, b):

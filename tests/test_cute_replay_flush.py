@@ -271,14 +271,15 @@ def test_default_knobs_are_the_measured_fastest_where_they_apply():
 @pytest.mark.parametrize("elements_per_thread", [32, 64])
 def test_every_element_enters_the_e2m1_pairs_margin_test(elements_per_thread):
     """With the E2M1 codes two at a time, each state element a thread holds gets its own
-    margin against the decision points (one add of E2M1_PAIR_NEAR + 2^21 a value in the
-    PTX), and the margins meet in unsigned minima: a signed minimum, or one folded against a
+    margin against the decision points (one multiply-add a value in the PTX), and the
+    margins meet in unsigned minima: a signed minimum, or one folded against a
     constant, would drop some (each block's first pair)."""
     from cute_kernels import numerics as nm
 
     cfg = config(NEMOTRON, "fp16", "sr", "nvfp4", elements_per_thread=elements_per_thread)
     ptx = rf.compile_flush(cfg, keep_ptx=True).__ptx__
-    assert ptx.count(f", {nm.E2M1_PAIR_NEAR + 0x200000};") == elements_per_thread
+    offset = (nm.E2M1_PAIR_NEAR + 0x200000) << nm.E2M1_MARGIN_SHIFT
+    assert ptx.count(f", {1 << nm.E2M1_MARGIN_SHIFT}, {offset};") == elements_per_thread
     assert "min.s32" not in ptx
 
 
