@@ -62,7 +62,7 @@ from cute_kernels.gdn_replay_flush import (
 __all__ = ["compile_gdn_output", "launch_gdn_output", "traffic_bytes"]
 
 E2M1_AS_E4M3 = 64.0  # the re-packed codes are E2M1 x 2^-6
-MIN_CTAS_PER_SM = 4  # a 64-register cap for the nvfp4 read
+MIN_CTAS_PER_SM = 4  # nvfp4: a 64-register cap, four 256-thread CTAs an SM
 
 
 def e2m1_as_e4m3(word):
