@@ -327,7 +327,7 @@ def _finish(sign, a, magnitude, fmt):
     return _sel(a > _u(0x7F800000, a), _u(nan_code, a), code)
 
 
-def sr_fp16_bits(x, r, sr_bits: int = DEFAULT_SR_BITS):
+def sr_fp16_bits(x, r, sr_bits: int):
     """fp16 bits (in the low 16 bits) of SR(x) with the draw r in [0, 2^sr_bits) (a whole
     random word for 32 bits).
 
@@ -433,8 +433,8 @@ def sr_fp16_chunk(frag, values, counter_lo0, counter_hi, keys, first: int = 0):
         exact = exact & exact_pair
     if not exact:
         for v2 in cutlass.range_constexpr(4):
-            low = sr_fp16_bits(values[first + 2 * v2], words[2 * v2])
-            high = sr_fp16_bits(values[first + 2 * v2 + 1], words[2 * v2 + 1])
+            low = sr_fp16_bits(values[first + 2 * v2], words[2 * v2], 32)
+            high = sr_fp16_bits(values[first + 2 * v2 + 1], words[2 * v2 + 1], 32)
             frag[f2 + v2] = low | (high << Uint32(16))
 
 

@@ -142,12 +142,12 @@ def test_sr_fp16_equals_lowprec_for_every_fp16_neighbourhood(kind):
 def test_sr_fp16_threshold_is_exact():
     """32-bit words just below and at floor(frac * 2^32) decide up/down: 1 + 2^-12 lies
     2^-12 / 2^-10 = 1/4 of an fp16 ulp above 1, so the threshold is 2^30: r = 2^30 - 1 rounds
-    up to 0x3C01, r = 2^30 stays at 0x3C00; the default 16-bit draws' threshold is 2^14."""
+    up to 0x3C01, r = 2^30 stays at 0x3C00; 16-bit draws' threshold is 2^14."""
     x = np.array([1 + 2.0**-12] * 2, np.float32)
     words = np.array([(1 << 30) - 1, 1 << 30], np.uint32)
     assert nm.sr_fp16_bits(x, words, 32).tolist() == [0x3C01, 0x3C00]
     draws = np.array([(1 << 14) - 1, 1 << 14], np.uint32)
-    assert nm.sr_fp16_bits(x, draws).tolist() == [0x3C01, 0x3C00]
+    assert nm.sr_fp16_bits(x, draws, 16).tolist() == [0x3C01, 0x3C00]
 
 
 def test_philox_words_equal_lowprec_randint():

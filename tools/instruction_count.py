@@ -174,7 +174,7 @@ def histograms(with_fallbacks: bool, formats=FLUSH_FORMATS
     general = (nm.sr_fp16_bits, nm.rn_e2m1_nibble)
     _compile._CACHE.clear()
     if not with_fallbacks:  # what a thread runs: the fallbacks' bodies become constants
-        nm.sr_fp16_bits = lambda x, r, sr_bits=nm.DEFAULT_SR_BITS: cutlass.Uint32(0)
+        nm.sr_fp16_bits = lambda x, r, sr_bits: cutlass.Uint32(0)
         nm.rn_e2m1_nibble = lambda x: cutlass.Uint32(0)
     try:
         rows = []
