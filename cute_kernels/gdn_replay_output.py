@@ -62,7 +62,6 @@ from cute_kernels.gdn_replay_flush import (
 __all__ = ["compile_gdn_output", "launch_gdn_output", "traffic_bytes"]
 
 E2M1_AS_E4M3 = 64.0  # the re-packed codes are E2M1 x 2^-6
-MIN_CTAS_PER_SM = 4  # nvfp4: a 64-register cap, four 256-thread CTAs an SM
 
 
 def e2m1_as_e4m3(word):
@@ -149,9 +148,7 @@ class GDNOutput:
         beta = cute.make_tensor(p_beta, per_head)
         self.kernel(hi, codes, scales, lo_global, ring_u, ring_v, ring_k, ring_g, ring_beta,
                     cursors, q, k, v, g, beta, out).launch(
-            grid=[H, batch, 1], block=[cfg.threads, 1, 1], stream=stream,
-            min_blocks_per_mp=MIN_CTAS_PER_SM if cfg.lo_format == "nvfp4" else 0,
-            preferred_smem_carveout=-1)  # the driver's choice, named: compiles without a GPU
+            grid=[H, batch, 1], block=[cfg.threads, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(
@@ -188,13 +185,10 @@ class GDNOutput:
         sW = smem.allocate_tensor(Float32, cute.make_layout(33), 16)  # w_j; [32]: G_c
         sKK = smem.allocate_tensor(Float32, cute.make_layout(32), 16)  # kk_j
         sKQ = smem.allocate_tensor(Float32, cute.make_layout(32), 16)  # kq_j
-        # k (row 0), q (row 1) and the ring's k_j (row 2 + j), staged as fp32 for every warp
-        sVec = smem.allocate_tensor(Float32, cute.make_layout((L + 1, N), stride=(N, 1)), 16)
 
         c = cursors[s]
         if (c >= 0) & (c < L - 1):
-            # Every global load of the CTA is issued here, before its first barrier: the CTA's
-            # time is its chain of round trips, not its bytes (docs/performance.md).
+            # the read copy first: every state load in flight before the ring's arithmetic
             word_frags = []
             scale_bytes = []
             if cutlass.const_expr(nvfp4):
@@ -211,7 +205,7 @@ class GDNOutput:
                     frag = cute.make_rmem_tensor((W,), Float32)
                     cute.autovec_copy(chunk_of(hi_h, rows[i], col), frag)
                     word_frags.append(frag)
-            # the ring's u of records col + R m and the rows' v
+            # the ring's u of records col + R m and the rows' v: loaded before the barriers
             ring_terms = (L - 1 + R - 1) // R
             held = []
             u_ring = []
@@ -223,11 +217,6 @@ class GDNOutput:
                     if cutlass.const_expr(i == 0):
                         held.append(j < c)
                     u_ring.append(ring_u[s, h, nm._sel(held[m], j, Int32(0)), rows[i]])
-            beta_c = beta[s, h]
-            _stage_vectors(cfg, tidx, c, k[s, h, None], q[s, h, None], ring_k[s, h, None, None],
-                           sVec)
-            # the record goes out now: nothing in this kernel reads ring position c
-            append_record(cfg, tidx, c, s, h, k, v, g, beta, ring_k, ring_v, ring_g, ring_beta)
 
             # cumulative log-decays by warp 0: lane t < L cum_t -> w_t; G_c to sW[32]
             if warp == 0:
@@ -251,8 +240,8 @@ class GDNOutput:
             k_lane = []
             q_lane = []
             for e in cutlass.range_constexpr(E):
-                k_lane.append(sVec[0, lane * E + e])
-                q_lane.append(sVec[1, lane * E + e])
+                k_lane.append(k[s, h, lane * E + e].to(Float32))
+                q_lane.append(q[s, h, lane * E + e].to(Float32))
             for m in cutlass.range_constexpr((L + T // 32 - 1) // (T // 32)):
                 j = warp + (T // 32) * m
                 if j <= c:
@@ -261,7 +250,8 @@ class GDNOutput:
                     kk = Float32(0.0)
                     kq = Float32(0.0)
                     for e in cutlass.range_constexpr(E):
-                        k_je = nm._sel(j < c, sVec[2 + j_ring, lane * E + e], k_lane[e])
+                        k_je = nm._sel(j < c, ring_k[s, h, j_ring, lane * E + e].to(Float32),
+                                       k_lane[e])
                         kw = k_je * w_j
                         kk = kk + kw * k_lane[e]
                         kq = kq + kw * q_lane[e]
@@ -273,8 +263,9 @@ class GDNOutput:
             cute.arch.sync_threads()
 
             # one pass over the read copy, two products, plus the ring's terms
-            k_vec = load_vector_chunk(sVec[0, None], col) * decay_c
-            q_vec = load_vector_chunk(sVec[1, None], col) * decay_c
+            k_vec = load_vector_chunk(k[s, h, None], col) * decay_c
+            q_vec = load_vector_chunk(q[s, h, None], col) * decay_c
+            beta_c = beta[s, h]
             kq_c = sKQ[c]
             for i in cutlass.range_constexpr(cfg.passes):
                 p = rows[i]
@@ -301,35 +292,7 @@ class GDNOutput:
                 if col == 0:
                     ring_u[s, h, c, p] = u
                     out[s, h, p] = (total_q + u * kq_c).to(out.element_type)
-
-
-@cute.jit
-def _stage_vectors(cfg: cutlass.Constexpr, tidx, c, k_h, q_h, ring_k_h, sVec):
-    """k, q and the ring's records 0 .. c-1 of k (16-element pieces, a thread's loads all
-    issued before its first shared store) into sVec's rows 0, 1 and 2 + j, as fp32."""
-    N, L, T = cfg.dk, cfg.window, cfg.threads
-    pieces = N // W
-    rounds = ((L + 1) * pieces + T - 1) // T
-    frags = []
-    for m in cutlass.range_constexpr(rounds):
-        item = tidx + T * m
-        row = item // pieces
-        piece = item % pieces
-        frag = cute.make_rmem_tensor((W,), k_h.element_type)
-        if row == 0:
-            cute.autovec_copy(cute.local_tile(k_h, (W,), (piece,)), frag)
-        elif row == 1:
-            cute.autovec_copy(cute.local_tile(q_h, (W,), (piece,)), frag)
-        elif row < c + 2:
-            cute.autovec_copy(chunk_of(ring_k_h, row - 2, piece), frag)
-        frags.append(frag)
-    for m in cutlass.range_constexpr(rounds):
-        item = tidx + T * m
-        row = item // pieces
-        if row < c + 2:
-            staged = cute.make_rmem_tensor((W,), Float32)
-            staged.store(frags[m].load().to(Float32))
-            cute.autovec_copy(staged, chunk_of(sVec, row, item % pieces))
+            append_record(cfg, tidx, c, s, h, k, v, g, beta, ring_k, ring_v, ring_g, ring_beta)
 
 
 def compile_gdn_output(cfg: GDNConfig, keep_ptx: bool = False):
