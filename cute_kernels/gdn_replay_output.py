@@ -2,8 +2,8 @@
 S k and S q, the record's corrected value u and the output y; no state is formed or written.
 
 For every slot `s` with `c = cursors[s] < window - 1` (records 0 .. c-1 in the ring, record c
-the call's inputs; other slots exit at once), per head `h` (one CTA a (slot, head)), in the
-order of operations of `lowprec.gdn._read` (the emulation's `replay_record`):
+the call's inputs; other slots exit at once), per head `h`, in the order of operations of
+`lowprec.gdn._read` (the emulation's `replay_record`):
 
     cum_j   = g_0 + ... + g_j  (sequential fp32, records 0 .. c)
     w_j     = exp(cum_c - cum_j)            G_c = exp(cum_c)
@@ -21,14 +21,37 @@ and a row's sums here have 16 + log2(dk / 16) + c + 3 sequential roundings a ter
 than the d_k + L the emulation's bound (`emulation.gdn_replay_decode`) allows. With lo_format
 'none', the fp32 recurrence copy itself (the single-copy FP32 ReplaySSM baseline).
 
-Thread ownership: the flush kernel's (`gdn_replay_flush`), dv dk / 64 threads, each the
-16-column chunk `t % R` (R = dk / 16) of rows `t // R + (T / R) i`: its chunk of a row is one
-NVFP4 block (8 code bytes, 1 scale byte: one 64-bit and one 8-bit load), or 64 B of fp32.
-All of a thread's state loads, and its rows' ring u and v, are issued before the first use.
-Its rows' two dot products meet in shuffle sums over the row's R lanes, each lane adding the
-ring terms of records `t % R + R m` first (so the ring's u are spread over the row's lanes).
-The per-record dots kk_j, kq_j are warp sums (warp w: records w, w + T/32, ...) staged in
-shared memory.
+Work: one CTA a slot and `heads_per_cta` consecutive heads (grid nheads / heads_per_cta x
+slots; `default_heads_per_cta` picks it from the grid), which it takes in turn; it reads the
+slot's cursor once.
+
+Thread ownership, per head: the flush kernel's (`gdn_replay_flush`), T = dv dk / 64 threads,
+each the 16-column chunk `t % R` (R = dk / 16) of rows `t // R + (T / R) i`: its chunk of a
+row is one NVFP4 block (8 code bytes, 1 scale byte: one 64-bit and one 8-bit shared load), or
+64 B of fp32. Its rows' two dot products meet in shuffle sums over the row's R lanes, each
+lane adding the ring terms of records `t % R + R m` first (so the ring's u are spread over the
+row's lanes). Every warp forms the cumulative decays itself (lane t: w_t; the same sequential
+sums in each warp); the per-record dots kk_j, kq_j are warp sums (warp w: records w, w + T/32,
+..., a lane the dk / 32 columns from lane dk / 32) meet in shared memory.
+
+Where the bytes wait: two shared-memory stages; thread 0 fills a head's stage with the bulk
+copy engine (`cp.async.bulk`, one copy a piece, completing on the stage's mbarrier) while the
+head before it computes: the NVFP4 codes (dv dk / 2 B) and block scales (dv dk / 16 B), the
+ring's records 0 .. c-1 of u (c dv fp32) and k (c dk act), k, q (dk act) and v (dv act), each
+piece laid out as its global rows. Every piece's size and global offset is a multiple of 16
+bytes for each head shape the cache allows (dv a multiple of 16, dk >= 128; `stage_bytes`).
+Head i waits for phase i // 2 (mod 2) of stage i % 2's barrier; after a CTA barrier that ends
+its last read of the stage, head i + 2's copies go into it. The heads' scalars (the ring's g
+row, L * 4 B, not a multiple of 16 for every window; g, beta, the NVFP4 global scale) are
+loaded into shared memory once, with the cursor. The record is appended from the stage (v, k)
+and the scalars as each head starts; u goes to ring_u[c] with y. lo_format 'none': the fp32
+read copy (64 KiB a head at dv = dk = 128: two stages would leave one CTA an SM) goes to
+registers at the head's start, the rest through the stages; the default takes one head a CTA.
+
+Shared memory a CTA (`cta_shared_bytes`), dv = dk = 128, L = 16, bf16 activations: nvfp4 two
+stages of 20,736 B (codes 8,192, scales 1,024, ring u 7,168, ring k 3,584, k, q, v 256 each)
+and 880 B of scalars, dots and barriers at 8 heads a CTA, 42,352 B; 'none' at one head a
+CTA 23,392 B.
 
 Bytes per non-flush (slot, head) (`traffic_bytes`): the read copy (dv dk / 2 codes + dv dk / 16
 scales + 4 global for nvfp4; 4 dv dk for fp32), the ring's c records (u fp32, k in the
@@ -161,7 +184,7 @@ def stage_offsets(cfg: GDNConfig) -> tuple[dict, int]:
 
 def cta_shared_bytes(cfg: GDNConfig, heads_per_cta: int = 1) -> int:
     """Shared memory of one CTA, allocation by allocation as the kernel makes them (each at
-    its alignment): 42,560 B for nvfp4 at dv = dk = 128, L = 16, bf16 activations, 8 heads a
+    its alignment): 42,352 B for nvfp4 at dv = dk = 128, L = 16, bf16 activations, 8 heads a
     CTA."""
     n = heads_per_cta
     pieces = [(STAGES * stage_offsets(cfg)[1], 128),
