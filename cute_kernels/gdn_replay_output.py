@@ -34,19 +34,20 @@ row's lanes). Every warp forms the cumulative decays itself (lane t: w_t; the sa
 sums in each warp); the per-record dots kk_j, kq_j are warp sums (warp w: records w, w + T/32,
 ..., a lane the dk / 32 columns from lane dk / 32) meet in shared memory.
 
-Where the bytes wait: two shared-memory stages; thread 0 fills a head's stage with the bulk
-copy engine (`cp.async.bulk`, one copy a piece, completing on the stage's mbarrier) while the
-head before it computes: the NVFP4 codes (dv dk / 2 B) and block scales (dv dk / 16 B), the
-ring's records 0 .. c-1 of u (c dv fp32) and k (c dk act), k, q (dk act) and v (dv act), each
-piece laid out as its global rows. Every piece's size and global offset is a multiple of 16
-bytes for each head shape the cache allows (dv a multiple of 16, dk >= 128; `stage_bytes`).
-Head i waits for phase i // 2 (mod 2) of stage i % 2's barrier; after a CTA barrier that ends
-its last read of the stage, head i + 2's copies go into it. The heads' scalars (the ring's g
-row, L * 4 B, not a multiple of 16 for every window; g, beta, the NVFP4 global scale) are
-loaded into shared memory once, with the cursor. The record is appended from the stage (v, k)
-and the scalars as each head starts; u goes to ring_u[c] with y. lo_format 'none': the fp32
-read copy (64 KiB a head at dv = dk = 128: two stages would leave one CTA an SM) goes to
-registers at the head's start, the rest through the stages; the default takes one head a CTA.
+Where the bytes wait: two shared-memory stages (one where two do not fit: `stage_count`);
+thread 0 fills a head's stage with the bulk copy engine (`cp.async.bulk`, one copy a piece,
+completing on the stage's mbarrier) while the head before it computes: the NVFP4 codes
+(dv dk / 2 B) and block scales (dv dk / 16 B), the ring's records 0 .. c-1 of u (c dv fp32)
+and k (c dk act), k, q (dk act) and v (dv act), each piece laid out as its global rows.
+Every piece's size and global offset is a multiple of 16 bytes for each head shape the cache
+allows (dv a multiple of 16, dk >= 128; `stage_bytes`). Head i waits for phase i // S (mod 2)
+of stage i % S's barrier (S stages); after a CTA barrier that ends its last read of the
+stage, head i + S's copies go into it. The heads' scalars (the ring's g row, L * 4 B, not a
+multiple of 16 for every window; g, beta, the NVFP4 global scale) are loaded into shared
+memory once, with the cursor. The record is appended from the stage (v, k) and the scalars
+as each head starts; u goes to ring_u[c] with y. lo_format 'none': the fp32 read copy
+(64 KiB a head at dv = dk = 128: two stages would leave one CTA an SM) goes to registers at
+the head's start, the rest through the stages; the default takes one head a CTA.
 
 Shared memory a CTA (`cta_shared_bytes`), dv = dk = 128, L = 16, bf16 activations: nvfp4 two
 stages of 20,736 B (codes 8,192, scales 1,024, ring u 7,168, ring k 3,584, k, q, v 256 each)
@@ -91,6 +92,7 @@ E2M1_AS_E4M3 = 64.0  # the re-packed codes are E2M1 x 2^-6
 MIN_CTAS_PER_SM = 4  # nvfp4: a 64-register cap, four 256-thread CTAs an SM
 MAX_HEADS_PER_CTA = 16
 STAGES = 2  # a head computes while the next one's bytes arrive
+CTA_SHARED_LIMIT = 227 * 1024  # an H100 / H200 CTA's shared memory (opt-in)
 
 
 def e2m1_as_e4m3(word):
@@ -182,19 +184,29 @@ def stage_offsets(cfg: GDNConfig) -> tuple[dict, int]:
     return offsets, -(-end // 128) * 128
 
 
-def cta_shared_bytes(cfg: GDNConfig, heads_per_cta: int = 1) -> int:
+def cta_shared_bytes(cfg: GDNConfig, heads_per_cta: int = 1, stages: int | None = None) -> int:
     """Shared memory of one CTA, allocation by allocation as the kernel makes them (each at
     its alignment): 42,352 B for nvfp4 at dv = dk = 128, L = 16, bf16 activations, 8 heads a
-    CTA."""
+    CTA. `stages` None: the kernel's (`stage_count`)."""
     n = heads_per_cta
-    pieces = [(STAGES * stage_offsets(cfg)[1], 128),
+    stages = stage_count(cfg, n) if stages is None else stages
+    pieces = [(stages * stage_offsets(cfg)[1], 128),
               (4 * 32, 16), (4 * 32, 16),  # kk_j, kq_j
               (4 * n * cfg.window, 16), (4 * 3 * n, 16),  # the heads' scalars
-              (8 * STAGES, 8)]  # the barriers
+              (8 * stages, 8)]  # the barriers
     offset = 0
     for size, align in pieces:
         offset = -(-offset // align) * align + size
     return offset
+
+
+def stage_count(cfg: GDNConfig, heads_per_cta: int = 1) -> int:
+    """STAGES where they fit a CTA's shared memory, else 1 (a head's bytes then go in once
+    the head before it is done): nvfp4 with fp32 activations at dv dk = 65,536 and a window
+    of 31 or 32 (dv = 128, dk = 512; 32 for dv = 512, dk = 128) needs more than 227 KiB for
+    two."""
+    fits = cta_shared_bytes(cfg, heads_per_cta, STAGES) <= CTA_SHARED_LIMIT
+    return STAGES if fits else 1
 
 
 def _row_major(shape):
@@ -314,11 +326,12 @@ class GDNOutput:
         # stage), each piece laid out as its global rows
         smem = SmemAllocator()
         offsets, stride = stage_offsets(cfg)
-        sStages = smem.allocate_tensor(Uint8, cute.make_layout(STAGES * stride), 128)
+        S = stage_count(cfg, n)
+        sStages = smem.allocate_tensor(Uint8, cute.make_layout(S * stride), 128)
 
         def staged(name, dtype, shape):
             ptr = cute.recast_ptr(sStages.iterator + offsets[name], dtype=dtype)
-            per_stage = _row_major((STAGES,) + shape)
+            per_stage = _row_major((S,) + shape)
             layout = cute.make_layout(per_stage.shape,
                                       stride=(stride // (dtype.width // 8),) + per_stage.stride[1:])
             return cute.make_tensor(ptr, layout)
@@ -335,7 +348,7 @@ class GDNOutput:
         # every head's scalars: the ring's g row, the call's g, beta, the global scale
         sRingG = smem.allocate_tensor(Float32, _row_major((n, L)), 16)
         sScalars = smem.allocate_tensor(Float32, _row_major((3, n)), 16)
-        sBar = smem.allocate_tensor(Int64, cute.make_layout(STAGES), 8)
+        sBar = smem.allocate_tensor(Int64, cute.make_layout(S), 8)
         bar = sBar.iterator.toint()
 
         # (offset in a stage, global tensor, bytes a head row in global memory, bytes copied
@@ -352,7 +365,7 @@ class GDNOutput:
         stages = (sStages.iterator.toint(), stride)
 
         if tidx == 0:
-            for b in cutlass.range_constexpr(STAGES):
+            for b in cutlass.range_constexpr(S):
                 ptx.mbar_init(bar + 8 * b)
             ptx.mbar_init_fence()
         h0 = group * n
@@ -362,13 +375,13 @@ class GDNOutput:
         if (c >= 0) & (c < L - 1):
             s64 = Int64(s)
             if tidx == 0:  # the first two heads' bytes
-                for b in cutlass.range_constexpr(min(STAGES, n)):
+                for b in cutlass.range_constexpr(min(S, n)):
                     _issue_head(pieces, stages, bar, b, s64 * H + (h0 + b), c)
             ring_terms = (L - 1 + R - 1) // R  # the ring's u of records col + R m
             held = [col + R * m < c for m in range(ring_terms)]
             for i in cutlass.range(n, unroll=1):
                 h = ptx.opaque_u32(h0 + i)  # no per-address induction variables
-                st = i % STAGES
+                st = i % S
                 word_frags = []
                 if cutlass.const_expr(not nvfp4):
                     hi_h = hi[s, h, None, None]
@@ -376,7 +389,7 @@ class GDNOutput:
                         frag = cute.make_rmem_tensor((W,), Float32)
                         cute.autovec_copy(chunk_of(hi_h, rows[r], col), frag)
                         word_frags.append(frag)
-                ptx.mbar_wait(bar + 8 * st, (i // STAGES) % 2)  # this head's bytes landed
+                ptx.mbar_wait(bar + 8 * st, (i // S) % 2)  # this head's bytes landed
 
                 # lane j < c: the ring's g_j, lane c: the call's g, 0 past it
                 g_c = sScalars[0, i]
@@ -454,10 +467,10 @@ class GDNOutput:
                         ring_u[s, h, c, p] = u
                         out[s, h, p] = (total_q + u * kq_c).to(out.element_type)
 
-                # every read of this stage (and of kk_j, kq_j) is done: head i + 2 goes in
+                # every read of this stage (and of kk_j, kq_j) is done: head i + S goes in
                 cute.arch.sync_threads()
-                if (tidx == 0) & (i + STAGES < n):
-                    _issue_head(pieces, stages, bar, st, s64 * H + (h + STAGES), c)
+                if (tidx == 0) & (i + S < n):
+                    _issue_head(pieces, stages, bar, st, s64 * H + (h + S), c)
 
 
 def _issue_head(pieces, stages, bar, st, sh, c):
