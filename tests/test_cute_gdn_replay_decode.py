@@ -64,20 +64,115 @@ def ptx_counts(ptx: str) -> dict:
 # CPU: compile checks
 
 
-@pytest.mark.parametrize("pairing", PAIRINGS[::2])
-def test_gdn_output_kernel_compiles_for_sm90a_with_one_load_per_block(pairing):
-    """Non-flush kernel at the Qwen3-Next head (256 threads, 4 passes): nvfp4 reads each
-    thread's block as one 64-bit code load and one scale byte (4 of each); the fp32 single
-    copy reads 64 B a pass as four 128-bit loads (16); no state store."""
+BULK_COPY = "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"
+
+
+@pytest.mark.parametrize("pairing, heads_per_cta", [
+    pytest.param(TWO_COPY, 1, id="fp16sr-nvfp4-1head"),
+    pytest.param(TWO_COPY, 4, id="fp16sr-nvfp4-4heads"),
+    pytest.param(TWO_COPY, 16, id="fp16sr-nvfp4-16heads"),
+    pytest.param(("fp32", "rn", "none"), 1, id="fp32-single-copy-1head"),
+])
+def test_gdn_output_kernel_compiles_for_sm90a_with_one_load_per_block(pairing, heads_per_cta):
+    """Non-flush kernel at the Qwen3-Next head (256 threads, 4 passes). Every head's pieces
+    come by the bulk copy engine on an mbarrier: 7 copies (codes, scales, ring u, ring k, k,
+    q, v; 5 without the codes and scales) where the first min(2, heads) heads are issued and
+    in the loop past them. nvfp4 reads each thread's block from shared memory as one 64-bit
+    code load and one scale byte (4 of each), no state from global memory; the fp32 single
+    copy reads 64 B a pass as four 128-bit global loads (16); no state store."""
     cfg = config(QWEN, pairing)
-    ptx = go.compile_gdn_output(cfg, keep_ptx=True).__ptx__
+    ptx = go.compile_gdn_output(cfg, keep_ptx=True, heads_per_cta=heads_per_cta).__ptx__
     n = ptx_counts(ptx)
+    sites = min(2, heads_per_cta) + (1 if heads_per_cta > 2 else 0)
+    pieces = 7 if pairing[2] == "nvfp4" else 5
+    assert ptx.count(BULK_COPY) == pieces * sites, ptx.count(BULK_COPY)
+    assert ptx.count("mbarrier.init.shared::cta.b64") == 2
+    assert ptx.count("mbarrier.try_wait.parity") == 1, "one wait a head, in the loop"
     if pairing[2] == "nvfp4":
-        assert n.get("ld.global.v2.b32", 0) >= cfg.passes, n
-        assert n.get("ld.global.b8", 0) == cfg.passes, n
+        assert n.get("ld.shared.v2.b32", 0) >= cfg.passes, n
+        assert n.get("ld.shared.b8", 0) == cfg.passes, n
+        assert n.get("ld.global.v2.b32", 0) == 0 and n.get("ld.global.v4.b32", 0) == 0, n
     else:
         assert n.get("ld.global.v4.b32", 0) >= 4 * cfg.passes, n
     assert n.get("st.global.v4.b32", 0) == 0, "the non-flush kernel stores no state"
+
+
+def test_gdn_output_takes_one_stage_where_two_do_not_fit():
+    """nvfp4 with fp32 activations at dv 128, dk 512, L = 32: two stages of 118,144 B would
+    pass an H100's 227 KiB a CTA; one stage, one barrier, the head's bytes copied after the
+    head before it (one issue site in the loop)."""
+    cfg = config(dict(nheads=8, dv=128, dk=512), TWO_COPY, window=32, act="fp32")
+    assert go.stage_count(cfg, 4) == 1 and go.cta_shared_bytes(cfg, 4, 2) > 227 * 1024
+    assert go.cta_shared_bytes(cfg, 4) <= go.CTA_SHARED_LIMIT
+    ptx = go.compile_gdn_output(cfg, keep_ptx=True, heads_per_cta=4).__ptx__
+    assert ptx.count("mbarrier.init.shared::cta.b64") == 1
+    assert ptx.count(BULK_COPY) == 7 * 2
+
+
+def test_gdn_stage_pieces_are_bulk_copies_for_every_allowed_head():
+    """Every piece of a stage (and so every head row's global offset of it) is a multiple of
+    16 bytes, and a CTA's shared memory fits 227 KiB, for every head shape the cache takes
+    (dv a multiple of 16, dk 128, 256, 512, dv dk <= 65,536), activation and window; at the
+    Qwen3-Next head, bf16, L = 16: a stage of 20,736 B."""
+    for dk in (128, 256, 512):
+        for dv in range(16, 65536 // dk + 1, 16):
+            for act in ("bf16", "fp32"):
+                for window in (1, 2, 5, 16, 31, 32):
+                    for pairing in (TWO_COPY, ("fp32", "rn", "none")):
+                        cfg = config(dict(nheads=16, dv=dv, dk=dk), pairing, window, act)
+                        pieces = go.stage_bytes(cfg)
+                        assert all(b % 16 == 0 and b > 0 for b in pieces.values()), pieces
+                        assert go.cta_shared_bytes(cfg, 16) <= go.CTA_SHARED_LIMIT, cfg
+    offsets, stride = go.stage_offsets(config(QWEN, TWO_COPY, act="bf16"))
+    assert stride == 20736 and offsets["scales"] == 8192 and offsets["v"] == 20480
+
+
+@pytest.mark.parametrize("lo, nheads, batch, sm_count, expected", [
+    ("nvfp4", 32, 256, 132, 8),  # 1,024 CTAs: 1.9 waves of 528; 16 heads would leave 512
+    ("nvfp4", 32, 1024, 132, 16),  # at most 16 heads a CTA
+    ("nvfp4", 32, 16, 132, 1),  # 512 CTAs at one head: less than a wave already
+    ("nvfp4", 32, 33, 132, 2),  # 528 CTAs: exactly a wave
+    ("nvfp4", 48, 50, 132, 4),  # 600 CTAs; 6 heads would leave 400
+    ("nvfp4", 3, 10000, 132, 3),  # a divisor of nheads
+    ("nvfp4", 7, 100000, 132, 7),
+    ("nvfp4", 32, 256, 16, 16),  # a small GPU: 64 resident CTAs
+    ("none", 32, 4096, 132, 1),  # the single copy: one head a CTA
+])
+def test_default_heads_per_cta_keeps_a_full_wave(lo, nheads, batch, sm_count, expected):
+    """The most heads a CTA (a divisor of nheads, <= 16) leaving batch nheads / n >= 4 CTAs
+    on every SM; and the next divisor up would not."""
+    n = go.default_heads_per_cta(lo, nheads, batch, sm_count)
+    assert n == expected
+    assert nheads % n == 0 and 1 <= n <= go.MAX_HEADS_PER_CTA
+    if lo == "nvfp4" and n > 1:
+        assert batch * nheads // n >= go.MIN_CTAS_PER_SM * sm_count
+    bigger = [d for d in range(n + 1, go.MAX_HEADS_PER_CTA + 1) if nheads % d == 0]
+    if lo == "nvfp4" and bigger:
+        assert batch * nheads // bigger[0] < go.MIN_CTAS_PER_SM * sm_count
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(lo_format="nvfp4", nheads=0, batch=1), "nheads: expected an int >= 1, got 0"),
+    (dict(lo_format="nvfp4", nheads=4, batch=-1), "batch: expected an int >= 0, got -1"),
+    (dict(lo_format="nvfp4", nheads=4, batch=2, sm_count=2.0), "sm_count: expected an int"),
+])
+def test_default_heads_per_cta_refuses_bad_arguments_by_name(kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        go.default_heads_per_cta(**kwargs)
+
+
+@pytest.mark.parametrize("heads_per_cta, message", [
+    (2, "heads_per_cta: expected a divisor of nheads = 3 in [1, 16], got 2"),
+    (0, "heads_per_cta: expected a divisor of nheads = 3 in [1, 16], got 0"),
+    (True, "heads_per_cta: expected a divisor of nheads = 3 in [1, 16], got True"),
+])
+def test_gdn_heads_per_cta_is_checked_before_any_launch(heads_per_cta, message):
+    """A value the kernel cannot take is refused by name, before the CPU device check."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        gd.gdn_replay_decode(cpu_cache(), **cpu_token(), heads_per_cta=heads_per_cta)
+    with pytest.raises(ValueError, match=re.escape("heads_per_cta: expected a divisor of "
+                                                   "nheads = 32 in [1, 16], got 32")):
+        go.GDNOutputConfig(config(QWEN, TWO_COPY), 32)
 
 
 @pytest.mark.parametrize("pairing", PAIRINGS[::2])
