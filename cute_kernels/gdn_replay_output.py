@@ -380,7 +380,7 @@ class GDNOutput:
             ring_terms = (L - 1 + R - 1) // R  # the ring's u of records col + R m
             held = [col + R * m < c for m in range(ring_terms)]
             for i in cutlass.range(n, unroll=1):
-                h = ptx.opaque_u32(h0 + i)  # no per-address induction variables
+                h = ptx.opaque_i32(h0 + i)  # no per-address induction variables
                 st = i % S
                 word_frags = []
                 if cutlass.const_expr(not nvfp4):

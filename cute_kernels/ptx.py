@@ -19,6 +19,8 @@ traces into the calling kernel:
     sts_zero16_if               16 zero bytes to shared memory where a flag is set
     e4m3x2_to_f16x2, f16x2_to_f32x2
                                 exact hardware conversions of packed pairs
+    opaque_i32                  a value the compiler cannot see through (no induction
+                                variables derived from it)
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ __all__ = [
     "inline_ptx", "reg", "unpack_struct", "ld_words", "ld_words_if", "load_words", "ld_u16",
     "st_words", "store_words", "cp_async_16_zfill", "cp_async_commit", "cp_async_wait",
     "mbar_init", "mbar_init_fence", "mbar_expect", "mbar_wait", "bulk_copy", "lds_v4",
-    "lds_words", "lds_u16", "sts_zero16_if", "e4m3x2_to_f16x2", "f16x2_to_f32x2",
+    "lds_words", "lds_u16", "sts_zero16_if", "e4m3x2_to_f16x2", "f16x2_to_f32x2", "opaque_i32",
 ]
 
 
@@ -298,8 +300,9 @@ def f16x2_to_f32x2(x, *, loc=None, ip=None) -> list:
 
 
 @dsl_user_op
-def opaque_u32(x, *, loc=None, ip=None) -> Int32:
-    """``x`` through a register move the compiler cannot see through: values derived from it
-    are recomputed where used instead of carried as induction variables across a loop."""
+def opaque_i32(x, *, loc=None, ip=None) -> Int32:
+    """``x`` through a register move the compiler cannot see through: addresses derived from
+    it are computed where used instead of carried across a loop as induction variables (one
+    register each)."""
     return Int32(inline_ptx(T.i32(), [Int32(x).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;",
                             "=r,r", loc=loc, ip=ip))

@@ -151,30 +151,6 @@ def test_default_heads_per_cta_keeps_a_full_wave(lo, nheads, batch, sm_count, ex
         assert batch * nheads // bigger[0] < go.MIN_CTAS_PER_SM * sm_count
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(lo_format="nvfp4", nheads=0, batch=1), "nheads: expected an int >= 1, got 0"),
-    (dict(lo_format="nvfp4", nheads=4, batch=-1), "batch: expected an int >= 0, got -1"),
-    (dict(lo_format="nvfp4", nheads=4, batch=2, sm_count=2.0), "sm_count: expected an int"),
-])
-def test_default_heads_per_cta_refuses_bad_arguments_by_name(kwargs, message):
-    with pytest.raises(ValueError, match=re.escape(message)):
-        go.default_heads_per_cta(**kwargs)
-
-
-@pytest.mark.parametrize("heads_per_cta, message", [
-    (2, "heads_per_cta: expected a divisor of nheads = 3 in [1, 16], got 2"),
-    (0, "heads_per_cta: expected a divisor of nheads = 3 in [1, 16], got 0"),
-    (True, "heads_per_cta: expected a divisor of nheads = 3 in [1, 16], got True"),
-])
-def test_gdn_heads_per_cta_is_checked_before_any_launch(heads_per_cta, message):
-    """A value the kernel cannot take is refused by name, before the CPU device check."""
-    with pytest.raises(ValueError, match=re.escape(message)):
-        gd.gdn_replay_decode(cpu_cache(), **cpu_token(), heads_per_cta=heads_per_cta)
-    with pytest.raises(ValueError, match=re.escape("heads_per_cta: expected a divisor of "
-                                                   "nheads = 32 in [1, 16], got 32")):
-        go.GDNOutputConfig(config(QWEN, TWO_COPY), 32)
-
-
 @pytest.mark.parametrize("pairing", PAIRINGS[::2])
 def test_gdn_flush_kernel_compiles_for_sm90a_with_128_bit_state_accesses(pairing):
     """Flush kernel at the Qwen3-Next head: hi read and written as 128-bit accesses (fp16: 2
@@ -333,6 +309,30 @@ def test_gdn_inputs_and_outputs_sharing_cache_memory_are_refused():
         gd.gdn_replay_decode(cache, **token, out=token["v"])
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(lo_format="nvfp4", nheads=0, batch=1), "nheads: expected an int >= 1, got 0"),
+    (dict(lo_format="nvfp4", nheads=4, batch=-1), "batch: expected an int >= 0, got -1"),
+    (dict(lo_format="nvfp4", nheads=4, batch=2, sm_count=2.0), "sm_count: expected an int"),
+])
+def test_default_heads_per_cta_refuses_bad_arguments_by_name(kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        go.default_heads_per_cta(**kwargs)
+
+
+@pytest.mark.parametrize("heads_per_cta, message", [
+    (2, "heads_per_cta: expected a divisor of nheads = 3 in [1, 16], got 2"),
+    (0, "heads_per_cta: expected a divisor of nheads = 3 in [1, 16], got 0"),
+    (True, "heads_per_cta: expected a divisor of nheads = 3 in [1, 16], got True"),
+])
+def test_gdn_heads_per_cta_is_checked_before_any_launch(heads_per_cta, message):
+    """A value the kernel cannot take is refused by name, before the CPU device check."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        gd.gdn_replay_decode(cpu_cache(), **cpu_token(), heads_per_cta=heads_per_cta)
+    with pytest.raises(ValueError, match=re.escape("heads_per_cta: expected a divisor of "
+                                                   "nheads = 32 in [1, 16], got 32")):
+        go.GDNOutputConfig(config(QWEN, TWO_COPY), 32)
+
+
 @pytest.mark.parametrize("fn", [gd.gdn_replay_decode, gd.gdn_replay_output,
                                 gd.gdn_replay_flush])
 def test_gdn_cpu_tensors_pass_every_check_but_the_device_one(fn):
@@ -361,9 +361,10 @@ class CuteStep:
     """Runs the CuTe step on a packed GPU cache and mirrors the result into an
     emulation-shaped CPU twin, so `gdn_emulation_cases.run_and_check_step` checks it."""
 
-    def __init__(self, twin, pairing, act, half=None):
+    def __init__(self, twin, pairing, act, half=None, heads_per_cta=None):
         self.pairing = pairing
         self.half = half  # None: gdn_replay_decode; 'output' or 'flush': that half alone
+        self.heads_per_cta = heads_per_cta  # the non-flush kernel's (None: its default)
         hi, rounding, lo = pairing
         slots, nheads, dv, dk, window = twin.shape
         self.cache = gc.GDNReplayCache.empty(slots, nheads, dv, dk, window=window,
@@ -411,12 +412,13 @@ class CuteStep:
         debug = torch.full(debug_state.shape, math.nan, dtype=torch.float32, device=DEVICE)
         self.before_lo = None if self.cache.lo is None else self.cache.lo.clone()
         if self.half == "output":
-            gd.gdn_replay_output(self.cache, **dev, out=y, check_counters=True)
+            gd.gdn_replay_output(self.cache, **dev, out=y, check_counters=True,
+                                 heads_per_cta=self.heads_per_cta)
         elif self.half == "flush":
             gd.gdn_replay_flush(self.cache, **dev, out=y, debug_state=debug, check_counters=True)
         else:
             gd.gdn_replay_decode(self.cache, **dev, out=y, debug_state=debug,
-                                 check_counters=True)
+                                 check_counters=True, heads_per_cta=self.heads_per_cta)
         out.copy_(y.float().cpu())
         debug_state.copy_(debug.cpu())
         self.debug = debug
@@ -475,10 +477,12 @@ def emulation_quantiser_gives_the_same_bytes(step, is_flush):
     assert torch.equal(packed["scales"], c.lo_scales[fl].cpu()), "emulation scales differ"
 
 
-def run_windows(pairing, shape, window, slots, tokens, seed, act=torch.float32):
+def run_windows(pairing, shape, window, slots, tokens, seed, act=torch.float32,
+                heads_per_cta=None):
     """`tokens` CuTe decode steps from slots at random ring positions (flush counters far
     apart), every one checked against lowprec on the cache it started from; returns the
-    flushes done, the flushes expected and the worst error / bound."""
+    flushes done, the flushes expected and the worst error / bound. `heads_per_cta`: the
+    non-flush kernel's (None: its default)."""
     from gdn_emulation_cases import filled_cache, make_token, run_and_check_step
 
     gen = torch.Generator().manual_seed(seed)
@@ -488,7 +492,7 @@ def run_windows(pairing, shape, window, slots, tokens, seed, act=torch.float32):
     twin = filled_cache(gen, slots, shape["nheads"], shape["dv"], shape["dk"], (hi, rounding),
                         "fp32" if lo == "none" else lo, False, cursors=cursors,
                         flushes=flushes, window=window, act_dtype=act)
-    step = CuteStep(twin, pairing, act)
+    step = CuteStep(twin, pairing, act, heads_per_cta=heads_per_cta)
     worst = 0.0
     for _ in range(tokens):
         before = step.cache.cursors.cpu().clone()
@@ -541,6 +545,54 @@ def test_gdn_decode_at_the_qwen3_next_head():
     done, expected, worst = run_windows(TWO_COPY, QWEN, 16, 3, 18, seed=11)
     assert done == expected and min(done) >= 1
     assert worst <= 1.0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pairing, heads_per_cta", [
+    pytest.param(TWO_COPY, 1, id="fp16sr-nvfp4-1head"),
+    pytest.param(TWO_COPY, 2, id="fp16sr-nvfp4-2heads"),
+    pytest.param(TWO_COPY, 8, id="fp16sr-nvfp4-8heads"),
+    pytest.param(("fp32", "rn", "none"), 2, id="fp32-single-copy-2heads"),
+])
+def test_gdn_decode_with_several_heads_a_cta_matches_lowprec(pairing, heads_per_cta):
+    """8 heads of dv 48 (96 threads), L = 8, 19 tokens, 5 slots at random ring positions,
+    the non-flush kernel taking 1, 2 or 8 heads a CTA (8: each of the two stages refilled 3
+    times, its barrier's phases 0 1 0 1): every step within the emulation's bounds of
+    lowprec on the same cache, the stored copies lowprec's bit for bit."""
+    shape = dict(nheads=8, dv=48, dk=128)
+    done, expected, worst = run_windows(pairing, shape, 8, 5, 19, seed=17,
+                                        heads_per_cta=heads_per_cta)
+    assert done == expected and min(done) >= 2
+    assert worst <= 1.0
+
+
+@pytest.mark.gpu
+def test_gdn_heads_per_cta_leaves_every_bit_as_one_head_a_cta():
+    """Each head's arithmetic is the same whichever CTA takes it: bf16 activations, 16 heads
+    of dv 32, dk 256 (16 lanes a row), L = 6 (a ring g row of 24 B), 4 slots, 8 tokens; at
+    2, 4, 8 and 16 heads a CTA, y, the ring, both copies and the counters equal one head a
+    CTA's bit for bit after every step."""
+    from gdn_emulation_cases import filled_cache, make_token
+
+    gen = torch.Generator().manual_seed(23)
+    nheads, dv, dk, window, slots = 16, 32, 256, 6, 4
+    twin = filled_cache(gen, slots, nheads, dv, dk, ("fp16", "sr"), "nvfp4", False,
+                        cursors=[0, 2, 4, 5], flushes=[3, 1, 4, 1], window=window,
+                        act_dtype=torch.bfloat16)
+    one = CuteStep(twin, TWO_COPY, torch.bfloat16).cache
+    caches = {n: clone_cache(one) for n in (2, 4, 8, 16)}
+    for _ in range(8):
+        token = {n: t.to(DEVICE) for n, t in make_token(gen, slots, nheads, dv, dk, False,
+                                                         act_dtype=torch.bfloat16).items()}
+        y_one = gd.gdn_replay_decode(one, **token, heads_per_cta=1)
+        for n, cache in caches.items():
+            y = gd.gdn_replay_decode(cache, **token, heads_per_cta=n)
+            assert torch.equal(y.view(torch.int16), y_one.view(torch.int16)), n
+            for name in ("hi", "lo", "lo_scales", "lo_global", "ring_u", "ring_v", "ring_k",
+                         "ring_g", "ring_beta", "cursors", "flushes"):
+                a, b = getattr(cache, name), getattr(one, name)
+                assert torch.equal(a.nan_to_num(7.0) if a.is_floating_point() else a,
+                                   b.nan_to_num(7.0) if b.is_floating_point() else b), (n, name)
 
 
 @pytest.mark.gpu
