@@ -105,12 +105,14 @@ def launch_advance(cache, nonflush: bool, flush: bool) -> None:
 # public functions
 
 
-def _prepare(cache, q, k, v, g, beta, out, debug_state, check_counters):
+def _prepare(cache, q, k, v, g, beta, out, debug_state, check_counters, heads_per_cta=None):
     """Every check of a step, before any launch; returns (config, out, view)."""
     view = gc.check_gdn_cache(cache)
     act = gc.check_gdn_step(view, q, k, v, g, beta, out=out, debug_state=debug_state)
     check_switch("check_counters", check_counters)
     cfg = gf.config_of(cache, view, act, has_debug=debug_state is not None)
+    if heads_per_cta is not None:
+        go.GDNOutputConfig(cfg, heads_per_cta)  # raises for a value the kernel cannot take
     if check_counters:
         check_counter_values(cache.cursors, cache.flushes, cache.window)
     if view.device.type != "cuda":
@@ -124,7 +126,8 @@ def _prepare(cache, q, k, v, g, beta, out, debug_state, check_counters):
 def gdn_replay_decode(cache: gc.GDNReplayCache, q: torch.Tensor, k: torch.Tensor,
                       v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *,
                       out: torch.Tensor | None = None, debug_state: torch.Tensor | None = None,
-                      check_counters: bool = False) -> torch.Tensor:
+                      check_counters: bool = False,
+                      heads_per_cta: int | None = None) -> torch.Tensor:
     """Advance every slot of a GDN ``cache`` by one token (module docstring); returns y
     [slots, nheads, dv] in v's dtype.
 
@@ -135,12 +138,15 @@ def gdn_replay_decode(cache: gc.GDNReplayCache, q: torch.Tensor, k: torch.Tensor
     cursors lie in [0, window - 1] and the flush counters in [0, 2^20 - 1); without it a
     cursor out of range leaves its slot's state, ring and output row untouched. No input,
     ``out`` or ``debug_state`` may share memory with the cache or each other's outputs.
-    Launches on the current stream.
+    ``heads_per_cta``: heads each CTA of the non-flush kernel takes in turn (a divisor of
+    nheads in [1, 16]; None: `gdn_replay_output.default_heads_per_cta`). Launches on the
+    current stream.
     """
-    cfg, out, view = _prepare(cache, q, k, v, g, beta, out, debug_state, check_counters)
+    cfg, out, view = _prepare(cache, q, k, v, g, beta, out, debug_state, check_counters,
+                              heads_per_cta)
     if view.slots == 0:
         return out
-    go.launch_gdn_output(cfg, cache, q, k, v, g, beta, out)
+    go.launch_gdn_output(cfg, cache, q, k, v, g, beta, out, heads_per_cta)
     gf.launch_gdn_flush(cfg, cache, cache.cursors, q, k, v, g, beta, out, debug_state)
     launch_advance(cache, nonflush=True, flush=True)
     return out
@@ -149,14 +155,16 @@ def gdn_replay_decode(cache: gc.GDNReplayCache, q: torch.Tensor, k: torch.Tensor
 def gdn_replay_output(cache: gc.GDNReplayCache, q: torch.Tensor, k: torch.Tensor,
                       v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *,
                       out: torch.Tensor | None = None,
-                      check_counters: bool = False) -> torch.Tensor:
+                      check_counters: bool = False,
+                      heads_per_cta: int | None = None) -> torch.Tensor:
     """The non-flush half of `gdn_replay_decode`: slots with ``cursors[s] < window - 1`` get
     their output, their record and cursor + 1; flush slots (and their rows of ``out``) are
     left alone. Arguments as `gdn_replay_decode`."""
-    cfg, out, view = _prepare(cache, q, k, v, g, beta, out, None, check_counters)
+    cfg, out, view = _prepare(cache, q, k, v, g, beta, out, None, check_counters,
+                              heads_per_cta)
     if view.slots == 0:
         return out
-    go.launch_gdn_output(cfg, cache, q, k, v, g, beta, out)
+    go.launch_gdn_output(cfg, cache, q, k, v, g, beta, out, heads_per_cta)
     launch_advance(cache, nonflush=True, flush=False)
     return out
 

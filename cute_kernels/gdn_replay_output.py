@@ -2,8 +2,8 @@
 S k and S q, the record's corrected value u and the output y; no state is formed or written.
 
 For every slot `s` with `c = cursors[s] < window - 1` (records 0 .. c-1 in the ring, record c
-the call's inputs; other slots exit at once), per head `h` (one CTA a (slot, head)), in the
-order of operations of `lowprec.gdn._read` (the emulation's `replay_record`):
+the call's inputs; other slots exit at once), per head `h`, in the order of operations of
+`lowprec.gdn._read` (the emulation's `replay_record`):
 
     cum_j   = g_0 + ... + g_j  (sequential fp32, records 0 .. c)
     w_j     = exp(cum_c - cum_j)            G_c = exp(cum_c)
@@ -21,14 +21,38 @@ and a row's sums here have 16 + log2(dk / 16) + c + 3 sequential roundings a ter
 than the d_k + L the emulation's bound (`emulation.gdn_replay_decode`) allows. With lo_format
 'none', the fp32 recurrence copy itself (the single-copy FP32 ReplaySSM baseline).
 
-Thread ownership: the flush kernel's (`gdn_replay_flush`), dv dk / 64 threads, each the
-16-column chunk `t % R` (R = dk / 16) of rows `t // R + (T / R) i`: its chunk of a row is one
-NVFP4 block (8 code bytes, 1 scale byte: one 64-bit and one 8-bit load), or 64 B of fp32.
-All of a thread's state loads, and its rows' ring u and v, are issued before the first use.
-Its rows' two dot products meet in shuffle sums over the row's R lanes, each lane adding the
-ring terms of records `t % R + R m` first (so the ring's u are spread over the row's lanes).
-The per-record dots kk_j, kq_j are warp sums (warp w: records w, w + T/32, ...) staged in
-shared memory.
+Work: one CTA a slot and `heads_per_cta` consecutive heads (grid nheads / heads_per_cta x
+slots; `default_heads_per_cta` picks it from the grid), which it takes in turn; it reads the
+slot's cursor once.
+
+Thread ownership, per head: the flush kernel's (`gdn_replay_flush`), T = dv dk / 64 threads,
+each the 16-column chunk `t % R` (R = dk / 16) of rows `t // R + (T / R) i`: its chunk of a
+row is one NVFP4 block (8 code bytes, 1 scale byte: one 64-bit and one 8-bit shared load), or
+64 B of fp32. Its rows' two dot products meet in shuffle sums over the row's R lanes, each
+lane adding the ring terms of records `t % R + R m` first (so the ring's u are spread over the
+row's lanes). Every warp forms the cumulative decays itself (lane t: w_t; the same sequential
+sums in each warp); the per-record dots kk_j, kq_j are warp sums (warp w: records w, w + T/32,
+..., a lane the dk / 32 columns from lane dk / 32) meet in shared memory.
+
+Where the bytes wait: two shared-memory stages (one where two do not fit: `stage_count`);
+thread 0 fills a head's stage with the bulk copy engine (`cp.async.bulk`, one copy a piece,
+completing on the stage's mbarrier) while the head before it computes: the NVFP4 codes
+(dv dk / 2 B) and block scales (dv dk / 16 B), the ring's records 0 .. c-1 of u (c dv fp32)
+and k (c dk act), k, q (dk act) and v (dv act), each piece laid out as its global rows.
+Every piece's size and global offset is a multiple of 16 bytes for each head shape the cache
+allows (dv a multiple of 16, dk >= 128; `stage_bytes`). Head i waits for phase i // S (mod 2)
+of stage i % S's barrier (S stages); after a CTA barrier that ends its last read of the
+stage, head i + S's copies go into it. The heads' scalars (the ring's g row, L * 4 B, not a
+multiple of 16 for every window; g, beta, the NVFP4 global scale) are loaded into shared
+memory once, with the cursor. The record is appended from the stage (v, k) and the scalars
+as each head starts; u goes to ring_u[c] with y. lo_format 'none': the fp32 read copy
+(64 KiB a head at dv = dk = 128: two stages would leave one CTA an SM) goes to registers at
+the head's start, the rest through the stages; the default takes one head a CTA.
+
+Shared memory a CTA (`cta_shared_bytes`), dv = dk = 128, L = 16, bf16 activations: nvfp4 two
+stages of 20,736 B (codes 8,192, scales 1,024, ring u 7,168, ring k 3,584, k, q, v 256 each)
+and 880 B of scalars, dots and barriers at 8 heads a CTA, 42,352 B; 'none' at one head a
+CTA 23,392 B.
 
 Bytes per non-flush (slot, head) (`traffic_bytes`): the read copy (dv dk / 2 codes + dv dk / 16
 scales + 4 global for nvfp4; 4 dv dk for fp32), the ring's c records (u fp32, k in the
@@ -38,30 +62,37 @@ activation dtype, g), q, k, v, g, beta read, y written, the record appended (u, 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 import cutlass  # noqa: I001
 import cutlass.cute as cute
 import numpy as np
-from cutlass import Float32, Int32, Uint32
+import torch
+from cutlass import Float32, Int32, Int64, Uint8, Uint32
 from cutlass.memory import SmemAllocator
 
 from cute_kernels import _compile, ptx
 from cute_kernels import numerics as nm
+from cute_kernels.cache import fail
 from cute_kernels.gdn_replay_flush import (
     ACT_BYTES,
     CUTE_DTYPES,
     GDNConfig,
     W,
     add,
-    append_record,
     chunk_of,
     load_vector_chunk,
     optional_ptr,
 )
 
-__all__ = ["compile_gdn_output", "launch_gdn_output", "traffic_bytes"]
+__all__ = ["GDNOutputConfig", "compile_gdn_output", "launch_gdn_output", "default_heads_per_cta",
+           "stage_bytes", "cta_shared_bytes", "traffic_bytes"]
 
 E2M1_AS_E4M3 = 64.0  # the re-packed codes are E2M1 x 2^-6
+MIN_CTAS_PER_SM = 4  # nvfp4: a 64-register cap, four 256-thread CTAs an SM
+MAX_HEADS_PER_CTA = 16
+STAGES = 2  # a head computes while the next one's bytes arrive
+CTA_SHARED_LIMIT = 227 * 1024  # an H100 / H200 CTA's shared memory (opt-in)
 
 
 def e2m1_as_e4m3(word):
@@ -93,9 +124,112 @@ def _block_scale(scale_byte, global_scale):
     return (nm.e4m3_value(Uint32(scale_byte)) * Float32(E2M1_AS_E4M3)) * global_scale
 
 
+@dataclass(frozen=True)
+class GDNOutputConfig:
+    """Static parameters of the non-flush kernel (its compile-cache key): the step's
+    `GDNConfig` and the heads each CTA takes in turn."""
+
+    gdn: GDNConfig
+    heads_per_cta: int = 1
+
+    def __post_init__(self):
+        H, n = self.gdn.nheads, self.heads_per_cta
+        if (not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_HEADS_PER_CTA
+                or H % n):
+            fail("heads_per_cta", f"a divisor of nheads = {H} in [1, {MAX_HEADS_PER_CTA}]",
+                 repr(n))
+
+
+def default_heads_per_cta(lo_format: str, nheads: int, batch: int,
+                          sm_count: int = _compile.H200_SM_COUNT) -> int:
+    """The most heads a CTA (a divisor of `nheads`, at most MAX_HEADS_PER_CTA) that still
+    leaves a full wave of MIN_CTAS_PER_SM CTAs on each of `sm_count` SMs: fewer CTAs than
+    that leave SMs idle, more heads a CTA spread its cursor read and barrier set-up. Batch
+    256 of 32 heads on 132 SMs: 8 (1,024 CTAs, 1.9 waves); batch 1: 1. lo_format 'none':
+    1 (its read copy goes to registers, with no head ahead in flight)."""
+    for name, value, low in (("nheads", nheads, 1), ("batch", batch, 0),
+                             ("sm_count", sm_count, 1)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            fail(name, f"an int >= {low}", repr(value))
+    if lo_format != "nvfp4":
+        return 1
+    resident = sm_count * MIN_CTAS_PER_SM
+    fits = [n for n in range(1, min(MAX_HEADS_PER_CTA, nheads) + 1)
+            if nheads % n == 0 and batch * (nheads // n) >= resident]
+    return max(fits, default=1)
+
+
+def ring_rows(cfg: GDNConfig) -> int:
+    """Ring records a stage holds: a non-flush step has c <= window - 2 of them."""
+    return max(cfg.window - 2, 1)
+
+
+def stage_bytes(cfg: GDNConfig) -> dict:
+    """Bytes of each piece of a stage (the most one head copies into it), in their order in
+    the stage; each a multiple of 16, as are the pieces' global offsets (a head row's bytes),
+    for every head shape the cache allows (dv a multiple of 16, dk >= 128): the bulk copy
+    engine's sizes and addresses."""
+    a, P, N, rows = ACT_BYTES[cfg.act], cfg.dv, cfg.dk, ring_rows(cfg)
+    pieces = {"codes": P * N // 2, "scales": P * N // W} if cfg.lo_format == "nvfp4" else {}
+    pieces.update(ring_u=rows * P * 4, ring_k=rows * N * a, k=N * a, q=N * a, v=P * a)
+    return pieces
+
+
+def stage_offsets(cfg: GDNConfig) -> tuple[dict, int]:
+    """(each piece's byte offset in a stage, the stride between stages: 128-byte aligned)."""
+    offsets, end = {}, 0
+    for name, size in stage_bytes(cfg).items():
+        offsets[name] = end
+        end += size
+    return offsets, -(-end // 128) * 128
+
+
+def cta_shared_bytes(cfg: GDNConfig, heads_per_cta: int = 1, stages: int | None = None) -> int:
+    """Shared memory of one CTA, allocation by allocation as the kernel makes them (each at
+    its alignment): 42,352 B for nvfp4 at dv = dk = 128, L = 16, bf16 activations, 8 heads a
+    CTA. `stages` None: the kernel's (`stage_count`)."""
+    n = heads_per_cta
+    stages = stage_count(cfg, n) if stages is None else stages
+    pieces = [(stages * stage_offsets(cfg)[1], 128),
+              (4 * 32, 16), (4 * 32, 16),  # kk_j, kq_j
+              (4 * n * cfg.window, 16), (4 * 3 * n, 16),  # the heads' scalars
+              (8 * stages, 8)]  # the barriers
+    offset = 0
+    for size, align in pieces:
+        offset = -(-offset // align) * align + size
+    return offset
+
+
+def stage_count(cfg: GDNConfig, heads_per_cta: int = 1) -> int:
+    """STAGES where they fit a CTA's shared memory, else 1 (a head's bytes then go in once
+    the head before it is done): nvfp4 with fp32 activations at dv dk = 65,536 and a window
+    of 31 or 32 (dv = 128, dk = 512; 32 for dv = 512, dk = 128) needs more than 227 KiB for
+    two."""
+    fits = cta_shared_bytes(cfg, heads_per_cta, STAGES) <= CTA_SHARED_LIMIT
+    return STAGES if fits else 1
+
+
+def _row_major(shape):
+    strides, step = [], 1
+    for extent in reversed(shape):
+        strides.insert(0, step)
+        step *= extent
+    return cute.make_layout(shape, stride=tuple(strides))
+
+
+def _lane_values(vec1d, lane, E: int):
+    """Elements lane E .. lane E + E - 1 of a 1-d tensor as an fp32 register fragment."""
+    frag = cute.make_rmem_tensor((E,), vec1d.element_type)
+    cute.autovec_copy(cute.local_tile(vec1d, (E,), (lane,)), frag)
+    values = cute.make_rmem_tensor((E,), Float32)
+    values.store(frag.load().to(Float32))
+    return values
+
+
 class GDNOutput:
-    def __init__(self, config: GDNConfig):
-        self.cfg = config
+    def __init__(self, config: GDNOutputConfig):
+        self.ocfg = config
+        self.cfg = config.gdn
 
     @cute.jit
     def __call__(
@@ -134,9 +268,9 @@ class GDNOutput:
         ring_v = cute.make_tensor(p_ring_v, value_ring)
         ring_k = cute.make_tensor(p_ring_k, cute.make_layout(
             (batch, H, L, N), stride=(H * L * N, L * N, N, 1)))
-        ring_rows = cute.make_layout((batch, H, L), stride=(H * L, L, 1))
-        ring_g = cute.make_tensor(p_ring_g, ring_rows)
-        ring_beta = cute.make_tensor(p_ring_beta, ring_rows)
+        ring_rows_ = cute.make_layout((batch, H, L), stride=(H * L, L, 1))
+        ring_g = cute.make_tensor(p_ring_g, ring_rows_)
+        ring_beta = cute.make_tensor(p_ring_beta, ring_rows_)
         cursors = cute.make_tensor(p_cursors, cute.make_layout(batch))
         keys_rows = cute.make_layout((batch, H, N), stride=(H * N, N, 1))
         q = cute.make_tensor(p_q, keys_rows)
@@ -148,7 +282,10 @@ class GDNOutput:
         beta = cute.make_tensor(p_beta, per_head)
         self.kernel(hi, codes, scales, lo_global, ring_u, ring_v, ring_k, ring_g, ring_beta,
                     cursors, q, k, v, g, beta, out).launch(
-            grid=[H, batch, 1], block=[cfg.threads, 1, 1], stream=stream)
+            grid=[H // self.ocfg.heads_per_cta, batch, 1], block=[cfg.threads, 1, 1],
+            stream=stream,
+            min_blocks_per_mp=MIN_CTAS_PER_SM if cfg.lo_format == "nvfp4" else 0,
+            preferred_smem_carveout=-1)  # the driver's choice, named: compiles without a GPU
 
     @cute.kernel
     def kernel(
@@ -171,158 +308,272 @@ class GDNOutput:
         out: cute.Tensor,
     ):
         cfg = self.cfg
-        N, L, T = cfg.dk, cfg.window, cfg.threads
+        n = self.ocfg.heads_per_cta
+        H, P, N, L, T = cfg.nheads, cfg.dv, cfg.dk, cfg.window, cfg.threads
         R, step = cfg.lanes_per_row, cfg.rows_per_pass
         nvfp4 = cfg.lo_format == "nvfp4"
+        act = k.element_type
+        rows_held = ring_rows(cfg)
         tidx, _, _ = cute.arch.thread_idx()
-        h, s, _ = cute.arch.block_idx()
+        group, s, _ = cute.arch.block_idx()
         lane = tidx % 32
         warp = tidx // 32
         col = tidx % R
         row0 = tidx // R
-        rows = [row0 + step * i for i in range(cfg.passes)]
+        rows = [row0 + step * r for r in range(cfg.passes)]
+
+        # two stages, each a head's pieces at the same offsets (one register addresses a
+        # stage), each piece laid out as its global rows
         smem = SmemAllocator()
-        sW = smem.allocate_tensor(Float32, cute.make_layout(33), 16)  # w_j; [32]: G_c
+        offsets, stride = stage_offsets(cfg)
+        S = stage_count(cfg, n)
+        sStages = smem.allocate_tensor(Uint8, cute.make_layout(S * stride), 128)
+
+        def staged(name, dtype, shape):
+            ptr = cute.recast_ptr(sStages.iterator + offsets[name], dtype=dtype)
+            per_stage = _row_major((S,) + shape)
+            layout = cute.make_layout(per_stage.shape,
+                                      stride=(stride // (dtype.width // 8),) + per_stage.stride[1:])
+            return cute.make_tensor(ptr, layout)
+
+        sCodes = staged("codes", Uint32, (P, N // 8)) if nvfp4 else None
+        sScales = staged("scales", Uint8, (P, N // W)) if nvfp4 else None
+        sRingU = staged("ring_u", Float32, (rows_held, P))
+        sRingK = staged("ring_k", act, (rows_held, N))
+        sK = staged("k", act, (N,))
+        sQ = staged("q", act, (N,))
+        sV = staged("v", act, (P,))
         sKK = smem.allocate_tensor(Float32, cute.make_layout(32), 16)  # kk_j
         sKQ = smem.allocate_tensor(Float32, cute.make_layout(32), 16)  # kq_j
+        # every head's scalars: the ring's g row, the call's g, beta, the global scale
+        sRingG = smem.allocate_tensor(Float32, _row_major((n, L)), 16)
+        sScalars = smem.allocate_tensor(Float32, _row_major((3, n)), 16)
+        sBar = smem.allocate_tensor(Int64, cute.make_layout(S), 8)
+        bar = sBar.iterator.toint()
 
+        # (offset in a stage, global tensor, bytes a head row in global memory, bytes copied
+        # a head, bytes more per ring record held)
+        a = ACT_BYTES[cfg.act]
+        pieces = [(offsets["ring_u"], ring_u, L * P * 4, 0, P * 4),
+                  (offsets["ring_k"], ring_k, L * N * a, 0, N * a),
+                  (offsets["k"], k, N * a, N * a, 0),
+                  (offsets["q"], q, N * a, N * a, 0),
+                  (offsets["v"], v, P * a, P * a, 0)]
+        if cutlass.const_expr(nvfp4):
+            pieces = [(offsets["codes"], codes, P * N // 2, P * N // 2, 0),
+                      (offsets["scales"], scales, P * N // W, P * N // W, 0)] + pieces
+        stages = (sStages.iterator.toint(), stride)
+
+        if tidx == 0:
+            for b in cutlass.range_constexpr(S):
+                ptx.mbar_init(bar + 8 * b)
+            ptx.mbar_init_fence()
+        h0 = group * n
         c = cursors[s]
+        _stage_scalars(cfg, n, tidx, s, h0, ring_g, g, beta, lo_global, sRingG, sScalars)
+        cute.arch.sync_threads()  # the barriers are set up before any thread waits on them
         if (c >= 0) & (c < L - 1):
-            # the read copy first: every state load in flight before the ring's arithmetic
-            word_frags = []
-            scale_bytes = []
-            if cutlass.const_expr(nvfp4):
-                codes_h = codes[s, h, None, None]
-                for i in cutlass.range_constexpr(cfg.passes):
-                    frag = cute.make_rmem_tensor((W // 8,), Uint32)
-                    cute.autovec_copy(chunk_of(codes_h, rows[i], col, W // 8), frag)
-                    word_frags.append(frag)
-                    scale_bytes.append(scales[s, h, rows[i], col])
-                global_scale = lo_global[s, h]
-            else:
-                hi_h = hi[s, h, None, None]
-                for i in cutlass.range_constexpr(cfg.passes):
-                    frag = cute.make_rmem_tensor((W,), Float32)
-                    cute.autovec_copy(chunk_of(hi_h, rows[i], col), frag)
-                    word_frags.append(frag)
-            # the ring's u of records col + R m and the rows' v: loaded before the barriers
-            ring_terms = (L - 1 + R - 1) // R
-            held = []
-            u_ring = []
-            v_rows = []
-            for i in cutlass.range_constexpr(cfg.passes):
-                v_rows.append(v[s, h, rows[i]].to(Float32))
-                for m in cutlass.range_constexpr(ring_terms):
-                    j = col + R * m
-                    if cutlass.const_expr(i == 0):
-                        held.append(j < c)
-                    u_ring.append(ring_u[s, h, nm._sel(held[m], j, Int32(0)), rows[i]])
+            s64 = Int64(s)
+            if tidx == 0:  # the first two heads' bytes
+                for b in cutlass.range_constexpr(min(S, n)):
+                    _issue_head(pieces, stages, bar, b, s64 * H + (h0 + b), c)
+            ring_terms = (L - 1 + R - 1) // R  # the ring's u of records col + R m
+            held = [col + R * m < c for m in range(ring_terms)]
+            for i in cutlass.range(n, unroll=1):
+                h = ptx.opaque_i32(h0 + i)  # no per-address induction variables
+                st = i % S
+                word_frags = []
+                if cutlass.const_expr(not nvfp4):
+                    hi_h = hi[s, h, None, None]
+                    for r in cutlass.range_constexpr(cfg.passes):
+                        frag = cute.make_rmem_tensor((W,), Float32)
+                        cute.autovec_copy(chunk_of(hi_h, rows[r], col), frag)
+                        word_frags.append(frag)
+                ptx.mbar_wait(bar + 8 * st, (i // S) % 2)  # this head's bytes landed
 
-            # cumulative log-decays by warp 0: lane t < L cum_t -> w_t; G_c to sW[32]
-            if warp == 0:
-                g_c = g[s, h]
+                # lane j < c: the ring's g_j, lane c: the call's g, 0 past it
+                g_c = sScalars[0, i]
+                g_lane = nm._sel(lane < c, sRingG[i, cutlass.min(lane, L - 1)],
+                                 nm._sel(lane == c, g_c, Float32(0.0)))
+                beta_c = sScalars[1, i]
+                # the record: nothing in this kernel reads ring position c
+                _append_record(cfg, tidx, s, h, c, sK[st, None], sV[st, None], g_c, beta_c,
+                               ring_k, ring_v, ring_g, ring_beta)
+
+                # cumulative log-decays, in every warp: lane t cum_t -> w_t; G_c
                 cum_c = Float32(0.0)
                 cum_t = Float32(0.0)
-                for i in cutlass.range_constexpr(L):
-                    g_i = nm._sel(Int32(i) < c, ring_g[s, h, i],
-                                  nm._sel(Int32(i) == c, g_c, Float32(0.0)))
-                    cum_c = cum_c + g_i
-                    cum_t = cum_t + nm._sel(Int32(i) <= lane, g_i, Float32(0.0))
-                if lane < L:
-                    sW[lane] = cute.math.exp(cum_c - cum_t)
-                if lane == 0:
-                    sW[32] = cute.math.exp(cum_c)
-            cute.arch.sync_threads()
-            decay_c = sW[32]
+                for t in cutlass.range_constexpr(L):
+                    g_t = cute.arch.shuffle_sync(g_lane, t)
+                    cum_c = cum_c + g_t
+                    cum_t = cum_t + nm._sel(Int32(t) <= lane, g_t, Float32(0.0))
+                w_lane = cute.math.exp(cum_c - cum_t)
+                decay_c = cute.math.exp(cum_c)
 
-            # kk_j, kq_j: warp w takes records w, w + T/32, ...; a lane dk / 32 columns
-            E = N // 32
-            k_lane = []
-            q_lane = []
-            for e in cutlass.range_constexpr(E):
-                k_lane.append(k[s, h, lane * E + e].to(Float32))
-                q_lane.append(q[s, h, lane * E + e].to(Float32))
-            for m in cutlass.range_constexpr((L + T // 32 - 1) // (T // 32)):
-                j = warp + (T // 32) * m
-                if j <= c:
-                    j_ring = nm._sel(j < L, j, Int32(0))
-                    w_j = sW[j]
-                    kk = Float32(0.0)
-                    kq = Float32(0.0)
-                    for e in cutlass.range_constexpr(E):
-                        k_je = nm._sel(j < c, ring_k[s, h, j_ring, lane * E + e].to(Float32),
-                                       k_lane[e])
-                        kw = k_je * w_j
-                        kk = kk + kw * k_lane[e]
-                        kq = kq + kw * q_lane[e]
-                    kk = cute.arch.warp_reduction(kk, add)
-                    kq = cute.arch.warp_reduction(kq, add)
-                    if lane == 0:
-                        sKK[j] = kk
-                        sKQ[j] = kq
-            cute.arch.sync_threads()
+                # kk_j, kq_j: warp w takes records w, w + T/32, ...; a lane dk / 32 columns
+                E = N // 32
+                k_lane = _lane_values(sK[st, None], lane, E)
+                q_lane = _lane_values(sQ[st, None], lane, E)
+                for m in cutlass.range_constexpr((L + T // 32 - 1) // (T // 32)):
+                    j = warp + (T // 32) * m
+                    if j <= c:
+                        w_j = cute.arch.shuffle_sync(w_lane, j)
+                        k_ring = _lane_values(sRingK[st, nm._sel(j < c, j, Int32(0)), None],
+                                              lane, E)
+                        kk = Float32(0.0)
+                        kq = Float32(0.0)
+                        for e in cutlass.range_constexpr(E):
+                            k_je = nm._sel(j < c, k_ring[e], k_lane[e])
+                            kw = k_je * w_j
+                            kk = kk + kw * k_lane[e]
+                            kq = kq + kw * q_lane[e]
+                        kk = cute.arch.warp_reduction(kk, add)
+                        kq = cute.arch.warp_reduction(kq, add)
+                        if lane == 0:
+                            sKK[j] = kk
+                            sKQ[j] = kq
+                cute.arch.sync_threads()
 
-            # one pass over the read copy, two products, plus the ring's terms
-            k_vec = load_vector_chunk(k[s, h, None], col) * decay_c
-            q_vec = load_vector_chunk(q[s, h, None], col) * decay_c
-            beta_c = beta[s, h]
-            kq_c = sKQ[c]
-            for i in cutlass.range_constexpr(cfg.passes):
-                p = rows[i]
-                if cutlass.const_expr(nvfp4):
-                    vals = cute.make_rmem_tensor((W,), Float32)
-                    _nvfp4_codes(vals, word_frags[i])
-                    values = vals.load()
-                else:
-                    values = word_frags[i].load()
-                part_k = (values * k_vec).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-                part_q = (values * q_vec).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-                if cutlass.const_expr(nvfp4):
-                    scale = _block_scale(scale_bytes[i], global_scale)
-                    part_k = part_k * scale
-                    part_q = part_q * scale
-                for m in cutlass.range_constexpr(ring_terms):
-                    j_ring = nm._sel(held[m], col + R * m, Int32(0))
-                    u_j = u_ring[i * ring_terms + m]
-                    part_k = part_k + nm._sel(held[m], u_j * sKK[j_ring], Float32(0.0))
-                    part_q = part_q + nm._sel(held[m], u_j * sKQ[j_ring], Float32(0.0))
-                total_k = cute.arch.warp_reduction(part_k, add, threads_in_group=R)
-                total_q = cute.arch.warp_reduction(part_q, add, threads_in_group=R)
-                u = beta_c * (v_rows[i] - total_k)
-                if col == 0:
-                    ring_u[s, h, c, p] = u
-                    out[s, h, p] = (total_q + u * kq_c).to(out.element_type)
-            append_record(cfg, tidx, c, s, h, k, v, g, beta, ring_k, ring_v, ring_g, ring_beta)
+                # one pass over the read copy, two products, plus the ring's terms
+                k_vec = load_vector_chunk(sK[st, None], col) * decay_c
+                q_vec = load_vector_chunk(sQ[st, None], col) * decay_c
+                kq_c = sKQ[c]
+                for r in cutlass.range_constexpr(cfg.passes):
+                    p = rows[r]
+                    if cutlass.const_expr(nvfp4):
+                        words = cute.make_rmem_tensor((W // 8,), Uint32)
+                        cute.autovec_copy(chunk_of(sCodes[st, None, None], p, col, W // 8),
+                                          words)
+                        vals = cute.make_rmem_tensor((W,), Float32)
+                        _nvfp4_codes(vals, words)
+                        values = vals.load()
+                    else:
+                        values = word_frags[r].load()
+                    part_k = (values * k_vec).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                    part_q = (values * q_vec).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                    if cutlass.const_expr(nvfp4):
+                        scale = _block_scale(sScales[st, p, col], sScalars[2, i])
+                        part_k = part_k * scale
+                        part_q = part_q * scale
+                    for m in cutlass.range_constexpr(ring_terms):
+                        j_ring = nm._sel(held[m], col + R * m, Int32(0))
+                        u_j = sRingU[st, j_ring, p]
+                        part_k = part_k + nm._sel(held[m], u_j * sKK[j_ring], Float32(0.0))
+                        part_q = part_q + nm._sel(held[m], u_j * sKQ[j_ring], Float32(0.0))
+                    total_k = cute.arch.warp_reduction(part_k, add, threads_in_group=R)
+                    total_q = cute.arch.warp_reduction(part_q, add, threads_in_group=R)
+                    u = beta_c * (sV[st, p].to(Float32) - total_k)
+                    if col == 0:
+                        ring_u[s, h, c, p] = u
+                        out[s, h, p] = (total_q + u * kq_c).to(out.element_type)
+
+                # every read of this stage (and of kk_j, kq_j) is done: head i + S goes in
+                cute.arch.sync_threads()
+                if (tidx == 0) & (i + S < n):
+                    _issue_head(pieces, stages, bar, st, s64 * H + (h + S), c)
 
 
-def compile_gdn_output(cfg: GDNConfig, keep_ptx: bool = False):
-    """The compiled non-flush kernel of `cfg` (cached); `keep_ptx` keeps its PTX text."""
+def _issue_head(pieces, stages, bar, st, sh, c):
+    """One thread: head row `sh` (slot nheads + head) into stage `st` (`stages`: the first
+    stage's shared address and the stride), every piece one bulk copy (the ring's: records
+    0 .. c-1), completing on the stage's barrier."""
+    total = sum(fixed for _, _, _, fixed, _ in pieces)
+    per_record = sum(record for _, _, _, _, record in pieces)
+    stage = stages[0] + stages[1] * st
+    stage_bar = bar + 8 * st
+    ptx.mbar_expect(stage_bar, total + per_record * c)
+    for offset, gmem_t, row, fixed, record in pieces:
+        ptx.bulk_copy(stage + offset, gmem_t.iterator.toint() + sh * row, fixed + record * c,
+                      stage_bar)
+
+
+@cute.jit
+def _stage_scalars(cfg: cutlass.Constexpr, n: cutlass.Constexpr, tidx, s, h0, ring_g, g, beta,
+                   lo_global, sRingG, sScalars):
+    """The scalars of heads h0 .. h0 + n - 1 into shared memory, every load issued before the
+    first store (one round trip, with the cursor's): the ring's g rows (whole: past the
+    cursor unused), g, beta and the NVFP4 global scale."""
+    L, T = cfg.window, cfg.threads
+    rounds = (n * L + T - 1) // T
+    loaded = []
+    for m in cutlass.range_constexpr(rounds):
+        e = cutlass.min(tidx + T * m, n * L - 1)
+        loaded.append(ring_g[s, h0 + e // L, e % L])
+    head = cutlass.min(tidx, n - 1)
+    scalars = [g[s, h0 + head], beta[s, h0 + head]]
+    if cutlass.const_expr(cfg.lo_format == "nvfp4"):
+        scalars.append(lo_global[s, h0 + head])
+    for m in cutlass.range_constexpr(rounds):
+        e = tidx + T * m
+        if e < n * L:
+            sRingG[e // L, e % L] = loaded[m]
+    if tidx < n:
+        for r in cutlass.range_constexpr(len(scalars)):
+            sScalars[r, tidx] = scalars[r]
+
+
+@cute.jit
+def _append_record(cfg: cutlass.Constexpr, tidx, s, h, c, k_stage, v_stage, g_c, beta_c,
+                   ring_k, ring_v, ring_g, ring_beta):
+    """Record (v, k from the stage, g, beta) of (s, h) to ring position `c` (u is the
+    caller's)."""
+    T = cfg.threads
+    for m in cutlass.range_constexpr((cfg.dv + T - 1) // T):
+        e = tidx + T * m
+        if e < cfg.dv:
+            ring_v[s, h, c, e] = v_stage[e]
+    for m in cutlass.range_constexpr((cfg.dk + T - 1) // T):
+        e = tidx + T * m
+        if e < cfg.dk:
+            ring_k[s, h, c, e] = k_stage[e]
+    if tidx == 0:
+        ring_g[s, h, c] = g_c
+        ring_beta[s, h, c] = beta_c
+
+
+def compile_gdn_output(cfg: GDNConfig, keep_ptx: bool = False, heads_per_cta: int = 1):
+    """The compiled non-flush kernel of `cfg` taking `heads_per_cta` heads a CTA (cached);
+    `keep_ptx` keeps its PTX text."""
+    ocfg = GDNOutputConfig(cfg, heads_per_cta)
 
     def build():
         f = _compile.fake_ptr
         act = CUTE_DTYPES[cfg.act]
         hi_t = Float32 if cfg.hi_format == "fp32" else cutlass.Float16
-        args = (f(hi_t), f(Uint32), f(cutlass.Uint8), f(Float32),
+        args = (f(hi_t), f(Uint32), f(Uint8), f(Float32),
                 f(Float32), f(act), f(act), f(Float32), f(Float32), f(Int32),
                 f(act), f(act), f(act), f(Float32), f(Float32), f(act),
                 Int32(1), _compile.fake_stream())
-        return cute.compile(GDNOutput(cfg), *args, options=_compile.compile_options(keep_ptx))
+        return cute.compile(GDNOutput(ocfg), *args, options=_compile.compile_options(keep_ptx))
 
-    return _compile.compile_cached(("gdn_output", cfg, keep_ptx), build)
+    return _compile.compile_cached(("gdn_output", ocfg, keep_ptx), build)
 
 
-def launch_gdn_output(cfg: GDNConfig, cache, q, k, v, g, beta, out):
+def _sm_count(device) -> int:
+    if device.type != "cuda":
+        return _compile.H200_SM_COUNT
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def launch_gdn_output(cfg: GDNConfig, cache, q, k, v, g, beta, out,
+                      heads_per_cta: int | None = None):
     """Launch the non-flush kernel on torch's current stream (everything already validated):
     slots whose cursor is below window - 1 advance their output and record, the others are
-    left alone. Reads the cursors, never writes them."""
+    left alone. Reads the cursors, never writes them. `heads_per_cta` None: the default
+    rule (`default_heads_per_cta`) for this batch and GPU."""
+    batch = cache.hi.shape[0]
+    if heads_per_cta is None:
+        heads_per_cta = default_heads_per_cta(cfg.lo_format, cfg.nheads, batch,
+                                              _sm_count(cache.hi.device))
     # the read path does not depend on the store's rounding or the debug output: one kernel
-    kernel = compile_gdn_output(dataclasses.replace(cfg, hi_rounding="rn", has_debug=False))
+    kernel = compile_gdn_output(dataclasses.replace(cfg, hi_rounding="rn", has_debug=False),
+                                heads_per_cta=heads_per_cta)
     gp = _compile.gmem_ptr
     kernel(gp(cache.hi), optional_ptr(cache.lo, Uint32),
-           optional_ptr(cache.lo_scales, cutlass.Uint8), optional_ptr(cache.lo_global, Float32),
+           optional_ptr(cache.lo_scales, Uint8), optional_ptr(cache.lo_global, Float32),
            gp(cache.ring_u), gp(cache.ring_v), gp(cache.ring_k), gp(cache.ring_g),
            gp(cache.ring_beta), gp(cache.cursors), gp(q), gp(k), gp(v), gp(g), gp(beta),
-           gp(out), Int32(cache.hi.shape[0]), _compile.current_stream())
+           gp(out), Int32(batch), _compile.current_stream())
 
 
 def traffic_bytes(lo_format: str, act: str, slots: int, nheads: int, dv: int, dk: int,

@@ -19,6 +19,8 @@ traces into the calling kernel:
     sts_zero16_if               16 zero bytes to shared memory where a flag is set
     e4m3x2_to_f16x2, f16x2_to_f32x2
                                 exact hardware conversions of packed pairs
+    opaque_i32                  a value the compiler cannot see through (no induction
+                                variables derived from it)
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ __all__ = [
     "inline_ptx", "reg", "unpack_struct", "ld_words", "ld_words_if", "load_words", "ld_u16",
     "st_words", "store_words", "cp_async_16_zfill", "cp_async_commit", "cp_async_wait",
     "mbar_init", "mbar_init_fence", "mbar_expect", "mbar_wait", "bulk_copy", "lds_v4",
-    "lds_words", "lds_u16", "sts_zero16_if", "e4m3x2_to_f16x2", "f16x2_to_f32x2",
+    "lds_words", "lds_u16", "sts_zero16_if", "e4m3x2_to_f16x2", "f16x2_to_f32x2", "opaque_i32",
 ]
 
 
@@ -214,14 +216,21 @@ def bulk_copy(smem_addr, gmem_addr, nbytes, bar, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
-def mbar_wait(bar, parity: int, *, loc=None, ip=None) -> None:
-    """Until the phase of ``bar`` with this parity has completed (acquire: the copied bytes
-    are then visible to this thread's shared-memory reads)."""
-    inline_ptx(None, [Int32(bar).ir_value(loc=loc, ip=ip)],
+def mbar_wait(bar, parity, *, loc=None, ip=None) -> None:
+    """Until the phase of ``bar`` with this parity (a Python int, or an Int32 0 or 1 where
+    the phase is only known at run time) has completed (acquire: the copied bytes are then
+    visible to this thread's shared-memory reads)."""
+    args = [Int32(bar).ir_value(loc=loc, ip=ip)]
+    if isinstance(parity, int):
+        operand, constraints = str(parity), "r"
+    else:
+        args.append(Int32(parity).ir_value(loc=loc, ip=ip))
+        operand, constraints = "$1", "r,r"
+    inline_ptx(None, args,
                "{.reg .pred p; WAIT_PHASE: "
-               f"mbarrier.try_wait.parity.shared::cta.b64 p, [$0], {parity}; "
+               f"mbarrier.try_wait.parity.shared::cta.b64 p, [$0], {operand}; "
                "@!p bra WAIT_PHASE;}",
-               "r", side_effects=True, loc=loc, ip=ip)
+               constraints, side_effects=True, loc=loc, ip=ip)
 
 
 @dsl_user_op
@@ -288,3 +297,12 @@ def f16x2_to_f32x2(x, *, loc=None, ip=None) -> list:
                    "{.reg .b16 l, h; mov.b32 {l, h}, $2; cvt.f32.f16 $0, l; cvt.f32.f16 $1, h;}",
                    "=f,=f,r", loc=loc, ip=ip)
     return unpack_struct(r, 2, T.f32(), Float32, loc, ip)
+
+
+@dsl_user_op
+def opaque_i32(x, *, loc=None, ip=None) -> Int32:
+    """``x`` through a register move the compiler cannot see through: addresses derived from
+    it are computed where used instead of carried across a loop as induction variables (one
+    register each)."""
+    return Int32(inline_ptx(T.i32(), [Int32(x).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;",
+                            "=r,r", loc=loc, ip=ip))

@@ -64,20 +64,91 @@ def ptx_counts(ptx: str) -> dict:
 # CPU: compile checks
 
 
-@pytest.mark.parametrize("pairing", PAIRINGS[::2])
-def test_gdn_output_kernel_compiles_for_sm90a_with_one_load_per_block(pairing):
-    """Non-flush kernel at the Qwen3-Next head (256 threads, 4 passes): nvfp4 reads each
-    thread's block as one 64-bit code load and one scale byte (4 of each); the fp32 single
-    copy reads 64 B a pass as four 128-bit loads (16); no state store."""
+BULK_COPY = "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"
+
+
+@pytest.mark.parametrize("pairing, heads_per_cta", [
+    pytest.param(TWO_COPY, 1, id="fp16sr-nvfp4-1head"),
+    pytest.param(TWO_COPY, 4, id="fp16sr-nvfp4-4heads"),
+    pytest.param(TWO_COPY, 16, id="fp16sr-nvfp4-16heads"),
+    pytest.param(("fp32", "rn", "none"), 1, id="fp32-single-copy-1head"),
+])
+def test_gdn_output_kernel_compiles_for_sm90a_with_one_load_per_block(pairing, heads_per_cta):
+    """Non-flush kernel at the Qwen3-Next head (256 threads, 4 passes). Every head's pieces
+    come by the bulk copy engine on an mbarrier: 7 copies (codes, scales, ring u, ring k, k,
+    q, v; 5 without the codes and scales) where the first min(2, heads) heads are issued and
+    in the loop past them. nvfp4 reads each thread's block from shared memory as one 64-bit
+    code load and one scale byte (4 of each), no state from global memory; the fp32 single
+    copy reads 64 B a pass as four 128-bit global loads (16); no state store."""
     cfg = config(QWEN, pairing)
-    ptx = go.compile_gdn_output(cfg, keep_ptx=True).__ptx__
+    ptx = go.compile_gdn_output(cfg, keep_ptx=True, heads_per_cta=heads_per_cta).__ptx__
     n = ptx_counts(ptx)
+    sites = min(2, heads_per_cta) + (1 if heads_per_cta > 2 else 0)
+    pieces = 7 if pairing[2] == "nvfp4" else 5
+    assert ptx.count(BULK_COPY) == pieces * sites, ptx.count(BULK_COPY)
+    assert ptx.count("mbarrier.init.shared::cta.b64") == 2
+    assert ptx.count("mbarrier.try_wait.parity") == 1, "one wait a head, in the loop"
     if pairing[2] == "nvfp4":
-        assert n.get("ld.global.v2.b32", 0) >= cfg.passes, n
-        assert n.get("ld.global.b8", 0) == cfg.passes, n
+        assert n.get("ld.shared.v2.b32", 0) >= cfg.passes, n
+        assert n.get("ld.shared.b8", 0) == cfg.passes, n
+        assert n.get("ld.global.v2.b32", 0) == 0 and n.get("ld.global.v4.b32", 0) == 0, n
     else:
         assert n.get("ld.global.v4.b32", 0) >= 4 * cfg.passes, n
     assert n.get("st.global.v4.b32", 0) == 0, "the non-flush kernel stores no state"
+
+
+def test_gdn_output_takes_one_stage_where_two_do_not_fit():
+    """nvfp4 with fp32 activations at dv 128, dk 512, L = 32: two stages of 118,144 B would
+    pass an H100's 227 KiB a CTA; one stage, one barrier, the head's bytes copied after the
+    head before it (one issue site in the loop)."""
+    cfg = config(dict(nheads=8, dv=128, dk=512), TWO_COPY, window=32, act="fp32")
+    assert go.stage_count(cfg, 4) == 1 and go.cta_shared_bytes(cfg, 4, 2) > 227 * 1024
+    assert go.cta_shared_bytes(cfg, 4) <= go.CTA_SHARED_LIMIT
+    ptx = go.compile_gdn_output(cfg, keep_ptx=True, heads_per_cta=4).__ptx__
+    assert ptx.count("mbarrier.init.shared::cta.b64") == 1
+    assert ptx.count(BULK_COPY) == 7 * 2
+
+
+def test_gdn_stage_pieces_are_bulk_copies_for_every_allowed_head():
+    """Every piece of a stage (and so every head row's global offset of it) is a multiple of
+    16 bytes, and a CTA's shared memory fits 227 KiB, for every head shape the cache takes
+    (dv a multiple of 16, dk 128, 256, 512, dv dk <= 65,536), activation and window; at the
+    Qwen3-Next head, bf16, L = 16: a stage of 20,736 B."""
+    for dk in (128, 256, 512):
+        for dv in range(16, 65536 // dk + 1, 16):
+            for act in ("bf16", "fp32"):
+                for window in (1, 2, 5, 16, 31, 32):
+                    for pairing in (TWO_COPY, ("fp32", "rn", "none")):
+                        cfg = config(dict(nheads=16, dv=dv, dk=dk), pairing, window, act)
+                        pieces = go.stage_bytes(cfg)
+                        assert all(b % 16 == 0 and b > 0 for b in pieces.values()), pieces
+                        assert go.cta_shared_bytes(cfg, 16) <= go.CTA_SHARED_LIMIT, cfg
+    offsets, stride = go.stage_offsets(config(QWEN, TWO_COPY, act="bf16"))
+    assert stride == 20736 and offsets["scales"] == 8192 and offsets["v"] == 20480
+
+
+@pytest.mark.parametrize("lo, nheads, batch, sm_count, expected", [
+    ("nvfp4", 32, 256, 132, 8),  # 1,024 CTAs: 1.9 waves of 528; 16 heads would leave 512
+    ("nvfp4", 32, 1024, 132, 16),  # at most 16 heads a CTA
+    ("nvfp4", 32, 16, 132, 1),  # 512 CTAs at one head: less than a wave already
+    ("nvfp4", 32, 33, 132, 2),  # 528 CTAs: exactly a wave
+    ("nvfp4", 48, 50, 132, 4),  # 600 CTAs; 6 heads would leave 400
+    ("nvfp4", 3, 10000, 132, 3),  # a divisor of nheads
+    ("nvfp4", 7, 100000, 132, 7),
+    ("nvfp4", 32, 256, 16, 16),  # a small GPU: 64 resident CTAs
+    ("none", 32, 4096, 132, 1),  # the single copy: one head a CTA
+])
+def test_default_heads_per_cta_keeps_a_full_wave(lo, nheads, batch, sm_count, expected):
+    """The most heads a CTA (a divisor of nheads, <= 16) leaving batch nheads / n >= 4 CTAs
+    on every SM; and the next divisor up would not."""
+    n = go.default_heads_per_cta(lo, nheads, batch, sm_count)
+    assert n == expected
+    assert nheads % n == 0 and 1 <= n <= go.MAX_HEADS_PER_CTA
+    if lo == "nvfp4" and n > 1:
+        assert batch * nheads // n >= go.MIN_CTAS_PER_SM * sm_count
+    bigger = [d for d in range(n + 1, go.MAX_HEADS_PER_CTA + 1) if nheads % d == 0]
+    if lo == "nvfp4" and bigger:
+        assert batch * nheads // bigger[0] < go.MIN_CTAS_PER_SM * sm_count
 
 
 @pytest.mark.parametrize("pairing", PAIRINGS[::2])
@@ -238,6 +309,30 @@ def test_gdn_inputs_and_outputs_sharing_cache_memory_are_refused():
         gd.gdn_replay_decode(cache, **token, out=token["v"])
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(lo_format="nvfp4", nheads=0, batch=1), "nheads: expected an int >= 1, got 0"),
+    (dict(lo_format="nvfp4", nheads=4, batch=-1), "batch: expected an int >= 0, got -1"),
+    (dict(lo_format="nvfp4", nheads=4, batch=2, sm_count=2.0), "sm_count: expected an int"),
+])
+def test_default_heads_per_cta_refuses_bad_arguments_by_name(kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        go.default_heads_per_cta(**kwargs)
+
+
+@pytest.mark.parametrize("heads_per_cta, message", [
+    (2, "heads_per_cta: expected a divisor of nheads = 3 in [1, 16], got 2"),
+    (0, "heads_per_cta: expected a divisor of nheads = 3 in [1, 16], got 0"),
+    (True, "heads_per_cta: expected a divisor of nheads = 3 in [1, 16], got True"),
+])
+def test_gdn_heads_per_cta_is_checked_before_any_launch(heads_per_cta, message):
+    """A value the kernel cannot take is refused by name, before the CPU device check."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        gd.gdn_replay_decode(cpu_cache(), **cpu_token(), heads_per_cta=heads_per_cta)
+    with pytest.raises(ValueError, match=re.escape("heads_per_cta: expected a divisor of "
+                                                   "nheads = 32 in [1, 16], got 32")):
+        go.GDNOutputConfig(config(QWEN, TWO_COPY), 32)
+
+
 @pytest.mark.parametrize("fn", [gd.gdn_replay_decode, gd.gdn_replay_output,
                                 gd.gdn_replay_flush])
 def test_gdn_cpu_tensors_pass_every_check_but_the_device_one(fn):
@@ -266,9 +361,10 @@ class CuteStep:
     """Runs the CuTe step on a packed GPU cache and mirrors the result into an
     emulation-shaped CPU twin, so `gdn_emulation_cases.run_and_check_step` checks it."""
 
-    def __init__(self, twin, pairing, act, half=None):
+    def __init__(self, twin, pairing, act, half=None, heads_per_cta=None):
         self.pairing = pairing
         self.half = half  # None: gdn_replay_decode; 'output' or 'flush': that half alone
+        self.heads_per_cta = heads_per_cta  # the non-flush kernel's (None: its default)
         hi, rounding, lo = pairing
         slots, nheads, dv, dk, window = twin.shape
         self.cache = gc.GDNReplayCache.empty(slots, nheads, dv, dk, window=window,
@@ -316,12 +412,13 @@ class CuteStep:
         debug = torch.full(debug_state.shape, math.nan, dtype=torch.float32, device=DEVICE)
         self.before_lo = None if self.cache.lo is None else self.cache.lo.clone()
         if self.half == "output":
-            gd.gdn_replay_output(self.cache, **dev, out=y, check_counters=True)
+            gd.gdn_replay_output(self.cache, **dev, out=y, check_counters=True,
+                                 heads_per_cta=self.heads_per_cta)
         elif self.half == "flush":
             gd.gdn_replay_flush(self.cache, **dev, out=y, debug_state=debug, check_counters=True)
         else:
             gd.gdn_replay_decode(self.cache, **dev, out=y, debug_state=debug,
-                                 check_counters=True)
+                                 check_counters=True, heads_per_cta=self.heads_per_cta)
         out.copy_(y.float().cpu())
         debug_state.copy_(debug.cpu())
         self.debug = debug
@@ -380,10 +477,12 @@ def emulation_quantiser_gives_the_same_bytes(step, is_flush):
     assert torch.equal(packed["scales"], c.lo_scales[fl].cpu()), "emulation scales differ"
 
 
-def run_windows(pairing, shape, window, slots, tokens, seed, act=torch.float32):
+def run_windows(pairing, shape, window, slots, tokens, seed, act=torch.float32,
+                heads_per_cta=None):
     """`tokens` CuTe decode steps from slots at random ring positions (flush counters far
     apart), every one checked against lowprec on the cache it started from; returns the
-    flushes done, the flushes expected and the worst error / bound."""
+    flushes done, the flushes expected and the worst error / bound. `heads_per_cta`: the
+    non-flush kernel's (None: its default)."""
     from gdn_emulation_cases import filled_cache, make_token, run_and_check_step
 
     gen = torch.Generator().manual_seed(seed)
@@ -393,7 +492,7 @@ def run_windows(pairing, shape, window, slots, tokens, seed, act=torch.float32):
     twin = filled_cache(gen, slots, shape["nheads"], shape["dv"], shape["dk"], (hi, rounding),
                         "fp32" if lo == "none" else lo, False, cursors=cursors,
                         flushes=flushes, window=window, act_dtype=act)
-    step = CuteStep(twin, pairing, act)
+    step = CuteStep(twin, pairing, act, heads_per_cta=heads_per_cta)
     worst = 0.0
     for _ in range(tokens):
         before = step.cache.cursors.cpu().clone()
@@ -446,6 +545,54 @@ def test_gdn_decode_at_the_qwen3_next_head():
     done, expected, worst = run_windows(TWO_COPY, QWEN, 16, 3, 18, seed=11)
     assert done == expected and min(done) >= 1
     assert worst <= 1.0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pairing, heads_per_cta", [
+    pytest.param(TWO_COPY, 1, id="fp16sr-nvfp4-1head"),
+    pytest.param(TWO_COPY, 2, id="fp16sr-nvfp4-2heads"),
+    pytest.param(TWO_COPY, 8, id="fp16sr-nvfp4-8heads"),
+    pytest.param(("fp32", "rn", "none"), 2, id="fp32-single-copy-2heads"),
+])
+def test_gdn_decode_with_several_heads_a_cta_matches_lowprec(pairing, heads_per_cta):
+    """8 heads of dv 48 (96 threads), L = 8, 19 tokens, 5 slots at random ring positions,
+    the non-flush kernel taking 1, 2 or 8 heads a CTA (8: each of the two stages refilled 3
+    times, its barrier's phases 0 1 0 1): every step within the emulation's bounds of
+    lowprec on the same cache, the stored copies lowprec's bit for bit."""
+    shape = dict(nheads=8, dv=48, dk=128)
+    done, expected, worst = run_windows(pairing, shape, 8, 5, 19, seed=17,
+                                        heads_per_cta=heads_per_cta)
+    assert done == expected and min(done) >= 2
+    assert worst <= 1.0
+
+
+@pytest.mark.gpu
+def test_gdn_heads_per_cta_leaves_every_bit_as_one_head_a_cta():
+    """Each head's arithmetic is the same whichever CTA takes it: bf16 activations, 16 heads
+    of dv 32, dk 256 (16 lanes a row), L = 6 (a ring g row of 24 B), 4 slots, 8 tokens; at
+    2, 4, 8 and 16 heads a CTA, y, the ring, both copies and the counters equal one head a
+    CTA's bit for bit after every step."""
+    from gdn_emulation_cases import filled_cache, make_token
+
+    gen = torch.Generator().manual_seed(23)
+    nheads, dv, dk, window, slots = 16, 32, 256, 6, 4
+    twin = filled_cache(gen, slots, nheads, dv, dk, ("fp16", "sr"), "nvfp4", False,
+                        cursors=[0, 2, 4, 5], flushes=[3, 1, 4, 1], window=window,
+                        act_dtype=torch.bfloat16)
+    one = CuteStep(twin, TWO_COPY, torch.bfloat16).cache
+    caches = {n: clone_cache(one) for n in (2, 4, 8, 16)}
+    for _ in range(8):
+        token = {n: t.to(DEVICE) for n, t in make_token(gen, slots, nheads, dv, dk, False,
+                                                         act_dtype=torch.bfloat16).items()}
+        y_one = gd.gdn_replay_decode(one, **token, heads_per_cta=1)
+        for n, cache in caches.items():
+            y = gd.gdn_replay_decode(cache, **token, heads_per_cta=n)
+            assert torch.equal(y.view(torch.int16), y_one.view(torch.int16)), n
+            for name in ("hi", "lo", "lo_scales", "lo_global", "ring_u", "ring_v", "ring_k",
+                         "ring_g", "ring_beta", "cursors", "flushes"):
+                a, b = getattr(cache, name), getattr(one, name)
+                assert torch.equal(a.nan_to_num(7.0) if a.is_floating_point() else a,
+                                   b.nan_to_num(7.0) if b.is_floating_point() else b), (n, name)
 
 
 @pytest.mark.gpu
