@@ -22,8 +22,9 @@ than the d_k + L the emulation's bound (`emulation.gdn_replay_decode`) allows. W
 'none', the fp32 recurrence copy itself (the single-copy FP32 ReplaySSM baseline).
 
 Work: one CTA a slot and `heads_per_cta` consecutive heads (grid nheads / heads_per_cta x
-slots; `default_heads_per_cta` picks it from the grid), which it takes in turn; it reads the
-slot's cursor once.
+slots), which it takes in turn; it reads the slot's cursor once. The default is one head a
+CTA: at the Qwen3-Next layer 2, 4, 8 and 16 heads a CTA measured slower at batch 1 and 256
+(docs/performance.md); the stages still put the bulk copies ahead of each head's chain.
 
 Thread ownership, per head: the flush kernel's (`gdn_replay_flush`), T = dv dk / 64 threads,
 each the 16-column chunk `t % R` (R = dk / 16) of rows `t // R + (T / R) i`: its chunk of a
@@ -47,12 +48,12 @@ multiple of 16 for every window; g, beta, the NVFP4 global scale) are loaded int
 memory once, with the cursor. The record is appended from the stage (v, k) and the scalars
 as each head starts; u goes to ring_u[c] with y. lo_format 'none': the fp32 read copy
 (64 KiB a head at dv = dk = 128: two stages would leave one CTA an SM) goes to registers at
-the head's start, the rest through the stages; the default takes one head a CTA.
+the head's start, the rest through the stages.
 
 Shared memory a CTA (`cta_shared_bytes`), dv = dk = 128, L = 16, bf16 activations: nvfp4 two
 stages of 20,736 B (codes 8,192, scales 1,024, ring u 7,168, ring k 3,584, k, q, v 256 each)
-and 880 B of scalars, dots and barriers at 8 heads a CTA, 42,352 B; 'none' at one head a
-CTA 23,392 B.
+and the scalars, dots and barriers: 41,824 B at one head a CTA (42,352 B at 8); 'none' at
+one head a CTA 23,392 B.
 
 Bytes per non-flush (slot, head) (`traffic_bytes`): the read copy (dv dk / 2 codes + dv dk / 16
 scales + 4 global for nvfp4; 4 dv dk for fp32), the ring's c records (u fp32, k in the
@@ -67,7 +68,6 @@ from dataclasses import dataclass
 import cutlass  # noqa: I001
 import cutlass.cute as cute
 import numpy as np
-import torch
 from cutlass import Float32, Int32, Int64, Uint8, Uint32
 from cutlass.memory import SmemAllocator
 
@@ -85,8 +85,8 @@ from cute_kernels.gdn_replay_flush import (
     optional_ptr,
 )
 
-__all__ = ["GDNOutputConfig", "compile_gdn_output", "launch_gdn_output", "default_heads_per_cta",
-           "stage_bytes", "cta_shared_bytes", "traffic_bytes"]
+__all__ = ["GDNOutputConfig", "compile_gdn_output", "launch_gdn_output", "stage_bytes",
+           "cta_shared_bytes", "traffic_bytes"]
 
 E2M1_AS_E4M3 = 64.0  # the re-packed codes are E2M1 x 2^-6
 MIN_CTAS_PER_SM = 4  # nvfp4: a 64-register cap, four 256-thread CTAs an SM
@@ -138,25 +138,6 @@ class GDNOutputConfig:
                 or H % n):
             fail("heads_per_cta", f"a divisor of nheads = {H} in [1, {MAX_HEADS_PER_CTA}]",
                  repr(n))
-
-
-def default_heads_per_cta(lo_format: str, nheads: int, batch: int,
-                          sm_count: int = _compile.H200_SM_COUNT) -> int:
-    """The most heads a CTA (a divisor of `nheads`, at most MAX_HEADS_PER_CTA) that still
-    leaves a full wave of MIN_CTAS_PER_SM CTAs on each of `sm_count` SMs: fewer CTAs than
-    that leave SMs idle, more heads a CTA spread its cursor read and barrier set-up. Batch
-    256 of 32 heads on 132 SMs: 8 (1,024 CTAs, 1.9 waves); batch 1: 1. lo_format 'none':
-    1 (its read copy goes to registers, with no head ahead in flight)."""
-    for name, value, low in (("nheads", nheads, 1), ("batch", batch, 0),
-                             ("sm_count", sm_count, 1)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < low:
-            fail(name, f"an int >= {low}", repr(value))
-    if lo_format != "nvfp4":
-        return 1
-    resident = sm_count * MIN_CTAS_PER_SM
-    fits = [n for n in range(1, min(MAX_HEADS_PER_CTA, nheads) + 1)
-            if nheads % n == 0 and batch * (nheads // n) >= resident]
-    return max(fits, default=1)
 
 
 def ring_rows(cfg: GDNConfig) -> int:
@@ -549,22 +530,14 @@ def compile_gdn_output(cfg: GDNConfig, keep_ptx: bool = False, heads_per_cta: in
     return _compile.compile_cached(("gdn_output", ocfg, keep_ptx), build)
 
 
-def _sm_count(device) -> int:
-    if device.type != "cuda":
-        return _compile.H200_SM_COUNT
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def launch_gdn_output(cfg: GDNConfig, cache, q, k, v, g, beta, out,
                       heads_per_cta: int | None = None):
     """Launch the non-flush kernel on torch's current stream (everything already validated):
     slots whose cursor is below window - 1 advance their output and record, the others are
-    left alone. Reads the cursors, never writes them. `heads_per_cta` None: the default
-    rule (`default_heads_per_cta`) for this batch and GPU."""
+    left alone. Reads the cursors, never writes them. `heads_per_cta` None: one."""
     batch = cache.hi.shape[0]
-    if heads_per_cta is None:
-        heads_per_cta = default_heads_per_cta(cfg.lo_format, cfg.nheads, batch,
-                                              _sm_count(cache.hi.device))
+    if heads_per_cta is None:  # one: fastest at batch 1 and 256 (docs/performance.md)
+        heads_per_cta = 1
     # the read path does not depend on the store's rounding or the debug output: one kernel
     kernel = compile_gdn_output(dataclasses.replace(cfg, hi_rounding="rn", has_debug=False),
                                 heads_per_cta=heads_per_cta)

@@ -127,30 +127,6 @@ def test_gdn_stage_pieces_are_bulk_copies_for_every_allowed_head():
     assert stride == 20736 and offsets["scales"] == 8192 and offsets["v"] == 20480
 
 
-@pytest.mark.parametrize("lo, nheads, batch, sm_count, expected", [
-    ("nvfp4", 32, 256, 132, 8),  # 1,024 CTAs: 1.9 waves of 528; 16 heads would leave 512
-    ("nvfp4", 32, 1024, 132, 16),  # at most 16 heads a CTA
-    ("nvfp4", 32, 16, 132, 1),  # 512 CTAs at one head: less than a wave already
-    ("nvfp4", 32, 33, 132, 2),  # 528 CTAs: exactly a wave
-    ("nvfp4", 48, 50, 132, 4),  # 600 CTAs; 6 heads would leave 400
-    ("nvfp4", 3, 10000, 132, 3),  # a divisor of nheads
-    ("nvfp4", 7, 100000, 132, 7),
-    ("nvfp4", 32, 256, 16, 16),  # a small GPU: 64 resident CTAs
-    ("none", 32, 4096, 132, 1),  # the single copy: one head a CTA
-])
-def test_default_heads_per_cta_keeps_a_full_wave(lo, nheads, batch, sm_count, expected):
-    """The most heads a CTA (a divisor of nheads, <= 16) leaving batch nheads / n >= 4 CTAs
-    on every SM; and the next divisor up would not."""
-    n = go.default_heads_per_cta(lo, nheads, batch, sm_count)
-    assert n == expected
-    assert nheads % n == 0 and 1 <= n <= go.MAX_HEADS_PER_CTA
-    if lo == "nvfp4" and n > 1:
-        assert batch * nheads // n >= go.MIN_CTAS_PER_SM * sm_count
-    bigger = [d for d in range(n + 1, go.MAX_HEADS_PER_CTA + 1) if nheads % d == 0]
-    if lo == "nvfp4" and bigger:
-        assert batch * nheads // bigger[0] < go.MIN_CTAS_PER_SM * sm_count
-
-
 @pytest.mark.parametrize("pairing", PAIRINGS[::2])
 def test_gdn_flush_kernel_compiles_for_sm90a_with_128_bit_state_accesses(pairing):
     """Flush kernel at the Qwen3-Next head: hi read and written as 128-bit accesses (fp16: 2
@@ -307,16 +283,6 @@ def test_gdn_inputs_and_outputs_sharing_cache_memory_are_refused():
     token = cpu_token()
     with pytest.raises(ValueError, match=re.escape("out: expected a tensor apart from v")):
         gd.gdn_replay_decode(cache, **token, out=token["v"])
-
-
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(lo_format="nvfp4", nheads=0, batch=1), "nheads: expected an int >= 1, got 0"),
-    (dict(lo_format="nvfp4", nheads=4, batch=-1), "batch: expected an int >= 0, got -1"),
-    (dict(lo_format="nvfp4", nheads=4, batch=2, sm_count=2.0), "sm_count: expected an int"),
-])
-def test_default_heads_per_cta_refuses_bad_arguments_by_name(kwargs, message):
-    with pytest.raises(ValueError, match=re.escape(message)):
-        go.default_heads_per_cta(**kwargs)
 
 
 @pytest.mark.parametrize("heads_per_cta, message", [
