@@ -89,6 +89,9 @@ __all__ = ["GDNOutputConfig", "compile_gdn_output", "launch_gdn_output", "stage_
            "cta_shared_bytes", "traffic_bytes"]
 
 E2M1_AS_E4M3 = 64.0  # the re-packed codes are E2M1 x 2^-6
+# one head a CTA: 2, 4, 8 and 16 measured slower at batch 1 and 256 (docs/performance.md;
+# `python -m tools.gdn_heads_per_cta` times each)
+DEFAULT_HEADS_PER_CTA = 1
 MIN_CTAS_PER_SM = 4  # nvfp4: a 64-register cap, four 256-thread CTAs an SM
 MAX_HEADS_PER_CTA = 16
 STAGES = 2  # a head computes while the next one's bytes arrive
@@ -534,10 +537,11 @@ def launch_gdn_output(cfg: GDNConfig, cache, q, k, v, g, beta, out,
                       heads_per_cta: int | None = None):
     """Launch the non-flush kernel on torch's current stream (everything already validated):
     slots whose cursor is below window - 1 advance their output and record, the others are
-    left alone. Reads the cursors, never writes them. `heads_per_cta` None: one."""
+    left alone. Reads the cursors, never writes them. `heads_per_cta` None:
+    DEFAULT_HEADS_PER_CTA."""
     batch = cache.hi.shape[0]
-    if heads_per_cta is None:  # one: fastest at batch 1 and 256 (docs/performance.md)
-        heads_per_cta = 1
+    if heads_per_cta is None:
+        heads_per_cta = DEFAULT_HEADS_PER_CTA
     # the read path does not depend on the store's rounding or the debug output: one kernel
     kernel = compile_gdn_output(dataclasses.replace(cfg, hi_rounding="rn", has_debug=False),
                                 heads_per_cta=heads_per_cta)
