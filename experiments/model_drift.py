@@ -874,7 +874,8 @@ def parse_args(argv=None):
     parser.add_argument("--out", default=None,
                         help="CSV path (default: the preset's under results/model_drift for "
                              "its own command, runs/model_drift.csv otherwise)")
-    parser.add_argument("--plot", default=None, help="figure path (default: the CSV's, .png)")
+    parser.add_argument("--plot", default=None,
+                        help="figure path (default: the CSV's, .png), or 'none' for no figure")
     parser.add_argument("--replot", action="store_true", help="redraw the figure from --out")
     parser.add_argument("--pareto", action="store_true",
                         help="redraw the Pareto figure from --drift-csv and --bench")
@@ -952,6 +953,10 @@ def main(argv=None) -> int:
         if args.pareto:
             if not is_main_rank():
                 return 0
+            if args.plot == "none":
+                parser_error = "--plot: expected a figure path with --pareto, got none"
+                print(f"{prog}: error: {parser_error}", file=sys.stderr)
+                return 2
             png = args.plot or str(RESULTS / "model_drift_pareto.png")
             for label, us, value, on in pareto(args.drift_csv, args.bench, png,
                                                args.bench_shape):
@@ -968,12 +973,13 @@ def main(argv=None) -> int:
                 return stopped.code
             if not done.is_writer:  # a rank other than 0: rank 0 writes, plots, summarises
                 return 0
-        plot(c.out, c.plot)
+        if c.plot != "none":
+            plot(c.out, c.plot)
         print(summarize(c.out))
     except ValueError as err:
         print(f"{prog}: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
-    print(f"wrote {c.out} and {c.plot}")
+    print(f"wrote {c.out}" + ("" if c.plot == "none" else f" and {c.plot}"))
     return 0
 
 

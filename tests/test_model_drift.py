@@ -357,3 +357,18 @@ def test_summary_gives_each_policys_growth_from_positions_1k_2k_to_the_last_octa
         assert float(table[name][5]) == pytest.approx(late / early, abs=0.005)
     assert float(table["separate_fp16sr nvfp4"][5]) == pytest.approx(3.0, rel=0.15)
     assert float(table["shared fp8_e4m3"][5]) == pytest.approx(1.0, rel=0.15)
+
+
+def test_replot_with_plot_none_draws_nothing(tiny_model, tmp_path, capsys, monkeypatch):
+    """`--replot --plot none` summarises the CSV and writes no figure (no file named 'none'
+    either); --pareto needs a figure path and says so in one line."""
+    c = config(tiny_model, window=16, policies="separate_fp16sr:nvfp4",
+               out=str(tmp_path / "d.csv"), plot=str(tmp_path / "d.png"))
+    md.write_csv(c.out, md.run(c))
+    monkeypatch.chdir(tmp_path)
+    assert md.main(["--replot", "--out", c.out, "--plot", "none"]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.csv"]
+    out = capsys.readouterr().out
+    assert "separate_fp16sr" in out and out.strip().endswith(f"wrote {c.out}")
+    assert md.main(["--pareto", "--drift-csv", c.out, "--plot", "none"]) == 2
+    assert "--plot: expected a figure path with --pareto" in capsys.readouterr().err
