@@ -300,3 +300,21 @@ def test_the_counted_nonflush_kernel_is_the_one_output_config_selects(lo_format)
     chosen = ro.output_config(cache, x, dt, D=per_head, dt_bias=per_head,
                               sm_count=ic._compile.H200_SM_COUNT)
     assert ic.nonflush_config(lo_format, batch=3) == chosen
+
+
+@pytest.mark.parametrize("lo_format, hi", [("nvfp4", ("fp16", "sr")), ("none", ("fp32", "rn"))])
+def test_the_counted_gdn_nonflush_kernel_is_the_one_a_decode_step_launches(lo_format, hi):
+    """The tool's GDN configuration equals what `gdn_replay_decode` builds for a Qwen3-Next
+    cache with bf16 inputs, as `launch_gdn_output` compiles it (RN, no debug output)."""
+    import dataclasses
+
+    from cute_kernels import gdn_cache as gc
+    from cute_kernels import gdn_replay_flush as gf
+
+    shape = ic.QWEN3_NEXT
+    cache = gc.GDNReplayCache.empty(3, shape["nheads"], shape["dv"], shape["dk"],
+                                    window=shape["window"], hi_format=hi[0], hi_rounding=hi[1],
+                                    lo_format=lo_format)
+    built = gf.config_of(cache, gc.check_gdn_cache(cache), "bf16")
+    launched = dataclasses.replace(built, hi_rounding="rn", has_debug=False)
+    assert ic.gdn_nonflush_config(lo_format) == launched

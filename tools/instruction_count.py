@@ -2,6 +2,7 @@
 kernels in their default configurations, compiled for sm_90a on the CPU.
 
     python -m tools.instruction_count            # flush and non-flush kernels, fast paths
+                                                 # (and the GDN non-flush kernel)
     python -m tools.instruction_count --with-fallbacks
     python -m tools.instruction_count --pipes    # by Hopper pipe, floors, per-token budgets
     python -m tools.instruction_count --sr 32:10,8:4  # and fp16 SR + nvfp4 at other SR settings
@@ -224,6 +225,37 @@ def count_nonflush(formats=NONFLUSH_FORMATS, batch: int = HEADLINE_BATCH
         per_lane = cfg.heads_per_group // (cfg.warps * cfg.head_splits) * cfg.headdim \
             * cfg.dstate // 32
         rows.append((lo_format, sum(ops.values()) / per_lane, registers))
+    return rows
+
+
+QWEN3_NEXT = dict(nheads=32, dv=128, dk=128, window=16)  # the Gated DeltaNet layer
+
+
+def gdn_nonflush_config(lo_format: str):
+    """The GDN non-flush kernel's configuration at the Qwen3-Next layer (bf16 activations; the
+    read path compiles with RN and no debug output whatever the store's rounding, as
+    `gdn_replay_output.launch_gdn_output` does)."""
+    from cute_kernels.gdn_replay_flush import GDNConfig
+
+    return GDNConfig(**QWEN3_NEXT, hi_format="fp16" if lo_format == "nvfp4" else "fp32",
+                     hi_rounding="rn", lo_format=lo_format, act="bf16")
+
+
+def count_gdn_nonflush(formats=("nvfp4", "none")) -> list[tuple[str, float, int]]:
+    """Per read copy (nvfp4, or 'none': the fp32 single copy): (format, SASS instructions per
+    state element a thread, registers per thread) of the GDN non-flush kernel at its default
+    heads a CTA. The kernel is unrolled over a thread's elements (dv dk / threads), prologue
+    and epilogue included."""
+    from cute_kernels import gdn_replay_output as go
+
+    rows = []
+    for lo_format in formats:
+        cfg = gdn_nonflush_config(lo_format)
+        kernel = go.compile_gdn_output(cfg, keep_ptx=True,
+                                       heads_per_cta=go.DEFAULT_HEADS_PER_CTA)
+        ops, registers = sass_histogram(kernel.__ptx__)
+        rows.append((lo_format, sum(ops.values()) / (cfg.dv * cfg.dk // cfg.threads),
+                     registers))
     return rows
 
 
@@ -672,6 +704,9 @@ def main(argv=None) -> int:
               f"registers ({ops})")
     print("non-flush (replay_output), per element and lane:")
     for lo, per_element, registers in count_nonflush():
+        print(f"  {lo:9s} {per_element:5.2f} per element, {registers} registers")
+    print("Gated DeltaNet non-flush (gdn_replay_output, Qwen3-Next), per element and thread:")
+    for lo, per_element, registers in count_gdn_nonflush():
         print(f"  {lo:9s} {per_element:5.2f} per element, {registers} registers")
     return 0
 
