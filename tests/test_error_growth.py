@@ -19,7 +19,8 @@ import torch
 from torchrun import torchrun
 
 from experiments import error_growth as eg
-from lowprec import mamba2, philox
+from experiments.sharding import assign_cells
+from lowprec import mamba2
 from lowprec.metrics import rel_err
 from lowprec.policies import Simulator, make_policy
 
@@ -1218,8 +1219,11 @@ def test_two_ranks_write_the_one_process_bytes_and_a_killed_rank_resumes(tmp_pat
     record = __import__("json").loads((tmp_path / "sharded.meta.json").read_text())["sharding"]
     assert record["world_size"] == 2 and sum(r["cells"] for r in record["ranks"]) == 4
     resumed = tmp_path / "resumed.csv"
-    rn_cell = f"L16/every_step:fp16:rn/sr{philox.DEFAULT_SR_BITS}x{philox.DEFAULT_PHILOX_ROUNDS}"
-    killed = _torchrun(tmp_path, resumed, KILL_CELL=rn_cell)  # an RN cell: the defaults
+    # rank 1's second cell: its first is stored before it starts, whenever torchrun stops rank 0
+    keys = [cell.key for cell in eg.cells(eg.config_from_args(eg.build_parser().parse_args(
+        [*SWEEP_ARGS, "--out", str(resumed)])))]
+    second_of_rank_1 = keys[assign_cells(len(keys), 2)[1][1]]
+    killed = _torchrun(tmp_path, resumed, KILL_CELL=second_of_rank_1)
     assert killed.returncode != 0 and not resumed.exists()
     rerun = _torchrun(tmp_path, resumed)
     assert rerun.returncode == 0, rerun.stderr[-2000:]
