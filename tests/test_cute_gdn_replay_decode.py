@@ -127,14 +127,23 @@ def test_gdn_stage_pieces_are_bulk_copies_for_every_allowed_head():
     assert stride == 20736 and offsets["scales"] == 8192 and offsets["v"] == 20480
 
 
-@pytest.mark.parametrize("pairing", PAIRINGS[::2])
-def test_gdn_flush_kernel_compiles_for_sm90a_with_128_bit_state_accesses(pairing):
+@pytest.mark.parametrize("pairing, fold", [
+    pytest.param(TWO_COPY, "sequential", id="fp16sr-nvfp4"),
+    pytest.param(("fp32", "rn", "none"), "sequential", id="fp32-single-copy"),
+    pytest.param(TWO_COPY, "chunked", id="fp16sr-nvfp4-chunked"),
+])
+def test_gdn_flush_kernel_compiles_for_sm90a_with_128_bit_state_accesses(pairing, fold):
     """Flush kernel at the Qwen3-Next head: hi read and written as 128-bit accesses (fp16: 2
     a pass each way, fp32: 4), nvfp4 codes one 64-bit store a block, correctly rounded
-    divisions only (div.rn; the E2M1 quotients' exact fallback)."""
+    divisions only (div.rn; the E2M1 quotients' exact fallback). The chunked fold reads the
+    window's keys from shared memory as 128-bit loads (a thread's 16 keys of a record, twice
+    a record: the dots and the update) and crosses three CTA barriers, then the amax's."""
     cfg = config(QWEN, pairing, debug=True)
-    ptx = gf.compile_gdn_flush(cfg, keep_ptx=True).__ptx__
+    ptx = gf.compile_gdn_flush(cfg, keep_ptx=True, fold=fold).__ptx__
     n = ptx_counts(ptx)
+    if fold == "chunked":
+        assert n.get("ld.shared.v4.b32", 0) >= 2 * 4 * cfg.window, n
+        assert n.get("bar.sync", 0) == 4, n
     per_pass = 2 if pairing[0] == "fp16" else 4
     debug_stores = 4 * cfg.passes
     assert n.get("st.global.v4.b32", 0) == per_pass * cfg.passes + debug_stores, n
@@ -150,12 +159,15 @@ def test_gdn_flush_kernel_compiles_for_sm90a_with_128_bit_state_accesses(pairing
                          [(ODD, 5), (WIDE, 3), (dict(nheads=1, dv=16, dk=512), 32)],
                          ids=["dv48-dk128-L5", "dv32-dk256-L3", "dv16-dk512-L32"])
 def test_gdn_kernels_compile_at_other_head_shapes_and_windows(shape, window):
-    """Both kernels and both pairings compile where the thread layout changes: 96 threads,
-    16 and 32 lanes a row, windows shorter and longer than a row's lanes."""
+    """Both kernels and both pairings (and the chunked flush) compile where the thread layout
+    changes: 96 threads, 16 and 32 lanes a row, windows shorter and longer than a row's
+    lanes."""
     for pairing in (TWO_COPY, ("fp32", "rn", "none")):
         cfg = config(shape, pairing, window=window, act="fp32", debug=True)
         go.compile_gdn_output(cfg)
         gf.compile_gdn_flush(cfg)
+    gf.compile_gdn_flush(config(shape, TWO_COPY, window=window, act="fp32", debug=True),
+                         fold="chunked")
 
 
 def test_gdn_counter_kernels_compile():
@@ -299,6 +311,19 @@ def test_gdn_heads_per_cta_is_checked_before_any_launch(heads_per_cta, message):
         go.GDNOutputConfig(config(QWEN, TWO_COPY), 32)
 
 
+@pytest.mark.parametrize("fn", [gd.gdn_replay_decode, gd.gdn_replay_flush])
+@pytest.mark.parametrize("fold", ["chunk", "", None, 1])
+def test_gdn_fold_is_checked_before_any_launch(fn, fold):
+    """A fold the flush kernel does not have is refused by name, before the device check."""
+    if fold is None:  # the default: only the device check is left to refuse the CPU cache
+        with pytest.raises(ValueError, match="expected a CUDA tensor"):
+            fn(cpu_cache(), **cpu_token(), fold=fold)
+        return
+    with pytest.raises(ValueError, match=re.escape(
+            f"fold: expected one of ['sequential', 'chunked'], got {fold!r}")):
+        fn(cpu_cache(), **cpu_token(), fold=fold)
+
+
 @pytest.mark.parametrize("fn", [gd.gdn_replay_decode, gd.gdn_replay_output,
                                 gd.gdn_replay_flush])
 def test_gdn_cpu_tensors_pass_every_check_but_the_device_one(fn):
@@ -327,10 +352,11 @@ class CuteStep:
     """Runs the CuTe step on a packed GPU cache and mirrors the result into an
     emulation-shaped CPU twin, so `gdn_emulation_cases.run_and_check_step` checks it."""
 
-    def __init__(self, twin, pairing, act, half=None, heads_per_cta=None):
+    def __init__(self, twin, pairing, act, half=None, heads_per_cta=None, fold=None):
         self.pairing = pairing
         self.half = half  # None: gdn_replay_decode; 'output' or 'flush': that half alone
         self.heads_per_cta = heads_per_cta  # the non-flush kernel's (None: its default)
+        self.fold = fold  # the flush kernel's (None: its default)
         hi, rounding, lo = pairing
         slots, nheads, dv, dk, window = twin.shape
         self.cache = gc.GDNReplayCache.empty(slots, nheads, dv, dk, window=window,
@@ -381,10 +407,12 @@ class CuteStep:
             gd.gdn_replay_output(self.cache, **dev, out=y, check_counters=True,
                                  heads_per_cta=self.heads_per_cta)
         elif self.half == "flush":
-            gd.gdn_replay_flush(self.cache, **dev, out=y, debug_state=debug, check_counters=True)
+            gd.gdn_replay_flush(self.cache, **dev, out=y, debug_state=debug, check_counters=True,
+                                fold=self.fold)
         else:
             gd.gdn_replay_decode(self.cache, **dev, out=y, debug_state=debug,
-                                 check_counters=True, heads_per_cta=self.heads_per_cta)
+                                 check_counters=True, heads_per_cta=self.heads_per_cta,
+                                 fold=self.fold)
         out.copy_(y.float().cpu())
         debug_state.copy_(debug.cpu())
         self.debug = debug
@@ -444,7 +472,7 @@ def emulation_quantiser_gives_the_same_bytes(step, is_flush):
 
 
 def run_windows(pairing, shape, window, slots, tokens, seed, act=torch.float32,
-                heads_per_cta=None):
+                heads_per_cta=None, fold=None):
     """`tokens` CuTe decode steps from slots at random ring positions (flush counters far
     apart), every one checked against lowprec on the cache it started from; returns the
     flushes done, the flushes expected and the worst error / bound. `heads_per_cta`: the
@@ -458,7 +486,7 @@ def run_windows(pairing, shape, window, slots, tokens, seed, act=torch.float32,
     twin = filled_cache(gen, slots, shape["nheads"], shape["dv"], shape["dk"], (hi, rounding),
                         "fp32" if lo == "none" else lo, False, cursors=cursors,
                         flushes=flushes, window=window, act_dtype=act)
-    step = CuteStep(twin, pairing, act, heads_per_cta=heads_per_cta)
+    step = CuteStep(twin, pairing, act, heads_per_cta=heads_per_cta, fold=fold)
     worst = 0.0
     for _ in range(tokens):
         before = step.cache.cursors.cpu().clone()
@@ -501,6 +529,23 @@ def test_gdn_decode_matches_lowprec_over_windows_from_random_ring_positions(pair
     the emulation's bounds of lowprec on the same cache, the stored copies lowprec's bit for
     bit."""
     done, expected, worst = run_windows(pairing, ODD, 8, 5, 19, seed=3)
+    assert done == expected and min(done) >= 2
+    assert worst <= 1.0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pairing, shape, window, act", [
+    pytest.param(TWO_COPY, QWEN, 16, torch.bfloat16, id="fp16sr-nvfp4-qwen-L16-bf16"),
+    pytest.param(TWO_COPY, ODD, 8, torch.float32, id="fp16sr-nvfp4-dv48-L8"),
+    pytest.param(("fp32", "rn", "none"), WIDE, 32, torch.float32, id="fp32-dk256-L32"),
+])
+def test_gdn_chunked_fold_matches_lowprec_over_windows(pairing, shape, window, act):
+    """The flush's chunked fold, from 3 slots at random ring positions over two windows and
+    more: every step's u, y and unrounded state within the emulation's bounds of lowprec on
+    the same cache, the stored copies lowprec's (and the emulation quantiser's) bit for bit
+    from the kernel's own unrounded state."""
+    done, expected, worst = run_windows(pairing, shape, window, 3, 2 * window + 2, seed=29,
+                                        act=act, fold="chunked")
     assert done == expected and min(done) >= 2
     assert worst <= 1.0
 

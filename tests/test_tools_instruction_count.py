@@ -318,3 +318,26 @@ def test_the_counted_gdn_nonflush_kernel_is_the_one_a_decode_step_launches(lo_fo
     built = gf.config_of(cache, gc.check_gdn_cache(cache), "bf16")
     launched = dataclasses.replace(built, hi_rounding="rn", has_debug=False)
     assert ic.gdn_nonflush_config(lo_format) == launched
+
+
+@pytest.mark.slow
+def test_the_gdn_flush_fits_two_ctas_an_sm_without_spilling():
+    """Both folds of the GDN flush at the Qwen3-Next layer (256 threads, 64 fp32 state elements
+    a thread) ask for two CTAs an SM and compile to at most 128 registers with no local-memory
+    traffic; the chunked fold issues fewer instructions (no per-record rescaling of the
+    state)."""
+    from cute_kernels import gdn_replay_flush as gf
+
+    cfg = ic.gdn_flush_config()
+    assert gf.min_ctas_per_sm(cfg) == 2
+    for fold in gf.FOLDS:
+        assert ".minnctapersm 2" in gf.compile_gdn_flush(cfg, keep_ptx=True, fold=fold).__ptx__
+    if not ic.tools_available():
+        pytest.skip(f"SASS counts: {ic.tools_problem()}")
+    rows = {fold: (per_element, registers) for fold, per_element, registers
+            in ic.count_gdn_flush()}
+    assert all(registers <= 128 for _, registers in rows.values()), rows
+    assert rows["chunked"][0] < rows["sequential"][0], rows
+    for fold in gf.FOLDS:
+        ops, _ = ic.sass_histogram(gf.compile_gdn_flush(cfg, keep_ptx=True, fold=fold).__ptx__)
+        assert not ops.get("LDL") and not ops.get("STL"), (fold, ops)

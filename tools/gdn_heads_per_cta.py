@@ -37,11 +37,6 @@ def heads_list(text: str) -> list[int]:
     return values
 
 
-def bench_argv(heads: int, out_dir: Path, extra: list[str]) -> list[str]:
-    """kernel_bench's arguments for one value of heads a CTA."""
-    return BENCH_ARGS + ["--out", str(out_dir / f"heads_{heads}.csv")] + extra
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
@@ -61,26 +56,11 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"{flag} is set by the tool; pass kernel_bench's other arguments")
 
     from cute_kernels import gdn_replay_output
-    from experiments import kernel_bench
-    from tools import compare_bench
+    from tools._default_sweep import sweep_default
 
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    default = gdn_replay_output.DEFAULT_HEADS_PER_CTA
-    try:
-        for heads in args.heads:
-            gdn_replay_output.DEFAULT_HEADS_PER_CTA = heads
-            print(f"== {heads} heads a CTA", flush=True)
-            status = kernel_bench.main(bench_argv(heads, args.out_dir, extra))
-            if status:
-                return status
-    finally:
-        gdn_replay_output.DEFAULT_HEADS_PER_CTA = default
-    first = args.out_dir / f"heads_{args.heads[0]}.csv"
-    for heads in args.heads[1:]:
-        print(f"== {heads} heads a CTA against {args.heads[0]}")
-        compare_bench.main([str(first), str(args.out_dir / f"heads_{heads}.csv")])
-    return 0
-
+    return sweep_default(gdn_replay_output, "DEFAULT_HEADS_PER_CTA", args.heads, BENCH_ARGS,
+                         args.out_dir, lambda heads: f"heads_{heads}.csv", extra,
+                         lambda heads: f"{heads} heads a CTA")
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -259,6 +259,31 @@ def count_gdn_nonflush(formats=("nvfp4", "none")) -> list[tuple[str, float, int]
     return rows
 
 
+def gdn_flush_config():
+    """The GDN flush kernel's configuration at the Qwen3-Next layer: fp16 SR (the default
+    bits and rounds) + nvfp4, bf16 activations, no debug output."""
+    from cute_kernels.gdn_replay_flush import GDNConfig
+
+    return GDNConfig(**QWEN3_NEXT, hi_format="fp16", hi_rounding="sr", lo_format="nvfp4",
+                     act="bf16")
+
+
+def count_gdn_flush(folds=None) -> list[tuple[str, float, int]]:
+    """Per fold order (`gdn_replay_flush.FOLDS`): (fold, SASS instructions per state element a
+    thread, registers per thread) of the GDN flush kernel, both stores included. Loops the
+    kernel keeps (the chunked fold's staging and decay products) count once a pass through
+    their body."""
+    from cute_kernels import gdn_replay_flush as gf
+
+    rows = []
+    cfg = gdn_flush_config()
+    for fold in gf.FOLDS if folds is None else folds:
+        kernel = gf.compile_gdn_flush(cfg, keep_ptx=True, fold=fold)
+        ops, registers = sass_histogram(kernel.__ptx__)
+        rows.append((fold, sum(ops.values()) / (cfg.dv * cfg.dk // cfg.threads), registers))
+    return rows
+
+
 # --------------------------------------------------------------------------------------------
 # Issue floors: which pipe bounds an instruction mix on the H200 (--pipes)
 #
@@ -708,6 +733,10 @@ def main(argv=None) -> int:
     print("Gated DeltaNet non-flush (gdn_replay_output, Qwen3-Next), per element and thread:")
     for lo, per_element, registers in count_gdn_nonflush():
         print(f"  {lo:9s} {per_element:5.2f} per element, {registers} registers")
+    print("Gated DeltaNet flush (gdn_replay_flush, Qwen3-Next, fp16 SR + nvfp4), per element and "
+          "thread, by fold:")
+    for fold, per_element, registers in count_gdn_flush():
+        print(f"  {fold:10s} {per_element:6.2f} per element, {registers} registers")
     return 0
 
 

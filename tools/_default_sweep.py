@@ -1,0 +1,35 @@
+"""Time one kernel default at several values: kernel_bench once a value, in this process, with
+the module's default set to it (restored afterwards), then `tools.compare_bench` of each run
+against the first value's. Each run measures its own copy ceiling; compare the runs of one
+invocation only."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def sweep_default(module, attr: str, values: list, bench_args: list[str], out_dir: Path,
+                  csv_name, extra: list[str], describe) -> int:
+    """kernel_bench `bench_args` + ``--out out_dir/csv_name(value)`` + `extra` for each value
+    with ``module.attr = value``; prints ``describe(value)`` before each run. Returns the first
+    failing run's status, else 0 after the comparisons."""
+    from experiments import kernel_bench
+    from tools import compare_bench
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    default = getattr(module, attr)
+    try:
+        for value in values:
+            setattr(module, attr, value)
+            print(f"== {describe(value)}", flush=True)
+            status = kernel_bench.main(bench_args + ["--out", str(out_dir / csv_name(value))]
+                                       + extra)
+            if status:
+                return status
+    finally:
+        setattr(module, attr, default)
+    first = out_dir / csv_name(values[0])
+    for value in values[1:]:
+        print(f"== {describe(value)} against {describe(values[0])}")
+        compare_bench.main([str(first), str(out_dir / csv_name(value))])
+    return 0
