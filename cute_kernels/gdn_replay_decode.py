@@ -21,9 +21,12 @@ step.
 With `lo_format='none'` (and an fp32 recurrence copy) the checkpoint is a single copy: the
 non-flush step reads `hi` itself (the single-copy FP32 ReplaySSM baseline).
 
-KDA (per-channel decay, `g [slots, nheads, dk]`) is not built. What it would take: the flush
-multiplies each thread's chunk by its 16 columns' `exp(g_j[d])` (a 16-element vector per
-record instead of a scalar: the same loop); the non-flush step needs per-column cumulative
+KDA (per-channel decay, `g [slots, nheads, dk]`) is not built. What it would take: the
+sequential flush multiplies each thread's chunk by its 16 columns' `exp(g_j[d])` (a 16-element
+vector per record instead of a scalar: the same loop); the chunked flush stages the decay
+products per column ([L, dk] tables of P_j and D_{j,L-1}), takes them inside the Gram's dot
+products and scales the keys instead of the row sums (`lowprec.kda.kda_replay_flush_chunked`
+is that order); the non-flush step needs per-column cumulative
 sums, so `w_j` becomes a [L, dk] table (exp of differences per column) staged in shared
 memory, the read copy's products use `G_c[d] k_c[d]` (already per column in the kernel's
 vectors), and kk_j, kq_j take the per-column weights inside their dot products: about 4 KiB
