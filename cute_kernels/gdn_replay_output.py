@@ -133,7 +133,7 @@ class GDNOutputConfig:
     `GDNConfig` and the heads each CTA takes in turn."""
 
     gdn: GDNConfig
-    heads_per_cta: int = 1
+    heads_per_cta: int
 
     def __post_init__(self):
         H, n = self.gdn.nheads, self.heads_per_cta
@@ -515,10 +515,12 @@ def _append_record(cfg: cutlass.Constexpr, tidx, s, h, c, k_stage, v_stage, g_c,
         ring_beta[s, h, c] = beta_c
 
 
-def compile_gdn_output(cfg: GDNConfig, keep_ptx: bool = False, heads_per_cta: int = 1):
-    """The compiled non-flush kernel of `cfg` taking `heads_per_cta` heads a CTA (cached);
-    `keep_ptx` keeps its PTX text."""
-    ocfg = GDNOutputConfig(cfg, heads_per_cta)
+def compile_gdn_output(cfg: GDNConfig, keep_ptx: bool = False,
+                       heads_per_cta: int | None = None):
+    """The compiled non-flush kernel of `cfg` taking `heads_per_cta` heads a CTA (None:
+    DEFAULT_HEADS_PER_CTA; cached); `keep_ptx` keeps its PTX text."""
+    ocfg = GDNOutputConfig(cfg, DEFAULT_HEADS_PER_CTA if heads_per_cta is None
+                           else heads_per_cta)
 
     def build():
         f = _compile.fake_ptr
@@ -540,8 +542,6 @@ def launch_gdn_output(cfg: GDNConfig, cache, q, k, v, g, beta, out,
     left alone. Reads the cursors, never writes them. `heads_per_cta` None:
     DEFAULT_HEADS_PER_CTA."""
     batch = cache.hi.shape[0]
-    if heads_per_cta is None:
-        heads_per_cta = DEFAULT_HEADS_PER_CTA
     # the read path does not depend on the store's rounding or the debug output: one kernel
     kernel = compile_gdn_output(dataclasses.replace(cfg, hi_rounding="rn", has_debug=False),
                                 heads_per_cta=heads_per_cta)
