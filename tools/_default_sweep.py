@@ -5,7 +5,29 @@ invocation only."""
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
+
+SET_BY_THE_TOOL = ("--shapes", "--kernels", "--out")
+
+
+def parser_and_bench_args(prog: str, description: str, argv: list[str]):
+    """(the tool's parser, its own arguments, kernel_bench's extra arguments): the arguments
+    after -- go to every kernel_bench run. Call `check_bench_args` after parsing."""
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    own = argv[: argv.index("--")] if "--" in argv else argv
+    parser = argparse.ArgumentParser(
+        prog=prog, description=description,
+        epilog="Arguments after -- go to every kernel_bench run (e.g. --batches 1,256 "
+               "--windows 16).")
+    return parser, own, extra
+
+
+def check_bench_args(parser, extra: list[str]) -> None:
+    """A usage error for a kernel_bench argument the tool sets itself."""
+    for flag in SET_BY_THE_TOOL:
+        if flag in extra:
+            parser.error(f"{flag} is set by the tool; pass kernel_bench's other arguments")
 
 
 def sweep_default(module, attr: str, values: list, bench_args: list[str], out_dir: Path,

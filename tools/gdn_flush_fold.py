@@ -38,25 +38,20 @@ def folds_list(text: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    extra = argv[argv.index("--") + 1:] if "--" in argv else []
-    own = argv[: argv.index("--")] if "--" in argv else argv
-    parser = argparse.ArgumentParser(
-        prog="python -m tools.gdn_flush_fold", description=__doc__.split("\n\n")[0],
-        epilog="Arguments after -- go to every kernel_bench run (e.g. --batches 1,256 "
-               "--windows 16).")
+    from tools._default_sweep import check_bench_args, parser_and_bench_args, sweep_default
+
+    parser, own, extra = parser_and_bench_args(
+        "python -m tools.gdn_flush_fold", __doc__.split("\n\n")[0],
+        sys.argv[1:] if argv is None else argv)
     parser.add_argument("--folds", type=folds_list, default=list(FOLDS),
                         help="fold orders to time, comma-separated (default sequential,chunked; "
                              "the first is the reference of the comparison)")
     parser.add_argument("--out-dir", type=Path, default=Path("runs/gdn_flush_fold"),
                         help="folder for fold_NAME.csv (default runs/gdn_flush_fold)")
     args = parser.parse_args(own)
-    for flag in ("--shapes", "--kernels", "--out"):
-        if flag in extra:
-            parser.error(f"{flag} is set by the tool; pass kernel_bench's other arguments")
+    check_bench_args(parser, extra)
 
     from cute_kernels import gdn_replay_flush
-    from tools._default_sweep import sweep_default
 
     return sweep_default(gdn_replay_flush, "DEFAULT_FOLD", args.folds, BENCH_ARGS, args.out_dir,
                          lambda fold: f"fold_{fold}.csv", extra, lambda fold: f"{fold} fold")

@@ -38,25 +38,20 @@ def heads_list(text: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    extra = argv[argv.index("--") + 1:] if "--" in argv else []
-    own = argv[: argv.index("--")] if "--" in argv else argv
-    parser = argparse.ArgumentParser(
-        prog="python -m tools.gdn_heads_per_cta", description=__doc__.split("\n\n")[0],
-        epilog="Arguments after -- go to every kernel_bench run (e.g. --batches 1,256 "
-               "--windows 16).")
+    from tools._default_sweep import check_bench_args, parser_and_bench_args, sweep_default
+
+    parser, own, extra = parser_and_bench_args(
+        "python -m tools.gdn_heads_per_cta", __doc__.split("\n\n")[0],
+        sys.argv[1:] if argv is None else argv)
     parser.add_argument("--heads", type=heads_list, default=[1, 2, 4, 8, 16],
                         help="heads a CTA to time, comma-separated (default 1,2,4,8,16; the "
                              "first is the reference of the comparison)")
     parser.add_argument("--out-dir", type=Path, default=Path("runs/gdn_heads_per_cta"),
                         help="folder for heads_N.csv (default runs/gdn_heads_per_cta)")
     args = parser.parse_args(own)
-    for flag in ("--shapes", "--kernels", "--out"):
-        if flag in extra:
-            parser.error(f"{flag} is set by the tool; pass kernel_bench's other arguments")
+    check_bench_args(parser, extra)
 
     from cute_kernels import gdn_replay_output
-    from tools._default_sweep import sweep_default
 
     return sweep_default(gdn_replay_output, "DEFAULT_HEADS_PER_CTA", args.heads, BENCH_ARGS,
                          args.out_dir, lambda heads: f"heads_{heads}.csv", extra,
