@@ -5,6 +5,9 @@ of torch is where a Ctrl-C most often lands)."""
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import os
 import signal
 import sys
 import threading
@@ -16,14 +19,48 @@ def exit_on_interrupt(prog: str) -> None:
     """Make SIGINT raise ``SystemExit(130)`` after one line on stderr naming ``prog``.
 
     SystemExit unwinds like any exception, so ``finally`` blocks run (an atomic write removes
-    its temporary file) and no traceback is printed. Only from the main thread (Python
-    delivers signals there alone)."""
+    its temporary file) and no traceback is printed. A library that catches every exception
+    (a bare ``except:`` around an optional import) can swallow it: the process then still
+    exits with 130 when it ends, and a second Ctrl-C ends it at once. Only from the main
+    thread (Python delivers signals there alone)."""
     if threading.current_thread() is not threading.main_thread():
         return
+    interrupted = []
 
     def handle(signum, frame):
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C: no second line
+        if interrupted:  # the first one was swallowed, or unwinding hangs: stop now
+            _exit_interrupted()
+        interrupted.append(True)
         sys.stderr.write(f"{prog}: interrupted (Ctrl-C); no file was left half-written\n")
         raise SystemExit(INTERRUPTED_STATUS)
 
+    def keep_the_status():  # registered first, so it runs after every other exit handler
+        if interrupted:
+            _exit_interrupted()
+
+    atexit.register(keep_the_status)
     signal.signal(signal.SIGINT, handle)
+
+
+@contextlib.contextmanager
+def ctrl_c_as_keyboard_interrupt():
+    """Within: Ctrl-C raises KeyboardInterrupt, for code that stops cleanly on it (a sweep
+    that keeps what it finished); outside, `exit_on_interrupt`'s handler again. Only from the
+    main thread; elsewhere a no-op."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _exit_interrupted() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed or broken: nothing left to say
+            pass
+    os._exit(INTERRUPTED_STATUS)

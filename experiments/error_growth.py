@@ -146,7 +146,7 @@ import torch
 from tqdm import tqdm
 
 from experiments._common import meta_path, output_problem, write_meta
-from experiments._interrupt import INTERRUPTED_STATUS
+from experiments._interrupt import INTERRUPTED_STATUS, ctrl_c_as_keyboard_interrupt
 from experiments.error_growth_backends import (  # noqa: F401 (the experiment's public names)
     _EXACT_CACHE,
     INPUT_CHUNK,
@@ -408,8 +408,13 @@ def main(argv: list[str] | None = None) -> int:
                       f"summary end at step {whole}, the last whole window", file=sys.stderr)
         start = time.perf_counter()
         try:
-            frame = run(config, " ".join([PROG, *map(shlex.quote, argv)]),
-                        keep_cells=args.keep_cells)
+            with ctrl_c_as_keyboard_interrupt():  # the sweep keeps its windows on Ctrl-C
+                frame = run(config, " ".join([PROG, *map(shlex.quote, argv)]),
+                            keep_cells=args.keep_cells)
+        except KeyboardInterrupt:  # outside the sweep's cells: nothing to keep
+            print(f"{PROG}: interrupted (Ctrl-C); no file was left half-written",
+                  file=sys.stderr)
+            return STOPPED_STATUS
         except OSError as error:  # the CSV is written at the end of the run
             parser.error(f"cannot write {config.out}: {error}")
         except SweepStopped as stopped:  # a cell failed, or a rank under torchrun stopped
