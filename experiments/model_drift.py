@@ -97,6 +97,7 @@ from experiments._common import (
     save_small_png,
     write_meta,
 )
+from experiments._interrupt import INTERRUPTED_STATUS, ctrl_c_as_keyboard_interrupt
 from experiments.model_drift_gdn import HI_COPY
 from experiments.sharding import HELP as SHARDING_HELP
 from experiments.sharding import add_arguments as add_sharding_arguments
@@ -968,9 +969,14 @@ def main(argv=None) -> int:
             # under torchrun each rank on its own GPU (the CSV and meta record the kind only)
             c = replace(c, device=local_device(c.device))
             try:
-                done = sweep(c, " ".join([prog, *argv]), keep_cells=args.keep_cells)
+                with ctrl_c_as_keyboard_interrupt():  # the sweep's own line on Ctrl-C
+                    done = sweep(c, " ".join([prog, *argv]), keep_cells=args.keep_cells)
             except SweepStopped as stopped:  # its line is printed; the same command resumes
                 return stopped.code
+            except KeyboardInterrupt:  # outside the sweep's cells
+                print(f"{prog}: interrupted (Ctrl-C); no file was left half-written",
+                      file=sys.stderr)
+                return INTERRUPTED_STATUS
             if not done.is_writer:  # a rank other than 0: rank 0 writes, plots, summarises
                 return 0
         if c.plot != "none":
