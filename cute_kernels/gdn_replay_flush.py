@@ -86,6 +86,12 @@ ACT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 W = 16  # state elements a chunk: one NVFP4 block
 E2M1_E4M3_MAX = 2688.0  # 448 * 6
 E2M1_MAX = 6.0
+FOLDS = ("sequential", "chunked")  # the fold's two orders (module docstring)
+DEFAULT_FOLD = "sequential"  # the fold the GPU tests have checked (docs/kernels.md)
+# A thread holds 64 fp32 state elements; capping it at 128 registers lets two 256-thread CTAs
+# share an SM (at 130-138 registers one did)
+REGISTERS_PER_SM = 65536
+REGISTER_FLOOR = 128
 
 
 @dataclass(frozen=True)
@@ -269,12 +275,6 @@ def append_record(cfg: cutlass.Constexpr, tidx, pos, s, h, k, v, g, beta, ring_k
 # --------------------------------------------------------------------------------------------
 # the window's fold in chunked form (shared-memory stages of the flush kernel)
 
-# A thread holds 64 fp32 state elements; capping it at 128 registers lets two 256-thread CTAs
-# share an SM (at 130-138 registers one did)
-REGISTERS_PER_SM = 65536
-REGISTER_FLOOR = 128
-FOLDS = ("sequential", "chunked")
-DEFAULT_FOLD = "sequential"  # the fold the GPU tests have checked (docs/kernels.md)
 KEY_PAD = 4  # fp32 words after each staged key row: the Gram's lanes read rows on other banks
 DECAY, BETA, DECAY_ALL, DECAY_AFTER = 0, 1, 2, 3  # rows of the per-record scalars
 
