@@ -322,8 +322,9 @@ def run(config: Config, command: str | None = None, *, keep_cells: bool = False
         frame = merge_cells(c, frames)
         written = partial_path(c.out)
         write_csv(frame, written)
-        status = (f"stopped after {len(finished)} of {len(grid)} cells (kept in "
-                  f"{cell_store_path(c.out)}: the same command resumes)")
+        kept = (f"kept in {cell_store_path(c.out)}: the same command resumes" if finished
+                else "none finished: the same command starts over")
+        status = f"stopped after {len(finished)} of {len(grid)} cells ({kept})"
         if in_flight:
             status += f" and step {max(f.attrs['steps_done'] for f in in_flight.values())} of " \
                       "the next"

@@ -534,8 +534,11 @@ def run_sweep(
     except KeyboardInterrupt as error:
         what = "SIGTERM" if isinstance(error, _Terminated) else "Ctrl-C"
         peers.fail(f"rank {ranks.rank} stopped by {what}")
-        say(f"{tag}{what} after {len(results)} of {len(mine)} cells (kept in {store.folder}; "
-            "the same command resumes)")
+        if results or done:
+            kept = f"kept in {store.folder}; the same command resumes"
+        else:
+            kept = "none finished, nothing kept; the same command starts over"
+        say(f"{tag}{what} after {len(results)} of {len(mine)} cells ({kept})")
         raise SweepStopped(INTERRUPTED_STATUS) from None
     finally:
         if previous_term is not None:

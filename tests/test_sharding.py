@@ -208,6 +208,20 @@ def test_corrupt_cell_files_are_computed_again(tmp_path, capsys):
     assert _meta(out)["sharding"]["cells_from_store"] == N_CELLS - 2
 
 
+def test_interrupt_in_the_first_cell_says_nothing_was_kept(tmp_path, capsys):
+    """Ctrl-C before any cell finished: the line does not point at an empty store."""
+    out = tmp_path / "x.csv"
+
+    def run_cell(cell):
+        raise KeyboardInterrupt
+
+    with pytest.raises(SweepStopped):
+        run_sweep(range(N_CELLS), run_cell, out=out, arguments={"rows": 5}, progress=None)
+    assert capsys.readouterr().err == (f"Ctrl-C after 0 of {N_CELLS} cells (none finished, "
+                                       "nothing kept; the same command starts over)\n")
+    assert not out.exists() and _valid_cells(out) == 0
+
+
 def test_interrupt_keeps_finished_cells_and_the_rerun_resumes(tmp_path, capsys):
     """Ctrl-C in the fifth cell: SweepStopped(130) after one line, no CSV, four cells in the
     store; the rerun skips those four and writes the same bytes as an uninterrupted run."""
