@@ -31,8 +31,7 @@ def exit_on_interrupt(prog: str) -> None:
         if interrupted:  # the first one was swallowed, or unwinding hangs: stop now
             _exit_interrupted()
         interrupted.append(True)
-        sys.stderr.write(f"{prog}: interrupted (Ctrl-C); no file was left half-written\n")
-        raise SystemExit(INTERRUPTED_STATUS)
+        raise SystemExit(report_interrupt(prog))
 
     def keep_the_status():  # registered first, so it runs after every other exit handler
         if interrupted:
@@ -40,6 +39,12 @@ def exit_on_interrupt(prog: str) -> None:
 
     atexit.register(keep_the_status)
     signal.signal(signal.SIGINT, handle)
+
+
+def report_interrupt(prog: str) -> int:
+    """The one line a Ctrl-C prints (stderr); returns the status to exit with."""
+    sys.stderr.write(f"{prog}: interrupted (Ctrl-C); no file was left half-written\n")
+    return INTERRUPTED_STATUS
 
 
 @contextlib.contextmanager

@@ -146,7 +146,11 @@ import torch
 from tqdm import tqdm
 
 from experiments._common import meta_path, output_problem, write_meta
-from experiments._interrupt import INTERRUPTED_STATUS, ctrl_c_as_keyboard_interrupt
+from experiments._interrupt import (
+    INTERRUPTED_STATUS,
+    ctrl_c_as_keyboard_interrupt,
+    report_interrupt,
+)
 from experiments.error_growth_backends import (  # noqa: F401 (the experiment's public names)
     _EXACT_CACHE,
     INPUT_CHUNK,
@@ -413,9 +417,7 @@ def main(argv: list[str] | None = None) -> int:
                 frame = run(config, " ".join([PROG, *map(shlex.quote, argv)]),
                             keep_cells=args.keep_cells)
         except KeyboardInterrupt:  # outside the sweep's cells: nothing to keep
-            print(f"{PROG}: interrupted (Ctrl-C); no file was left half-written",
-                  file=sys.stderr)
-            return STOPPED_STATUS
+            return report_interrupt(PROG)
         except OSError as error:  # the CSV is written at the end of the run
             parser.error(f"cannot write {config.out}: {error}")
         except SweepStopped as stopped:  # a cell failed, or a rank under torchrun stopped

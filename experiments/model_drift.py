@@ -97,7 +97,7 @@ from experiments._common import (
     save_small_png,
     write_meta,
 )
-from experiments._interrupt import INTERRUPTED_STATUS, ctrl_c_as_keyboard_interrupt
+from experiments._interrupt import ctrl_c_as_keyboard_interrupt, report_interrupt
 from experiments.model_drift_gdn import HI_COPY
 from experiments.sharding import HELP as SHARDING_HELP
 from experiments.sharding import add_arguments as add_sharding_arguments
@@ -954,10 +954,8 @@ def main(argv=None) -> int:
         if args.pareto:
             if not is_main_rank():
                 return 0
-            if args.plot == "none":
-                parser_error = "--plot: expected a figure path with --pareto, got none"
-                print(f"{prog}: error: {parser_error}", file=sys.stderr)
-                return 2
+            if args.plot == "none":  # the one-line error below
+                raise ValueError("--plot: expected a figure path with --pareto, got none")
             png = args.plot or str(RESULTS / "model_drift_pareto.png")
             for label, us, value, on in pareto(args.drift_csv, args.bench, png,
                                                args.bench_shape):
@@ -974,9 +972,7 @@ def main(argv=None) -> int:
             except SweepStopped as stopped:  # its line is printed; the same command resumes
                 return stopped.code
             except KeyboardInterrupt:  # outside the sweep's cells
-                print(f"{prog}: interrupted (Ctrl-C); no file was left half-written",
-                      file=sys.stderr)
-                return INTERRUPTED_STATUS
+                return report_interrupt(prog)
             if not done.is_writer:  # a rank other than 0: rank 0 writes, plots, summarises
                 return 0
         if c.plot != "none":
