@@ -89,7 +89,7 @@ E2M1_MAX = 6.0
 FOLDS = ("sequential", "chunked")  # the fold's two orders (module docstring)
 DEFAULT_FOLD = "sequential"  # the fold the GPU tests have checked (docs/kernels.md)
 # A thread holds 64 fp32 state elements; capping it at 128 registers lets two 256-thread CTAs
-# share an SM (at 130-138 registers one did)
+# share an SM (unbounded, ptxas took more and one did: docs/performance.md)
 REGISTERS_PER_SM = 65536
 REGISTER_FLOOR = 128
 

@@ -2,7 +2,7 @@
 kernels in their default configurations, compiled for sm_90a on the CPU.
 
     python -m tools.instruction_count            # flush and non-flush kernels, fast paths
-                                                 # (and the GDN non-flush kernel)
+                                                 # (and the GDN kernels)
     python -m tools.instruction_count --with-fallbacks
     python -m tools.instruction_count --pipes    # by Hopper pipe, floors, per-token budgets
     python -m tools.instruction_count --sr 32:10,8:4  # and fp16 SR + nvfp4 at other SR settings
@@ -241,6 +241,15 @@ def gdn_nonflush_config(lo_format: str):
                      hi_rounding="rn", lo_format=lo_format, act="bf16")
 
 
+def _per_thread_element(kernel, cfg) -> tuple[float, int, collections.Counter]:
+    """(SASS instructions per state element a thread, registers per thread, the opcodes per
+    element) of a compiled GDN kernel whose threads hold dv dk / threads elements each."""
+    ops, registers = sass_histogram(kernel.__ptx__)
+    per = cfg.dv * cfg.dk // cfg.threads
+    return sum(ops.values()) / per, registers, collections.Counter(
+        {op: n / per for op, n in ops.items()})
+
+
 def count_gdn_nonflush(formats=("nvfp4", "none")) -> list[tuple[str, float, int]]:
     """Per read copy (nvfp4, or 'none': the fp32 single copy): (format, SASS instructions per
     state element a thread, registers per thread) of the GDN non-flush kernel at its default
@@ -251,36 +260,37 @@ def count_gdn_nonflush(formats=("nvfp4", "none")) -> list[tuple[str, float, int]
     rows = []
     for lo_format in formats:
         cfg = gdn_nonflush_config(lo_format)
-        kernel = go.compile_gdn_output(cfg, keep_ptx=True,
-                                       heads_per_cta=go.DEFAULT_HEADS_PER_CTA)
-        ops, registers = sass_histogram(kernel.__ptx__)
-        rows.append((lo_format, sum(ops.values()) / (cfg.dv * cfg.dk // cfg.threads),
-                     registers))
+        per_element, registers, _ = _per_thread_element(
+            go.compile_gdn_output(cfg, keep_ptx=True), cfg)
+        rows.append((lo_format, per_element, registers))
     return rows
 
 
-def gdn_flush_config():
-    """The GDN flush kernel's configuration at the Qwen3-Next layer: fp16 SR (the default
-    bits and rounds) + nvfp4, bf16 activations, no debug output."""
+def gdn_flush_config(lo_format: str = "nvfp4"):
+    """The GDN flush kernel's configuration at the Qwen3-Next layer, bf16 activations, no debug
+    output: fp16 SR (the default bits and rounds) + nvfp4, or ('none') the fp32 single copy."""
     from cute_kernels.gdn_replay_flush import GDNConfig
 
-    return GDNConfig(**QWEN3_NEXT, hi_format="fp16", hi_rounding="sr", lo_format="nvfp4",
-                     act="bf16")
+    two_copy = lo_format == "nvfp4"
+    return GDNConfig(**QWEN3_NEXT, hi_format="fp16" if two_copy else "fp32",
+                     hi_rounding="sr" if two_copy else "rn", lo_format=lo_format, act="bf16")
 
 
-def count_gdn_flush(folds=None) -> list[tuple[str, float, int]]:
-    """Per fold order (`gdn_replay_flush.FOLDS`): (fold, SASS instructions per state element a
-    thread, registers per thread) of the GDN flush kernel, both stores included. Loops the
-    kernel keeps (the chunked fold's staging and decay products) count once a pass through
-    their body."""
+def count_gdn_flush(formats=("nvfp4", "none"), folds=None
+                    ) -> list[tuple[str, str, float, int, list]]:
+    """Per read copy format and fold order (`gdn_replay_flush.FOLDS`): (format, fold, SASS
+    instructions per state element a thread, registers per thread, the 4 commonest opcodes per
+    element) of the GDN flush kernel, its stores included. Loops the kernel keeps (the chunked
+    fold's staging and decay products) count once a pass through their body."""
     from cute_kernels import gdn_replay_flush as gf
 
     rows = []
-    cfg = gdn_flush_config()
-    for fold in gf.FOLDS if folds is None else folds:
-        kernel = gf.compile_gdn_flush(cfg, keep_ptx=True, fold=fold)
-        ops, registers = sass_histogram(kernel.__ptx__)
-        rows.append((fold, sum(ops.values()) / (cfg.dv * cfg.dk // cfg.threads), registers))
+    for lo_format in formats:
+        cfg = gdn_flush_config(lo_format)
+        for fold in gf.FOLDS if folds is None else folds:
+            per_element, registers, ops = _per_thread_element(
+                gf.compile_gdn_flush(cfg, keep_ptx=True, fold=fold), cfg)
+            rows.append((lo_format, fold, per_element, registers, ops.most_common(4)))
     return rows
 
 
@@ -733,10 +743,12 @@ def main(argv=None) -> int:
     print("Gated DeltaNet non-flush (gdn_replay_output, Qwen3-Next), per element and thread:")
     for lo, per_element, registers in count_gdn_nonflush():
         print(f"  {lo:9s} {per_element:5.2f} per element, {registers} registers")
-    print("Gated DeltaNet flush (gdn_replay_flush, Qwen3-Next, fp16 SR + nvfp4), per element and "
-          "thread, by fold:")
-    for fold, per_element, registers in count_gdn_flush():
-        print(f"  {fold:10s} {per_element:6.2f} per element, {registers} registers")
+    print("Gated DeltaNet flush (gdn_replay_flush, Qwen3-Next; nvfp4: fp16 SR + nvfp4, none: "
+          "the fp32 single copy), per element and thread, by fold:")
+    for lo, fold, per_element, registers, top in count_gdn_flush():
+        ops = ", ".join(f"{op} {n:.1f}" for op, n in top)
+        print(f"  {lo:5s} {fold:10s} {per_element:6.2f} per element, {registers} registers "
+              f"({ops})")
     return 0
 
 
