@@ -113,6 +113,10 @@ class FlushConfig:
     # (a whole block a thread); None: 16 with the direct fold, and with the mma fold for an
     # fp16 copy (955.4 -> 905.7 us), else 8
     chunk: int | None = None
+    # heads a CTA flushes one after another (a divisor of nheads), each head's recurrence copy
+    # brought into shared memory by the bulk copy engine while the head before it folds and
+    # rounds; 1: a CTA a head, its state loaded by its threads
+    heads_per_cta: int = 1
 
     def __post_init__(self):
         # for configs built directly (compile_flush's key): an unknown format would compile
@@ -172,6 +176,13 @@ class FlushConfig:
         if self.min_ctas_per_sm is None:
             cap = max(1, 1024 // self.threads) if self.fold == "direct" else 0
             object.__setattr__(self, "min_ctas_per_sm", cap)
+        if (not _is_int(self.heads_per_cta) or self.heads_per_cta < 1
+                or self.nheads % self.heads_per_cta):
+            kv.fail("heads_per_cta", f"a divisor of nheads={self.nheads}",
+                    repr(self.heads_per_cta))
+        if self.heads_per_cta > 1 and self.slot_loop:
+            kv.fail("heads_per_cta", "1 with slot_loop (a CTA loops over slots instead)",
+                    repr(self.heads_per_cta))
         if self.slot_loop and self.slot_table:
             kv.fail("slot_table", "False with slot_loop (a CTA takes one table entry)",
                           "True")
@@ -269,11 +280,11 @@ def decode_slot_ctas(cfg: FlushConfig, batch: int, sm_count: int) -> int:
     flush costs a shared-memory read, not a CTA; never fewer than `threads` slots a CTA allows.
     A step where every slot flushes then runs in one wave of CTAs that loop over their slots
     (at batch 256 on the Nemotron layer 4 CTAs a head, 512 of 528 resident)."""
-    per_wave = max(1, sm_count * resident_ctas_per_sm(cfg) // cfg.nheads)
+    per_wave = max(1, sm_count * resident_ctas_per_sm(cfg) // (cfg.nheads // cfg.heads_per_cta))
     return max(min(batch, per_wave), -(-batch // cfg.threads))
 
 
-TUNING_FIELDS = ("elements_per_thread", "fold", "chunk", "min_ctas_per_sm")
+TUNING_FIELDS = ("elements_per_thread", "fold", "chunk", "min_ctas_per_sm", "heads_per_cta")
 
 
 def check_flush_shape(view: kv.CacheView, elements_per_thread: int) -> None:
