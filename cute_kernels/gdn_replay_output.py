@@ -90,7 +90,7 @@ __all__ = ["GDNOutputConfig", "compile_gdn_output", "launch_gdn_output", "stage_
 
 E2M1_AS_E4M3 = 64.0  # the re-packed codes are E2M1 x 2^-6
 # one head a CTA: 2, 4, 8 and 16 measured slower at batch 1 and 256 (docs/performance.md;
-# `python -m tools.gdn_heads_per_cta` times each)
+# `python -m tools.heads_per_cta` times each)
 DEFAULT_HEADS_PER_CTA = 1
 MIN_CTAS_PER_SM = 4  # nvfp4: a 64-register cap, four 256-thread CTAs an SM
 MAX_HEADS_PER_CTA = 16

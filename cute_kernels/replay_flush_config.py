@@ -31,6 +31,8 @@ CHUNKS = (8, 16)
 ELEMENTS_PER_THREAD = 64  # the layout that fits every accepted shape (the head's amax in
 # registers); default_elements_per_thread picks 32 where it fits an fp16 copy
 NVFP4_BLOCK = 16
+DEFAULT_HEADS_PER_CTA = 1  # flush_config's heads a CTA (`python -m tools.heads_per_cta
+# --kernel mamba2-flush` times the others)
 E2M1_E4M3_MAX = 2688.0  # 448 * 6
 E2M1_MAX = 6.0
 
@@ -315,7 +317,7 @@ def flush_config(cache: kv.ReplayCache, view: kv.CacheView, x, dt, D=None, z=Non
         hi_rounding=cache.hi_rounding, lo_format=cache.lo_format, has_D=D is not None,
         has_z=z is not None, has_dt_bias=dt_bias is not None, dt_softplus=dt_softplus,
         has_debug=has_debug, sr_bits=cache.sr_bits, philox_rounds=cache.philox_rounds,
-        elements_per_thread=ept,
+        elements_per_thread=ept, heads_per_cta=DEFAULT_HEADS_PER_CTA,
     )
 
 

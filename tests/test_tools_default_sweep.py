@@ -1,4 +1,4 @@
-"""tools.gdn_heads_per_cta and tools.gdn_flush_fold: each kernel_bench run times its kernel
+"""tools.heads_per_cta (both kernels) and tools.gdn_flush_fold: each kernel_bench run times its kernel
 with the module default set to one value, the default comes back afterwards (also when a run
 fails), and each run is compared with the first (CPU: kernel_bench and the comparison are
 stand-ins that record what they were given)."""
@@ -9,9 +9,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from cute_kernels import gdn_replay_flush, gdn_replay_output
+from cute_kernels import gdn_replay_flush, gdn_replay_output, replay_flush_config
 from experiments import kernel_bench
-from tools import compare_bench, gdn_flush_fold, gdn_heads_per_cta
+from tools import compare_bench, gdn_flush_fold, heads_per_cta
 
 
 @dataclass(frozen=True)
@@ -26,8 +26,12 @@ class Tool:
 
 
 TOOLS = {
-    "heads_per_cta": Tool(gdn_heads_per_cta.main, gdn_replay_output, "DEFAULT_HEADS_PER_CTA",
+    "heads_per_cta": Tool(heads_per_cta.main, gdn_replay_output, "DEFAULT_HEADS_PER_CTA",
                           "--heads", (3, 1, 8), "heads_{}.csv", "cute:nonflush:nvfp4"),
+    "flush_heads_per_cta": Tool(
+        lambda argv: heads_per_cta.main(["--kernel", "mamba2-flush"] + argv),
+        replay_flush_config, "DEFAULT_HEADS_PER_CTA", "--heads", (2, 1, 4), "heads_{}.csv",
+        "cute:flush:fp16sr+nvfp4,cute:flush:fp32"),
     "flush_fold": Tool(gdn_flush_fold.main, gdn_replay_flush, "DEFAULT_FOLD", "--folds",
                        ("chunked", "sequential"), "fold_{}.csv",
                        "cute:flush:fp16sr+nvfp4,cute:flush:fp32"),
@@ -78,6 +82,7 @@ def test_a_failing_run_stops_the_sweep_and_restores_the_default(name, monkeypatc
     ("heads_per_cta", ["--heads", "2,2"], "expected distinct ints in [1, 16]"),
     ("heads_per_cta", ["--heads", "a"], "expected comma-separated ints"),
     ("heads_per_cta", ["--", "--kernels", "x"], "--kernels is set by the tool"),
+    ("heads_per_cta", ["--kernel", "mamba3-flush"], "argument --kernel: invalid choice"),
     ("flush_fold", ["--folds", "chunk"], "expected distinct folds among sequential, chunked"),
     ("flush_fold", ["--folds", "chunked,chunked"], "expected distinct folds"),
     ("flush_fold", ["--", "--out", "x.csv"], "--out is set by the tool"),
