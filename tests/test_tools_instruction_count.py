@@ -164,6 +164,7 @@ def test_ncu_pipes_script_keeps_every_line_the_reader_needs():
     (["--pipes", "--csv", "{tmp}/other.csv"], "is not a kernel_bench CSV (no column run, "),
     (["--pipes", "--with-fallbacks"], "--with-fallbacks: only for the default count"),  # ignored
     (["--ncu", "{tmp}/other.csv", "--with-fallbacks"], "--with-fallbacks: only"),
+    (["--heads-per-cta", "3"], "--heads-per-cta: expected a divisor of 128, got 3"),
 ])
 def test_bad_report_or_csv_paths_are_argument_errors(tmp_path, capsys, argv, message):
     """Checked before anything compiles: one line on stderr and exit status 2."""
@@ -341,3 +342,17 @@ def test_the_gdn_flush_fits_two_ctas_an_sm_without_spilling():
     for fold in gf.FOLDS:
         ops, _ = ic.sass_histogram(gf.compile_gdn_flush(cfg, keep_ptx=True, fold=fold).__ptx__)
         assert not ops.get("LDL") and not ops.get("STL"), (fold, ops)
+
+
+@pytest.mark.slow
+def test_several_heads_a_cta_count_per_head_element_and_their_spills():
+    """The flush at 2 heads a CTA is counted per element of one head (the same order as one
+    head a CTA: the head loop runs the same body), with its registers and spill count."""
+    if not ic.tools_available():
+        pytest.skip(f"SASS counts: {ic.tools_problem()}")
+    one = {pair: row for pair, *row in ic.count_flush_heads(1, formats=(("fp32", "rn", "none"),))}
+    two = {pair: row for pair, *row in ic.count_flush_heads(2, formats=(("fp32", "rn", "none"),))}
+    (per_one, regs_one, local_one), = one.values()
+    (per_two, regs_two, local_two), = two.values()
+    assert local_one == 0 and regs_one <= 128 and regs_two <= 128
+    assert per_one < per_two < 1.5 * per_one  # a head's body once, plus the loop and the copy

@@ -35,6 +35,7 @@ if __name__ == "__main__":  # Ctrl-C from the first import on: one line, status 
 
 import argparse  # noqa: I001  (_compile must precede cutlass)
 import collections
+import dataclasses
 import os
 import re
 import shutil
@@ -201,6 +202,20 @@ def count(with_fallbacks: bool, formats=FLUSH_FORMATS
 # The non-flush kernel is unrolled over the heads a warp owns, so its SASS count divided by
 # the elements one lane handles (heads per warp x headdim x dstate / 32) is what a lane issues
 # per read-copy element, prologue and epilogue included.
+
+
+def count_flush_heads(heads_per_cta: int, formats=(("fp16", "sr", "nvfp4"), ("fp32", "rn", "none"))
+                      ) -> list[tuple[tuple[str, str, str], float, int, int]]:
+    """Per flush format pair at `heads_per_cta` heads a CTA (the default register cap): (formats,
+    SASS instructions per state element a head, registers per thread, local-memory
+    instructions, i.e. spill loads and stores)."""
+    rows = []
+    for pair in formats:
+        cfg = dataclasses.replace(flush_config(*pair), heads_per_cta=heads_per_cta)
+        ops, registers = sass_histogram(rf.compile_flush(cfg, keep_ptx=True).__ptx__)
+        rows.append((pair, sum(ops.values()) / cfg.elements_per_thread, registers,
+                     ops["LDL"] + ops["STL"]))
+    return rows
 
 
 def nonflush_config(lo_format: str, batch: int = HEADLINE_BATCH) -> ro.ReplayOutputConfig:
@@ -667,6 +682,15 @@ def main(argv=None) -> int:
         "element in 8, 13, 16, 32; Philox rounds 1..10; the default is 16:7), e.g. 32:10,8:4",
     )
     parser.add_argument(
+        "--heads-per-cta",
+        type=int,
+        default=None,
+        metavar="N",
+        help="also count the two default flushes (fp16 SR + nvfp4, fp32 single copy) at N heads "
+        "a CTA (FlushConfig.heads_per_cta, a divisor of the layer's 128 heads), with their "
+        "spill loads and stores",
+    )
+    parser.add_argument(
         "--pipes",
         action="store_true",
         help="instead: the flush's instructions by Hopper pipe (ALU, FMA halves, XU) "
@@ -699,6 +723,10 @@ def main(argv=None) -> int:
         if missing:
             parser.error(f"--csv: {args.csv} is not a kernel_bench CSV (no column "
                          f"{', '.join(missing)})")
+    if args.heads_per_cta is not None and (args.heads_per_cta < 1
+                                           or NEMOTRON["nheads"] % args.heads_per_cta):
+        parser.error(f"--heads-per-cta: expected a divisor of {NEMOTRON['nheads']}, got "
+                     f"{args.heads_per_cta}")
     if args.with_fallbacks and (args.pipes or args.ncu):
         parser.error("--with-fallbacks: only for the default count (--pipes and --ncu price "
                      "the fast paths)")
@@ -737,6 +765,11 @@ def main(argv=None) -> int:
         ops = ", ".join(f"{op} {n:.1f}" for op, n in top)
         print(f"  {variant_name(pair):26s} {per_element:6.1f} per element, {registers:3d} "
               f"registers ({ops})")
+    if args.heads_per_cta is not None:
+        print(f"flush at {args.heads_per_cta} heads a CTA, per element of a head:")
+        for pair, per_element, registers, local in count_flush_heads(args.heads_per_cta):
+            print(f"  {variant_name(pair):26s} {per_element:6.1f} per element, {registers:3d} "
+                  f"registers, {local} spill loads and stores")
     print("non-flush (replay_output), per element and lane:")
     for lo, per_element, registers in count_nonflush():
         print(f"  {lo:9s} {per_element:5.2f} per element, {registers} registers")
