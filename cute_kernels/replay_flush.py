@@ -71,10 +71,9 @@ import torch
 from cutlass import Float32, Int32, Uint8, Uint32
 from cutlass.memory import SmemAllocator
 
-from cute_kernels import _compile
+from cute_kernels import _compile, ptx
 from cute_kernels import cache as kv
 from cute_kernels import numerics as nm
-from cute_kernels import ptx
 from cute_kernels.replay_flush_config import (
     CHUNK,
     E2M1_E4M3_MAX,
@@ -405,9 +404,10 @@ class ReplayFlush:
                                 out.element_type
                             )
 
-                    # 5. stores, one chunk at a time so that each chunk's values die after its stores
-                    # (all chunks at once spilled: SR words and codes for 64 values do not fit); the
-                    # recurrence copy first, then (after the barrier of the head's amax) nvfp4
+                    # 5. stores, one chunk at a time so that each chunk's values die after its
+                    # stores (all chunks at once spilled: SR words and codes for 64 values do
+                    # not fit); the recurrence copy first, then (after the barrier of the
+                    # head's amax) nvfp4
                     keys = nm.philox_keys(seed_lo, seed_hi, cfg.philox_rounds)
                     _, counter_hi = nm.state_counter(Uint32(s), flush, Uint32(0))
                     nvfp4 = cfg.lo_format == "nvfp4"

@@ -1,6 +1,6 @@
-"""tools.heads_per_cta (both kernels) and tools.gdn_flush_fold: each kernel_bench run times its kernel
-with the module default set to one value, the default comes back afterwards (also when a run
-fails), and each run is compared with the first (CPU: kernel_bench and the comparison are
+"""tools.heads_per_cta (both kernels) and tools.gdn_flush_fold: each kernel_bench run times its
+kernel with the module default set to one value, the default comes back afterwards (also when a
+run fails), and each run is compared with the first (CPU: kernel_bench and the comparison are
 stand-ins that record what they were given)."""
 
 from __future__ import annotations
