@@ -346,8 +346,9 @@ def test_the_gdn_flush_fits_two_ctas_an_sm_without_spilling():
 
 @pytest.mark.slow
 def test_several_heads_a_cta_count_per_head_element_and_their_spills():
-    """The flush at 2 heads a CTA is counted per element of one head (the same order as one
-    head a CTA: the head loop runs the same body), with its registers and spill count."""
+    """The flush at 2 heads a CTA is counted per element of one head, fallbacks compiled out
+    as in the default count (the same order as one head a CTA: the head loop runs the same
+    body), with its registers and spill count."""
     if not ic.tools_available():
         pytest.skip(f"SASS counts: {ic.tools_problem()}")
     one = {pair: row for pair, *row in ic.count_flush_heads(1, formats=(("fp32", "rn", "none"),))}

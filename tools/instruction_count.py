@@ -168,11 +168,12 @@ def variant_name(pair: tuple) -> str:
     return f"{hi} {rounding} hi + {lo}"
 
 
-def histograms(with_fallbacks: bool, formats=FLUSH_FORMATS
+def histograms(with_fallbacks: bool, formats=FLUSH_FORMATS, heads_per_cta: int = 1
                ) -> list[tuple[tuple[str, str, str], collections.Counter, int, int]]:
     """Per flush format pair (hi, rounding, lo, and optionally (sr_bits, philox_rounds)):
     (formats, SASS opcode counts, registers per thread, elements per thread); without
-    fallbacks the rare general paths' bodies are compiled out (what a thread runs)."""
+    fallbacks the rare general paths' bodies are compiled out (what a thread runs);
+    `heads_per_cta`: the flush's FlushConfig.heads_per_cta."""
     general = (nm.sr_fp16_bits, nm.rn_e2m1_nibble)
     _compile._CACHE.clear()
     if not with_fallbacks:  # what a thread runs: the fallbacks' bodies become constants
@@ -181,7 +182,7 @@ def histograms(with_fallbacks: bool, formats=FLUSH_FORMATS
     try:
         rows = []
         for pair in formats:
-            cfg = flush_config(*pair)
+            cfg = dataclasses.replace(flush_config(*pair), heads_per_cta=heads_per_cta)
             ops, registers = sass_histogram(rf.compile_flush(cfg, keep_ptx=True).__ptx__)
             rows.append((pair, ops, registers, cfg.elements_per_thread))
         return rows
@@ -204,18 +205,13 @@ def count(with_fallbacks: bool, formats=FLUSH_FORMATS
 # per read-copy element, prologue and epilogue included.
 
 
-def count_flush_heads(heads_per_cta: int, formats=(("fp16", "sr", "nvfp4"), ("fp32", "rn", "none"))
+def count_flush_heads(heads_per_cta: int, formats=FLUSH_FORMATS
                       ) -> list[tuple[tuple[str, str, str], float, int, int]]:
-    """Per flush format pair at `heads_per_cta` heads a CTA (the default register cap): (formats,
-    SASS instructions per state element a head, registers per thread, local-memory
-    instructions, i.e. spill loads and stores)."""
-    rows = []
-    for pair in formats:
-        cfg = dataclasses.replace(flush_config(*pair), heads_per_cta=heads_per_cta)
-        ops, registers = sass_histogram(rf.compile_flush(cfg, keep_ptx=True).__ptx__)
-        rows.append((pair, sum(ops.values()) / cfg.elements_per_thread, registers,
-                     ops["LDL"] + ops["STL"]))
-    return rows
+    """Per flush format pair at `heads_per_cta` heads a CTA (the default register cap), the
+    fallbacks compiled out as in `count`: (formats, SASS instructions per state element of a
+    head, registers per thread, local-memory instructions, i.e. spill loads and stores)."""
+    return [(pair, sum(ops.values()) / per, registers, ops["LDL"] + ops["STL"])
+            for pair, ops, registers, per in histograms(False, formats, heads_per_cta)]
 
 
 def nonflush_config(lo_format: str, batch: int = HEADLINE_BATCH) -> ro.ReplayOutputConfig:
