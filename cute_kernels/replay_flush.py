@@ -2,7 +2,9 @@
 twice, the recurrence copy (hi) with FP16 SR and the read copy (lo) with NVFP4 RN.
 
 For every slot `s` whose step is a flush (`cursors[s] + 1 == window`; other slots exit at
-once), per head `h` (one CTA owns one (slot, head) state, `headdim x dstate`):
+once), per head `h` (one CTA owns one (slot, head) state, `headdim x dstate`; or, with
+`heads_per_cta = n`, n heads of a slot in turn, each head's recurrence copy brought into
+shared memory by one bulk copy while the head before it folds and rounds):
 
     record      the current (x, dt, B) is appended at ring position window - 1
                 (dt after dt_bias and softplus; B by the first head of each group)
