@@ -282,7 +282,7 @@ def decode_slot_ctas(cfg: FlushConfig, batch: int, sm_count: int) -> int:
     flush costs a shared-memory read, not a CTA; never fewer than `threads` slots a CTA allows.
     A step where every slot flushes then runs in one wave of CTAs that loop over their slots
     (at batch 256 on the Nemotron layer 4 CTAs a head, 512 of 528 resident)."""
-    per_wave = max(1, sm_count * resident_ctas_per_sm(cfg) // (cfg.nheads // cfg.heads_per_cta))
+    per_wave = max(1, sm_count * resident_ctas_per_sm(cfg) // cfg.nheads)
     return max(min(batch, per_wave), -(-batch // cfg.threads))
 
 

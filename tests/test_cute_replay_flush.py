@@ -465,9 +465,10 @@ def test_replay_cache_takes_the_emulations_sr_settings_and_refuses_others(kwargs
         replay_flush(**args, window=window, sr_bits=8, philox_rounds=1)
 
 
-def test_flush_config_takes_the_modules_heads_per_cta_and_the_decode_loop_one(monkeypatch):
+def test_flush_config_takes_the_modules_heads_per_cta(monkeypatch):
     """flush_config's heads a CTA is DEFAULT_HEADS_PER_CTA (what tools.heads_per_cta sets);
-    a FlushConfig that loops over slots takes one head a CTA."""
+    such a config cannot loop over slots (the decode step's fp32 flush sets one head a CTA
+    with its slot loop)."""
     from cute_kernels import replay_flush_config as rfc
 
     cache = kv.ReplayCache.empty(2, **NEMOTRON, window=16)
@@ -477,7 +478,8 @@ def test_flush_config_takes_the_modules_heads_per_cta_and_the_decode_loop_one(mo
     monkeypatch.setattr(rfc, "DEFAULT_HEADS_PER_CTA", 4)
     cfg = rf.flush_config(cache, kv.check_replay_cache(cache), x, dt)
     assert cfg.heads_per_cta == 4
-    assert dataclasses.replace(cfg, slot_loop=True, heads_per_cta=1).slot_loop
+    with pytest.raises(ValueError, match="heads_per_cta: expected 1 with slot_loop"):
+        dataclasses.replace(cfg, slot_loop=True)
 
 
 def test_flush_config_carries_the_caches_sr_setting():

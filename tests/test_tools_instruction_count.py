@@ -351,9 +351,8 @@ def test_several_heads_a_cta_count_per_head_element_and_their_spills():
     body), with its registers and spill count."""
     if not ic.tools_available():
         pytest.skip(f"SASS counts: {ic.tools_problem()}")
-    one = {pair: row for pair, *row in ic.count_flush_heads(1, formats=(("fp32", "rn", "none"),))}
-    two = {pair: row for pair, *row in ic.count_flush_heads(2, formats=(("fp32", "rn", "none"),))}
-    (per_one, regs_one, local_one), = one.values()
-    (per_two, regs_two, local_two), = two.values()
+    fp32 = (("fp32", "rn", "none"),)
+    [(_, per_one, regs_one, local_one)] = ic.count_flush_heads(1, formats=fp32)
+    [(_, per_two, regs_two, _)] = ic.count_flush_heads(2, formats=fp32)
     assert local_one == 0 and regs_one <= 128 and regs_two <= 128
     assert per_one < per_two < 1.5 * per_one  # a head's body once, plus the loop and the copy

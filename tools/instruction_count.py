@@ -682,9 +682,8 @@ def main(argv=None) -> int:
         type=int,
         default=None,
         metavar="N",
-        help="also count the two default flushes (fp16 SR + nvfp4, fp32 single copy) at N heads "
-        "a CTA (FlushConfig.heads_per_cta, a divisor of the layer's 128 heads), with their "
-        "spill loads and stores",
+        help="also count the flush's formats at N heads a CTA (FlushConfig.heads_per_cta, a "
+        "divisor of the layer's 128 heads), with their spill loads and stores",
     )
     parser.add_argument(
         "--pipes",
