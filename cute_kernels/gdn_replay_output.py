@@ -84,6 +84,7 @@ from cute_kernels.gdn_replay_flush import (
     load_vector_chunk,
     optional_ptr,
 )
+from cute_kernels.tensor_core import mma_m16n8k16
 
 __all__ = ["GDNOutputConfig", "compile_gdn_output", "launch_gdn_output", "stage_bytes",
            "cta_shared_bytes", "traffic_bytes"]
@@ -92,6 +93,12 @@ E2M1_AS_E4M3 = 64.0  # the re-packed codes are E2M1 x 2^-6
 # one head a CTA: 2, 4, 8 and 16 measured slower at batch 1 and 256 (docs/performance.md;
 # `python -m tools.heads_per_cta` times each)
 DEFAULT_HEADS_PER_CTA = 1
+DOTS = ("ffma", "mma")  # the read copy's two dot products: FFMA a thread, or tensor cores
+DEFAULT_DOTS = "ffma"  # the form the GPU tests have checked (docs/kernels.md)
+MMA_DK = 128  # the mma form: a warp a 16-row stripe of the whole key width
+# the mma form's B operands of a head: (k, q) x (f16 hi, f16 lo) x 4 lanes' columns x 8 mmas x
+# two registers, then 64 zero bytes for the lanes whose B column is not their own
+B_FRAGMENT_BYTES = 2 * 2 * (MMA_DK // 32) * 8 * 8 + 64
 MIN_CTAS_PER_SM = 4  # nvfp4: a 64-register cap, four 256-thread CTAs an SM
 MAX_HEADS_PER_CTA = 16
 STAGES = 2  # a head computes while the next one's bytes arrive
@@ -122,6 +129,74 @@ def _nvfp4_codes(frag, words):
                 frag[e + 2] = b
 
 
+def b_fragment_half(vec, part, col, N: int):
+    """Where the mma form keeps element `col` of k (vec 0) or q (vec 1), f16 hi (part 0) or
+    lo (part 1), in 16-bit units of its B operands: lane t = col // 32 reads the four halves
+    4 j .. 4 j + 3 of its row ((2 vec + part) N / 32 + t) as mma j's two registers, which
+    hold elements (e, e + 2) and (e + 1, e + 3), e = 8 (j // 2) + 4 (j % 2) of its 32: the A
+    operand's order (`e2m1_as_e4m3` pairs elements e, e + 2). Plain ints or DSL Int32."""
+    j = 2 * (col % 32 // 8) + col % 8 // 4
+    o = col % 4
+    return ((2 * vec + part) * (N // 32) + col // 32) * 32 + j * 4 + (o % 2) * 2 + o // 2
+
+
+@cute.jit
+def _stage_b_fragments(cfg: cutlass.Constexpr, tidx, k_stage, q_stage, frag_words):
+    """The mma form's B operands of a head into shared memory: f16 hi = RN(x) and lo =
+    RN(x - hi) of every k and q element x (hi + lo = x within 2^-22 |x| for |x| in f16's
+    normal range), each where `_mma_row_sums` reads it (`b_fragment_half`)."""
+    N, T = cfg.dk, cfg.threads
+    halves = cute.make_tensor(cute.recast_ptr(frag_words.iterator, dtype=cutlass.Float16),
+                              cute.make_layout(B_FRAGMENT_BYTES // 2))
+    for m in cutlass.range_constexpr((2 * N + T - 1) // T):
+        e = tidx + T * m
+        if e < 2 * N:
+            vec = e // N  # 0: k, 1: q
+            col = e % N
+            x = nm._sel(vec == 0, k_stage[col].to(Float32), q_stage[col].to(Float32))
+            hi = x.to(cutlass.Float16)
+            lo = (x - hi.to(Float32)).to(cutlass.Float16)
+            halves[b_fragment_half(vec, 0, col, N)] = hi
+            halves[b_fragment_half(vec, 1, col, N)] = lo
+
+
+def _mma_row_sums(N: int, codes_addr, scales_addr, frag_addr, row, lane):
+    """Tensor cores: the block-scaled sums of codes x k and codes x q over lane (g, t)'s 32
+    columns (32 t .. 32 t + 31: blocks 2 t and 2 t + 1) of rows `row` = 16 w + g and row + 8,
+    as ((k row, k row + 8), (q row, q row + 8)); the caller multiplies them by 2^6 s_g and
+    adds the quad's four. Each A operand is two rows' re-packed codes (E2M1 x 2^-6 in f16,
+    exact); B's column n holds f16 hi (n = 2 t) or lo (n = 2 t + 1) of k (or q) on lane t's
+    k indices only, zero elsewhere (Mamba-2's `replay_output._c_fragments` trick), so D's
+    columns 2 t, 2 t + 1 are this lane's own block sums, which it scales by its E4M3 bytes in
+    fp32. Shared-memory byte addresses: the stage's codes and scales, the B operands."""
+    g, t = lane // 4, lane % 4
+    codes = [ptx.lds_v4(codes_addr + (row + 8 * r) * (N // 2) + 16 * t) for r in range(2)]
+    part = nm._sel(g == 2 * t, Int32(0), Int32(1))
+    own = g // 2 == t
+    zeros = frag_addr + B_FRAGMENT_BYTES - 64
+    b_addr = [nm._sel(own, frag_addr + ((2 * vec + part) * (N // 32) + t) * 64, zeros)
+              for vec in range(2)]
+    acc = [[[Float32(0.0)] * 4 for _ in range(2)] for _ in range(2)]  # [vec][block]
+    for i in range(4):  # word i: elements 8 i .. 8 i + 7, block 2 t + i // 2
+        ev0, od0 = e2m1_as_e4m3(codes[0][i])
+        ev1, od1 = e2m1_as_e4m3(codes[1][i])
+        for half in range(2):  # mma j = 2 i + half: elements (e, e + 2), (e + 1, e + 3)
+            a = [ptx.e4m3x2_to_f16x2(ev0, half), ptx.e4m3x2_to_f16x2(ev1, half),
+                 ptx.e4m3x2_to_f16x2(od0, half), ptx.e4m3x2_to_f16x2(od1, half)]
+            for vec in range(2):
+                b = ptx.lds_words(b_addr[vec] + 8 * (2 * i + half), 2)
+                acc[vec][i // 2] = mma_m16n8k16(a, b, acc[vec][i // 2])
+    sums = [[], []]
+    for r in range(2):
+        scale_pair = ptx.lds_u16(scales_addr + (row + 8 * r) * (N // W) + 2 * t)
+        s_even, s_odd = ptx.f16x2_to_f32x2(ptx.e4m3x2_to_f16x2(scale_pair))  # exact
+        for vec in range(2):
+            blocks = acc[vec]
+            sums[vec].append(s_even * (blocks[0][2 * r] + blocks[0][2 * r + 1])
+                             + s_odd * (blocks[1][2 * r] + blocks[1][2 * r + 1]))
+    return sums[0], sums[1]
+
+
 def _block_scale(scale_byte, global_scale):
     """(2^6 s_b) s_g: the factor of a block's partial sums of E2M1 x 2^-6 (2^6 s_b exact)."""
     return (nm.e4m3_value(Uint32(scale_byte)) * Float32(E2M1_AS_E4M3)) * global_scale
@@ -130,10 +205,12 @@ def _block_scale(scale_byte, global_scale):
 @dataclass(frozen=True)
 class GDNOutputConfig:
     """Static parameters of the non-flush kernel (its compile-cache key): the step's
-    `GDNConfig` and the heads each CTA takes in turn."""
+    `GDNConfig`, the heads each CTA takes in turn and the form of the read copy's dot
+    products (`DOTS`; 'mma' for the NVFP4 read copy at d_k = 128 only)."""
 
     gdn: GDNConfig
     heads_per_cta: int
+    dots: str = "ffma"
 
     def __post_init__(self):
         H, n = self.gdn.nheads, self.heads_per_cta
@@ -141,6 +218,24 @@ class GDNOutputConfig:
                 or H % n):
             fail("heads_per_cta", f"a divisor of nheads = {H} in [1, {MAX_HEADS_PER_CTA}]",
                  repr(n))
+        if self.dots not in DOTS:
+            fail("dots", f"one of {list(DOTS)}", repr(self.dots))
+        if self.dots == "mma" and not mma_applies(self.gdn):
+            fail("dots", f"'ffma' for lo_format {self.gdn.lo_format!r} at d_k = {self.gdn.dk} "
+                 f"(the mma form: nvfp4 at d_k = {MMA_DK})", "'mma'")
+
+
+def mma_applies(cfg: GDNConfig) -> bool:
+    """Whether the tensor-core dot products apply: the NVFP4 read copy at d_k = 128 (a warp
+    then owns a 16-row stripe of whole rows)."""
+    return cfg.lo_format == "nvfp4" and cfg.dk == MMA_DK
+
+
+def dots_of(cfg: GDNConfig, dots: str | None) -> str:
+    """The form a launch uses: `dots`, or (None) DEFAULT_DOTS where it applies, else 'ffma'."""
+    if dots is not None:
+        return dots
+    return DEFAULT_DOTS if DEFAULT_DOTS == "ffma" or mma_applies(cfg) else "ffma"
 
 
 def ring_rows(cfg: GDNConfig) -> int:
@@ -168,28 +263,31 @@ def stage_offsets(cfg: GDNConfig) -> tuple[dict, int]:
     return offsets, -(-end // 128) * 128
 
 
-def cta_shared_bytes(cfg: GDNConfig, heads_per_cta: int = 1, stages: int | None = None) -> int:
+def cta_shared_bytes(cfg: GDNConfig, heads_per_cta: int = 1, stages: int | None = None,
+                     dots: str = "ffma") -> int:
     """Shared memory of one CTA, allocation by allocation as the kernel makes them (each at
     its alignment): 42,352 B for nvfp4 at dv = dk = 128, L = 16, bf16 activations, 8 heads a
-    CTA. `stages` None: the kernel's (`stage_count`)."""
+    CTA (the mma form: B_FRAGMENT_BYTES more). `stages` None: the kernel's (`stage_count`)."""
     n = heads_per_cta
-    stages = stage_count(cfg, n) if stages is None else stages
+    stages = stage_count(cfg, n, dots) if stages is None else stages
     pieces = [(stages * stage_offsets(cfg)[1], 128),
               (4 * 32, 16), (4 * 32, 16),  # kk_j, kq_j
               (4 * n * cfg.window, 16), (4 * 3 * n, 16),  # the heads' scalars
               (8 * stages, 8)]  # the barriers
+    if dots == "mma":
+        pieces.append((B_FRAGMENT_BYTES, 16))
     offset = 0
     for size, align in pieces:
         offset = -(-offset // align) * align + size
     return offset
 
 
-def stage_count(cfg: GDNConfig, heads_per_cta: int = 1) -> int:
+def stage_count(cfg: GDNConfig, heads_per_cta: int = 1, dots: str = "ffma") -> int:
     """STAGES where they fit a CTA's shared memory, else 1 (a head's bytes then go in once
     the head before it is done): nvfp4 with fp32 activations at dv dk = 65,536 and a window
     of 31 or 32 (dv = 128, dk = 512; 32 for dv = 512, dk = 128) needs more than 227 KiB for
     two."""
-    fits = cta_shared_bytes(cfg, heads_per_cta, STAGES) <= CTA_SHARED_LIMIT
+    fits = cta_shared_bytes(cfg, heads_per_cta, STAGES, dots) <= CTA_SHARED_LIMIT
     return STAGES if fits else 1
 
 
@@ -310,7 +408,7 @@ class GDNOutput:
         # stage), each piece laid out as its global rows
         smem = SmemAllocator()
         offsets, stride = stage_offsets(cfg)
-        S = stage_count(cfg, n)
+        S = stage_count(cfg, n, self.ocfg.dots)
         sStages = smem.allocate_tensor(Uint8, cute.make_layout(S * stride), 128)
 
         def staged(name, dtype, shape):
@@ -334,6 +432,10 @@ class GDNOutput:
         sScalars = smem.allocate_tensor(Float32, _row_major((3, n)), 16)
         sBar = smem.allocate_tensor(Int64, cute.make_layout(S), 8)
         bar = sBar.iterator.toint()
+        mma = self.ocfg.dots == "mma"
+        sFrag = None
+        if cutlass.const_expr(mma):
+            sFrag = smem.allocate_tensor(Uint32, cute.make_layout(B_FRAGMENT_BYTES // 4), 16)
 
         # (offset in a stage, global tensor, bytes a head row in global memory, bytes copied
         # a head, bytes more per ring record held)
@@ -352,6 +454,9 @@ class GDNOutput:
             for b in cutlass.range_constexpr(S):
                 ptx.mbar_init(bar + 8 * b)
             ptx.mbar_init_fence()
+        if cutlass.const_expr(mma):
+            if tidx < 16:  # the zero B operands
+                sFrag[(B_FRAGMENT_BYTES - 64) // 4 + tidx] = Uint32(0)
         h0 = group * n
         c = cursors[s]
         _stage_scalars(cfg, n, tidx, s, h0, ring_g, g, beta, lo_global, sRingG, sScalars)
@@ -361,8 +466,12 @@ class GDNOutput:
             if tidx == 0:  # the first two heads' bytes
                 for b in cutlass.range_constexpr(min(S, n)):
                     _issue_head(pieces, stages, bar, b, s64 * H + (h0 + b), c)
-            ring_terms = (L - 1 + R - 1) // R  # the ring's u of records col + R m
-            held = [col + R * m < c for m in range(ring_terms)]
+            # the ring's u of records lane + R m, `lane` the thread's place among a row's R
+            row_lane, row_lanes = col, R
+            if cutlass.const_expr(mma):  # a quad of lanes a row pair
+                row_lane, row_lanes = lane % 4, 4
+            ring_terms = (L - 1 + row_lanes - 1) // row_lanes
+            held = [row_lane + row_lanes * m < c for m in range(ring_terms)]
             for i in cutlass.range(n, unroll=1):
                 h = ptx.opaque_i32(h0 + i)  # no per-address induction variables
                 st = i % S
@@ -416,38 +525,57 @@ class GDNOutput:
                         if lane == 0:
                             sKK[j] = kk
                             sKQ[j] = kq
+                if cutlass.const_expr(mma):
+                    _stage_b_fragments(cfg, tidx, sK[st, None], sQ[st, None], sFrag)
                 cute.arch.sync_threads()
 
                 # one pass over the read copy, two products, plus the ring's terms
-                k_vec = load_vector_chunk(sK[st, None], col) * decay_c
-                q_vec = load_vector_chunk(sQ[st, None], col) * decay_c
+                my_rows = rows
+                if cutlass.const_expr(mma):
+                    # tensor cores: warp w the 16-row stripe w, lane (g, t) rows 16 w + g and
+                    # 16 w + g + 8, columns 32 t .. 32 t + 31
+                    my_rows = [16 * warp + lane // 4, 16 * warp + lane // 4 + 8]
+                    stage = stages[0] + stride * st
+                    mma_k, mma_q = _mma_row_sums(N, stage + offsets["codes"],
+                                                 stage + offsets["scales"],
+                                                 sFrag.iterator.toint(), my_rows[0], lane)
+                    factor = (Float32(E2M1_AS_E4M3) * sScalars[2, i]) * decay_c
+                else:
+                    k_vec = load_vector_chunk(sK[st, None], col) * decay_c
+                    q_vec = load_vector_chunk(sQ[st, None], col) * decay_c
                 kq_c = sKQ[c]
-                for r in cutlass.range_constexpr(cfg.passes):
-                    p = rows[r]
-                    if cutlass.const_expr(nvfp4):
-                        words = cute.make_rmem_tensor((W // 8,), Uint32)
-                        cute.autovec_copy(chunk_of(sCodes[st, None, None], p, col, W // 8),
-                                          words)
-                        vals = cute.make_rmem_tensor((W,), Float32)
-                        _nvfp4_codes(vals, words)
-                        values = vals.load()
+                for r in cutlass.range_constexpr(len(my_rows)):
+                    p = my_rows[r]
+                    writer = col == 0
+                    if cutlass.const_expr(mma):
+                        part_k = mma_k[r] * factor
+                        part_q = mma_q[r] * factor
+                        writer = lane % 4 == r
                     else:
-                        values = word_frags[r].load()
-                    part_k = (values * k_vec).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-                    part_q = (values * q_vec).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-                    if cutlass.const_expr(nvfp4):
-                        scale = _block_scale(sScales[st, p, col], sScalars[2, i])
-                        part_k = part_k * scale
-                        part_q = part_q * scale
+                        if cutlass.const_expr(nvfp4):
+                            words = cute.make_rmem_tensor((W // 8,), Uint32)
+                            cute.autovec_copy(chunk_of(sCodes[st, None, None], p, col, W // 8),
+                                              words)
+                            vals = cute.make_rmem_tensor((W,), Float32)
+                            _nvfp4_codes(vals, words)
+                            values = vals.load()
+                        else:
+                            values = word_frags[r].load()
+                        part_k = (values * k_vec).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                        part_q = (values * q_vec).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                        if cutlass.const_expr(nvfp4):
+                            scale = _block_scale(sScales[st, p, col], sScalars[2, i])
+                            part_k = part_k * scale
+                            part_q = part_q * scale
                     for m in cutlass.range_constexpr(ring_terms):
-                        j_ring = nm._sel(held[m], col + R * m, Int32(0))
+                        j_ring = nm._sel(held[m], row_lane + row_lanes * m, Int32(0))
                         u_j = sRingU[st, j_ring, p]
                         part_k = part_k + nm._sel(held[m], u_j * sKK[j_ring], Float32(0.0))
                         part_q = part_q + nm._sel(held[m], u_j * sKQ[j_ring], Float32(0.0))
-                    total_k = cute.arch.warp_reduction(part_k, add, threads_in_group=R)
-                    total_q = cute.arch.warp_reduction(part_q, add, threads_in_group=R)
+                    total_k = cute.arch.warp_reduction(part_k, add, threads_in_group=row_lanes)
+                    total_q = cute.arch.warp_reduction(part_q, add, threads_in_group=row_lanes)
                     u = beta_c * (sV[st, p].to(Float32) - total_k)
-                    if col == 0:
+                    if writer:
                         ring_u[s, h, c, p] = u
                         out[s, h, p] = (total_q + u * kq_c).to(out.element_type)
 
@@ -516,11 +644,12 @@ def _append_record(cfg: cutlass.Constexpr, tidx, s, h, c, k_stage, v_stage, g_c,
 
 
 def compile_gdn_output(cfg: GDNConfig, keep_ptx: bool = False,
-                       heads_per_cta: int | None = None):
+                       heads_per_cta: int | None = None, dots: str | None = None):
     """The compiled non-flush kernel of `cfg` taking `heads_per_cta` heads a CTA (None:
-    DEFAULT_HEADS_PER_CTA; cached); `keep_ptx` keeps its PTX text."""
+    DEFAULT_HEADS_PER_CTA) with `dots` (None: `dots_of`; cached); `keep_ptx` keeps its PTX
+    text."""
     ocfg = GDNOutputConfig(cfg, DEFAULT_HEADS_PER_CTA if heads_per_cta is None
-                           else heads_per_cta)
+                           else heads_per_cta, dots_of(cfg, dots))
 
     def build():
         f = _compile.fake_ptr

@@ -210,6 +210,91 @@ def test_nvfp4_repack_gives_every_code_as_e4m3_of_its_value_over_64():
     assert int(go.e2m1_as_e4m3(np.uint32(0xB))[0]) == 0b10001100
 
 
+def test_mma_operands_give_each_lane_its_own_block_sums():
+    """The mma form's operands, modelled lane by lane in the PTX fragment layout of
+    m16n8k16 (A: a0 = A[g][2t..2t+1], a1 = A[g+8][..], a2 = A[g][2t+8..2t+9], a3 =
+    A[g+8][..]; B: b0 = B[2t..2t+1][g], b1 = B[2t+8..2t+9][g]; D: D[g][2t], D[g][2t+1],
+    D[g+8][..]): the A registers as `_mma_row_sums` converts the re-packed codes, the B
+    registers read from where `b_fragment_half` put k's and q's f16 hi and lo. Summing D's
+    columns 2t, 2t+1 over a block's four mmas gives lane t exactly its own block's sum of
+    code x 2^-6 x (hi + lo), rows g and g + 8, for k and for q."""
+    rng = np.random.default_rng(7)
+    N, B = go.MMA_DK, go.B_FRAGMENT_BYTES
+    nibbles = rng.integers(0, 16, (16, N))
+    values = lq.decode_bits(torch.tensor(nibbles), E2M1).double().numpy() / 64.0
+    words = np.zeros((16, N // 8), dtype=np.uint32)  # nibble c % 8 of word c // 8 (low first)
+    for c in range(N):
+        words[:, c // 8] |= nibbles[:, c].astype(np.uint32) << np.uint32(4 * (c % 8))
+    vectors = rng.standard_normal((2, N)).astype(np.float32) * np.float32(3.0)
+    halves = np.zeros(B // 2, dtype=np.float16)
+    split = {}
+    for vec in range(2):
+        hi = vectors[vec].astype(np.float16)
+        lo = (vectors[vec] - hi.astype(np.float32)).astype(np.float16)
+        split[vec] = hi.astype(np.float64) + lo.astype(np.float64)
+        for col in range(N):
+            halves[go.b_fragment_half(vec, 0, col, N)] = hi[col]
+            halves[go.b_fragment_half(vec, 1, col, N)] = lo[col]
+    assert not halves[-32:].any(), "the last 64 bytes are the zero operands"
+
+    def e4m3_pair(word, half):  # cvt.rn.f16x2.e4m3x2 of bytes 2 half, 2 half + 1
+        b = [(int(word) >> (8 * (2 * half + i))) & 0xFF for i in range(2)]
+        return [float(lq.decode_bits(torch.tensor([v]), E4M3)[0]) for v in b]
+
+    sums = np.zeros((2, 16, 4, 2))  # [vec, row, lane t, block of the lane]
+    for j in range(8):
+        i, half = j // 2, j % 2
+        a_mat = np.zeros((16, 16))
+        b_mat = np.zeros((2, 16, 8))
+        for g in range(8):
+            for t in range(4):
+                ev_g, od_g = go.e2m1_as_e4m3(words[g, 4 * t + i])
+                ev_h, od_h = go.e2m1_as_e4m3(words[g + 8, 4 * t + i])
+                a_mat[g, 2 * t:2 * t + 2] = e4m3_pair(ev_g, half)
+                a_mat[g + 8, 2 * t:2 * t + 2] = e4m3_pair(ev_h, half)
+                a_mat[g, 2 * t + 8:2 * t + 10] = e4m3_pair(od_g, half)
+                a_mat[g + 8, 2 * t + 8:2 * t + 10] = e4m3_pair(od_h, half)
+                for vec in range(2):
+                    if g // 2 == t:
+                        part = 0 if g == 2 * t else 1
+                        start = ((2 * vec + part) * (N // 32) + t) * 32 + 4 * j
+                        b = halves[start:start + 4].astype(np.float64)
+                    else:
+                        b = halves[-4:].astype(np.float64)
+                    b_mat[vec, 2 * t:2 * t + 2, g] = b[:2]
+                    b_mat[vec, 2 * t + 8:2 * t + 10, g] = b[2:]
+        for vec in range(2):
+            d = a_mat @ b_mat[vec]
+            for t in range(4):
+                sums[vec, :, t, i // 2] += d[:, 2 * t] + d[:, 2 * t + 1]
+    for vec in range(2):
+        for t in range(4):
+            for block in range(2):
+                cols = slice(32 * t + 16 * block, 32 * t + 16 * block + 16)
+                want = values[:, cols] @ split[vec][cols]
+                np.testing.assert_allclose(sums[vec, :, t, block], want, rtol=1e-12,
+                                           atol=1e-12)
+
+
+def test_mma_form_compiles_where_it_applies_and_is_refused_by_name_elsewhere():
+    """dots='mma' (NVFP4 read copy, d_k = 128): two mma.sync a 16-column step of a lane
+    (k and q), 16 in all, each lane's codes of its two rows as two 128-bit shared loads;
+    at 96 threads (d_v = 48) and at the Qwen3-Next head. Elsewhere the config refuses it."""
+    for shape in (QWEN, ODD):
+        cfg = config(shape, TWO_COPY)
+        ptx = go.compile_gdn_output(cfg, keep_ptx=True, dots="mma").__ptx__
+        assert ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32") == 16, shape
+        assert ptx.count("ld.shared.v4.u32") == 2, shape
+        assert ptx.count("ld.global.v4") == 0, shape
+    with pytest.raises(ValueError, match="dots: expected 'ffma' for lo_format 'none'"):
+        go.GDNOutputConfig(config(QWEN, ("fp32", "rn", "none")), 1, "mma")
+    with pytest.raises(ValueError, match="at d_k = 256"):
+        go.GDNOutputConfig(config(WIDE, TWO_COPY), 1, "mma")
+    with pytest.raises(ValueError, match=r"dots: expected one of \['ffma', 'mma'\]"):
+        go.GDNOutputConfig(config(QWEN, TWO_COPY), 1, "wmma")
+    assert go.dots_of(config(WIDE, TWO_COPY), None) == "ffma"
+
+
 # --------------------------------------------------------------------------------------------
 # CPU: argument checks
 
@@ -546,6 +631,25 @@ def test_gdn_chunked_fold_matches_lowprec_over_windows(pairing, shape, window, a
     from the kernel's own unrounded state."""
     done, expected, worst = run_windows(pairing, shape, window, 3, 2 * window + 2, seed=29,
                                         act=act, fold="chunked")
+    assert done == expected and min(done) >= 2
+    assert worst <= 1.0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape, window, act, heads_per_cta", [
+    pytest.param(QWEN, 16, torch.bfloat16, 1, id="qwen-L16-bf16"),
+    pytest.param(ODD, 8, torch.float32, 1, id="dv48-L8-fp32"),
+    pytest.param(dict(nheads=4, dv=48, dk=128), 5, torch.bfloat16, 2, id="dv48-L5-2heads"),
+])
+def test_gdn_tensor_core_dots_match_lowprec_over_windows(shape, window, act, heads_per_cta,
+                                                         monkeypatch):
+    """The non-flush step's mma form (codes x k and codes x q on the tensor cores, B as f16
+    hi + lo): 3 slots at random ring positions over two windows and more, every step's u and
+    y within the emulation's bounds of lowprec on the same cache, the stored copies lowprec's
+    bit for bit (the flush is the same kernel)."""
+    monkeypatch.setattr(go, "DEFAULT_DOTS", "mma")
+    done, expected, worst = run_windows(TWO_COPY, shape, window, 3, 2 * window + 2, seed=37,
+                                        act=act, heads_per_cta=heads_per_cta)
     assert done == expected and min(done) >= 2
     assert worst <= 1.0
 

@@ -1,7 +1,7 @@
-"""tools.heads_per_cta (both kernels) and tools.gdn_flush_fold: each kernel_bench run times its
-kernel with the module default set to one value, the default comes back afterwards (also when a
-run fails), and each run is compared with the first (CPU: kernel_bench and the comparison are
-stand-ins that record what they were given)."""
+"""tools.heads_per_cta (both kernels), tools.gdn_flush_fold and tools.gdn_dots: each
+kernel_bench run times its kernel with the module default set to one value, the default comes
+back afterwards (also when a run fails), and each run is compared with the first (CPU:
+kernel_bench and the comparison are stand-ins that record what they were given)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 from cute_kernels import gdn_replay_flush, gdn_replay_output, replay_flush_config
 from experiments import kernel_bench
-from tools import compare_bench, gdn_flush_fold, heads_per_cta
+from tools import compare_bench, gdn_dots, gdn_flush_fold, heads_per_cta
 
 
 @dataclass(frozen=True)
@@ -35,11 +35,14 @@ TOOLS = {
     "flush_fold": Tool(gdn_flush_fold.main, gdn_replay_flush, "DEFAULT_FOLD", "--folds",
                        ("chunked", "sequential"), "fold_{}.csv",
                        "cute:flush:fp16sr+nvfp4,cute:flush:fp32"),
+    "dots": Tool(gdn_dots.main, gdn_replay_output, "DEFAULT_DOTS", "--dots", ("mma", "ffma"),
+                 "dots_{}.csv", "cute:nonflush:nvfp4"),
 }
 
 
-def test_the_fold_tools_folds_are_the_kernels():
+def test_the_tools_choices_are_the_kernels():
     assert gdn_flush_fold.FOLDS == gdn_replay_flush.FOLDS
+    assert gdn_dots.DOTS == gdn_replay_output.DOTS
 
 
 @pytest.mark.parametrize("name", TOOLS)
@@ -86,6 +89,7 @@ def test_a_failing_run_stops_the_sweep_and_restores_the_default(name, monkeypatc
     ("flush_fold", ["--folds", "chunk"], "expected distinct folds among sequential, chunked"),
     ("flush_fold", ["--folds", "chunked,chunked"], "expected distinct folds"),
     ("flush_fold", ["--", "--out", "x.csv"], "--out is set by the tool"),
+    ("dots", ["--dots", "wmma"], "expected distinct forms among ffma, mma"),
 ])
 def test_bad_arguments_are_named(name, argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
