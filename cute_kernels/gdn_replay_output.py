@@ -21,6 +21,20 @@ and a row's sums here have 16 + log2(dk / 16) + c + 3 sequential roundings a ter
 than the d_k + L the emulation's bound (`emulation.gdn_replay_decode`) allows. With lo_format
 'none', the fp32 recurrence copy itself (the single-copy FP32 ReplaySSM baseline).
 
+Two forms of the read copy's dot products (`dots`, a compile-time choice). 'ffma': the
+thread ownership below, each thread's 64 codes decoded to fp32 and two FFMA an element. 'mma'
+(NVFP4 at d_k = 128): warp w owns the 16-row stripe w, lane (g, t) = (lane // 4, lane % 4)
+rows 16 w + g and 16 w + g + 8, columns 32 t .. 32 t + 31 (blocks 2 t, 2 t + 1, two 128-bit
+shared loads); the re-packed codes (E2M1 x 2^-6 in f16, exact) are the A operand of
+`mma.sync.m16n8k16`, and B's column 2 t (2 t + 1) holds f16 hi (lo) of k, or of q, on lane t's
+k indices only, so that D's columns 2 t, 2 t + 1 are the lane's own block sums (Mamba-2's
+`replay_output` trick), which it scales by its E4M3 bytes in fp32; every thread writes one
+element's hi and lo into shared memory first (`b_fragment_half`). The decay G_c and 2^6 s_g
+multiply a row's sums once; the quad of lanes adds its four sums and the ring terms of
+records t + 4 m. hi + lo is k within 2^-22 |k| for |k| in f16's normal range (elements under
+2^-24 drop, over 65504 overflow: GDN keys and queries are L2-normalised), and the tensor
+cores' sums are within a few fp32 ulps of the largest term, well inside the d_k + L roundings.
+
 Work: one CTA a slot and `heads_per_cta` consecutive heads (grid nheads / heads_per_cta x
 slots), which it takes in turn; it reads the slot's cursor once. The default is one head a
 CTA: at the Qwen3-Next layer 2, 4, 8 and 16 heads a CTA measured slower at batch 1 and 256

@@ -356,3 +356,24 @@ def test_several_heads_a_cta_count_per_head_element_and_their_spills():
     [(_, per_two, regs_two, _)] = ic.count_flush_heads(2, formats=fp32)
     assert local_one == 0 and regs_one <= 128 and regs_two <= 128
     assert per_one < per_two < 1.5 * per_one  # a head's body once, plus the loop and the copy
+
+
+@pytest.mark.slow
+def test_the_gdn_tensor_core_dots_fit_four_ctas_an_sm_with_fewer_instructions():
+    """The non-flush step's mma form at the Qwen3-Next layer keeps the 64-register cap of
+    four CTAs an SM without local-memory traffic and issues fewer instructions a thread
+    than the FFMA form (the decode and dots of 64 elements become 16 mma and a share of the
+    B operands' staging)."""
+    if not ic.tools_available():
+        pytest.skip(f"SASS counts: {ic.tools_problem()}")
+    from cute_kernels import gdn_replay_output as go
+
+    cfg = ic.gdn_nonflush_config("nvfp4")
+    counts = {}
+    for dots in go.DOTS:
+        ops, registers = ic.sass_histogram(go.compile_gdn_output(cfg, keep_ptx=True,
+                                                                 dots=dots).__ptx__)
+        assert registers <= 64 and not ops.get("LDL") and not ops.get("STL"), (dots, ops)
+        counts[dots] = sum(ops.values())
+    assert ops["HMMA"] == 16
+    assert counts["mma"] < 0.8 * counts["ffma"], counts

@@ -261,19 +261,20 @@ def _per_thread_element(kernel, cfg) -> tuple[float, int, collections.Counter]:
         {op: n / per for op, n in ops.items()})
 
 
-def count_gdn_nonflush(formats=("nvfp4", "none")) -> list[tuple[str, float, int]]:
-    """Per read copy (nvfp4, or 'none': the fp32 single copy): (format, SASS instructions per
-    state element a thread, registers per thread) of the GDN non-flush kernel at its default
-    heads a CTA. The kernel is unrolled over a thread's elements (dv dk / threads), prologue
-    and epilogue included."""
+def count_gdn_nonflush(forms=(("nvfp4", "ffma"), ("nvfp4", "mma"), ("none", "ffma"))
+                       ) -> list[tuple[str, str, float, int]]:
+    """Per read copy (nvfp4, or 'none': the fp32 single copy) and form of the dot products
+    (`gdn_replay_output.DOTS`): (format, form, SASS instructions per state element a thread,
+    registers per thread) of the GDN non-flush kernel at its default heads a CTA. The kernel
+    is unrolled over a thread's elements (dv dk / threads), prologue and epilogue included."""
     from cute_kernels import gdn_replay_output as go
 
     rows = []
-    for lo_format in formats:
+    for lo_format, dots in forms:
         cfg = gdn_nonflush_config(lo_format)
         per_element, registers, _ = _per_thread_element(
-            go.compile_gdn_output(cfg, keep_ptx=True), cfg)
-        rows.append((lo_format, per_element, registers))
+            go.compile_gdn_output(cfg, keep_ptx=True, dots=dots), cfg)
+        rows.append((lo_format, dots, per_element, registers))
     return rows
 
 
@@ -768,9 +769,10 @@ def main(argv=None) -> int:
     print("non-flush (replay_output), per element and lane:")
     for lo, per_element, registers in count_nonflush():
         print(f"  {lo:9s} {per_element:5.2f} per element, {registers} registers")
-    print("Gated DeltaNet non-flush (gdn_replay_output, Qwen3-Next), per element and thread:")
-    for lo, per_element, registers in count_gdn_nonflush():
-        print(f"  {lo:9s} {per_element:5.2f} per element, {registers} registers")
+    print("Gated DeltaNet non-flush (gdn_replay_output, Qwen3-Next), per element and thread, by "
+          "form of the dot products:")
+    for lo, dots, per_element, registers in count_gdn_nonflush():
+        print(f"  {lo:5s} {dots:4s} {per_element:5.2f} per element, {registers} registers")
     print("Gated DeltaNet flush (gdn_replay_flush, Qwen3-Next; nvfp4: fp16 SR + nvfp4, none: "
           "the fp32 single copy), per element and thread, by fold:")
     for lo, fold, per_element, registers, top in count_gdn_flush():
