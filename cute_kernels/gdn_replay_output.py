@@ -81,7 +81,6 @@ from dataclasses import dataclass
 
 import cutlass  # noqa: I001
 import cutlass.cute as cute
-import numpy as np
 from cutlass import Float32, Int32, Int64, Uint8, Uint32
 from cutlass.memory import SmemAllocator
 
@@ -98,6 +97,7 @@ from cute_kernels.gdn_replay_flush import (
     load_vector_chunk,
     optional_ptr,
 )
+from cute_kernels.numerics import e2m1_as_e4m3
 from cute_kernels.tensor_core import mma_m16n8k16
 
 __all__ = ["GDNOutputConfig", "compile_gdn_output", "launch_gdn_output", "stage_bytes",
@@ -117,18 +117,6 @@ MIN_CTAS_PER_SM = 4  # nvfp4: a 64-register cap, four 256-thread CTAs an SM
 MAX_HEADS_PER_CTA = 16
 STAGES = 2  # a head computes while the next one's bytes arrive
 CTA_SHARED_LIMIT = 227 * 1024  # an H100 / H200 CTA's shared memory (opt-in)
-
-
-def e2m1_as_e4m3(word):
-    """The 8 E2M1 nibbles of `word` as E4M3 bytes of E2M1 x 2^-6, exactly: (even, odd), byte
-    b of `even` from nibble 2b (element 2b), of `odd` from nibble 2b + 1. A nibble `s e1 e0 m`
-    becomes the byte `s 0 0 e1 e0 m 0 0`: exponent field `e1 e0`, mantissa `m 0 0`, so
-    2^(e-7) (1 + m/2) for e >= 1 and the subnormal 2^-6 m/2 for e = 0. Also runs on numpy
-    uint32 arrays (the CPU tests check it against lowprec for every nibble)."""
-    u = np.uint32 if isinstance(word, (np.ndarray, np.generic)) else Uint32
-    even = ((word << u(4)) & u(0x80808080)) | ((word << u(2)) & u(0x1C1C1C1C))
-    odd = (word & u(0x80808080)) | ((word >> u(2)) & u(0x1C1C1C1C))
-    return even, odd
 
 
 def _nvfp4_codes(frag, words):

@@ -27,7 +27,7 @@ Checkpoint term, fp8/fp16/nvfp4 (``decode='mma'``): the state is the A operand o
 in B's columns 0 and 1, so ``D[:,0] + D[:,1] = S C`` to about 2^-22. Each quad of lanes owns
 two state rows (``g`` and ``g+8`` of a 16-row stripe) and loads them 16 bytes per lane; the k
 index of each A register matches the bytes a lane loaded, and B is laid out with the same
-permutation. E2M1 nibbles are re-packed as E4M3 bytes (E2M1 * 2^-6, `_nvfp4_as_e4m3`), which
+permutation. E2M1 nibbles are re-packed as E4M3 bytes (E2M1 * 2^-6, `numerics.e2m1_as_e4m3`), which
 the hardware converts to f16 pairs; the tensor cores sum codes times C per 16-element block and
 each lane multiplies its blocks' sums by their E4M3 scales in fp32 (`_nvfp4_term`). fp32
 (``decode='simt'``): octets of lanes read one row with 128-bit loads, FFMA against C in
@@ -58,7 +58,7 @@ from cutlass.memory import SmemAllocator
 
 from cute_kernels import ptx
 from cute_kernels import cache as kv
-from cute_kernels.numerics import bits_f32
+from cute_kernels.numerics import bits_f32, e2m1_as_e4m3
 from cute_kernels.replay_output_config import (
     BULK_STAGES, DSTATE_MULTIPLE, TUNING_FIELDS, ReplayOutputConfig, _ACT_BYTES,
     _BYTES_PER_ELEMENT, _ELEMENTS_PER_LOAD, _config, _sm_count, _tuned, cta_shared_bytes,
@@ -66,7 +66,7 @@ from cute_kernels.replay_output_config import (
     default_warps, output_config, read_copy,
 )
 from cute_kernels.replay_output_warp import (
-    _ACT_CUTE, _f32_to_words, _f32x2_to_f16x2, _fold_words, _nvfp4_as_e4m3, _output_finish,
+    _ACT_CUTE, _f32_to_words, _f32x2_to_f16x2, _fold_words, _output_finish,
     _ring_dots, _ring_records, _sel, _step_dot, _store_warp_coefs, _warp_decay_loads,
     _warp_decay_weights, _words_to_f32,
 )
@@ -734,8 +734,8 @@ class ReplayOutput:
             for c, (a1, a2, sc_raw) in enumerate(state[q]):
                 acc = [[Float32(0.0)] * 4, [Float32(0.0)] * 4]  # blocks 2t, 2t + 1
                 for i in range(4):  # word i: elements 8i..8i+7, block 2t + i // 2
-                    ev1, od1 = _nvfp4_as_e4m3(a1[i])
-                    ev2, od2 = _nvfp4_as_e4m3(a2[i])
+                    ev1, od1 = e2m1_as_e4m3(a1[i])
+                    ev2, od2 = e2m1_as_e4m3(a2[i])
                     for half in range(2):  # mma j = 2i + half (see _kappa)
                         a = [
                             ptx.e4m3x2_to_f16x2(ev1, half),

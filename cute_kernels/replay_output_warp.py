@@ -6,7 +6,6 @@ heads (one segment of lanes a head: `_warp_decay_loads`, `_warp_decay_weights`,
 
 from __future__ import annotations  # noqa: I001  (_compile must precede cutlass)
 
-import numpy as np
 
 from cute_kernels import _compile  # noqa: F401  (sets the sm_90a target before cutlass)
 
@@ -86,23 +85,6 @@ def _output_finish(act, acc0, acc1, c_last, d_h, xv, z_words):
         acc0 = acc0 * silu(zv[0])
         acc1 = acc1 * silu(zv[1])
     return acc0, acc1
-
-
-def _nvfp4_as_e4m3(word):
-    """The 8 E2M1 nibbles of ``word`` re-packed as E4M3 bytes of E2M1 * 2^-6, exactly:
-    (even, odd), byte b of ``even`` from nibble 2b, of ``odd`` from nibble 2b + 1.
-
-    A nibble ``s e1 e0 m`` becomes the byte ``s 0 0 e1 e0 m 0 0``: exponent field ``e1 e0``
-    and mantissa ``m 0 0`` give ``2^(e-7) (1 + m/2)`` = E2M1 * 2^-6 for e >= 1, and the
-    subnormal ``2^-6 m/2`` for e = 0. Odd nibbles already have their sign at bit 7 of their
-    byte, so they take a shift and two logic ops, even ones two shifts and two logic ops:
-    7 integer instructions per 8 elements. Also runs on numpy uint32 arrays (the CPU tests
-    check it exhaustively).
-    """
-    u = np.uint32 if isinstance(word, (np.ndarray, np.generic)) else Uint32
-    odd = (word & u(0x80808080)) | ((word >> u(2)) & u(0x1C1C1C1C))
-    even = ((word << u(4)) & u(0x80808080)) | ((word << u(2)) & u(0x1C1C1C1C))
-    return even, odd
 
 
 def _fold_words(obj) -> Uint32:

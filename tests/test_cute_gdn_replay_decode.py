@@ -32,6 +32,7 @@ from cute_kernels import gdn_cache as gc  # noqa: E402
 from cute_kernels import gdn_replay_decode as gd  # noqa: E402
 from cute_kernels import gdn_replay_flush as gf  # noqa: E402
 from cute_kernels import gdn_replay_output as go  # noqa: E402
+from cute_kernels import numerics as nm  # noqa: E402
 from lowprec import quantize as lq  # noqa: E402
 from lowprec.formats import E2M1, E4M3, FP16  # noqa: E402
 
@@ -200,14 +201,14 @@ def test_nvfp4_repack_gives_every_code_as_e4m3_of_its_value_over_64():
         rest = rng.integers(0, 2**32, 16, dtype=np.uint64).astype(np.uint32)
         words = (rest & np.uint32(~(0xF << (4 * position)) & 0xFFFFFFFF)) | (
             nibbles << np.uint32(4 * position))
-        even, odd = go.e2m1_as_e4m3(words)
+        even, odd = nm.e2m1_as_e4m3(words)
         packed = even if position % 2 == 0 else odd
         byte = (packed >> np.uint32(8 * (position // 2))) & np.uint32(0xFF)
         got = lq.decode_bits(torch.tensor(byte.astype(np.int64)), E4M3)
         want = e2m1 / 64.0
         assert torch.equal(got.double(), want.double()), position
         assert torch.equal(torch.signbit(got), torch.signbit(want)), position
-    assert int(go.e2m1_as_e4m3(np.uint32(0xB))[0]) == 0b10001100
+    assert int(nm.e2m1_as_e4m3(np.uint32(0xB))[0]) == 0b10001100
 
 
 def test_mma_operands_give_each_lane_its_own_block_sums():
@@ -248,8 +249,8 @@ def test_mma_operands_give_each_lane_its_own_block_sums():
         b_mat = np.zeros((2, 16, 8))
         for g in range(8):
             for t in range(4):
-                ev_g, od_g = go.e2m1_as_e4m3(words[g, 4 * t + i])
-                ev_h, od_h = go.e2m1_as_e4m3(words[g + 8, 4 * t + i])
+                ev_g, od_g = nm.e2m1_as_e4m3(words[g, 4 * t + i])
+                ev_h, od_h = nm.e2m1_as_e4m3(words[g + 8, 4 * t + i])
                 a_mat[g, 2 * t:2 * t + 2] = e4m3_pair(ev_g, half)
                 a_mat[g + 8, 2 * t:2 * t + 2] = e4m3_pair(ev_h, half)
                 a_mat[g, 2 * t + 8:2 * t + 10] = e4m3_pair(od_g, half)

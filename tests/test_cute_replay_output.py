@@ -13,14 +13,12 @@ import dataclasses
 import re
 import sys
 
-import numpy as np
 import pytest
 import torch
 
 from cute_kernels import _compile
 from cute_kernels import replay_output as ro
 from cute_kernels import replay_output_config as roc
-from cute_kernels import replay_output_warp as row
 from cute_kernels.cache import ReplayCache
 from lowprec.mamba2 import mamba2_process_dt, mamba2_replay_output
 from lowprec.quantize import dequantize, pack, quantize
@@ -320,26 +318,6 @@ def test_half_precision_dt_compiles(dt_dtype):
     cfg = _config("nvfp4", "nemotron", dt_dtype=dt_dtype)
     ptx = ro.compile_replay_output(cfg, keep_ptx=True).__ptx__
     assert "ld.global.nc.L1::no_allocate.v4.u32" in ptx
-
-
-def test_nvfp4_e4m3_repack_is_exact_for_every_nibble():
-    """Each nibble of a word becomes the E4M3 byte of E2M1 * 2^-6 exactly (nibble 2b to byte
-    b of the even re-pack, 2b + 1 to byte b of the odd one), whatever its neighbours hold:
-    e.g. nibble 0xB = -1.5 -> E4M3 -1.5 * 2^-6. Checked against ml_dtypes' E4M3FN decoding,
-    the conversion the hardware's cvt.rn.f16x2.e4m3x2 performs exactly."""
-    ml_dtypes = pytest.importorskip("ml_dtypes")
-    rng = np.random.default_rng(0)
-    value = np.array([(-1.0 if n & 8 else 1.0) * E2M1_VALUES[n & 7] for n in range(16)])
-    for position in range(8):
-        nibble = np.repeat(np.arange(16, dtype=np.uint32), 64)
-        noise = rng.integers(0, 2**32, size=nibble.shape, dtype=np.uint64).astype(np.uint32)
-        keep = np.uint32(~(0xF << (4 * position)) & 0xFFFFFFFF)
-        word = (noise & keep) | (nibble << np.uint32(4 * position))
-        even, odd = row._nvfp4_as_e4m3(word)
-        packed = (odd if position % 2 else even).astype(np.uint32)
-        byte = ((packed >> np.uint32(8 * (position // 2))) & np.uint32(0xFF)).astype(np.uint8)
-        decoded = byte.view(ml_dtypes.float8_e4m3fn).astype(np.float64)
-        np.testing.assert_array_equal(decoded * 2.0**6, value[nibble])
 
 
 def test_kappa_covers_each_lanes_elements_once():
