@@ -89,7 +89,7 @@ def test_a_failing_run_stops_the_sweep_and_restores_the_default(name, monkeypatc
     ("flush_fold", ["--folds", "chunk"], "expected distinct folds among sequential, chunked"),
     ("flush_fold", ["--folds", "chunked,chunked"], "expected distinct folds"),
     ("flush_fold", ["--", "--out", "x.csv"], "--out is set by the tool"),
-    ("dots", ["--dots", "wmma"], "expected distinct forms among ffma, mma"),
+    ("dots", ["--dots", "wmma"], "expected distinct dots among ffma, mma"),
 ])
 def test_bad_arguments_are_named(name, argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:

@@ -18,43 +18,17 @@ if __name__ == "__main__":  # Ctrl-C from the first import on: one line, status 
 
     exit_on_interrupt("python -m tools.gdn_dots")
 
-import argparse
 import sys
-from pathlib import Path
+
+from tools._default_sweep import choices_main
 
 BENCH_ARGS = ["--shapes", "qwen3-next-80b", "--kernels", "cute:nonflush:nvfp4",
               "--peers", "none", "--plot-dir", "none"]
 DOTS = ("ffma", "mma")  # cute_kernels.gdn_replay_output.DOTS (not imported: --help stays
 # fast and needs no CuTe DSL)
 
-
-def dots_list(text: str) -> list[str]:
-    """'mma,ffma' -> ['mma', 'ffma']: known forms, no repeats."""
-    values = [v.strip() for v in text.split(",")]
-    if not values or any(v not in DOTS for v in values) or len(set(values)) != len(values):
-        raise argparse.ArgumentTypeError(f"expected distinct forms among {', '.join(DOTS)}, "
-                                         f"got {text!r}")
-    return values
-
-
-def main(argv: list[str] | None = None) -> int:
-    from tools._default_sweep import check_bench_args, parser_and_bench_args, sweep_default
-
-    parser, own, extra = parser_and_bench_args(
-        "python -m tools.gdn_dots", __doc__.split("\n\n")[0],
-        sys.argv[1:] if argv is None else argv)
-    parser.add_argument("--dots", type=dots_list, default=list(DOTS),
-                        help="forms to time, comma-separated (default ffma,mma; the first is "
-                             "the reference of the comparison)")
-    parser.add_argument("--out-dir", type=Path, default=Path("runs/gdn_dots"),
-                        help="folder for dots_NAME.csv (default runs/gdn_dots)")
-    args = parser.parse_args(own)
-    check_bench_args(parser, extra)
-
-    from cute_kernels import gdn_replay_output
-
-    return sweep_default(gdn_replay_output, "DEFAULT_DOTS", args.dots, BENCH_ARGS, args.out_dir,
-                         lambda dots: f"dots_{dots}.csv", extra, lambda dots: f"{dots} dots")
+main = choices_main("python -m tools.gdn_dots", __doc__, "--dots", DOTS,
+                    "cute_kernels.gdn_replay_output", "DEFAULT_DOTS", BENCH_ARGS, "dots")
 
 
 if __name__ == "__main__":

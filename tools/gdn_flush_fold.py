@@ -18,43 +18,17 @@ if __name__ == "__main__":  # Ctrl-C from the first import on: one line, status 
 
     exit_on_interrupt("python -m tools.gdn_flush_fold")
 
-import argparse
 import sys
-from pathlib import Path
+
+from tools._default_sweep import choices_main
 
 BENCH_ARGS = ["--shapes", "qwen3-next-80b", "--kernels",
               "cute:flush:fp16sr+nvfp4,cute:flush:fp32", "--peers", "none", "--plot-dir", "none"]
 FOLDS = ("sequential", "chunked")  # cute_kernels.gdn_replay_flush.FOLDS (not imported: --help
 # stays fast and needs no CuTe DSL)
 
-
-def folds_list(text: str) -> list[str]:
-    """'chunked,sequential' -> ['chunked', 'sequential']: known folds, no repeats."""
-    values = [v.strip() for v in text.split(",")]
-    if not values or any(v not in FOLDS for v in values) or len(set(values)) != len(values):
-        raise argparse.ArgumentTypeError(f"expected distinct folds among {', '.join(FOLDS)}, "
-                                         f"got {text!r}")
-    return values
-
-
-def main(argv: list[str] | None = None) -> int:
-    from tools._default_sweep import check_bench_args, parser_and_bench_args, sweep_default
-
-    parser, own, extra = parser_and_bench_args(
-        "python -m tools.gdn_flush_fold", __doc__.split("\n\n")[0],
-        sys.argv[1:] if argv is None else argv)
-    parser.add_argument("--folds", type=folds_list, default=list(FOLDS),
-                        help="fold orders to time, comma-separated (default sequential,chunked; "
-                             "the first is the reference of the comparison)")
-    parser.add_argument("--out-dir", type=Path, default=Path("runs/gdn_flush_fold"),
-                        help="folder for fold_NAME.csv (default runs/gdn_flush_fold)")
-    args = parser.parse_args(own)
-    check_bench_args(parser, extra)
-
-    from cute_kernels import gdn_replay_flush
-
-    return sweep_default(gdn_replay_flush, "DEFAULT_FOLD", args.folds, BENCH_ARGS, args.out_dir,
-                         lambda fold: f"fold_{fold}.csv", extra, lambda fold: f"{fold} fold")
+main = choices_main("python -m tools.gdn_flush_fold", __doc__, "--folds", FOLDS,
+                    "cute_kernels.gdn_replay_flush", "DEFAULT_FOLD", BENCH_ARGS, "fold")
 
 
 if __name__ == "__main__":
