@@ -468,7 +468,7 @@ class GDNOutput:
             if tidx == 0:  # the first two heads' bytes
                 for b in cutlass.range_constexpr(min(S, n)):
                     _issue_head(pieces, stages, bar, b, s64 * H + (h0 + b), c)
-            # the ring's u of records lane + R m, `lane` the thread's place among a row's R
+            # the ring's u: a row's lane row_lane adds records row_lane + row_lanes m
             row_lane, row_lanes = col, R
             if cutlass.const_expr(mma):  # a quad of lanes a row pair
                 row_lane, row_lanes = lane % 4, 4
