@@ -237,7 +237,7 @@ def dots_of(cfg: GDNConfig, dots: str | None) -> str:
     """The form a launch uses: `dots`, or (None) DEFAULT_DOTS where it applies, else 'ffma'."""
     if dots is not None:
         return dots
-    return DEFAULT_DOTS if DEFAULT_DOTS == "ffma" or mma_applies(cfg) else "ffma"
+    return DEFAULT_DOTS if mma_applies(cfg) else "ffma"
 
 
 def ring_rows(cfg: GDNConfig) -> int:

@@ -277,10 +277,11 @@ def test_mma_operands_give_each_lane_its_own_block_sums():
                                            atol=1e-12)
 
 
-def test_mma_form_compiles_where_it_applies_and_is_refused_by_name_elsewhere():
+def test_mma_form_compiles_where_it_applies_and_is_refused_by_name_elsewhere(monkeypatch):
     """dots='mma' (NVFP4 read copy, d_k = 128): two mma.sync a 16-column step of a lane
     (k and q), 16 in all, each lane's codes of its two rows as two 128-bit shared loads;
-    at 96 threads (d_v = 48) and at the Qwen3-Next head. Elsewhere the config refuses it."""
+    at 96 threads (d_v = 48) and at the Qwen3-Next head. Elsewhere the config refuses it,
+    and a launch with DEFAULT_DOTS = 'mma' takes FFMA there."""
     for shape in (QWEN, ODD):
         cfg = config(shape, TWO_COPY)
         ptx = go.compile_gdn_output(cfg, keep_ptx=True, dots="mma").__ptx__
@@ -293,7 +294,11 @@ def test_mma_form_compiles_where_it_applies_and_is_refused_by_name_elsewhere():
         go.GDNOutputConfig(config(WIDE, TWO_COPY), 1, "mma")
     with pytest.raises(ValueError, match=r"dots: expected one of \['ffma', 'mma'\]"):
         go.GDNOutputConfig(config(QWEN, TWO_COPY), 1, "wmma")
+    monkeypatch.setattr(go, "DEFAULT_DOTS", "mma")
+    assert go.dots_of(config(QWEN, TWO_COPY), None) == "mma"
     assert go.dots_of(config(WIDE, TWO_COPY), None) == "ffma"
+    assert go.dots_of(config(QWEN, ("fp32", "rn", "none")), None) == "ffma"
+    assert go.dots_of(config(QWEN, TWO_COPY), "ffma") == "ffma"
 
 
 # --------------------------------------------------------------------------------------------

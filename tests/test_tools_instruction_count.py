@@ -369,11 +369,12 @@ def test_the_gdn_tensor_core_dots_fit_four_ctas_an_sm_with_fewer_instructions():
     from cute_kernels import gdn_replay_output as go
 
     cfg = ic.gdn_nonflush_config("nvfp4")
-    counts = {}
+    histograms = {}
     for dots in go.DOTS:
         ops, registers = ic.sass_histogram(go.compile_gdn_output(cfg, keep_ptx=True,
                                                                  dots=dots).__ptx__)
         assert registers <= 64 and not ops.get("LDL") and not ops.get("STL"), (dots, ops)
-        counts[dots] = sum(ops.values())
-    assert ops["HMMA"] == 16
+        histograms[dots] = ops
+    counts = {dots: sum(ops.values()) for dots, ops in histograms.items()}
+    assert histograms["mma"]["HMMA"] == 16
     assert counts["mma"] < 0.8 * counts["ffma"], counts
