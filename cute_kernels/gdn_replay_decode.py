@@ -21,12 +21,9 @@ step.
 With `lo_format='none'` (and an fp32 recurrence copy) the checkpoint is a single copy: the
 non-flush step reads `hi` itself (the single-copy FP32 ReplaySSM baseline).
 
-KDA (per-channel decay, `g [slots, nheads, dk]`) is not built. What it would take: the
-sequential flush multiplies each thread's chunk by its 16 columns' `exp(g_j[d])` (a 16-element
-vector per record instead of a scalar: the same loop); the chunked flush stages the decay
-products per column ([L, dk] tables of P_j and D_{j,L-1}), takes them inside the Gram's dot
-products and scales the keys instead of the row sums (`lowprec.kda.kda_replay_flush_chunked`
-is that order); the non-flush step needs per-column cumulative
+KDA (per-channel decay, `g [slots, nheads, dk]`) is not built. What it would take: the flush
+multiplies each thread's chunk by its 16 columns' `exp(g_j[d])` (a 16-element vector per
+record instead of a scalar: the same loop); the non-flush step needs per-column cumulative
 sums, so `w_j` becomes a [L, dk] table (exp of differences per column) staged in shared
 memory, the read copy's products use `G_c[d] k_c[d]` (already per column in the kernel's
 vectors), and kk_j, kq_j take the per-column weights inside their dot products: about 4 KiB
@@ -108,8 +105,7 @@ def launch_advance(cache, nonflush: bool, flush: bool) -> None:
 # public functions
 
 
-def _prepare(cache, q, k, v, g, beta, out, debug_state, check_counters, heads_per_cta=None,
-             fold=None):
+def _prepare(cache, q, k, v, g, beta, out, debug_state, check_counters, heads_per_cta=None):
     """Every check of a step, before any launch; returns (config, out, view)."""
     view = gc.check_gdn_cache(cache)
     act = gc.check_gdn_step(view, q, k, v, g, beta, out=out, debug_state=debug_state)
@@ -117,8 +113,6 @@ def _prepare(cache, q, k, v, g, beta, out, debug_state, check_counters, heads_pe
     cfg = gf.config_of(cache, view, act, has_debug=debug_state is not None)
     if heads_per_cta is not None:
         go.GDNOutputConfig(cfg, heads_per_cta)  # raises for a value the kernel cannot take
-    if fold is not None:
-        gf.check_fold(fold)
     if check_counters:
         check_counter_values(cache.cursors, cache.flushes, cache.window)
     if view.device.type != "cuda":
@@ -133,8 +127,7 @@ def gdn_replay_decode(cache: gc.GDNReplayCache, q: torch.Tensor, k: torch.Tensor
                       v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *,
                       out: torch.Tensor | None = None, debug_state: torch.Tensor | None = None,
                       check_counters: bool = False,
-                      heads_per_cta: int | None = None,
-                      fold: str | None = None) -> torch.Tensor:
+                      heads_per_cta: int | None = None) -> torch.Tensor:
     """Advance every slot of a GDN ``cache`` by one token (module docstring); returns y
     [slots, nheads, dv] in v's dtype.
 
@@ -146,16 +139,14 @@ def gdn_replay_decode(cache: gc.GDNReplayCache, q: torch.Tensor, k: torch.Tensor
     cursor out of range leaves its slot's state, ring and output row untouched. No input,
     ``out`` or ``debug_state`` may share memory with the cache or each other's outputs.
     ``heads_per_cta``: heads each CTA of the non-flush kernel takes in turn (a divisor of
-    nheads in [1, 16]; None: one, the fastest measured). ``fold``: the flush kernel's order,
-    'sequential' or 'chunked' (`gdn_replay_flush`'s module docstring; None:
-    ``gdn_replay_flush.DEFAULT_FOLD``). Launches on the current stream.
+    nheads in [1, 16]; None: one, the fastest measured). Launches on the current stream.
     """
     cfg, out, view = _prepare(cache, q, k, v, g, beta, out, debug_state, check_counters,
-                              heads_per_cta, fold)
+                              heads_per_cta)
     if view.slots == 0:
         return out
     go.launch_gdn_output(cfg, cache, q, k, v, g, beta, out, heads_per_cta)
-    gf.launch_gdn_flush(cfg, cache, cache.cursors, q, k, v, g, beta, out, debug_state, fold)
+    gf.launch_gdn_flush(cfg, cache, cache.cursors, q, k, v, g, beta, out, debug_state)
     launch_advance(cache, nonflush=True, flush=True)
     return out
 
@@ -180,14 +171,13 @@ def gdn_replay_output(cache: gc.GDNReplayCache, q: torch.Tensor, k: torch.Tensor
 def gdn_replay_flush(cache: gc.GDNReplayCache, q: torch.Tensor, k: torch.Tensor,
                      v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *,
                      out: torch.Tensor | None = None, debug_state: torch.Tensor | None = None,
-                     check_counters: bool = False, fold: str | None = None) -> torch.Tensor:
+                     check_counters: bool = False) -> torch.Tensor:
     """The flush half of `gdn_replay_decode`: slots with ``cursors[s] == window - 1`` fold
     their window into both copies, get their output, cursor 0 and one more flush; the other
     slots (and their rows of ``out``) are left alone. Arguments as `gdn_replay_decode`."""
-    cfg, out, view = _prepare(cache, q, k, v, g, beta, out, debug_state, check_counters,
-                              fold=fold)
+    cfg, out, view = _prepare(cache, q, k, v, g, beta, out, debug_state, check_counters)
     if view.slots == 0:
         return out
-    gf.launch_gdn_flush(cfg, cache, cache.cursors, q, k, v, g, beta, out, debug_state, fold)
+    gf.launch_gdn_flush(cfg, cache, cache.cursors, q, k, v, g, beta, out, debug_state)
     launch_advance(cache, nonflush=False, flush=True)
     return out

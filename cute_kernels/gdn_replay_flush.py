@@ -18,26 +18,7 @@ per head `h` (one CTA owns one (slot, head) state `S [dv, dk]`), in the order of
             again: the window restarts), so that the rings of both implementations agree
 
 Every u is recomputed from the raw v and the recurrence copy: the cached u (read-copy based)
-are not read.
-
-Two orders of the same fold (`fold`, a compile-time choice). 'sequential' is the loop above,
-record after record: each record's S k_j waits on the update before it (a shuffle reduction and
-two passes over the thread's 64 elements a record). 'chunked' writes the window's state as
-S_j = P_j S_0 + sum_{i<=j} D_{i,j} u_i k_i^T, with P_j = a_0 .. a_j and D_{i,j} = a_{i+1} ..
-a_j (a_j = exp(g_j), products in record order), so that
-
-    y_j = S_0 k_j for every record at once           (one pass; no record waits on another)
-    u_j = beta_j (v_j - P_j y_j - sum_{i<j} C[j, i] u_i),   C[j, i] = D_{i,j} (k_i . k_j)
-                                                      (a row's u in record order, a thread a row)
-    S   = P_{L-1} S_0 + sum_j (D_{j,L-1} u_j) k_j^T   (one pass)
-
-with the window's keys, values and scalars staged in shared memory as fp32. Both are held to
-the emulation's flush bound (`emulation.gdn_replay_decode.output_bound_flush`) of the exact
-fold; `lowprec.gdn.gdn_replay_flush_chunked` is the chunked order in plain PyTorch, whose fp32
-rounding tests/test_gdn_chunked_fold.py checks against that bound on the CPU. The quantisers
-see whichever state the fold made: the stored bits are lowprec's of that state.
-
-The flush kernel reads the counters and never writes them (every CTA of a slot
+are not read. The flush kernel reads the counters and never writes them (every CTA of a slot
 reads them); `gdn_replay_decode.launch_advance` resets them after it.
 
 Thread ownership (one CTA per (slot, head); T = dv dk / 64 threads, 64 state elements a thread
@@ -78,16 +59,14 @@ from cute_kernels import numerics as nm
 from cute_kernels.cache import check_sr_settings, fail
 from lowprec import philox
 
-__all__ = ["GDNConfig", "FOLDS", "DEFAULT_FOLD", "config_of", "compile_gdn_flush",
-           "launch_gdn_flush", "traffic_bytes"]
+__all__ = ["GDNConfig", "config_of", "compile_gdn_flush", "launch_gdn_flush",
+           "traffic_bytes"]
 
 CUTE_DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp32": Float32}
 ACT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 W = 16  # state elements a chunk: one NVFP4 block
 E2M1_E4M3_MAX = 2688.0  # 448 * 6
 E2M1_MAX = 6.0
-FOLDS = ("sequential", "chunked")  # the fold's two orders (module docstring)
-DEFAULT_FOLD = "sequential"  # the fold the GPU tests have checked (docs/kernels.md)
 # A thread holds 64 fp32 state elements; capping it at 128 registers lets two 256-thread CTAs
 # share an SM (unbounded, ptxas took more and one did: docs/performance.md)
 REGISTERS_PER_SM = 65536
@@ -273,155 +252,12 @@ def append_record(cfg: cutlass.Constexpr, tidx, pos, s, h, k, v, g, beta, ring_k
 
 
 # --------------------------------------------------------------------------------------------
-# the window's fold in chunked form (shared-memory stages of the flush kernel)
-
-KEY_PAD = 4  # fp32 words after each staged key row: the Gram's lanes read rows on other banks
-DECAY, BETA, DECAY_ALL, DECAY_AFTER = 0, 1, 2, 3  # rows of the per-record scalars
-
-
-@cute.jit
-def smem_chunk(t2d, row, col):
-    """Columns 16 col .. 16 col + 15 of row `row` of an fp32 shared tensor (128-bit loads)."""
-    frag = cute.make_rmem_tensor((W,), Float32)
-    cute.autovec_copy(chunk_of(t2d, row, col), frag)
-    return frag.load()
-
-
-@cute.jit
-def stage_window(cfg: cutlass.Constexpr, tidx, s, h, ring_k, ring_v, ring_g, ring_beta, k, v,
-                 g, beta, sK, sV, sScal):
-    """The window's L records in shared memory as fp32, records 0 .. L-2 from the ring and
-    L-1 the call's inputs: keys sK[j], values sV[j], exp(g_j) and beta_j."""
-    P, N, L, T = cfg.dv, cfg.dk, cfg.window, cfg.threads
-    for m in cutlass.range(((L - 1) * N + T - 1) // T, unroll=8):
-        e = tidx + T * m
-        if e < (L - 1) * N:
-            sK[e // N, e % N] = ring_k[s, h, e // N, e % N].to(Float32)
-    for m in cutlass.range(((L - 1) * P + T - 1) // T, unroll=8):
-        e = tidx + T * m
-        if e < (L - 1) * P:
-            sV[e // P, e % P] = ring_v[s, h, e // P, e % P].to(Float32)
-    for m in cutlass.range_constexpr((N + T - 1) // T):
-        e = tidx + T * m
-        if e < N:
-            sK[L - 1, e] = k[s, h, e].to(Float32)
-    for m in cutlass.range_constexpr((P + T - 1) // T):
-        e = tidx + T * m
-        if e < P:
-            sV[L - 1, e] = v[s, h, e].to(Float32)
-    if tidx < L - 1:
-        sScal[DECAY, tidx] = cute.math.exp(ring_g[s, h, tidx])
-        sScal[BETA, tidx] = ring_beta[s, h, tidx]
-    if tidx == L - 1:
-        sScal[DECAY, tidx] = cute.math.exp(g[s, h])
-        sScal[BETA, tidx] = beta[s, h]
-
-
-@cute.jit
-def window_coefficients(cfg: cutlass.Constexpr, tidx, sK, sC, sScal):
-    """From the staged records: P_j = a_0 .. a_j (the decay of S_0 up to record j), D_j =
-    a_{j+1} .. a_{L-1} (of record j's update up to the window's end) and, for i < j, C[j, i]
-    = (a_{i+1} .. a_j) k_i . k_j, every product in record order."""
-    N, L, T = cfg.dk, cfg.window, cfg.threads
-    if tidx < L:
-        upto = Float32(1.0)
-        for m in cutlass.range(tidx + 1, unroll=1):
-            upto = upto * sScal[DECAY, m]
-        sScal[DECAY_ALL, tidx] = upto
-        after = Float32(1.0)
-        for m in cutlass.range(tidx + 1, L, unroll=1):
-            after = after * sScal[DECAY, m]
-        sScal[DECAY_AFTER, tidx] = after
-    for m in cutlass.range_constexpr((L * L + T - 1) // T):
-        e = tidx + T * m
-        j = e // L
-        i = e % L
-        if e < L * L and i < j:
-            dot = Float32(0.0)
-            for c in cutlass.range_constexpr(N // W):
-                dot = dot + (smem_chunk(sK, i, c) * smem_chunk(sK, j, c)).reduce(
-                    cute.ReductionOp.ADD, Float32(0.0), 0)
-            between = Float32(1.0)
-            for n in cutlass.range(i + 1, j + 1, unroll=1):
-                between = between * sScal[DECAY, n]
-            sC[j, i] = between * dot
-
-
-@cute.jit
-def window_dots(cfg: cutlass.Constexpr, acc, col, rows, sK, sU):
-    """y_j = S_0 k_j of the thread's rows for every record at once (no record waits on
-    another), each row's sum stored to sU[j] by one of its lanes."""
-    R = cfg.lanes_per_row
-    for j in cutlass.range_constexpr(cfg.window):
-        k_vec = smem_chunk(sK, j, col)
-        for i in cutlass.range_constexpr(cfg.passes):
-            part = (acc[i] * k_vec).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-            total = cute.arch.warp_reduction(part, add, threads_in_group=R)
-            if col == j % R:
-                sU[j, rows[i]] = total
-
-
-@cute.jit
-def solve_window(cfg: cutlass.Constexpr, tidx, sV, sU, sC, sScal):
-    """Each row p (a thread a row) in record order: u_j = beta_j (v_j - P_j y_j - sum_{i<j}
-    C[j, i] u_i), y_j = (S_0 k_j)_p read from sU and overwritten by u_j."""
-    P, L, T = cfg.dv, cfg.window, cfg.threads
-    for m in cutlass.range_constexpr((P + T - 1) // T):
-        p = tidx + T * m
-        if p < P:
-            us = []
-            for j in cutlass.range_constexpr(L):
-                r = sV[j, p] - sScal[DECAY_ALL, j] * sU[j, p]
-                for i in cutlass.range_constexpr(j):
-                    r = r - sC[j, i] * us[i]
-                u = sScal[BETA, j] * r
-                us.append(u)
-                sU[j, p] = u
-
-
-def allocate_window(cfg: GDNConfig, smem):
-    """Shared memory of the chunked fold: the keys fp32 (rows padded), the values, S_0 k_j
-    (then u_j), the Gram's coefficients and the per-record scalars."""
-    L, P, N = cfg.window, cfg.dv, cfg.dk
-    return (smem.allocate_tensor(Float32, cute.make_layout((L, N + KEY_PAD),
-                                                           stride=(N + KEY_PAD, 1)), 16),
-            smem.allocate_tensor(Float32, cute.make_layout((L, P), stride=(P, 1)), 16),
-            smem.allocate_tensor(Float32, cute.make_layout((L, P), stride=(P, 1)), 16),
-            smem.allocate_tensor(Float32, cute.make_layout((L, L), stride=(L, 1)), 16),
-            smem.allocate_tensor(Float32, cute.make_layout((4, L), stride=(L, 1)), 16))
-
-
-def chunked_fold(cfg, acc, tidx, s, h, col, rows, ring_k, ring_v, ring_g, ring_beta, k, v, g,
-                 beta, window_smem):
-    """The window folded into a thread's chunks `acc` in chunked form (module docstring):
-    every S_0 k_j at once, the rows' u_j by the triangular solve, then S_L = P_{L-1} S_0 +
-    sum_j D_j u_j k_j^T. Traced into the caller (a plain function: its loops unroll)."""
-    sK, sV, sU, sC, sScal = window_smem
-    L = cfg.window
-    stage_window(cfg, tidx, s, h, ring_k, ring_v, ring_g, ring_beta, k, v, g, beta, sK, sV,
-                 sScal)
-    cute.arch.sync_threads()
-    window_coefficients(cfg, tidx, sK, sC, sScal)
-    window_dots(cfg, acc, col, rows, sK, sU)
-    cute.arch.sync_threads()
-    solve_window(cfg, tidx, sV, sU, sC, sScal)
-    cute.arch.sync_threads()
-    for i in range(cfg.passes):
-        acc[i] = acc[i] * sScal[DECAY_ALL, L - 1]
-    for j in range(L):
-        k_vec = smem_chunk(sK, j, col)
-        for i in range(cfg.passes):
-            acc[i] = acc[i] + (sScal[DECAY_AFTER, j] * sU[j, rows[i]]) * k_vec
-
-
-# --------------------------------------------------------------------------------------------
 # the flush kernel
 
 
 class GDNFlush:
-    def __init__(self, config: GDNConfig, fold: str = DEFAULT_FOLD):
+    def __init__(self, config: GDNConfig):
         self.cfg = config
-        self.fold = fold
 
     @cute.jit
     def __call__(
@@ -514,10 +350,6 @@ class GDNFlush:
         rows = [row0 + step * i for i in range(cfg.passes)]
         smem = SmemAllocator()
         sRed = smem.allocate_tensor(Float32, cute.make_layout(32), 16)
-        chunked = self.fold == "chunked"
-        window_smem = None
-        if cutlass.const_expr(chunked):
-            window_smem = allocate_window(cfg, smem)
 
         if decision[s] == L - 1:
             hi_h = hi[s, h, None, None]
@@ -527,23 +359,19 @@ class GDNFlush:
                 cute.autovec_copy(chunk_of(hi_h, rows[i], col), frag)
                 acc.append(frag.load().to(Float32))
 
-            if cutlass.const_expr(chunked):
-                chunked_fold(cfg, acc, tidx, s, h, col, rows, ring_k, ring_v, ring_g,
-                             ring_beta, k, v, g, beta, window_smem)
-            else:
-                # the window's records in order, every u from the raw v
-                for j in cutlass.range_constexpr(L):
-                    if cutlass.const_expr(j < L - 1):
-                        k_vec = load_vector_chunk(ring_k[s, h, j, None], col)
-                        a = cute.math.exp(ring_g[s, h, j])
-                        beta_j = ring_beta[s, h, j]
-                        v_j = ring_v[s, h, j, None]
-                    else:
-                        k_vec = load_vector_chunk(k[s, h, None], col)
-                        a = cute.math.exp(g[s, h])
-                        beta_j = beta[s, h]
-                        v_j = v[s, h, None]
-                    delta_step(cfg, acc, k_vec, a, beta_j, v_j, rows)
+            # the window's records in order, every u from the raw v
+            for j in cutlass.range_constexpr(L):
+                if cutlass.const_expr(j < L - 1):
+                    k_vec = load_vector_chunk(ring_k[s, h, j, None], col)
+                    a = cute.math.exp(ring_g[s, h, j])
+                    beta_j = ring_beta[s, h, j]
+                    v_j = ring_v[s, h, j, None]
+                else:
+                    k_vec = load_vector_chunk(k[s, h, None], col)
+                    a = cute.math.exp(g[s, h])
+                    beta_j = beta[s, h]
+                    v_j = v[s, h, None]
+                delta_step(cfg, acc, k_vec, a, beta_j, v_j, rows)
 
             row_outputs(cfg, acc, load_vector_chunk(q[s, h, None], col), rows, col,
                         out[s, h, None])
@@ -597,16 +425,8 @@ def min_ctas_per_sm(cfg: GDNConfig) -> int:
     return ctas if ctas > 1 else 0
 
 
-def check_fold(fold: str) -> None:
-    if fold not in FOLDS:
-        fail("fold", f"one of {list(FOLDS)}", repr(fold))
-
-
-def compile_gdn_flush(cfg: GDNConfig, keep_ptx: bool = False, fold: str | None = None):
-    """The compiled flush kernel of `cfg` with `fold` (None: DEFAULT_FOLD; cached);
-    `keep_ptx` keeps its PTX text."""
-    fold = DEFAULT_FOLD if fold is None else fold
-    check_fold(fold)
+def compile_gdn_flush(cfg: GDNConfig, keep_ptx: bool = False):
+    """The compiled flush kernel of `cfg` (cached); `keep_ptx` keeps its PTX text."""
 
     def build():
         f = _compile.fake_ptr
@@ -616,21 +436,20 @@ def compile_gdn_flush(cfg: GDNConfig, keep_ptx: bool = False, fold: str | None =
                 f(act), f(act), f(Float32), f(Float32), f(Int32), f(Int32),
                 f(act), f(act), f(act), f(Float32), f(Float32), f(act), f(Float32),
                 Int32(1), Uint32(0), Uint32(0), _compile.fake_stream())
-        return cute.compile(GDNFlush(cfg, fold), *args,
+        return cute.compile(GDNFlush(cfg), *args,
                             options=_compile.compile_options(keep_ptx))
 
-    return _compile.compile_cached(("gdn_flush", cfg, fold, keep_ptx), build)
+    return _compile.compile_cached(("gdn_flush", cfg, keep_ptx), build)
 
 
 def optional_ptr(tensor, dtype):
     return _compile.fake_ptr(dtype) if tensor is None else _compile.gmem_ptr(tensor, dtype)
 
 
-def launch_gdn_flush(cfg: GDNConfig, cache, decision, q, k, v, g, beta, out, debug_state,
-                     fold: str | None = None):
+def launch_gdn_flush(cfg: GDNConfig, cache, decision, q, k, v, g, beta, out, debug_state):
     """Launch the flush kernel on torch's current stream (everything already validated):
     slots whose `decision` cursor is window - 1 flush, the others are left alone."""
-    kernel = compile_gdn_flush(cfg, fold=fold)
+    kernel = compile_gdn_flush(cfg)
     gp = _compile.gmem_ptr
     kernel(gp(cache.hi), optional_ptr(cache.lo, Uint32), optional_ptr(cache.lo_scales, Uint8),
            optional_ptr(cache.lo_global, Float32),

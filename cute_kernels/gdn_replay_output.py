@@ -21,9 +21,9 @@ and a row's sums here have 16 + log2(dk / 16) + c + 3 sequential roundings a ter
 than the d_k + L the emulation's bound (`emulation.gdn_replay_decode`) allows. With lo_format
 'none', the fp32 recurrence copy itself (the single-copy FP32 ReplaySSM baseline).
 
-Two forms of the read copy's dot products (`dots`, a compile-time choice). 'ffma': the
-thread ownership below, each thread's 64 codes decoded to fp32 and two FFMA an element. 'mma'
-(NVFP4 at d_k = 128): warp w owns the 16-row stripe w, lane (g, t) = (lane // 4, lane % 4)
+Two forms of the read copy's dot products (`dots`, fixed by the head: `dots_of`). 'mma', the
+NVFP4 read copy at d_k = 128 (0.94-0.97 of the FFMA form's time at the Qwen3-Next layer,
+docs/performance.md): warp w owns the 16-row stripe w, lane (g, t) = (lane // 4, lane % 4)
 rows 16 w + g and 16 w + g + 8, columns 32 t .. 32 t + 31 (blocks 2 t, 2 t + 1, two 128-bit
 shared loads); the re-packed codes (E2M1 x 2^-6 in f16, exact) are the A operand of
 `mma.sync.m16n8k16`, and B's column 2 t (2 t + 1) holds f16 hi (lo) of k, or of q, on lane t's
@@ -34,6 +34,8 @@ multiply a row's sums once; the quad of lanes adds its four sums and the ring te
 records t + 4 m. hi + lo is k within 2^-22 |k| for |k| in f16's normal range (elements under
 2^-24 drop, over 65504 overflow: GDN keys and queries are L2-normalised), and the tensor
 cores' sums are within a few fp32 ulps of the largest term, well inside the d_k + L roundings.
+'ffma', every other head (the FP32 read copy, wider keys): the thread ownership below, each
+thread's 64 elements converted to fp32 and two FFMA an element.
 
 Work: one CTA a slot and `heads_per_cta` consecutive heads (grid nheads / heads_per_cta x
 slots), which it takes in turn; it reads the slot's cursor once. The default is one head a
@@ -108,7 +110,6 @@ E2M1_AS_E4M3 = 64.0  # the re-packed codes are E2M1 x 2^-6
 # `python -m tools.heads_per_cta` times each)
 DEFAULT_HEADS_PER_CTA = 1
 DOTS = ("ffma", "mma")  # the read copy's two dot products: FFMA a thread, or tensor cores
-DEFAULT_DOTS = "ffma"  # the form the GPU tests have checked (docs/kernels.md)
 MMA_DK = 128  # the mma form: a warp a 16-row stripe of the whole key width
 # the mma form's B operands of a head: (k, q) x (f16 hi, f16 lo) x 4 lanes' columns x 8 mmas x
 # two registers, then 64 zero bytes for the lanes whose B column is not their own
@@ -233,11 +234,9 @@ def mma_applies(cfg: GDNConfig) -> bool:
     return cfg.lo_format == "nvfp4" and cfg.dk == MMA_DK
 
 
-def dots_of(cfg: GDNConfig, dots: str | None) -> str:
-    """The form a launch uses: `dots`, or (None) DEFAULT_DOTS where it applies, else 'ffma'."""
-    if dots is not None:
-        return dots
-    return DEFAULT_DOTS if mma_applies(cfg) else "ffma"
+def dots_of(cfg: GDNConfig) -> str:
+    """The form a launch uses: 'mma' where it applies, else 'ffma'."""
+    return "mma" if mma_applies(cfg) else "ffma"
 
 
 def ring_rows(cfg: GDNConfig) -> int:
@@ -648,10 +647,10 @@ def _append_record(cfg: cutlass.Constexpr, tidx, s, h, c, k_stage, v_stage, g_c,
 def compile_gdn_output(cfg: GDNConfig, keep_ptx: bool = False,
                        heads_per_cta: int | None = None, dots: str | None = None):
     """The compiled non-flush kernel of `cfg` taking `heads_per_cta` heads a CTA (None:
-    DEFAULT_HEADS_PER_CTA) with `dots` (None: `dots_of`; cached); `keep_ptx` keeps its PTX
-    text."""
+    DEFAULT_HEADS_PER_CTA) with `dots` (None: `dots_of`, the launch's; 'ffma' at an mma head
+    only to count the two forms; cached); `keep_ptx` keeps its PTX text."""
     ocfg = GDNOutputConfig(cfg, DEFAULT_HEADS_PER_CTA if heads_per_cta is None
-                           else heads_per_cta, dots_of(cfg, dots))
+                           else heads_per_cta, dots_of(cfg) if dots is None else dots)
 
     def build():
         f = _compile.fake_ptr

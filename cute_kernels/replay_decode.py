@@ -102,7 +102,7 @@ def mamba2_replay_decode(cache: kv.ReplayCache, x, dt, A, B, C, D=None, z=None, 
         # fp32: CTAs that loop over slots (at batch 256 staggered, L = 16, 355.6 -> 321.7 us a
         # step); the fp16-SR + nvfp4 kernel compiles to 1.7x slower code with the loop, so it
         # keeps one CTA a slot and head
-        cfg = dataclasses.replace(cfg, slot_loop=True, heads_per_cta=1)
+        cfg = dataclasses.replace(cfg, slot_loop=True)
         slot_ctas = rf.decode_slot_ctas(cfg, view.slots, roc._sm_count(view.device))
     decision = cache.cursors.clone()
 

@@ -2,9 +2,7 @@
 twice, the recurrence copy (hi) with FP16 SR and the read copy (lo) with NVFP4 RN.
 
 For every slot `s` whose step is a flush (`cursors[s] + 1 == window`; other slots exit at
-once), per head `h` (one CTA owns one (slot, head) state, `headdim x dstate`; or, with
-`heads_per_cta = n`, n heads of a slot in turn, each head's recurrence copy brought into
-shared memory by one bulk copy while the head before it folds and rounds):
+once), per head `h` (one CTA owns one (slot, head) state, `headdim x dstate`):
 
     record      the current (x, dt, B) is appended at ring position window - 1
                 (dt after dt_bias and softplus; B by the first head of each group)
@@ -73,7 +71,7 @@ import torch
 from cutlass import Float32, Int32, Uint8, Uint32
 from cutlass.memory import SmemAllocator
 
-from cute_kernels import _compile, ptx
+from cute_kernels import _compile
 from cute_kernels import cache as kv
 from cute_kernels import numerics as nm
 from cute_kernels.replay_flush_config import (
@@ -201,7 +199,7 @@ class ReplayFlush:
             seed_lo,
             seed_hi,
         ).launch(
-            grid=[H // cfg.heads_per_cta, slot_ctas, 1],
+            grid=[H, slot_ctas, 1],
             block=[cfg.threads, 1, 1],
             stream=stream,
             min_blocks_per_mp=cfg.min_ctas_per_sm,
@@ -242,10 +240,7 @@ class ReplayFlush:
         R, rows, passes, T = cfg.chunks_per_row, cfg.rows_per_pass, cfg.passes, cfg.threads
         W = cfg.chunk  # state elements a chunk
         tidx, _, _ = cute.arch.thread_idx()
-        head_group, first_slot, _ = cute.arch.block_idx()
-        n = cfg.heads_per_cta
-        h0 = head_group * n  # this CTA's heads: h0 .. h0 + n - 1
-        staged = n > 1
+        h, first_slot, _ = cute.arch.block_idx()
         direct = cfg.fold == "direct"
         pieces = cfg.pieces
         if cutlass.const_expr(direct):
@@ -280,19 +275,6 @@ class ReplayFlush:
         sX = smem.allocate_tensor(Float32, cute.make_layout((L, P), stride=(P, 1)), 16)
         sW = smem.allocate_tensor(Float32, cute.make_layout(64), 16)  # w_j; [L]: g_{0:L-1}
         sRed = smem.allocate_tensor(Float32, cute.make_layout(32), 16)
-        sHi = None
-        bar = None
-        if cutlass.const_expr(staged):
-            # a head's recurrence copy as it lies in global memory, filled by the bulk copy
-            # engine (one copy, completing on one mbarrier, a phase a head)
-            sHi = smem.allocate_tensor(hi.element_type, cute.make_layout((P, N), stride=(N, 1)),
-                                       128)
-            sBar = smem.allocate_tensor(cutlass.Int64, cute.make_layout(1), 8)
-            bar = sBar.iterator.toint()
-            if tidx == 0:
-                ptx.mbar_init(bar)
-                ptx.mbar_init_fence()
-            cute.arch.sync_threads()  # the barrier is set up before any thread waits on it
         # The CTA's slots: first_slot alone (replay_flush's launch, a CTA a slot and head);
         # the table's entry first_slot (slot_table: the decode step given `flush_slots`); or
         # first_slot, first_slot + slot_ctas, ... (slot_loop: the decode step's fp32 flush
@@ -314,165 +296,127 @@ class ReplayFlush:
             s = slot0 + slot_ctas * k
             if (sDecision[k] if cutlass.const_expr(cfg.slot_loop) else decision[s]) == L - 1:
                 flush = Uint32(flushes[s])
-                if cutlass.const_expr(staged):
-                    if tidx == 0:  # the first head's recurrence copy
-                        _issue_hi(cfg, hi, s, h0, sHi, bar)
-                for head_i in cutlass.range(n, unroll=1):
-                    h = h0 + head_i
-                    g = h // cfg.heads_per_group
-                    hi_h = hi[s, h, None, None]  # (P, N):(N, 1)
+                g = h // cfg.heads_per_group
+                hi_h = hi[s, h, None, None]  # (P, N):(N, 1)
 
-                    # 1. the recurrence copy, all loads in flight before the ring is staged
-                    # (from the shared stage: after the ring's loads are issued, below)
-                    acc = []
-                    hi_frags = []
-                    if cutlass.const_expr(not staged):
-                        hi_frags = _load_state(cfg, hi_h, row0, rows, col)
-                        if cutlass.const_expr(not direct):
-                            acc = [frag.load().to(Float32) for frag in hi_frags]
-                    # C, D and z for the output, in flight with the state (each would wait out a
-                    # round trip after the barrier)
-                    piece_rows = [row0 + rows * i for i in range(pieces)]
-                    d_h, z_rows = _gate_inputs(cfg, s, h, piece_rows, D, z)
-                    c_frag = cute.make_rmem_tensor((W,), C.element_type)
-                    cute.autovec_copy(cute.local_tile(C[s, g, None], (W,), (col,)), c_frag)
+                # 1. the recurrence copy, all loads in flight before the ring is staged
+                acc = []
+                hi_frags = []
+                for i in cutlass.range_constexpr(pieces):
+                    hi_frag = cute.make_rmem_tensor((W,), hi.element_type)
+                    cute.autovec_copy(_chunk(hi_h, row0 + rows * i, col, W), hi_frag)
+                    hi_frags.append(hi_frag)
+                    if cutlass.const_expr(not direct):
+                        acc.append(hi_frag.load().to(Float32))
+                # C, D and z for the output, in flight with the state (each would wait out a
+                # round trip after the barrier)
+                piece_rows = [row0 + rows * i for i in range(pieces)]
+                d_h, z_rows = _gate_inputs(cfg, s, h, piece_rows, D, z)
+                c_frag = cute.make_rmem_tensor((W,), C.element_type)
+                cute.autovec_copy(cute.local_tile(C[s, g, None], (W,), (col,)), c_frag)
 
-                    # 2. stage the ring in fp32 shared memory and append the current record
-                    # every load first (the ring's x and B chunks, warp 0's dt values), in flight
-                    # with the state's; then the shared-memory stores and warp 0's decay weights:
-                    # one round trip before the barrier
-                    x_frags, b_frags = _load_ring(cfg, tidx, s, h, g, x, ring_x, B, ring_B)
-                    dt_in = _load_decay_inputs(cfg, tidx % 32, s, h, ring_dt, dt, A, dt_bias)
-                    if cutlass.const_expr(staged):
-                        ptx.mbar_wait(bar, head_i % 2)  # this head's copy has landed
-                        hi_frags = _load_state(cfg, sHi, row0, rows, col)
-                        if cutlass.const_expr(not direct):
-                            acc = [frag.load().to(Float32) for frag in hi_frags]
-                    _store_ring(cfg, tidx, s, h, g, x_frags, b_frags, ring_x, ring_B, sX, sB)
-                    if tidx < 32:
-                        _decay_weights(cfg, tidx, s, h, ring_dt, dt_in, sW)
-                    cute.arch.sync_threads()
-                    if cutlass.const_expr(staged):
-                        # every thread holds its chunks of the stage: the next head's copy
-                        # comes in while this one folds and rounds
-                        if (tidx == 0) & (head_i + 1 < n):
-                            _issue_hi(cfg, hi, s, h + 1, sHi, bar)
+                # 2. stage the ring in fp32 shared memory and append the current record
+                # every load first (the ring's x and B chunks, warp 0's dt values), in flight
+                # with the state's; then the shared-memory stores and warp 0's decay weights:
+                # one round trip before the barrier
+                x_frags, b_frags = _load_ring(cfg, tidx, s, h, g, x, ring_x, B, ring_B)
+                dt_in = _load_decay_inputs(cfg, tidx % 32, s, h, ring_dt, dt, A, dt_bias)
+                _store_ring(cfg, tidx, s, h, g, x_frags, b_frags, ring_x, ring_B, sX, sB)
+                if tidx < 32:
+                    _decay_weights(cfg, tidx, s, h, ring_dt, dt_in, sW)
+                cute.arch.sync_threads()
 
-                    # 3. S_new = g S_hi + sum_j (w_j x_j) B_j^T, fp32
-                    decay = sW[L]
-                    if cutlass.const_expr(direct):
-                        # the accumulators of the transposed fold are this thread's elements: no
-                        # shared-memory round trip
-                        acc_frags = [cute.make_rmem_tensor((W,), Float32) for _ in range(pieces)]
-                        _fold_direct(cfg, tidx, sX, sW, sB, hi_frags, decay, acc_frags)
-                        acc = [frag.load() for frag in acc_frags]
-                    elif cutlass.const_expr(mma):
-                        # the warp's rows of sum_j (w_j x_j) B_j^T on the tensor cores, through its
-                        # own rows of sD into each thread's chunks: no CTA barrier
-                        _fold_mma(cfg, tidx, sX, sW, sB, sD)
-                        cute.arch.sync_warp()
-                        warp_rows = (tidx // 32) * cfg.rows_per_warp + (tidx % 32) // R
+                # 3. S_new = g S_hi + sum_j (w_j x_j) B_j^T, fp32
+                decay = sW[L]
+                if cutlass.const_expr(direct):
+                    # the accumulators of the transposed fold are this thread's elements: no
+                    # shared-memory round trip
+                    acc_frags = [cute.make_rmem_tensor((W,), Float32) for _ in range(pieces)]
+                    _fold_direct(cfg, tidx, sX, sW, sB, hi_frags, decay, acc_frags)
+                    acc = [frag.load() for frag in acc_frags]
+                elif cutlass.const_expr(mma):
+                    # the warp's rows of sum_j (w_j x_j) B_j^T on the tensor cores, through its
+                    # own rows of sD into each thread's chunks: no CTA barrier
+                    _fold_mma(cfg, tidx, sX, sW, sB, sD)
+                    cute.arch.sync_warp()
+                    warp_rows = (tidx // 32) * cfg.rows_per_warp + (tidx % 32) // R
+                    for i in cutlass.range_constexpr(passes):
+                        d_frag = cute.make_rmem_tensor((W,), Float32)
+                        cute.autovec_copy(
+                            cute.local_tile(sD[warp_rows + (32 // R) * i, None], (W,), (col,)),
+                            d_frag,
+                        )
+                        acc[i] = acc[i] * decay + d_frag.load()
+                else:
+                    for i in cutlass.range_constexpr(passes):
+                        acc[i] = acc[i] * decay
+                    for j in cutlass.range_constexpr(L):
+                        sb_frag = cute.make_rmem_tensor((W,), Float32)
+                        cute.autovec_copy(cute.local_tile(sB[j, None], (W,), (col,)), sb_frag)
+                        b_vec = sb_frag.load()
+                        w = sW[j]
                         for i in cutlass.range_constexpr(passes):
-                            d_frag = cute.make_rmem_tensor((W,), Float32)
-                            cute.autovec_copy(
-                                cute.local_tile(sD[warp_rows + (32 // R) * i, None], (W,), (col,)),
-                                d_frag,
-                            )
-                            acc[i] = acc[i] * decay + d_frag.load()
+                            acc[i] = acc[i] + (sX[j, row0 + rows * i] * w) * b_vec
+
+                # 4. y = S_new C + D x [* silu(z)]: a row's lanes meet in a shuffle reduction
+                c_vec = c_frag.load().to(Float32)
+                for i in cutlass.range_constexpr(pieces):
+                    p = row0 + rows * i
+                    part = (acc[i] * c_vec).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                    if cutlass.const_expr(direct):  # a row's 8 lanes: lane bits 2-4
+                        total = part
+                        for offset in (4, 8, 16):
+                            total = total + cute.arch.shuffle_sync_bfly(total, offset=offset)
                     else:
-                        for i in cutlass.range_constexpr(passes):
-                            acc[i] = acc[i] * decay
-                        for j in cutlass.range_constexpr(L):
-                            sb_frag = cute.make_rmem_tensor((W,), Float32)
-                            cute.autovec_copy(cute.local_tile(sB[j, None], (W,), (col,)), sb_frag)
-                            b_vec = sb_frag.load()
-                            w = sW[j]
-                            for i in cutlass.range_constexpr(passes):
-                                acc[i] = acc[i] + (sX[j, row0 + rows * i] * w) * b_vec
+                        total = cute.arch.warp_reduction(part, _add, threads_in_group=R)
+                    if col == 0:
+                        out[s, h, p] = _gate(cfg, total, sX[L - 1, p], d_h, z_rows[i]).to(
+                            out.element_type
+                        )
 
-                    # 4. y = S_new C + D x [* silu(z)]: a row's lanes meet in a shuffle reduction
-                    c_vec = c_frag.load().to(Float32)
+                # 5. stores, one chunk at a time so that each chunk's values die after its stores
+                # (all chunks at once spilled: SR words and codes for 64 values do not fit); the
+                # recurrence copy first, then (after the barrier of the head's amax) nvfp4
+                keys = nm.philox_keys(seed_lo, seed_hi, cfg.philox_rounds)
+                _, counter_hi = nm.state_counter(Uint32(s), flush, Uint32(0))
+                nvfp4 = cfg.lo_format == "nvfp4"
+                block_amax = []  # per chunk max |S|: the head's amax and each block's scale
+                if cutlass.const_expr(nvfp4):
+                    block_amax = [_chunk_amax(acc[i], W) for i in range(pieces)]
+                    _publish_warp_amax(block_amax, tidx, sRed)
+                debug_h = debug[s, h, None, None]
+                hi_bits = cute.make_tensor(
+                    cute.recast_ptr(hi_h.iterator, dtype=Uint32),
+                    cute.make_layout((P, N // 2), stride=(N // 2, 1)),
+                )
+                lo_h = lo_codes[s, h, None, None]
+                scales_h = lo_scales[s, h, None, None]
+                for i in cutlass.range_constexpr(pieces):
+                    p = row0 + rows * i
+                    if cutlass.const_expr(cfg.has_debug):
+                        debug_frag = cute.make_rmem_tensor((W,), Float32)
+                        debug_frag.store(acc[i])
+                        cute.autovec_copy(debug_frag, _chunk(debug_h, p, col, W))
+                    element0 = Uint32((h * P + p) * N) + Uint32(col * W)  # a multiple of W
+                    _store_hi_chunk(cfg, hi_h, hi_bits, acc[i], p, col, Uint32(s), flush,
+                                    element0, counter_hi, keys)
+                    if cutlass.const_expr(cfg.lo_format not in ("none", "nvfp4")):
+                        _store_lo_chunk(cfg, lo_h, acc[i], p, col)
+                if cutlass.const_expr(nvfp4):
+                    # the recurrence copy goes out before the barrier that the head's amax needs
+                    global_scale = _head_global_scale(T, sRed)
+                    if tidx == 0:
+                        lo_global[s, h] = global_scale
                     for i in cutlass.range_constexpr(pieces):
                         p = row0 + rows * i
-                        part = (acc[i] * c_vec).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-                        if cutlass.const_expr(direct):  # a row's 8 lanes: lane bits 2-4
-                            total = part
-                            for offset in (4, 8, 16):
-                                total = total + cute.arch.shuffle_sync_bfly(total, offset=offset)
-                        else:
-                            total = cute.arch.warp_reduction(part, _add, threads_in_group=R)
-                        if col == 0:
-                            out[s, h, p] = _gate(cfg, total, sX[L - 1, p], d_h, z_rows[i]).to(
-                                out.element_type
-                            )
-
-                    # 5. stores, one chunk at a time so that each chunk's values die after its
-                    # stores (all chunks at once spilled: SR words and codes for 64 values do
-                    # not fit); the recurrence copy first, then (after the barrier of the
-                    # head's amax) nvfp4
-                    keys = nm.philox_keys(seed_lo, seed_hi, cfg.philox_rounds)
-                    _, counter_hi = nm.state_counter(Uint32(s), flush, Uint32(0))
-                    nvfp4 = cfg.lo_format == "nvfp4"
-                    block_amax = []  # per chunk max |S|: the head's amax and each block's scale
-                    if cutlass.const_expr(nvfp4):
-                        block_amax = [_chunk_amax(acc[i], W) for i in range(pieces)]
-                        _publish_warp_amax(block_amax, tidx, sRed)
-                    debug_h = debug[s, h, None, None]
-                    hi_bits = cute.make_tensor(
-                        cute.recast_ptr(hi_h.iterator, dtype=Uint32),
-                        cute.make_layout((P, N // 2), stride=(N // 2, 1)),
-                    )
-                    lo_h = lo_codes[s, h, None, None]
-                    scales_h = lo_scales[s, h, None, None]
-                    for i in cutlass.range_constexpr(pieces):
-                        p = row0 + rows * i
-                        if cutlass.const_expr(cfg.has_debug):
-                            debug_frag = cute.make_rmem_tensor((W,), Float32)
-                            debug_frag.store(acc[i])
-                            cute.autovec_copy(debug_frag, _chunk(debug_h, p, col, W))
-                        element0 = Uint32((h * P + p) * N) + Uint32(col * W)  # a multiple of W
-                        _store_hi_chunk(cfg, hi_h, hi_bits, acc[i], p, col, Uint32(s), flush,
-                                        element0, counter_hi, keys)
-                        if cutlass.const_expr(cfg.lo_format not in ("none", "nvfp4")):
-                            _store_lo_chunk(cfg, lo_h, acc[i], p, col)
-                    if cutlass.const_expr(nvfp4):
-                        # the recurrence copy goes out before the barrier that the head's amax needs
-                        global_scale = _head_global_scale(T, sRed)
-                        if tidx == 0:
-                            lo_global[s, h] = global_scale
-                        for i in cutlass.range_constexpr(pieces):
-                            p = row0 + rows * i
-                            _store_nvfp4_chunk(W, lo_h, scales_h, acc[i], block_amax[i], p, col,
-                                               global_scale)
-                    # the next head's or slot's staging reuses sX, sB, sW, sRed
-                    if (head_i + 1 < n) | (k + 1 < slots_here):
-                        cute.arch.sync_threads()
+                        _store_nvfp4_chunk(W, lo_h, scales_h, acc[i], block_amax[i], p, col,
+                                           global_scale)
+                if k + 1 < slots_here:  # the next slot's staging reuses sX, sB, sW, sRed
+                    cute.arch.sync_threads()
 
 
 def _add(a, b):
     return a + b
-
-
-@cute.jit
-def _load_state(cfg: cutlass.Constexpr, state, row0, rows: cutlass.Constexpr, col):
-    """This thread's chunks of a head's recurrence copy (`state`: (headdim, dstate), in global
-    memory or its shared stage), rows row0 + rows i: the loads only."""
-    frags = []
-    for i in cutlass.range_constexpr(cfg.pieces):
-        frag = cute.make_rmem_tensor((cfg.chunk,), state.element_type)
-        cute.autovec_copy(_chunk(state, row0 + rows * i, col, cfg.chunk), frag)
-        frags.append(frag)
-    return frags
-
-
-@cute.jit
-def _issue_hi(cfg: cutlass.Constexpr, hi, s, h, sHi, bar):
-    """One thread: the recurrence copy of (slot s, head h) into the stage `sHi` by one bulk
-    copy, completing on `bar`."""
-    nbytes = cfg.headdim * cfg.dstate * (4 if cfg.hi_format == "fp32" else 2)
-    ptx.mbar_expect(bar, nbytes)
-    head = cutlass.Int64(s) * cfg.nheads + h
-    ptx.bulk_copy(sHi.iterator.toint(), hi.iterator.toint() + head * nbytes, nbytes, bar)
 
 
 def _chunk(t2d, row, col, width=CHUNK):

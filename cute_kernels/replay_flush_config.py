@@ -31,8 +31,6 @@ CHUNKS = (8, 16)
 ELEMENTS_PER_THREAD = 64  # the layout that fits every accepted shape (the head's amax in
 # registers); default_elements_per_thread picks 32 where it fits an fp16 copy
 NVFP4_BLOCK = 16
-DEFAULT_HEADS_PER_CTA = 1  # flush_config's heads a CTA (`python -m tools.heads_per_cta
-# --kernel mamba2-flush` times the others)
 E2M1_E4M3_MAX = 2688.0  # 448 * 6
 E2M1_MAX = 6.0
 
@@ -115,10 +113,6 @@ class FlushConfig:
     # (a whole block a thread); None: 16 with the direct fold, and with the mma fold for an
     # fp16 copy (955.4 -> 905.7 us), else 8
     chunk: int | None = None
-    # heads a CTA flushes one after another (a divisor of nheads), each head's recurrence copy
-    # brought into shared memory by the bulk copy engine while the head before it folds and
-    # rounds; 1: a CTA a head, its state loaded by its threads
-    heads_per_cta: int = 1
 
     def __post_init__(self):
         # for configs built directly (compile_flush's key): an unknown format would compile
@@ -178,13 +172,6 @@ class FlushConfig:
         if self.min_ctas_per_sm is None:
             cap = max(1, 1024 // self.threads) if self.fold == "direct" else 0
             object.__setattr__(self, "min_ctas_per_sm", cap)
-        if (not _is_int(self.heads_per_cta) or self.heads_per_cta < 1
-                or self.nheads % self.heads_per_cta):
-            kv.fail("heads_per_cta", f"a divisor of nheads={self.nheads}",
-                    repr(self.heads_per_cta))
-        if self.heads_per_cta > 1 and self.slot_loop:
-            kv.fail("heads_per_cta", "1 with slot_loop (a CTA loops over slots instead)",
-                    repr(self.heads_per_cta))
         if self.slot_loop and self.slot_table:
             kv.fail("slot_table", "False with slot_loop (a CTA takes one table entry)",
                           "True")
@@ -286,7 +273,7 @@ def decode_slot_ctas(cfg: FlushConfig, batch: int, sm_count: int) -> int:
     return max(min(batch, per_wave), -(-batch // cfg.threads))
 
 
-TUNING_FIELDS = ("elements_per_thread", "fold", "chunk", "min_ctas_per_sm", "heads_per_cta")
+TUNING_FIELDS = ("elements_per_thread", "fold", "chunk", "min_ctas_per_sm")
 
 
 def check_flush_shape(view: kv.CacheView, elements_per_thread: int) -> None:
@@ -317,7 +304,7 @@ def flush_config(cache: kv.ReplayCache, view: kv.CacheView, x, dt, D=None, z=Non
         hi_rounding=cache.hi_rounding, lo_format=cache.lo_format, has_D=D is not None,
         has_z=z is not None, has_dt_bias=dt_bias is not None, dt_softplus=dt_softplus,
         has_debug=has_debug, sr_bits=cache.sr_bits, philox_rounds=cache.philox_rounds,
-        elements_per_thread=ept, heads_per_cta=DEFAULT_HEADS_PER_CTA,
+        elements_per_thread=ept,
     )
 
 

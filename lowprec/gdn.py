@@ -35,8 +35,7 @@ from lowprec._checks import (
     check_shape,
 )
 
-__all__ = ["gdn_step", "gdn_replay_u", "gdn_replay_output", "gdn_replay_flush",
-           "gdn_replay_flush_chunked"]
+__all__ = ["gdn_step", "gdn_replay_u", "gdn_replay_output", "gdn_replay_flush"]
 
 
 def _delta_update(state, k, v, log_decay, beta):
@@ -176,52 +175,6 @@ def _replay_flush(ckpt, ring_v, ring_k, ring_g, ring_beta, count, per_channel):
     return state
 
 
-def _replay_flush_chunked(ckpt, ring_v, ring_k, ring_g, ring_beta, count, per_channel):
-    rings = {"ring_v": ring_v, "ring_k": ring_k, "ring_g": ring_g, "ring_beta": ring_beta}
-    _check_ring(ckpt, rings, count, per_channel)
-    n = int(count.max()) if count.numel() else 0
-    if n == 0:
-        return ckpt
-    held = (torch.arange(n, device=count.device) < count[:, None])[:, None, :]  # [b, 1, n]
-    # a record past a slot's count decays by 1 and adds nothing (beta 0)
-    a = torch.where(held[..., None], torch.exp(_as_channels(ring_g, per_channel)[:, :, :n]),
-                    1.0)  # [b, h, n, c]
-    beta = torch.where(held, ring_beta[:, :, :n], 0.0)
-    k = torch.where(held[..., None], ring_k[:, :, :n], 0.0)  # unheld entries may hold NaN
-    v = torch.where(held[..., None], ring_v[:, :, :n], 0.0)
-
-    def product(first, last):  # a_first .. a_last in record order ([b, h, c]; 1 if empty)
-        out = torch.ones_like(a[:, :, 0])
-        for m in range(first, last + 1):
-            out = out * a[:, :, m]
-        return out
-
-    upto = [product(0, j) for j in range(n)]
-    after = [product(j + 1, n - 1) for j in range(n)]
-    if per_channel:  # decays on the state's columns: y_j = S_0 (P_j * k_j)
-        ys = [torch.einsum("bhvk,bhk->bhv", ckpt, upto[j] * k[:, :, j]) for j in range(n)]
-    else:  # y_j = P_j (S_0 k_j)
-        ys = [upto[j] * torch.einsum("bhvk,bhk->bhv", ckpt, k[:, :, j]) for j in range(n)]
-    us = []
-    for j in range(n):
-        r = v[:, :, j] - ys[j]
-        for i in range(j):
-            if per_channel:  # C[j, i] = sum_c D_{i,j}[c] k_i[c] k_j[c]
-                c = torch.einsum("bhk,bhk->bh", product(i + 1, j) * k[:, :, i], k[:, :, j])
-            else:  # C[j, i] = D_{i,j} (k_i . k_j)
-                c = product(i + 1, j)[..., 0] * torch.einsum("bhk,bhk->bh", k[:, :, i],
-                                                             k[:, :, j])
-            r = r - c[..., None] * us[i]
-        us.append(beta[:, :, j, None] * r)
-    state = ckpt * upto[n - 1][:, :, None, :]
-    for j in range(n):
-        if per_channel:
-            state = state + us[j][..., None] * (after[j] * k[:, :, j])[:, :, None, :]
-        else:
-            state = state + (after[j] * us[j])[..., None] * k[:, :, j, None, :]
-    return state
-
-
 def _check_nonempty(count):
     if count.numel() and int(count.min()) < 1:
         raise ValueError(
@@ -251,15 +204,3 @@ def gdn_replay_flush(ckpt, ring_v, ring_k, ring_g, ring_beta, count):
     every ``u`` recomputed from the raw ``v`` (cached ``u`` are not read)."""
     return _replay_flush(ckpt, ring_v, ring_k, ring_g, ring_beta, count, False)
 
-
-def gdn_replay_flush_chunked(ckpt, ring_v, ring_k, ring_g, ring_beta, count):
-    """`gdn_replay_flush` in chunked order (the CuTe flush's ``fold='chunked'``): with ``P_j =
-    a_0 .. a_j`` and ``D_{i,j} = a_{i+1} .. a_j`` (products in record order),
-
-        y_j = P_j (S_ckpt k_j)          for every record at once
-        u_j = beta_j (v_j - y_j - sum_{i<j} D_{i,j} (k_i . k_j) u_i)     in record order
-        S   = P_{n-1} S_ckpt + sum_j (D_{j,n-1} u_j) k_j^T
-
-    the same state in exact arithmetic (``S_j = P_j S_ckpt + sum_{i<=j} D_{i,j} u_i k_i^T``),
-    rounded in another order."""
-    return _replay_flush_chunked(ckpt, ring_v, ring_k, ring_g, ring_beta, count, False)

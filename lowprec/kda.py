@@ -13,17 +13,9 @@ products ``G_{i:p} = exp(sum_{l=i..p} g_l)`` taken per channel. Everything else 
 ``ring_g [b, h, Lcap, dk]``.
 """
 
-from lowprec.gdn import (
-    _check_step,
-    _replay_flush,
-    _replay_flush_chunked,
-    _replay_output,
-    _replay_u,
-    _step,
-)
+from lowprec.gdn import _check_step, _replay_flush, _replay_output, _replay_u, _step
 
-__all__ = ["kda_step", "kda_replay_u", "kda_replay_output", "kda_replay_flush",
-           "kda_replay_flush_chunked"]
+__all__ = ["kda_step", "kda_replay_u", "kda_replay_output", "kda_replay_flush"]
 
 
 def kda_step(state, q, k, v, g, beta):
@@ -51,9 +43,3 @@ def kda_replay_flush(ckpt, ring_v, ring_k, ring_g, ring_beta, count):
     recomputed from raw ``v``."""
     return _replay_flush(ckpt, ring_v, ring_k, ring_g, ring_beta, count, True)
 
-
-def kda_replay_flush_chunked(ckpt, ring_v, ring_k, ring_g, ring_beta, count):
-    """`kda_replay_flush` in chunked order (`lowprec.gdn.gdn_replay_flush_chunked` with the
-    decays on the state's columns): ``y_j = S_ckpt (P_j * k_j)``, ``C[j, i] = sum_c D_{i,j}[c]
-    k_i[c] k_j[c]``, ``S = S_ckpt diag(P_{n-1}) + sum_j u_j (D_{j,n-1} * k_j)^T``."""
-    return _replay_flush_chunked(ckpt, ring_v, ring_k, ring_g, ring_beta, count, True)

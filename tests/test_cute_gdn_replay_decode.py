@@ -78,8 +78,8 @@ def test_gdn_output_kernel_compiles_for_sm90a_with_one_load_per_block(pairing, h
     """Non-flush kernel at the Qwen3-Next head (256 threads, 4 passes). Every head's pieces
     come by the bulk copy engine on an mbarrier: 7 copies (codes, scales, ring u, ring k, k,
     q, v; 5 without the codes and scales) where the first min(2, heads) heads are issued and
-    in the loop past them. nvfp4 reads each thread's block from shared memory as one 64-bit
-    code load and one scale byte (4 of each), no state from global memory; the fp32 single
+    in the loop past them. nvfp4 (the mma form at this head) reads each lane's codes from
+    shared memory as two 128-bit loads, no state from global memory; the fp32 single
     copy reads 64 B a pass as four 128-bit global loads (16); no state store."""
     cfg = config(QWEN, pairing)
     ptx = go.compile_gdn_output(cfg, keep_ptx=True, heads_per_cta=heads_per_cta).__ptx__
@@ -89,7 +89,10 @@ def test_gdn_output_kernel_compiles_for_sm90a_with_one_load_per_block(pairing, h
     assert ptx.count(BULK_COPY) == pieces * sites, ptx.count(BULK_COPY)
     assert ptx.count("mbarrier.init.shared::cta.b64") == 2
     assert ptx.count("mbarrier.try_wait.parity") == 1, "one wait a head, in the loop"
-    if pairing[2] == "nvfp4":
+    if go.dots_of(cfg) == "mma":  # a lane's two rows of codes: two 128-bit shared loads
+        assert n.get("ld.shared.v4.u32", 0) == 2, n
+        assert n.get("ld.global.v2.b32", 0) == 0 and n.get("ld.global.v4.b32", 0) == 0, n
+    elif pairing[2] == "nvfp4":
         assert n.get("ld.shared.v2.b32", 0) >= cfg.passes, n
         assert n.get("ld.shared.b8", 0) == cfg.passes, n
         assert n.get("ld.global.v2.b32", 0) == 0 and n.get("ld.global.v4.b32", 0) == 0, n
@@ -128,23 +131,14 @@ def test_gdn_stage_pieces_are_bulk_copies_for_every_allowed_head():
     assert stride == 20736 and offsets["scales"] == 8192 and offsets["v"] == 20480
 
 
-@pytest.mark.parametrize("pairing, fold", [
-    pytest.param(TWO_COPY, "sequential", id="fp16sr-nvfp4"),
-    pytest.param(("fp32", "rn", "none"), "sequential", id="fp32-single-copy"),
-    pytest.param(TWO_COPY, "chunked", id="fp16sr-nvfp4-chunked"),
-])
-def test_gdn_flush_kernel_compiles_for_sm90a_with_128_bit_state_accesses(pairing, fold):
+@pytest.mark.parametrize("pairing", PAIRINGS[::2])
+def test_gdn_flush_kernel_compiles_for_sm90a_with_128_bit_state_accesses(pairing):
     """Flush kernel at the Qwen3-Next head: hi read and written as 128-bit accesses (fp16: 2
     a pass each way, fp32: 4), nvfp4 codes one 64-bit store a block, correctly rounded
-    divisions only (div.rn; the E2M1 quotients' exact fallback). The chunked fold reads the
-    window's keys from shared memory as 128-bit loads (a thread's 16 keys of a record, twice
-    a record: the dots and the update) and crosses three CTA barriers, then the amax's."""
+    divisions only (div.rn; the E2M1 quotients' exact fallback)."""
     cfg = config(QWEN, pairing, debug=True)
-    ptx = gf.compile_gdn_flush(cfg, keep_ptx=True, fold=fold).__ptx__
+    ptx = gf.compile_gdn_flush(cfg, keep_ptx=True).__ptx__
     n = ptx_counts(ptx)
-    if fold == "chunked":
-        assert n.get("ld.shared.v4.b32", 0) >= 2 * 4 * cfg.window, n
-        assert n.get("bar.sync", 0) == 4, n
     per_pass = 2 if pairing[0] == "fp16" else 4
     debug_stores = 4 * cfg.passes
     assert n.get("st.global.v4.b32", 0) == per_pass * cfg.passes + debug_stores, n
@@ -160,15 +154,12 @@ def test_gdn_flush_kernel_compiles_for_sm90a_with_128_bit_state_accesses(pairing
                          [(ODD, 5), (WIDE, 3), (dict(nheads=1, dv=16, dk=512), 32)],
                          ids=["dv48-dk128-L5", "dv32-dk256-L3", "dv16-dk512-L32"])
 def test_gdn_kernels_compile_at_other_head_shapes_and_windows(shape, window):
-    """Both kernels and both pairings (and the chunked flush) compile where the thread layout
-    changes: 96 threads, 16 and 32 lanes a row, windows shorter and longer than a row's
-    lanes."""
+    """Both kernels and both pairings compile where the thread layout changes: 96 threads,
+    16 and 32 lanes a row, windows shorter and longer than a row's lanes."""
     for pairing in (TWO_COPY, ("fp32", "rn", "none")):
         cfg = config(shape, pairing, window=window, act="fp32", debug=True)
         go.compile_gdn_output(cfg)
         gf.compile_gdn_flush(cfg)
-    gf.compile_gdn_flush(config(shape, TWO_COPY, window=window, act="fp32", debug=True),
-                         fold="chunked")
 
 
 def test_gdn_counter_kernels_compile():
@@ -277,11 +268,11 @@ def test_mma_operands_give_each_lane_its_own_block_sums():
                                            atol=1e-12)
 
 
-def test_mma_form_compiles_where_it_applies_and_is_refused_by_name_elsewhere(monkeypatch):
+def test_mma_form_compiles_where_it_applies_and_is_refused_by_name_elsewhere():
     """dots='mma' (NVFP4 read copy, d_k = 128): two mma.sync a 16-column step of a lane
     (k and q), 16 in all, each lane's codes of its two rows as two 128-bit shared loads;
     at 96 threads (d_v = 48) and at the Qwen3-Next head. Elsewhere the config refuses it,
-    and a launch with DEFAULT_DOTS = 'mma' takes FFMA there."""
+    and a launch takes FFMA there."""
     for shape in (QWEN, ODD):
         cfg = config(shape, TWO_COPY)
         ptx = go.compile_gdn_output(cfg, keep_ptx=True, dots="mma").__ptx__
@@ -294,11 +285,10 @@ def test_mma_form_compiles_where_it_applies_and_is_refused_by_name_elsewhere(mon
         go.GDNOutputConfig(config(WIDE, TWO_COPY), 1, "mma")
     with pytest.raises(ValueError, match=r"dots: expected one of \['ffma', 'mma'\]"):
         go.GDNOutputConfig(config(QWEN, TWO_COPY), 1, "wmma")
-    monkeypatch.setattr(go, "DEFAULT_DOTS", "mma")
-    assert go.dots_of(config(QWEN, TWO_COPY), None) == "mma"
-    assert go.dots_of(config(WIDE, TWO_COPY), None) == "ffma"
-    assert go.dots_of(config(QWEN, ("fp32", "rn", "none")), None) == "ffma"
-    assert go.dots_of(config(QWEN, TWO_COPY), "ffma") == "ffma"
+    assert go.dots_of(config(QWEN, TWO_COPY)) == "mma"
+    assert go.dots_of(config(ODD, TWO_COPY)) == "mma"
+    assert go.dots_of(config(WIDE, TWO_COPY)) == "ffma"
+    assert go.dots_of(config(QWEN, ("fp32", "rn", "none"))) == "ffma"
 
 
 # --------------------------------------------------------------------------------------------
@@ -402,19 +392,6 @@ def test_gdn_heads_per_cta_is_checked_before_any_launch(heads_per_cta, message):
         go.GDNOutputConfig(config(QWEN, TWO_COPY), 32)
 
 
-@pytest.mark.parametrize("fn", [gd.gdn_replay_decode, gd.gdn_replay_flush])
-@pytest.mark.parametrize("fold", ["chunk", "", None, 1])
-def test_gdn_fold_is_checked_before_any_launch(fn, fold):
-    """A fold the flush kernel does not have is refused by name, before the device check."""
-    if fold is None:  # the default: only the device check is left to refuse the CPU cache
-        with pytest.raises(ValueError, match="expected a CUDA tensor"):
-            fn(cpu_cache(), **cpu_token(), fold=fold)
-        return
-    with pytest.raises(ValueError, match=re.escape(
-            f"fold: expected one of ['sequential', 'chunked'], got {fold!r}")):
-        fn(cpu_cache(), **cpu_token(), fold=fold)
-
-
 @pytest.mark.parametrize("fn", [gd.gdn_replay_decode, gd.gdn_replay_output,
                                 gd.gdn_replay_flush])
 def test_gdn_cpu_tensors_pass_every_check_but_the_device_one(fn):
@@ -443,11 +420,10 @@ class CuteStep:
     """Runs the CuTe step on a packed GPU cache and mirrors the result into an
     emulation-shaped CPU twin, so `gdn_emulation_cases.run_and_check_step` checks it."""
 
-    def __init__(self, twin, pairing, act, half=None, heads_per_cta=None, fold=None):
+    def __init__(self, twin, pairing, act, half=None, heads_per_cta=None):
         self.pairing = pairing
         self.half = half  # None: gdn_replay_decode; 'output' or 'flush': that half alone
         self.heads_per_cta = heads_per_cta  # the non-flush kernel's (None: its default)
-        self.fold = fold  # the flush kernel's (None: its default)
         hi, rounding, lo = pairing
         slots, nheads, dv, dk, window = twin.shape
         self.cache = gc.GDNReplayCache.empty(slots, nheads, dv, dk, window=window,
@@ -498,12 +474,10 @@ class CuteStep:
             gd.gdn_replay_output(self.cache, **dev, out=y, check_counters=True,
                                  heads_per_cta=self.heads_per_cta)
         elif self.half == "flush":
-            gd.gdn_replay_flush(self.cache, **dev, out=y, debug_state=debug, check_counters=True,
-                                fold=self.fold)
+            gd.gdn_replay_flush(self.cache, **dev, out=y, debug_state=debug, check_counters=True)
         else:
             gd.gdn_replay_decode(self.cache, **dev, out=y, debug_state=debug,
-                                 check_counters=True, heads_per_cta=self.heads_per_cta,
-                                 fold=self.fold)
+                                 check_counters=True, heads_per_cta=self.heads_per_cta)
         out.copy_(y.float().cpu())
         debug_state.copy_(debug.cpu())
         self.debug = debug
@@ -563,7 +537,7 @@ def emulation_quantiser_gives_the_same_bytes(step, is_flush):
 
 
 def run_windows(pairing, shape, window, slots, tokens, seed, act=torch.float32,
-                heads_per_cta=None, fold=None):
+                heads_per_cta=None):
     """`tokens` CuTe decode steps from slots at random ring positions (flush counters far
     apart), every one checked against lowprec on the cache it started from; returns the
     flushes done, the flushes expected and the worst error / bound. `heads_per_cta`: the
@@ -577,13 +551,13 @@ def run_windows(pairing, shape, window, slots, tokens, seed, act=torch.float32,
     twin = filled_cache(gen, slots, shape["nheads"], shape["dv"], shape["dk"], (hi, rounding),
                         "fp32" if lo == "none" else lo, False, cursors=cursors,
                         flushes=flushes, window=window, act_dtype=act)
-    step = CuteStep(twin, pairing, act, heads_per_cta=heads_per_cta, fold=fold)
+    step = CuteStep(twin, pairing, act, heads_per_cta=heads_per_cta)
     worst = 0.0
     for _ in range(tokens):
         before = step.cache.cursors.cpu().clone()
         token = make_token(gen, slots, shape["nheads"], shape["dv"], shape["dk"], False,
                            act_dtype=act)
-        _, ratio = run_and_check_step(twin, token, step)
+        _, ratio = run_and_check_step(twin, token, step, y_dtype=act)
         is_flush = before == window - 1
         packed_codes_equal_lowprec(step, is_flush)
         emulation_quantiser_gives_the_same_bytes(step, is_flush)
@@ -625,35 +599,17 @@ def test_gdn_decode_matches_lowprec_over_windows_from_random_ring_positions(pair
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pairing, shape, window, act", [
-    pytest.param(TWO_COPY, QWEN, 16, torch.bfloat16, id="fp16sr-nvfp4-qwen-L16-bf16"),
-    pytest.param(TWO_COPY, ODD, 8, torch.float32, id="fp16sr-nvfp4-dv48-L8"),
-    pytest.param(("fp32", "rn", "none"), WIDE, 32, torch.float32, id="fp32-dk256-L32"),
-])
-def test_gdn_chunked_fold_matches_lowprec_over_windows(pairing, shape, window, act):
-    """The flush's chunked fold, from 3 slots at random ring positions over two windows and
-    more: every step's u, y and unrounded state within the emulation's bounds of lowprec on
-    the same cache, the stored copies lowprec's (and the emulation quantiser's) bit for bit
-    from the kernel's own unrounded state."""
-    done, expected, worst = run_windows(pairing, shape, window, 3, 2 * window + 2, seed=29,
-                                        act=act, fold="chunked")
-    assert done == expected and min(done) >= 2
-    assert worst <= 1.0
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("shape, window, act, heads_per_cta", [
     pytest.param(QWEN, 16, torch.bfloat16, 1, id="qwen-L16-bf16"),
     pytest.param(ODD, 8, torch.float32, 1, id="dv48-L8-fp32"),
     pytest.param(dict(nheads=4, dv=48, dk=128), 5, torch.bfloat16, 2, id="dv48-L5-2heads"),
 ])
-def test_gdn_tensor_core_dots_match_lowprec_over_windows(shape, window, act, heads_per_cta,
-                                                         monkeypatch):
+def test_gdn_tensor_core_dots_match_lowprec_over_windows(shape, window, act, heads_per_cta):
     """The non-flush step's mma form (codes x k and codes x q on the tensor cores, B as f16
-    hi + lo): 3 slots at random ring positions over two windows and more, every step's u and
-    y within the emulation's bounds of lowprec on the same cache, the stored copies lowprec's
-    bit for bit (the flush is the same kernel)."""
-    monkeypatch.setattr(go, "DEFAULT_DOTS", "mma")
+    hi + lo; every NVFP4 head at d_k = 128 takes it), bf16 and fp32 activations: 3 slots at
+    random ring positions over two windows and more, every step's u and y within the
+    emulation's bounds of lowprec on the same cache (y's rounding to bf16 added), the stored
+    copies lowprec's bit for bit (the flush is the same kernel)."""
     done, expected, worst = run_windows(TWO_COPY, shape, window, 3, 2 * window + 2, seed=37,
                                         act=act, heads_per_cta=heads_per_cta)
     assert done == expected and min(done) >= 2

@@ -86,19 +86,19 @@ def _split(kwargs):
     return cache, kwargs
 
 
-def replay_flush(elements_per_thread=None, fold=None, chunk=None, heads_per_cta=1, **kwargs):
+def replay_flush(elements_per_thread=None, fold=None, chunk=None, **kwargs):
     """rf.mamba2_replay_flush on the test's tensors, with the tuning knobs given (None: the
     default)."""
     cache, args = _split(kwargs)
     config = None
-    if (elements_per_thread, fold, chunk, heads_per_cta) != (None, None, None, 1):
+    if (elements_per_thread, fold, chunk) != (None, None, None):
         base = rf.flush_config(cache, kv.check_replay_cache(cache), args["x"], args["dt"],
                                args.get("D"), args.get("z"), args.get("dt_bias"),
                                dt_softplus=args.get("dt_softplus", True),
                                has_debug=args.get("debug_state") is not None)
         config = dataclasses.replace(
             base, elements_per_thread=elements_per_thread or base.elements_per_thread,
-            fold=fold, chunk=chunk, min_ctas_per_sm=None, heads_per_cta=heads_per_cta)
+            fold=fold, chunk=chunk, min_ctas_per_sm=None)
     return rf.mamba2_replay_flush(cache, **args, config=config)
 
 
@@ -320,22 +320,6 @@ def test_state_shapes_that_need_a_partial_warp_are_refused():
         rf.check_flush_shape(view(24, 64), 32)
 
 
-@pytest.mark.parametrize("variant, heads_per_cta", [
-    (("fp16", "sr", "nvfp4"), 2), (("fp32", "rn", "none"), 4), (("fp16", "rn", "fp8_e4m3"), 16),
-], ids=["two-copy-2", "fp32-4", "fp8-16"])
-def test_several_heads_a_cta_compile_with_the_state_through_one_bulk_copy(variant,
-                                                                          heads_per_cta):
-    """heads_per_cta > 1: each head's recurrence copy comes into shared memory by one bulk
-    copy (the first head's and, inside the head loop, the next one's), completing on an
-    mbarrier; the threads read it from there in 128-bit pieces, not from global memory."""
-    cfg = dataclasses.replace(config(NEMOTRON, *variant, debug=False),
-                              heads_per_cta=heads_per_cta)
-    ptx = rf.compile_flush(cfg, keep_ptx=True).__ptx__
-    assert ptx.count("cp.async.bulk.shared::cluster.global") == 2
-    assert "mbarrier.try_wait.parity" in ptx
-    assert ptx.count("ld.shared.v4") >= (4 if variant[0] == "fp16" else 8)
-
-
 @pytest.mark.parametrize("hi, rounding, lo, changes, message", [
     ("bf16", "sr", "nvfp4", {}, "hi_format: expected one of"),  # compiled the fp16 kernel
     ("fp16", "up", "nvfp4", {}, "hi_rounding: expected one of"),  # compiled RN
@@ -353,10 +337,6 @@ def test_several_heads_a_cta_compile_with_the_state_through_one_bulk_copy(varian
      r"headdim x dstate at 64 elements a thread: expected .*multiple of 32.*, got 24 x 128"),
     ("fp16", "sr", "nvfp4", dict(slot_loop="yes"), "slot_loop: expected a bool"),
     ("fp16", "sr", "nvfp4", dict(min_ctas_per_sm=-1), "min_ctas_per_sm: expected None or"),
-    ("fp16", "sr", "nvfp4", dict(heads_per_cta=4), "heads_per_cta: expected a divisor of "
-     "nheads=6, got 4"),
-    ("fp16", "sr", "nvfp4", dict(heads_per_cta=2, slot_loop=True),
-     "heads_per_cta: expected 1 with slot_loop"),
     ("fp16", "sr", "nvfp4", dict(sr_bits=12), r"sr_bits: expected random bits .* got 12"),
     ("fp16", "sr", "nvfp4", dict(philox_rounds=11), r"philox_rounds: expected Philox rounds"),
     ("fp16", "rn", "nvfp4", dict(sr_bits=32),
@@ -463,23 +443,6 @@ def test_replay_cache_takes_the_emulations_sr_settings_and_refuses_others(kwargs
         replay_flush(**args, window=window, hi_rounding="rn", philox_rounds=10)
     with pytest.raises(ValueError, match="cache.hi: expected a CUDA tensor"):  # accepted
         replay_flush(**args, window=window, sr_bits=8, philox_rounds=1)
-
-
-def test_flush_config_takes_the_modules_heads_per_cta(monkeypatch):
-    """flush_config's heads a CTA is DEFAULT_HEADS_PER_CTA (what tools.heads_per_cta sets);
-    such a config cannot loop over slots (the decode step's fp32 flush sets one head a CTA
-    with its slot loop)."""
-    from cute_kernels import replay_flush_config as rfc
-
-    cache = kv.ReplayCache.empty(2, **NEMOTRON, window=16)
-    x = torch.empty(2, NEMOTRON["nheads"], NEMOTRON["headdim"], dtype=torch.bfloat16)
-    dt = torch.empty(2, NEMOTRON["nheads"])
-    assert rf.flush_config(cache, kv.check_replay_cache(cache), x, dt).heads_per_cta == 1
-    monkeypatch.setattr(rfc, "DEFAULT_HEADS_PER_CTA", 4)
-    cfg = rf.flush_config(cache, kv.check_replay_cache(cache), x, dt)
-    assert cfg.heads_per_cta == 4
-    with pytest.raises(ValueError, match="heads_per_cta: expected 1 with slot_loop"):
-        dataclasses.replace(cfg, slot_loop=True)
 
 
 def test_flush_config_carries_the_caches_sr_setting():
@@ -991,45 +954,6 @@ def test_flush_with_16_element_chunks(variant, fold, window):
     within the fp32 bound of the fp64 replay, the stored codes lowprec's of it, bit for bit."""
     check_flush(NEMOTRON, 3, window, torch.bfloat16, *variant, gen_seed=11 + window,
                 elements_per_thread=32, chunk=16, fold=fold)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("variant, shape, fold", [
-    (("fp16", "sr", "nvfp4"), NEMOTRON, None), (("fp32", "rn", "none"), NEMOTRON, None),
-    (("fp16", "sr", "nvfp4"), NARROW, "mma"), (("fp16", "rn", "fp8_e4m3"), DECODE, "fma"),
-], ids=["nemotron-two-copy", "nemotron-fp32", "narrow-mma", "decode-fma"])
-def test_heads_per_cta_leaves_every_bit_as_one_head_a_cta(variant, shape, fold):
-    """A CTA flushing several heads, each head's recurrence copy staged by the bulk copy
-    engine while the one before it rounds, stores what one head a CTA stores: the output,
-    the unrounded state, both copies, the ring and the counters, bit for bit, at every
-    divisor of the heads tried (5 slots, 3 flushing; L = 11)."""
-    hi_format, hi_rounding, lo_format = variant
-    act = torch.bfloat16 if fold != "fma" else torch.float32
-    gen = torch.Generator().manual_seed(31)
-    slots, window = 5, 11
-    cache = random_cache(slots, shape, window, act, hi_format, lo_format, gen, [0, 1, 3])
-    tok = random_token(slots, shape, act, gen)
-    H, P, N = shape["nheads"], shape["headdim"], shape["dstate"]
-
-    def run(heads_per_cta):
-        mine = clone(cache)
-        out = torch.full((slots, H, P), float("nan"), dtype=act, device=DEVICE)
-        debug = torch.full((slots, H, P, N), float("nan"), device=DEVICE)
-        replay_flush(**mine, **tok, out=out, window=window, hi_format=hi_format,
-                     hi_rounding=hi_rounding, lo_format=lo_format, seed=SEED, debug_state=debug,
-                     fold=fold, heads_per_cta=heads_per_cta)
-        torch.cuda.synchronize()
-        flat = {"out": out, "debug": debug}
-        for name, value in mine.items():
-            for key, tensor in (value.items() if isinstance(value, dict) else [(name, value)]):
-                flat[key] = tensor
-        return {k: v.cpu().contiguous().view(torch.uint8) for k, v in flat.items() if v is not None}
-
-    one = run(1)
-    for n in [d for d in (2, 3, 4, 16) if H % d == 0]:
-        staged = run(n)
-        for name in one:
-            assert torch.equal(staged[name], one[name]), (n, name)
 
 
 @pytest.mark.gpu

@@ -13,20 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lowprec.gdn import (
-    gdn_replay_flush,
-    gdn_replay_flush_chunked,
-    gdn_replay_output,
-    gdn_replay_u,
-    gdn_step,
-)
-from lowprec.kda import (
-    kda_replay_flush,
-    kda_replay_flush_chunked,
-    kda_replay_output,
-    kda_replay_u,
-    kda_step,
-)
+from lowprec.gdn import gdn_replay_flush, gdn_replay_output, gdn_replay_u, gdn_step
+from lowprec.kda import kda_replay_flush, kda_replay_output, kda_replay_u, kda_step
 from lowprec.mamba2 import (
     mamba2_process_dt,
     mamba2_replay_flush,
@@ -223,14 +211,12 @@ def test_mamba2_replay_verify_gives_every_query_its_own_prefix():
 
 @pytest.mark.parametrize("per_channel", [False, True], ids=["gdn", "kda"])
 def test_delta_replay_equals_recurrence_at_every_ring_position(per_channel):
-    """u from ckpt + ring, output from ckpt + ring (u cached), flush recomputing u from raw v
-    (sequentially and in chunked order): all equal the plain step at every position, slots on
-    different phases."""
-    step, replay_u, replay_output, replay_flush, replay_flush_chunked = (
-        (kda_step, kda_replay_u, kda_replay_output, kda_replay_flush, kda_replay_flush_chunked)
+    """u from ckpt + ring, output from ckpt + ring (u cached), flush recomputing u from raw v:
+    all equal the plain step at every position, slots on different phases."""
+    step, replay_u, replay_output, replay_flush = (
+        (kda_step, kda_replay_u, kda_replay_output, kda_replay_flush)
         if per_channel
-        else (gdn_step, gdn_replay_u, gdn_replay_output, gdn_replay_flush,
-              gdn_replay_flush_chunked)
+        else (gdn_step, gdn_replay_u, gdn_replay_output, gdn_replay_flush)
     )
     gen = torch.Generator().manual_seed(6 + per_channel)
     b, h, dv, dk = len(PHASES), 3, 5, 7
@@ -279,8 +265,6 @@ def test_delta_replay_equals_recurrence_at_every_ring_position(per_channel):
         assert_rel_close(y_replay, y, REPLAY_RTOL, f"output at t={t}, count={count.tolist()}")
         folded = replay_flush(ckpt, ring_v, ring_k, ring_g, ring_beta, count)
         assert_rel_close(folded, state, REPLAY_RTOL, f"state at t={t}")
-        chunked = replay_flush_chunked(ckpt, ring_v, ring_k, ring_g, ring_beta, count)
-        assert_rel_close(chunked, state, REPLAY_RTOL, f"chunked state at t={t}")
 
     assert visited == {(s, n) for s in range(b) for n in range(1, L + 1)}
 
@@ -307,8 +291,6 @@ def test_gdn_flush_folds_exactly_count_records_per_slot():
         state = torch.where((j < count)[:, None, None, None], stepped, state)
     folded = gdn_replay_flush(ckpt, ring_v, ring_k, ring_g, ring_beta, count)
     assert_rel_close(folded, state, REPLAY_RTOL, "flush")
-    chunked = gdn_replay_flush_chunked(ckpt, ring_v, ring_k, ring_g, ring_beta, count)
-    assert_rel_close(chunked, state, REPLAY_RTOL, "chunked flush")
 
 
 # ---- bad input -----------------------------------------------------------------------------------

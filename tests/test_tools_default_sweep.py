@@ -1,7 +1,7 @@
-"""tools.heads_per_cta (both kernels), tools.gdn_flush_fold and tools.gdn_dots: each
-kernel_bench run times its kernel with the module default set to one value, the default comes
-back afterwards (also when a run fails), and each run is compared with the first (CPU:
-kernel_bench and the comparison are stand-ins that record what they were given)."""
+"""tools.heads_per_cta: each kernel_bench run times its kernel with the module default set to
+one value, the default comes back afterwards (also when a run fails), and each run is compared
+with the first (CPU: kernel_bench and the comparison are stand-ins that record what they were
+given)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from cute_kernels import gdn_replay_flush, gdn_replay_output, replay_flush_config
+from cute_kernels import gdn_replay_output
 from experiments import kernel_bench
-from tools import compare_bench, gdn_dots, gdn_flush_fold, heads_per_cta
+from tools import compare_bench, heads_per_cta
 
 
 @dataclass(frozen=True)
@@ -28,21 +28,7 @@ class Tool:
 TOOLS = {
     "heads_per_cta": Tool(heads_per_cta.main, gdn_replay_output, "DEFAULT_HEADS_PER_CTA",
                           "--heads", (3, 1, 8), "heads_{}.csv", "cute:nonflush:nvfp4"),
-    "flush_heads_per_cta": Tool(
-        lambda argv: heads_per_cta.main(["--kernel", "mamba2-flush"] + argv),
-        replay_flush_config, "DEFAULT_HEADS_PER_CTA", "--heads", (2, 1, 4), "heads_{}.csv",
-        "cute:flush:fp16sr+nvfp4,cute:flush:fp32"),
-    "flush_fold": Tool(gdn_flush_fold.main, gdn_replay_flush, "DEFAULT_FOLD", "--folds",
-                       ("chunked", "sequential"), "fold_{}.csv",
-                       "cute:flush:fp16sr+nvfp4,cute:flush:fp32"),
-    "dots": Tool(gdn_dots.main, gdn_replay_output, "DEFAULT_DOTS", "--dots", ("mma", "ffma"),
-                 "dots_{}.csv", "cute:nonflush:nvfp4"),
 }
-
-
-def test_the_tools_choices_are_the_kernels():
-    assert gdn_flush_fold.FOLDS == gdn_replay_flush.FOLDS
-    assert gdn_dots.DOTS == gdn_replay_output.DOTS
 
 
 @pytest.mark.parametrize("name", TOOLS)
@@ -86,10 +72,6 @@ def test_a_failing_run_stops_the_sweep_and_restores_the_default(name, monkeypatc
     ("heads_per_cta", ["--heads", "a"], "expected comma-separated ints"),
     ("heads_per_cta", ["--", "--kernels", "x"], "--kernels is set by the tool"),
     ("heads_per_cta", ["--kernel", "mamba3-flush"], "argument --kernel: invalid choice"),
-    ("flush_fold", ["--folds", "chunk"], "expected distinct folds among sequential, chunked"),
-    ("flush_fold", ["--folds", "chunked,chunked"], "expected distinct folds"),
-    ("flush_fold", ["--", "--out", "x.csv"], "--out is set by the tool"),
-    ("dots", ["--dots", "wmma"], "expected distinct dots among ffma, mma"),
 ])
 def test_bad_arguments_are_named(name, argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:

@@ -164,7 +164,6 @@ def test_ncu_pipes_script_keeps_every_line_the_reader_needs():
     (["--pipes", "--csv", "{tmp}/other.csv"], "is not a kernel_bench CSV (no column run, "),
     (["--pipes", "--with-fallbacks"], "--with-fallbacks: only for the default count"),  # ignored
     (["--ncu", "{tmp}/other.csv", "--with-fallbacks"], "--with-fallbacks: only"),
-    (["--heads-per-cta", "3"], "--heads-per-cta: expected a divisor of 128, got 3"),
 ])
 def test_bad_report_or_csv_paths_are_argument_errors(tmp_path, capsys, argv, message):
     """Checked before anything compiles: one line on stderr and exit status 2."""
@@ -323,39 +322,21 @@ def test_the_counted_gdn_nonflush_kernel_is_the_one_a_decode_step_launches(lo_fo
 
 @pytest.mark.slow
 def test_the_gdn_flush_fits_two_ctas_an_sm_without_spilling():
-    """Both folds of the GDN flush at the Qwen3-Next layer (256 threads, 64 fp32 state elements
-    a thread) ask for two CTAs an SM and compile to at most 128 registers with no local-memory
-    traffic; the chunked fold issues fewer instructions (no per-record rescaling of the
-    state)."""
+    """The GDN flush at the Qwen3-Next layer (256 threads, 64 fp32 state elements a thread)
+    asks for two CTAs an SM and compiles to at most 128 registers with no local-memory
+    traffic."""
     from cute_kernels import gdn_replay_flush as gf
 
     cfg = ic.gdn_flush_config()
     assert gf.min_ctas_per_sm(cfg) == 2
-    for fold in gf.FOLDS:
-        assert ".minnctapersm 2" in gf.compile_gdn_flush(cfg, keep_ptx=True, fold=fold).__ptx__
+    ptx = gf.compile_gdn_flush(cfg, keep_ptx=True).__ptx__
+    assert ".minnctapersm 2" in ptx
     if not ic.tools_available():
         pytest.skip(f"SASS counts: {ic.tools_problem()}")
-    rows = {fold: (per_element, registers) for _, fold, per_element, registers, _
-            in ic.count_gdn_flush(formats=("nvfp4",))}
-    assert all(registers <= 128 for _, registers in rows.values()), rows
-    assert rows["chunked"][0] < rows["sequential"][0], rows
-    for fold in gf.FOLDS:
-        ops, _ = ic.sass_histogram(gf.compile_gdn_flush(cfg, keep_ptx=True, fold=fold).__ptx__)
-        assert not ops.get("LDL") and not ops.get("STL"), (fold, ops)
-
-
-@pytest.mark.slow
-def test_several_heads_a_cta_count_per_head_element_and_their_spills():
-    """The flush at 2 heads a CTA is counted per element of one head, fallbacks compiled out
-    as in the default count (the same order as one head a CTA: the head loop runs the same
-    body), with its registers and spill count."""
-    if not ic.tools_available():
-        pytest.skip(f"SASS counts: {ic.tools_problem()}")
-    fp32 = (("fp32", "rn", "none"),)
-    [(_, per_one, regs_one, local_one)] = ic.count_flush_heads(1, formats=fp32)
-    [(_, per_two, regs_two, _)] = ic.count_flush_heads(2, formats=fp32)
-    assert local_one == 0 and regs_one <= 128 and regs_two <= 128
-    assert per_one < per_two < 1.5 * per_one  # a head's body once, plus the loop and the copy
+    [(_, _, registers, _)] = ic.count_gdn_flush(formats=("nvfp4",))
+    assert registers <= 128, registers
+    ops, _ = ic.sass_histogram(ptx)
+    assert not ops.get("LDL") and not ops.get("STL"), ops
 
 
 @pytest.mark.slow

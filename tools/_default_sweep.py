@@ -55,39 +55,3 @@ def sweep_default(module, attr: str, values: list, bench_args: list[str], out_di
         print(f"== {describe(value)} against {describe(values[0])}")
         compare_bench.main([str(first), str(out_dir / csv_name(value))])
     return 0
-
-
-def choices_main(prog: str, doc: str, option: str, choices: tuple, module_name: str, attr: str,
-                 bench_args: list[str], noun: str):
-    """The `main(argv)` of a tool that times `module_name.attr` at some of `choices` (strings),
-    `option` naming them (e.g. --folds), each run's CSV OUT_DIR/NOUN_CHOICE.csv (default
-    runs/PROG's module name)."""
-    name = prog.split(".")[-1]
-
-    def choice_list(text: str) -> list[str]:
-        values = [v.strip() for v in text.split(",")]
-        if not values or any(v not in choices for v in values) or len(set(values)) != len(values):
-            raise argparse.ArgumentTypeError(
-                f"expected distinct {option[2:]} among {', '.join(choices)}, got {text!r}")
-        return values
-
-    def main(argv: list[str] | None = None) -> int:
-        import importlib
-        import sys
-
-        parser, own, extra = parser_and_bench_args(prog, doc.split("\n\n")[0],
-                                                   sys.argv[1:] if argv is None else argv)
-        parser.add_argument(option, type=choice_list, default=list(choices),
-                            help=f"{option[2:]} to time, comma-separated (default "
-                                 f"{','.join(choices)}; the first is the reference of the "
-                                 "comparison)")
-        parser.add_argument("--out-dir", type=Path, default=Path(f"runs/{name}"),
-                            help=f"folder for {noun}_NAME.csv (default runs/{name})")
-        args = parser.parse_args(own)
-        check_bench_args(parser, extra)
-        module = importlib.import_module(module_name)
-        return sweep_default(module, attr, getattr(args, option[2:]), bench_args, args.out_dir,
-                             lambda value: f"{noun}_{value}.csv", extra,
-                             lambda value: f"{value} {noun}")
-
-    return main

@@ -4,7 +4,6 @@ otherwise).
 
     python -m tools.heads_per_cta --kernel gdn-nonflush --heads 1,2,4,8,16 \\
         --out-dir runs/gdn_heads -- --batches 1,256 --windows 16
-    python -m tools.heads_per_cta --kernel mamba2-flush --heads 1,2,4 -- --batches 1,256
 
 For each value it runs `python -m experiments.kernel_bench` (the kernel's shape and kernels,
 `--peers none --plot-dir none`, the arguments after -- added) in this process with the
@@ -15,10 +14,6 @@ compare the runs of one invocation only.
 
     gdn-nonflush   the Gated DeltaNet non-flush step (cute_kernels.gdn_replay_output.
                    DEFAULT_HEADS_PER_CTA), Qwen3-Next layer, NVFP4 read copy
-    mamba2-flush   the Mamba-2 flush (cute_kernels.replay_flush_config.DEFAULT_HEADS_PER_CTA:
-                   each head's recurrence copy brought in by the bulk copy engine while the
-                   head before it rounds), Nemotron-3-Super layer, both copies and the FP32
-                   single copy
 """
 
 from __future__ import annotations
@@ -37,9 +32,6 @@ from pathlib import Path
 KERNELS = {
     "gdn-nonflush": ("cute_kernels.gdn_replay_output",
                      ["--shapes", "qwen3-next-80b", "--kernels", "cute:nonflush:nvfp4"]),
-    "mamba2-flush": ("cute_kernels.replay_flush_config",
-                     ["--shapes", "nemotron3-super", "--kernels",
-                      "cute:flush:fp16sr+nvfp4,cute:flush:fp32"]),
 }
 COMMON = ["--peers", "none", "--plot-dir", "none"]
 
@@ -62,17 +54,15 @@ def main(argv: list[str] | None = None) -> int:
         "python -m tools.heads_per_cta", __doc__.split("\n\n")[0],
         sys.argv[1:] if argv is None else argv)
     parser.add_argument("--kernel", choices=sorted(KERNELS), default="gdn-nonflush",
-                        help="which kernel's knob (default gdn-nonflush; mamba2-flush: the "
-                             "Mamba-2 flush)")
+                        help="which kernel's knob (default gdn-nonflush)")
     parser.add_argument("--heads", type=heads_list, default=None,
-                        help="heads a CTA to time, comma-separated (default 1,2,4,8,16 for "
-                             "gdn-nonflush, 1,2,4 for mamba2-flush; the first is the "
-                             "reference of the comparison)")
+                        help="heads a CTA to time, comma-separated (default 1,2,4,8,16; the "
+                             "first is the reference of the comparison)")
     parser.add_argument("--out-dir", type=Path, default=None,
                         help="folder for heads_N.csv (default runs/heads_per_cta_KERNEL)")
     args = parser.parse_args(own)
     check_bench_args(parser, extra)
-    heads = args.heads or ([1, 2, 4, 8, 16] if args.kernel == "gdn-nonflush" else [1, 2, 4])
+    heads = args.heads or [1, 2, 4, 8, 16]
     out_dir = args.out_dir or Path(f"runs/heads_per_cta_{args.kernel}")
 
     module_name, bench_args = KERNELS[args.kernel]

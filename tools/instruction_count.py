@@ -35,7 +35,6 @@ if __name__ == "__main__":  # Ctrl-C from the first import on: one line, status 
 
 import argparse  # noqa: I001  (_compile must precede cutlass)
 import collections
-import dataclasses
 import os
 import re
 import shutil
@@ -168,12 +167,11 @@ def variant_name(pair: tuple) -> str:
     return f"{hi} {rounding} hi + {lo}"
 
 
-def histograms(with_fallbacks: bool, formats=FLUSH_FORMATS, heads_per_cta: int = 1
+def histograms(with_fallbacks: bool, formats=FLUSH_FORMATS
                ) -> list[tuple[tuple[str, str, str], collections.Counter, int, int]]:
     """Per flush format pair (hi, rounding, lo, and optionally (sr_bits, philox_rounds)):
     (formats, SASS opcode counts, registers per thread, elements per thread); without
-    fallbacks the rare general paths' bodies are compiled out (what a thread runs);
-    `heads_per_cta`: the flush's FlushConfig.heads_per_cta."""
+    fallbacks the rare general paths' bodies are compiled out (what a thread runs)."""
     general = (nm.sr_fp16_bits, nm.rn_e2m1_nibble)
     _compile._CACHE.clear()
     if not with_fallbacks:  # what a thread runs: the fallbacks' bodies become constants
@@ -182,7 +180,7 @@ def histograms(with_fallbacks: bool, formats=FLUSH_FORMATS, heads_per_cta: int =
     try:
         rows = []
         for pair in formats:
-            cfg = dataclasses.replace(flush_config(*pair), heads_per_cta=heads_per_cta)
+            cfg = flush_config(*pair)
             ops, registers = sass_histogram(rf.compile_flush(cfg, keep_ptx=True).__ptx__)
             rows.append((pair, ops, registers, cfg.elements_per_thread))
         return rows
@@ -203,15 +201,6 @@ def count(with_fallbacks: bool, formats=FLUSH_FORMATS
 # The non-flush kernel is unrolled over the heads a warp owns, so its SASS count divided by
 # the elements one lane handles (heads per warp x headdim x dstate / 32) is what a lane issues
 # per read-copy element, prologue and epilogue included.
-
-
-def count_flush_heads(heads_per_cta: int, formats=FLUSH_FORMATS
-                      ) -> list[tuple[tuple[str, str, str], float, int, int]]:
-    """Per flush format pair at `heads_per_cta` heads a CTA (the default register cap), the
-    fallbacks compiled out as in `count`: (formats, SASS instructions per state element of a
-    head, registers per thread, local-memory instructions, i.e. spill loads and stores)."""
-    return [(pair, sum(ops.values()) / per, registers, ops["LDL"] + ops["STL"])
-            for pair, ops, registers, per in histograms(False, formats, heads_per_cta)]
 
 
 def nonflush_config(lo_format: str, batch: int = HEADLINE_BATCH) -> ro.ReplayOutputConfig:
@@ -288,21 +277,18 @@ def gdn_flush_config(lo_format: str = "nvfp4"):
                      hi_rounding="sr" if two_copy else "rn", lo_format=lo_format, act="bf16")
 
 
-def count_gdn_flush(formats=("nvfp4", "none"), folds=None
-                    ) -> list[tuple[str, str, float, int, list]]:
-    """Per read copy format and fold order (`gdn_replay_flush.FOLDS`): (format, fold, SASS
-    instructions per state element a thread, registers per thread, the 4 commonest opcodes per
-    element) of the GDN flush kernel, its stores included. Loops the kernel keeps (the chunked
-    fold's staging and decay products) count once a pass through their body."""
+def count_gdn_flush(formats=("nvfp4", "none")) -> list[tuple[str, float, int, list]]:
+    """Per read copy format: (format, SASS instructions per state element a thread, registers
+    per thread, the 4 commonest opcodes per element) of the GDN flush kernel, its stores
+    included."""
     from cute_kernels import gdn_replay_flush as gf
 
     rows = []
     for lo_format in formats:
         cfg = gdn_flush_config(lo_format)
-        for fold in gf.FOLDS if folds is None else folds:
-            per_element, registers, ops = _per_thread_element(
-                gf.compile_gdn_flush(cfg, keep_ptx=True, fold=fold), cfg)
-            rows.append((lo_format, fold, per_element, registers, ops.most_common(4)))
+        per_element, registers, ops = _per_thread_element(
+            gf.compile_gdn_flush(cfg, keep_ptx=True), cfg)
+        rows.append((lo_format, per_element, registers, ops.most_common(4)))
     return rows
 
 
@@ -679,14 +665,6 @@ def main(argv=None) -> int:
         "element in 8, 13, 16, 32; Philox rounds 1..10; the default is 16:7), e.g. 32:10,8:4",
     )
     parser.add_argument(
-        "--heads-per-cta",
-        type=int,
-        default=None,
-        metavar="N",
-        help="also count the flush's formats at N heads a CTA (FlushConfig.heads_per_cta, a "
-        "divisor of the layer's 128 heads), with their spill loads and stores",
-    )
-    parser.add_argument(
         "--pipes",
         action="store_true",
         help="instead: the flush's instructions by Hopper pipe (ALU, FMA halves, XU) "
@@ -719,10 +697,6 @@ def main(argv=None) -> int:
         if missing:
             parser.error(f"--csv: {args.csv} is not a kernel_bench CSV (no column "
                          f"{', '.join(missing)})")
-    if args.heads_per_cta is not None and (args.heads_per_cta < 1
-                                           or NEMOTRON["nheads"] % args.heads_per_cta):
-        parser.error(f"--heads-per-cta: expected a divisor of {NEMOTRON['nheads']}, got "
-                     f"{args.heads_per_cta}")
     if args.with_fallbacks and (args.pipes or args.ncu):
         parser.error("--with-fallbacks: only for the default count (--pipes and --ncu price "
                      "the fast paths)")
@@ -761,11 +735,6 @@ def main(argv=None) -> int:
         ops = ", ".join(f"{op} {n:.1f}" for op, n in top)
         print(f"  {variant_name(pair):26s} {per_element:6.1f} per element, {registers:3d} "
               f"registers ({ops})")
-    if args.heads_per_cta is not None:
-        print(f"flush at {args.heads_per_cta} heads a CTA, per element of a head:")
-        for pair, per_element, registers, local in count_flush_heads(args.heads_per_cta):
-            print(f"  {variant_name(pair):26s} {per_element:6.1f} per element, {registers:3d} "
-                  f"registers, {local} spill loads and stores")
     print("non-flush (replay_output), per element and lane:")
     for lo, per_element, registers in count_nonflush():
         print(f"  {lo:9s} {per_element:5.2f} per element, {registers} registers")
@@ -774,11 +743,10 @@ def main(argv=None) -> int:
     for lo, dots, per_element, registers in count_gdn_nonflush():
         print(f"  {lo:5s} {dots:4s} {per_element:5.2f} per element, {registers} registers")
     print("Gated DeltaNet flush (gdn_replay_flush, Qwen3-Next; nvfp4: fp16 SR + nvfp4, none: "
-          "the fp32 single copy), per element and thread, by fold:")
-    for lo, fold, per_element, registers, top in count_gdn_flush():
+          "the fp32 single copy), per element and thread:")
+    for lo, per_element, registers, top in count_gdn_flush():
         ops = ", ".join(f"{op} {n:.1f}" for op, n in top)
-        print(f"  {lo:5s} {fold:10s} {per_element:6.2f} per element, {registers} registers "
-              f"({ops})")
+        print(f"  {lo:5s} {per_element:6.2f} per element, {registers} registers ({ops})")
     return 0
 
 
