@@ -35,6 +35,7 @@ if __name__ == "__main__":  # Ctrl-C from the first import on: one line, status 
 
 import argparse  # noqa: I001  (_compile must precede cutlass)
 import collections
+import contextlib
 import os
 import re
 import shutil
@@ -172,18 +173,26 @@ def histograms(with_fallbacks: bool, formats=FLUSH_FORMATS
     """Per flush format pair (hi, rounding, lo, and optionally (sr_bits, philox_rounds)):
     (formats, SASS opcode counts, registers per thread, elements per thread); without
     fallbacks the rare general paths' bodies are compiled out (what a thread runs)."""
-    general = (nm.sr_fp16_bits, nm.rn_e2m1_nibble)
-    _compile._CACHE.clear()
-    if not with_fallbacks:  # what a thread runs: the fallbacks' bodies become constants
-        nm.sr_fp16_bits = lambda x, r, sr_bits: cutlass.Uint32(0)
-        nm.rn_e2m1_nibble = lambda x: cutlass.Uint32(0)
-    try:
-        rows = []
+    rows = []
+    with fallbacks_as_shipped(with_fallbacks):
         for pair in formats:
             cfg = flush_config(*pair)
             ops, registers = sass_histogram(rf.compile_flush(cfg, keep_ptx=True).__ptx__)
             rows.append((pair, ops, registers, cfg.elements_per_thread))
-        return rows
+    return rows
+
+
+@contextlib.contextmanager
+def fallbacks_as_shipped(with_fallbacks: bool):
+    """Within: flush kernels compile with the rare general paths of SR and the E2M1 encode
+    (`with_fallbacks`), or with their bodies replaced by constants (what a thread runs)."""
+    general = (nm.sr_fp16_bits, nm.rn_e2m1_nibble)
+    _compile._CACHE.clear()
+    if not with_fallbacks:
+        nm.sr_fp16_bits = lambda x, r, sr_bits: cutlass.Uint32(0)
+        nm.rn_e2m1_nibble = lambda x: cutlass.Uint32(0)
+    try:
+        yield
     finally:
         nm.sr_fp16_bits, nm.rn_e2m1_nibble = general
         _compile._CACHE.clear()
@@ -277,18 +286,20 @@ def gdn_flush_config(lo_format: str = "nvfp4"):
                      hi_rounding="sr" if two_copy else "rn", lo_format=lo_format, act="bf16")
 
 
-def count_gdn_flush(formats=("nvfp4", "none")) -> list[tuple[str, float, int, list]]:
+def count_gdn_flush(formats=("nvfp4", "none"), with_fallbacks: bool = False
+                    ) -> list[tuple[str, float, int, list]]:
     """Per read copy format: (format, SASS instructions per state element a thread, registers
     per thread, the 4 commonest opcodes per element) of the GDN flush kernel, its stores
-    included."""
+    included; without fallbacks, what a thread runs (as `count`)."""
     from cute_kernels import gdn_replay_flush as gf
 
     rows = []
-    for lo_format in formats:
-        cfg = gdn_flush_config(lo_format)
-        per_element, registers, ops = _per_thread_element(
-            gf.compile_gdn_flush(cfg, keep_ptx=True), cfg)
-        rows.append((lo_format, per_element, registers, ops.most_common(4)))
+    with fallbacks_as_shipped(with_fallbacks):
+        for lo_format in formats:
+            cfg = gdn_flush_config(lo_format)
+            per_element, registers, ops = _per_thread_element(
+                gf.compile_gdn_flush(cfg, keep_ptx=True), cfg)
+            rows.append((lo_format, per_element, registers, ops.most_common(4)))
     return rows
 
 
@@ -744,7 +755,7 @@ def main(argv=None) -> int:
         print(f"  {lo:5s} {dots:4s} {per_element:5.2f} per element, {registers} registers")
     print("Gated DeltaNet flush (gdn_replay_flush, Qwen3-Next; nvfp4: fp16 SR + nvfp4, none: "
           "the fp32 single copy), per element and thread:")
-    for lo, per_element, registers, top in count_gdn_flush():
+    for lo, per_element, registers, top in count_gdn_flush(with_fallbacks=args.with_fallbacks):
         ops = ", ".join(f"{op} {n:.1f}" for op, n in top)
         print(f"  {lo:5s} {per_element:6.2f} per element, {registers} registers ({ops})")
     return 0
