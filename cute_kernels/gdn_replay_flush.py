@@ -21,6 +21,11 @@ Every u is recomputed from the raw v and the recurrence copy: the cached u (read
 are not read. The flush kernel reads the counters and never writes them (every CTA of a slot
 reads them); `gdn_replay_decode.launch_advance` resets them after it.
 
+The records come from global memory inside the fold, each record's loads one step ahead of
+its use; with STAGED_WINDOW the threads bring the whole window into shared memory first (k, v
+exact in fp32, exp(g_j), beta_j; one barrier) and the fold reads it there, the same
+arithmetic in the same order.
+
 Thread ownership (one CTA per (slot, head); T = dv dk / 64 threads, 64 state elements a thread
 in 16-element chunks, one NVFP4 block a chunk; drawn for the Qwen3-Next head, dv = dk = 128,
 T = 256):
@@ -71,6 +76,12 @@ E2M1_MAX = 6.0
 # share an SM (unbounded, ptxas took more and one did: docs/performance.md)
 REGISTERS_PER_SM = 65536
 REGISTER_FLOOR = 128
+# the window's records (k, v as fp32, exp(g), beta) brought into shared memory before the fold,
+# one round trip a head, instead of each record's loads in the fold's chain (the same
+# arithmetic); off until a GPU has checked and timed it (docs/performance.md)
+STAGED_WINDOW = False
+DECAY, BETA = 0, 1  # rows of the staged per-record scalars
+STAGED_WINDOW_BYTES = 48 * 1024  # at most a CTA's shared memory without the opt-in
 
 
 @dataclass(frozen=True)
@@ -141,6 +152,43 @@ def load_vector_chunk(vec1d, col):
     frag = cute.make_rmem_tensor((W,), vec1d.element_type)
     cute.autovec_copy(cute.local_tile(vec1d, (W,), (col,)), frag)
     return frag.load().to(Float32)
+
+
+@cute.jit
+def stage_window(cfg: cutlass.Constexpr, tidx, s, h, ring_k, ring_v, ring_g, ring_beta, k, v,
+                 g, beta, sK, sV, sScal):
+    """The window's L records in shared memory, values exact in fp32: records 0 .. L-2 from
+    the ring, L-1 the call's inputs; keys sK[j], values sV[j], exp(g_j) and beta_j."""
+    P, N, L, T = cfg.dv, cfg.dk, cfg.window, cfg.threads
+    for m in cutlass.range_constexpr(((L - 1) * N + T - 1) // T):
+        e = tidx + T * m
+        if e < (L - 1) * N:
+            sK[e // N, e % N] = ring_k[s, h, e // N, e % N].to(Float32)
+    for m in cutlass.range_constexpr(((L - 1) * P + T - 1) // T):
+        e = tidx + T * m
+        if e < (L - 1) * P:
+            sV[e // P, e % P] = ring_v[s, h, e // P, e % P].to(Float32)
+    for m in cutlass.range_constexpr((N + T - 1) // T):
+        e = tidx + T * m
+        if e < N:
+            sK[L - 1, e] = k[s, h, e].to(Float32)
+    for m in cutlass.range_constexpr((P + T - 1) // T):
+        e = tidx + T * m
+        if e < P:
+            sV[L - 1, e] = v[s, h, e].to(Float32)
+    if tidx < L - 1:
+        sScal[DECAY, tidx] = cute.math.exp(ring_g[s, h, tidx])
+        sScal[BETA, tidx] = ring_beta[s, h, tidx]
+    if tidx == L - 1:
+        sScal[DECAY, tidx] = cute.math.exp(g[s, h])
+        sScal[BETA, tidx] = beta[s, h]
+
+
+def smem_chunk(t2d, row, col):
+    """Columns 16 col .. 16 col + 15 of row `row` of an fp32 shared tensor."""
+    frag = cute.make_rmem_tensor((W,), Float32)
+    cute.autovec_copy(chunk_of(t2d, row, col), frag)
+    return frag.load()
 
 
 def delta_step(cfg, acc, k_vec, a, beta_j, v_j, rows):
@@ -256,8 +304,9 @@ def append_record(cfg: cutlass.Constexpr, tidx, pos, s, h, k, v, g, beta, ring_k
 
 
 class GDNFlush:
-    def __init__(self, config: GDNConfig):
+    def __init__(self, config: GDNConfig, staged_window: bool):
         self.cfg = config
+        self.staged_window = staged_window
 
     @cute.jit
     def __call__(
@@ -350,6 +399,10 @@ class GDNFlush:
         rows = [row0 + step * i for i in range(cfg.passes)]
         smem = SmemAllocator()
         sRed = smem.allocate_tensor(Float32, cute.make_layout(32), 16)
+        if cutlass.const_expr(self.staged_window):
+            sK = smem.allocate_tensor(Float32, cute.make_layout((L, N), stride=(N, 1)), 16)
+            sV = smem.allocate_tensor(Float32, cute.make_layout((L, P), stride=(P, 1)), 16)
+            sScal = smem.allocate_tensor(Float32, cute.make_layout((2, L), stride=(L, 1)), 16)
 
         if decision[s] == L - 1:
             hi_h = hi[s, h, None, None]
@@ -360,8 +413,17 @@ class GDNFlush:
                 acc.append(frag.load().to(Float32))
 
             # the window's records in order, every u from the raw v
+            if cutlass.const_expr(self.staged_window):
+                stage_window(cfg, tidx, s, h, ring_k, ring_v, ring_g, ring_beta, k, v, g,
+                             beta, sK, sV, sScal)
+                cute.arch.sync_threads()
             for j in cutlass.range_constexpr(L):
-                if cutlass.const_expr(j < L - 1):
+                if cutlass.const_expr(self.staged_window):
+                    k_vec = smem_chunk(sK, j, col)
+                    a = sScal[DECAY, j]
+                    beta_j = sScal[BETA, j]
+                    v_j = sV[j, None]
+                elif cutlass.const_expr(j < L - 1):
                     k_vec = load_vector_chunk(ring_k[s, h, j, None], col)
                     a = cute.math.exp(ring_g[s, h, j])
                     beta_j = ring_beta[s, h, j]
@@ -425,8 +487,18 @@ def min_ctas_per_sm(cfg: GDNConfig) -> int:
     return ctas if ctas > 1 else 0
 
 
-def compile_gdn_flush(cfg: GDNConfig, keep_ptx: bool = False):
-    """The compiled flush kernel of `cfg` (cached); `keep_ptx` keeps its PTX text."""
+def staged_window_bytes(cfg: GDNConfig) -> int:
+    """Shared memory of the staged window: keys and values fp32, two scalars a record."""
+    return 4 * cfg.window * (cfg.dk + cfg.dv + 2)
+
+
+def compile_gdn_flush(cfg: GDNConfig, keep_ptx: bool = False,
+                      staged_window: bool | None = None):
+    """The compiled flush kernel of `cfg` (cached), the window staged in shared memory where
+    `staged_window` (None: STAGED_WINDOW) and it takes at most STAGED_WINDOW_BYTES;
+    `keep_ptx` keeps its PTX text."""
+    staged_window = ((STAGED_WINDOW if staged_window is None else staged_window)
+                     and staged_window_bytes(cfg) <= STAGED_WINDOW_BYTES)
 
     def build():
         f = _compile.fake_ptr
@@ -436,10 +508,10 @@ def compile_gdn_flush(cfg: GDNConfig, keep_ptx: bool = False):
                 f(act), f(act), f(Float32), f(Float32), f(Int32), f(Int32),
                 f(act), f(act), f(act), f(Float32), f(Float32), f(act), f(Float32),
                 Int32(1), Uint32(0), Uint32(0), _compile.fake_stream())
-        return cute.compile(GDNFlush(cfg), *args,
+        return cute.compile(GDNFlush(cfg, staged_window), *args,
                             options=_compile.compile_options(keep_ptx))
 
-    return _compile.compile_cached(("gdn_flush", cfg, keep_ptx), build)
+    return _compile.compile_cached(("gdn_flush", cfg, staged_window, keep_ptx), build)
 
 
 def optional_ptr(tensor, dtype):

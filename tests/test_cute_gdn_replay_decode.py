@@ -149,6 +149,29 @@ def test_gdn_flush_kernel_compiles_for_sm90a_with_128_bit_state_accesses(pairing
     assert "div.approx" not in ptx and "div.full" not in ptx
 
 
+@pytest.mark.parametrize("shape, pairing", [(QWEN, TWO_COPY), (ODD, ("fp32", "rn", "none"))],
+                         ids=["qwen-fp16sr-nvfp4", "dv48-fp32"])
+def test_the_staged_window_takes_the_records_out_of_the_folds_global_loads(shape, pairing):
+    """staged_window: the window's k, v, exp(g), beta go to shared memory before the first
+    barrier; the fold then reads its records there (a shared load a record and pass at
+    least), the global loads left being the state's, the staging's, q's and the record's:
+    fewer than half the unstaged kernel's."""
+    cfg = config(shape, pairing, window=16)
+    plain = ptx_counts(gf.compile_gdn_flush(cfg, keep_ptx=True, staged_window=False).__ptx__)
+    ptx = gf.compile_gdn_flush(cfg, keep_ptx=True, staged_window=True).__ptx__
+    staged = ptx_counts(ptx)
+    loads = lambda n: sum(c for op, c in n.items() if op.startswith("ld.global"))  # noqa: E731
+    shared = sum(c for op, c in staged.items() if op.startswith("ld.shared"))
+    assert shared >= cfg.window * cfg.passes, staged
+    assert 2 * loads(staged) < loads(plain), (loads(staged), loads(plain))
+    assert staged.get("bar.sync", 0) == plain.get("bar.sync", 0) + 1, staged
+    # a window too large for 48 KiB of shared memory compiles unstaged
+    wide = config(dict(nheads=1, dv=16, dk=512), pairing, window=32, act="fp32")
+    assert gf.staged_window_bytes(wide) > gf.STAGED_WINDOW_BYTES
+    big = gf.compile_gdn_flush(wide, keep_ptx=True, staged_window=True).__ptx__
+    assert big == gf.compile_gdn_flush(wide, keep_ptx=True, staged_window=False).__ptx__
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("shape, window",
                          [(ODD, 5), (WIDE, 3), (dict(nheads=1, dv=16, dk=512), 32)],
@@ -160,6 +183,7 @@ def test_gdn_kernels_compile_at_other_head_shapes_and_windows(shape, window):
         cfg = config(shape, pairing, window=window, act="fp32", debug=True)
         go.compile_gdn_output(cfg)
         gf.compile_gdn_flush(cfg)
+        gf.compile_gdn_flush(cfg, staged_window=True)
 
 
 def test_gdn_counter_kernels_compile():
@@ -670,6 +694,49 @@ def test_gdn_heads_per_cta_leaves_every_bit_as_one_head_a_cta():
                 a, b = getattr(cache, name), getattr(one, name)
                 assert torch.equal(a.nan_to_num(7.0) if a.is_floating_point() else a,
                                    b.nan_to_num(7.0) if b.is_floating_point() else b), (n, name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pairing, shape, window, act", [
+    pytest.param(TWO_COPY, QWEN, 16, torch.bfloat16, id="fp16sr-nvfp4-qwen-L16-bf16"),
+    pytest.param(("fp32", "rn", "none"), ODD, 8, torch.float32, id="fp32-dv48-L8"),
+    pytest.param(TWO_COPY, WIDE, 3, torch.float32, id="fp16sr-nvfp4-dk256-L3"),
+])
+def test_the_staged_window_leaves_every_bit_of_the_flush(pairing, shape, window, act,
+                                                          monkeypatch):
+    """The flush with its window staged in shared memory does the same arithmetic: from 3
+    slots at random ring positions over two windows, y, the ring, both copies and the
+    counters equal the unstaged flush's bit for bit after every step, and both stay within
+    the emulation's bounds of lowprec (run_windows)."""
+    from gdn_emulation_cases import filled_cache, make_token
+
+    done, expected, worst = run_windows(pairing, shape, window, 3, 2 * window + 2, seed=43,
+                                        act=act)
+    monkeypatch.setattr(gf, "STAGED_WINDOW", True)
+    done_s, _, worst_s = run_windows(pairing, shape, window, 3, 2 * window + 2, seed=43,
+                                     act=act)
+    assert done == done_s == expected and worst_s <= 1.0 and worst <= 1.0
+    gen = torch.Generator().manual_seed(47)
+    hi, rounding, lo = pairing
+    twin = filled_cache(gen, 3, shape["nheads"], shape["dv"], shape["dk"], (hi, rounding),
+                        "fp32" if lo == "none" else lo, False, cursors=[window - 1] * 3,
+                        flushes=[5, 9, 2], window=window, act_dtype=act)
+    staged = CuteStep(twin, pairing, act).cache
+    plain = clone_cache(staged)
+    token = {n: t.to(DEVICE) for n, t in make_token(gen, 3, shape["nheads"], shape["dv"],
+                                                     shape["dk"], False, act_dtype=act).items()}
+    y_staged = gd.gdn_replay_decode(staged, **token)
+    monkeypatch.setattr(gf, "STAGED_WINDOW", False)
+    y_plain = gd.gdn_replay_decode(plain, **token)
+    assert torch.equal(y_staged.view(torch.int16 if act != torch.float32 else torch.int32),
+                       y_plain.view(torch.int16 if act != torch.float32 else torch.int32))
+    for name in ("hi", "lo", "lo_scales", "lo_global", "ring_v", "ring_k", "ring_g",
+                 "ring_beta", "cursors", "flushes"):
+        a, b = getattr(staged, name), getattr(plain, name)
+        if a is None:
+            continue
+        assert torch.equal(a.nan_to_num(7.0) if a.is_floating_point() else a,
+                           b.nan_to_num(7.0) if b.is_floating_point() else b), name
 
 
 @pytest.mark.gpu
