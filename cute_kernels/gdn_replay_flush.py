@@ -9,9 +9,10 @@ per head `h` (one CTA owns one (slot, head) state `S [dv, dk]`), in the order of
     for j = 0 .. L-1 (records 0 .. L-2 from the ring, record L-1 the call's inputs):
             S <- S exp(g_j);   u = beta_j (v_j - S k_j);   S <- S + u k_j^T        (fp32)
     y       = S q  (the unrounded new state)                                    -> out
-    hi      <- fp16 SR of S with words lowprec.philox.random_words(seed, s, flushes[s],
-               element) (element e = (h dv + row) dk + col takes word e % 4 of the counter
-               e // 4; 32-bit words, Philox-4x32-10), or fp16 RN, or fp32 exact
+    hi      <- fp16 SR of S, element e = (h dv + row) dk + col taking the random bits
+               lowprec.philox.random_words(seed, s, flushes[s], shape, sr_bits=,
+               philox_rounds=) gives it (at (32, 10): word e % 4 of the counter e // 4),
+               or fp16 RN, or fp32 exact
     lo      <- NVFP4 RN of S: E4M3 block scale per 16 along dk, fp32 global scale per (slot,
                head) = amax(|S|) / 2688, E2M1 codes two a byte (low nibble = even column)
     ring    record L-1 (v, k, g, beta) at position L-1, as the emulation's append (never read
