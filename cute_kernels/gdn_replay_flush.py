@@ -185,13 +185,6 @@ def stage_window(cfg: cutlass.Constexpr, tidx, s, h, ring_k, ring_v, ring_g, rin
         sScal[BETA, tidx] = beta[s, h]
 
 
-def smem_chunk(t2d, row, col):
-    """Columns 16 col .. 16 col + 15 of row `row` of an fp32 shared tensor."""
-    frag = cute.make_rmem_tensor((W,), Float32)
-    cute.autovec_copy(chunk_of(t2d, row, col), frag)
-    return frag.load()
-
-
 def delta_step(cfg, acc, k_vec, a, beta_j, v_j, rows):
     """One delta-rule update of a thread's chunks `acc` (lowprec.gdn._delta_update's order):
     S <- S a; u = beta (v - S k); S <- S + u k^T, `v_j` the record's values [dv]. Traced into
@@ -420,7 +413,7 @@ class GDNFlush:
                 cute.arch.sync_threads()
             for j in cutlass.range_constexpr(L):
                 if cutlass.const_expr(self.staged_window):
-                    k_vec = smem_chunk(sK, j, col)
+                    k_vec = load_vector_chunk(sK[j, None], col)
                     a = sScal[DECAY, j]
                     beta_j = sScal[BETA, j]
                     v_j = sV[j, None]

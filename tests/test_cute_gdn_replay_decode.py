@@ -728,8 +728,8 @@ def test_the_staged_window_leaves_every_bit_of_the_flush(pairing, shape, window,
     y_staged = gd.gdn_replay_decode(staged, **token)
     monkeypatch.setattr(gf, "STAGED_WINDOW", False)
     y_plain = gd.gdn_replay_decode(plain, **token)
-    assert torch.equal(y_staged.view(torch.int16 if act != torch.float32 else torch.int32),
-                       y_plain.view(torch.int16 if act != torch.float32 else torch.int32))
+    bits = torch.int32 if act == torch.float32 else torch.int16
+    assert torch.equal(y_staged.view(bits), y_plain.view(bits))
     for name in ("hi", "lo", "lo_scales", "lo_global", "ring_v", "ring_k", "ring_g",
                  "ring_beta", "cursors", "flushes"):
         a, b = getattr(staged, name), getattr(plain, name)

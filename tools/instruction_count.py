@@ -174,7 +174,7 @@ def histograms(with_fallbacks: bool, formats=FLUSH_FORMATS
     (formats, SASS opcode counts, registers per thread, elements per thread); without
     fallbacks the rare general paths' bodies are compiled out (what a thread runs)."""
     rows = []
-    with fallbacks_as_shipped(with_fallbacks):
+    with compiled_fallbacks(with_fallbacks):
         for pair in formats:
             cfg = flush_config(*pair)
             ops, registers = sass_histogram(rf.compile_flush(cfg, keep_ptx=True).__ptx__)
@@ -183,7 +183,7 @@ def histograms(with_fallbacks: bool, formats=FLUSH_FORMATS
 
 
 @contextlib.contextmanager
-def fallbacks_as_shipped(with_fallbacks: bool):
+def compiled_fallbacks(with_fallbacks: bool):
     """Within: flush kernels compile with the rare general paths of SR and the E2M1 encode
     (`with_fallbacks`), or with their bodies replaced by constants (what a thread runs)."""
     general = (nm.sr_fp16_bits, nm.rn_e2m1_nibble)
@@ -295,7 +295,7 @@ def count_gdn_flush(formats=("nvfp4", "none"), with_fallbacks: bool = False,
     from cute_kernels import gdn_replay_flush as gf
 
     rows = []
-    with fallbacks_as_shipped(with_fallbacks):
+    with compiled_fallbacks(with_fallbacks):
         for lo_format in formats:
             cfg = gdn_flush_config(lo_format)
             per_element, registers, ops = _per_thread_element(
