@@ -35,6 +35,8 @@ from pathlib import Path
 
 import torch
 
+from experiments._interrupt import raise_if_interrupted
+
 # the output-path checks live below the experiments, so that cute_kernels' command lines
 # (which must not import experiments) share them
 from lowprec._paths import file_problem, folder_problem, is_file, is_folder
@@ -153,6 +155,7 @@ def atomic_file(path: str | Path, mode: str = "w") -> Iterator:
             yield handle
             handle.flush()
             os.fsync(handle.fileno())
+        raise_if_interrupted()
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

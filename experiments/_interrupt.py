@@ -14,6 +14,8 @@ import threading
 
 INTERRUPTED_STATUS = 130  # 128 + SIGINT, what a shell reports for a process stopped by Ctrl-C
 
+_interrupted: list[bool] = []  # one entry once `exit_on_interrupt`'s handler has run
+
 
 def exit_on_interrupt(prog: str) -> None:
     """Make SIGINT raise ``SystemExit(130)`` after one line on stderr naming ``prog``.
@@ -21,24 +23,32 @@ def exit_on_interrupt(prog: str) -> None:
     SystemExit unwinds like any exception, so ``finally`` blocks run (an atomic write removes
     its temporary file) and no traceback is printed. A library that catches every exception
     (a bare ``except:`` around an optional import) can swallow it: the process then still
-    exits with 130 when it ends, and a second Ctrl-C ends it at once. Only from the main
+    exits with 130 when it ends, a second Ctrl-C ends it at once, and the atomic writers
+    (`raise_if_interrupted`) refuse to put a file under its final name. Only from the main
     thread (Python delivers signals there alone)."""
     if threading.current_thread() is not threading.main_thread():
         return
-    interrupted = []
 
     def handle(signum, frame):
-        if interrupted:  # the first one was swallowed, or unwinding hangs: stop now
+        if _interrupted:  # the first one was swallowed, or unwinding hangs: stop now
             _exit_interrupted()
-        interrupted.append(True)
+        _interrupted.append(True)
         raise SystemExit(report_interrupt(prog))
 
     def keep_the_status():  # registered first, so it runs after every other exit handler
-        if interrupted:
+        if _interrupted:
             _exit_interrupted()
 
     atexit.register(keep_the_status)
     signal.signal(signal.SIGINT, handle)
+
+
+def raise_if_interrupted() -> None:
+    """``SystemExit(130)`` if a Ctrl-C came and was swallowed: an atomic writer calls this
+    just before its rename, so a run that went on after one never publishes its file (the
+    writer's cleanup removes the temporary). The one line was printed when the signal came."""
+    if _interrupted:
+        raise SystemExit(INTERRUPTED_STATUS)
 
 
 def report_interrupt(prog: str) -> int:

@@ -34,6 +34,8 @@ import numpy as np
 import pandas as pd
 import torch
 
+from experiments._interrupt import raise_if_interrupted
+
 __all__ = [
     "LEAD_CYCLES",
     "WARM_REPLAYS",
@@ -362,6 +364,7 @@ def write_csv(frame: pd.DataFrame, path: str | Path, **options) -> Path:
     try:
         with os.fdopen(fd, "w", newline="") as f:
             frame.to_csv(f, index=False, **options)
+        raise_if_interrupted()
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -397,6 +400,7 @@ def save_figure(fig, path: str | Path) -> Path:
     try:
         with Image.open(buffer) as image:
             image.convert("RGB").quantize(colors=128).save(tmp, format="PNG", optimize=True)
+        raise_if_interrupted()
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -73,6 +73,7 @@ import torch
 import torch.distributed as dist
 
 from experiments._common import meta_path
+from experiments._interrupt import raise_if_interrupted
 
 __all__ = [
     "Ranks",
@@ -237,6 +238,7 @@ def write_atomic(path: str | Path, write: Callable[[Path], Any]) -> None:
     temporary = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     try:
         write(temporary)
+        raise_if_interrupted()
         os.replace(temporary, path)
     finally:
         if temporary.exists():

@@ -52,3 +52,21 @@ def test_a_second_interrupt_after_a_swallowed_one_stops_at_once():
                         "time.sleep(30)\n", second_interrupt_after=0.2)
     assert code == 130 and time.monotonic() - start < 20
     assert err == "demo: interrupted (Ctrl-C); no file was left half-written\n"
+
+
+def test_a_swallowed_interrupt_keeps_the_atomic_writers_from_publishing(tmp_path):
+    """The run goes on after a swallowed Ctrl-C, but neither writer renames its file into
+    place: status 130, the one line, no file under either name and no temporary left."""
+    csv, png = tmp_path / "t.csv", tmp_path / "t.png"
+    code, out, err = _run(
+        "from experiments._common import write_text\n"
+        "from experiments.harness import write_csv\n"
+        "import pandas as pd\n"
+        "try:\n    os.kill(os.getpid(), signal.SIGINT)\n    time.sleep(30)\n"
+        "except BaseException:\n    pass\n"
+        f"try:\n    write_text({str(png)!r}, 'x')\nexcept SystemExit:\n    print('refused')\n"
+        f"write_csv(pd.DataFrame({{'a': [1.5, 2.5]}}), {str(csv)!r})\n"
+        "print('not reached')\n")
+    assert (code, out) == (130, "refused\n")
+    assert err == "demo: interrupted (Ctrl-C); no file was left half-written\n"
+    assert list(tmp_path.iterdir()) == []
