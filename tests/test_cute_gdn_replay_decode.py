@@ -702,37 +702,45 @@ def test_gdn_heads_per_cta_leaves_every_bit_as_one_head_a_cta():
     pytest.param(("fp32", "rn", "none"), ODD, 8, torch.float32, id="fp32-dv48-L8"),
     pytest.param(TWO_COPY, WIDE, 3, torch.float32, id="fp16sr-nvfp4-dk256-L3"),
 ])
-def test_the_staged_window_leaves_every_bit_of_the_flush(pairing, shape, window, act,
-                                                          monkeypatch):
-    """The flush with its window staged in shared memory does the same arithmetic: from 3
-    slots at random ring positions over two windows, y, the ring, both copies and the
-    counters equal the unstaged flush's bit for bit after every step, and both stay within
-    the emulation's bounds of lowprec (run_windows)."""
+@pytest.mark.parametrize("staged, elements_per_thread", [(True, 64), (False, 32), (True, 32)],
+                         ids=["staged", "32-a-thread", "staged-32-a-thread"])
+def test_the_flushs_layouts_leave_every_bit_of_it(pairing, shape, window, act, staged,
+                                                  elements_per_thread, monkeypatch):
+    """The flush with its window staged in shared memory, or with 32 state elements a thread,
+    does the same arithmetic: from 3 slots at random ring positions over two windows, y, the
+    ring, both copies and the counters equal the default flush's bit for bit after every
+    step, and both stay within the emulation's bounds of lowprec (run_windows)."""
     from gdn_emulation_cases import filled_cache, make_token
 
+    def use(layout):
+        monkeypatch.setattr(gf, "STAGED_WINDOW", layout[0])
+        monkeypatch.setattr(gf, "ELEMENTS_PER_THREAD", layout[1])
+
+    default, variant = (False, 64), (staged, elements_per_thread)
+    use(default)
     done, expected, worst = run_windows(pairing, shape, window, 3, 2 * window + 2, seed=43,
                                         act=act)
-    monkeypatch.setattr(gf, "STAGED_WINDOW", True)
-    done_s, _, worst_s = run_windows(pairing, shape, window, 3, 2 * window + 2, seed=43,
+    use(variant)
+    done_v, _, worst_v = run_windows(pairing, shape, window, 3, 2 * window + 2, seed=43,
                                      act=act)
-    assert done == done_s == expected and worst_s <= 1.0 and worst <= 1.0
+    assert done == done_v == expected and worst_v <= 1.0 and worst <= 1.0
     gen = torch.Generator().manual_seed(47)
     hi, rounding, lo = pairing
     twin = filled_cache(gen, 3, shape["nheads"], shape["dv"], shape["dk"], (hi, rounding),
                         "fp32" if lo == "none" else lo, False, cursors=[window - 1] * 3,
                         flushes=[5, 9, 2], window=window, act_dtype=act)
-    staged = CuteStep(twin, pairing, act).cache
-    plain = clone_cache(staged)
+    changed = CuteStep(twin, pairing, act).cache
+    plain = clone_cache(changed)
     token = {n: t.to(DEVICE) for n, t in make_token(gen, 3, shape["nheads"], shape["dv"],
                                                      shape["dk"], False, act_dtype=act).items()}
-    y_staged = gd.gdn_replay_decode(staged, **token)
-    monkeypatch.setattr(gf, "STAGED_WINDOW", False)
+    y_changed = gd.gdn_replay_decode(changed, **token)
+    use(default)
     y_plain = gd.gdn_replay_decode(plain, **token)
     bits = torch.int32 if act == torch.float32 else torch.int16
-    assert torch.equal(y_staged.view(bits), y_plain.view(bits))
+    assert torch.equal(y_changed.view(bits), y_plain.view(bits))
     for name in ("hi", "lo", "lo_scales", "lo_global", "ring_v", "ring_k", "ring_g",
                  "ring_beta", "cursors", "flushes"):
-        a, b = getattr(staged, name), getattr(plain, name)
+        a, b = getattr(changed, name), getattr(plain, name)
         if a is None:
             continue
         assert torch.equal(a.nan_to_num(7.0) if a.is_floating_point() else a,

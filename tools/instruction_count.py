@@ -297,7 +297,7 @@ def count_gdn_flush(formats=("nvfp4", "none"), with_fallbacks: bool = False,
     rows = []
     with compiled_fallbacks(with_fallbacks):
         for lo_format in formats:
-            cfg = gdn_flush_config(lo_format)
+            cfg = gf.flush_config(gdn_flush_config(lo_format))
             per_element, registers, ops = _per_thread_element(
                 gf.compile_gdn_flush(cfg, keep_ptx=True, staged_window=staged_window), cfg)
             rows.append((lo_format, per_element, registers, ops.most_common(4)))
