@@ -81,7 +81,7 @@ ELEMENTS_PER_THREAD = gc.ELEMENTS_PER_THREAD
 # the window's records (k, v as fp32, exp(g), beta) brought into shared memory before the fold,
 # one round trip a head, instead of each record's loads in the fold's chain (the same
 # arithmetic); off until a GPU has checked and timed it (docs/performance.md)
-STAGED_WINDOW = False
+STAGED_WINDOW = True
 DECAY, BETA = 0, 1  # rows of the staged per-record scalars
 STAGED_WINDOW_BYTES = 48 * 1024  # at most a CTA's shared memory without the opt-in
 
