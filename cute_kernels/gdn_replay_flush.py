@@ -22,9 +22,10 @@ Every u is recomputed from the raw v and the recurrence copy: the cached u (read
 are not read. The flush kernel reads the counters and never writes them (every CTA of a slot
 reads them); `gdn_replay_decode.launch_advance` resets them after it.
 
-The records come from global memory inside the fold, each record's loads one step ahead of
-its use; with STAGED_WINDOW the threads bring the whole window into shared memory first (k, v
-exact in fp32, exp(g_j), beta_j; one barrier) and the fold reads it there, the same
+The threads first bring the whole window into shared memory (k, v exact in fp32, exp(g_j),
+beta_j; one barrier) and the fold reads its records there: one round trip a head instead of a
+record's loads inside every step of the fold's chain. A window over STAGED_WINDOW_BYTES (wide
+keys and a long window) is folded with each record's loads in the chain instead, the same
 arithmetic in the same order.
 
 Thread ownership (one CTA per (slot, head); T = dv dk / 64 threads, 64 state elements a thread
@@ -52,7 +53,7 @@ read, y written, the record appended, lo codes, scales and global written (dv dk
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import cutlass  # noqa: I001
 import cutlass.cute as cute
@@ -73,15 +74,10 @@ ACT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 W = 16  # state elements a chunk: one NVFP4 block
 E2M1_E4M3_MAX = 2688.0  # 448 * 6
 E2M1_MAX = 6.0
-# A thread of the flush holds ELEMENTS_PER_THREAD fp32 state elements; capping it at twice as
-# many registers lets two CTAs of a 128 x 128 head share an SM (unbounded, ptxas took more and
-# one did: docs/performance.md)
+# A thread holds 64 fp32 state elements; capping it at 128 registers lets two 256-thread CTAs
+# share an SM (unbounded, ptxas took more and one did: docs/performance.md)
 REGISTERS_PER_SM = 65536
-ELEMENTS_PER_THREAD = gc.ELEMENTS_PER_THREAD
-# the window's records (k, v as fp32, exp(g), beta) brought into shared memory before the fold,
-# one round trip a head, instead of each record's loads in the fold's chain (the same
-# arithmetic); off until a GPU has checked and timed it (docs/performance.md)
-STAGED_WINDOW = True
+REGISTER_FLOOR = 128
 DECAY, BETA = 0, 1  # rows of the staged per-record scalars
 STAGED_WINDOW_BYTES = 48 * 1024  # at most a CTA's shared memory without the opt-in
 
@@ -102,8 +98,6 @@ class GDNConfig:
     # SR of the fp16 recurrence copy: random bits an element and Philox rounds
     sr_bits: int = philox.DEFAULT_SR_BITS
     philox_rounds: int = philox.DEFAULT_PHILOX_ROUNDS
-    # state elements a thread (64, or 32 for twice the warps a head: the flush's choice)
-    elements_per_thread: int = gc.ELEMENTS_PER_THREAD
 
     def __post_init__(self):
         gc.check_head_shape(self.dv, self.dk)
@@ -115,7 +109,7 @@ class GDNConfig:
 
     @property
     def threads(self) -> int:
-        return self.dv * self.dk // self.elements_per_thread
+        return self.dv * self.dk // gc.ELEMENTS_PER_THREAD
 
     @property
     def lanes_per_row(self) -> int:
@@ -478,18 +472,10 @@ class GDNFlush:
 
 
 def min_ctas_per_sm(cfg: GDNConfig) -> int:
-    """CTAs an SM the register allocation must allow: as many as two registers an element
-    leave room for (2 for a 128 x 128 head), 0 (no bound) where that is one."""
-    ctas = REGISTERS_PER_SM // (cfg.threads * 2 * cfg.elements_per_thread)
+    """CTAs an SM the register allocation must allow: as many as REGISTER_FLOOR registers a
+    thread leave room for (2 at 256 threads), 0 (no bound) where that is one."""
+    ctas = REGISTERS_PER_SM // (cfg.threads * REGISTER_FLOOR)
     return ctas if ctas > 1 else 0
-
-
-def flush_config(cfg: GDNConfig) -> GDNConfig:
-    """`cfg` with the flush's thread layout (ELEMENTS_PER_THREAD where the head has the
-    threads for it; the other GDN kernels keep 64 elements a thread)."""
-    ept = ELEMENTS_PER_THREAD if cfg.dv * cfg.dk // ELEMENTS_PER_THREAD <= 1024 else \
-        gc.ELEMENTS_PER_THREAD
-    return replace(cfg, elements_per_thread=ept)
 
 
 def staged_window_bytes(cfg: GDNConfig) -> int:
@@ -497,14 +483,11 @@ def staged_window_bytes(cfg: GDNConfig) -> int:
     return 4 * cfg.window * (cfg.dk + cfg.dv + 2)
 
 
-def compile_gdn_flush(cfg: GDNConfig, keep_ptx: bool = False,
-                      staged_window: bool | None = None):
+def compile_gdn_flush(cfg: GDNConfig, keep_ptx: bool = False, staged_window: bool = True):
     """The compiled flush kernel of `cfg` (cached), the window staged in shared memory where
-    `staged_window` (None: STAGED_WINDOW) and it takes at most STAGED_WINDOW_BYTES;
-    `keep_ptx` keeps its PTX text."""
-    cfg = flush_config(cfg)
-    staged_window = ((STAGED_WINDOW if staged_window is None else staged_window)
-                     and staged_window_bytes(cfg) <= STAGED_WINDOW_BYTES)
+    it takes at most STAGED_WINDOW_BYTES (``staged_window=False``: never, the larger windows'
+    form, for the instruction counts and tests); `keep_ptx` keeps its PTX text."""
+    staged_window = staged_window and staged_window_bytes(cfg) <= STAGED_WINDOW_BYTES
 
     def build():
         f = _compile.fake_ptr

@@ -12,6 +12,7 @@ kernels are solid lines, the peers' dashed; legends sit outside the data, right 
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pandas as pd
@@ -103,6 +104,18 @@ def _batch_ticks(ax, batches) -> None:
     ax.xaxis.set_major_locator(matplotlib.ticker.FixedLocator(values))
     ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
     ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+    octaves = [math.log2(v) for v in values]
+    span = max(octaves[-1] - octaves[0], 1.0)
+    inches = ax.get_position().width * ax.figure.get_figwidth()
+    gaps = [b - a for a, b in zip(octaves[:-1], octaves[1:], strict=True)]
+    if any(gap / span * inches < 0.5 for gap in gaps):
+        ax.tick_params(axis="x", labelrotation=90)  # labels closer than about 4 characters
+
+
+def _tight_below_title(fig) -> None:
+    """tight_layout with a third of an inch kept free at the top for the figure's title (plain
+    tight_layout lets the first row's titles run into it)."""
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.35 / fig.get_figheight()))
 
 
 def _plain_log_y(ax) -> None:
@@ -216,7 +229,7 @@ def plot(csv: str | Path, outdir: str | Path) -> list[Path]:
         _batch_ticks(ax, batches)
     fig.suptitle(f"Decode kernels' median time a launch against batch (L = {window}; solid: "
                  "the kit, dashed: peers)", fontsize=10)
-    fig.tight_layout()
+    _tight_below_title(fig)
     paths.append(save_figure(fig, outdir / f"{stem}_time.png"))
     plt.close(fig)
 
@@ -244,7 +257,7 @@ def plot(csv: str | Path, outdir: str | Path) -> list[Path]:
         _batch_ticks(ax, batches)
     fig.suptitle(f"Speedups: the slower kernel's time over the faster's (L = {window}; "
                  "non-flush steps at cursor L/2, tokens over a window)", fontsize=10)
-    fig.tight_layout()
+    _tight_below_title(fig)
     paths.append(save_figure(fig, outdir / f"{stem}_speedup.png"))
     plt.close(fig)
 
@@ -252,7 +265,8 @@ def plot(csv: str | Path, outdir: str | Path) -> list[Path]:
     nonflush = kernels[kernels["kernel"].str.startswith("cute:nonflush")]
     rows = [("Non-flush step: GB/s by read-copy format",
              tuple(n for n in KERNEL_FACETS[0][1] if n in set(nonflush["series"])))]
-    rows += _rows(SCHEME_FACETS, set(tokens["series"]))
+    rows += [row for row in _rows(SCHEME_FACETS, set(tokens["series"]))
+             if len(row[1]) > 1]  # a panel of two-precision alone compares nothing
 
     def copy_line(ax, facet, sel, names):
         if facet.startswith("Non-flush") and len(sel):
@@ -270,7 +284,7 @@ def plot(csv: str | Path, outdir: str | Path) -> list[Path]:
         _batch_ticks(ax, batches)
     fig.suptitle(f"The non-flush step's bandwidth (dotted: the copy ceiling), and the cost of "
                  f"a committed token by scheme (L = {window})", fontsize=10)
-    fig.tight_layout()
+    _tight_below_title(fig)
     paths.append(save_figure(fig, outdir / f"{stem}_formats.png"))
     plt.close(fig)
     return paths

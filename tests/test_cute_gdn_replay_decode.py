@@ -152,7 +152,7 @@ def test_gdn_flush_kernel_compiles_for_sm90a_with_128_bit_state_accesses(pairing
 @pytest.mark.parametrize("shape, pairing", [(QWEN, TWO_COPY), (ODD, ("fp32", "rn", "none"))],
                          ids=["qwen-fp16sr-nvfp4", "dv48-fp32"])
 def test_the_staged_window_takes_the_records_out_of_the_folds_global_loads(shape, pairing):
-    """staged_window: the window's k, v, exp(g), beta go to shared memory before the first
+    """The staged window: the window's k, v, exp(g), beta go to shared memory before the first
     barrier; the fold then reads its records there (a shared load a record and pass at
     least), the global loads left being the state's, the staging's, q's and the record's:
     fewer than half the unstaged kernel's."""
@@ -183,7 +183,7 @@ def test_gdn_kernels_compile_at_other_head_shapes_and_windows(shape, window):
         cfg = config(shape, pairing, window=window, act="fp32", debug=True)
         go.compile_gdn_output(cfg)
         gf.compile_gdn_flush(cfg)
-        gf.compile_gdn_flush(cfg, staged_window=True)
+        gf.compile_gdn_flush(cfg, staged_window=False)
 
 
 def test_gdn_counter_kernels_compile():
@@ -702,45 +702,40 @@ def test_gdn_heads_per_cta_leaves_every_bit_as_one_head_a_cta():
     pytest.param(("fp32", "rn", "none"), ODD, 8, torch.float32, id="fp32-dv48-L8"),
     pytest.param(TWO_COPY, WIDE, 3, torch.float32, id="fp16sr-nvfp4-dk256-L3"),
 ])
-@pytest.mark.parametrize("staged, elements_per_thread", [(True, 64), (False, 32), (True, 32)],
-                         ids=["staged", "32-a-thread", "staged-32-a-thread"])
-def test_the_flushs_layouts_leave_every_bit_of_it(pairing, shape, window, act, staged,
-                                                  elements_per_thread, monkeypatch):
-    """The flush with its window staged in shared memory, or with 32 state elements a thread,
-    does the same arithmetic: from 3 slots at random ring positions over two windows, y, the
-    ring, both copies and the counters equal the default flush's bit for bit after every
-    step, and both stay within the emulation's bounds of lowprec (run_windows)."""
+def test_the_staged_window_leaves_every_bit_of_the_flush(pairing, shape, window, act,
+                                                          monkeypatch):
+    """The flush with its window staged in shared memory does the arithmetic of the flush
+    whose records load inside the fold (the form of windows too large to stage): from 3 slots
+    at random ring positions over two windows, y, the ring, both copies and the counters equal
+    bit for bit after every step, and both stay within the emulation's bounds of lowprec
+    (run_windows)."""
     from gdn_emulation_cases import filled_cache, make_token
 
-    def use(layout):
-        monkeypatch.setattr(gf, "STAGED_WINDOW", layout[0])
-        monkeypatch.setattr(gf, "ELEMENTS_PER_THREAD", layout[1])
-
-    default, variant = (False, 64), (staged, elements_per_thread)
-    use(default)
+    unstaged = lambda: monkeypatch.setattr(gf, "STAGED_WINDOW_BYTES", 0)  # noqa: E731
     done, expected, worst = run_windows(pairing, shape, window, 3, 2 * window + 2, seed=43,
                                         act=act)
-    use(variant)
-    done_v, _, worst_v = run_windows(pairing, shape, window, 3, 2 * window + 2, seed=43,
+    unstaged()
+    done_u, _, worst_u = run_windows(pairing, shape, window, 3, 2 * window + 2, seed=43,
                                      act=act)
-    assert done == done_v == expected and worst_v <= 1.0 and worst <= 1.0
+    assert done == done_u == expected and worst_u <= 1.0 and worst <= 1.0
+    monkeypatch.undo()
     gen = torch.Generator().manual_seed(47)
     hi, rounding, lo = pairing
     twin = filled_cache(gen, 3, shape["nheads"], shape["dv"], shape["dk"], (hi, rounding),
                         "fp32" if lo == "none" else lo, False, cursors=[window - 1] * 3,
                         flushes=[5, 9, 2], window=window, act_dtype=act)
-    changed = CuteStep(twin, pairing, act).cache
-    plain = clone_cache(changed)
+    staged = CuteStep(twin, pairing, act).cache
+    plain = clone_cache(staged)
     token = {n: t.to(DEVICE) for n, t in make_token(gen, 3, shape["nheads"], shape["dv"],
                                                      shape["dk"], False, act_dtype=act).items()}
-    y_changed = gd.gdn_replay_decode(changed, **token)
-    use(default)
+    y_staged = gd.gdn_replay_decode(staged, **token)
+    unstaged()
     y_plain = gd.gdn_replay_decode(plain, **token)
     bits = torch.int32 if act == torch.float32 else torch.int16
-    assert torch.equal(y_changed.view(bits), y_plain.view(bits))
+    assert torch.equal(y_staged.view(bits), y_plain.view(bits))
     for name in ("hi", "lo", "lo_scales", "lo_global", "ring_v", "ring_k", "ring_g",
                  "ring_beta", "cursors", "flushes"):
-        a, b = getattr(changed, name), getattr(plain, name)
+        a, b = getattr(staged, name), getattr(plain, name)
         if a is None:
             continue
         assert torch.equal(a.nan_to_num(7.0) if a.is_floating_point() else a,

@@ -287,7 +287,7 @@ def gdn_flush_config(lo_format: str = "nvfp4"):
 
 
 def count_gdn_flush(formats=("nvfp4", "none"), with_fallbacks: bool = False,
-                    staged_window: bool = False) -> list[tuple[str, float, int, list]]:
+                    staged_window: bool = True) -> list[tuple[str, float, int, list]]:
     """Per read copy format: (format, SASS instructions per state element a thread, registers
     per thread, the 4 commonest opcodes per element) of the GDN flush kernel, its stores
     included, its window staged in shared memory or not; without fallbacks, what a thread
@@ -297,7 +297,7 @@ def count_gdn_flush(formats=("nvfp4", "none"), with_fallbacks: bool = False,
     rows = []
     with compiled_fallbacks(with_fallbacks):
         for lo_format in formats:
-            cfg = gf.flush_config(gdn_flush_config(lo_format))
+            cfg = gdn_flush_config(lo_format)
             per_element, registers, ops = _per_thread_element(
                 gf.compile_gdn_flush(cfg, keep_ptx=True, staged_window=staged_window), cfg)
             rows.append((lo_format, per_element, registers, ops.most_common(4)))
@@ -756,11 +756,12 @@ def main(argv=None) -> int:
         print(f"  {lo:5s} {dots:4s} {per_element:5.2f} per element, {registers} registers")
     print("Gated DeltaNet flush (gdn_replay_flush, Qwen3-Next; nvfp4: fp16 SR + nvfp4, none: "
           "the fp32 single copy), per element and thread:")
-    for staged in (False, True):
+    for staged in (True, False):
         for lo, per_element, registers, top in count_gdn_flush(
                 with_fallbacks=args.with_fallbacks, staged_window=staged):
             ops = ", ".join(f"{op} {n:.1f}" for op, n in top)
-            form = "staged window" if staged else "records loaded in the fold"
+            form = ("window staged in shared memory" if staged else
+                    "records loaded in the fold, the form of windows over 48 KiB")
             print(f"  {lo:5s} {per_element:6.2f} per element, {registers} registers ({ops}); "
                   f"{form}")
     return 0
