@@ -12,12 +12,14 @@
 #                                .peers/ (scripts/peers/prepare.sh); ARGS go to kernel_bench,
 #                                e.g. --shapes nemotron3-super --batches 256 --windows 16 for the
 #                                headline point alone, --shapes qwen3-next-80b for GDN alone
-#   profile [KERNEL...]          where the time goes: Nsight Compute's warp samples per SASS
+#   profile [--shape SHAPE] [KERNEL...]
+#                                where the time goes: Nsight Compute's warp samples per SASS
 #                                instruction, read by python -m tools.stall_sites, and the
 #                                executed instructions by pipe, read by python -m
-#                                tools.instruction_count --ncu; at the headline point (Nemotron-3-
-#                                Super layer, batch 256, L = 16); kernels are kernel_bench's
-#                                names (default: the two-precision non-flush step and flush)
+#                                tools.instruction_count --ncu; at batch 256, L = 16 of SHAPE
+#                                (nemotron3-super, the default, or qwen3-next-80b for the GDN
+#                                kernels); kernels are kernel_bench's names (default: the
+#                                two-precision non-flush step and flush)
 #   error-growth [PRESET...] [-- ARGS...]
 #                                the Triton emulation's error at the real layer shapes, 131,072
 #                                steps: presets emulation-gpu (Mamba-2, 128 heads of 64 x 128),
@@ -142,12 +144,20 @@ case "$target" in
       echo "gpu.sh profile: no ncu here (Nsight Compute; run it on the GPU machine)" | tee -a "$log" >&2
       exit 2
     fi
+    shape=nemotron3-super
+    if [ "${1:-}" = --shape ]; then
+      case "${2:-}" in
+        nemotron3-super|qwen3-next-80b) shape=$2; shift 2 ;;
+        *) echo "gpu.sh profile: --shape takes nemotron3-super or qwen3-next-80b, got '${2:-}'" >&2
+           exit 2 ;;
+      esac
+    fi
     [ $# -gt 0 ] || set -- cute:nonflush:nvfp4 cute:flush:fp16sr+nvfp4
-    point=(--shapes nemotron3-super --batches 256 --windows 16)
+    point=(--shapes "$shape" --batches 256 --windows 16)
     # the lines of ncu's raw page that tools.instruction_count --ncu reads
     keep='==PROF==|\), Context |^  (gpu__time_duration\.sum|smsp__inst_executed\.sum|sm__inst_executed\.avg\.per_cycle_active|sm__inst_executed_pipe_(alu|fma|lsu|xu)\.avg\.pct_of_peak_sustained_active) '
     for kernel in "$@"; do
-      name=$(echo "$kernel" | tr ':+' '__')
+      name=$shape-$(echo "$kernel" | tr ':+' '__')
       src="$out/src_$name"
       # warp samples per SASS instruction, with the Python line each came from (line info
       # does not change the code ptxas makes); clocks left alone
@@ -166,7 +176,8 @@ case "$target" in
         --print-metric-instances values "$py" -m experiments.kernel_bench --profile "$kernel" \
         "${point[@]}"
       if [ "$dry" = 0 ]; then grep -E "$keep" "$pipes" > "${pipes%.txt}.trim.txt"; fi
-      run_to "$out/pipes_$name.txt" "$py" -m tools.instruction_count --ncu "${pipes%.txt}.trim.txt"
+      run_to "$out/pipes_$name.txt" "$py" -m tools.instruction_count --ncu "${pipes%.txt}.trim.txt" \
+        --layer "$shape"
       [ "$dry" = 1 ] || rm -f "$src.ncu-rep"
     done
     ;;

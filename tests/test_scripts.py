@@ -112,14 +112,18 @@ def test_bench_without_peers_asks_for_none_and_writes_under_runs_by_default(tmp_
                     "runs/gpu-bench"]
 
 
-def test_dry_run_profile_reads_back_what_ncu_wrote_for_each_kernel(tmp_path):
-    """Per kernel: two ncu runs of kernel_bench --profile at the headline point (the commands
-    parse with kernel_bench's parser and name its kernels), the source exports, and the two
-    readers given the very files the exports and the trim wrote."""
+@pytest.mark.parametrize("shape", [None, "qwen3-next-80b"])
+def test_dry_run_profile_reads_back_what_ncu_wrote_for_each_kernel(tmp_path, shape):
+    """Per kernel: two ncu runs of kernel_bench --profile at batch 256, L = 16 of the layer
+    (the commands parse with kernel_bench's parser and name its kernels), the source exports,
+    and the two readers given the very files the exports and the trim wrote, the pipe reader
+    told the layer."""
     from experiments import kernel_bench as kb
 
     out = tmp_path / "prof"
-    done = _gpu(_tree(tmp_path, "gpu.sh"), "--dry-run", "profile", OUT=str(out))
+    layer = shape or "nemotron3-super"
+    done = _gpu(_tree(tmp_path, "gpu.sh"), "--dry-run", "profile",
+                *(["--shape", shape] if shape else []), OUT=str(out))
     assert done.returncode == 0, done.stderr
     commands = _commands(done.stdout)
     profiled = []
@@ -128,19 +132,25 @@ def test_dry_run_profile_reads_back_what_ncu_wrote_for_each_kernel(tmp_path):
             args = _module_args(command, "experiments.kernel_bench")
             parsed = kb.build_parser().parse_args(args)
             assert parsed.profile in kb.KERNELS, parsed.profile
-            assert args[2:] == ["--shapes", "nemotron3-super", "--batches", "256",
-                                "--windows", "16"]
+            assert args[2:] == ["--shapes", layer, "--batches", "256", "--windows", "16"]
             profiled.append(parsed.profile)
     assert profiled == ["cute:nonflush:nvfp4"] * 2 + ["cute:flush:fp16sr+nvfp4"] * 2
     written = {c[-1] for c in commands if c[-2:-1] == [">"]}
-    for name in ("cute_nonflush_nvfp4", "cute_flush_fp16sr_nvfp4"):
+    for name in (f"{layer}-cute_nonflush_nvfp4", f"{layer}-cute_flush_fp16sr_nvfp4"):
         [stalls] = [c for c in commands if "tools.stall_sites" in c and name in " ".join(c)]
         report, lines = _module_args(stalls, "tools.stall_sites")[0::2]
         assert {report, lines} <= written
         [pipes] = [c for c in commands if "tools.instruction_count" in c and name in " ".join(c)]
         assert _module_args(pipes, "tools.instruction_count") == [
-            "--ncu", f"{out}/ncu_pipes_{name}.trim.txt"]
+            "--ncu", f"{out}/ncu_pipes_{name}.trim.txt", "--layer", layer]
         assert f"{out}/ncu_pipes_{name}.txt" in written
+
+
+def test_profile_refuses_a_shape_it_cannot_read_with_one_line(tmp_path):
+    done = _gpu(_tree(tmp_path, "gpu.sh"), "--dry-run", "profile", "--shape", "mamba2-2.7b")
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.strip() == ("gpu.sh profile: --shape takes nemotron3-super or "
+                                   "qwen3-next-80b, got 'mamba2-2.7b'")
 
 
 def test_profile_readers_are_modules_of_the_tools_package():

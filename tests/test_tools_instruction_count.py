@@ -164,6 +164,7 @@ def test_ncu_pipes_script_keeps_every_line_the_reader_needs():
     (["--pipes", "--csv", "{tmp}/other.csv"], "is not a kernel_bench CSV (no column run, "),
     (["--pipes", "--with-fallbacks"], "--with-fallbacks: only for the default count"),  # ignored
     (["--ncu", "{tmp}/other.csv", "--with-fallbacks"], "--with-fallbacks: only"),
+    (["--layer", "qwen3-next-80b"], "--layer: only with --ncu alone"),
 ])
 def test_bad_report_or_csv_paths_are_argument_errors(tmp_path, capsys, argv, message):
     """Checked before anything compiles: one line on stderr and exit status 2."""
@@ -221,6 +222,13 @@ def test_two_real_flush_reports_read_their_issue_rates_and_executed_counts(capsy
         assert f"issued {issue:.3f} a cycle" in out
         total = float(out.split("total")[1].split()[0])
         assert total == pytest.approx(executed * 32 / (256 * 128 * 64 * 128), abs=0.01)
+    # the same report read as the Qwen3-Next layer's: a quarter of the elements a slot
+    assert ic.main(["--ncu", str(data / "ncu_flush_sr_nvfp4.trim.txt"), "--layer",
+                    "qwen3-next-80b"]) == 0
+    out = capsys.readouterr().out
+    assert "qwen3-next-80b layer" in out
+    total = float(out.split("total")[1].split()[0])
+    assert total == pytest.approx(391.8e6 * 32 / (256 * 32 * 128 * 128), abs=0.01)
 
 
 def test_a_gzipped_report_reads_as_the_plain_one(tmp_path):

@@ -613,15 +613,19 @@ def ncu_launches(path: str) -> list[dict]:
     return launches
 
 
-def print_ncu(path: str, batch: int = 256) -> float:
-    """Per profiled launch of an ncu raw-page report (Nemotron layer at `batch`): the executed
+# state elements a slot of each layer kernel_bench profiles (heads x head size)
+LAYER_ELEMENTS = {"nemotron3-super": 128 * 64 * 128, "qwen3-next-80b": 32 * 128 * 128}
+
+
+def print_ncu(path: str, batch: int = 256, layer: str = "nemotron3-super") -> float:
+    """Per profiled launch of an ncu raw-page report (`layer` at `batch`): the executed
     instructions per element by pipe and the floor they set on the issue rate. Returns the
     first launch's floor."""
-    elements = batch * 128 * 64 * 128
+    elements = batch * LAYER_ELEMENTS[layer]
     launches = ncu_launches(path)
     rows = [(k, ncu_per_element(k, elements)) for k in launches]  # all checked before printing
     print(
-        f"{path}: per element, executed (Nemotron layer, batch {batch}; floor at "
+        f"{path}: per element, executed ({layer} layer, batch {batch}; floor at "
         f"{H200_SMS} SMs, {H200_CLOCK_GHZ} GHz)"
     )
     floors = []
@@ -697,7 +701,16 @@ def main(argv=None) -> int:
         "plain or .gz), and the floor they set on the issue rate; with --pipes and a report "
         "whose first launch is the flush, the goals at that floor too",
     )
+    parser.add_argument(
+        "--layer",
+        choices=sorted(LAYER_ELEMENTS),
+        default="nemotron3-super",
+        help="with --ncu: the layer the report profiled (default nemotron3-super; "
+        "`scripts/gpu.sh profile --shape`)",
+    )
     args = parser.parse_args(argv)
+    if args.layer != "nemotron3-super" and (not args.ncu or args.pipes):
+        parser.error("--layer: only with --ncu alone (--pipes prices the Mamba-2 flush)")
     if args.csv is not None and not args.pipes:
         parser.error("--csv: only with --pipes")
     if args.csv is not None and not os.path.isfile(args.csv):
@@ -734,7 +747,7 @@ def main(argv=None) -> int:
     csv_path = args.csv or DEFAULT_CSV
     ncu_floor = None
     if args.ncu:
-        ncu_floor = print_ncu(args.ncu)
+        ncu_floor = print_ncu(args.ncu, layer=args.layer)
         if not args.pipes:
             return 0
     formats = FLUSH_FORMATS + tuple(("fp16", "sr", "nvfp4", sr) for sr in args.sr)
