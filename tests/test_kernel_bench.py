@@ -971,6 +971,25 @@ def test_plots_draw_a_mamba2_and_a_gdn_shape_side_by_side(tmp_path):
         assert "qwen3-next-80b" in titles and "nemotron3-super" in titles
 
 
+@pytest.mark.parametrize("batches, width, upright", [
+    ([1, 8, 32, 64, 128, 256, 512], 6.0, False),  # an octave is over half an inch
+    ([1, 256, 512], 2.0, True),  # 256 and 512 beside each other
+])
+def test_batch_labels_turn_upright_only_where_they_would_overlap(batches, width, upright):
+    import matplotlib.pyplot as plt
+
+    from experiments import kernel_bench_plots as plots
+
+    fig, ax = plt.subplots(figsize=(width, 2.0))
+    ax.set_xscale("log")
+    plots._batch_ticks(ax, batches)
+    fig.canvas.draw()
+    labels = ax.get_xticklabels()
+    assert [t.get_text() for t in labels] == [str(b) for b in batches]
+    assert {t.get_rotation() for t in labels} == {90.0 if upright else 0.0}
+    plt.close(fig)
+
+
 def test_gdn_cute_cases_pass_every_check_of_the_kernels_but_the_device_one():
     """Each CuTe GDN case's caches and token tensors, built on the CPU, pass every check the
     public function makes (shapes, dtypes, strides, the cache's pairing, no aliasing); the
