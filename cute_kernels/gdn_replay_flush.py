@@ -26,7 +26,9 @@ The threads first bring the whole window into shared memory (k, v exact in fp32,
 beta_j; one barrier) and the fold reads its records there: one round trip a head instead of a
 record's loads inside every step of the fold's chain. A window over STAGED_WINDOW_BYTES (wide
 keys and a long window) is folded with each record's loads in the chain instead, the same
-arithmetic in the same order.
+arithmetic in the same order. With HEADS_PER_CTA = 2 a CTA takes two heads of its slot in
+turn, each head's recurrence copy brought into shared memory by one bulk copy, the next one's
+while the CTA folds and rounds the head before it.
 
 Thread ownership (one CTA per (slot, head); T = dv dk / 64 threads, 64 state elements a thread
 in 16-element chunks, one NVFP4 block a chunk; drawn for the Qwen3-Next head, dv = dk = 128,
