@@ -26,9 +26,7 @@ The threads first bring the whole window into shared memory (k, v exact in fp32,
 beta_j; one barrier) and the fold reads its records there: one round trip a head instead of a
 record's loads inside every step of the fold's chain. A window over STAGED_WINDOW_BYTES (wide
 keys and a long window) is folded with each record's loads in the chain instead, the same
-arithmetic in the same order. With HEADS_PER_CTA = 2 a CTA takes two heads of its slot in
-turn, each head's recurrence copy brought into shared memory by one bulk copy, the next one's
-while the CTA folds and rounds the head before it.
+arithmetic in the same order.
 
 Thread ownership (one CTA per (slot, head); T = dv dk / 64 threads, 64 state elements a thread
 in 16-element chunks, one NVFP4 block a chunk; drawn for the Qwen3-Next head, dv = dk = 128,
@@ -59,10 +57,10 @@ from dataclasses import dataclass
 
 import cutlass  # noqa: I001
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64, Uint8, Uint32
+from cutlass import Float32, Int32, Uint8, Uint32
 from cutlass.memory import SmemAllocator
 
-from cute_kernels import _compile, ptx
+from cute_kernels import _compile
 from cute_kernels import gdn_cache as gc
 from cute_kernels import numerics as nm
 from cute_kernels.cache import check_sr_settings, fail
@@ -80,10 +78,6 @@ E2M1_MAX = 6.0
 # share an SM (unbounded, ptxas took more and one did: docs/performance.md)
 REGISTERS_PER_SM = 65536
 REGISTER_FLOOR = 128
-# heads a CTA takes in turn, each next head's recurrence copy brought into shared memory by
-# one bulk copy while this one folds and rounds (1: one head a CTA, its state loaded by its
-# threads); off until a GPU has checked and timed it (docs/performance.md)
-HEADS_PER_CTA = 1
 DECAY, BETA = 0, 1  # rows of the staged per-record scalars
 STAGED_WINDOW_BYTES = 48 * 1024  # at most a CTA's shared memory without the opt-in
 
@@ -301,10 +295,9 @@ def append_record(cfg: cutlass.Constexpr, tidx, pos, s, h, k, v, g, beta, ring_k
 
 
 class GDNFlush:
-    def __init__(self, config: GDNConfig, staged_window: bool, heads_per_cta: int):
+    def __init__(self, config: GDNConfig, staged_window: bool):
         self.cfg = config
         self.staged_window = staged_window
-        self.heads_per_cta = heads_per_cta
 
     @cute.jit
     def __call__(
@@ -361,7 +354,7 @@ class GDNFlush:
         beta = cute.make_tensor(p_beta, per_head)
         self.kernel(hi, codes, scales, lo_global, ring_v, ring_k, ring_g, ring_beta, decision,
                     flushes, q, k, v, g, beta, out, debug, seed_lo, seed_hi).launch(
-            grid=[H // self.heads_per_cta, batch, 1], block=[cfg.threads, 1, 1], stream=stream,
+            grid=[H, batch, 1], block=[cfg.threads, 1, 1], stream=stream,
             min_blocks_per_mp=min_ctas_per_sm(cfg), preferred_smem_carveout=-1)
 
     @cute.kernel
@@ -388,148 +381,94 @@ class GDNFlush:
         seed_hi: Uint32,
     ):
         cfg = self.cfg
-        P, N, L = cfg.dv, cfg.dk, cfg.window
-        n = self.heads_per_cta
+        P, N, L, T = cfg.dv, cfg.dk, cfg.window, cfg.threads
+        R, step = cfg.lanes_per_row, cfg.rows_per_pass
         tidx, _, _ = cute.arch.thread_idx()
-        group, s, _ = cute.arch.block_idx()
+        h, s, _ = cute.arch.block_idx()
+        col = tidx % R
+        row0 = tidx // R
+        rows = [row0 + step * i for i in range(cfg.passes)]
         smem = SmemAllocator()
         sRed = smem.allocate_tensor(Float32, cute.make_layout(32), 16)
-        sK, sV, sScal = None, None, None
         if cutlass.const_expr(self.staged_window):
             sK = smem.allocate_tensor(Float32, cute.make_layout((L, N), stride=(N, 1)), 16)
             sV = smem.allocate_tensor(Float32, cute.make_layout((L, P), stride=(P, 1)), 16)
             sScal = smem.allocate_tensor(Float32, cute.make_layout((2, L), stride=(L, 1)), 16)
-        tensors = (hi, codes, scales, lo_global, ring_v, ring_k, ring_g, ring_beta, flushes, q,
-                   k, v, g, beta, out, debug, sRed, sK, sV, sScal)
-        if cutlass.const_expr(n > 1):
-            # the heads' recurrence copies pass through one buffer: head i + 1's bulk copy is
-            # issued once every thread has read head i's
-            sHi = smem.allocate_tensor(hi.element_type, cute.make_layout((P, N), stride=(N, 1)),
-                                       128)
-            sBar = smem.allocate_tensor(Int64, cute.make_layout(1), 8)
 
         if decision[s] == L - 1:
-            if cutlass.const_expr(n == 1):
-                hi_h = hi[s, group, None, None]
-                acc = []
-                for i in cutlass.range_constexpr(cfg.passes):
-                    acc.append(load_state_chunk(cfg, hi_h, tidx, i))
-                self.fold_and_store(tidx, s, group, acc, tensors, seed_lo, seed_hi)
-            else:
-                bar = sBar.iterator.toint()
-                head_bytes = P * N * hi.element_type.width // 8
-                h0 = group * n
-                if tidx == 0:
-                    ptx.mbar_init(bar)
-                    ptx.mbar_init_fence()
-                    issue_state_copy(hi, sHi, bar, s, h0, head_bytes)
-                cute.arch.sync_threads()
-                for i in cutlass.range_constexpr(n):
-                    h = h0 + i
-                    ptx.mbar_wait(bar, i % 2)
-                    acc = []
-                    for r in cutlass.range_constexpr(cfg.passes):
-                        acc.append(load_state_chunk(cfg, sHi, tidx, r))
-                    cute.arch.sync_threads()  # every thread has its chunks: the buffer is free
-                    if (tidx == 0) & (i + 1 < n):
-                        issue_state_copy(hi, sHi, bar, s, h + 1, head_bytes)
-                    self.fold_and_store(tidx, s, h, acc, tensors, seed_lo, seed_hi)
-                    cute.arch.sync_threads()  # the staged window and sRed are free
+            hi_h = hi[s, h, None, None]
+            acc = []
+            for i in cutlass.range_constexpr(cfg.passes):
+                frag = cute.make_rmem_tensor((W,), hi.element_type)
+                cute.autovec_copy(chunk_of(hi_h, rows[i], col), frag)
+                acc.append(frag.load().to(Float32))
 
-    @cute.jit
-    def fold_and_store(self, tidx, s, h, acc, tensors, seed_lo: Uint32, seed_hi: Uint32):
-        """Head `h` of slot `s` from its recurrence copy's chunks `acc` (fp32): the window's
-        records folded in order (every u from the raw v), y, both copies and the record."""
-        cfg = self.cfg
-        P, N, L, T = cfg.dv, cfg.dk, cfg.window, cfg.threads
-        R, step = cfg.lanes_per_row, cfg.rows_per_pass
-        (hi, codes, scales, lo_global, ring_v, ring_k, ring_g, ring_beta, flushes, q, k, v, g,
-         beta, out, debug, sRed, sK, sV, sScal) = tensors
-        col = tidx % R
-        row0 = tidx // R
-        rows = [row0 + step * i for i in range(cfg.passes)]
-        hi_h = hi[s, h, None, None]
-
-        if cutlass.const_expr(self.staged_window):
-            stage_window(cfg, tidx, s, h, ring_k, ring_v, ring_g, ring_beta, k, v, g, beta, sK,
-                         sV, sScal)
-            cute.arch.sync_threads()
-        for j in cutlass.range_constexpr(L):
+            # the window's records in order, every u from the raw v
             if cutlass.const_expr(self.staged_window):
-                k_vec = load_vector_chunk(sK[j, None], col)
-                a = sScal[DECAY, j]
-                beta_j = sScal[BETA, j]
-                v_j = sV[j, None]
-            elif cutlass.const_expr(j < L - 1):
-                k_vec = load_vector_chunk(ring_k[s, h, j, None], col)
-                a = cute.math.exp(ring_g[s, h, j])
-                beta_j = ring_beta[s, h, j]
-                v_j = ring_v[s, h, j, None]
-            else:
-                k_vec = load_vector_chunk(k[s, h, None], col)
-                a = cute.math.exp(g[s, h])
-                beta_j = beta[s, h]
-                v_j = v[s, h, None]
-            delta_step(cfg, acc, k_vec, a, beta_j, v_j, rows)
+                stage_window(cfg, tidx, s, h, ring_k, ring_v, ring_g, ring_beta, k, v, g,
+                             beta, sK, sV, sScal)
+                cute.arch.sync_threads()
+            for j in cutlass.range_constexpr(L):
+                if cutlass.const_expr(self.staged_window):
+                    k_vec = load_vector_chunk(sK[j, None], col)
+                    a = sScal[DECAY, j]
+                    beta_j = sScal[BETA, j]
+                    v_j = sV[j, None]
+                elif cutlass.const_expr(j < L - 1):
+                    k_vec = load_vector_chunk(ring_k[s, h, j, None], col)
+                    a = cute.math.exp(ring_g[s, h, j])
+                    beta_j = ring_beta[s, h, j]
+                    v_j = ring_v[s, h, j, None]
+                else:
+                    k_vec = load_vector_chunk(k[s, h, None], col)
+                    a = cute.math.exp(g[s, h])
+                    beta_j = beta[s, h]
+                    v_j = v[s, h, None]
+                delta_step(cfg, acc, k_vec, a, beta_j, v_j, rows)
 
-        row_outputs(cfg, acc, load_vector_chunk(q[s, h, None], col), rows, col, out[s, h, None])
+            row_outputs(cfg, acc, load_vector_chunk(q[s, h, None], col), rows, col,
+                        out[s, h, None])
 
-        # stores, one chunk at a time: the recurrence copy first, then (after the barrier of
-        # the head's amax) nvfp4
-        keys = nm.philox_keys(seed_lo, seed_hi, cfg.philox_rounds)
-        flush = Uint32(flushes[s])
-        _, counter_hi = nm.state_counter(Uint32(s), flush, Uint32(0))
-        nvfp4 = cfg.lo_format == "nvfp4"
-        block_amax = []
-        if cutlass.const_expr(nvfp4):
-            block_amax = [chunk_amax(acc[i]) for i in range(cfg.passes)]
-            local = Float32(0.0)
+            # stores, one chunk at a time: the recurrence copy first, then (after the barrier
+            # of the head's amax) nvfp4
+            keys = nm.philox_keys(seed_lo, seed_hi, cfg.philox_rounds)
+            flush = Uint32(flushes[s])
+            _, counter_hi = nm.state_counter(Uint32(s), flush, Uint32(0))
+            nvfp4 = cfg.lo_format == "nvfp4"
+            block_amax = []
+            if cutlass.const_expr(nvfp4):
+                block_amax = [chunk_amax(acc[i]) for i in range(cfg.passes)]
+                local = Float32(0.0)
+                for i in cutlass.range_constexpr(cfg.passes):
+                    local = cute.arch.fmax(local, block_amax[i])
+                local = cute.arch.warp_reduction(local, cute.arch.fmax)
+                if tidx % 32 == 0:
+                    sRed[tidx // 32] = local
+            debug_h = debug[s, h, None, None]
             for i in cutlass.range_constexpr(cfg.passes):
-                local = cute.arch.fmax(local, block_amax[i])
-            local = cute.arch.warp_reduction(local, cute.arch.fmax)
-            if tidx % 32 == 0:
-                sRed[tidx // 32] = local
-        debug_h = debug[s, h, None, None]
-        for i in cutlass.range_constexpr(cfg.passes):
-            p = rows[i]
-            if cutlass.const_expr(cfg.has_debug):
-                d_frag = cute.make_rmem_tensor((W,), Float32)
-                d_frag.store(acc[i])
-                cute.autovec_copy(d_frag, chunk_of(debug_h, p, col))
-            element0 = Uint32((h * P + p) * N) + Uint32(col * W)  # a multiple of 16
-            store_hi_chunk(cfg.hi_format, cfg.hi_rounding, hi_h, acc[i], p, col, Uint32(s),
-                           flush, element0, counter_hi, keys, cfg.sr_bits)
-        if cutlass.const_expr(nvfp4):
-            cute.arch.sync_threads()
-            amax = sRed[0]
-            for w in cutlass.range_constexpr(1, T // 32):
-                amax = cute.arch.fmax(amax, sRed[w])
-            global_scale = nm.div_rn(amax, Float32(E2M1_E4M3_MAX))
-            if tidx == 0:
-                lo_global[s, h] = global_scale
-            codes_h = codes[s, h, None, None]
-            scales_h = scales[s, h, None, None]
-            for i in cutlass.range_constexpr(cfg.passes):
-                store_nvfp4_block(codes_h, scales_h, acc[i], block_amax[i], rows[i], col,
-                                  global_scale)
-        append_record(cfg, tidx, L - 1, s, h, k, v, g, beta, ring_k, ring_v, ring_g, ring_beta)
-
-
-@cute.jit
-def load_state_chunk(cfg: cutlass.Constexpr, state_h, tidx, i: cutlass.Constexpr):
-    """The thread's pass-`i` chunk of a head's state [dv, dk] (global or shared), as fp32."""
-    R = cfg.lanes_per_row
-    frag = cute.make_rmem_tensor((W,), state_h.element_type)
-    cute.autovec_copy(chunk_of(state_h, tidx // R + cfg.rows_per_pass * i, tidx % R), frag)
-    return frag.load().to(Float32)
-
-
-def issue_state_copy(hi, sHi, bar, s, h, head_bytes: int):
-    """One thread: head `h` of slot `s`'s recurrence copy into `sHi` by one bulk copy,
-    completing on `bar`."""
-    ptx.mbar_expect(bar, head_bytes)
-    row = (Int64(s) * hi.shape[1] + h) * head_bytes
-    ptx.bulk_copy(sHi.iterator.toint(), hi.iterator.toint() + row, head_bytes, bar)
+                p = rows[i]
+                if cutlass.const_expr(cfg.has_debug):
+                    d_frag = cute.make_rmem_tensor((W,), Float32)
+                    d_frag.store(acc[i])
+                    cute.autovec_copy(d_frag, chunk_of(debug_h, p, col))
+                element0 = Uint32((h * P + p) * N) + Uint32(col * W)  # a multiple of 16
+                store_hi_chunk(cfg.hi_format, cfg.hi_rounding, hi_h, acc[i], p, col,
+                               Uint32(s), flush, element0, counter_hi, keys, cfg.sr_bits)
+            if cutlass.const_expr(nvfp4):
+                cute.arch.sync_threads()
+                amax = sRed[0]
+                for w in cutlass.range_constexpr(1, T // 32):
+                    amax = cute.arch.fmax(amax, sRed[w])
+                global_scale = nm.div_rn(amax, Float32(E2M1_E4M3_MAX))
+                if tidx == 0:
+                    lo_global[s, h] = global_scale
+                codes_h = codes[s, h, None, None]
+                scales_h = scales[s, h, None, None]
+                for i in cutlass.range_constexpr(cfg.passes):
+                    store_nvfp4_block(codes_h, scales_h, acc[i], block_amax[i], rows[i], col,
+                                      global_scale)
+            append_record(cfg, tidx, L - 1, s, h, k, v, g, beta, ring_k, ring_v, ring_g,
+                          ring_beta)
 
 
 def min_ctas_per_sm(cfg: GDNConfig) -> int:
@@ -544,18 +483,11 @@ def staged_window_bytes(cfg: GDNConfig) -> int:
     return 4 * cfg.window * (cfg.dk + cfg.dv + 2)
 
 
-def heads_per_cta(cfg: GDNConfig) -> int:
-    """HEADS_PER_CTA where it divides the heads, else one."""
-    return HEADS_PER_CTA if cfg.nheads % HEADS_PER_CTA == 0 else 1
-
-
 def compile_gdn_flush(cfg: GDNConfig, keep_ptx: bool = False, staged_window: bool = True):
     """The compiled flush kernel of `cfg` (cached), the window staged in shared memory where
     it takes at most STAGED_WINDOW_BYTES (``staged_window=False``: never, the larger windows'
-    form, for the instruction counts and tests), `heads_per_cta(cfg)` heads a CTA; `keep_ptx`
-    keeps its PTX text."""
+    form, for the instruction counts and tests); `keep_ptx` keeps its PTX text."""
     staged_window = staged_window and staged_window_bytes(cfg) <= STAGED_WINDOW_BYTES
-    heads = heads_per_cta(cfg)
 
     def build():
         f = _compile.fake_ptr
@@ -565,10 +497,10 @@ def compile_gdn_flush(cfg: GDNConfig, keep_ptx: bool = False, staged_window: boo
                 f(act), f(act), f(Float32), f(Float32), f(Int32), f(Int32),
                 f(act), f(act), f(act), f(Float32), f(Float32), f(act), f(Float32),
                 Int32(1), Uint32(0), Uint32(0), _compile.fake_stream())
-        return cute.compile(GDNFlush(cfg, staged_window, heads), *args,
+        return cute.compile(GDNFlush(cfg, staged_window), *args,
                             options=_compile.compile_options(keep_ptx))
 
-    return _compile.compile_cached(("gdn_flush", cfg, staged_window, heads, keep_ptx), build)
+    return _compile.compile_cached(("gdn_flush", cfg, staged_window, keep_ptx), build)
 
 
 def optional_ptr(tensor, dtype):

@@ -172,25 +172,6 @@ def test_the_staged_window_takes_the_records_out_of_the_folds_global_loads(shape
     assert big == gf.compile_gdn_flush(wide, keep_ptx=True, staged_window=False).__ptx__
 
 
-def test_two_heads_a_cta_bring_each_recurrence_copy_in_by_one_bulk_copy(monkeypatch):
-    """HEADS_PER_CTA = 2: each head's recurrence copy reaches shared memory by one
-    cp.async.bulk on one mbarrier (two a CTA), so of each head's 128-bit global loads only
-    q's are left and shared ones take the state's place; each head stores as one head a CTA
-    did. Three heads (not a
-    multiple) keep one head a CTA."""
-    cfg = config(QWEN, TWO_COPY)
-    plain = ptx_counts(gf.compile_gdn_flush(cfg, keep_ptx=True).__ptx__)
-    monkeypatch.setattr(gf, "HEADS_PER_CTA", 2)
-    assert gf.heads_per_cta(cfg) == 2 and gf.heads_per_cta(config(ODD, TWO_COPY)) == 1
-    ptx = gf.compile_gdn_flush(cfg, keep_ptx=True).__ptx__
-    two = ptx_counts(ptx)
-    assert ptx.count(BULK_COPY) == 2 and ptx.count("mbarrier.init.shared::cta.b64") == 1, two
-    state_loads = 2 * cfg.passes  # fp16: two 128-bit loads a pass
-    assert two.get("ld.global.v4.b32", 0) == 2 * (plain["ld.global.v4.b32"] - state_loads), two
-    assert two.get("st.global.v4.b32", 0) == 2 * plain.get("st.global.v4.b32", 0), two
-    assert two.get("ld.shared.v4.b32", 0) >= 2 * 2 * cfg.passes, two  # 2 a pass and head
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("shape, window",
                          [(ODD, 5), (WIDE, 3), (dict(nheads=1, dv=16, dk=512), 32)],
@@ -203,10 +184,6 @@ def test_gdn_kernels_compile_at_other_head_shapes_and_windows(shape, window):
         go.compile_gdn_output(cfg)
         gf.compile_gdn_flush(cfg)
         gf.compile_gdn_flush(cfg, staged_window=False)
-    if shape["nheads"] % 2 == 0:  # two heads a CTA where they divide the heads
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(gf, "HEADS_PER_CTA", 2)
-            gf.compile_gdn_flush(config(shape, TWO_COPY, window=window, act="fp32"))
 
 
 def test_gdn_counter_kernels_compile():
@@ -725,42 +702,40 @@ def test_gdn_heads_per_cta_leaves_every_bit_as_one_head_a_cta():
     pytest.param(("fp32", "rn", "none"), ODD, 8, torch.float32, id="fp32-dv48-L8"),
     pytest.param(TWO_COPY, WIDE, 3, torch.float32, id="fp16sr-nvfp4-dk256-L3"),
 ])
-@pytest.mark.parametrize("form, setting", [("STAGED_WINDOW_BYTES", 0), ("HEADS_PER_CTA", 2)],
-                         ids=["records-loaded-in-the-fold", "two-heads-a-cta"])
-def test_the_flushs_other_forms_leave_every_bit_of_it(pairing, shape, window, act, form,
-                                                      setting, monkeypatch):
-    """The flush whose records load inside the fold (the form of windows too large to stage),
-    and the flush whose CTAs take two heads in turn (where they divide the heads), do the
-    arithmetic of the default flush: from 3 slots at random ring positions over two windows,
-    y, the ring, both copies and the counters equal bit for bit after every step, and both
-    stay within the emulation's bounds of lowprec (run_windows)."""
+def test_the_staged_window_leaves_every_bit_of_the_flush(pairing, shape, window, act,
+                                                          monkeypatch):
+    """The flush with its window staged in shared memory does the arithmetic of the flush
+    whose records load inside the fold (the form of windows too large to stage): from 3 slots
+    at random ring positions over two windows, y, the ring, both copies and the counters equal
+    bit for bit after every step, and both stay within the emulation's bounds of lowprec
+    (run_windows)."""
     from gdn_emulation_cases import filled_cache, make_token
 
-    other = lambda: monkeypatch.setattr(gf, form, setting)  # noqa: E731
+    unstaged = lambda: monkeypatch.setattr(gf, "STAGED_WINDOW_BYTES", 0)  # noqa: E731
     done, expected, worst = run_windows(pairing, shape, window, 3, 2 * window + 2, seed=43,
                                         act=act)
-    other()
-    done_o, _, worst_o = run_windows(pairing, shape, window, 3, 2 * window + 2, seed=43,
+    unstaged()
+    done_u, _, worst_u = run_windows(pairing, shape, window, 3, 2 * window + 2, seed=43,
                                      act=act)
-    assert done == done_o == expected and worst_o <= 1.0 and worst <= 1.0
+    assert done == done_u == expected and worst_u <= 1.0 and worst <= 1.0
     monkeypatch.undo()
     gen = torch.Generator().manual_seed(47)
     hi, rounding, lo = pairing
     twin = filled_cache(gen, 3, shape["nheads"], shape["dv"], shape["dk"], (hi, rounding),
                         "fp32" if lo == "none" else lo, False, cursors=[window - 1] * 3,
                         flushes=[5, 9, 2], window=window, act_dtype=act)
-    default = CuteStep(twin, pairing, act).cache
-    changed = clone_cache(default)
+    staged = CuteStep(twin, pairing, act).cache
+    plain = clone_cache(staged)
     token = {n: t.to(DEVICE) for n, t in make_token(gen, 3, shape["nheads"], shape["dv"],
                                                      shape["dk"], False, act_dtype=act).items()}
-    y_default = gd.gdn_replay_decode(default, **token)
-    other()
-    y_changed = gd.gdn_replay_decode(changed, **token)
+    y_staged = gd.gdn_replay_decode(staged, **token)
+    unstaged()
+    y_plain = gd.gdn_replay_decode(plain, **token)
     bits = torch.int32 if act == torch.float32 else torch.int16
-    assert torch.equal(y_default.view(bits), y_changed.view(bits))
+    assert torch.equal(y_staged.view(bits), y_plain.view(bits))
     for name in ("hi", "lo", "lo_scales", "lo_global", "ring_v", "ring_k", "ring_g",
                  "ring_beta", "cursors", "flushes"):
-        a, b = getattr(default, name), getattr(changed, name)
+        a, b = getattr(staged, name), getattr(plain, name)
         if a is None:
             continue
         assert torch.equal(a.nan_to_num(7.0) if a.is_floating_point() else a,
