@@ -62,7 +62,7 @@ SPEEDUP_FACETS = (
      ("token: two-precision vs FlashInfer FP32 ReplaySSM",
       "token: two-precision vs FlashInfer fp32 update",
       "token: two-precision vs FlashInfer fp16 update")),
-    ("Against FLA's and vLLM's 32- and 16-bit states, a token",
+    ("Against the peers' 32- and 16-bit states",
      ("token: two-precision vs FLA fp32 update", "token: two-precision vs FLA bf16 update",
       "token: two-precision vs vLLM bf16 update", "token: two-precision vs conventional bf16",
       "token: two-precision vs fastest peer")),
