@@ -769,12 +769,15 @@ def main(argv=None) -> int:
         print(f"  {lo:5s} {dots:4s} {per_element:5.2f} per element, {registers} registers")
     print("Gated DeltaNet flush (gdn_replay_flush, Qwen3-Next; nvfp4: fp16 SR + nvfp4, none: "
           "the fp32 single copy), per element and thread:")
+    from cute_kernels import gdn_replay_flush as gf
+
     for staged in (True, False):
         for lo, per_element, registers, top in count_gdn_flush(
                 with_fallbacks=args.with_fallbacks, staged_window=staged):
             ops = ", ".join(f"{op} {n:.1f}" for op, n in top)
             form = ("window staged in shared memory" if staged else
-                    "records loaded in the fold, the form of windows over 48 KiB")
+                    "records loaded in the fold, the form of windows over "
+                    f"{gf.STAGED_WINDOW_BYTES // 1024} KiB")
             print(f"  {lo:5s} {per_element:6.2f} per element, {registers} registers ({ops}); "
                   f"{form}")
     return 0
