@@ -80,7 +80,6 @@ REGISTERS_PER_SM = 65536
 REGISTER_FLOOR = 128
 DECAY, BETA = 0, 1  # rows of the staged per-record scalars
 STAGED_WINDOW_BYTES = 48 * 1024  # at most a CTA's shared memory without the opt-in
-FOLD_UNROLL = 1
 
 
 @dataclass(frozen=True)
@@ -183,31 +182,17 @@ def stage_window(cfg: cutlass.Constexpr, tidx, s, h, ring_k, ring_v, ring_g, rin
         sScal[BETA, tidx] = beta[s, h]
 
 
-@cute.jit
-def state_fragments(cfg: cutlass.Constexpr, state_h, rows, col):
-    """A thread's chunks of a head's state as fp32 register fragments, one a row."""
-    frags = []
-    for i in cutlass.range_constexpr(cfg.passes):
-        stored = cute.make_rmem_tensor((W,), state_h.element_type)
-        cute.autovec_copy(chunk_of(state_h, rows[i], col), stored)
-        frag = cute.make_rmem_tensor((W,), Float32)
-        frag.store(stored.load().to(Float32))
-        frags.append(frag)
-    return frags
-
-
 def delta_step(cfg, acc, k_vec, a, beta_j, v_j, rows):
-    """One delta-rule update of a thread's chunks `acc` (fp32 register fragments, updated in
-    place; lowprec.gdn._delta_update's order): S <- S a; u = beta (v - S k); S <- S + u k^T,
-    `v_j` the record's values [dv]. Traced into the caller (a plain function: its loop
-    unrolls)."""
+    """One delta-rule update of a thread's chunks `acc` (lowprec.gdn._delta_update's order):
+    S <- S a; u = beta (v - S k); S <- S + u k^T, `v_j` the record's values [dv]. Traced into
+    the caller (a plain function: its loop unrolls)."""
     R = cfg.lanes_per_row
     for i in range(cfg.passes):
-        decayed = acc[i].load() * a
-        part = (decayed * k_vec).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+        acc[i] = acc[i] * a
+        part = (acc[i] * k_vec).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
         total = cute.arch.warp_reduction(part, add, threads_in_group=R)
         u = beta_j * (v_j[rows[i]].to(Float32) - total)
-        acc[i].store(decayed + u * k_vec)
+        acc[i] = acc[i] + u * k_vec
 
 
 @cute.jit
@@ -412,19 +397,24 @@ class GDNFlush:
 
         if decision[s] == L - 1:
             hi_h = hi[s, h, None, None]
-            frags = state_fragments(cfg, hi_h, rows, col)
+            acc = []
+            for i in cutlass.range_constexpr(cfg.passes):
+                frag = cute.make_rmem_tensor((W,), hi.element_type)
+                cute.autovec_copy(chunk_of(hi_h, rows[i], col), frag)
+                acc.append(frag.load().to(Float32))
 
             # the window's records in order, every u from the raw v
             if cutlass.const_expr(self.staged_window):
                 stage_window(cfg, tidx, s, h, ring_k, ring_v, ring_g, ring_beta, k, v, g,
                              beta, sK, sV, sScal)
                 cute.arch.sync_threads()
-            if cutlass.const_expr(self.staged_window):
-                for j in cutlass.range(L, unroll=FOLD_UNROLL):
-                    delta_step(cfg, frags, load_vector_chunk(sK[j, None], col), sScal[DECAY, j],
-                               sScal[BETA, j], sV[j, None], rows)
-            for j in cutlass.range_constexpr(0 if self.staged_window else L):
-                if cutlass.const_expr(j < L - 1):
+            for j in cutlass.range_constexpr(L):
+                if cutlass.const_expr(self.staged_window):
+                    k_vec = load_vector_chunk(sK[j, None], col)
+                    a = sScal[DECAY, j]
+                    beta_j = sScal[BETA, j]
+                    v_j = sV[j, None]
+                elif cutlass.const_expr(j < L - 1):
                     k_vec = load_vector_chunk(ring_k[s, h, j, None], col)
                     a = cute.math.exp(ring_g[s, h, j])
                     beta_j = ring_beta[s, h, j]
@@ -434,8 +424,7 @@ class GDNFlush:
                     a = cute.math.exp(g[s, h])
                     beta_j = beta[s, h]
                     v_j = v[s, h, None]
-                delta_step(cfg, frags, k_vec, a, beta_j, v_j, rows)
-            acc = [frag.load() for frag in frags]
+                delta_step(cfg, acc, k_vec, a, beta_j, v_j, rows)
 
             row_outputs(cfg, acc, load_vector_chunk(q[s, h, None], col), rows, col,
                         out[s, h, None])

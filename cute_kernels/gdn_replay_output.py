@@ -100,7 +100,7 @@ from cute_kernels.gdn_replay_flush import (
     optional_ptr,
 )
 from cute_kernels.numerics import e2m1_as_e4m3
-from cute_kernels.tensor_core import ldmatrix_x4, mma_m16n8k16
+from cute_kernels.tensor_core import mma_m16n8k16
 
 __all__ = ["GDNOutputConfig", "compile_gdn_output", "launch_gdn_output", "stage_bytes",
            "cta_shared_bytes", "traffic_bytes"]
@@ -116,8 +116,6 @@ MMA_DK = 128  # the mma form: a warp a 16-row stripe of the whole key width
 B_FRAGMENT_BYTES = 2 * 2 * (MMA_DK // 32) * 8 * 8 + 64
 MIN_CTAS_PER_SM = 4  # nvfp4: a 64-register cap, four 256-thread CTAs an SM
 MAX_HEADS_PER_CTA = 16
-RECORDS_A_WARP = 16  # the record dots: one warp (one mma M tile) a group of 16 records
-MMA_KIND = {"bf16": "bf16", "fp16": "f16"}  # activations whose keys are exact mma operands
 STAGES = 2  # a head computes while the next one's bytes arrive
 CTA_SHARED_LIMIT = 227 * 1024  # an H100 / H200 CTA's shared memory (opt-in)
 
@@ -275,7 +273,7 @@ def cta_shared_bytes(cfg: GDNConfig, heads_per_cta: int = 1, stages: int | None 
     stages = stage_count(cfg, n, dots) if stages is None else stages
     pieces = [(stages * stage_offsets(cfg)[1], 128),
               (4 * 32, 16), (4 * 32, 16),  # kk_j, kq_j
-              (4 * n * cfg.window, 16), (4 * 4 * n, 16),  # the heads' scalars
+              (4 * n * cfg.window, 16), (4 * 3 * n, 16),  # the heads' scalars
               (8 * stages, 8)]  # the barriers
     if dots == "mma":
         pieces.append((B_FRAGMENT_BYTES, 16))
@@ -424,8 +422,7 @@ class GDNOutput:
         sCodes = staged("codes", Uint32, (P, N // 8)) if nvfp4 else None
         sScales = staged("scales", Uint8, (P, N // W)) if nvfp4 else None
         sRingU = staged("ring_u", Float32, (rows_held, P))
-        # the ring's keys with k after them: row rows_held is k (its piece follows ring_k)
-        sRingKAndK = staged("ring_k", act, (rows_held + 1, N))
+        sRingK = staged("ring_k", act, (rows_held, N))
         sK = staged("k", act, (N,))
         sQ = staged("q", act, (N,))
         sV = staged("v", act, (P,))
@@ -433,7 +430,7 @@ class GDNOutput:
         sKQ = smem.allocate_tensor(Float32, cute.make_layout(32), 16)  # kq_j
         # every head's scalars: the ring's g row, the call's g, beta, the global scale
         sRingG = smem.allocate_tensor(Float32, _row_major((n, L)), 16)
-        sScalars = smem.allocate_tensor(Float32, _row_major((4, n)), 16)
+        sScalars = smem.allocate_tensor(Float32, _row_major((3, n)), 16)
         sBar = smem.allocate_tensor(Int64, cute.make_layout(S), 8)
         bar = sBar.iterator.toint()
         mma = self.ocfg.dots == "mma"
@@ -497,19 +494,43 @@ class GDNOutput:
                 _append_record(cfg, tidx, s, h, c, sK[st, None], sV[st, None], g_c, beta_c,
                                ring_k, ring_v, ring_g, ring_beta)
 
-                # the head's scalars, by one warp a group of 16 records (not by every warp):
-                # decays, G_c and the records' dots with k_c and q (`_record_dots`)
-                for grp in cutlass.range_constexpr(record_groups(cfg)):
-                    if warp == grp % (T // 32):
-                        _record_dots(cfg, grp, lane, c, g_lane, stages[0] + stride * st,
-                                     sRingKAndK[st, None, None],
-                                     sK[st, None], sQ[st, None], sKK, sKQ, sScalars, i)
+                # cumulative log-decays, in every warp: lane t cum_t -> w_t; G_c
+                cum_c = Float32(0.0)
+                cum_t = Float32(0.0)
+                for t in cutlass.range_constexpr(L):
+                    g_t = cute.arch.shuffle_sync(g_lane, t)
+                    cum_c = cum_c + g_t
+                    cum_t = cum_t + nm._sel(Int32(t) <= lane, g_t, Float32(0.0))
+                w_lane = cute.math.exp(cum_c - cum_t)
+                decay_c = cute.math.exp(cum_c)
+
+                # kk_j, kq_j: warp w takes records w, w + T/32, ...; a lane dk / 32 columns
+                E = N // 32
+                k_lane = _lane_values(sK[st, None], lane, E)
+                q_lane = _lane_values(sQ[st, None], lane, E)
+                for m in cutlass.range_constexpr((L + T // 32 - 1) // (T // 32)):
+                    j = warp + (T // 32) * m
+                    if j <= c:
+                        w_j = cute.arch.shuffle_sync(w_lane, j)
+                        k_ring = _lane_values(sRingK[st, nm._sel(j < c, j, Int32(0)), None],
+                                              lane, E)
+                        kk = Float32(0.0)
+                        kq = Float32(0.0)
+                        for e in cutlass.range_constexpr(E):
+                            k_je = nm._sel(j < c, k_ring[e], k_lane[e])
+                            kw = k_je * w_j
+                            kk = kk + kw * k_lane[e]
+                            kq = kq + kw * q_lane[e]
+                        kk = cute.arch.warp_reduction(kk, add)
+                        kq = cute.arch.warp_reduction(kq, add)
+                        if lane == 0:
+                            sKK[j] = kk
+                            sKQ[j] = kq
                 if cutlass.const_expr(mma):
                     _stage_b_fragments(cfg, tidx, sK[st, None], sQ[st, None], sFrag)
                 cute.arch.sync_threads()
 
                 # one pass over the read copy, two products, plus the ring's terms
-                decay_c = sScalars[3, i]
                 my_rows = rows
                 if cutlass.const_expr(mma):
                     # tensor cores: warp w the 16-row stripe w, lane (g, t) rows 16 w + g and
@@ -563,100 +584,6 @@ class GDNOutput:
                 cute.arch.sync_threads()
                 if (tidx == 0) & (i + S < n):
                     _issue_head(pieces, stages, bar, st, s64 * H + (h + S), c)
-
-
-def record_groups(cfg: GDNConfig) -> int:
-    """Groups of 16 ring records whose dots one warp forms: records 0 .. window - 2."""
-    return (cfg.window - 1 + RECORDS_A_WARP - 1) // RECORDS_A_WARP
-
-
-def _halving_sums(values: list, lane):
-    """Lane l's sum over the warp of values[l] (32 values a lane): each of five butterfly
-    steps sends half of a lane's values to its partner and adds the half it keeps, so a
-    lane ends with the one value whose index is its own lane (31 shuffles, not 32 x 5)."""
-    n = len(values)
-    while n > 1:
-        n //= 2
-        upper = (lane & n) != 0  # this lane keeps the upper half
-        kept = []
-        for e in range(n):
-            send = nm._sel(upper, values[e], values[e + n])
-            keep = nm._sel(upper, values[e + n], values[e])
-            kept.append(keep + cute.arch.shuffle_sync_bfly(send, n))
-        values = kept
-    return values[0]
-
-
-@cute.jit
-def _record_dots(cfg: cutlass.Constexpr, grp: cutlass.Constexpr, lane, c, g_lane, stage,
-                 ring_k_and_k, k_stage, q_stage, sKK, sKQ, sScalars, i):
-    """One warp: the cumulative log-decays (lane t: cum_t, sequential fp32; w_t = exp(cum_c -
-    cum_t)), G_c = exp(cum_c) to sScalars[3, i] (group 0), and for the records j = 16 grp ..
-    16 grp + 15 with j <= c, kk_j = w_j (sum_d k_j[d] k_c[d]) and kq_j = w_j (sum_d k_j[d]
-    q[d]) to sKK[j], sKQ[j] (record c is k_c; w_j multiplies the sum, not each term: one
-    rounding apart from lowprec's order). 16-bit activations: on the tensor cores, the 16
-    records' keys the A operand (`ldmatrix_x4` from the stage, record j > c reading k_c), B's
-    columns 0 and 1 k_c and q, so lane (g, 0) ends with records g and g + 8 (products exact,
-    sums the tensor cores'). fp32: a lane's dk / 32 columns of every record by FFMA, then
-    `_halving_sums` (lane l: record 16 grp + l // 2's kk, l even, or kq). `stage`: the
-    stage's shared address (the mma form's loads)."""
-    L, N = cfg.window, cfg.dk
-    rows_held = ring_rows(cfg)
-    cum_c = Float32(0.0)
-    cum_t = Float32(0.0)
-    for t in cutlass.range_constexpr(L):
-        g_t = cute.arch.shuffle_sync(g_lane, t)
-        cum_c = cum_c + g_t
-        cum_t = cum_t + nm._sel(Int32(t) <= lane, g_t, Float32(0.0))
-    w_lane = cute.math.exp(cum_c - cum_t)
-    if cutlass.const_expr(grp == 0):
-        if lane == 0:
-            sScalars[3, i] = cute.math.exp(cum_c)
-    first = RECORDS_A_WARP * grp
-    if cutlass.const_expr(cfg.act in MMA_KIND):
-        offsets, _ = stage_offsets(cfg)
-        g, t = lane // 4, lane % 4
-        # ldmatrix: lane l addresses row l % 8 (+ 8 for tiles 1, 3) at column 8 (l // 16)
-        j_row = first + lane % 8 + 8 * (lane // 8 % 2)
-        row = nm._sel(Int32(j_row) < c, Int32(j_row), Int32(rows_held))
-        a_addr = stage + offsets["ring_k"] + row * (2 * N) + 16 * (lane // 16)
-        vec = nm._sel(g == 0, stage + offsets["k"], stage + offsets["q"]) + 4 * t
-        acc = [Float32(0.0)] * 4
-        for kc in cutlass.range_constexpr(N // 16):
-            a = ldmatrix_x4(a_addr + 32 * kc)
-            b = [nm._sel(g < 2, w, Uint32(0))
-                 for w in (ptx.lds_words(vec + 32 * kc, 1)[0],
-                           ptx.lds_words(vec + 32 * kc + 16, 1)[0])]
-            acc = mma_m16n8k16(a, b, acc, MMA_KIND[cfg.act])
-        for half in cutlass.range_constexpr(2):  # records g, g + 8
-            j = first + g + 8 * half
-            weighted = [acc[2 * half + n] * cute.arch.shuffle_sync(w_lane, j) for n in range(2)]
-            if (t == 0) & (j <= c):
-                sKK[j] = weighted[0]
-                sKQ[j] = weighted[1]
-    else:
-        E = N // 32
-        k_lane = _lane_values(k_stage, lane, E)
-        q_lane = _lane_values(q_stage, lane, E)
-        partial = []
-        for r in cutlass.range_constexpr(RECORDS_A_WARP):
-            j = first + r
-            k_j = _lane_values(ring_k_and_k[nm._sel(Int32(j) < c, Int32(j), Int32(rows_held)),
-                                            None], lane, E)
-            kk = Float32(0.0)
-            kq = Float32(0.0)
-            for e in cutlass.range_constexpr(E):
-                kk = kk + k_j[e] * k_lane[e]
-                kq = kq + k_j[e] * q_lane[e]
-            partial += [kk, kq]
-        total = _halving_sums(partial, lane)
-        j = first + lane // 2
-        weighted = total * cute.arch.shuffle_sync(w_lane, j)
-        if j <= c:
-            if lane % 2 == 0:
-                sKK[j] = weighted
-            else:
-                sKQ[j] = weighted
 
 
 def _issue_head(pieces, stages, bar, st, sh, c):

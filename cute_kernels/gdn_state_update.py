@@ -37,7 +37,6 @@ from cute_kernels.gdn_replay_flush import (
     load_vector_chunk,
     optional_ptr,
     row_outputs,
-    state_fragments,
     store_hi_chunk,
 )
 
@@ -78,10 +77,13 @@ class GDNStateUpdate:
         col = tidx % R
         rows = [tidx // R + step * i for i in range(cfg.passes)]
         S_h = state[s, h, None, None]
-        frags = state_fragments(cfg, S_h, rows, col)
+        acc = []
+        for i in cutlass.range_constexpr(cfg.passes):
+            frag = cute.make_rmem_tensor((W,), state.element_type)
+            cute.autovec_copy(chunk_of(S_h, rows[i], col), frag)
+            acc.append(frag.load().to(Float32))
         k_vec = load_vector_chunk(k[s, h, None], col)
-        delta_step(cfg, frags, k_vec, cute.math.exp(g[s, h]), beta[s, h], v[s, h, None], rows)
-        acc = [frag.load() for frag in frags]
+        delta_step(cfg, acc, k_vec, cute.math.exp(g[s, h]), beta[s, h], v[s, h, None], rows)
         row_outputs(cfg, acc, load_vector_chunk(q[s, h, None], col), rows, col,
                     out[s, h, None])
         debug_h = debug[s, h, None, None]

@@ -2,8 +2,6 @@
 
     mma_m16n8k16        D = A B + C, mma.sync m16n8k16 row.col with f16 or bf16 operands and
                         fp32 accumulators: A four registers, B two, C and D four fp32
-    ldmatrix_x4         four 8 x 8 tiles of 16-bit values from shared memory: lane (g, t) receives
-                        row g, columns 2t, 2t + 1 of each tile (an mma's A fragment)
     ldmatrix_x4_trans   four 8 x 8 tiles of 16-bit values from shared memory, transposed: lane
                         l gives the address of row l % 8 of tile l // 8; lane (g, t) = (l // 4,
                         l % 4) receives rows 2t, 2t + 1 of column g of each tile, which is the
@@ -32,8 +30,7 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 from cute_kernels.numerics import bits_f32
 from cute_kernels.ptx import inline_ptx, reg, unpack_struct
 
-__all__ = ["mma_m16n8k16", "ldmatrix_x4", "ldmatrix_x4_trans", "pack_16x2", "split_bf16x3",
-           "st_shared_v2_f32"]
+__all__ = ["mma_m16n8k16", "ldmatrix_x4_trans", "pack_16x2", "split_bf16x3", "st_shared_v2_f32"]
 
 
 @dsl_user_op
@@ -51,20 +48,6 @@ def mma_m16n8k16(a: list, b: list, c: list, kind: str = "f16", *, loc=None, ip=N
         ip=ip,
     )
     return unpack_struct(r, 4, T.f32(), Float32, loc, ip)
-
-
-@dsl_user_op
-def ldmatrix_x4(smem_addr, *, loc=None, ip=None) -> list:
-    """Four 8 x 8 tiles of 16-bit values (one register each, tile i in register i); lane l
-    gives the address of row l % 8 of tile l // 8 (16-byte aligned) and lane (g, t) receives
-    row g, columns 2t, 2t + 1 of each tile: the A-operand fragment of an mma when tiles 0-3
-    are rows 0-7 / 8-15 of columns 0-7, then of columns 8-15. Volatile, as the transposed
-    form."""
-    st = llvm.StructType.get_literal([T.i32()] * 4)
-    r = inline_ptx(st, [Int32(smem_addr).ir_value(loc=loc, ip=ip)],
-                   "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {$0,$1,$2,$3}, [$4];",
-                   "=r,=r,=r,=r,r", side_effects=True, loc=loc, ip=ip)
-    return unpack_struct(r, 4, T.i32(), Uint32, loc, ip)
 
 
 @dsl_user_op
