@@ -1,4 +1,5 @@
-"""Shared pytest set-up: the `gpu` marker skips cleanly without CUDA."""
+"""Shared pytest set-up: the `gpu` marker skips cleanly without CUDA; under pytest-xdist each
+worker's torch takes its share of the cores."""
 
 import os
 
@@ -9,6 +10,14 @@ import torch
 # must happen before any test module imports triton (or emulation/).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_configure(config):
+    # the lowprec references are CPU tensor code: N workers each running torch on every core
+    # oversubscribe the machine several times over (scripts/gpu.sh test runs 8 workers)
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))
 
 
 def pytest_collection_modifyitems(config, items):
