@@ -15,11 +15,12 @@
 #   profile [--shape SHAPE] [KERNEL...]
 #                                where the time goes: Nsight Compute's warp samples per SASS
 #                                instruction, read by python -m tools.stall_sites, and the
-#                                executed instructions by pipe, read by python -m
-#                                tools.instruction_count --ncu; at batch 256, L = 16 of SHAPE
-#                                (nemotron3-super, the default, or qwen3-next-80b for the GDN
-#                                kernels); kernels are kernel_bench's names (default: the
-#                                two-precision non-flush step and flush)
+#                                executed instructions by pipe and the occupancy, read by
+#                                python -m tools.instruction_count --ncu; at batch 256,
+#                                L = 16 of SHAPE (nemotron3-super, the default, or
+#                                qwen3-next-80b for the GDN kernels); kernels are
+#                                kernel_bench's names (default: the two-precision non-flush
+#                                step and flush)
 #   error-growth [PRESET...] [-- ARGS...]
 #                                the Triton emulation's error at the real layer shapes, 131,072
 #                                steps: presets emulation-gpu (Mamba-2, 128 heads of 64 x 128),
@@ -155,7 +156,7 @@ case "$target" in
     [ $# -gt 0 ] || set -- cute:nonflush:nvfp4 cute:flush:fp16sr+nvfp4
     point=(--shapes "$shape" --batches 256 --windows 16)
     # the lines of ncu's raw page that tools.instruction_count --ncu reads
-    keep='==PROF==|\), Context |^  (gpu__time_duration\.sum|smsp__inst_executed\.sum|sm__inst_executed\.avg\.per_cycle_active|sm__inst_executed_pipe_(alu|fma|lsu|xu)\.avg\.pct_of_peak_sustained_active) '
+    keep='==PROF==|\), Context |^  (gpu__time_duration\.sum|smsp__inst_executed\.sum|sm__inst_executed\.avg\.per_cycle_active|sm__inst_executed_pipe_(alu|fma|lsu|xu)\.avg\.pct_of_peak_sustained_active|sm__warps_active\.avg\.per_cycle_active|sm__maximum_warps_avg_per_active_cycle|launch__occupancy_limit_(registers|shared_mem)|smsp__warps_(active|eligible)\.avg\.per_cycle_active) '
     for kernel in "$@"; do
       name=$shape-$(echo "$kernel" | tr ':+' '__')
       src="$out/src_$name"
@@ -172,7 +173,8 @@ case "$target" in
       # executed instructions by opcode and pipe
       pipes="$out/ncu_pipes_$name.txt"
       run_to "$pipes" ncu --profile-from-start off --clock-control none \
-        --section ComputeWorkloadAnalysis --section InstructionStats --page raw \
+        --section ComputeWorkloadAnalysis --section InstructionStats --section Occupancy \
+        --section SchedulerStats --section LaunchStats --page raw \
         --print-metric-instances values "$py" -m experiments.kernel_bench --profile "$kernel" \
         "${point[@]}"
       if [ "$dry" = 0 ]; then grep -E "$keep" "$pipes" > "${pipes%.txt}.trim.txt"; fi

@@ -132,6 +132,27 @@ def test_ncu_per_element_shares_follow_pipe_rates(tmp_path):
     assert d["xu"] is None  # not in the report
 
 
+def test_occupancy_is_read_where_the_report_has_it(tmp_path):
+    """The Occupancy and Scheduler Statistics metrics of a launch become one line: active
+    warps of the most an SM allows, the CTAs an SM each resource allows, a scheduler's active
+    and eligible warps; a report without them prints none."""
+    extra = ("  launch__occupancy_limit_registers              block                4\n"
+             "  launch__occupancy_limit_shared_mem             block                5\n"
+             "  sm__maximum_warps_avg_per_active_cycle         warp               32\n"
+             "  sm__warps_active.avg.per_cycle_active          warp            30.49\n"
+             "  smsp__warps_active.avg.per_cycle_active        warp             7.57\n"
+             "  smsp__warps_eligible.avg.per_cycle_active      warp             1.74\n")
+    path = tmp_path / "raw.txt"
+    executed = "  smsp__inst_executed.sum"
+    path.write_text(_NCU_RAW.replace(executed, extra + executed, 1))  # the first launch
+    first, second, _ = ic.read_ncu_raw(str(path))
+    assert ic.occupancy_line(first) == ("30.5 of 32 warps an SM active (CTAs an SM: registers 4, "
+                                        "shared memory 5); a scheduler 7.57 active, 1.74 eligible")
+    assert ic.occupancy_line(second) is None
+    assert ic.occupancy_line({"smsp__warps_eligible.avg.per_cycle_active": 0.5}) == (
+        "a scheduler 0.50 eligible")
+
+
 def test_nonflush_fraction_needed_grows_with_the_flush_and_is_inf_past_the_budget():
     b = {"window_budget_us": 1000.0, "nonflush_bytes": 3.1e9, "copy_bytes_per_us": 4.2e6}
     fast, slow = ic.nonflush_frac_needed(b, 300.0), ic.nonflush_frac_needed(b, 450.0)
@@ -149,7 +170,7 @@ def test_ncu_pipes_script_keeps_every_line_the_reader_needs():
     script = Path(__file__).resolve().parent.parent / "scripts" / "gpu.sh"
     keep = re.search(r"^\s*keep='(.*)'$", script.read_text(), re.M)[1]
     pattern = re.compile(keep)  # grep -E's syntax, the same as Python's for this pattern
-    for name in ic.NCU_METRICS:
+    for name in ic.NCU_METRICS + ic.OCCUPANCY_METRICS:
         assert pattern.search(f"  {name}          %          63.63"), name
     assert pattern.search("  kernel_x (128, 256, 1)x(256, 1, 1), Context 1, Stream 7")
     assert not pattern.search("  sass__inst_executed_per_opcode          474,053,271")

@@ -521,6 +521,17 @@ NCU_METRICS = (
     "sm__inst_executed_pipe_lsu.avg.pct_of_peak_sustained_active",
     "sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active",
 )
+# Occupancy, printed where a report has it (`scripts/gpu.sh profile` collects the Occupancy and
+# Scheduler Statistics sections): warps an SM active, the CTAs an SM each resource allows,
+# and warps a scheduler active and eligible to issue
+OCCUPANCY_METRICS = (
+    "sm__warps_active.avg.per_cycle_active",
+    "sm__maximum_warps_avg_per_active_cycle",
+    "launch__occupancy_limit_registers",
+    "launch__occupancy_limit_shared_mem",
+    "smsp__warps_active.avg.per_cycle_active",
+    "smsp__warps_eligible.avg.per_cycle_active",
+)
 # Warp instructions issued a cycle, and the factor that makes each a sub-partition's rate: an
 # SM's executed rate over its 4 sub-partitions, or the fraction of a sub-partition's cycles
 # that issue (one instruction an issue on Hopper: the same flush read 2.60 an SM and 0.65 a
@@ -637,7 +648,37 @@ def print_ncu(path: str, batch: int = 256, layer: str = "nemotron3-super") -> fl
             f"  {k['kernel'][:48]:48s} {d['time_us']:7.1f} us  total {d['total']:5.2f}  "
             f"{pipes}  issued {d['issue_per_cycle']:.3f} a cycle  floor {floors[-1]:6.1f} us"
         )
+        occupancy = occupancy_line(k)
+        if occupancy:
+            print(f"    {occupancy}")
     return floors[0]
+
+
+def occupancy_line(k: dict) -> str | None:
+    """One launch's occupancy in words, from OCCUPANCY_METRICS (None where the report has
+    none of them): e.g. "30.5 of 32 warps an SM active (CTAs an SM: registers 4, shared
+    memory 4); a scheduler 7.57 active, 1.74 eligible"."""
+    get = k.get
+    if not any(name in k for name in OCCUPANCY_METRICS):
+        return None
+    parts = []
+    active, most = get("sm__warps_active.avg.per_cycle_active"), get(
+        "sm__maximum_warps_avg_per_active_cycle")
+    if active is not None:
+        parts.append(f"{active:.1f}" + ("" if most is None else f" of {most:g}")
+                     + " warps an SM active")
+    limits = [f"{what} {get(name):g}" for what, name in (
+        ("registers", "launch__occupancy_limit_registers"),
+        ("shared memory", "launch__occupancy_limit_shared_mem")) if name in k]
+    if limits:
+        parts.append(f"(CTAs an SM: {', '.join(limits)})")
+    text = " ".join(parts)
+    sched = [f"{get(name):.2f} {what}" for what, name in (
+        ("active", "smsp__warps_active.avg.per_cycle_active"),
+        ("eligible", "smsp__warps_eligible.avg.per_cycle_active")) if name in k]
+    if sched:
+        text += ("; " if text else "") + "a scheduler " + ", ".join(sched)
+    return text
 
 
 def _sr_settings(text: str) -> tuple[tuple[int, int], ...]:
