@@ -14,7 +14,7 @@ import threading
 
 INTERRUPTED_STATUS = 130  # 128 + SIGINT, what a shell reports for a process stopped by Ctrl-C
 
-_interrupted: list[bool] = []  # one entry once `exit_on_interrupt`'s handler has run
+_interrupted = False  # set once `exit_on_interrupt`'s handler has run
 
 
 def exit_on_interrupt(prog: str) -> None:
@@ -30,9 +30,10 @@ def exit_on_interrupt(prog: str) -> None:
         return
 
     def handle(signum, frame):
+        global _interrupted
         if _interrupted:  # the first one was swallowed, or unwinding hangs: stop now
             _exit_interrupted()
-        _interrupted.append(True)
+        _interrupted = True
         raise SystemExit(report_interrupt(prog))
 
     def keep_the_status():  # registered first, so it runs after every other exit handler
