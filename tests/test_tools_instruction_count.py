@@ -135,10 +135,11 @@ def test_ncu_per_element_shares_follow_pipe_rates(tmp_path):
 def test_occupancy_is_read_where_the_report_has_it(tmp_path):
     """The Occupancy and Scheduler Statistics metrics of a launch become one line: active
     warps of the most an SM allows, the CTAs an SM each resource allows, a scheduler's active
-    and eligible warps; a report without them prints none."""
-    extra = ("  launch__occupancy_limit_registers              block                4\n"
-             "  launch__occupancy_limit_shared_mem             block                5\n"
-             "  sm__maximum_warps_avg_per_active_cycle         warp               32\n"
+    and eligible warps; a report without them prints none. Launch-wide metrics are read with
+    their one instance in parentheses, as ncu prints them."""
+    extra = ("  launch__occupancy_limit_registers              block                4 (4)\n"
+             "  launch__occupancy_limit_shared_mem             block                5 (5)\n"
+             "  sm__maximum_warps_avg_per_active_cycle         warp               32 (32)\n"
              "  sm__warps_active.avg.per_cycle_active          warp            30.49\n"
              "  smsp__warps_active.avg.per_cycle_active        warp             7.57\n"
              "  smsp__warps_eligible.avg.per_cycle_active      warp             1.74\n")
@@ -151,6 +152,9 @@ def test_occupancy_is_read_where_the_report_has_it(tmp_path):
     assert ic.occupancy_line(second) is None
     assert ic.occupancy_line({"smsp__warps_eligible.avg.per_cycle_active": 0.5}) == (
         "a scheduler 0.50 eligible")
+    assert ic.occupancy_line({"sm__maximum_warps_avg_per_active_cycle": 16.0,
+                              "launch__occupancy_limit_registers": 2.0}) == (
+        "at most 16 warps an SM (CTAs an SM: registers 2)")
 
 
 def test_nonflush_fraction_needed_grows_with_the_flush_and_is_inf_past_the_budget():

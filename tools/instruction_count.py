@@ -561,7 +561,8 @@ def read_ncu_raw(path: str) -> list[dict]:
     kernels: list[dict] = []
     # names may hold spaces and template arguments (torch's "void at::...<4, ...>(...)")
     header = re.compile(r"^  (.+?) \((\d+), (\d+), (\d+)\)x\((\d+), (\d+), (\d+)\), Context")
-    metric = re.compile(r"^  ([a-z][\w.]+)\s+(?:(\S+)\s+)?([-\d,.]+)\s*$")
+    # a launch-wide metric may repeat its one instance in parentheses: "block  4 (4)"
+    metric = re.compile(r"^  ([a-z][\w.]+)\s+(?:(\S+)\s+)?([-\d,.]+)(?:\s+\([-\d,.]+\))?\s*$")
     with _open_text(path) as f:
         for line in f:
             m = header.match(line)
@@ -667,11 +668,14 @@ def occupancy_line(k: dict) -> str | None:
     if active is not None:
         parts.append(f"{active:.1f}" + ("" if most is None else f" of {most:g}")
                      + " warps an SM active")
+    elif most is not None:
+        parts.append(f"at most {most:g} warps an SM")
     limits = [f"{what} {get(name):g}" for what, name in (
         ("registers", "launch__occupancy_limit_registers"),
         ("shared memory", "launch__occupancy_limit_shared_mem")) if name in k]
     if limits:
-        parts.append(f"(CTAs an SM: {', '.join(limits)})")
+        parts.append(f"(CTAs an SM: {', '.join(limits)})" if parts
+                     else f"CTAs an SM: {', '.join(limits)}")
     text = " ".join(parts)
     sched = [f"{get(name):.2f} {what}" for what, name in (
         ("active", "smsp__warps_active.avg.per_cycle_active"),
