@@ -23,9 +23,9 @@ def parser_and_bench_args(prog: str, description: str, argv: list[str]):
     return parser, own, extra
 
 
-def check_bench_args(parser, extra: list[str]) -> None:
-    """A usage error for a kernel_bench argument the tool sets itself."""
-    for flag in SET_BY_THE_TOOL:
+def check_bench_args(parser, extra: list[str], set_by_the_tool=SET_BY_THE_TOOL) -> None:
+    """A usage error for a kernel_bench argument the tool sets itself (`set_by_the_tool`)."""
+    for flag in set_by_the_tool:
         if flag in extra:
             parser.error(f"{flag} is set by the tool; pass kernel_bench's other arguments")
 

@@ -78,7 +78,7 @@ def comparisons(repeats: int) -> list[tuple[str, str]]:
 
 def main(argv: list[str] | None = None) -> int:
     from tools import compare_bench
-    from tools._default_sweep import parser_and_bench_args
+    from tools._default_sweep import check_bench_args, parser_and_bench_args
 
     argv = sys.argv[1:] if argv is None else argv
     parser, own, extra = parser_and_bench_args("python -m tools.compare_trees",
@@ -90,9 +90,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="folder for rev_N.csv and work_N.csv (default runs/compare_trees)")
     parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     args = parser.parse_args(own)
-    for flag in SET_BY_THE_TOOL:
-        if flag in extra:
-            parser.error(f"{flag} is set by the tool; pass kernel_bench's other arguments")
+    check_bench_args(parser, extra, SET_BY_THE_TOOL)
     if not 1 <= args.repeats <= 10:
         parser.error(f"--repeats: expected 1 to 10, got {args.repeats}")
     commit = resolve(args.rev)

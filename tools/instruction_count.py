@@ -521,9 +521,9 @@ NCU_METRICS = (
     "sm__inst_executed_pipe_lsu.avg.pct_of_peak_sustained_active",
     "sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active",
 )
-# Occupancy, printed where a report has it (`scripts/gpu.sh profile` collects the Occupancy and
-# Scheduler Statistics sections): warps an SM active, the CTAs an SM each resource allows,
-# and warps a scheduler active and eligible to issue
+# Occupancy, printed where a report has it (`scripts/gpu.sh profile` collects the Occupancy,
+# Scheduler Statistics and Launch Statistics sections): warps an SM active, the CTAs an SM
+# each resource allows, and warps a scheduler active and eligible to issue
 OCCUPANCY_METRICS = (
     "sm__warps_active.avg.per_cycle_active",
     "sm__maximum_warps_avg_per_active_cycle",
