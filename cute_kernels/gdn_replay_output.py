@@ -51,11 +51,16 @@ row's lanes). Every warp forms the cumulative decays itself (lane t: w_t; the sa
 sums in each warp); the per-record dots kk_j, kq_j are warp sums (warp w: records w, w + T/32,
 ..., a lane the dk / 32 columns from lane dk / 32) meet in shared memory.
 
-Where the bytes wait: two shared-memory stages (one where two do not fit: `stage_count`);
-thread 0 fills a head's stage with the bulk copy engine (`cp.async.bulk`, one copy a piece,
-completing on the stage's mbarrier) while the head before it computes: the NVFP4 codes
-(dv dk / 2 B) and block scales (dv dk / 16 B), the ring's records 0 .. c-1 of u (c dv fp32)
-and k (c dk act), k, q (dk act) and v (dv act), each piece laid out as its global rows.
+Where the bytes wait: two shared-memory stages (one at one head a CTA, or where two do not
+fit: `stage_count`); thread 0 fills a head's stage with the bulk copy engine (`cp.async.bulk`,
+one copy a piece, completing on the stage's mbarrier) while the head before it computes: the
+NVFP4 codes (dv dk / 2 B) and block scales (dv dk / 16 B), the ring's records 0 .. c-1 of u
+(c dv fp32) and k (c dk act), k, q (dk act) and v (dv act), each piece laid out as its global
+rows. The first heads' codes and scales do not depend on the cursor: they go out as the CTA
+starts, announced to the barrier without its arrival (`mbar_expect_tx`), so that their round
+trip overlaps the cursor's; the other pieces follow once it is read, with the arrival. A slot
+past the window waits for them before it exits (its shared memory must outlive the copies),
+so a decode step whose slots flush reads their codes once more than it needs.
 Every piece's size and global offset is a multiple of 16 bytes for each head shape the cache
 allows (dv a multiple of 16, dk >= 128; `stage_bytes`). Head i waits for phase i // S (mod 2)
 of stage i % S's barrier (S stages); after a CTA barrier that ends its last read of the
@@ -66,10 +71,10 @@ as each head starts; u goes to ring_u[c] with y. lo_format 'none': the fp32 read
 (64 KiB a head at dv = dk = 128: two stages would leave one CTA an SM) goes to registers at
 the head's start, the rest through the stages.
 
-Shared memory a CTA (`cta_shared_bytes`), dv = dk = 128, L = 16, bf16 activations: nvfp4 two
-stages of 20,736 B (codes 8,192, scales 1,024, ring u 7,168, ring k 3,584, k, q, v 256 each)
-and the scalars, dots and barriers: 41,824 B at one head a CTA (42,352 B at 8); 'none' at
-one head a CTA 23,392 B.
+Shared memory a CTA (`cta_shared_bytes`), dv = dk = 128, L = 16, bf16 activations: nvfp4 a
+stage of 20,736 B (codes 8,192, scales 1,024, ring u 7,168, ring k 3,584, k, q, v 256 each)
+and the scalars, dots, barriers and the mma form's B operands: 22,176 B at one head a CTA
+(two stages, 43,440 B, at 8); 'none' at one head a CTA 11,864 B.
 
 Bytes per non-flush (slot, head) (`traffic_bytes`): the read copy (dv dk / 2 codes + dv dk / 16
 scales + 4 global for nvfp4; 4 dv dk for fp32), the ring's c records (u fp32, k in the
@@ -284,12 +289,12 @@ def cta_shared_bytes(cfg: GDNConfig, heads_per_cta: int = 1, stages: int | None 
 
 
 def stage_count(cfg: GDNConfig, heads_per_cta: int = 1, dots: str = "ffma") -> int:
-    """STAGES where they fit a CTA's shared memory, else 1 (a head's bytes then go in once
-    the head before it is done): nvfp4 with fp32 activations at dv dk = 65,536 and a window
-    of 31 or 32 (dv = 128, dk = 512; 32 for dv = 512, dk = 128) needs more than 227 KiB for
-    two."""
+    """STAGES where they fit a CTA's shared memory and it takes more than one head, else 1 (a
+    head's bytes then go in once the head before it is done): nvfp4 with fp32 activations at
+    dv dk = 65,536 and a window of 31 or 32 (dv = 128, dk = 512; 32 for dv = 512, dk = 128)
+    needs more than 227 KiB for two."""
     fits = cta_shared_bytes(cfg, heads_per_cta, STAGES, dots) <= CTA_SHARED_LIMIT
-    return STAGES if fits else 1
+    return min(STAGES, heads_per_cta) if fits else 1
 
 
 def _row_major(shape):
@@ -451,22 +456,27 @@ class GDNOutput:
                       (offsets["scales"], scales, P * N // W, P * N // W, 0)] + pieces
         stages = (sStages.iterator.toint(), stride)
 
+        # the read copy's pieces do not depend on the cursor: the first heads' go out before
+        # it is read, and the rest of their bytes once it is
+        early = len(pieces) - 5
+        h0 = group * n
         if tidx == 0:
             for b in cutlass.range_constexpr(S):
                 ptx.mbar_init(bar + 8 * b)
             ptx.mbar_init_fence()
+            for b in cutlass.range_constexpr(min(S, n)):
+                _issue_pieces(pieces[:early], stages, bar, b, Int64(s) * H + (h0 + b), 0, False)
         if cutlass.const_expr(mma):
             if tidx < 16:  # the zero B operands
                 sFrag[(B_FRAGMENT_BYTES - 64) // 4 + tidx] = Uint32(0)
-        h0 = group * n
         c = cursors[s]
         _stage_scalars(cfg, n, tidx, s, h0, ring_g, g, beta, lo_global, sRingG, sScalars)
         cute.arch.sync_threads()  # the barriers are set up before any thread waits on them
         if (c >= 0) & (c < L - 1):
             s64 = Int64(s)
-            if tidx == 0:  # the first two heads' bytes
+            if tidx == 0:  # the rest of the first heads' bytes
                 for b in cutlass.range_constexpr(min(S, n)):
-                    _issue_head(pieces, stages, bar, b, s64 * H + (h0 + b), c)
+                    _issue_pieces(pieces[early:], stages, bar, b, s64 * H + (h0 + b), c, True)
             # the ring's u: a row's lane row_lane adds records row_lane + row_lanes m
             row_lane, row_lanes = col, R
             if cutlass.const_expr(mma):  # a quad of lanes a row pair
@@ -583,18 +593,32 @@ class GDNOutput:
                 # every read of this stage (and of kk_j, kq_j) is done: head i + S goes in
                 cute.arch.sync_threads()
                 if (tidx == 0) & (i + S < n):
-                    _issue_head(pieces, stages, bar, st, s64 * H + (h + S), c)
+                    _issue_pieces(pieces, stages, bar, st, s64 * H + (h + S), c, True)
+        if cutlass.const_expr(early > 0):
+            # a slot past the window: the shared memory outlives the read copy's bulk copies
+            # (after the head loop: a wait loop before it makes ptxas fence every shuffle)
+            if (tidx == 0) & ((c < 0) | (c >= L - 1)):
+                for b in cutlass.range_constexpr(min(S, n)):
+                    ptx.mbar_expect(bar + 8 * b, 0)
+                    ptx.mbar_wait(bar + 8 * b, 0)
 
 
-def _issue_head(pieces, stages, bar, st, sh, c):
-    """One thread: head row `sh` (slot nheads + head) into stage `st` (`stages`: the first
-    stage's shared address and the stride), every piece one bulk copy (the ring's: records
-    0 .. c-1), completing on the stage's barrier."""
+def _issue_pieces(pieces, stages, bar, st, sh, c, arrive):
+    """One thread: `pieces` of head row `sh` (slot nheads + head) into stage `st` (`stages`:
+    the first stage's shared address and the stride), each one bulk copy (the ring's: records
+    0 .. c-1), completing on the stage's barrier. `arrive`: this is the phase's one arrival
+    (its last pieces); else their bytes are announced without it, so that the phase cannot
+    complete before the rest are."""
+    if not pieces:
+        return
     total = sum(fixed for _, _, _, fixed, _ in pieces)
     per_record = sum(record for _, _, _, _, record in pieces)
     stage = stages[0] + stages[1] * st
     stage_bar = bar + 8 * st
-    ptx.mbar_expect(stage_bar, total + per_record * c)
+    if arrive:
+        ptx.mbar_expect(stage_bar, total + per_record * c)
+    else:
+        ptx.mbar_expect_tx(stage_bar, total + per_record * c)
     for offset, gmem_t, row, fixed, record in pieces:
         ptx.bulk_copy(stage + offset, gmem_t.iterator.toint() + sh * row, fixed + record * c,
                       stage_bar)

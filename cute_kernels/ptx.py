@@ -34,8 +34,9 @@ from cute_kernels import _compile  # noqa: F401  (sets the sm_90a target before 
 __all__ = [
     "inline_ptx", "reg", "unpack_struct", "ld_words", "ld_words_if", "load_words", "ld_u16",
     "st_words", "store_words", "cp_async_16_zfill", "cp_async_commit", "cp_async_wait",
-    "mbar_init", "mbar_init_fence", "mbar_expect", "mbar_wait", "bulk_copy", "lds_v4",
-    "lds_words", "lds_u16", "sts_zero16_if", "e4m3x2_to_f16x2", "f16x2_to_f32x2", "opaque_i32",
+    "mbar_init", "mbar_init_fence", "mbar_expect", "mbar_expect_tx", "mbar_wait", "bulk_copy",
+    "lds_v4", "lds_words", "lds_u16", "sts_zero16_if", "e4m3x2_to_f16x2", "f16x2_to_f32x2",
+    "opaque_i32",
 ]
 
 
@@ -200,6 +201,15 @@ def mbar_expect(bar, nbytes, *, loc=None, ip=None) -> None:
     when the copies that name it have written them."""
     inline_ptx(None, [Int32(bar).ir_value(loc=loc, ip=ip), Int32(nbytes).ir_value(loc=loc, ip=ip)],
                "mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;", "r,r",
+               side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def mbar_expect_tx(bar, nbytes, *, loc=None, ip=None) -> None:
+    """Tell ``bar`` that ``nbytes`` more are on their way, without arriving: copies issued
+    before the one arrival the phase needs (``mbar_expect``) cannot complete it early."""
+    inline_ptx(None, [Int32(bar).ir_value(loc=loc, ip=ip), Int32(nbytes).ir_value(loc=loc, ip=ip)],
+               "mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [$0], $1;", "r,r",
                side_effects=True, loc=loc, ip=ip)
 
 
