@@ -45,10 +45,17 @@ def test_floor_us_is_cycles_over_clock():
     assert ic.floor_us(3.0, 5 * 132 * 4 * 32, clock_ghz=1.5) == pytest.approx(15 / 1500.0)
 
 
-def _row(run, kernel, step, scheme, time_us, nbytes, batch=256):
-    return dict(run=run, kernel=kernel, step=step, scheme=scheme, shape="nemotron3-super",
+def _row(run, kernel, step, scheme, time_us, nbytes, batch=256, shape="nemotron3-super"):
+    return dict(run=run, kernel=kernel, step=step, scheme=scheme, shape=shape,
                 batch=batch, window=16, cursor=-1, time_us=time_us, bytes=nbytes,
                 copy_gbps=4000.0, status="ok")  # fmt: skip
+
+
+def _write_rows(path, rows):
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
 
 
 def test_flush_budgets_follow_the_window_formula(tmp_path):
@@ -67,10 +74,7 @@ def test_flush_budgets_follow_the_window_formula(tmp_path):
         _row("X", "cute:token:two-precision", "token", "two-precision", 3.0, 1.0, batch=8),
     ]
     path = tmp_path / "kb.csv"
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    _write_rows(path, rows)
     got = {(b["run"], b["goal"]): b for b in ic.flush_budgets(str(path))}
     assert set(got) == {("X", 4.0), ("X", 7.5)}
     nonflush_us, nonflush_bytes = 16 * T - F, 16 * token_bytes - flush_bytes
@@ -83,6 +87,35 @@ def test_flush_budgets_follow_the_window_formula(tmp_path):
         assert b["nonflush_frac_needed_at_copy"] == pytest.approx(
             nonflush_bytes / (16 * ref / goal - at_copy) / 4.0e6
         )
+
+
+QWEN = "qwen3-next-80b"
+
+
+def test_gdn_budgets_price_the_fastest_peer_of_each_state_dtype(tmp_path):
+    """At the Qwen3-Next layer the goals are 5x and 2.5x the faster peer's FP32- and
+    bf16-state token (here FLA's FP32 and vLLM's bf16); rows of the Mamba-2 layer are not
+    read."""
+    T, F = 101.7, 655.3
+    rows = [
+        _row("G", "cute:token:two-precision", "token", "two-precision", T, 2.1e8, shape=QWEN),
+        _row("G", "cute:flush:fp16sr+nvfp4", "flush", "", F, 6.9e8, shape=QWEN),
+        _row("G", "vllm:token:vllm-conventional-fp32", "token", "vllm-conventional-fp32",
+             371.3, 1e9, shape=QWEN),
+        _row("G", "fla:token:fla-conventional-fp32", "token", "fla-conventional-fp32", 353.9,
+             1e9, shape=QWEN),
+        _row("G", "vllm:token:vllm-conventional-bf16", "token", "vllm-conventional-bf16",
+             183.1, 5e8, shape=QWEN),
+        _row("G", "fla:token:fla-conventional-bf16", "token", "fla-conventional-bf16", 391.0,
+             5e8, shape=QWEN),
+        _row("G", "cute:token:two-precision", "token", "two-precision", 1.0, 1.0),
+    ]
+    path = tmp_path / "gdn.csv"
+    _write_rows(path, rows)
+    got = {b["goal"]: b for b in ic.flush_budgets(str(path), shape=QWEN)}
+    assert set(got) == {5.0, 2.5}
+    for goal, ref in ((5.0, 353.9), (2.5, 183.1)):
+        assert got[goal]["budget_us"] == pytest.approx(16 * ref / goal - (16 * T - F))
 
 
 _NCU_RAW = """==PROF== Disconnected from process 516
@@ -189,7 +222,8 @@ def test_ncu_pipes_script_keeps_every_line_the_reader_needs():
     (["--pipes", "--csv", "{tmp}/other.csv"], "is not a kernel_bench CSV (no column run, "),
     (["--pipes", "--with-fallbacks"], "--with-fallbacks: only for the default count"),  # ignored
     (["--ncu", "{tmp}/other.csv", "--with-fallbacks"], "--with-fallbacks: only"),
-    (["--layer", "qwen3-next-80b"], "--layer: only with --ncu alone"),
+    (["--layer", "qwen3-next-80b"], "--layer: only with --ncu or --pipes"),
+    (["--pipes", "--layer", "qwen3-next-80b", "--sr", "32:10"], "--sr: only for the Mamba-2"),
 ])
 def test_bad_report_or_csv_paths_are_argument_errors(tmp_path, capsys, argv, message):
     """Checked before anything compiles: one line on stderr and exit status 2."""

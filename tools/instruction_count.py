@@ -5,6 +5,7 @@ kernels in their default configurations, compiled for sm_90a on the CPU.
                                                  # (and the GDN kernels)
     python -m tools.instruction_count --with-fallbacks
     python -m tools.instruction_count --pipes    # by Hopper pipe, floors, per-token budgets
+    python -m tools.instruction_count --pipes --layer qwen3-next-80b  # the same for GDN
     python -m tools.instruction_count --sr 32:10,8:4  # and fp16 SR + nvfp4 at other SR settings
     python -m tools.instruction_count --ncu REPORT  # what ncu counted executed
         # (REPORT: the trimmed raw page `scripts/gpu.sh profile` writes)
@@ -396,13 +397,26 @@ def floor_us(
 # the kernel_bench CSV columns flush_budgets reads
 BUDGET_COLUMNS = ("run", "kernel", "step", "scheme", "shape", "batch", "window", "status",
                   "time_us", "bytes", "copy_gbps")
+# the per-token goals of each layer: (name, the token schemes whose fastest is the reference,
+# the factor); the Gated DeltaNet goals name the fastest peer's conventional decode
+GOALS = {
+    "nemotron3-super": (("4x FP32 ReplaySSM", ("fp32-replay",), 4.0),
+                        ("7.5x conventional FP32", ("conventional-fp32",), 7.5)),
+    "qwen3-next-80b": (
+        ("5x the fastest peer's FP32-state decode",
+         ("vllm-conventional-fp32", "fla-conventional-fp32"), 5.0),
+        ("2.5x the fastest peer's bf16-state decode",
+         ("vllm-conventional-bf16", "fla-conventional-bf16"), 2.5)),
+}
 
 
 def flush_budgets(
     csv_path: str, shape: str = "nemotron3-super", batch: int = 256, window: int = 16
 ) -> list[dict]:
-    """From a kernel_bench CSV, per run and per-token goal (4x FP32 ReplaySSM, 7.5x the
-    conventional FP32 update), what the goal asks of the two kernels.
+    """From a kernel_bench CSV, per run and per-token goal of the shape (`GOALS`: at the
+    Nemotron-3-Super layer 4x FP32 ReplaySSM and 7.5x the conventional FP32 update; at the
+    Qwen3-Next layer 5x and 2.5x the fastest peer's FP32- and bf16-state decode), what the goal
+    asks of the two kernels.
 
     A window is L - 1 non-flush steps and one flush, so with a token time T and a flush time F
     the non-flush part takes L T - F, and a goal g against a reference token time R leaves
@@ -429,13 +443,12 @@ def flush_budgets(
         nonflush_us = window * float(token["time_us"]) - flush_us
         nonflush_bytes = window * float(token["bytes"]) - float(flush["bytes"])
         at_copy = float(flush["bytes"]) / copy_bytes_per_us
-        for target, reference, goal in (
-            ("4x FP32 ReplaySSM", "fp32-replay", 4.0),
-            ("7.5x conventional FP32", "conventional-fp32", 7.5),
-        ):
-            if ("token", reference) not in mine:
+        for target, references, goal in GOALS[shape]:
+            times = [float(mine[("token", r)]["time_us"]) for r in references
+                     if ("token", r) in mine]
+            if not times:
                 continue
-            window_us = window * float(mine[("token", reference)]["time_us"]) / goal
+            window_us = window * min(times) / goal
             budget = dict(
                 run=run, target=target, goal=goal, window_budget_us=window_us,
                 flush_us=flush_us, budget_us=window_us - nonflush_us,
@@ -448,42 +461,77 @@ def flush_budgets(
     return out
 
 
+def _pipe_row(name: str, ops: collections.Counter, per: float, elements: int) -> float:
+    """Print one flush variant's instructions per element by pipe and its floor; returns the
+    floor (microseconds for `elements` at the binding pipe's rate)."""
+    p = pipe_counts(ops, per)
+    cycles, limit = issue_floor_cycles(p)
+    floor = floor_us(cycles, elements)
+    print(
+        f"  {name:24s} {p['total']:6.1f} {p['alu']:6.1f} {p['heavy']:6.1f} "
+        f"{p['fp32']:6.1f} {p['xu']:5.2f} {p['other']:6.1f}  {floor:6.1f} us ({limit})"
+    )
+    return floor
+
+
+def gdn_flush_pipes(elements: int) -> float:
+    """The GDN flush's rows (fp16 SR + nvfp4, the fp32 single copy; window staged) and the
+    floor of the fold's arithmetic alone: per record and element one FMUL (the decay), one
+    FFMA (the row's dot) and one FFMA (the update), the order the contract fixes, so 3 L
+    fp32 instructions an element; returns (the two-copy flush's floor, the fold's), the second
+    a floor of any flush that keeps the contract's fold."""
+    from cute_kernels import gdn_replay_flush as gf
+
+    floors = {}
+    for lo_format in ("nvfp4", "none"):
+        cfg = gdn_flush_config(lo_format)
+        with compiled_fallbacks(False):  # the fast paths, as `histograms`
+            kernel = gf.compile_gdn_flush(cfg, keep_ptx=True, staged_window=True)
+        ops, _ = sass_histogram(kernel.__ptx__)
+        name = "fp16 sr hi + nvfp4" if lo_format == "nvfp4" else "fp32 rn hi + none"
+        floors[lo_format] = _pipe_row(name, ops, cfg.dv * cfg.dk // cfg.threads, elements)
+    fold = 3 * QWEN3_NEXT["window"]
+    fold_floor = floor_us(fold, elements)
+    print(f"  the fold's arithmetic alone ({fold} fp32 instructions an element): "
+          f"{fold_floor:.1f} us")
+    return floors["nvfp4"], fold_floor
+
+
 def print_pipes(csv_path: str | None, batch: int = 256, ncu_floor_us: float | None = None,
-                formats=FLUSH_FORMATS) -> None:
+                formats=FLUSH_FORMATS, layer: str = "nemotron3-super") -> None:
     """The flush format pairs' instructions per element by pipe (default configuration, fast
     paths), the time each would take at `batch` if its binding pipe never idled, and, with a
     kernel_bench CSV, what the per-token goals ask of the flush and the non-flush steps (with
-    `ncu_floor_us`, also at the floor of the executed count)."""
-    elements = batch * 128 * 64 * 128  # the Nemotron-3-Super layer
+    `ncu_floor_us`, also at the floor of the executed count). `layer` qwen3-next-80b: the
+    Gated DeltaNet flush (`formats` unused) and its goals."""
+    elements = batch * LAYER_ELEMENTS[layer]
     print(
-        f"flush by pipe, per element (floor: Nemotron layer, batch {batch}, {H200_SMS} SMs at "
+        f"flush by pipe, per element (floor: {layer} layer, batch {batch}, {H200_SMS} SMs at "
         f"{H200_CLOCK_GHZ} GHz, every pipe flat out):"
     )
     print(
         f"  {'variant':24s} {'total':>6s} {'ALU':>6s} {'heavy':>6s} {'fp32':>6s} {'XU':>5s} "
         f"{'other':>6s}  floor"
     )
-    floors = {}
-    for variant, ops, _, per in histograms(False, formats):
-        p = pipe_counts(ops, per)
-        cycles, limit = issue_floor_cycles(p)
-        floors[variant] = floor_us(cycles, elements)
-        name = variant_name(variant)
-        print(
-            f"  {name:24s} {p['total']:6.1f} {p['alu']:6.1f} {p['heavy']:6.1f} "
-            f"{p['fp32']:6.1f} {p['xu']:5.2f} {p['other']:6.1f}  "
-            f"{floors[variant]:6.1f} us ({limit})"
-        )
+    fold_floor = None
+    if layer == "qwen3-next-80b":
+        floor, fold_floor = gdn_flush_pipes(elements)
+    else:
+        floors = {variant: _pipe_row(variant_name(variant), ops, per, elements)
+                  for variant, ops, _, per in histograms(False, formats)}
+        floor = floors[("fp16", "sr", "nvfp4")]
     if not csv_path:
         return
-    floor = floors[("fp16", "sr", "nvfp4")]
     print(
         f"what the per-token goals ask ({csv_path}, batch {batch}, L = 16, each run's own "
         "kernels):"
     )
-    for b in flush_budgets(csv_path, batch=batch):
+    for b in flush_budgets(csv_path, shape=layer, batch=batch):
         at_floor = f"at {nonflush_frac_needed(b, floor):.3f} with the flush at its issue floor "
         at_floor += f"({floor:.1f} us)"
+        if fold_floor is not None:
+            at_floor += (f", at {nonflush_frac_needed(b, fold_floor):.3f} with it at the fold's "
+                         f"arithmetic alone ({fold_floor:.1f} us)")
         if ncu_floor_us is not None:
             at_floor += (
                 f", at {nonflush_frac_needed(b, ncu_floor_us):.3f} with it at the executed "
@@ -702,9 +750,11 @@ def _sr_settings(text: str) -> tuple[tuple[int, int], ...]:
     return tuple(settings)
 
 
-# the committed benchmark CSV, found from any working folder
-DEFAULT_CSV = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                           "results", "kernel_bench.csv")
+# the committed benchmark CSVs of each layer, found from any working folder
+_RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results")
+DEFAULT_CSVS = {"nemotron3-super": os.path.join(_RESULTS, "kernel_bench.csv"),
+                "qwen3-next-80b": os.path.join(_RESULTS, "kernel_bench_gdn",
+                                               "kernel_bench_gdn.csv")}
 
 
 def main(argv=None) -> int:
@@ -751,11 +801,15 @@ def main(argv=None) -> int:
         choices=sorted(LAYER_ELEMENTS),
         default="nemotron3-super",
         help="with --ncu: the layer the report profiled (default nemotron3-super; "
-        "`scripts/gpu.sh profile --shape`)",
+        "`scripts/gpu.sh profile --shape`); with --pipes: the layer whose flush and goals "
+        "are priced (qwen3-next-80b: the Gated DeltaNet flush, its goals read from "
+        "results/kernel_bench_gdn/kernel_bench_gdn.csv unless --csv names another)",
     )
     args = parser.parse_args(argv)
-    if args.layer != "nemotron3-super" and (not args.ncu or args.pipes):
-        parser.error("--layer: only with --ncu alone (--pipes prices the Mamba-2 flush)")
+    if args.layer != "nemotron3-super" and not (args.ncu or args.pipes):
+        parser.error("--layer: only with --ncu or --pipes")
+    if args.layer != "nemotron3-super" and args.sr:
+        parser.error("--sr: only for the Mamba-2 flush (--layer nemotron3-super)")
     if args.csv is not None and not args.pipes:
         parser.error("--csv: only with --pipes")
     if args.csv is not None and not os.path.isfile(args.csv):
@@ -782,14 +836,15 @@ def main(argv=None) -> int:
         except ValueError as error:
             parser.error(f"--ncu: {error} (see scripts/gpu.sh profile)")
         first = launches[0]
-        if args.pipes and "ReplayFlush" not in first["kernel"]:  # its floor prices the flush
+        flush_class = "GDNFlush" if args.layer == "qwen3-next-80b" else "ReplayFlush"
+        if args.pipes and flush_class not in first["kernel"]:  # its floor prices the flush
             parser.error(f"--ncu with --pipes: the report's first launch is not the flush "
                          f"({first['kernel'][:60]}); give the two-precision flush's report "
                          "or leave out --pipes")
     if not args.ncu or args.pipes:  # what compiles needs ptxas 12.9+ and cuobjdump
         if problem := tools_problem():
             parser.exit(2, f"instruction_count: {problem}\n")
-    csv_path = args.csv or DEFAULT_CSV
+    csv_path = args.csv or DEFAULT_CSVS[args.layer]
     ncu_floor = None
     if args.ncu:
         ncu_floor = print_ncu(args.ncu, layer=args.layer)
@@ -798,7 +853,7 @@ def main(argv=None) -> int:
     formats = FLUSH_FORMATS + tuple(("fp16", "sr", "nvfp4", sr) for sr in args.sr)
     if args.pipes:
         print_pipes(csv_path if os.path.isfile(csv_path) else None, ncu_floor_us=ncu_floor,
-                    formats=formats)
+                    formats=formats, layer=args.layer)
         return 0
     print("flush, per element (elements per thread: the default):")
     for pair, per_element, registers, top in count(args.with_fallbacks, formats):
