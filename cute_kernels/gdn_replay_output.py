@@ -119,7 +119,9 @@ MMA_DK = 128  # the mma form: a warp a 16-row stripe of the whole key width
 # the mma form's B operands of a head: (k, q) x (f16 hi, f16 lo) x 4 lanes' columns x 8 mmas x
 # two registers, then 64 zero bytes for the lanes whose B column is not their own
 B_FRAGMENT_BYTES = 2 * 2 * (MMA_DK // 32) * 8 * 8 + 64
-MIN_CTAS_PER_SM = 4  # nvfp4: a 64-register cap, four 256-thread CTAs an SM
+REGISTER_CAP = 64  # nvfp4: registers a thread, so that 65,536 / (64 T) CTAs fit an SM
+REGISTERS_PER_SM = 65536
+MMA_STRIPES_PER_WARP = 2  # the mma form: a warp two 16-row stripes, half the flush's threads
 MAX_HEADS_PER_CTA = 16
 STAGES = 2  # a head computes while the next one's bytes arrive
 CTA_SHARED_LIMIT = 227 * 1024  # an H100 / H200 CTA's shared memory (opt-in)
@@ -149,11 +151,12 @@ def b_fragment_half(vec, part, col, N: int):
 
 
 @cute.jit
-def _stage_b_fragments(cfg: cutlass.Constexpr, tidx, k_stage, q_stage, frag_words):
+def _stage_b_fragments(cfg: cutlass.Constexpr, T: cutlass.Constexpr, tidx, k_stage, q_stage,
+                       frag_words):
     """The mma form's B operands of a head into shared memory: f16 hi = RN(x) and lo =
     RN(x - hi) of every k and q element x (hi + lo = x within 2^-22 |x| for |x| in f16's
     normal range), each where `_mma_row_sums` reads it (`b_fragment_half`)."""
-    N, T = cfg.dk, cfg.threads
+    N = cfg.dk
     halves = cute.make_tensor(cute.recast_ptr(frag_words.iterator, dtype=cutlass.Float16),
                               cute.make_layout(B_FRAGMENT_BYTES // 2))
     for m in cutlass.range_constexpr((2 * N + T - 1) // T):
@@ -242,6 +245,24 @@ def mma_applies(cfg: GDNConfig) -> bool:
 def dots_of(cfg: GDNConfig) -> str:
     """The form a launch uses: 'mma' where it applies, else 'ffma'."""
     return "mma" if mma_applies(cfg) else "ffma"
+
+
+def cta_threads(cfg: GDNConfig, dots: str) -> int:
+    """Threads a CTA: the flush's dv dk / 64 for the ffma form; for the mma form a warp
+    MMA_STRIPES_PER_WARP of the head's dv / 16 row stripes (one where dv / 16 is odd)."""
+    if dots != "mma":
+        return cfg.threads
+    stripes = cfg.dv // 16
+    per_warp = MMA_STRIPES_PER_WARP if stripes % MMA_STRIPES_PER_WARP == 0 else 1
+    return 32 * (stripes // per_warp)
+
+
+def min_ctas_per_sm(cfg: GDNConfig, dots: str) -> int:
+    """The launch bound's CTAs an SM: the nvfp4 read copy at REGISTER_CAP registers a thread
+    (four 256-thread CTAs, eight 128-thread); 0 (no bound) for the fp32 copy."""
+    if cfg.lo_format != "nvfp4":
+        return 0
+    return REGISTERS_PER_SM // (REGISTER_CAP * cta_threads(cfg, dots))
 
 
 def ring_rows(cfg: GDNConfig) -> int:
@@ -370,9 +391,9 @@ class GDNOutput:
         beta = cute.make_tensor(p_beta, per_head)
         self.kernel(hi, codes, scales, lo_global, ring_u, ring_v, ring_k, ring_g, ring_beta,
                     cursors, q, k, v, g, beta, out).launch(
-            grid=[H // self.ocfg.heads_per_cta, batch, 1], block=[cfg.threads, 1, 1],
-            stream=stream,
-            min_blocks_per_mp=MIN_CTAS_PER_SM if cfg.lo_format == "nvfp4" else 0,
+            grid=[H // self.ocfg.heads_per_cta, batch, 1],
+            block=[cta_threads(cfg, self.ocfg.dots), 1, 1], stream=stream,
+            min_blocks_per_mp=min_ctas_per_sm(cfg, self.ocfg.dots),
             preferred_smem_carveout=-1)  # the driver's choice, named: compiles without a GPU
 
     @cute.kernel
@@ -397,7 +418,8 @@ class GDNOutput:
     ):
         cfg = self.cfg
         n = self.ocfg.heads_per_cta
-        H, P, N, L, T = cfg.nheads, cfg.dv, cfg.dk, cfg.window, cfg.threads
+        H, P, N, L = cfg.nheads, cfg.dv, cfg.dk, cfg.window
+        T = cta_threads(cfg, self.ocfg.dots)
         R, step = cfg.lanes_per_row, cfg.rows_per_pass
         nvfp4 = cfg.lo_format == "nvfp4"
         act = k.element_type
@@ -470,7 +492,7 @@ class GDNOutput:
             if tidx < 16:  # the zero B operands
                 sFrag[(B_FRAGMENT_BYTES - 64) // 4 + tidx] = Uint32(0)
         c = cursors[s]
-        _stage_scalars(cfg, n, tidx, s, h0, ring_g, g, beta, lo_global, sRingG, sScalars)
+        _stage_scalars(cfg, T, n, tidx, s, h0, ring_g, g, beta, lo_global, sRingG, sScalars)
         cute.arch.sync_threads()  # the barriers are set up before any thread waits on them
         if (c >= 0) & (c < L - 1):
             s64 = Int64(s)
@@ -501,7 +523,7 @@ class GDNOutput:
                                  nm._sel(lane == c, g_c, Float32(0.0)))
                 beta_c = sScalars[1, i]
                 # the record: nothing in this kernel reads ring position c
-                _append_record(cfg, tidx, s, h, c, sK[st, None], sV[st, None], g_c, beta_c,
+                _append_record(cfg, T, tidx, s, h, c, sK[st, None], sV[st, None], g_c, beta_c,
                                ring_k, ring_v, ring_g, ring_beta)
 
                 # cumulative log-decays, in every warp: lane t cum_t -> w_t; G_c
@@ -537,58 +559,62 @@ class GDNOutput:
                             sKK[j] = kk
                             sKQ[j] = kq
                 if cutlass.const_expr(mma):
-                    _stage_b_fragments(cfg, tidx, sK[st, None], sQ[st, None], sFrag)
+                    _stage_b_fragments(cfg, T, tidx, sK[st, None], sQ[st, None], sFrag)
                 cute.arch.sync_threads()
 
                 # one pass over the read copy, two products, plus the ring's terms
-                my_rows = rows
                 if cutlass.const_expr(mma):
-                    # tensor cores: warp w the 16-row stripe w, lane (g, t) rows 16 w + g and
-                    # 16 w + g + 8, columns 32 t .. 32 t + 31
-                    my_rows = [16 * warp + lane // 4, 16 * warp + lane // 4 + 8]
-                    stage = stages[0] + stride * st
-                    mma_k, mma_q = _mma_row_sums(N, stage + offsets["codes"],
-                                                 stage + offsets["scales"],
-                                                 sFrag.iterator.toint(), my_rows[0], lane)
                     factor = (Float32(E2M1_AS_E4M3) * sScalars[2, i]) * decay_c
                 else:
                     k_vec = load_vector_chunk(sK[st, None], col) * decay_c
                     q_vec = load_vector_chunk(sQ[st, None], col) * decay_c
                 kq_c = sKQ[c]
-                for r in cutlass.range_constexpr(len(my_rows)):
-                    p = my_rows[r]
-                    writer = col == 0
+                groups = P // 16 // (T // 32) if mma else 1  # a warp's stripes
+                for grp in cutlass.range_constexpr(groups):
+                    my_rows = rows
                     if cutlass.const_expr(mma):
-                        part_k = mma_k[r] * factor
-                        part_q = mma_q[r] * factor
-                        writer = lane % 4 == r
-                    else:
-                        if cutlass.const_expr(nvfp4):
-                            words = cute.make_rmem_tensor((W // 8,), Uint32)
-                            cute.autovec_copy(chunk_of(sCodes[st, None, None], p, col, W // 8),
-                                              words)
-                            vals = cute.make_rmem_tensor((W,), Float32)
-                            _nvfp4_codes(vals, words)
-                            values = vals.load()
+                        # tensor cores: warp w the 16-row stripes w + (T / 32) grp, lane (g, t)
+                        # rows 16 stripe + g and 16 stripe + g + 8, columns 32 t .. 32 t + 31
+                        stripe = warp + (T // 32) * grp
+                        my_rows = [16 * stripe + lane // 4, 16 * stripe + lane // 4 + 8]
+                        stage = stages[0] + stride * st
+                        mma_k, mma_q = _mma_row_sums(N, stage + offsets["codes"],
+                                                     stage + offsets["scales"],
+                                                     sFrag.iterator.toint(), my_rows[0], lane)
+                    for r in cutlass.range_constexpr(len(my_rows)):
+                        p = my_rows[r]
+                        writer = col == 0
+                        if cutlass.const_expr(mma):
+                            part_k = mma_k[r] * factor
+                            part_q = mma_q[r] * factor
+                            writer = lane % 4 == r
                         else:
-                            values = word_frags[r].load()
-                        part_k = (values * k_vec).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-                        part_q = (values * q_vec).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-                        if cutlass.const_expr(nvfp4):
-                            scale = _block_scale(sScales[st, p, col], sScalars[2, i])
-                            part_k = part_k * scale
-                            part_q = part_q * scale
-                    for m in cutlass.range_constexpr(ring_terms):
-                        j_ring = nm._sel(held[m], row_lane + row_lanes * m, Int32(0))
-                        u_j = sRingU[st, j_ring, p]
-                        part_k = part_k + nm._sel(held[m], u_j * sKK[j_ring], Float32(0.0))
-                        part_q = part_q + nm._sel(held[m], u_j * sKQ[j_ring], Float32(0.0))
-                    total_k = cute.arch.warp_reduction(part_k, add, threads_in_group=row_lanes)
-                    total_q = cute.arch.warp_reduction(part_q, add, threads_in_group=row_lanes)
-                    u = beta_c * (sV[st, p].to(Float32) - total_k)
-                    if writer:
-                        ring_u[s, h, c, p] = u
-                        out[s, h, p] = (total_q + u * kq_c).to(out.element_type)
+                            if cutlass.const_expr(nvfp4):
+                                words = cute.make_rmem_tensor((W // 8,), Uint32)
+                                cute.autovec_copy(chunk_of(sCodes[st, None, None], p, col, W // 8),
+                                                  words)
+                                vals = cute.make_rmem_tensor((W,), Float32)
+                                _nvfp4_codes(vals, words)
+                                values = vals.load()
+                            else:
+                                values = word_frags[r].load()
+                            part_k = (values * k_vec).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                            part_q = (values * q_vec).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                            if cutlass.const_expr(nvfp4):
+                                scale = _block_scale(sScales[st, p, col], sScalars[2, i])
+                                part_k = part_k * scale
+                                part_q = part_q * scale
+                        for m in cutlass.range_constexpr(ring_terms):
+                            j_ring = nm._sel(held[m], row_lane + row_lanes * m, Int32(0))
+                            u_j = sRingU[st, j_ring, p]
+                            part_k = part_k + nm._sel(held[m], u_j * sKK[j_ring], Float32(0.0))
+                            part_q = part_q + nm._sel(held[m], u_j * sKQ[j_ring], Float32(0.0))
+                        total_k = cute.arch.warp_reduction(part_k, add, threads_in_group=row_lanes)
+                        total_q = cute.arch.warp_reduction(part_q, add, threads_in_group=row_lanes)
+                        u = beta_c * (sV[st, p].to(Float32) - total_k)
+                        if writer:
+                            ring_u[s, h, c, p] = u
+                            out[s, h, p] = (total_q + u * kq_c).to(out.element_type)
 
                 # every read of this stage (and of kk_j, kq_j) is done: head i + S goes in
                 cute.arch.sync_threads()
@@ -625,12 +651,12 @@ def _issue_pieces(pieces, stages, bar, st, sh, c, arrive):
 
 
 @cute.jit
-def _stage_scalars(cfg: cutlass.Constexpr, n: cutlass.Constexpr, tidx, s, h0, ring_g, g, beta,
-                   lo_global, sRingG, sScalars):
+def _stage_scalars(cfg: cutlass.Constexpr, T: cutlass.Constexpr, n: cutlass.Constexpr, tidx, s,
+                   h0, ring_g, g, beta, lo_global, sRingG, sScalars):
     """The scalars of heads h0 .. h0 + n - 1 into shared memory, every load issued before the
     first store (one round trip, with the cursor's): the ring's g rows (whole: past the
     cursor unused), g, beta and the NVFP4 global scale."""
-    L, T = cfg.window, cfg.threads
+    L = cfg.window
     rounds = (n * L + T - 1) // T
     loaded = []
     for m in cutlass.range_constexpr(rounds):
@@ -650,11 +676,10 @@ def _stage_scalars(cfg: cutlass.Constexpr, n: cutlass.Constexpr, tidx, s, h0, ri
 
 
 @cute.jit
-def _append_record(cfg: cutlass.Constexpr, tidx, s, h, c, k_stage, v_stage, g_c, beta_c,
-                   ring_k, ring_v, ring_g, ring_beta):
+def _append_record(cfg: cutlass.Constexpr, T: cutlass.Constexpr, tidx, s, h, c, k_stage,
+                   v_stage, g_c, beta_c, ring_k, ring_v, ring_g, ring_beta):
     """Record (v, k from the stage, g, beta) of (s, h) to ring position `c` (u is the
     caller's)."""
-    T = cfg.threads
     for m in cutlass.range_constexpr((cfg.dv + T - 1) // T):
         e = tidx + T * m
         if e < cfg.dv:

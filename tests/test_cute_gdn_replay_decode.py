@@ -75,7 +75,8 @@ BULK_COPY = "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"
     pytest.param(("fp32", "rn", "none"), 1, id="fp32-single-copy-1head"),
 ])
 def test_gdn_output_kernel_compiles_for_sm90a_with_one_load_per_block(pairing, heads_per_cta):
-    """Non-flush kernel at the Qwen3-Next head (256 threads, 4 passes). Every head's pieces
+    """Non-flush kernel at the Qwen3-Next head (the mma form: 128 threads, a warp two 16-row
+    stripes; the fp32 copy's ffma form: 256 threads, 4 passes). Every head's pieces
     come by the bulk copy engine on an mbarrier, a stage and a barrier for each of the first
     min(2, heads): 7 copies (codes, scales, ring u, ring k, k, q, v; 5 without the codes and
     scales) where the first heads are issued (the codes and scales before the cursor is read)
@@ -95,8 +96,9 @@ def test_gdn_output_kernel_compiles_for_sm90a_with_one_load_per_block(pairing, h
     waits = 1 + (first if pairing[2] == "nvfp4" else 0)
     assert ptx.count("mbarrier.try_wait.parity") == waits, ptx.count("mbarrier.try_wait.parity")
     assert ptx.count("mbarrier.expect_tx.relaxed") == (first if pairing[2] == "nvfp4" else 0)
-    if go.dots_of(cfg) == "mma":  # a lane's two rows of codes: two 128-bit shared loads
-        assert n.get("ld.shared.v4.u32", 0) == 2, n
+    if go.dots_of(cfg) == "mma":  # a lane's two rows of codes a stripe: two 128-bit loads
+        stripes = cfg.dv // 16 // (go.cta_threads(cfg, "mma") // 32)
+        assert stripes == 2 and n.get("ld.shared.v4.u32", 0) == 2 * stripes, n
         assert n.get("ld.global.v2.b32", 0) == 0 and n.get("ld.global.v4.b32", 0) == 0, n
     elif pairing[2] == "nvfp4":
         assert n.get("ld.shared.v2.b32", 0) >= cfg.passes, n
@@ -300,14 +302,17 @@ def test_mma_operands_give_each_lane_its_own_block_sums():
 
 def test_mma_form_compiles_where_it_applies_and_is_refused_by_name_elsewhere():
     """dots='mma' (NVFP4 read copy, d_k = 128): two mma.sync a 16-column step of a lane
-    (k and q), 16 in all, each lane's codes of its two rows as two 128-bit shared loads;
-    at 96 threads (d_v = 48) and at the Qwen3-Next head. Elsewhere the config refuses it,
-    and a launch takes FFMA there."""
-    for shape in (QWEN, ODD):
+    (k and q), 16 a stripe, each lane's codes of its two rows of a stripe as two 128-bit
+    shared loads; a warp two stripes at the Qwen3-Next head (128 threads), one at d_v = 48
+    (three stripes, 96 threads). Elsewhere the config refuses it, and a launch takes FFMA
+    there."""
+    for shape, threads in ((QWEN, 128), (ODD, 96)):
         cfg = config(shape, TWO_COPY)
+        assert go.cta_threads(cfg, "mma") == threads
+        stripes = cfg.dv // 16 // (threads // 32)
         ptx = go.compile_gdn_output(cfg, keep_ptx=True, dots="mma").__ptx__
-        assert ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32") == 16, shape
-        assert ptx.count("ld.shared.v4.u32") == 2, shape
+        assert ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32") == 16 * stripes
+        assert ptx.count("ld.shared.v4.u32") == 2 * stripes, shape
         assert ptx.count("ld.global.v4") == 0, shape
     with pytest.raises(ValueError, match="dots: expected 'ffma' for lo_format 'none'"):
         go.GDNOutputConfig(config(QWEN, ("fp32", "rn", "none")), 1, "mma")

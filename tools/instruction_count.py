@@ -251,11 +251,13 @@ def gdn_nonflush_config(lo_format: str):
                      hi_rounding="rn", lo_format=lo_format, act="bf16")
 
 
-def _per_thread_element(kernel, cfg) -> tuple[float, int, collections.Counter]:
+def _per_thread_element(kernel, cfg, threads: int | None = None
+                        ) -> tuple[float, int, collections.Counter]:
     """(SASS instructions per state element a thread, registers per thread, the opcodes per
-    element) of a compiled GDN kernel whose threads hold dv dk / threads elements each."""
+    element) of a compiled GDN kernel whose `threads` (None: the flush's cfg.threads) hold
+    dv dk / threads elements each."""
     ops, registers = sass_histogram(kernel.__ptx__)
-    per = cfg.dv * cfg.dk // cfg.threads
+    per = cfg.dv * cfg.dk // (threads or cfg.threads)
     return sum(ops.values()) / per, registers, collections.Counter(
         {op: n / per for op, n in ops.items()})
 
@@ -272,7 +274,7 @@ def count_gdn_nonflush(forms=(("nvfp4", "ffma"), ("nvfp4", "mma"), ("none", "ffm
     for lo_format, dots in forms:
         cfg = gdn_nonflush_config(lo_format)
         per_element, registers, _ = _per_thread_element(
-            go.compile_gdn_output(cfg, keep_ptx=True, dots=dots), cfg)
+            go.compile_gdn_output(cfg, keep_ptx=True, dots=dots), cfg, go.cta_threads(cfg, dots))
         rows.append((lo_format, dots, per_element, registers))
     return rows
 
