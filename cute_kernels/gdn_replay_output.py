@@ -23,13 +23,15 @@ than the d_k + L the emulation's bound (`emulation.gdn_replay_decode`) allows. W
 
 Two forms of the read copy's dot products (`dots`, fixed by the head: `dots_of`). 'mma', the
 NVFP4 read copy at d_k = 128 (0.94-0.97 of the FFMA form's time at the Qwen3-Next layer,
-docs/performance.md): warp w owns the 16-row stripe w, lane (g, t) = (lane // 4, lane % 4)
-rows 16 w + g and 16 w + g + 8, columns 32 t .. 32 t + 31 (blocks 2 t, 2 t + 1, two 128-bit
-shared loads); the re-packed codes (E2M1 x 2^-6 in f16, exact) are the A operand of
-`mma.sync.m16n8k16`, and B's column 2 t (2 t + 1) holds f16 hi (lo) of k, or of q, on lane t's
-k indices only, so that D's columns 2 t, 2 t + 1 are the lane's own block sums (Mamba-2's
-`replay_output` trick), which it scales by its E4M3 bytes in fp32; every thread writes one
-element's hi and lo into shared memory first (`b_fragment_half`). The decay G_c and 2^6 s_g
+docs/performance.md): T = `cta_threads` threads a CTA (dv: a warp two of the dv / 16 row
+stripes; 2 dv, a warp one, where dv / 16 is odd), warp w the 16-row stripes w, w + T / 32,
+... in turn, lane (g, t) = (lane // 4, lane % 4) of stripe r rows 16 r + g and 16 r + g + 8,
+columns 32 t .. 32 t + 31 (blocks 2 t, 2 t + 1, two 128-bit shared loads); the re-packed
+codes (E2M1 x 2^-6 in f16, exact) are the A operand of `mma.sync.m16n8k16`, and B's column
+2 t (2 t + 1) holds f16 hi (lo) of k, or of q, on lane t's k indices only, so that D's columns
+2 t, 2 t + 1 are the lane's own block sums (Mamba-2's `replay_output` trick), which it scales
+by its E4M3 bytes in fp32; the threads write each element's hi and lo into shared memory
+first (`b_fragment_half`). The decay G_c and 2^6 s_g
 multiply a row's sums once; the quad of lanes adds its four sums and the ring terms of
 records t + 4 m. hi + lo is k within 2^-22 |k| for |k| in f16's normal range (elements under
 2^-24 drop, over 65504 overflow: GDN keys and queries are L2-normalised), and the tensor
@@ -42,14 +44,15 @@ slots), which it takes in turn; it reads the slot's cursor once. The default is 
 CTA: at the Qwen3-Next layer 2, 4, 8 and 16 heads a CTA measured slower at batch 1 and 256
 (docs/performance.md); the stages still put the bulk copies ahead of each head's chain.
 
-Thread ownership, per head: the flush kernel's (`gdn_replay_flush`), T = dv dk / 64 threads,
-each the 16-column chunk `t % R` (R = dk / 16) of rows `t // R + (T / R) i`: its chunk of a
-row is one NVFP4 block (8 code bytes, 1 scale byte: one 64-bit and one 8-bit shared load), or
-64 B of fp32. Its rows' two dot products meet in shuffle sums over the row's R lanes, each
-lane adding the ring terms of records `t % R + R m` first (so the ring's u are spread over the
-row's lanes). Every warp forms the cumulative decays itself (lane t: w_t; the same sequential
-sums in each warp); the per-record dots kk_j, kq_j are warp sums (warp w: records w, w + T/32,
-..., a lane the dk / 32 columns from lane dk / 32) meet in shared memory.
+Thread ownership of the ffma form, per head: the flush kernel's (`gdn_replay_flush`), T = dv
+dk / 64 threads, each the 16-column chunk `t % R` (R = dk / 16) of rows `t // R + (T / R) i`:
+its chunk of a row is one NVFP4 block (8 code bytes, 1 scale byte: one 64-bit and one 8-bit
+shared load), or 64 B of fp32. Its rows' two dot products meet in shuffle sums over the row's
+R lanes, each lane adding the ring terms of records `t % R + R m` first (so the ring's u are
+spread over the row's lanes). In both forms every warp forms the cumulative decays itself
+(lane t: w_t; the same sequential sums in each warp); the per-record dots kk_j, kq_j are warp
+sums (warp w: records w, w + T/32, ..., a lane the dk / 32 columns from lane dk / 32) meet in
+shared memory.
 
 Where the bytes wait: two shared-memory stages (one at one head a CTA, or where two do not
 fit: `stage_count`); thread 0 fills a head's stage with the bulk copy engine (`cp.async.bulk`,
