@@ -477,26 +477,34 @@ def _pipe_row(name: str, ops: collections.Counter, per: float, elements: int) ->
 
 
 def gdn_flush_pipes(elements: int) -> float:
-    """The GDN flush's rows (fp16 SR + nvfp4, the fp32 single copy; window staged) and the
-    floor of the fold's arithmetic alone: per record and element one FMUL (the decay), one
-    FFMA (the row's dot) and one FFMA (the update), the order the contract fixes, so 3 L
-    fp32 instructions an element; returns (the two-copy flush's floor, the fold's), the second
-    a floor of any flush that keeps the contract's fold."""
+    """The GDN flush's rows (fp16 SR + nvfp4, the fp32 single copy; window staged) and two
+    floors below them: the fold's arithmetic alone (per record and element one FMUL, the
+    decay, one FFMA, the row's dot, and one FFMA, the update, in the order the contract fixes:
+    3 L fp32 instructions an element), a floor of any flush that keeps the contract's fold; and
+    the fold with the roundings (plus the instructions by which the two-copy flush exceeds the
+    fp32 single copy: SR, the NVFP4 encode and their stores in software). Returns {name:
+    microseconds} of the two-copy flush's issue floor and these two."""
     from cute_kernels import gdn_replay_flush as gf
 
-    floors = {}
+    floors, totals = {}, {}
     for lo_format in ("nvfp4", "none"):
         cfg = gdn_flush_config(lo_format)
         with compiled_fallbacks(False):  # the fast paths, as `histograms`
             kernel = gf.compile_gdn_flush(cfg, keep_ptx=True, staged_window=True)
         ops, _ = sass_histogram(kernel.__ptx__)
         name = "fp16 sr hi + nvfp4" if lo_format == "nvfp4" else "fp32 rn hi + none"
-        floors[lo_format] = _pipe_row(name, ops, cfg.dv * cfg.dk // cfg.threads, elements)
+        per = cfg.dv * cfg.dk // cfg.threads
+        floors[lo_format] = _pipe_row(name, ops, per, elements)
+        totals[lo_format] = sum(ops.values()) / per
     fold = 3 * QWEN3_NEXT["window"]
-    fold_floor = floor_us(fold, elements)
-    print(f"  the fold's arithmetic alone ({fold} fp32 instructions an element): "
-          f"{fold_floor:.1f} us")
-    return floors["nvfp4"], fold_floor
+    rounding = totals["nvfp4"] - totals["none"]
+    below = {"the fold's arithmetic alone": fold,
+             "the fold and the roundings": fold + rounding}
+    out = {"its issue floor": floors["nvfp4"]}
+    for name, per in below.items():
+        out[name] = floor_us(per, elements)
+        print(f"  {name} ({per:.1f} instructions an element): {out[name]:.1f} us")
+    return out
 
 
 def print_pipes(csv_path: str | None, batch: int = 256, ncu_floor_us: float | None = None,
@@ -515,9 +523,10 @@ def print_pipes(csv_path: str | None, batch: int = 256, ncu_floor_us: float | No
         f"  {'variant':24s} {'total':>6s} {'ALU':>6s} {'heavy':>6s} {'fp32':>6s} {'XU':>5s} "
         f"{'other':>6s}  floor"
     )
-    fold_floor = None
+    lower = {}
     if layer == "qwen3-next-80b":
-        floor, fold_floor = gdn_flush_pipes(elements)
+        lower = gdn_flush_pipes(elements)
+        floor = lower.pop("its issue floor")
     else:
         floors = {variant: _pipe_row(variant_name(variant), ops, per, elements)
                   for variant, ops, _, per in histograms(False, formats)}
@@ -531,9 +540,8 @@ def print_pipes(csv_path: str | None, batch: int = 256, ncu_floor_us: float | No
     for b in flush_budgets(csv_path, shape=layer, batch=batch):
         at_floor = f"at {nonflush_frac_needed(b, floor):.3f} with the flush at its issue floor "
         at_floor += f"({floor:.1f} us)"
-        if fold_floor is not None:
-            at_floor += (f", at {nonflush_frac_needed(b, fold_floor):.3f} with it at the fold's "
-                         f"arithmetic alone ({fold_floor:.1f} us)")
+        for name, us in lower.items():
+            at_floor += f", at {nonflush_frac_needed(b, us):.3f} with it at {name} ({us:.1f} us)"
         if ncu_floor_us is not None:
             at_floor += (
                 f", at {nonflush_frac_needed(b, ncu_floor_us):.3f} with it at the executed "
