@@ -22,7 +22,7 @@ than the d_k + L the emulation's bound (`emulation.gdn_replay_decode`) allows. W
 'none', the fp32 recurrence copy itself (the single-copy FP32 ReplaySSM baseline).
 
 Two forms of the read copy's dot products (`dots`, fixed by the head: `dots_of`). 'mma', the
-NVFP4 read copy at d_k = 128 (0.94-0.97 of the FFMA form's time at the Qwen3-Next layer,
+NVFP4 read copy at d_k = 128 (faster than the FFMA form at the Qwen3-Next layer,
 docs/performance.md): T = `cta_threads` threads a CTA (dv: a warp two of the dv / 16 row
 stripes; 2 dv, a warp one, where dv / 16 is odd), warp w the 16-row stripes w, w + T / 32,
 ... in turn, lane (g, t) = (lane // 4, lane % 4) of stripe r rows 16 r + g and 16 r + g + 8,
@@ -118,7 +118,7 @@ E2M1_AS_E4M3 = 64.0  # the re-packed codes are E2M1 x 2^-6
 # `python -m tools.heads_per_cta` times each)
 DEFAULT_HEADS_PER_CTA = 1
 DOTS = ("ffma", "mma")  # the read copy's two dot products: FFMA a thread, or tensor cores
-MMA_DK = 128  # the mma form: a warp a 16-row stripe of the whole key width
+MMA_DK = 128  # the mma form: a 16-row stripe spans the whole key width
 # the mma form's B operands of a head: (k, q) x (f16 hi, f16 lo) x 4 lanes' columns x 8 mmas x
 # two registers, then 64 zero bytes for the lanes whose B column is not their own
 B_FRAGMENT_BYTES = 2 * 2 * (MMA_DK // 32) * 8 * 8 + 64
