@@ -409,10 +409,10 @@ def test_the_gdn_flush_fits_two_ctas_an_sm_without_spilling():
 @pytest.mark.slow
 def test_the_gdn_tensor_core_dots_fit_eight_ctas_an_sm_with_fewer_instructions():
     """The non-flush step's forms at the Qwen3-Next layer keep the 64-register cap (FFMA:
-    four 256-thread CTAs an SM, no local memory; mma: eight 128-thread CTAs, at most three
-    local words a thread), and a head's warps issue fewer instructions in the mma form (the
-    decode and dots of 64 elements a stripe become 16 mma and a share of the B operands'
-    staging)."""
+    four 256-thread CTAs an SM, no local memory; mma: eight 128-thread CTAs, at most six
+    local-memory loads and stores a thread: ptxas spills 12 bytes there), and a head's warps
+    issue fewer instructions in the mma form (the decode and dots of 64 elements a stripe
+    become 16 mma and a share of the B operands' staging)."""
     if not ic.tools_available():
         pytest.skip(f"SASS counts: {ic.tools_problem()}")
     from cute_kernels import gdn_replay_output as go
