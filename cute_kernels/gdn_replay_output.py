@@ -471,26 +471,26 @@ class GDNOutput:
         # (offset in a stage, global tensor, bytes a head row in global memory, bytes copied
         # a head, bytes more per ring record held)
         a = ACT_BYTES[cfg.act]
-        pieces = [(offsets["ring_u"], ring_u, L * P * 4, 0, P * 4),
-                  (offsets["ring_k"], ring_k, L * N * a, 0, N * a),
-                  (offsets["k"], k, N * a, N * a, 0),
-                  (offsets["q"], q, N * a, N * a, 0),
-                  (offsets["v"], v, P * a, P * a, 0)]
-        if cutlass.const_expr(nvfp4):
-            pieces = [(offsets["codes"], codes, P * N // 2, P * N // 2, 0),
-                      (offsets["scales"], scales, P * N // W, P * N // W, 0)] + pieces
-        stages = (sStages.iterator.toint(), stride)
-
         # the read copy's pieces do not depend on the cursor: the first heads' go out before
         # it is read, and the rest of their bytes once it is
-        early = len(pieces) - 5
+        read_copy = []
+        if cutlass.const_expr(nvfp4):
+            read_copy = [(offsets["codes"], codes, P * N // 2, P * N // 2, 0),
+                         (offsets["scales"], scales, P * N // W, P * N // W, 0)]
+        rest = [(offsets["ring_u"], ring_u, L * P * 4, 0, P * 4),
+                (offsets["ring_k"], ring_k, L * N * a, 0, N * a),
+                (offsets["k"], k, N * a, N * a, 0),
+                (offsets["q"], q, N * a, N * a, 0),
+                (offsets["v"], v, P * a, P * a, 0)]
+        pieces = read_copy + rest
+        stages = (sStages.iterator.toint(), stride)
         h0 = group * n
         if tidx == 0:
             for b in cutlass.range_constexpr(S):
                 ptx.mbar_init(bar + 8 * b)
             ptx.mbar_init_fence()
             for b in cutlass.range_constexpr(min(S, n)):
-                _issue_pieces(pieces[:early], stages, bar, b, Int64(s) * H + (h0 + b), 0, False)
+                _issue_pieces(read_copy, stages, bar, b, Int64(s) * H + (h0 + b), 0, False)
         if cutlass.const_expr(mma):
             if tidx < 16:  # the zero B operands
                 sFrag[(B_FRAGMENT_BYTES - 64) // 4 + tidx] = Uint32(0)
@@ -501,7 +501,7 @@ class GDNOutput:
             s64 = Int64(s)
             if tidx == 0:  # the rest of the first heads' bytes
                 for b in cutlass.range_constexpr(min(S, n)):
-                    _issue_pieces(pieces[early:], stages, bar, b, s64 * H + (h0 + b), c, True)
+                    _issue_pieces(rest, stages, bar, b, s64 * H + (h0 + b), c, True)
             # the ring's u: a row's lane row_lane adds records row_lane + row_lanes m
             row_lane, row_lanes = col, R
             if cutlass.const_expr(mma):  # a quad of lanes a row pair
@@ -623,7 +623,7 @@ class GDNOutput:
                 cute.arch.sync_threads()
                 if (tidx == 0) & (i + S < n):
                     _issue_pieces(pieces, stages, bar, st, s64 * H + (h + S), c, True)
-        if cutlass.const_expr(early > 0):
+        if cutlass.const_expr(len(read_copy) > 0):
             # a slot past the window: the shared memory outlives the read copy's bulk copies
             # (after the head loop: a wait loop before it makes ptxas fence every shuffle)
             if (tidx == 0) & ((c < 0) | (c >= L - 1)):

@@ -290,9 +290,10 @@ def gdn_flush_config(lo_format: str = "nvfp4"):
 
 
 def count_gdn_flush(formats=("nvfp4", "none"), with_fallbacks: bool = False,
-                    staged_window: bool = True) -> list[tuple[str, float, int, list]]:
+                    staged_window: bool = True
+                    ) -> list[tuple[str, float, int, collections.Counter]]:
     """Per read copy format: (format, SASS instructions per state element a thread, registers
-    per thread, the 4 commonest opcodes per element) of the GDN flush kernel, its stores
+    per thread, the opcodes per element) of the GDN flush kernel, its stores
     included, its window staged in shared memory or not; without fallbacks, what a thread
     runs (as `count`)."""
     from cute_kernels import gdn_replay_flush as gf
@@ -303,7 +304,7 @@ def count_gdn_flush(formats=("nvfp4", "none"), with_fallbacks: bool = False,
             cfg = gdn_flush_config(lo_format)
             per_element, registers, ops = _per_thread_element(
                 gf.compile_gdn_flush(cfg, keep_ptx=True, staged_window=staged_window), cfg)
-            rows.append((lo_format, per_element, registers, ops.most_common(4)))
+            rows.append((lo_format, per_element, registers, ops))
     return rows
 
 
@@ -476,7 +477,7 @@ def _pipe_row(name: str, ops: collections.Counter, per: float, elements: int) ->
     return floor
 
 
-def gdn_flush_pipes(elements: int) -> float:
+def gdn_flush_pipes(elements: int) -> dict:
     """The GDN flush's rows (fp16 SR + nvfp4, the fp32 single copy; window staged) and two
     floors below them: the fold's arithmetic alone (per record and element one FMUL, the
     decay, one FFMA, the row's dot, and one FFMA, the update, in the order the contract fixes:
@@ -484,18 +485,11 @@ def gdn_flush_pipes(elements: int) -> float:
     the fold with the roundings (plus the instructions by which the two-copy flush exceeds the
     fp32 single copy: SR, the NVFP4 encode and their stores in software). Returns {name:
     microseconds} of the two-copy flush's issue floor and these two."""
-    from cute_kernels import gdn_replay_flush as gf
-
     floors, totals = {}, {}
-    for lo_format in ("nvfp4", "none"):
-        cfg = gdn_flush_config(lo_format)
-        with compiled_fallbacks(False):  # the fast paths, as `histograms`
-            kernel = gf.compile_gdn_flush(cfg, keep_ptx=True, staged_window=True)
-        ops, _ = sass_histogram(kernel.__ptx__)
+    for lo_format, per_element, _, ops in count_gdn_flush():  # fast paths, window staged
         name = "fp16 sr hi + nvfp4" if lo_format == "nvfp4" else "fp32 rn hi + none"
-        per = cfg.dv * cfg.dk // cfg.threads
-        floors[lo_format] = _pipe_row(name, ops, per, elements)
-        totals[lo_format] = sum(ops.values()) / per
+        floors[lo_format] = _pipe_row(name, ops, 1, elements)  # ops are already per element
+        totals[lo_format] = per_element
     fold = 3 * QWEN3_NEXT["window"]
     rounding = totals["nvfp4"] - totals["none"]
     below = {"the fold's arithmetic alone": fold,
@@ -882,9 +876,9 @@ def main(argv=None) -> int:
     from cute_kernels import gdn_replay_flush as gf
 
     for staged in (True, False):
-        for lo, per_element, registers, top in count_gdn_flush(
+        for lo, per_element, registers, per_op in count_gdn_flush(
                 with_fallbacks=args.with_fallbacks, staged_window=staged):
-            ops = ", ".join(f"{op} {n:.1f}" for op, n in top)
+            ops = ", ".join(f"{op} {n:.1f}" for op, n in per_op.most_common(4))
             form = ("window staged in shared memory" if staged else
                     "records loaded in the fold, the form of windows over "
                     f"{gf.STAGED_WINDOW_BYTES // 1024} KiB")
